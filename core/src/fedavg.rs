@@ -1,0 +1,247 @@
+//! Update validation and the streaming, example-weighted FedAvg accumulator.
+//!
+//! The accumulator only accepts a [`ValidatedUpdate`], which only [`validate_update`] makes:
+//! a delta that reached the sum has the round's schema, the right length, finite values and a
+//! sane weight.
+//! Memory is O(model): each update is folded in and dropped.
+//! Sums are double-double (f64 plus an error term from TwoSum), so the result is the exact
+//! weighted mean rounded once, whatever the number of clients, and in practice independent of
+//! the order in which updates arrive.
+
+use std::collections::BTreeMap;
+
+use crate::tensor::{TensorError, TensorSchema};
+use crate::wire::UploadRequest;
+
+/// Largest example count one update may claim.
+///
+/// Bounded so that `weight × f32` is exact in f64 (24 + 29 < 53 bits): the weighted terms
+/// carry no rounding error at all.
+pub const MAX_EXAMPLE_COUNT: u64 = 1 << 29;
+
+/// Most metrics one update may carry.
+pub const MAX_METRICS: usize = 64;
+
+/// Why an update was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpdateError {
+    /// The delta does not fit the round's schema.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// The example count is zero or above [`MAX_EXAMPLE_COUNT`].
+    #[error("example_count {0} is outside 1..={MAX_EXAMPLE_COUNT}")]
+    ExampleCount(u64),
+    /// A metric is non-finite, badly named, or there are too many.
+    #[error("metric {name:?} is invalid: {why}")]
+    Metric {
+        /// Metric name.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+}
+
+/// An update that passed validation; the only thing [`FedAvgAccumulator::add`] takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedUpdate {
+    delta: Vec<f32>,
+    example_count: u64,
+    metrics: BTreeMap<String, f64>,
+}
+
+impl ValidatedUpdate {
+    /// The parameter delta, flat, in schema order.
+    pub fn delta(&self) -> &[f32] {
+        &self.delta
+    }
+
+    /// The FedAvg weight.
+    pub fn example_count(&self) -> u64 {
+        self.example_count
+    }
+
+    /// Local metrics.
+    pub fn metrics(&self) -> &BTreeMap<String, f64> {
+        &self.metrics
+    }
+}
+
+/// Checks an upload against the round's schema.
+pub fn validate_update(
+    schema: &TensorSchema,
+    upload: &UploadRequest,
+) -> Result<ValidatedUpdate, UpdateError> {
+    let expected = schema.schema_id();
+    if upload.delta.schema_id != expected {
+        return Err(TensorError::SchemaMismatch { expected, got: upload.delta.schema_id }.into());
+    }
+    validate_parts(schema, &upload.delta.data, upload.example_count, &upload.metrics)
+}
+
+/// Checks an update given as its parts; used for uploads and for replaying stored updates.
+pub fn validate_parts(
+    schema: &TensorSchema,
+    delta_le_bytes: &[u8],
+    example_count: u64,
+    metrics: &BTreeMap<String, f64>,
+) -> Result<ValidatedUpdate, UpdateError> {
+    if example_count == 0 || example_count > MAX_EXAMPLE_COUNT {
+        return Err(UpdateError::ExampleCount(example_count));
+    }
+    validate_metrics(metrics)?;
+    let delta = schema.decode_f32_bytes(delta_le_bytes)?;
+    Ok(ValidatedUpdate { delta, example_count, metrics: metrics.clone() })
+}
+
+/// Checks a metrics map: at most [`MAX_METRICS`] entries, short names, finite values.
+pub fn validate_metrics(metrics: &BTreeMap<String, f64>) -> Result<(), UpdateError> {
+    if metrics.len() > MAX_METRICS {
+        return Err(UpdateError::Metric { name: String::new(), why: "too many metrics" });
+    }
+    for (name, value) in metrics {
+        if name.is_empty() || name.len() > 64 {
+            return Err(UpdateError::Metric { name: name.clone(), why: "name must be 1..=64 bytes" });
+        }
+        if !value.is_finite() {
+            return Err(UpdateError::Metric { name: name.clone(), why: "value is not finite" });
+        }
+    }
+    Ok(())
+}
+
+/// Streaming weighted sum of validated updates.
+#[derive(Debug, Clone)]
+pub struct FedAvgAccumulator {
+    hi: Vec<f64>,
+    lo: Vec<f64>,
+    total_weight: u64,
+    n_updates: u64,
+    metrics: MetricsAccumulator,
+}
+
+/// The weighted mean of a round's updates.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Aggregate {
+    /// Example-weighted mean delta, in f64 until it is applied.
+    pub mean_delta: Vec<f64>,
+    /// Sum of example counts.
+    pub total_weight: u64,
+    /// Number of updates folded in.
+    pub n_updates: u64,
+    /// Example-weighted means of the local metrics.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Why an aggregate could not be applied.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AggregateError {
+    /// No update was folded in.
+    #[error("no updates to aggregate")]
+    Empty,
+    /// The new model would hold a non-finite value (the deltas overflowed f32).
+    #[error("the aggregated model is not finite at flat index {0}")]
+    NonFinite(usize),
+}
+
+impl FedAvgAccumulator {
+    /// An empty accumulator for `n_params` parameters.
+    pub fn new(n_params: usize) -> Self {
+        FedAvgAccumulator {
+            hi: vec![0.0; n_params],
+            lo: vec![0.0; n_params],
+            total_weight: 0,
+            n_updates: 0,
+            metrics: MetricsAccumulator::default(),
+        }
+    }
+
+    /// Folds one update in.
+    ///
+    /// # Panics
+    /// If the update has another length than the accumulator: validation against the same
+    /// schema makes that a bug.
+    pub fn add(&mut self, update: &ValidatedUpdate) {
+        assert_eq!(update.delta.len(), self.hi.len(), "update validated against another schema");
+        let w = update.example_count as f64;
+        for ((hi, lo), &d) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(&update.delta) {
+            // w * d is exact (see MAX_EXAMPLE_COUNT); TwoSum keeps the rounding error of the add.
+            let x = w * f64::from(d);
+            let s = *hi + x;
+            let bp = s - *hi;
+            let err = (*hi - (s - bp)) + (x - bp);
+            *hi = s;
+            *lo += err;
+        }
+        self.total_weight += update.example_count;
+        self.n_updates += 1;
+        self.metrics.add(update.example_count, &update.metrics);
+    }
+
+    /// Number of updates folded in so far.
+    pub fn n_updates(&self) -> u64 {
+        self.n_updates
+    }
+
+    /// The weighted mean, or [`AggregateError::Empty`].
+    pub fn finish(self) -> Result<Aggregate, AggregateError> {
+        if self.n_updates == 0 {
+            return Err(AggregateError::Empty);
+        }
+        let w = self.total_weight as f64;
+        let mean_delta = self.hi.iter().zip(&self.lo).map(|(hi, lo)| (hi + lo) / w).collect();
+        Ok(Aggregate {
+            mean_delta,
+            total_weight: self.total_weight,
+            n_updates: self.n_updates,
+            metrics: self.metrics.finish(),
+        })
+    }
+}
+
+impl Aggregate {
+    /// Server optimizer step (FedAvg with a server learning rate):
+    /// `new = global + lr * mean_delta`, computed in f64 and rounded once to f32.
+    pub fn apply(&self, global: &[f32], server_lr: f64) -> Result<Vec<f32>, AggregateError> {
+        assert_eq!(global.len(), self.mean_delta.len(), "aggregate of another schema");
+        let new: Vec<f32> = global
+            .iter()
+            .zip(&self.mean_delta)
+            .map(|(&g, &d)| (f64::from(g) + server_lr * d) as f32)
+            .collect();
+        match new.iter().position(|v| !v.is_finite()) {
+            Some(i) => Err(AggregateError::NonFinite(i)),
+            None => Ok(new),
+        }
+    }
+}
+
+/// Example-weighted means of named metrics; a metric missing from an update is not counted.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsAccumulator {
+    sums: BTreeMap<String, (f64, u64)>,
+}
+
+impl MetricsAccumulator {
+    /// Adds one report's metrics with weight `example_count`.
+    pub fn add(&mut self, example_count: u64, metrics: &BTreeMap<String, f64>) {
+        for (name, value) in metrics {
+            let entry = self.sums.entry(name.clone()).or_insert((0.0, 0));
+            entry.0 += value * example_count as f64;
+            entry.1 += example_count;
+        }
+    }
+
+    /// The weighted means.
+    pub fn finish(self) -> BTreeMap<String, f64> {
+        self.sums
+            .into_iter()
+            .filter(|(_, (_, w))| *w > 0)
+            .map(|(name, (sum, w))| (name, sum / w as f64))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

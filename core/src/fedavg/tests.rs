@@ -1,0 +1,91 @@
+//! Validation gates and the accumulator's exactness, including property tests.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::tensor::{DType, TensorSpec};
+
+fn schema(n: u64) -> TensorSchema {
+    TensorSchema { tensors: vec![TensorSpec { name: "p".into(), shape: vec![n], dtype: DType::F32 }] }
+}
+
+fn update(values: &[f32], count: u64) -> ValidatedUpdate {
+    let s = schema(values.len() as u64);
+    let bytes = crate::tensor::f32_to_le_bytes(values);
+    validate_parts(&s, &bytes, count, &BTreeMap::from([("loss".to_owned(), 1.0)])).unwrap()
+}
+
+#[test]
+fn validation_rejects_each_bad_field() {
+    let s = schema(2);
+    let ok = crate::tensor::f32_to_le_bytes(&[1.0, 2.0]);
+    let no_metrics = BTreeMap::new();
+    assert_eq!(validate_parts(&s, &ok, 0, &no_metrics), Err(UpdateError::ExampleCount(0)));
+    assert!(matches!(
+        validate_parts(&s, &ok, 1, &BTreeMap::from([("loss".to_owned(), f64::INFINITY)])),
+        Err(UpdateError::Metric { why: "value is not finite", .. })
+    ));
+    assert!(matches!(
+        validate_parts(&s, &ok[..4], 1, &no_metrics),
+        Err(UpdateError::Tensor(TensorError::ShapeMismatch { .. }))
+    ));
+    assert!(validate_parts(&s, &ok, 1, &no_metrics).is_ok());
+}
+
+#[test]
+fn weighted_mean_is_exact_on_representable_values() {
+    let mut acc = FedAvgAccumulator::new(3);
+    acc.add(&update(&[1.0, -4.0, 0.5], 1));
+    acc.add(&update(&[3.0, 4.0, 0.25], 3));
+    let agg = acc.finish().unwrap();
+    assert_eq!(agg.mean_delta, vec![2.5, 2.0, 0.3125]);
+    assert_eq!(agg.total_weight, 4);
+    assert_eq!(agg.metrics["loss"], 1.0);
+    assert_eq!(agg.apply(&[1.0, 1.0, 1.0], 1.0).unwrap(), vec![3.5, 3.0, 1.3125]);
+    assert_eq!(agg.apply(&[0.0, 0.0, 0.0], 0.5).unwrap(), vec![1.25, 1.0, 0.15625]);
+}
+
+#[test]
+fn cancellation_does_not_lose_small_terms() {
+    // A naive f64 sum returns 0 here; the compensated sum keeps the 1.0.
+    let mut acc = FedAvgAccumulator::new(1);
+    acc.add(&update(&[1.0e30], 1));
+    acc.add(&update(&[1.0], 1));
+    acc.add(&update(&[-1.0e30], 1));
+    assert_eq!(acc.finish().unwrap().mean_delta, vec![1.0 / 3.0]);
+}
+
+#[test]
+fn empty_and_overflowing_aggregates_are_errors() {
+    assert_eq!(FedAvgAccumulator::new(1).finish(), Err(AggregateError::Empty));
+    let mut acc = FedAvgAccumulator::new(1);
+    acc.add(&update(&[3.0e38], 1));
+    assert_eq!(acc.finish().unwrap().apply(&[3.0e38], 1.0), Err(AggregateError::NonFinite(0)));
+}
+
+proptest! {
+    /// The mean matches an exact rational computation, and does not depend on arrival order.
+    #[test]
+    fn mean_is_exact_and_order_independent(
+        rows in prop::collection::vec((prop::collection::vec(-1000i32..1000, 4), 1u64..10_000), 1..40)
+    ) {
+        // Values k/64 are exact in f32; integer sums are exact in i128.
+        let updates: Vec<_> = rows.iter()
+            .map(|(vals, w)| (vals.iter().map(|&k| k as f32 / 64.0).collect::<Vec<_>>(), *w))
+            .collect();
+        let mut forward = FedAvgAccumulator::new(4);
+        let mut backward = FedAvgAccumulator::new(4);
+        for (v, w) in &updates { forward.add(&update(v, *w)); }
+        for (v, w) in updates.iter().rev() { backward.add(&update(v, *w)); }
+        let (f, b) = (forward.finish().unwrap(), backward.finish().unwrap());
+        prop_assert_eq!(&f.mean_delta, &b.mean_delta);
+        let total: u64 = rows.iter().map(|(_, w)| w).sum();
+        for j in 0..4 {
+            let num: i128 = rows.iter().map(|(v, w)| i128::from(v[j]) * i128::from(*w)).sum();
+            let exact = num as f64 / 64.0 / total as f64;
+            prop_assert!((f.mean_delta[j] - exact).abs() <= exact.abs() * 1e-15);
+        }
+    }
+}

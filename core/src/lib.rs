@@ -1,0 +1,20 @@
+//! Sans-IO heart of Starling, shared by the coordinator, the client SDK and the aggregator tier.
+//!
+//! Nothing here opens a socket, reads a clock or touches a database: time comes in as
+//! [`Millis`] arguments and effects go out as [`round::Action`] values, so every piece is
+//! deterministic and testable without mocks.
+//!
+//! * [`tensor`]: tensor schemas, their stable `schema_id`, and the little-endian payload codec.
+//! * [`wire`]: versioned fleet-API messages, encoded as CBOR.
+//! * [`fedavg`]: update validation and the streaming weighted-FedAvg accumulator.
+//! * [`plan`]: the operator's run plan and its validation.
+//! * [`round`]: the round state machine (selection, reporting, closing, commit).
+
+pub mod fedavg;
+pub mod ids;
+pub mod plan;
+pub mod round;
+pub mod tensor;
+pub mod wire;
+
+pub use ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};

@@ -1,0 +1,276 @@
+//! The operator's run plan: what to train, on whom, and how rounds are paced.
+//!
+//! Read in two phases: [`Plan`] is the raw serde form the admin API accepts;
+//! [`Plan::validate`] turns it into a [`ValidatedPlan`], the only form the rest of the system
+//! takes, with defaults filled in and every bound checked.
+
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
+
+/// A run plan as submitted by an operator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Display name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Device population the run trains on.
+    #[serde(default = "default_population")]
+    pub population: String,
+    /// Model schema and initial parameters.
+    pub model: ModelPlan,
+    /// Local training configuration, passed to clients untouched.
+    #[serde(default)]
+    pub training: serde_json::Value,
+    /// Reports wanted per round; the round closes as soon as this many arrived.
+    pub cohort_size: u32,
+    /// Devices selected per round = `ceil(cohort_size * over_selection)`.
+    #[serde(default = "default_over_selection")]
+    pub over_selection: f64,
+    /// Longest time a round spends selecting devices.
+    #[serde(default = "default_selection_timeout")]
+    pub selection_timeout_secs: f64,
+    /// Longest time a round spends, from its opening, before it closes with what it has.
+    #[serde(default = "default_reporting_timeout")]
+    pub reporting_timeout_secs: f64,
+    /// Fewest reports a round may commit with; defaults to `cohort_size`.
+    #[serde(default)]
+    pub min_quorum: Option<u32>,
+    /// Number of rounds to commit before the run completes.
+    pub rounds: u32,
+    /// Server learning rate applied to the mean delta (1.0 is plain FedAvg).
+    #[serde(default = "default_server_lr")]
+    pub server_learning_rate: f64,
+}
+
+/// Model schema and initial parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelPlan {
+    /// Tensor names, shapes, dtypes.
+    pub schema: TensorSchema,
+    /// How version 0 is made.
+    pub init: InitSpec,
+}
+
+/// How the initial model is made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum InitSpec {
+    /// Every parameter zero.
+    Zeros,
+    /// Glorot-uniform weights for tensors of rank ≥ 2, zero for rank-1 tensors (biases),
+    /// from a deterministic generator seeded with `seed`.
+    Seeded {
+        /// Generator seed.
+        seed: u64,
+    },
+    /// Explicit values: little-endian f32 in schema order, base64 (standard alphabet).
+    Parameters {
+        /// The encoded values.
+        data_base64: String,
+    },
+}
+
+/// A plan that passed validation, with defaults resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedPlan {
+    plan: Plan,
+    rounds: RoundConfig,
+}
+
+/// Round pacing derived from a plan; everything the round state machine needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundConfig {
+    /// Reports wanted per round.
+    pub cohort_size: u32,
+    /// Devices selected per round (cohort × over-selection).
+    pub target_selected: u32,
+    /// Fewest reports a round may commit with.
+    pub min_quorum: u32,
+    /// Selection phase length.
+    pub selection_timeout_ms: i64,
+    /// Time from round opening to the reporting deadline.
+    pub reporting_timeout_ms: i64,
+    /// Rounds to commit.
+    pub total_rounds: u32,
+}
+
+/// Why a plan was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The model schema is invalid.
+    #[error("model schema: {0}")]
+    Schema(#[from] TensorError),
+    /// A field is out of range.
+    #[error("{field}: {why}")]
+    Field {
+        /// Field name.
+        field: &'static str,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+fn field(field: &'static str, why: impl Into<String>) -> PlanError {
+    PlanError::Field { field, why: why.into() }
+}
+
+/// Upper bound on cohort size; larger cohorts belong to the aggregator tier.
+pub const MAX_COHORT: u32 = 1_000_000;
+
+impl Plan {
+    /// Checks the plan and resolves defaults.
+    pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
+        self.model.schema.validate()?;
+        if self.population.is_empty() || self.population.len() > 128 {
+            return Err(field("population", "must be 1..=128 bytes"));
+        }
+        if self.cohort_size == 0 || self.cohort_size > MAX_COHORT {
+            return Err(field("cohort_size", format!("must be in 1..={MAX_COHORT}")));
+        }
+        if !(self.over_selection.is_finite() && (1.0..=10.0).contains(&self.over_selection)) {
+            return Err(field("over_selection", "must be in 1.0..=10.0"));
+        }
+        let quorum = self.min_quorum.unwrap_or(self.cohort_size);
+        if quorum == 0 || quorum > self.cohort_size {
+            return Err(field("min_quorum", "must be in 1..=cohort_size"));
+        }
+        let secs_ok = |s: f64| s.is_finite() && (0.05..=86_400.0 * 7.0).contains(&s);
+        if !secs_ok(self.selection_timeout_secs) {
+            return Err(field("selection_timeout_secs", "must be in 0.05..=604800"));
+        }
+        if !secs_ok(self.reporting_timeout_secs)
+            || self.reporting_timeout_secs < self.selection_timeout_secs
+        {
+            return Err(field(
+                "reporting_timeout_secs",
+                "must be in 0.05..=604800 and at least selection_timeout_secs",
+            ));
+        }
+        if self.rounds == 0 {
+            return Err(field("rounds", "must be at least 1"));
+        }
+        if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
+            return Err(field("server_learning_rate", "must be positive and finite"));
+        }
+        if let InitSpec::Parameters { data_base64 } = &self.model.init {
+            // Length is checked here; values are checked when decoded by `initial_parameters`.
+            let bytes = data_base64.len() / 4 * 3;
+            if bytes.abs_diff(self.model.schema.byte_len() as usize) > 2 {
+                return Err(field("model.init.data_base64", "length does not match the schema"));
+            }
+        }
+        let target_selected =
+            ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32).max(self.cohort_size);
+        let rounds = RoundConfig {
+            cohort_size: self.cohort_size,
+            target_selected,
+            min_quorum: quorum,
+            selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
+            reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
+            total_rounds: self.rounds,
+        };
+        Ok(ValidatedPlan { plan: self, rounds })
+    }
+}
+
+impl ValidatedPlan {
+    /// The plan as submitted (with defaults filled in by serde).
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The model schema.
+    pub fn schema(&self) -> &TensorSchema {
+        &self.plan.model.schema
+    }
+
+    /// Round pacing.
+    pub fn round_config(&self) -> RoundConfig {
+        self.rounds
+    }
+
+    /// The training configuration as JSON text, as clients receive it.
+    pub fn training_config_json(&self) -> String {
+        self.plan.training.to_string()
+    }
+
+    /// Builds model version 0.
+    ///
+    /// `decode_base64` is passed in because the core has no base64 dependency of its own;
+    /// it returns `None` on malformed input.
+    pub fn initial_parameters(
+        &self,
+        decode_base64: impl FnOnce(&str) -> Option<Vec<u8>>,
+    ) -> Result<Vec<f32>, PlanError> {
+        let schema = self.schema();
+        match &self.plan.model.init {
+            InitSpec::Zeros => Ok(vec![0.0; schema.numel() as usize]),
+            InitSpec::Seeded { seed } => Ok(seeded_init(schema, *seed)),
+            InitSpec::Parameters { data_base64 } => {
+                let bytes = decode_base64(data_base64)
+                    .ok_or_else(|| field("model.init.data_base64", "not valid base64"))?;
+                if bytes.len() as u64 != schema.byte_len() {
+                    return Err(field("model.init.data_base64", "length does not match the schema"));
+                }
+                let values = f32_from_le_bytes(&bytes);
+                if values.iter().any(|v| !v.is_finite()) {
+                    return Err(field("model.init.data_base64", "holds a non-finite value"));
+                }
+                Ok(values)
+            }
+        }
+    }
+}
+
+/// Glorot-uniform initialization with a SplitMix64 stream: deterministic on every platform.
+///
+/// A statistical generator is right here: initial weights are public and need no secrecy.
+pub fn seeded_init(schema: &TensorSchema, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    let mut next_unit = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(schema.numel() as usize);
+    for t in &schema.tensors {
+        let n = t.numel() as usize;
+        if t.shape.len() < 2 {
+            out.extend(std::iter::repeat_n(0.0, n));
+            continue;
+        }
+        // fan_out is the first dimension; fan_in the product of the rest (burn's Linear and
+        // Conv layouts put the output dimension first or last; Glorot is symmetric in both).
+        let fan_out = t.shape[0] as f64;
+        let fan_in = t.shape[1..].iter().product::<u64>() as f64;
+        let bound = (6.0 / (fan_in + fan_out)).sqrt();
+        out.extend((0..n).map(|_| ((next_unit() * 2.0 - 1.0) * bound) as f32));
+    }
+    out
+}
+
+fn default_population() -> String {
+    "default".to_owned()
+}
+fn default_over_selection() -> f64 {
+    1.3
+}
+fn default_selection_timeout() -> f64 {
+    30.0
+}
+fn default_reporting_timeout() -> f64 {
+    120.0
+}
+fn default_server_lr() -> f64 {
+    1.0
+}
+
+#[cfg(test)]
+mod tests;

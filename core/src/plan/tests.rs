@@ -1,0 +1,70 @@
+//! Plan validation: defaults, bounds, and deterministic initialization.
+
+use super::*;
+
+fn plan_json() -> serde_json::Value {
+    serde_json::json!({
+        "model": {
+            "schema": {"tensors": [
+                {"name": "w", "shape": [4, 3], "dtype": "f32"},
+                {"name": "b", "shape": [4], "dtype": "f32"}
+            ]},
+            "init": {"kind": "seeded", "seed": 7}
+        },
+        "training": {"epochs": 1, "lr": 0.1},
+        "cohort_size": 10,
+        "rounds": 3
+    })
+}
+
+fn parse(v: serde_json::Value) -> Result<ValidatedPlan, PlanError> {
+    serde_json::from_value::<Plan>(v).unwrap().validate()
+}
+
+#[test]
+fn defaults_resolve() {
+    let p = parse(plan_json()).unwrap();
+    let c = p.round_config();
+    assert_eq!((c.cohort_size, c.target_selected, c.min_quorum), (10, 13, 10));
+    assert_eq!((c.selection_timeout_ms, c.reporting_timeout_ms), (30_000, 120_000));
+    assert_eq!(p.plan().population, "default");
+    assert_eq!(p.training_config_json(), r#"{"epochs":1,"lr":0.1}"#);
+}
+
+#[test]
+fn bounds_are_checked_with_the_field_named() {
+    let cases = [
+        ("cohort_size", serde_json::json!(0)),
+        ("over_selection", serde_json::json!(0.5)),
+        ("min_quorum", serde_json::json!(11)),
+        ("rounds", serde_json::json!(0)),
+        ("reporting_timeout_secs", serde_json::json!(1.0)),
+    ];
+    for (name, value) in cases {
+        let mut v = plan_json();
+        v[name] = value;
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.starts_with(name), "{name}: {err}");
+    }
+    let mut v = plan_json();
+    v["unknown_field"] = serde_json::json!(1);
+    assert!(serde_json::from_value::<Plan>(v).is_err());
+}
+
+#[test]
+fn seeded_init_is_deterministic_glorot() {
+    let p = parse(plan_json()).unwrap();
+    let a = p.initial_parameters(|_| None).unwrap();
+    let b = p.initial_parameters(|_| None).unwrap();
+    assert_eq!(a, b);
+    let bound = (6.0f32 / 7.0).sqrt();
+    assert!(a[..12].iter().all(|v| v.abs() <= bound) && a[..12].iter().any(|v| *v != 0.0));
+    assert_eq!(&a[12..], &[0.0; 4]);
+}
+
+#[test]
+fn explicit_parameters_are_checked() {
+    let mut v = plan_json();
+    v["model"]["init"] = serde_json::json!({"kind": "parameters", "data_base64": "AAAA"});
+    assert!(parse(v).is_err());
+}

@@ -1,0 +1,685 @@
+//! The round state machine of one run: selection, reporting, closing, commit, next round.
+//!
+//! Sans-IO in quinn-proto's shape: the driver feeds [`Input`]s with the current time, calls
+//! [`RunMachine::handle_timeout`] when [`RunMachine::poll_timeout`] says so, and executes the
+//! [`Action`]s it drains from [`RunMachine::poll_action`].
+//! The machine never waits on anything; the driver never decides anything.
+//!
+//! ```text
+//!            open (persist round row)
+//!   ┌──────────────────────────────────────────────────────────────┐
+//!   ▼                                                              │
+//! Open ── cohort reported / all selected reported / deadline ──▶ Closing
+//!   │        (check-ins select until target or selection deadline)   │ in-flight persists settle
+//!   │                                                                ▼
+//!   └─ selection deadline with fewer than quorum selected ──▶ Closing ──▶ Committing
+//!                                                                     │ RoundClosed
+//!                                    next round, or FinishRun ◀───────┘
+//! ```
+//!
+//! **Open.** Check-ins are selected while fewer than `target_selected` devices are and the
+//! selection deadline has not passed; each selection is persisted before the device hears of
+//! it.
+//! A selected device that checks in again gets the same task (its answer may have been lost).
+//! Uploads from selected devices are accepted from the moment of selection.
+//!
+//! **Uploads.** An accepted upload gets a *slot* (its arrival order) and an
+//! [`Action::PersistUpdate`]; the device is answered only when the store confirms
+//! ([`Input::UploadPersisted`]).
+//! Persisted updates are folded into the accumulator in slot order ([`Action::FoldUpdate`]),
+//! which is also the order a restarted coordinator replays them in, so the committed model does
+//! not depend on whether the coordinator restarted.
+//!
+//! **Closing.** The round stops accepting uploads when `cohort_size` updates are durable, when
+//! every selected device reported after selection ended, or at the reporting deadline.
+//! It then waits for in-flight persists to settle and emits one [`Action::CloseRound`]:
+//! commit if at least `min_quorum` updates are durable, else fail.
+//!
+//! **Committing.** The driver aggregates and commits (or records the failure) and answers
+//! [`Input::RoundClosed`]; the machine then opens the next round, or finishes the run once
+//! `total_rounds` rounds have committed. A failed round is simply followed by a fresh one on the
+//! same model version: nothing ever waits on a dead client longer than the deadlines.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use crate::plan::RoundConfig;
+
+/// Identifies one pending request between the driver and the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(pub u64);
+
+/// Something that happened, fed to [`RunMachine::handle`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// An authenticated device of the run's population checked in.
+    CheckIn {
+        /// Request to answer.
+        request: RequestId,
+        /// The device.
+        device: DeviceId,
+    },
+    /// An authenticated device sent an update that passed validation.
+    Upload {
+        /// Request to answer.
+        request: RequestId,
+        /// The device.
+        device: DeviceId,
+        /// Round it uploads to.
+        round_idx: RoundIdx,
+        /// Model version the delta was computed on.
+        model_version: ModelVersion,
+    },
+    /// The store finished (or failed) writing an update asked for by [`Action::PersistUpdate`].
+    UploadPersisted {
+        /// The upload's request.
+        request: RequestId,
+        /// Whether the update is durable.
+        ok: bool,
+    },
+    /// The driver durably recorded the outcome of [`Action::CloseRound`].
+    RoundClosed {
+        /// The round.
+        round_idx: RoundIdx,
+    },
+    /// The operator stopped the run.
+    Stop,
+}
+
+/// Something the driver must do, drained from [`RunMachine::poll_action`] in order.
+///
+/// Persist actions come before the replies that depend on them: the driver must make each
+/// persist durable before sending any later reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Persist a newly opened round.
+    OpenRound(RoundOpened),
+    /// Persist that `device` is selected for `round_idx`.
+    PersistSelection {
+        /// The round.
+        round_idx: RoundIdx,
+        /// The device.
+        device: DeviceId,
+    },
+    /// Answer a check-in.
+    ReplyCheckIn {
+        /// Request to answer.
+        request: RequestId,
+        /// The answer.
+        decision: CheckInDecision,
+    },
+    /// Write an update to the store, then feed back [`Input::UploadPersisted`].
+    PersistUpdate {
+        /// The upload's request (the driver holds its payload under this id).
+        request: RequestId,
+        /// The round.
+        round_idx: RoundIdx,
+        /// The device.
+        device: DeviceId,
+        /// Arrival order within the round; replay order after a restart.
+        slot: i64,
+    },
+    /// Answer an upload.
+    ReplyUpload {
+        /// Request to answer.
+        request: RequestId,
+        /// Accepted, or why not.
+        result: Result<(), UploadRejection>,
+    },
+    /// Fold the (persisted) update of `request` into the round's accumulator, and drop its payload.
+    FoldUpdate {
+        /// The upload's request.
+        request: RequestId,
+    },
+    /// Drop the payload of `request` without folding it.
+    DropPayload {
+        /// The upload's request.
+        request: RequestId,
+    },
+    /// Aggregate and commit, or record the failure; then feed back [`Input::RoundClosed`].
+    CloseRound(RoundClosing),
+    /// Persist that the run committed all its rounds.
+    FinishRun,
+    /// Persist that the run was stopped; `open_round`, if any, is recorded as failed.
+    StopRun {
+        /// The round that was open.
+        open_round: Option<RoundIdx>,
+    },
+}
+
+/// A round as opened; persisted as the round's row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundOpened {
+    /// Round index within the run.
+    pub round_idx: RoundIdx,
+    /// Model version the round trains on.
+    pub model_version: ModelVersion,
+    /// When it opened.
+    pub opened_at: Millis,
+    /// End of selection.
+    pub selection_deadline: Millis,
+    /// Uploads after this are refused and the round closes.
+    pub reporting_deadline: Millis,
+}
+
+/// The answer to a check-in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckInDecision {
+    /// Train on `model_version` and upload to `round_idx` before `report_deadline`.
+    Selected {
+        /// The round.
+        round_idx: RoundIdx,
+        /// Model to train on.
+        model_version: ModelVersion,
+        /// Reporting deadline.
+        report_deadline: Millis,
+    },
+    /// Nothing now; try again after this long.
+    ComeBackLater {
+        /// Milliseconds to wait.
+        after_ms: i64,
+    },
+}
+
+/// Why an upload was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UploadRejection {
+    /// No such round (yet).
+    UnknownRound,
+    /// The round is closed or closing.
+    RoundClosed,
+    /// The device was not selected for the round.
+    NotSelected,
+    /// The device's update is already in (or on its way into) the round.
+    Duplicate,
+    /// The delta was computed on another model version.
+    StaleModel {
+        /// The round's model version.
+        expected: ModelVersion,
+    },
+    /// The store could not make the update durable; nothing was acknowledged.
+    Unavailable,
+}
+
+/// What [`Action::CloseRound`] asks the driver to record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundClosing {
+    /// The round.
+    pub round_idx: RoundIdx,
+    /// Model version it trained on.
+    pub model_version: ModelVersion,
+    /// Commit or fail.
+    pub outcome: RoundOutcome,
+    /// Devices selected.
+    pub n_selected: u32,
+    /// Durable updates, all folded.
+    pub n_reported: u32,
+    /// Selected devices that did not report.
+    pub n_dropped: u32,
+    /// When the round closed.
+    pub closed_at: Millis,
+}
+
+/// How a round ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum RoundOutcome {
+    /// Aggregate the folded updates and commit model version + 1.
+    Commit,
+    /// Too few devices checked in before the selection deadline.
+    TooFewSelected {
+        /// Devices selected.
+        selected: u32,
+        /// Quorum.
+        quorum: u32,
+    },
+    /// Too few durable updates by the reporting deadline.
+    TooFewReports {
+        /// Durable updates.
+        reported: u32,
+        /// Quorum.
+        quorum: u32,
+    },
+}
+
+/// A run's durable state, from which a restarted coordinator rebuilds its machine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSnapshot {
+    /// The run.
+    pub run_id: RunId,
+    /// Its pacing.
+    pub config: RoundConfig,
+    /// Latest committed model version.
+    pub model_version: ModelVersion,
+    /// Rounds committed so far.
+    pub rounds_committed: u32,
+    /// Index the next opened round gets.
+    pub next_round_idx: RoundIdx,
+    /// The round that was open, if any.
+    pub open_round: Option<OpenRoundSnapshot>,
+}
+
+/// An open round's durable state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenRoundSnapshot {
+    /// The round row.
+    pub round: RoundOpened,
+    /// Selected devices.
+    pub selected: Vec<DeviceId>,
+    /// Devices with a durable update, with their slots.
+    pub reported: Vec<(DeviceId, i64)>,
+}
+
+/// The round state machine of one run.
+#[derive(Debug)]
+pub struct RunMachine {
+    run_id: RunId,
+    config: RoundConfig,
+    model_version: ModelVersion,
+    rounds_committed: u32,
+    next_round_idx: RoundIdx,
+    round: Option<ActiveRound>,
+    status: RunStatus,
+    now: Millis,
+    actions: VecDeque<Action>,
+}
+
+/// Where a run stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// Rounds are being run.
+    Running,
+    /// A stop was asked while a round was committing; the run stops after it.
+    Stopping,
+    /// All rounds committed.
+    Finished,
+    /// Stopped by the operator.
+    Stopped,
+}
+
+#[derive(Debug)]
+struct ActiveRound {
+    opened: RoundOpened,
+    phase: Phase,
+    selected: BTreeSet<DeviceId>,
+    reported: BTreeSet<DeviceId>,
+    /// Uploads by slot that are not folded yet: persisting, or persisted behind an earlier slot.
+    in_flight: BTreeMap<i64, InFlight>,
+    next_slot: i64,
+    early_failure: Option<RoundOutcome>,
+    /// Set when the round enters `Committing`.
+    outcome: Option<RoundOutcome>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Open,
+    Closing,
+    Committing,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    request: RequestId,
+    device: DeviceId,
+    persisted: bool,
+}
+
+/// How long a device that cannot be selected is asked to wait, at most and at least.
+const MAX_BACKOFF_MS: i64 = 60_000;
+const MIN_BACKOFF_MS: i64 = 1_000;
+
+impl RunMachine {
+    /// A fresh run at model version 0; opens its first round at `now`.
+    pub fn start(run_id: RunId, config: RoundConfig, now: Millis) -> Self {
+        Self::restore(
+            RunSnapshot {
+                run_id,
+                config,
+                model_version: ModelVersion(0),
+                rounds_committed: 0,
+                next_round_idx: RoundIdx(0),
+                open_round: None,
+            },
+            now,
+        )
+    }
+
+    /// Rebuilds a run from its durable state; opens a round if none was open.
+    ///
+    /// The driver replays the stored updates of `open_round` into a fresh accumulator in slot
+    /// order before handling new input.
+    pub fn restore(snapshot: RunSnapshot, now: Millis) -> Self {
+        let mut m = RunMachine {
+            run_id: snapshot.run_id,
+            config: snapshot.config,
+            model_version: snapshot.model_version,
+            rounds_committed: snapshot.rounds_committed,
+            next_round_idx: snapshot.next_round_idx,
+            round: None,
+            status: RunStatus::Running,
+            now,
+            actions: VecDeque::new(),
+        };
+        if m.rounds_committed >= m.config.total_rounds {
+            m.status = RunStatus::Finished;
+            return m;
+        }
+        match snapshot.open_round {
+            Some(open) => {
+                let next_slot = open.reported.iter().map(|(_, s)| s + 1).max().unwrap_or(0);
+                m.round = Some(ActiveRound {
+                    opened: open.round,
+                    phase: Phase::Open,
+                    selected: open.selected.into_iter().collect(),
+                    reported: open.reported.into_iter().map(|(d, _)| d).collect(),
+                    in_flight: BTreeMap::new(),
+                    next_slot,
+                    early_failure: None,
+                    outcome: None,
+                });
+                m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
+                m.check_progress();
+            }
+            None => m.open_round(),
+        }
+        m
+    }
+
+    /// The run.
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+
+    /// Where the run stands.
+    pub fn status(&self) -> RunStatus {
+        self.status
+    }
+
+    /// Latest committed model version.
+    pub fn model_version(&self) -> ModelVersion {
+        self.model_version
+    }
+
+    /// Rounds committed.
+    pub fn rounds_committed(&self) -> u32 {
+        self.rounds_committed
+    }
+
+    /// The currently active round, if any.
+    pub fn current_round(&self) -> Option<RoundOpened> {
+        self.round.as_ref().map(|r| r.opened)
+    }
+
+    /// Whether a check-in at `now` could be selected (the driver uses this to pick among runs).
+    pub fn is_selecting(&self, now: Millis) -> bool {
+        self.round.as_ref().is_some_and(|r| {
+            r.phase == Phase::Open
+                && r.selected.len() < self.config.target_selected as usize
+                && now < r.opened.selection_deadline
+        })
+    }
+
+    /// Whether `device` holds a task in the open round (a repeated check-in gets it again).
+    pub fn has_task_for(&self, device: DeviceId) -> bool {
+        self.round.as_ref().is_some_and(|r| r.phase == Phase::Open && r.selected.contains(&device))
+    }
+
+    /// Feeds one input.
+    pub fn handle(&mut self, now: Millis, input: Input) {
+        self.now = self.now.max(now);
+        match input {
+            Input::CheckIn { request, device } => self.on_check_in(request, device),
+            Input::Upload { request, device, round_idx, model_version } => {
+                self.on_upload(request, device, round_idx, model_version)
+            }
+            Input::UploadPersisted { request, ok } => self.on_persisted(request, ok),
+            Input::RoundClosed { round_idx } => self.on_round_closed(round_idx),
+            Input::Stop => self.on_stop(),
+        }
+        self.check_progress();
+    }
+
+    /// Advances time; call when [`RunMachine::poll_timeout`] has passed.
+    pub fn handle_timeout(&mut self, now: Millis) {
+        self.now = self.now.max(now);
+        self.check_progress();
+    }
+
+    /// The next instant at which [`RunMachine::handle_timeout`] must be called.
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        let r = self.round.as_ref()?;
+        if r.phase != Phase::Open {
+            return None;
+        }
+        let selection_pending = r.selected.len() < self.config.target_selected as usize;
+        if selection_pending && self.now < r.opened.selection_deadline {
+            Some(r.opened.selection_deadline)
+        } else {
+            Some(r.opened.reporting_deadline)
+        }
+    }
+
+    /// The next action to execute.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    fn open_round(&mut self) {
+        let now = self.now;
+        let opened = RoundOpened {
+            round_idx: self.next_round_idx,
+            model_version: self.model_version,
+            opened_at: now,
+            selection_deadline: now + self.config.selection_timeout_ms,
+            reporting_deadline: now + self.config.reporting_timeout_ms,
+        };
+        self.next_round_idx = RoundIdx(self.next_round_idx.0 + 1);
+        self.round = Some(ActiveRound {
+            opened,
+            phase: Phase::Open,
+            selected: BTreeSet::new(),
+            reported: BTreeSet::new(),
+            in_flight: BTreeMap::new(),
+            next_slot: 0,
+            early_failure: None,
+            outcome: None,
+        });
+        self.actions.push_back(Action::OpenRound(opened));
+    }
+
+    fn on_check_in(&mut self, request: RequestId, device: DeviceId) {
+        let now = self.now;
+        let selecting = self.is_selecting(now);
+        let decision = match self.round.as_mut() {
+            Some(r) if r.phase == Phase::Open && r.selected.contains(&device) => {
+                selected_decision(&r.opened)
+            }
+            Some(r) if selecting => {
+                r.selected.insert(device);
+                let round_idx = r.opened.round_idx;
+                self.actions.push_back(Action::PersistSelection { round_idx, device });
+                selected_decision(&r.opened)
+            }
+            Some(r) if r.phase == Phase::Open => CheckInDecision::ComeBackLater {
+                after_ms: (r.opened.reporting_deadline - now).clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS),
+            },
+            Some(_) => CheckInDecision::ComeBackLater { after_ms: MIN_BACKOFF_MS },
+            None => CheckInDecision::ComeBackLater { after_ms: MAX_BACKOFF_MS },
+        };
+        self.actions.push_back(Action::ReplyCheckIn { request, decision });
+    }
+
+    fn on_upload(
+        &mut self,
+        request: RequestId,
+        device: DeviceId,
+        round_idx: RoundIdx,
+        model_version: ModelVersion,
+    ) {
+        let now = self.now;
+        let verdict = match self.round.as_mut() {
+            None if round_idx < self.next_round_idx => Err(UploadRejection::RoundClosed),
+            None => Err(UploadRejection::UnknownRound),
+            Some(r) if round_idx < r.opened.round_idx => Err(UploadRejection::RoundClosed),
+            Some(r) if round_idx > r.opened.round_idx => Err(UploadRejection::UnknownRound),
+            Some(r) if r.phase != Phase::Open || now >= r.opened.reporting_deadline => {
+                Err(UploadRejection::RoundClosed)
+            }
+            Some(r) if !r.selected.contains(&device) => Err(UploadRejection::NotSelected),
+            Some(r)
+                if r.reported.contains(&device)
+                    || r.in_flight.values().any(|f| f.device == device) =>
+            {
+                Err(UploadRejection::Duplicate)
+            }
+            Some(r) if model_version != r.opened.model_version => {
+                Err(UploadRejection::StaleModel { expected: r.opened.model_version })
+            }
+            Some(r) => {
+                let slot = r.next_slot;
+                r.next_slot += 1;
+                r.in_flight.insert(slot, InFlight { request, device, persisted: false });
+                Ok(Action::PersistUpdate { request, round_idx, device, slot })
+            }
+        };
+        match verdict {
+            Ok(persist) => self.actions.push_back(persist),
+            Err(rejection) => {
+                self.actions.push_back(Action::ReplyUpload { request, result: Err(rejection) });
+                self.actions.push_back(Action::DropPayload { request });
+            }
+        }
+    }
+
+    fn on_persisted(&mut self, request: RequestId, ok: bool) {
+        let Some(r) = self.round.as_mut() else { return };
+        let Some((&slot, _)) = r.in_flight.iter().find(|(_, f)| f.request == request) else {
+            return;
+        };
+        if ok {
+            let f = r.in_flight.get_mut(&slot).expect("slot just found");
+            f.persisted = true;
+            r.reported.insert(f.device);
+            self.actions.push_back(Action::ReplyUpload { request, result: Ok(()) });
+        } else {
+            r.in_flight.remove(&slot);
+            self.actions.push_back(Action::ReplyUpload {
+                request,
+                result: Err(UploadRejection::Unavailable),
+            });
+            self.actions.push_back(Action::DropPayload { request });
+        }
+        // Fold in slot order: a persisted update waits behind any earlier one still in flight.
+        while let Some(entry) = r.in_flight.first_entry() {
+            if !entry.get().persisted {
+                break;
+            }
+            let f = entry.remove();
+            self.actions.push_back(Action::FoldUpdate { request: f.request });
+        }
+    }
+
+    fn on_round_closed(&mut self, round_idx: RoundIdx) {
+        let Some(r) = self.round.as_ref() else { return };
+        if r.phase != Phase::Committing || r.opened.round_idx != round_idx {
+            return;
+        }
+        let committed = r.outcome == Some(RoundOutcome::Commit);
+        self.round = None;
+        if committed {
+            self.model_version = ModelVersion(self.model_version.0 + 1);
+            self.rounds_committed += 1;
+        }
+        if self.status == RunStatus::Stopping {
+            self.status = RunStatus::Stopped;
+            self.actions.push_back(Action::StopRun { open_round: None });
+        } else if self.rounds_committed >= self.config.total_rounds {
+            self.status = RunStatus::Finished;
+            self.actions.push_back(Action::FinishRun);
+        } else {
+            self.open_round();
+        }
+    }
+
+    fn on_stop(&mut self) {
+        match self.status {
+            RunStatus::Finished | RunStatus::Stopped | RunStatus::Stopping => return,
+            RunStatus::Running => {}
+        }
+        if self.round.as_ref().is_some_and(|r| r.phase == Phase::Committing) {
+            self.status = RunStatus::Stopping;
+            return;
+        }
+        self.status = RunStatus::Stopped;
+        let round = self.round.take();
+        if let Some(r) = &round {
+            for f in r.in_flight.values() {
+                self.actions.push_back(Action::ReplyUpload {
+                    request: f.request,
+                    result: Err(UploadRejection::RoundClosed),
+                });
+                self.actions.push_back(Action::DropPayload { request: f.request });
+            }
+        }
+        self.actions.push_back(Action::StopRun { open_round: round.map(|r| r.opened.round_idx) });
+    }
+
+    fn check_progress(&mut self) {
+        let now = self.now;
+        let cfg = self.config;
+        let Some(r) = self.round.as_mut() else { return };
+        if r.phase == Phase::Open {
+            let n_selected = r.selected.len();
+            let n_reported = r.reported.len();
+            let selection_over =
+                n_selected >= cfg.target_selected as usize || now >= r.opened.selection_deadline;
+            if now >= r.opened.selection_deadline && n_selected < cfg.min_quorum as usize {
+                r.early_failure = Some(RoundOutcome::TooFewSelected {
+                    selected: n_selected as u32,
+                    quorum: cfg.min_quorum,
+                });
+                r.phase = Phase::Closing;
+            } else if n_reported >= cfg.cohort_size as usize
+                || (selection_over && n_reported == n_selected)
+                || now >= r.opened.reporting_deadline
+            {
+                r.phase = Phase::Closing;
+            }
+        }
+        if r.phase == Phase::Closing && r.in_flight.is_empty() {
+            r.phase = Phase::Committing;
+            let n_selected = r.selected.len() as u32;
+            let n_reported = r.reported.len() as u32;
+            let outcome = match r.early_failure {
+                Some(failure) => failure,
+                None if n_reported >= cfg.min_quorum => RoundOutcome::Commit,
+                None => RoundOutcome::TooFewReports { reported: n_reported, quorum: cfg.min_quorum },
+            };
+            r.outcome = Some(outcome);
+            self.actions.push_back(Action::CloseRound(RoundClosing {
+                round_idx: r.opened.round_idx,
+                model_version: r.opened.model_version,
+                outcome,
+                n_selected,
+                n_reported,
+                n_dropped: n_selected - n_reported,
+                closed_at: now,
+            }));
+        }
+    }
+}
+
+fn selected_decision(opened: &RoundOpened) -> CheckInDecision {
+    CheckInDecision::Selected {
+        round_idx: opened.round_idx,
+        model_version: opened.model_version,
+        report_deadline: opened.reporting_deadline,
+    }
+}
+
+#[cfg(test)]
+mod tests;

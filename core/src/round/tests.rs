@@ -1,0 +1,423 @@
+//! Round state machine: snapshot traces of the actions for each scenario, plus a simulation
+//! of many devices against a simulated clock.
+
+use expect_test::{Expect, expect};
+
+use super::*;
+
+fn config() -> RoundConfig {
+    RoundConfig {
+        cohort_size: 2,
+        target_selected: 3,
+        min_quorum: 2,
+        selection_timeout_ms: 1_000,
+        reporting_timeout_ms: 5_000,
+        total_rounds: 2,
+    }
+}
+
+/// Drives a machine and records every action as one line.
+struct Trace {
+    m: RunMachine,
+    now: Millis,
+    next_request: u64,
+    lines: Vec<String>,
+}
+
+impl Trace {
+    fn new() -> Self {
+        let m = RunMachine::start(RunId(1), config(), 0);
+        let mut t = Trace { m, now: 0, next_request: 0, lines: vec![] };
+        t.drain();
+        t
+    }
+
+    fn drain(&mut self) {
+        while let Some(a) = self.m.poll_action() {
+            self.lines.push(format!("  {a:?}"));
+        }
+    }
+
+    fn input(&mut self, input: Input) -> RequestId {
+        self.lines.push(format!("t={} {input:?}", self.now));
+        self.m.handle(self.now, input);
+        self.drain();
+        RequestId(self.next_request)
+    }
+
+    fn req(&mut self) -> RequestId {
+        self.next_request += 1;
+        RequestId(self.next_request)
+    }
+
+    fn check_in(&mut self, device: i64) {
+        let request = self.req();
+        self.input(Input::CheckIn { request, device: DeviceId(device) });
+    }
+
+    fn upload(&mut self, device: i64, round: i64) -> RequestId {
+        let request = self.req();
+        let model_version = self.m.model_version();
+        self.input(Input::Upload {
+            request,
+            device: DeviceId(device),
+            round_idx: RoundIdx(round),
+            model_version,
+        });
+        request
+    }
+
+    fn persisted(&mut self, request: RequestId, ok: bool) {
+        self.input(Input::UploadPersisted { request, ok });
+    }
+
+    fn closed(&mut self, round: i64) {
+        self.input(Input::RoundClosed { round_idx: RoundIdx(round) });
+    }
+
+    fn advance_to(&mut self, now: Millis) {
+        self.now = now;
+        self.lines.push(format!("t={now} timeout (poll_timeout was {:?})", self.m.poll_timeout()));
+        self.m.handle_timeout(now);
+        self.drain();
+    }
+
+    fn check(self, expect: Expect) {
+        expect.assert_eq(&(self.lines.join("\n") + "\n"));
+    }
+}
+
+#[test]
+fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.check_in(11);
+    t.check_in(12);
+    t.check_in(13); // over the target: pace-steered
+    let a = t.upload(10, 0);
+    let b = t.upload(11, 0);
+    t.persisted(b, true); // slot 1 persists first: folded only after slot 0
+    t.persisted(a, true);
+    t.upload(12, 0); // cohort reached: round is committing
+    t.closed(0);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 CheckIn { request: RequestId(3), device: DeviceId(12) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12) }
+          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 CheckIn { request: RequestId(4), device: DeviceId(13) }
+          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 5000 } }
+        t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
+        t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1 }
+        t=0 UploadPersisted { request: RequestId(6), ok: true }
+          ReplyUpload { request: RequestId(6), result: Ok(()) }
+        t=0 UploadPersisted { request: RequestId(5), ok: true }
+          ReplyUpload { request: RequestId(5), result: Ok(()) }
+          FoldUpdate { request: RequestId(5) }
+          FoldUpdate { request: RequestId(6) }
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 1, closed_at: 0 })
+        t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          ReplyUpload { request: RequestId(7), result: Err(RoundClosed) }
+          DropPayload { request: RequestId(7) }
+        t=0 RoundClosed { round_idx: RoundIdx(0) }
+          OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(1), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+    "#]]);
+}
+
+#[test]
+fn bad_uploads_are_refused_without_state_change() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.upload(99, 0); // never selected
+    t.upload(10, 7); // future round
+    let a = t.upload(10, 0);
+    t.upload(10, 0); // duplicate while persisting
+    t.persisted(a, true);
+    t.upload(10, 0); // duplicate after
+    t.check_in(10); // repeated check-in: same task, nothing persisted again
+    let request = t.req();
+    t.input(Input::Upload {
+        request,
+        device: DeviceId(10),
+        round_idx: RoundIdx(0),
+        model_version: ModelVersion(3),
+    });
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(2), device: DeviceId(99), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          ReplyUpload { request: RequestId(2), result: Err(NotSelected) }
+          DropPayload { request: RequestId(2) }
+        t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(7), model_version: ModelVersion(0) }
+          ReplyUpload { request: RequestId(3), result: Err(UnknownRound) }
+          DropPayload { request: RequestId(3) }
+        t=0 Upload { request: RequestId(4), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
+        t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          ReplyUpload { request: RequestId(5), result: Err(Duplicate) }
+          DropPayload { request: RequestId(5) }
+        t=0 UploadPersisted { request: RequestId(4), ok: true }
+          ReplyUpload { request: RequestId(4), result: Ok(()) }
+          FoldUpdate { request: RequestId(4) }
+        t=0 Upload { request: RequestId(6), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          ReplyUpload { request: RequestId(6), result: Err(Duplicate) }
+          DropPayload { request: RequestId(6) }
+        t=0 CheckIn { request: RequestId(7), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(7), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(8), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3) }
+          ReplyUpload { request: RequestId(8), result: Err(Duplicate) }
+          DropPayload { request: RequestId(8) }
+    "#]]);
+}
+
+#[test]
+fn failed_persist_is_not_acknowledged_and_device_may_retry() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    let a = t.upload(10, 0);
+    t.persisted(a, false);
+    let b = t.upload(10, 0);
+    t.persisted(b, true);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
+        t=0 UploadPersisted { request: RequestId(2), ok: false }
+          ReplyUpload { request: RequestId(2), result: Err(Unavailable) }
+          DropPayload { request: RequestId(2) }
+        t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 1 }
+        t=0 UploadPersisted { request: RequestId(3), ok: true }
+          ReplyUpload { request: RequestId(3), result: Ok(()) }
+          FoldUpdate { request: RequestId(3) }
+    "#]]);
+}
+
+#[test]
+fn too_few_selected_fails_at_selection_deadline_then_retries() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.advance_to(1_000);
+    t.closed(0);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=1000 timeout (poll_timeout was Some(1000))
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 })
+        t=1000 RoundClosed { round_idx: RoundIdx(0) }
+          OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 1000, selection_deadline: 2000, reporting_deadline: 6000 })
+    "#]]);
+}
+
+#[test]
+fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.check_in(11);
+    let a = t.upload(10, 0);
+    t.advance_to(5_000);
+    t.persisted(a, true);
+    t.closed(0);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
+        t=5000 timeout (poll_timeout was Some(1000))
+        t=5000 UploadPersisted { request: RequestId(3), ok: true }
+          ReplyUpload { request: RequestId(3), result: Ok(()) }
+          FoldUpdate { request: RequestId(3) }
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewReports { reported: 1, quorum: 2 }, n_selected: 2, n_reported: 1, n_dropped: 1, closed_at: 5000 })
+        t=5000 RoundClosed { round_idx: RoundIdx(0) }
+          OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 5000, selection_deadline: 6000, reporting_deadline: 10000 })
+    "#]]);
+}
+
+#[test]
+fn stop_refuses_in_flight_and_stop_during_commit_waits() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.upload(10, 0);
+    t.input(Input::Stop);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
+          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
+        t=0 Stop
+          ReplyUpload { request: RequestId(2), result: Err(RoundClosed) }
+          DropPayload { request: RequestId(2) }
+          StopRun { open_round: Some(RoundIdx(0)) }
+    "#]]);
+
+    let mut t = Trace::new();
+    for d in [10, 11] {
+        t.check_in(d);
+        let r = t.upload(d, 0);
+        t.persisted(r, true);
+    }
+    t.lines.clear();
+    t.input(Input::Stop);
+    t.closed(0);
+    assert_eq!(t.m.status(), RunStatus::Stopped);
+    assert_eq!(t.m.model_version(), ModelVersion(1), "the committing round still commits");
+    t.check(expect![[r#"
+        t=0 Stop
+        t=0 RoundClosed { round_idx: RoundIdx(0) }
+          StopRun { open_round: None }
+    "#]]);
+}
+
+#[test]
+fn restore_resumes_open_round_and_continues_slots() {
+    let snapshot = RunSnapshot {
+        run_id: RunId(1),
+        config: config(),
+        model_version: ModelVersion(0),
+        rounds_committed: 0,
+        next_round_idx: RoundIdx(1),
+        open_round: Some(OpenRoundSnapshot {
+            round: RoundOpened {
+                round_idx: RoundIdx(0),
+                model_version: ModelVersion(0),
+                opened_at: 0,
+                selection_deadline: 1_000,
+                reporting_deadline: 5_000,
+            },
+            selected: vec![DeviceId(10), DeviceId(11), DeviceId(12)],
+            reported: vec![(DeviceId(10), 0)],
+        }),
+    };
+    let mut m = RunMachine::restore(snapshot, 2_000);
+    assert_eq!(m.poll_action(), None, "restoring persists nothing");
+    m.handle(
+        2_000,
+        Input::Upload {
+            request: RequestId(1),
+            device: DeviceId(10),
+            round_idx: RoundIdx(0),
+            model_version: ModelVersion(0),
+        },
+    );
+    assert_eq!(
+        m.poll_action(),
+        Some(Action::ReplyUpload { request: RequestId(1), result: Err(UploadRejection::Duplicate) })
+    );
+    m.poll_action();
+    m.handle(
+        2_000,
+        Input::Upload {
+            request: RequestId(2),
+            device: DeviceId(11),
+            round_idx: RoundIdx(0),
+            model_version: ModelVersion(0),
+        },
+    );
+    assert_eq!(
+        m.poll_action(),
+        Some(Action::PersistUpdate {
+            request: RequestId(2),
+            round_idx: RoundIdx(0),
+            device: DeviceId(11),
+            slot: 1
+        })
+    );
+}
+
+/// Many devices, random-ish latencies and dropouts, a simulated clock: every round ends, and the
+/// run commits exactly `total_rounds` rounds.
+#[test]
+fn simulation_never_hangs() {
+    let config = RoundConfig {
+        cohort_size: 20,
+        target_selected: 26,
+        min_quorum: 15,
+        selection_timeout_ms: 2_000,
+        reporting_timeout_ms: 10_000,
+        total_rounds: 5,
+    };
+    let mut m = RunMachine::start(RunId(1), config, 0);
+    let mut now = 0;
+    let mut seed = 1u64;
+    let mut rand = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed >> 33
+    };
+    let mut next_request = 0u64;
+    let mut persisting: Vec<RequestId> = vec![];
+    let mut closes = vec![];
+    let mut steps = 0;
+    while m.status() == RunStatus::Running {
+        steps += 1;
+        assert!(steps < 100_000, "simulation did not finish");
+        // 40 devices check in at random; selected ones upload unless they drop (1 in 4).
+        let device = DeviceId((rand() % 40) as i64);
+        next_request += 1;
+        m.handle(now, Input::CheckIn { request: RequestId(next_request), device });
+        let mut uploads = vec![];
+        while let Some(a) = m.poll_action() {
+            match a {
+                Action::ReplyCheckIn { decision: CheckInDecision::Selected { round_idx, model_version, .. }, .. }
+                    if rand() % 4 != 0 =>
+                {
+                    uploads.push((round_idx, model_version))
+                }
+                Action::PersistUpdate { request, .. } => persisting.push(request),
+                Action::CloseRound(c) => closes.push(c),
+                _ => {}
+            }
+        }
+        for (round_idx, model_version) in uploads {
+            next_request += 1;
+            m.handle(now, Input::Upload { request: RequestId(next_request), device, round_idx, model_version });
+        }
+        if rand() % 3 == 0 {
+            for request in persisting.drain(..) {
+                m.handle(now, Input::UploadPersisted { request, ok: rand() % 10 != 0 });
+            }
+        }
+        while let Some(a) = m.poll_action() {
+            match a {
+                Action::PersistUpdate { request, .. } => persisting.push(request),
+                Action::CloseRound(c) => closes.push(c),
+                _ => {}
+            }
+        }
+        for c in closes.drain(..) {
+            assert!(c.n_reported + c.n_dropped == c.n_selected);
+            if c.outcome == RoundOutcome::Commit {
+                assert!(c.n_reported >= config.min_quorum);
+            }
+            m.handle(now, Input::RoundClosed { round_idx: c.round_idx });
+        }
+        now += (rand() % 200) as i64;
+        if m.poll_timeout().is_some_and(|t| t <= now) {
+            m.handle_timeout(now);
+        }
+    }
+    assert_eq!(m.status(), RunStatus::Finished);
+    assert_eq!(m.rounds_committed(), 5);
+    assert_eq!(m.model_version(), ModelVersion(5));
+}

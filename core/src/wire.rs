@@ -1,0 +1,190 @@
+//! Versioned fleet-API messages and their CBOR codec, shared by the coordinator and every client.
+//!
+//! Bodies are `application/cbor`; tensors inside them are [`TensorPayload`] byte strings.
+//! Encoding writes into a caller's `Vec<u8>` and decoding reads a byte slice, so the codec is
+//! pure and tested on byte literals.
+//! Paths are versioned (`/v1/...`); a breaking change to a message adds a `v2` module beside
+//! this one rather than editing it.
+
+use std::collections::BTreeMap;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use crate::tensor::{TensorPayload, TensorSchema};
+
+/// The media type of every fleet-API body.
+pub const CBOR_MEDIA_TYPE: &str = "application/cbor";
+
+/// Why a CBOR body could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The bytes are not valid CBOR for the expected message.
+    #[error("malformed cbor body: {0}")]
+    Malformed(String),
+    /// Serialization failed (only on a bug or an out-of-memory writer).
+    #[error("cbor encoding failed: {0}")]
+    Encode(String),
+}
+
+/// Appends the CBOR encoding of `value` to `out`.
+pub fn encode<T: Serialize>(value: &T, out: &mut Vec<u8>) -> Result<(), WireError> {
+    ciborium::into_writer(value, out).map_err(|e| WireError::Encode(e.to_string()))
+}
+
+/// Encodes `value` into a fresh buffer.
+pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::new();
+    encode(value, &mut out)?;
+    Ok(out)
+}
+
+/// Decodes one message, rejecting trailing bytes.
+pub fn decode<T: DeserializeOwned>(mut bytes: &[u8]) -> Result<T, WireError> {
+    let value = ciborium::from_reader(&mut bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if !bytes.is_empty() {
+        return Err(WireError::Malformed(format!("{} trailing bytes after the message", bytes.len())));
+    }
+    Ok(value)
+}
+
+/// Error codes shared by the server and the SDK, so clients can branch on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// The body is not valid CBOR/JSON for the endpoint.
+    MalformedBody,
+    /// The body exceeds the endpoint's size limit.
+    BodyTooLarge,
+    /// The tensor payload was encoded for another schema.
+    SchemaMismatch,
+    /// The tensor payload has the wrong length for the schema.
+    ShapeMismatch,
+    /// A value is NaN or infinite.
+    NonFiniteValue,
+    /// A field is out of range (e.g. a zero example count).
+    InvalidField,
+    /// Missing, unknown, forged or revoked credential.
+    Unauthorized,
+    /// The run, round or model does not exist.
+    NotFound,
+    /// The round no longer accepts uploads.
+    RoundClosed,
+    /// The device was not selected for this round.
+    NotSelected,
+    /// The device already uploaded in this round.
+    DuplicateUpload,
+    /// The update was computed on another model version than the round's.
+    StaleModel,
+    /// The run plan is invalid.
+    InvalidPlan,
+    /// The run is not in a state that allows the request.
+    Conflict,
+    /// The store is unavailable; the request may be retried and nothing was acknowledged.
+    Unavailable,
+    /// An internal error; details are in the server's log.
+    Internal,
+}
+
+/// Every non-2xx answer carries this body (CBOR on the fleet API, JSON on the admin API).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Machine-readable cause.
+    pub code: ErrorCode,
+    /// Human-readable explanation naming the problem.
+    pub message: String,
+}
+
+/// `POST /v1/enroll`: trade an operator-issued enrollment token for a device credential.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnrollRequest {
+    /// The enrollment token as issued by the operator.
+    pub enrollment_token: String,
+}
+
+/// Answer to [`EnrollRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnrollResponse {
+    /// The new device's id.
+    pub device_id: DeviceId,
+    /// Bearer credential for every later fleet call; the server keeps only its hash.
+    pub credential: String,
+}
+
+/// `POST /v1/check-in`: a device offers to participate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckInRequest {
+    /// Population the device belongs to; runs are scheduled per population.
+    pub population: String,
+}
+
+/// Answer to [`CheckInRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckInResponse {
+    /// The device is selected for a round.
+    Task(TaskAssignment),
+    /// Pace steering: nothing to do now; check in again after this many seconds.
+    ComeBackLater {
+        /// Seconds to wait before the next check-in.
+        retry_after_secs: u32,
+    },
+}
+
+/// A round assignment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskAssignment {
+    /// Run the round belongs to.
+    pub run_id: RunId,
+    /// Round to upload to.
+    pub round_idx: RoundIdx,
+    /// Version of the global model to train on.
+    pub model_version: ModelVersion,
+    /// Content hash of that model: `GET /v1/models/{model_hash}`.
+    pub model_hash: String,
+    /// Schema of the model and of the expected update.
+    pub schema: TensorSchema,
+    /// The plan's local training configuration, as JSON text, passed through untouched.
+    pub training_config: String,
+    /// Uploads after this instant are refused.
+    pub report_deadline_ms: Millis,
+}
+
+/// `POST /v1/runs/{run}/rounds/{round}/updates`: a device's update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UploadRequest {
+    /// The model version the delta was computed against.
+    pub model_version: ModelVersion,
+    /// Number of local examples trained on; the FedAvg weight.
+    pub example_count: u64,
+    /// Local training metrics (e.g. `loss`); averaged by example count.
+    pub metrics: BTreeMap<String, f64>,
+    /// Parameter delta (trained minus global), in the round's schema.
+    pub delta: TensorPayload,
+}
+
+/// Answer to an accepted [`UploadRequest`]; sent only after the update is durable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UploadAck {
+    /// Run of the round.
+    pub run_id: RunId,
+    /// Round the update was accepted into.
+    pub round_idx: RoundIdx,
+}
+
+/// `POST /v1/runs/{run}/evaluations`: metrics of a global model on a device's held-out data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvaluationReport {
+    /// Model version evaluated.
+    pub model_version: ModelVersion,
+    /// Number of held-out examples.
+    pub example_count: u64,
+    /// Metrics such as `accuracy` and `loss`.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,38 @@
+//! The CBOR codec on byte literals: tensors are byte strings, trailing garbage is refused.
+
+use super::*;
+use crate::tensor::{DType, TensorSpec};
+
+#[test]
+fn tensors_travel_as_one_byte_string() {
+    let schema = TensorSchema {
+        tensors: vec![TensorSpec { name: "w".into(), shape: vec![2], dtype: DType::F32 }],
+    };
+    let payload = schema.encode_f32(&[1.0, 2.0]);
+    let bytes = to_vec(&payload).unwrap();
+    // map(2) "schema_id" bytes(32) ... "data" bytes(8) 0000803f 00000040
+    assert_eq!(bytes[0], 0xa2);
+    assert!(bytes.ends_with(&[0x64, b'd', b'a', b't', b'a', 0x48, 0, 0, 0x80, 0x3f, 0, 0, 0, 0x40]));
+    assert_eq!(decode::<TensorPayload>(&bytes).unwrap(), payload);
+}
+
+#[test]
+fn check_in_response_encoding_is_pinned() {
+    let bytes = to_vec(&CheckInResponse::ComeBackLater { retry_after_secs: 5 }).unwrap();
+    expect_test::expect!["a16f636f6d655f6261636b5f6c61746572a17072657472795f61667465725f7365637305"]
+        .assert_eq(&hex::encode(&bytes));
+    assert_eq!(
+        decode::<CheckInResponse>(&bytes).unwrap(),
+        CheckInResponse::ComeBackLater { retry_after_secs: 5 }
+    );
+}
+
+#[test]
+fn malformed_and_trailing_bytes_are_errors() {
+    assert!(matches!(decode::<EnrollRequest>(&[0xff, 0x00]), Err(WireError::Malformed(_))));
+    assert!(matches!(decode::<EnrollRequest>(&[]), Err(WireError::Malformed(_))));
+    let mut bytes = to_vec(&EnrollRequest { enrollment_token: "t".into() }).unwrap();
+    bytes.push(0);
+    let err = decode::<EnrollRequest>(&bytes).unwrap_err();
+    assert_eq!(err.to_string(), "malformed cbor body: 1 trailing bytes after the message");
+}
