@@ -9,6 +9,7 @@
 //! the order in which updates arrive.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::tensor::{TensorError, TensorSchema};
 use crate::wire::UploadRequest;
@@ -43,17 +44,25 @@ pub enum UpdateError {
 }
 
 /// An update that passed validation; the only thing [`FedAvgAccumulator::add`] takes.
+///
+/// It keeps the delta as the validated little-endian bytes, shared, so the same buffer is
+/// written to the store and folded into the sum without another copy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidatedUpdate {
-    delta: Vec<f32>,
+    delta_le: Arc<Vec<u8>>,
     example_count: u64,
     metrics: BTreeMap<String, f64>,
 }
 
 impl ValidatedUpdate {
-    /// The parameter delta, flat, in schema order.
-    pub fn delta(&self) -> &[f32] {
-        &self.delta
+    /// The parameter delta as little-endian f32 bytes, flat, in schema order.
+    pub fn delta_le_bytes(&self) -> &Arc<Vec<u8>> {
+        &self.delta_le
+    }
+
+    /// The parameter delta's values.
+    pub fn delta_values(&self) -> impl ExactSizeIterator<Item = f32> + '_ {
+        self.delta_le.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
     }
 
     /// The FedAvg weight.
@@ -70,28 +79,28 @@ impl ValidatedUpdate {
 /// Checks an upload against the round's schema.
 pub fn validate_update(
     schema: &TensorSchema,
-    upload: &UploadRequest,
+    upload: UploadRequest,
 ) -> Result<ValidatedUpdate, UpdateError> {
     let expected = schema.schema_id();
     if upload.delta.schema_id != expected {
         return Err(TensorError::SchemaMismatch { expected, got: upload.delta.schema_id }.into());
     }
-    validate_parts(schema, &upload.delta.data, upload.example_count, &upload.metrics)
+    validate_parts(schema, upload.delta.data, upload.example_count, upload.metrics)
 }
 
 /// Checks an update given as its parts; used for uploads and for replaying stored updates.
 pub fn validate_parts(
     schema: &TensorSchema,
-    delta_le_bytes: &[u8],
+    delta_le: Vec<u8>,
     example_count: u64,
-    metrics: &BTreeMap<String, f64>,
+    metrics: BTreeMap<String, f64>,
 ) -> Result<ValidatedUpdate, UpdateError> {
     if example_count == 0 || example_count > MAX_EXAMPLE_COUNT {
         return Err(UpdateError::ExampleCount(example_count));
     }
-    validate_metrics(metrics)?;
-    let delta = schema.decode_f32_bytes(delta_le_bytes)?;
-    Ok(ValidatedUpdate { delta, example_count, metrics: metrics.clone() })
+    validate_metrics(&metrics)?;
+    schema.check_f32_bytes(&delta_le)?;
+    Ok(ValidatedUpdate { delta_le: Arc::new(delta_le), example_count, metrics })
 }
 
 /// Checks a metrics map: at most [`MAX_METRICS`] entries, short names, finite values.
@@ -101,7 +110,10 @@ pub fn validate_metrics(metrics: &BTreeMap<String, f64>) -> Result<(), UpdateErr
     }
     for (name, value) in metrics {
         if name.is_empty() || name.len() > 64 {
-            return Err(UpdateError::Metric { name: name.clone(), why: "name must be 1..=64 bytes" });
+            return Err(UpdateError::Metric {
+                name: name.clone(),
+                why: "name must be 1..=64 bytes",
+            });
         }
         if !value.is_finite() {
             return Err(UpdateError::Metric { name: name.clone(), why: "value is not finite" });
@@ -163,9 +175,13 @@ impl FedAvgAccumulator {
     /// If the update has another length than the accumulator: validation against the same
     /// schema makes that a bug.
     pub fn add(&mut self, update: &ValidatedUpdate) {
-        assert_eq!(update.delta.len(), self.hi.len(), "update validated against another schema");
+        assert_eq!(
+            update.delta_le.len(),
+            self.hi.len() * 4,
+            "update validated against another schema"
+        );
         let w = update.example_count as f64;
-        for ((hi, lo), &d) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(&update.delta) {
+        for ((hi, lo), d) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(update.delta_values()) {
             // w * d is exact (see MAX_EXAMPLE_COUNT); TwoSum keeps the rounding error of the add.
             let x = w * f64::from(d);
             let s = *hi + x;

@@ -163,8 +163,8 @@ impl Plan {
                 return Err(field("model.init.data_base64", "length does not match the schema"));
             }
         }
-        let target_selected =
-            ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32).max(self.cohort_size);
+        let target_selected = ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
+            .max(self.cohort_size);
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
             target_selected,
@@ -214,7 +214,10 @@ impl ValidatedPlan {
                 let bytes = decode_base64(data_base64)
                     .ok_or_else(|| field("model.init.data_base64", "not valid base64"))?;
                 if bytes.len() as u64 != schema.byte_len() {
-                    return Err(field("model.init.data_base64", "length does not match the schema"));
+                    return Err(field(
+                        "model.init.data_base64",
+                        "length does not match the schema",
+                    ));
                 }
                 let values = f32_from_le_bytes(&bytes);
                 if values.iter().any(|v| !v.is_finite()) {

@@ -83,6 +83,9 @@ pub enum Input {
     RoundClosed {
         /// The round.
         round_idx: RoundIdx,
+        /// Whether a new model version was committed; `false` for a failed round, and for a
+        /// `Commit` the driver could not carry out (the aggregate was not finite).
+        committed: bool,
     },
     /// The operator stopped the run.
     Stop,
@@ -423,9 +426,11 @@ impl RunMachine {
         })
     }
 
-    /// Whether `device` holds a task in the open round (a repeated check-in gets it again).
+    /// Whether `device` holds an unfinished task in the open round: selected, and no update
+    /// durable or in flight. A repeated check-in gets that task again (its answer may have been
+    /// lost); a device that already reported is paced like any other.
     pub fn has_task_for(&self, device: DeviceId) -> bool {
-        self.round.as_ref().is_some_and(|r| r.phase == Phase::Open && r.selected.contains(&device))
+        self.round.as_ref().is_some_and(|r| r.has_task_for(device))
     }
 
     /// Feeds one input.
@@ -437,7 +442,9 @@ impl RunMachine {
                 self.on_upload(request, device, round_idx, model_version)
             }
             Input::UploadPersisted { request, ok } => self.on_persisted(request, ok),
-            Input::RoundClosed { round_idx } => self.on_round_closed(round_idx),
+            Input::RoundClosed { round_idx, committed } => {
+                self.on_round_closed(round_idx, committed)
+            }
             Input::Stop => self.on_stop(),
         }
         self.check_progress();
@@ -495,17 +502,19 @@ impl RunMachine {
         let now = self.now;
         let selecting = self.is_selecting(now);
         let decision = match self.round.as_mut() {
-            Some(r) if r.phase == Phase::Open && r.selected.contains(&device) => {
-                selected_decision(&r.opened)
-            }
-            Some(r) if selecting => {
+            Some(r) if r.has_task_for(device) => selected_decision(&r.opened),
+            Some(r) if selecting && !r.selected.contains(&device) => {
                 r.selected.insert(device);
                 let round_idx = r.opened.round_idx;
                 self.actions.push_back(Action::PersistSelection { round_idx, device });
                 selected_decision(&r.opened)
             }
+            // Come back within one selection window (the next round may open as soon as this
+            // one has its cohort), or at the deadline if that is sooner.
             Some(r) if r.phase == Phase::Open => CheckInDecision::ComeBackLater {
-                after_ms: (r.opened.reporting_deadline - now).clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS),
+                after_ms: (r.opened.reporting_deadline - now)
+                    .min(self.config.selection_timeout_ms)
+                    .clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS),
             },
             Some(_) => CheckInDecision::ComeBackLater { after_ms: MIN_BACKOFF_MS },
             None => CheckInDecision::ComeBackLater { after_ms: MAX_BACKOFF_MS },
@@ -583,12 +592,13 @@ impl RunMachine {
         }
     }
 
-    fn on_round_closed(&mut self, round_idx: RoundIdx) {
+    fn on_round_closed(&mut self, round_idx: RoundIdx, committed: bool) {
         let Some(r) = self.round.as_ref() else { return };
         if r.phase != Phase::Committing || r.opened.round_idx != round_idx {
             return;
         }
-        let committed = r.outcome == Some(RoundOutcome::Commit);
+        debug_assert!(!committed || r.outcome == Some(RoundOutcome::Commit));
+        let committed = committed && r.outcome == Some(RoundOutcome::Commit);
         self.round = None;
         if committed {
             self.model_version = ModelVersion(self.model_version.0 + 1);
@@ -657,7 +667,9 @@ impl RunMachine {
             let outcome = match r.early_failure {
                 Some(failure) => failure,
                 None if n_reported >= cfg.min_quorum => RoundOutcome::Commit,
-                None => RoundOutcome::TooFewReports { reported: n_reported, quorum: cfg.min_quorum },
+                None => {
+                    RoundOutcome::TooFewReports { reported: n_reported, quorum: cfg.min_quorum }
+                }
             };
             r.outcome = Some(outcome);
             self.actions.push_back(Action::CloseRound(RoundClosing {
@@ -670,6 +682,15 @@ impl RunMachine {
                 closed_at: now,
             }));
         }
+    }
+}
+
+impl ActiveRound {
+    fn has_task_for(&self, device: DeviceId) -> bool {
+        self.phase == Phase::Open
+            && self.selected.contains(&device)
+            && !self.reported.contains(&device)
+            && !self.in_flight.values().any(|f| f.device == device)
     }
 }
 

@@ -215,18 +215,26 @@ impl TensorSchema {
 
     /// Decodes raw little-endian f32 bytes laid out in this schema (no schema id check).
     pub fn decode_f32_bytes(&self, bytes: &[u8]) -> Result<Vec<f32>, TensorError> {
+        self.check_f32_bytes(bytes)?;
+        Ok(f32_from_le_bytes(bytes))
+    }
+
+    /// Checks that raw little-endian f32 bytes fit this schema and hold only finite values.
+    pub fn check_f32_bytes(&self, bytes: &[u8]) -> Result<(), TensorError> {
         if bytes.len() as u64 != self.byte_len() {
             return Err(TensorError::ShapeMismatch {
                 expected: self.byte_len(),
                 got: bytes.len() as u64,
             });
         }
-        let values = f32_from_le_bytes(bytes);
-        if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+        // An f32 is finite iff its exponent bits are not all ones.
+        let non_finite =
+            bytes.chunks_exact(4).position(|c| (c[3] & 0x7f) == 0x7f && (c[2] & 0x80) != 0);
+        if let Some(index) = non_finite {
             let tensor = self.tensor_at(index as u64).map(|t| t.name.clone()).unwrap_or_default();
             return Err(TensorError::NonFinite { index: index as u64, tensor });
         }
-        Ok(values)
+        Ok(())
     }
 
     /// Encodes values laid out in this schema as a tagged payload.

@@ -43,9 +43,13 @@ pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, WireError> {
 
 /// Decodes one message, rejecting trailing bytes.
 pub fn decode<T: DeserializeOwned>(mut bytes: &[u8]) -> Result<T, WireError> {
-    let value = ciborium::from_reader(&mut bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let value =
+        ciborium::from_reader(&mut bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
     if !bytes.is_empty() {
-        return Err(WireError::Malformed(format!("{} trailing bytes after the message", bytes.len())));
+        return Err(WireError::Malformed(format!(
+            "{} trailing bytes after the message",
+            bytes.len()
+        )));
     }
     Ok(value)
 }

@@ -8,13 +8,15 @@ use super::*;
 use crate::tensor::{DType, TensorSpec};
 
 fn schema(n: u64) -> TensorSchema {
-    TensorSchema { tensors: vec![TensorSpec { name: "p".into(), shape: vec![n], dtype: DType::F32 }] }
+    TensorSchema {
+        tensors: vec![TensorSpec { name: "p".into(), shape: vec![n], dtype: DType::F32 }],
+    }
 }
 
 fn update(values: &[f32], count: u64) -> ValidatedUpdate {
     let s = schema(values.len() as u64);
     let bytes = crate::tensor::f32_to_le_bytes(values);
-    validate_parts(&s, &bytes, count, &BTreeMap::from([("loss".to_owned(), 1.0)])).unwrap()
+    validate_parts(&s, bytes, count, BTreeMap::from([("loss".to_owned(), 1.0)])).unwrap()
 }
 
 #[test]
@@ -22,16 +24,25 @@ fn validation_rejects_each_bad_field() {
     let s = schema(2);
     let ok = crate::tensor::f32_to_le_bytes(&[1.0, 2.0]);
     let no_metrics = BTreeMap::new();
-    assert_eq!(validate_parts(&s, &ok, 0, &no_metrics), Err(UpdateError::ExampleCount(0)));
+    assert_eq!(
+        validate_parts(&s, ok.clone(), 0, no_metrics.clone()),
+        Err(UpdateError::ExampleCount(0))
+    );
     assert!(matches!(
-        validate_parts(&s, &ok, 1, &BTreeMap::from([("loss".to_owned(), f64::INFINITY)])),
+        validate_parts(&s, ok.clone(), 1, BTreeMap::from([("loss".to_owned(), f64::INFINITY)])),
         Err(UpdateError::Metric { why: "value is not finite", .. })
     ));
     assert!(matches!(
-        validate_parts(&s, &ok[..4], 1, &no_metrics),
+        validate_parts(&s, ok[..4].to_vec(), 1, no_metrics.clone()),
         Err(UpdateError::Tensor(TensorError::ShapeMismatch { .. }))
     ));
-    assert!(validate_parts(&s, &ok, 1, &no_metrics).is_ok());
+    let mut inf = ok.clone();
+    inf[4..].copy_from_slice(&f32::NEG_INFINITY.to_le_bytes());
+    assert!(matches!(
+        validate_parts(&s, inf, 1, no_metrics.clone()),
+        Err(UpdateError::Tensor(TensorError::NonFinite { index: 1, .. }))
+    ));
+    assert!(validate_parts(&s, ok, 1, no_metrics).is_ok());
 }
 
 #[test]

@@ -71,8 +71,8 @@ impl Trace {
         self.input(Input::UploadPersisted { request, ok });
     }
 
-    fn closed(&mut self, round: i64) {
-        self.input(Input::RoundClosed { round_idx: RoundIdx(round) });
+    fn closed(&mut self, round: i64, committed: bool) {
+        self.input(Input::RoundClosed { round_idx: RoundIdx(round), committed });
     }
 
     fn advance_to(&mut self, now: Millis) {
@@ -99,7 +99,7 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
     t.persisted(b, true); // slot 1 persists first: folded only after slot 0
     t.persisted(a, true);
     t.upload(12, 0); // cohort reached: round is committing
-    t.closed(0);
+    t.closed(0, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
@@ -112,7 +112,7 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12) }
           ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
         t=0 CheckIn { request: RequestId(4), device: DeviceId(13) }
-          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 5000 } }
+          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1000 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
@@ -127,7 +127,7 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
         t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           ReplyUpload { request: RequestId(7), result: Err(RoundClosed) }
           DropPayload { request: RequestId(7) }
-        t=0 RoundClosed { round_idx: RoundIdx(0) }
+        t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(1), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
     "#]]);
 }
@@ -142,7 +142,9 @@ fn bad_uploads_are_refused_without_state_change() {
     t.upload(10, 0); // duplicate while persisting
     t.persisted(a, true);
     t.upload(10, 0); // duplicate after
-    t.check_in(10); // repeated check-in: same task, nothing persisted again
+    t.check_in(10); // already reported: paced, not handed the task again
+    t.check_in(11);
+    t.check_in(11); // repeated check-in before uploading: same task, nothing persisted again
     let request = t.req();
     t.input(Input::Upload {
         request,
@@ -173,10 +175,15 @@ fn bad_uploads_are_refused_without_state_change() {
           ReplyUpload { request: RequestId(6), result: Err(Duplicate) }
           DropPayload { request: RequestId(6) }
         t=0 CheckIn { request: RequestId(7), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(7), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
-        t=0 Upload { request: RequestId(8), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3) }
-          ReplyUpload { request: RequestId(8), result: Err(Duplicate) }
-          DropPayload { request: RequestId(8) }
+          ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1000 } }
+        t=0 CheckIn { request: RequestId(8), device: DeviceId(11) }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
+          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 CheckIn { request: RequestId(9), device: DeviceId(11) }
+          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+        t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3) }
+          ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
+          DropPayload { request: RequestId(10) }
     "#]]);
 }
 
@@ -211,7 +218,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
     let mut t = Trace::new();
     t.check_in(10);
     t.advance_to(1_000);
-    t.closed(0);
+    t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
@@ -219,7 +226,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
         t=1000 timeout (poll_timeout was Some(1000))
           CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 })
-        t=1000 RoundClosed { round_idx: RoundIdx(0) }
+        t=1000 RoundClosed { round_idx: RoundIdx(0), committed: false }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 1000, selection_deadline: 2000, reporting_deadline: 6000 })
     "#]]);
 }
@@ -232,7 +239,7 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
     let a = t.upload(10, 0);
     t.advance_to(5_000);
     t.persisted(a, true);
-    t.closed(0);
+    t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
@@ -248,7 +255,7 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
           ReplyUpload { request: RequestId(3), result: Ok(()) }
           FoldUpdate { request: RequestId(3) }
           CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewReports { reported: 1, quorum: 2 }, n_selected: 2, n_reported: 1, n_dropped: 1, closed_at: 5000 })
-        t=5000 RoundClosed { round_idx: RoundIdx(0) }
+        t=5000 RoundClosed { round_idx: RoundIdx(0), committed: false }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 5000, selection_deadline: 6000, reporting_deadline: 10000 })
     "#]]);
 }
@@ -280,12 +287,12 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
     }
     t.lines.clear();
     t.input(Input::Stop);
-    t.closed(0);
+    t.closed(0, true);
     assert_eq!(t.m.status(), RunStatus::Stopped);
     assert_eq!(t.m.model_version(), ModelVersion(1), "the committing round still commits");
     t.check(expect![[r#"
         t=0 Stop
-        t=0 RoundClosed { round_idx: RoundIdx(0) }
+        t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
           StopRun { open_round: None }
     "#]]);
 }
@@ -323,7 +330,10 @@ fn restore_resumes_open_round_and_continues_slots() {
     );
     assert_eq!(
         m.poll_action(),
-        Some(Action::ReplyUpload { request: RequestId(1), result: Err(UploadRejection::Duplicate) })
+        Some(Action::ReplyUpload {
+            request: RequestId(1),
+            result: Err(UploadRejection::Duplicate)
+        })
     );
     m.poll_action();
     m.handle(
@@ -379,11 +389,10 @@ fn simulation_never_hangs() {
         let mut uploads = vec![];
         while let Some(a) = m.poll_action() {
             match a {
-                Action::ReplyCheckIn { decision: CheckInDecision::Selected { round_idx, model_version, .. }, .. }
-                    if rand() % 4 != 0 =>
-                {
-                    uploads.push((round_idx, model_version))
-                }
+                Action::ReplyCheckIn {
+                    decision: CheckInDecision::Selected { round_idx, model_version, .. },
+                    ..
+                } if rand() % 4 != 0 => uploads.push((round_idx, model_version)),
                 Action::PersistUpdate { request, .. } => persisting.push(request),
                 Action::CloseRound(c) => closes.push(c),
                 _ => {}
@@ -391,7 +400,15 @@ fn simulation_never_hangs() {
         }
         for (round_idx, model_version) in uploads {
             next_request += 1;
-            m.handle(now, Input::Upload { request: RequestId(next_request), device, round_idx, model_version });
+            m.handle(
+                now,
+                Input::Upload {
+                    request: RequestId(next_request),
+                    device,
+                    round_idx,
+                    model_version,
+                },
+            );
         }
         if rand() % 3 == 0 {
             for request in persisting.drain(..) {
@@ -410,7 +427,13 @@ fn simulation_never_hangs() {
             if c.outcome == RoundOutcome::Commit {
                 assert!(c.n_reported >= config.min_quorum);
             }
-            m.handle(now, Input::RoundClosed { round_idx: c.round_idx });
+            m.handle(
+                now,
+                Input::RoundClosed {
+                    round_idx: c.round_idx,
+                    committed: c.outcome == RoundOutcome::Commit,
+                },
+            );
         }
         now += (rand() % 200) as i64;
         if m.poll_timeout().is_some_and(|t| t <= now) {

@@ -61,3 +61,33 @@ fn decode_names_the_problem() {
     p.schema_id.0[0] ^= 1;
     assert!(matches!(s.decode_f32(&p), Err(TensorError::SchemaMismatch { .. })));
 }
+
+#[test]
+fn finiteness_check_agrees_with_is_finite_on_special_values() {
+    let s = TensorSchema {
+        tensors: vec![TensorSpec { name: "x".into(), shape: vec![1], dtype: DType::F32 }],
+    };
+    let specials = [
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        1.0e-45,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xff7f_ffff),
+    ];
+    for v in specials {
+        assert_eq!(
+            s.check_f32_bytes(&v.to_le_bytes()).is_ok(),
+            v.is_finite(),
+            "{v:?} {:#x}",
+            v.to_bits()
+        );
+    }
+}

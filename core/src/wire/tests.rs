@@ -12,15 +12,19 @@ fn tensors_travel_as_one_byte_string() {
     let bytes = to_vec(&payload).unwrap();
     // map(2) "schema_id" bytes(32) ... "data" bytes(8) 0000803f 00000040
     assert_eq!(bytes[0], 0xa2);
-    assert!(bytes.ends_with(&[0x64, b'd', b'a', b't', b'a', 0x48, 0, 0, 0x80, 0x3f, 0, 0, 0, 0x40]));
+    assert!(
+        bytes.ends_with(&[0x64, b'd', b'a', b't', b'a', 0x48, 0, 0, 0x80, 0x3f, 0, 0, 0, 0x40])
+    );
     assert_eq!(decode::<TensorPayload>(&bytes).unwrap(), payload);
 }
 
 #[test]
 fn check_in_response_encoding_is_pinned() {
     let bytes = to_vec(&CheckInResponse::ComeBackLater { retry_after_secs: 5 }).unwrap();
-    expect_test::expect!["a16f636f6d655f6261636b5f6c61746572a17072657472795f61667465725f7365637305"]
-        .assert_eq(&hex::encode(&bytes));
+    expect_test::expect![
+        "a16f636f6d655f6261636b5f6c61746572a17072657472795f61667465725f7365637305"
+    ]
+    .assert_eq(&hex::encode(&bytes));
     assert_eq!(
         decode::<CheckInResponse>(&bytes).unwrap(),
         CheckInResponse::ComeBackLater { retry_after_secs: 5 }

@@ -1,0 +1,157 @@
+//! The `starling-coordinator` command line: `serve`, `migrate`, `demo`.
+//!
+//! Configuration is read in two phases: flags and environment variables (clap) over an
+//! optional TOML file ([`FileConfig`]), then resolved into a validated [`ServeConfig`].
+//! This module is binary glue kept in the library so that the end-to-end tests can run the
+//! very same entry point as a child process; it is the one place in the crate that uses anyhow.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::Deserialize;
+
+use crate::ServeConfig;
+
+/// Default embedded store, relative to the working directory.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite://starling-data/starling.db";
+/// Default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "starling-coordinator",
+    version,
+    about = "Starling federated-learning coordinator"
+)]
+struct Cli {
+    /// Log format.
+    #[arg(long, global = true, env = "STARLING_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the fleet and admin APIs.
+    Serve(ServeArgs),
+    /// Apply database migrations and exit.
+    Migrate(MigrateArgs),
+    /// Run a self-contained demo: an embedded-store coordinator and simulated devices.
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// TOML file with any of: listen, database_url, operator_token, migrate.
+    #[arg(long, env = "STARLING_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:8080].
+    #[arg(long, env = "STARLING_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// postgres://... or sqlite://... [default: sqlite://starling-data/starling.db].
+    #[arg(long, env = "STARLING_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Operator credential for the admin API (required).
+    #[arg(long, env = "STARLING_OPERATOR_TOKEN", hide_env_values = true)]
+    operator_token: Option<String>,
+    /// Do not apply migrations at start.
+    #[arg(long)]
+    no_migrate: bool,
+}
+
+#[derive(Debug, Args)]
+struct MigrateArgs {
+    /// postgres://... or sqlite://...
+    #[arg(long, env = "STARLING_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+    database_url: String,
+}
+
+/// The optional configuration file, as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Listen address.
+    pub listen: Option<SocketAddr>,
+    /// Database URL.
+    pub database_url: Option<String>,
+    /// Operator credential.
+    pub operator_token: Option<String>,
+    /// Apply migrations at start (default true).
+    pub migrate: Option<bool>,
+}
+
+fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
+    let file = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading config {}", path.display()))?;
+            toml::from_str::<FileConfig>(&text)
+                .with_context(|| format!("parsing config {}", path.display()))?
+        }
+        None => FileConfig::default(),
+    };
+    let listen = match args.listen.or(file.listen) {
+        Some(addr) => addr,
+        None => DEFAULT_LISTEN.parse().expect("default address parses"),
+    };
+    let database_url =
+        args.database_url.or(file.database_url).unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
+    let Some(operator_token) = args.operator_token.or(file.operator_token) else {
+        bail!(
+            "an operator token is required: --operator-token, STARLING_OPERATOR_TOKEN or operator_token in the config file"
+        );
+    };
+    if operator_token.len() < 16 {
+        bail!("the operator token must be at least 16 characters");
+    }
+    let migrate = !args.no_migrate && file.migrate.unwrap_or(true);
+    Ok(ServeConfig { listen, database_url, operator_token, migrate })
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn,tower_http=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// The binary's entry point.
+pub fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => {
+                let config = resolve(args)?;
+                tracing::info!(listen = %config.listen, database = %crate::store::redact(&config.database_url), "starting");
+                let running = crate::start(config).await.context("starting the coordinator")?;
+                tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+                tracing::info!("shutting down");
+                running.shutdown().await?;
+                Ok(())
+            }
+            Command::Migrate(args) => {
+                crate::store::SqlStore::connect(&args.database_url, true).await.context("migrating")?;
+                tracing::info!("migrations applied");
+                Ok(())
+            }
+            Command::Demo(args) => crate::demo::run(args).await,
+        }
+    })
+}

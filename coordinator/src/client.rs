@@ -1,0 +1,259 @@
+//! Minimal HTTP clients for the fleet and admin APIs, over reqwest.
+//!
+//! The demo's built-in load clients, the end-to-end tests and the benchmark use these until the
+//! client SDK (`starling-client`) brings its own protocol client; keeping one implementation
+//! here means every caller speaks the API the same way.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use starling_core::tensor::TensorPayload;
+use starling_core::wire::{
+    self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
+    ErrorBody, EvaluationReport, UploadAck, UploadRequest,
+};
+use starling_core::{RoundIdx, RunId};
+
+use crate::http::admin::{EnrollmentToken, ModelView, RoundView, RunView};
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// Transport failure (connection refused, reset, timeout).
+    #[error("http transport: {0}")]
+    Transport(#[from] reqwest::Error),
+    /// The server answered with an error body.
+    #[error("{status}: {body:?}")]
+    Api {
+        /// HTTP status.
+        status: StatusCode,
+        /// The error body.
+        body: ErrorBody,
+    },
+    /// The answer could not be decoded.
+    #[error("undecodable answer: {0}")]
+    Decode(String),
+}
+
+impl ClientError {
+    /// The HTTP status of an API error.
+    pub fn status(&self) -> Option<StatusCode> {
+        match self {
+            ClientError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .pool_max_idle_per_host(4)
+        .build()
+        .expect("building the http client")
+}
+
+/// A device's view of the fleet API.
+#[derive(Debug, Clone)]
+pub struct FleetClient {
+    http: reqwest::Client,
+    base: String,
+    credential: Option<String>,
+}
+
+impl FleetClient {
+    /// A client for the coordinator at `base` (e.g. `http://127.0.0.1:8080`).
+    pub fn new(base: &str) -> Self {
+        FleetClient {
+            http: http_client(),
+            base: base.trim_end_matches('/').to_owned(),
+            credential: None,
+        }
+    }
+
+    /// A client that authenticates with `credential`.
+    pub fn with_credential(base: &str, credential: &str) -> Self {
+        FleetClient { credential: Some(credential.to_owned()), ..Self::new(base) }
+    }
+
+    /// Trades an enrollment token for a credential, and keeps it.
+    pub async fn enroll(&mut self, enrollment_token: &str) -> Result<EnrollResponse, ClientError> {
+        let res: EnrollResponse = self
+            .post("/v1/enroll", &EnrollRequest { enrollment_token: enrollment_token.to_owned() })
+            .await?;
+        self.credential = Some(res.credential.clone());
+        Ok(res)
+    }
+
+    /// Checks in.
+    pub async fn check_in(&self, population: &str) -> Result<CheckInResponse, ClientError> {
+        self.post("/v1/check-in", &CheckInRequest { population: population.to_owned() }).await
+    }
+
+    /// Downloads a model by content hash.
+    pub async fn model(&self, hash: &str) -> Result<TensorPayload, ClientError> {
+        let res =
+            self.authed(self.http.get(format!("{}/v1/models/{hash}", self.base))).send().await?;
+        decode_cbor(res).await
+    }
+
+    /// Uploads an update.
+    pub async fn upload(
+        &self,
+        run: RunId,
+        round: RoundIdx,
+        update: &UploadRequest,
+    ) -> Result<UploadAck, ClientError> {
+        self.post(&format!("/v1/runs/{run}/rounds/{round}/updates"), update).await
+    }
+
+    /// Reports an evaluation.
+    pub async fn evaluate(&self, run: RunId, report: &EvaluationReport) -> Result<(), ClientError> {
+        let body = wire::to_vec(report).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let (status, bytes) =
+            self.post_raw(&format!("/v1/runs/{run}/evaluations"), body, CBOR_MEDIA_TYPE).await?;
+        if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
+    }
+
+    /// Posts raw bytes and returns status and body as they came; for tests of bad input.
+    pub async fn post_raw(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        content_type: &str,
+    ) -> Result<(StatusCode, Vec<u8>), ClientError> {
+        let res = self
+            .authed(self.http.post(format!("{}{path}", self.base)))
+            .header(CONTENT_TYPE, content_type)
+            .body(body)
+            .send()
+            .await?;
+        let status = res.status();
+        Ok((status, res.bytes().await?.to_vec()))
+    }
+
+    async fn post<Req: Serialize, Res: DeserializeOwned>(
+        &self,
+        path: &str,
+        req: &Req,
+    ) -> Result<Res, ClientError> {
+        let body = wire::to_vec(req).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let res = self
+            .authed(self.http.post(format!("{}{path}", self.base)))
+            .header(CONTENT_TYPE, CBOR_MEDIA_TYPE)
+            .body(body)
+            .send()
+            .await?;
+        decode_cbor(res).await
+    }
+
+    fn authed(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.credential {
+            Some(c) => req.header(AUTHORIZATION, format!("Bearer {c}")),
+            None => req,
+        }
+    }
+}
+
+async fn decode_cbor<T: DeserializeOwned>(res: reqwest::Response) -> Result<T, ClientError> {
+    let status = res.status();
+    let bytes = res.bytes().await?;
+    if !status.is_success() {
+        return Err(api_error(status, &bytes));
+    }
+    wire::decode(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+}
+
+/// Decodes an error body, CBOR or JSON.
+pub fn api_error(status: StatusCode, bytes: &[u8]) -> ClientError {
+    let body = wire::decode::<ErrorBody>(bytes)
+        .ok()
+        .or_else(|| serde_json::from_slice(bytes).ok())
+        .unwrap_or_else(|| ErrorBody {
+            code: wire::ErrorCode::Internal,
+            message: String::from_utf8_lossy(bytes).into_owned(),
+        });
+    ClientError::Api { status, body }
+}
+
+/// An operator's view of the admin API.
+#[derive(Debug, Clone)]
+pub struct AdminClient {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl AdminClient {
+    /// A client for the coordinator at `base` with the operator token.
+    pub fn new(base: &str, token: &str) -> Self {
+        AdminClient {
+            http: http_client(),
+            base: base.trim_end_matches('/').to_owned(),
+            token: token.to_owned(),
+        }
+    }
+
+    /// Issues an enrollment token.
+    pub async fn enrollment_token(&self, uses: Option<i64>) -> Result<String, ClientError> {
+        let t: EnrollmentToken = self
+            .send(
+                reqwest::Method::POST,
+                "/v1/admin/enrollment-tokens",
+                Some(serde_json::json!({ "uses": uses })),
+            )
+            .await?;
+        Ok(t.token)
+    }
+
+    /// Creates a run from a plan (JSON as the API takes it).
+    pub async fn create_run(&self, plan: &serde_json::Value) -> Result<RunView, ClientError> {
+        self.send(reqwest::Method::POST, "/v1/admin/runs", Some(plan.clone())).await
+    }
+
+    /// One run.
+    pub async fn run(&self, run: RunId) -> Result<RunView, ClientError> {
+        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}"), None).await
+    }
+
+    /// A run's rounds.
+    pub async fn rounds(&self, run: RunId) -> Result<Vec<RoundView>, ClientError> {
+        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds"), None).await
+    }
+
+    /// A run's model versions.
+    pub async fn models(&self, run: RunId) -> Result<Vec<ModelView>, ClientError> {
+        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/models"), None).await
+    }
+
+    /// Stops a run.
+    pub async fn stop(&self, run: RunId) -> Result<RunView, ClientError> {
+        self.send(reqwest::Method::POST, &format!("/v1/admin/runs/{run}/stop"), None).await
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<T, ClientError> {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .header(AUTHORIZATION, format!("Bearer {}", self.token));
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let res = req.send().await?;
+        let status = res.status();
+        let bytes = res.bytes().await?;
+        if !status.is_success() {
+            return Err(api_error(status, &bytes));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+}

@@ -1,0 +1,183 @@
+//! The HTTP edge: router, shared state, and the extractors every route uses.
+//!
+//! * [`fleet`]: the device API, CBOR bodies, device credentials.
+//! * [`admin`]: the operator API, JSON bodies, the operator credential.
+//! * [`error`]: the one [`ApiError`] and its rendering.
+//!
+//! Handlers authenticate, bound and decode input, then either read the store (queries) or ask
+//! the driver (anything that changes round state).
+
+pub mod admin;
+pub mod error;
+pub mod fleet;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequestParts, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, header};
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use starling_core::plan::{Plan, ValidatedPlan};
+use starling_core::wire::{self, CBOR_MEDIA_TYPE};
+use starling_core::{DeviceId, RunId};
+
+pub use error::ApiError;
+use error::{ErrorFormat, render_errors};
+
+use crate::driver::DriverHandle;
+use crate::store::SqlStore;
+
+/// State shared by every handler.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    driver: DriverHandle,
+    store: SqlStore,
+    operator_token_hash: [u8; 32],
+    plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
+}
+
+impl AppState {
+    /// State over a running driver and its store.
+    pub fn new(driver: DriverHandle, store: SqlStore, operator_token: &str) -> Self {
+        AppState {
+            inner: Arc::new(Inner {
+                driver,
+                store,
+                operator_token_hash: sha256(operator_token.as_bytes()),
+                plans: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    fn store(&self) -> &SqlStore {
+        &self.inner.store
+    }
+
+    fn driver(&self) -> &DriverHandle {
+        &self.inner.driver
+    }
+
+    /// A run's validated plan; plans never change, so they are cached after the first read.
+    async fn plan(&self, run_id: RunId) -> Result<Arc<ValidatedPlan>, ApiError> {
+        if let Some(plan) = self.inner.plans.lock().expect("plan cache poisoned").get(&run_id) {
+            return Ok(plan.clone());
+        }
+        let row = self
+            .store()
+            .run(run_id)
+            .await?
+            .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+        let plan: Plan =
+            serde_json::from_str(&row.plan_json).map_err(|e| ApiError::internal(&e))?;
+        let plan = Arc::new(plan.validate().map_err(|e| ApiError::internal(&e))?);
+        self.inner.plans.lock().expect("plan cache poisoned").insert(run_id, plan.clone());
+        Ok(plan)
+    }
+}
+
+/// The whole application.
+pub fn router(state: AppState) -> Router {
+    let fleet = fleet::routes()
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
+    let admin = admin::routes()
+        .route("/healthz", get(healthz))
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
+    fleet.merge(admin).with_state(state)
+}
+
+/// Liveness and readiness: 200 when the store answers, 503 otherwise.
+async fn healthz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    state.store().ping().await?;
+    Ok("ok")
+}
+
+/// A CBOR response body.
+pub struct Cbor<T>(pub T);
+
+impl<T: Serialize> IntoResponse for Cbor<T> {
+    fn into_response(self) -> Response {
+        match wire::to_vec(&self.0) {
+            Ok(bytes) => {
+                ([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
+                    .into_response()
+            }
+            Err(e) => ApiError::internal(&e).into_response(),
+        }
+    }
+}
+
+/// Reads a whole body, refusing more than `limit` bytes with 413.
+pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            starling_core::wire::ErrorCode::BodyTooLarge,
+            format!("body exceeds the limit of {limit} bytes"),
+        )
+    })
+}
+
+/// An authenticated device (`Authorization: Bearer <credential>`).
+pub struct DeviceAuth(pub DeviceId);
+
+impl FromRequestParts<AppState> for DeviceAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let credential =
+            bearer(parts).ok_or_else(|| ApiError::unauthorized("missing bearer credential"))?;
+        let hash = hex::encode(sha256(credential.as_bytes()));
+        match state.store().device_by_credential(&hash).await? {
+            Some(device) => Ok(DeviceAuth(device)),
+            None => Err(ApiError::unauthorized("unknown or revoked device credential")),
+        }
+    }
+}
+
+/// The operator (`Authorization: Bearer <operator token>`).
+pub struct Operator;
+
+impl FromRequestParts<AppState> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token =
+            bearer(parts).ok_or_else(|| ApiError::unauthorized("missing operator credential"))?;
+        // Comparing digests keeps the comparison time independent of where the strings differ.
+        if sha256(token.as_bytes()) == state.inner.operator_token_hash {
+            Ok(Operator)
+        } else {
+            Err(ApiError::unauthorized("wrong operator credential"))
+        }
+    }
+}
+
+fn bearer(parts: &Parts) -> Option<&str> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let token = value.strip_prefix("Bearer ")?.trim();
+    (!token.is_empty()).then_some(token)
+}
+
+/// SHA-256 of `bytes`.
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// A fresh random secret, hex-encoded, with a prefix naming its kind.
+pub fn random_secret(prefix: &str) -> String {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).expect("the OS random source failed");
+    format!("{prefix}_{}", hex::encode(bytes))
+}

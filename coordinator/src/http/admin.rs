@@ -1,0 +1,328 @@
+//! The admin API: what operators (and the dashboard) call, in JSON, with the operator credential.
+
+use std::collections::BTreeMap;
+
+use axum::Router;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use starling_core::fedavg::MetricsAccumulator;
+use starling_core::plan::Plan;
+use starling_core::wire::ErrorCode;
+use starling_core::{ModelVersion, RunId};
+
+use super::{ApiError, AppState, Operator, random_secret, sha256};
+use crate::clock::now_ms;
+use crate::driver::{Event, InitialModel};
+use crate::store::{ModelInfo, RoundRow, RunRow};
+
+/// The admin routes.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/admin/enrollment-tokens", post(create_enrollment_token))
+        .route("/v1/admin/runs", post(create_run).get(list_runs))
+        .route("/v1/admin/runs/{run_id}", get(get_run))
+        .route("/v1/admin/runs/{run_id}/rounds", get(list_rounds))
+        .route("/v1/admin/runs/{run_id}/models", get(list_models))
+        .route("/v1/admin/runs/{run_id}/stop", post(stop_run))
+}
+
+/// `Json` whose rejections use our error body.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct AppJson<T>(pub T);
+
+impl<T: Serialize> axum::response::IntoResponse for AppJson<T> {
+    fn into_response(self) -> axum::response::Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        ApiError::new(rejection.status(), ErrorCode::MalformedBody, rejection.body_text())
+    }
+}
+
+/// `POST /v1/admin/enrollment-tokens` body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewEnrollmentToken {
+    /// How many devices may enroll with it (unlimited if absent).
+    pub uses: Option<i64>,
+    /// Lifetime in seconds (no expiry if absent).
+    pub ttl_secs: Option<i64>,
+}
+
+/// A freshly issued enrollment token; shown once, stored only as a hash.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EnrollmentToken {
+    /// The token.
+    pub token: String,
+    /// Expiry, if any.
+    pub expires_at_ms: Option<i64>,
+}
+
+async fn create_enrollment_token(
+    State(state): State<AppState>,
+    _op: Operator,
+    AppJson(req): AppJson<NewEnrollmentToken>,
+) -> Result<(StatusCode, AppJson<EnrollmentToken>), ApiError> {
+    if req.uses.is_some_and(|u| u < 1) || req.ttl_secs.is_some_and(|t| t < 1) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidField,
+            "uses and ttl_secs must be positive",
+        ));
+    }
+    let token = random_secret("stenr");
+    let now = now_ms();
+    let expires_at_ms = req.ttl_secs.map(|t| now.saturating_add(t.saturating_mul(1000)));
+    state
+        .store()
+        .create_enrollment_token(
+            &hex::encode(sha256(token.as_bytes())),
+            now,
+            expires_at_ms,
+            req.uses,
+        )
+        .await?;
+    Ok((StatusCode::CREATED, AppJson(EnrollmentToken { token, expires_at_ms })))
+}
+
+/// A run as the admin API shows it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RunView {
+    /// Run id.
+    pub id: i64,
+    /// Display name.
+    pub name: Option<String>,
+    /// Population.
+    pub population: String,
+    /// `running`, `finished` or `stopped`.
+    pub status: String,
+    /// Latest committed model version.
+    pub model_version: i64,
+    /// Its content hash.
+    pub model_hash: Option<String>,
+    /// Rounds committed.
+    pub rounds_committed: i64,
+    /// Rounds planned.
+    pub total_rounds: u32,
+    /// Creation time.
+    pub created_at_ms: i64,
+    /// Last transition.
+    pub updated_at_ms: i64,
+    /// The plan.
+    pub plan: serde_json::Value,
+}
+
+async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
+    let plan: serde_json::Value =
+        serde_json::from_str(&row.plan_json).map_err(|e| ApiError::internal(&e))?;
+    let total_rounds = plan.get("rounds").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
+    let model_hash =
+        state.store().model_hash(RunId(row.id), ModelVersion(row.model_version)).await?;
+    Ok(RunView {
+        id: row.id,
+        name: row.name,
+        population: row.population,
+        status: row.status,
+        model_version: row.model_version,
+        model_hash,
+        rounds_committed: row.rounds_committed,
+        total_rounds,
+        created_at_ms: row.created_at_ms,
+        updated_at_ms: row.updated_at_ms,
+        plan,
+    })
+}
+
+async fn create_run(
+    State(state): State<AppState>,
+    _op: Operator,
+    AppJson(plan): AppJson<Plan>,
+) -> Result<(StatusCode, AppJson<RunView>), ApiError> {
+    let plan = plan.validate().map_err(|e| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidPlan, e.to_string())
+    })?;
+    // Initialization and encoding are O(model): keep them off the async threads.
+    let (plan, initial) = tokio::task::spawn_blocking(move || {
+        let values =
+            plan.initial_parameters(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())?;
+        let initial = InitialModel::new(plan.schema(), values);
+        Ok::<_, starling_core::plan::PlanError>((plan, initial))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))?
+    .map_err(|e| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidPlan, e.to_string())
+    })?;
+    let run_id = state
+        .driver()
+        .call(|reply| Event::CreateRun { plan: Box::new(plan), initial, reply })
+        .await?;
+    let row = state
+        .store()
+        .run(run_id)
+        .await?
+        .ok_or_else(|| ApiError::internal(&"created run vanished"))?;
+    Ok((StatusCode::CREATED, AppJson(run_view(&state, row).await?)))
+}
+
+async fn list_runs(
+    State(state): State<AppState>,
+    _op: Operator,
+) -> Result<AppJson<Vec<RunView>>, ApiError> {
+    let mut out = vec![];
+    for row in state.store().runs().await? {
+        out.push(run_view(&state, row).await?);
+    }
+    Ok(AppJson(out))
+}
+
+async fn get_run(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(run_id): Path<i64>,
+) -> Result<AppJson<RunView>, ApiError> {
+    let row = state
+        .store()
+        .run(RunId(run_id))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+    Ok(AppJson(run_view(&state, row).await?))
+}
+
+/// A round as the admin API shows it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RoundView {
+    /// Round index.
+    pub round_idx: i64,
+    /// Model version trained on.
+    pub model_version: i64,
+    /// `open`, `committed` or `failed`.
+    pub state: String,
+    /// Opening time.
+    pub opened_at_ms: i64,
+    /// End of selection.
+    pub selection_deadline_ms: i64,
+    /// Reporting deadline.
+    pub reporting_deadline_ms: i64,
+    /// Closing time.
+    pub closed_at_ms: Option<i64>,
+    /// Devices selected.
+    pub n_selected: i64,
+    /// Durable updates.
+    pub n_reported: i64,
+    /// Selected but not reported (once closed).
+    pub n_dropped: Option<i64>,
+    /// How it ended.
+    pub outcome: Option<serde_json::Value>,
+    /// Example-weighted mean of the clients' training metrics.
+    pub metrics: Option<BTreeMap<String, f64>>,
+}
+
+impl From<RoundRow> for RoundView {
+    fn from(r: RoundRow) -> Self {
+        RoundView {
+            round_idx: r.round_idx,
+            model_version: r.model_version,
+            state: r.state,
+            opened_at_ms: r.opened_at_ms,
+            selection_deadline_ms: r.selection_deadline_ms,
+            reporting_deadline_ms: r.reporting_deadline_ms,
+            closed_at_ms: r.closed_at_ms,
+            n_selected: r.n_selected.unwrap_or(0),
+            n_reported: r.n_reported.unwrap_or(0),
+            n_dropped: r.n_dropped,
+            outcome: r.outcome_json.and_then(|j| serde_json::from_str(&j).ok()),
+            metrics: r.metrics_json.and_then(|j| serde_json::from_str(&j).ok()),
+        }
+    }
+}
+
+async fn existing_run(state: &AppState, run_id: i64) -> Result<RunId, ApiError> {
+    match state.store().run(RunId(run_id)).await? {
+        Some(_) => Ok(RunId(run_id)),
+        None => Err(ApiError::not_found(format!("no run {run_id}"))),
+    }
+}
+
+async fn list_rounds(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(run_id): Path<i64>,
+) -> Result<AppJson<Vec<RoundView>>, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    Ok(AppJson(state.store().rounds(run_id).await?.into_iter().map(RoundView::from).collect()))
+}
+
+/// A committed model version with its federated evaluation.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ModelView {
+    /// Version.
+    pub version: i64,
+    /// Content hash (`GET /v1/models/{hash}`).
+    pub content_hash: String,
+    /// Round that produced it.
+    pub round_idx: Option<i64>,
+    /// Commit time.
+    pub created_at_ms: i64,
+    /// Evaluation reports received for this version.
+    pub n_evaluations: u64,
+    /// Example-weighted means of the evaluation metrics.
+    pub evaluation: BTreeMap<String, f64>,
+}
+
+async fn list_models(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(run_id): Path<i64>,
+) -> Result<AppJson<Vec<ModelView>>, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    let mut evals: BTreeMap<i64, (u64, MetricsAccumulator)> = BTreeMap::new();
+    for e in state.store().evaluations(run_id).await? {
+        let metrics: BTreeMap<String, f64> =
+            serde_json::from_str(&e.metrics_json).unwrap_or_default();
+        let entry = evals.entry(e.model_version).or_default();
+        entry.0 += 1;
+        entry.1.add(e.example_count as u64, &metrics);
+    }
+    let views = state
+        .store()
+        .models(run_id)
+        .await?
+        .into_iter()
+        .map(|m: ModelInfo| {
+            let (n, acc) = evals.remove(&m.version).unwrap_or_default();
+            ModelView {
+                version: m.version,
+                content_hash: m.content_hash,
+                round_idx: m.round_idx,
+                created_at_ms: m.created_at_ms,
+                n_evaluations: n,
+                evaluation: acc.finish(),
+            }
+        })
+        .collect();
+    Ok(AppJson(views))
+}
+
+async fn stop_run(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(run_id): Path<i64>,
+) -> Result<AppJson<RunView>, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    state.driver().call(|reply| Event::StopRun { run_id, reply }).await?;
+    let row = state
+        .store()
+        .run(run_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+    Ok(AppJson(run_view(&state, row).await?))
+}

@@ -1,0 +1,193 @@
+//! The one error type of the HTTP edge, and the middleware that renders it.
+//!
+//! Handlers return [`ApiError`]; it carries an [`ErrorBody`] in the response's extensions, and
+//! [`render_errors`] serializes it as CBOR on the fleet API and JSON on the admin API.
+//! Responses axum makes itself (unknown route, wrong method) get the same body shape.
+//! Internal causes are logged, never returned.
+
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use starling_core::fedavg::UpdateError;
+use starling_core::round::UploadRejection;
+use starling_core::tensor::TensorError;
+use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
+
+use crate::driver::DriverError;
+use crate::store::StoreError;
+
+/// An error answer: status, code and a message that names the problem.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    status: StatusCode,
+    body: ErrorBody,
+}
+
+impl ApiError {
+    /// An error with an explicit status and code.
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError { status, body: ErrorBody { code, message: message.into() } }
+    }
+
+    /// 400 malformed body.
+    pub fn malformed(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, message)
+    }
+
+    /// 401.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)
+    }
+
+    /// 404.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, message)
+    }
+
+    /// 503; the request may be retried.
+    pub fn unavailable() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            "the store is unavailable; retry later",
+        )
+    }
+
+    /// 500 with the cause logged, not returned.
+    pub fn internal(cause: &dyn std::fmt::Display) -> Self {
+        tracing::error!(error = %cause, "internal error");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            "internal error; see the coordinator's log",
+        )
+    }
+
+    /// The status.
+    pub fn status_code(&self) -> StatusCode {
+        self.status
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut res = self.status.into_response();
+        res.extensions_mut().insert(self.body);
+        res
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(cause) => {
+                tracing::warn!(error = %cause, "store unavailable");
+                ApiError::unavailable()
+            }
+            StoreError::Conflict => {
+                ApiError::new(StatusCode::CONFLICT, ErrorCode::Conflict, "already exists")
+            }
+            StoreError::InvalidToken => {
+                ApiError::unauthorized("enrollment token is invalid, expired or used up")
+            }
+            e => ApiError::internal(&e),
+        }
+    }
+}
+
+impl From<DriverError> for ApiError {
+    fn from(e: DriverError) -> Self {
+        use ErrorCode as C;
+        use StatusCode as S;
+        match e {
+            DriverError::RunNotRunning(run) => {
+                ApiError::new(S::CONFLICT, C::RoundClosed, format!("run {run} is not running"))
+            }
+            DriverError::Upload(r) => match r {
+                UploadRejection::UnknownRound => {
+                    ApiError::new(S::NOT_FOUND, C::NotFound, "no such round")
+                }
+                UploadRejection::RoundClosed => ApiError::new(
+                    S::CONFLICT,
+                    C::RoundClosed,
+                    "the round no longer accepts uploads",
+                ),
+                UploadRejection::NotSelected => ApiError::new(
+                    S::FORBIDDEN,
+                    C::NotSelected,
+                    "device was not selected for this round",
+                ),
+                UploadRejection::Duplicate => ApiError::new(
+                    S::CONFLICT,
+                    C::DuplicateUpload,
+                    "device already uploaded in this round",
+                ),
+                UploadRejection::StaleModel { expected } => ApiError::new(
+                    S::CONFLICT,
+                    C::StaleModel,
+                    format!(
+                        "update was computed on another model version; the round trains version {expected}"
+                    ),
+                ),
+                UploadRejection::Unavailable => ApiError::unavailable(),
+            },
+            DriverError::Unavailable => ApiError::unavailable(),
+            DriverError::ShuttingDown => ApiError::new(
+                S::SERVICE_UNAVAILABLE,
+                C::Unavailable,
+                "coordinator is shutting down; retry later",
+            ),
+        }
+    }
+}
+
+impl From<UpdateError> for ApiError {
+    fn from(e: UpdateError) -> Self {
+        let code = match &e {
+            UpdateError::Tensor(TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
+            UpdateError::Tensor(TensorError::ShapeMismatch { .. }) => ErrorCode::ShapeMismatch,
+            UpdateError::Tensor(TensorError::NonFinite { .. }) => ErrorCode::NonFiniteValue,
+            _ => ErrorCode::InvalidField,
+        };
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
+    }
+}
+
+/// How an error body is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorFormat {
+    /// `application/cbor` (fleet API).
+    Cbor,
+    /// `application/json` (admin API).
+    Json,
+}
+
+/// Writes the [`ErrorBody`] of any error response, synthesizing one when axum made the response.
+pub async fn render_errors(format: ErrorFormat, req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let (mut parts, _body) = res.into_parts();
+    let body = parts.extensions.remove::<ErrorBody>().unwrap_or_else(|| ErrorBody {
+        code: match status {
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => ErrorCode::NotFound,
+            StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::BodyTooLarge,
+            StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+            s if s.is_server_error() => ErrorCode::Internal,
+            _ => ErrorCode::MalformedBody,
+        },
+        message: status.canonical_reason().unwrap_or("error").to_lowercase(),
+    });
+    let (bytes, media) = match format {
+        ErrorFormat::Cbor => (wire::to_vec(&body).expect("error body encodes"), CBOR_MEDIA_TYPE),
+        ErrorFormat::Json => {
+            (serde_json::to_vec(&body).expect("error body encodes"), "application/json")
+        }
+    };
+    parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, axum::body::Body::from(bytes))
+}

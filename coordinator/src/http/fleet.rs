@@ -1,0 +1,195 @@
+//! The fleet API: what devices call, in CBOR.
+//!
+//! Every body is bounded before it is read, decoded off the async threads when it can be large,
+//! and validated before the driver or the store sees it.
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::de::DeserializeOwned;
+use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update};
+use starling_core::wire::{
+    self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
+    ErrorCode, EvaluationReport, UploadAck, UploadRequest,
+};
+use starling_core::{ModelVersion, RoundIdx, RunId};
+
+use super::{ApiError, AppState, Cbor, DeviceAuth, random_secret, read_body, sha256};
+use crate::clock::now_ms;
+use crate::driver::Event;
+
+/// Limit for the small fleet messages (everything but uploads).
+const SMALL_BODY_LIMIT: usize = 64 * 1024;
+/// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
+const UPLOAD_ENVELOPE_LIMIT: usize = 64 * 1024;
+
+/// The fleet routes.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/enroll", post(enroll))
+        .route("/v1/check-in", post(check_in))
+        .route("/v1/models/{hash}", get(model))
+        .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
+        .route("/v1/runs/{run_id}/evaluations", post(evaluation))
+}
+
+async fn decode_small<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    check_content_type(headers)?;
+    let bytes = read_body(body, SMALL_BODY_LIMIT).await?;
+    wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
+}
+
+fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    match headers.get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("")) {
+        None => Ok(()),
+        Some(v) if v.starts_with(CBOR_MEDIA_TYPE) => Ok(()),
+        Some(v) => Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::MalformedBody,
+            format!("content-type {v:?} is not {CBOR_MEDIA_TYPE}"),
+        )),
+    }
+}
+
+async fn enroll(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Cbor<EnrollResponse>, ApiError> {
+    let req: EnrollRequest = decode_small(&headers, body).await?;
+    let credential = random_secret("stdev");
+    let device = state
+        .store()
+        .enroll_device(
+            &hex::encode(sha256(req.enrollment_token.as_bytes())),
+            &hex::encode(sha256(credential.as_bytes())),
+            now_ms(),
+        )
+        .await?;
+    tracing::info!(%device, "device enrolled");
+    Ok(Cbor(EnrollResponse { device_id: device, credential }))
+}
+
+async fn check_in(
+    State(state): State<AppState>,
+    DeviceAuth(device): DeviceAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Cbor<CheckInResponse>, ApiError> {
+    let req: CheckInRequest = decode_small(&headers, body).await?;
+    let res = state
+        .driver()
+        .call(|reply| Event::CheckIn { device, population: req.population, reply })
+        .await?;
+    Ok(Cbor(res))
+}
+
+/// Content-addressed model download: immutable, so cacheable forever, with `ETag` revalidation.
+async fn model(
+    State(state): State<AppState>,
+    _device: DeviceAuth,
+    Path(hash): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ApiError::not_found("model hashes are 64 hex digits"));
+    }
+    let etag = format!("\"{hash}\"");
+    let matches = headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*"));
+    let cache = [
+        (header::ETAG, HeaderValue::from_str(&etag).expect("hex is a valid header")),
+        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
+    ];
+    if matches {
+        return Ok((StatusCode::NOT_MODIFIED, cache).into_response());
+    }
+    let bytes = state
+        .store()
+        .model_by_hash(&hash)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
+    Ok((cache, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
+        .into_response())
+}
+
+async fn upload(
+    State(state): State<AppState>,
+    DeviceAuth(device): DeviceAuth,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Cbor<UploadAck>, ApiError> {
+    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    check_content_type(&headers)?;
+    let plan = state.plan(run_id).await?;
+    let limit = plan.schema().byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
+    let bytes = read_body(body, limit).await?;
+    // Decoding and the finiteness scan are O(model): keep them off the async threads.
+    let validated = tokio::task::spawn_blocking(move || {
+        let req: UploadRequest =
+            wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
+        let model_version = req.model_version;
+        let update = validate_update(plan.schema(), req)?;
+        Ok::<_, ApiError>((model_version, update))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))?;
+    let (model_version, update) = validated.inspect_err(|e| {
+        tracing::info!(%run_id, %round_idx, %device, status = %e.status_code(), "upload rejected");
+    })?;
+    let ack = state
+        .driver()
+        .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
+        .await?;
+    Ok(Cbor(ack))
+}
+
+async fn evaluation(
+    State(state): State<AppState>,
+    DeviceAuth(device): DeviceAuth,
+    Path(run_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let run_id = RunId(run_id);
+    let report: EvaluationReport = decode_small(&headers, body).await?;
+    if report.example_count == 0 || report.example_count > MAX_EXAMPLE_COUNT {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidField,
+            format!("example_count {} is outside 1..={MAX_EXAMPLE_COUNT}", report.example_count),
+        ));
+    }
+    validate_metrics(&report.metrics)?;
+    let ModelVersion(version) = report.model_version;
+    if state.store().model_hash(run_id, report.model_version).await?.is_none() {
+        return Err(ApiError::not_found(format!("run {run_id} has no model version {version}")));
+    }
+    let metrics = serde_json::to_string(&report.metrics).map_err(|e| ApiError::internal(&e))?;
+    state
+        .store()
+        .insert_evaluation(
+            run_id,
+            device,
+            report.model_version,
+            report.example_count,
+            &metrics,
+            now_ms(),
+        )
+        .await
+        .map_err(|e| match e {
+            crate::store::StoreError::Conflict => ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::DuplicateUpload,
+                "device already reported an evaluation of this model version",
+            ),
+            e => e.into(),
+        })?;
+    Ok(StatusCode::NO_CONTENT)
+}
