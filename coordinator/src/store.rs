@@ -485,7 +485,7 @@ impl SqlStore {
                 Transition::OpenRound(r) => {
                     sqlx::query(
                         "INSERT INTO rounds (run_id, round_idx, model_version, state, opened_at_ms, selection_deadline_ms, reporting_deadline_ms)
-                         VALUES ($1, $2, $3, 'open', $4, $5, $6)",
+                         VALUES ($1, $2, $3, 'open', $4, $5, $6) ON CONFLICT DO NOTHING",
                     )
                     .bind(run_id.0)
                     .bind(r.round_idx.0)
@@ -499,7 +499,10 @@ impl SqlStore {
                 }
                 Transition::Select { round_idx, device } => {
                     sqlx::query(
-                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms) VALUES ($1, $2, $3, $4)",
+                        // Idempotent, like the round insert: a retry after a commit whose
+                        // answer was lost must not fail on its own earlier write.
+                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms) VALUES ($1, $2, $3, $4)
+                         ON CONFLICT DO NOTHING",
                     )
                     .bind(run_id.0)
                     .bind(round_idx.0)
@@ -834,6 +837,23 @@ async fn close_round_row(
 /// The outcome recorded for a round, parsed back.
 pub fn parse_outcome(json: &str) -> Option<RoundOutcome> {
     serde_json::from_str(json).ok()
+}
+
+/// `url` with its database name replaced by `database` (e.g. a per-test Postgres database).
+pub fn with_database(url: &str, database: &str) -> String {
+    let (without_query, query) = match url.split_once('?') {
+        Some((u, q)) => (u, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = without_query.find("://").map_or(0, |i| i + 3);
+    let base = match without_query[scheme_end..].find('/') {
+        Some(slash) => &without_query[..scheme_end + slash],
+        None => without_query,
+    };
+    match query {
+        Some(q) => format!("{base}/{database}?{q}"),
+        None => format!("{base}/{database}"),
+    }
 }
 
 /// A database URL with any password replaced, for logs and errors.

@@ -1,1 +1,282 @@
-//! placeholder
+//! Shared helpers for the end-to-end tests and benchmarks: coordinators in-process or as a
+//! child process, enrolled devices, deterministic updates, and the exact expected FedAvg result.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use starling_coordinator::client::{AdminClient, FleetClient};
+use starling_coordinator::{RunningCoordinator, ServeConfig};
+use starling_core::tensor::TensorSchema;
+use starling_core::wire::{CheckInResponse, TaskAssignment, UploadRequest};
+use starling_core::{ModelVersion, RunId};
+
+/// Operator token every test coordinator uses.
+pub const OPERATOR_TOKEN: &str = "test-operator-token-0123456789";
+
+/// A fresh SQLite database in a temporary directory (deleted when the guard drops).
+pub fn sqlite_db() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("creating a temp dir");
+    let url = format!("sqlite://{}", dir.path().join("starling.db").display());
+    (dir, url)
+}
+
+/// The URL of the Postgres database `#[sqlx::test]` made for this test.
+pub fn pg_url(opts: &sqlx::postgres::PgConnectOptions) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for Postgres tests");
+    starling_coordinator::store::with_database(
+        &base,
+        opts.get_database().expect("sqlx::test names a database"),
+    )
+}
+
+/// A coordinator in this process, on a free loopback port.
+pub struct InProcess {
+    /// The running service.
+    pub running: RunningCoordinator,
+    /// Its base URL.
+    pub url: String,
+    /// An operator client for it.
+    pub admin: AdminClient,
+}
+
+/// Starts a coordinator in-process on `database_url`.
+pub async fn start_in_process(database_url: &str) -> anyhow::Result<InProcess> {
+    let running = starling_coordinator::start(ServeConfig {
+        listen: "127.0.0.1:0".parse().expect("loopback parses"),
+        database_url: database_url.to_owned(),
+        operator_token: OPERATOR_TOKEN.to_owned(),
+        migrate: true,
+    })
+    .await?;
+    let url = running.url();
+    let admin = AdminClient::new(&url, OPERATOR_TOKEN);
+    Ok(InProcess { running, url, admin })
+}
+
+/// A coordinator as a child process, run exactly as the binary runs in production.
+pub struct ChildCoordinator {
+    child: Child,
+    /// Its base URL.
+    pub url: String,
+}
+
+impl ChildCoordinator {
+    /// Spawns `bin serve` on `listen` and waits until `/healthz` answers.
+    pub async fn spawn(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+    ) -> anyhow::Result<Self> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .context("opening the child's log")?;
+        let child = Command::new(bin)
+            .args(["serve", "--listen", &listen.to_string()])
+            .env("STARLING_DATABASE_URL", database_url)
+            .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {}", bin.display()))?;
+        let mut me = ChildCoordinator { child, url: format!("http://{listen}") };
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(res) = http.get(format!("{}/healthz", me.url)).send().await
+                && res.status().is_success()
+            {
+                return Ok(me);
+            }
+            if let Some(status) = me.child.try_wait()? {
+                bail!("coordinator exited during start: {status}");
+            }
+            if Instant::now() > deadline {
+                bail!("coordinator did not become healthy in 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().context("killing the coordinator")?;
+        self.child.wait().context("reaping the coordinator")?;
+        Ok(())
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ChildCoordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback address (bound, then released).
+pub fn free_addr() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("binding a free port");
+    l.local_addr().expect("local addr")
+}
+
+/// Enrolls `n` devices, each with its own HTTP client.
+pub async fn enroll(url: &str, admin: &AdminClient, n: usize) -> anyhow::Result<Vec<FleetClient>> {
+    let token = admin.enrollment_token(None).await?;
+    let mut devices = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut d = FleetClient::new(url);
+        d.enroll(&token).await?;
+        devices.push(d);
+    }
+    Ok(devices)
+}
+
+/// A run plan for a one-tensor model of `params` f32 values.
+#[derive(Debug, Clone)]
+pub struct PlanSpec {
+    /// Model size.
+    pub params: u64,
+    /// Reports per round.
+    pub cohort: u32,
+    /// Over-selection factor.
+    pub over_selection: f64,
+    /// Minimum reports.
+    pub quorum: u32,
+    /// Selection window.
+    pub selection_secs: f64,
+    /// Reporting deadline from round opening.
+    pub reporting_secs: f64,
+    /// Rounds to commit.
+    pub rounds: u32,
+}
+
+impl PlanSpec {
+    /// The plan as the admin API takes it.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "model": {
+                "schema": {"tensors": [{"name": "w", "shape": [self.params], "dtype": "f32"}]},
+                "init": {"kind": "seeded", "seed": 42}
+            },
+            "training": {"optimizer": "sgd", "lr": 0.1},
+            "cohort_size": self.cohort,
+            "over_selection": self.over_selection,
+            "min_quorum": self.quorum,
+            "selection_timeout_secs": self.selection_secs,
+            "reporting_timeout_secs": self.reporting_secs,
+            "rounds": self.rounds,
+        })
+    }
+}
+
+/// The delta logical device `device` sends in round `round`: multiples of 1/64 in [-1, 1], so
+/// every weighted sum in a test is exact in f64 and the expected model is known to the bit.
+pub fn delta(device: usize, round: i64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|j| {
+            let k = (j as i64 * 31 + device as i64 * 17 + round * 7) % 129 - 64;
+            k as f32 / 64.0
+        })
+        .collect()
+}
+
+/// The example count logical device `device` reports.
+pub fn weight(device: usize) -> u64 {
+    10 + (device as u64 % 7) * 5
+}
+
+/// The exact FedAvg result: `global + Σ wᵢ·dᵢ / Σ wᵢ`, computed in f64 and rounded once.
+pub fn fedavg_expected(global: &[f32], contributions: &[(Vec<f32>, u64)]) -> Vec<f32> {
+    let total: u64 = contributions.iter().map(|(_, w)| w).sum();
+    (0..global.len())
+        .map(|j| {
+            let sum: f64 = contributions.iter().map(|(d, w)| f64::from(d[j]) * *w as f64).sum();
+            (f64::from(global[j]) + sum / total as f64) as f32
+        })
+        .collect()
+}
+
+/// An upload for `task` with `delta` and weight `examples`.
+pub fn upload_request(task: &TaskAssignment, delta: &[f32], examples: u64) -> UploadRequest {
+    UploadRequest {
+        model_version: task.model_version,
+        example_count: examples,
+        metrics: [("loss".to_owned(), 1.0 / examples as f64)].into(),
+        delta: task.schema.encode_f32(delta),
+    }
+}
+
+/// Checks in and expects a task.
+pub async fn expect_task(device: &FleetClient) -> anyhow::Result<TaskAssignment> {
+    match device.check_in("default").await? {
+        CheckInResponse::Task(t) => Ok(t),
+        other => bail!("expected a task, got {other:?}"),
+    }
+}
+
+/// Downloads and decodes a model.
+pub async fn model_values(
+    device: &FleetClient,
+    hash: &str,
+    schema: &TensorSchema,
+) -> anyhow::Result<Vec<f32>> {
+    Ok(schema.decode_f32(&device.model(hash).await?)?)
+}
+
+/// Polls `check` every 25 ms until it returns `Some`, or fails after `timeout`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Waits until round `round_idx` of `run` is open.
+pub async fn wait_round_open(
+    admin: &AdminClient,
+    run: RunId,
+    round_idx: i64,
+) -> anyhow::Result<()> {
+    wait_for(&format!("round {round_idx} to open"), Duration::from_secs(30), || async {
+        let rounds = admin.rounds(run).await?;
+        Ok(rounds.iter().any(|r| r.round_idx == round_idx && r.state == "open").then_some(()))
+    })
+    .await
+}
+
+/// Waits until `run` has committed model `version`, and returns its content hash.
+pub async fn wait_model(admin: &AdminClient, run: RunId, version: i64) -> anyhow::Result<String> {
+    wait_for(&format!("model version {version}"), Duration::from_secs(60), || async {
+        let models = admin.models(run).await?;
+        Ok(models.into_iter().find(|m| m.version == version).map(|m| m.content_hash))
+    })
+    .await
+}
+
+/// The model version a task trains on, as a plain number.
+pub fn version(task: &TaskAssignment) -> i64 {
+    let ModelVersion(v) = task.model_version;
+    v
+}

@@ -1,0 +1,211 @@
+//! One conformance suite, run against every store backend: Postgres (a fresh database per test
+//! through `#[sqlx::test]`) and SQLite (a fresh file per test).
+
+use std::collections::BTreeMap;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use starling_coordinator::store::{
+    NewRun, RoundCommit, SqlStore, StoreError, Transition, redact, with_database,
+};
+use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome};
+use starling_core::{ModelVersion, RoundIdx, RunId};
+
+/// The Postgres URL of the database `#[sqlx::test]` created for this test.
+fn pg_url(opts: &PgConnectOptions) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for Postgres tests");
+    with_database(&base, opts.get_database().expect("sqlx::test names a database"))
+}
+
+#[test]
+fn database_name_is_replaced_and_password_redacted() {
+    assert_eq!(with_database("postgres://u:p@h:5/postgres", "t_1"), "postgres://u:p@h:5/t_1");
+    assert_eq!(
+        with_database("postgres://u@h/db?sslmode=disable", "x"),
+        "postgres://u@h/x?sslmode=disable"
+    );
+    assert_eq!(with_database("postgres://h", "x"), "postgres://h/x");
+    assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+}
+
+#[sqlx::test(migrations = false)]
+async fn postgres_conformance(_pool: PgPoolOptions, opts: PgConnectOptions) {
+    conformance(SqlStore::connect(&pg_url(&opts), true).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn sqlite_conformance() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("store.db").display());
+    conformance(SqlStore::connect(&url, true).await.unwrap()).await;
+    // Migrating an up-to-date store again is a no-op, not an error.
+    SqlStore::connect(&url, true).await.unwrap();
+}
+
+#[tokio::test]
+async fn unsupported_url_is_named() {
+    let err = SqlStore::connect("mysql://u:secret@h/db", true).await.unwrap_err();
+    assert!(matches!(err, StoreError::UnsupportedUrl(_)));
+    assert!(!err.to_string().contains("secret"), "password leaked: {err}");
+}
+
+fn opened(round: i64, version: i64) -> RoundOpened {
+    RoundOpened {
+        round_idx: RoundIdx(round),
+        model_version: ModelVersion(version),
+        opened_at: 1_000,
+        selection_deadline: 2_000,
+        reporting_deadline: 5_000,
+    }
+}
+
+fn closing(round: i64, version: i64, outcome: RoundOutcome) -> RoundClosing {
+    RoundClosing {
+        round_idx: RoundIdx(round),
+        model_version: ModelVersion(version),
+        outcome,
+        n_selected: 3,
+        n_reported: 2,
+        n_dropped: 1,
+        closed_at: 4_000,
+    }
+}
+
+async fn conformance(store: SqlStore) {
+    store.ping().await.unwrap();
+
+    // Enrollment: a token with one use enrolls one device; expired and unknown tokens do not.
+    store.create_enrollment_token("tok1", 0, None, Some(1)).await.unwrap();
+    store.create_enrollment_token("expired", 0, Some(10), None).await.unwrap();
+    let d1 = store.enroll_device("tok1", "cred1", 5).await.unwrap();
+    assert!(matches!(store.enroll_device("tok1", "cred2", 5).await, Err(StoreError::InvalidToken)));
+    assert!(matches!(
+        store.enroll_device("expired", "cred2", 11).await,
+        Err(StoreError::InvalidToken)
+    ));
+    assert!(matches!(store.enroll_device("nope", "cred2", 5).await, Err(StoreError::InvalidToken)));
+    store.create_enrollment_token("tok2", 0, None, None).await.unwrap();
+    let d2 = store.enroll_device("tok2", "cred2", 5).await.unwrap();
+    let d3 = store.enroll_device("tok2", "cred3", 5).await.unwrap();
+    assert!(matches!(store.enroll_device("tok2", "cred3", 5).await, Err(StoreError::Conflict)));
+    assert_eq!(store.device_by_credential("cred2").await.unwrap(), Some(d2));
+    assert_eq!(store.device_by_credential("unknown").await.unwrap(), None);
+
+    // A run and its model version 0.
+    let run = store
+        .create_run(
+            NewRun {
+                name: Some("r"),
+                population: "p",
+                plan_json: "{}",
+                initial_model: b"m0",
+                initial_model_hash: "h0",
+            },
+            100,
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.running_runs().await.unwrap().len(), 1);
+    assert_eq!(store.model(run, ModelVersion(0)).await.unwrap().as_deref(), Some(&b"m0"[..]));
+    assert_eq!(store.model_by_hash("h0").await.unwrap().as_deref(), Some(&b"m0"[..]));
+    assert_eq!(store.open_round(run).await.unwrap(), None);
+    assert_eq!(store.last_round_idx(run).await.unwrap(), None);
+
+    // Round 0 opens, selects three devices; applying the same batch again changes nothing.
+    let batch = [
+        Transition::OpenRound(opened(0, 0)),
+        Transition::Select { round_idx: RoundIdx(0), device: d1 },
+        Transition::Select { round_idx: RoundIdx(0), device: d2 },
+        Transition::Select { round_idx: RoundIdx(0), device: d3 },
+    ];
+    store.apply_transitions(run, &batch, 1_000).await.unwrap();
+    store.apply_transitions(run, &batch, 1_000).await.unwrap();
+
+    // Updates: durable once inserted, one per device per round, replayed in slot order.
+    store
+        .insert_update(run, RoundIdx(0), d2, 1, 3, r#"{"loss":2.0}"#, &[5, 6], 1_500)
+        .await
+        .unwrap();
+    store
+        .insert_update(run, RoundIdx(0), d1, 0, 1, r#"{"loss":1.0}"#, &[1, 2], 1_600)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.insert_update(run, RoundIdx(0), d1, 2, 1, "{}", &[9], 1_700).await,
+        Err(StoreError::Conflict)
+    ));
+    let open = store.open_round(run).await.unwrap().expect("round 0 is open");
+    assert_eq!(open.round, opened(0, 0));
+    assert_eq!(open.selected, vec![d1, d2, d3]);
+    assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
+    let mut replayed = vec![];
+    let n = store
+        .for_each_update(run, RoundIdx(0), |u| Ok(replayed.push((u.slot, u.delta))))
+        .await
+        .unwrap();
+    assert_eq!(n, 2);
+    assert_eq!(replayed, vec![(0, vec![1, 2]), (1, vec![5, 6])]);
+    let rounds = store.rounds(run).await.unwrap();
+    assert_eq!(
+        (rounds[0].n_selected, rounds[0].n_reported, rounds[0].state.as_str()),
+        (Some(3), Some(2), "open")
+    );
+
+    // Commit: model v1, round closed with metrics, run advanced, payloads released.
+    let metrics = BTreeMap::from([("loss".to_owned(), 1.75)]);
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model: b"m1",
+        model_hash: "h1",
+        metrics: &metrics,
+    };
+    store.commit_round(run, commit.clone(), 4_000).await.unwrap();
+    assert!(matches!(store.commit_round(run, commit, 4_000).await, Err(StoreError::Conflict)));
+    let row = store.run(run).await.unwrap().unwrap();
+    assert_eq!((row.model_version, row.rounds_committed), (1, 1));
+    assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap().as_deref(), Some("h1"));
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    assert_eq!(store.open_round(run).await.unwrap(), None);
+    let r0 = &store.rounds(run).await.unwrap()[0];
+    assert_eq!((r0.state.as_str(), r0.n_reported, r0.n_dropped), ("committed", Some(2), Some(1)));
+    assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"loss":1.75}"#));
+    let models = store.models(run).await.unwrap();
+    assert_eq!(
+        models.iter().map(|m| (m.version, m.round_idx)).collect::<Vec<_>>(),
+        vec![(0, None), (1, Some(0))]
+    );
+
+    // A failed round records its outcome; closing it twice is refused.
+    store.apply_transitions(run, &[Transition::OpenRound(opened(1, 1))], 5_000).await.unwrap();
+    let failed = closing(1, 1, RoundOutcome::TooFewReports { reported: 2, quorum: 3 });
+    store.fail_round(run, failed).await.unwrap();
+    assert!(matches!(store.fail_round(run, failed).await, Err(StoreError::Corrupt(_))));
+    let r1 = &store.rounds(run).await.unwrap()[1];
+    assert_eq!(r1.state, "failed");
+    assert_eq!(
+        r1.outcome_json.as_deref(),
+        Some(r#"{"outcome":"too_few_reports","reported":2,"quorum":3}"#)
+    );
+    assert_eq!(store.last_round_idx(run).await.unwrap(), Some(RoundIdx(1)));
+
+    // Evaluations: one per device and model version.
+    store
+        .insert_evaluation(run, d1, ModelVersion(1), 10, r#"{"accuracy":0.5}"#, 6_000)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.insert_evaluation(run, d1, ModelVersion(1), 10, "{}", 6_000).await,
+        Err(StoreError::Conflict)
+    ));
+    assert_eq!(store.evaluations(run).await.unwrap().len(), 1);
+
+    // Stopping a run fails its open round and takes it out of the running set.
+    store.apply_transitions(run, &[Transition::OpenRound(opened(2, 1))], 7_000).await.unwrap();
+    store
+        .apply_transitions(run, &[Transition::StopRun { open_round: Some(RoundIdx(2)) }], 7_000)
+        .await
+        .unwrap();
+    assert_eq!(store.run(run).await.unwrap().unwrap().status, "stopped");
+    assert!(store.running_runs().await.unwrap().is_empty());
+    assert_eq!(store.rounds(run).await.unwrap()[2].state, "failed");
+    assert!(store.run(RunId(999)).await.unwrap().is_none());
+}

@@ -1,0 +1,6 @@
+//! The coordinator's own entry point, built inside this package so that end-to-end tests can
+//! spawn (and SIGKILL) it as a child process through `CARGO_BIN_EXE_coordinator_under_test`.
+
+fn main() -> anyhow::Result<()> {
+    starling_coordinator::cli::main()
+}

@@ -1,0 +1,550 @@
+//! End to end: a real coordinator on loopback, real devices over HTTP, a real store.
+//!
+//! Every scenario runs twice: on Postgres (a fresh database per test via `#[sqlx::test]`) and
+//! on the embedded SQLite store.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use futures_util::future::join_all;
+use reqwest::StatusCode;
+use starling_coordinator::client::{AdminClient, ClientError, FleetClient};
+use starling_core::tensor::{DType, TensorSpec};
+use starling_core::wire::{self, CheckInResponse, ErrorBody, ErrorCode, UploadRequest};
+use starling_core::{RoundIdx, RunId};
+use starling_tests::*;
+
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[sqlx::test(migrations = false)]
+            async fn postgres(_pool: sqlx::postgres::PgPoolOptions, opts: sqlx::postgres::PgConnectOptions) {
+                super::$scenario(&starling_tests::pg_url(&opts)).await.unwrap();
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                let (_dir, url) = starling_tests::sqlite_db();
+                super::$scenario(&url).await.unwrap();
+            }
+        }
+    )*};
+}
+
+on_both_stores!(
+    concurrent_rounds_commit_the_exact_weighted_mean,
+    deadlines_quorum_retries_and_dropouts,
+    bad_input_is_refused_and_changes_nothing,
+    sigkill_mid_round_loses_no_acknowledged_update,
+);
+
+/// 24 devices upload concurrently for three rounds; each committed model is, to the bit, the
+/// example-weighted mean of exactly the acknowledged updates.
+async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::Result<()> {
+    let c = start_in_process(db).await?;
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let spec = PlanSpec {
+        params: 1000,
+        cohort: 20,
+        over_selection: 1.2,
+        quorum: 20,
+        selection_secs: 20.0,
+        reporting_secs: 60.0,
+        rounds: 3,
+    };
+    let run = RunId(c.admin.create_run(&spec.json()).await?.id);
+    for round in 0..3 {
+        wait_round_open(&c.admin, run, round).await?;
+        let tasks = join_all(devices.iter().map(expect_task))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(round) && version(t) == round));
+        let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+        let uploads = devices.iter().zip(&tasks).enumerate().map(|(i, (d, t))| async move {
+            let res = d
+                .upload(run, t.round_idx, &upload_request(t, &delta(i, round, 1000), weight(i)))
+                .await;
+            (i, res)
+        });
+        let mut acked = vec![];
+        for (i, res) in join_all(uploads).await {
+            match res {
+                Ok(ack) => {
+                    assert_eq!((ack.run_id, ack.round_idx), (run, RoundIdx(round)));
+                    acked.push(i);
+                }
+                // The round closes at 20 reports; later uploads are refused, never lost silently.
+                Err(e) => assert_eq!(e.status(), Some(StatusCode::CONFLICT), "device {i}: {e}"),
+            }
+        }
+        assert!(acked.len() >= 20, "only {} acknowledged", acked.len());
+        let hash = wait_model(&c.admin, run, round + 1).await?;
+        let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+        let contributions: Vec<_> =
+            acked.iter().map(|&i| (delta(i, round, 1000), weight(i))).collect();
+        assert!(
+            committed == fedavg_expected(&global, &contributions),
+            "round {round}: model differs from the exact mean"
+        );
+        let r = &c.admin.rounds(run).await?[round as usize];
+        assert_eq!(
+            (r.state.as_str(), r.n_selected, r.n_reported),
+            ("committed", 24, acked.len() as i64)
+        );
+        assert_eq!(r.n_dropped, Some(24 - acked.len() as i64));
+        let loss = r
+            .metrics
+            .as_ref()
+            .and_then(|m| m.get("loss"))
+            .copied()
+            .expect("training metrics aggregated");
+        // Each device reports loss = 1/examples, so the weighted mean is n / Σ examples.
+        let expected_loss =
+            acked.len() as f64 / acked.iter().map(|&i| weight(i) as f64).sum::<f64>();
+        assert!((loss - expected_loss).abs() < 1e-12);
+    }
+    let view = c.admin.run(run).await?;
+    assert_eq!(
+        (view.status.as_str(), view.model_version, view.rounds_committed),
+        ("finished", 3, 3)
+    );
+    // A finished run hands out no more tasks.
+    assert!(matches!(devices[0].check_in("default").await?, CheckInResponse::ComeBackLater { .. }));
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+/// Too few check-ins fail a round at its selection deadline and it is retried; dropouts are
+/// counted and the round commits at its reporting deadline with the quorum; too few reports fail
+/// it; nothing waits for a dead device.
+async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
+    let c = start_in_process(db).await?;
+    let devices = enroll(&c.url, &c.admin, 6).await?;
+    let spec = PlanSpec {
+        params: 16,
+        cohort: 4,
+        over_selection: 1.5,
+        quorum: 3,
+        selection_secs: 1.0,
+        reporting_secs: 2.5,
+        rounds: 2,
+    };
+    let run = RunId(c.admin.create_run(&spec.json()).await?.id);
+
+    // Round 0: two check-ins, quorum 3: fails at the selection deadline; round 1 opens by itself.
+    wait_round_open(&c.admin, run, 0).await?;
+    let early = [expect_task(&devices[0]).await?, expect_task(&devices[1]).await?];
+    wait_round_open(&c.admin, run, 1).await?;
+    let late = devices[0]
+        .upload(run, early[0].round_idx, &upload_request(&early[0], &delta(0, 0, 16), 10))
+        .await;
+    assert_eq!(api_code(late), Some(ErrorCode::RoundClosed));
+
+    // Round 1: six selected, three report, three drop out: commits at the reporting deadline.
+    let tasks = join_all(devices.iter().map(expect_task))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(1)));
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    for i in 0..3 {
+        devices[i]
+            .upload(run, RoundIdx(1), &upload_request(&tasks[i], &delta(i, 1, 16), weight(i)))
+            .await?;
+    }
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    let contributions: Vec<_> = (0..3).map(|i| (delta(i, 1, 16), weight(i))).collect();
+    assert!(committed == fedavg_expected(&global, &contributions));
+
+    // Round 2: six selected, two report: fails with too few reports, and round 3 retries.
+    wait_round_open(&c.admin, run, 2).await?;
+    let tasks = join_all(devices.iter().map(expect_task))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    for i in 0..2 {
+        devices[i]
+            .upload(run, RoundIdx(2), &upload_request(&tasks[i], &delta(i, 2, 16), weight(i)))
+            .await?;
+    }
+    wait_round_open(&c.admin, run, 3).await?;
+    let late =
+        devices[5].upload(run, RoundIdx(2), &upload_request(&tasks[5], &delta(5, 2, 16), 10)).await;
+    assert_eq!(api_code(late), Some(ErrorCode::RoundClosed));
+
+    let rounds = c.admin.rounds(run).await?;
+    let summary: Vec<_> = rounds
+        .iter()
+        .take(3)
+        .map(|r| (r.state.as_str(), r.n_selected, r.n_reported, r.n_dropped, r.outcome.clone()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (
+                "failed",
+                2,
+                0,
+                Some(2),
+                Some(
+                    serde_json::json!({"outcome": "too_few_selected", "selected": 2, "quorum": 3})
+                )
+            ),
+            ("committed", 6, 3, Some(3), Some(serde_json::json!({"outcome": "commit"}))),
+            (
+                "failed",
+                6,
+                2,
+                Some(4),
+                Some(serde_json::json!({"outcome": "too_few_reports", "reported": 2, "quorum": 3}))
+            ),
+        ]
+    );
+    // Stopping the run ends it; the open round is recorded as failed.
+    let stopped = c.admin.stop(run).await?;
+    assert_eq!((stopped.status.as_str(), stopped.model_version), ("stopped", 1));
+    assert_eq!(c.admin.rounds(run).await?[3].state, "failed");
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+fn api_code<T: std::fmt::Debug>(res: Result<T, ClientError>) -> Option<ErrorCode> {
+    match res {
+        Err(ClientError::Api { body, .. }) => Some(body.code),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+/// Every kind of bad input gets a 4xx whose body names the problem, stores nothing, and leaves
+/// the round able to take the device's good update afterwards.
+async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()> {
+    let c = start_in_process(db).await?;
+    let devices = enroll(&c.url, &c.admin, 3).await?;
+    let spec = PlanSpec {
+        params: 64,
+        cohort: 2,
+        over_selection: 1.0,
+        quorum: 2,
+        selection_secs: 30.0,
+        reporting_secs: 60.0,
+        rounds: 1,
+    };
+    let run = RunId(c.admin.create_run(&spec.json()).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let task = expect_task(&devices[0]).await?;
+    let d = &devices[0];
+    let path = format!("/v1/runs/{run}/rounds/0/updates");
+    let good = upload_request(&task, &delta(0, 0, 64), 10);
+    let encode = |u: &UploadRequest| wire::to_vec(u).unwrap();
+
+    let mut cases: Vec<(&str, StatusCode, ErrorCode, Vec<u8>)> = vec![];
+    cases.push((
+        "garbage",
+        StatusCode::BAD_REQUEST,
+        ErrorCode::MalformedBody,
+        vec![0xff, 0x13, 0x37],
+    ));
+    cases.push(("empty body", StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, vec![]));
+    cases.push((
+        "wrong message",
+        StatusCode::BAD_REQUEST,
+        ErrorCode::MalformedBody,
+        wire::to_vec(&task).unwrap(),
+    ));
+    let mut truncated = encode(&good);
+    truncated.truncate(truncated.len() / 2);
+    cases.push(("truncated", StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, truncated));
+    let mut other_schema = task.schema.clone();
+    other_schema.tensors.push(TensorSpec {
+        name: "extra".into(),
+        shape: vec![1],
+        dtype: DType::F32,
+    });
+    let mut u = good.clone();
+    u.delta = other_schema.encode_f32(&[0.0; 65]);
+    cases.push((
+        "foreign schema",
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::SchemaMismatch,
+        encode(&u),
+    ));
+    let mut u = good.clone();
+    u.delta.data.truncate(60 * 4);
+    cases.push((
+        "short tensor",
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::ShapeMismatch,
+        encode(&u),
+    ));
+    for (name, v) in [("nan", f32::NAN), ("inf", f32::INFINITY), ("-inf", f32::NEG_INFINITY)] {
+        let mut u = good.clone();
+        u.delta.data[40..44].copy_from_slice(&v.to_le_bytes());
+        cases.push((name, StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::NonFiniteValue, encode(&u)));
+    }
+    let mut u = good.clone();
+    u.example_count = 0;
+    cases.push((
+        "zero examples",
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::InvalidField,
+        encode(&u),
+    ));
+    let mut u = good.clone();
+    u.metrics = BTreeMap::from([("loss".to_owned(), f64::NAN)]);
+    cases.push((
+        "nan metric",
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::InvalidField,
+        encode(&u),
+    ));
+    cases.push((
+        "oversized",
+        StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::BodyTooLarge,
+        vec![0u8; 64 * 4 + 65 * 1024],
+    ));
+    let mut u = good.clone();
+    u.model_version = starling_core::ModelVersion(7);
+    cases.push(("stale model", StatusCode::CONFLICT, ErrorCode::StaleModel, encode(&u)));
+
+    for (name, status, code, body) in cases {
+        let (got_status, bytes) = d.post_raw(&path, body, wire::CBOR_MEDIA_TYPE).await?;
+        let body: ErrorBody = wire::decode(&bytes)
+            .map_err(|e| anyhow::anyhow!("{name}: error body is not cbor: {e}"))?;
+        assert_eq!((got_status, body.code), (status, code), "{name}: {}", body.message);
+        assert!(!body.message.is_empty());
+    }
+
+    // Wrong round, wrong run, wrong media type, unselected device.
+    let cases = [
+        (
+            "future round",
+            format!("/v1/runs/{run}/rounds/5/updates"),
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            wire::CBOR_MEDIA_TYPE,
+        ),
+        (
+            "unknown run",
+            "/v1/runs/999/rounds/0/updates".to_owned(),
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            wire::CBOR_MEDIA_TYPE,
+        ),
+        (
+            "json body",
+            path.clone(),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::MalformedBody,
+            "application/json",
+        ),
+    ];
+    for (name, p, status, code, media) in cases {
+        let (got, bytes) = d.post_raw(&p, encode(&good), media).await?;
+        let body: ErrorBody = wire::decode(&bytes)?;
+        assert_eq!((got, body.code), (status, code), "{name}: {}", body.message);
+    }
+    let res = devices[2].upload(run, RoundIdx(0), &good).await;
+    assert_eq!(api_code(res), Some(ErrorCode::NotSelected));
+
+    // Credentials: none, unknown, forged; bad enrollment token; admin without or with a wrong token.
+    for credential in [None, Some("stdev_0000"), Some("not-even-the-format")] {
+        let client = match credential {
+            Some(credential) => FleetClient::with_credential(&c.url, credential),
+            None => FleetClient::new(&c.url),
+        };
+        assert_eq!(
+            api_code(client.upload(run, RoundIdx(0), &good).await),
+            Some(ErrorCode::Unauthorized)
+        );
+        assert_eq!(api_code(client.check_in("default").await), Some(ErrorCode::Unauthorized));
+    }
+    let mut stranger = FleetClient::new(&c.url);
+    assert_eq!(api_code(stranger.enroll("stenr_forged").await), Some(ErrorCode::Unauthorized));
+    for token in ["", "wrong-operator-token-123456"] {
+        let res = AdminClient::new(&c.url, token).run(run).await;
+        assert_eq!(api_code(res), Some(ErrorCode::Unauthorized));
+    }
+    let res = AdminClient::new(&c.url, OPERATOR_TOKEN)
+        .create_run(&serde_json::json!({"cohort_size": 0}))
+        .await;
+    assert_eq!(api_code(res), Some(ErrorCode::MalformedBody));
+    let mut bad_plan = spec.json();
+    bad_plan["cohort_size"] = serde_json::json!(0);
+    let res = c.admin.create_run(&bad_plan).await;
+    assert!(
+        matches!(&res, Err(ClientError::Api { status: StatusCode::UNPROCESSABLE_ENTITY, body }) if body.message.contains("cohort_size"))
+    );
+    assert_eq!(api_code(c.admin.run(RunId(404)).await), Some(ErrorCode::NotFound));
+
+    // Nothing was stored, and the device's good update is still accepted, once.
+    let r = &c.admin.rounds(run).await?[0];
+    assert_eq!((r.n_selected, r.n_reported), (1, 0));
+    d.upload(run, RoundIdx(0), &good).await?;
+    assert_eq!(api_code(d.upload(run, RoundIdx(0), &good).await), Some(ErrorCode::DuplicateUpload));
+    assert_eq!(c.admin.rounds(run).await?[0].n_reported, 1);
+    // Evaluation reports are validated too.
+    let eval = starling_core::wire::EvaluationReport {
+        model_version: starling_core::ModelVersion(9),
+        example_count: 5,
+        metrics: BTreeMap::from([("accuracy".to_owned(), 0.5)]),
+    };
+    assert_eq!(api_code(d.evaluate(run, &eval).await), Some(ErrorCode::NotFound));
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+/// The coordinator process is SIGKILLed while uploads are in flight. After a restart every
+/// acknowledged update is still in the round, unacknowledged ones can be resent, and the
+/// committed models equal, to the bit, those of an uninterrupted run fed the same updates.
+async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Result<()> {
+    const PARAMS: usize = 100_000;
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir()?;
+    let log = logs.path().join("coordinator.log");
+    let listen = free_addr();
+    let mut child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
+    let devices = enroll(&child.url, &admin, 24).await?;
+    let spec = PlanSpec {
+        params: PARAMS as u64,
+        cohort: 20,
+        over_selection: 1.2,
+        quorum: 20,
+        selection_secs: 60.0,
+        reporting_secs: 120.0,
+        rounds: 3,
+    };
+    let run = RunId(admin.create_run(&spec.json()).await?.id);
+    wait_round_open(&admin, run, 0).await?;
+    let tasks = join_all(devices.iter().map(expect_task))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let initial_hash = tasks[0].model_hash.clone();
+
+    // Twelve concurrent uploads; SIGKILL as soon as three are acknowledged.
+    let (ack_tx, mut ack_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut in_flight = vec![];
+    for i in 0..12 {
+        let (d, t, tx) = (devices[i].clone(), tasks[i].clone(), ack_tx.clone());
+        in_flight.push(tokio::spawn(async move {
+            let res = d
+                .upload(run, RoundIdx(0), &upload_request(&t, &delta(i, 0, PARAMS), weight(i)))
+                .await;
+            let _ = tx.send(res.is_ok());
+            (i, res)
+        }));
+    }
+    let mut n_acked = 0;
+    while n_acked < 3 {
+        if ack_rx.recv().await.expect("senders alive") {
+            n_acked += 1;
+        }
+    }
+    child.kill()?;
+    let mut acked = vec![];
+    let mut unacked = vec![];
+    for h in in_flight {
+        let (i, res) = h.await?;
+        if res.is_ok() { acked.push(i) } else { unacked.push(i) }
+    }
+    eprintln!(
+        "killed with {} acknowledged and {} unacknowledged uploads",
+        acked.len(),
+        unacked.len()
+    );
+
+    let child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+    // Acknowledged updates survived: resending one is a duplicate.
+    for &i in &acked {
+        let res = devices[i]
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
+            .await;
+        assert_eq!(
+            api_code(res),
+            Some(ErrorCode::DuplicateUpload),
+            "acknowledged update of device {i} was lost"
+        );
+    }
+    // Unacknowledged ones may or may not have been stored; resending settles it either way.
+    for &i in &unacked {
+        match devices[i]
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.status() == Some(StatusCode::CONFLICT) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // The selections survived too: eight more devices complete the cohort.
+    for i in 12..20 {
+        devices[i]
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
+            .await?;
+    }
+    let mut hashes = vec![wait_model(&admin, run, 1).await?];
+    for round in 1..3 {
+        wait_round_open(&admin, run, round).await?;
+        let tasks = join_all(devices.iter().map(expect_task))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        for i in 0..20 {
+            devices[i]
+                .upload(
+                    run,
+                    RoundIdx(round),
+                    &upload_request(&tasks[i], &delta(i, round, PARAMS), weight(i)),
+                )
+                .await?;
+        }
+        hashes.push(wait_model(&admin, run, round + 1).await?);
+    }
+    let schema = starling_core::tensor::TensorSchema {
+        tensors: vec![TensorSpec {
+            name: "w".into(),
+            shape: vec![PARAMS as u64],
+            dtype: DType::F32,
+        }],
+    };
+    let mut expected = model_values(&devices[0], &initial_hash, &schema).await?;
+    for (round, hash) in hashes.iter().enumerate() {
+        let contributions: Vec<_> =
+            (0..20).map(|i| (delta(i, round as i64, PARAMS), weight(i))).collect();
+        expected = fedavg_expected(&expected, &contributions);
+        let got = model_values(&devices[0], hash, &schema).await?;
+        assert!(got == expected, "model version {} differs from the exact mean", round + 1);
+    }
+    drop(child);
+
+    // An uninterrupted run, on a fresh embedded store, fed the same updates, commits the same models.
+    let (_dir, fresh) = sqlite_db();
+    let reference = start_in_process(&fresh).await?;
+    let ref_devices = enroll(&reference.url, &reference.admin, 24).await?;
+    let ref_run = RunId(reference.admin.create_run(&spec.json()).await?.id);
+    let mut ref_hashes = vec![];
+    for round in 0..3 {
+        wait_round_open(&reference.admin, ref_run, round).await?;
+        let tasks = join_all(ref_devices.iter().map(expect_task))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        for i in 0..20 {
+            ref_devices[i]
+                .upload(
+                    ref_run,
+                    RoundIdx(round),
+                    &upload_request(&tasks[i], &delta(i, round, PARAMS), weight(i)),
+                )
+                .await?;
+        }
+        ref_hashes.push(wait_model(&reference.admin, ref_run, round + 1).await?);
+    }
+    assert_eq!(hashes, ref_hashes, "a killed-and-restarted run committed different models");
+    reference.running.shutdown().await?;
+    Ok(())
+}
