@@ -139,7 +139,10 @@ async fn conformance(store: SqlStore) {
     assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
     let mut replayed = vec![];
     let n = store
-        .for_each_update(run, RoundIdx(0), |u| Ok(replayed.push((u.slot, u.delta))))
+        .for_each_update(run, RoundIdx(0), |u| {
+            replayed.push((u.slot, u.delta));
+            Ok(())
+        })
         .await
         .unwrap();
     assert_eq!(n, 2);

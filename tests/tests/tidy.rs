@@ -1,0 +1,111 @@
+//! Tidy checks that keep the architecture and house rules true, run as ordinary tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the repo root").to_owned()
+}
+
+fn files_with_extension(dir: &Path, ext: &str, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("reading a source dir") {
+        let path = entry.expect("dir entry").path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() {
+            if !matches!(name, "target" | "node_modules" | ".git" | "starling-data")
+                && !name.starts_with('.')
+            {
+                files_with_extension(&path, ext, out);
+            }
+        } else if path.extension().is_some_and(|e| e == ext) {
+            out.push(path);
+        }
+    }
+}
+
+fn rust_files() -> Vec<PathBuf> {
+    let mut files = vec![];
+    files_with_extension(&repo_root(), "rs", &mut files);
+    assert!(files.len() > 10, "found only {} Rust files", files.len());
+    files
+}
+
+/// Every Rust file says why it exists in a `//!` doc at its top.
+#[test]
+fn every_rust_file_starts_with_a_module_doc() {
+    let missing: Vec<_> = rust_files()
+        .into_iter()
+        .filter(|f| !std::fs::read_to_string(f).expect("readable source").starts_with("//!"))
+        .collect();
+    assert!(missing.is_empty(), "files without a leading //! doc: {missing:#?}");
+}
+
+/// Tests gate on their environment explicitly; they never hide behind these attributes.
+#[test]
+fn no_ignored_or_should_panic_tests() {
+    let this_file = Path::new(file!()).file_name().expect("file name").to_owned();
+    let offenders: Vec<_> = rust_files()
+        .into_iter()
+        .filter(|f| f.file_name() != Some(&this_file))
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).expect("readable source");
+            text.contains("#[ignore") || text.contains("#[should_panic")
+        })
+        .collect();
+    assert!(offenders.is_empty(), "{offenders:#?}");
+}
+
+/// starling-core is sans-IO: no async runtime, database, HTTP or ML framework in its graph.
+#[test]
+fn core_depends_on_no_io_or_training_crate() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(repo_root())
+        .args([
+            "tree",
+            "--offline",
+            "-p",
+            "starling-core",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--format",
+            "{p}",
+        ])
+        .output()
+        .expect("running cargo tree");
+    assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
+    let tree = String::from_utf8(out.stdout).expect("utf-8 tree");
+    assert!(tree.contains("ciborium"), "unexpected tree output: {tree}");
+    for forbidden in ["tokio", "sqlx", "burn", "axum", "reqwest", "hyper", "mio"] {
+        assert!(
+            !tree.lines().any(|l| l.split_whitespace().next() == Some(forbidden)),
+            "starling-core depends on {forbidden}"
+        );
+    }
+}
+
+/// Migrations come in reversible pairs, with the same versions for every store dialect.
+#[test]
+fn migrations_are_reversible_and_in_step() {
+    let versions = |dialect: &str| {
+        let dir = repo_root().join("migrations").join(dialect);
+        let mut ups = vec![];
+        for entry in std::fs::read_dir(&dir).expect("migrations dir") {
+            let name = entry.expect("entry").file_name().into_string().expect("utf-8 name");
+            if let Some(stem) = name.strip_suffix(".up.sql") {
+                assert!(
+                    dir.join(format!("{stem}.down.sql")).exists(),
+                    "{dialect}/{name} has no .down.sql"
+                );
+                ups.push(stem.to_owned());
+            }
+        }
+        ups.sort();
+        ups
+    };
+    let pg = versions("postgres");
+    assert!(!pg.is_empty());
+    assert_eq!(pg, versions("sqlite"));
+}

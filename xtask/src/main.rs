@@ -1,0 +1,118 @@
+//! `cargo xtask test`: the one command that runs every check, on a fresh machine too.
+//!
+//! It makes sure a Postgres is reachable (installing Debian's `postgresql` and starting its
+//! cluster when there is none), exports `DATABASE_URL`, then runs formatting, clippy and the
+//! whole test suite. `.ci/run` calls exactly this.
+
+use std::env;
+use std::path::Path;
+use std::process::{Command, ExitStatus};
+
+use anyhow::{Context, bail};
+
+/// Role the tests connect as; it needs CREATEDB for `#[sqlx::test]`'s per-test databases.
+const PG_ROLE: &str = "starling";
+const PG_URL: &str = "postgres://starling:starling@127.0.0.1:5432/postgres";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("test") => test(),
+        Some("postgres") => {
+            println!("DATABASE_URL={}", ensure_postgres()?);
+            Ok(())
+        }
+        _ => bail!("usage: cargo xtask test | cargo xtask postgres"),
+    }
+}
+
+fn test() -> anyhow::Result<()> {
+    let database_url = match env::var("DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => ensure_postgres()?,
+    };
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    step("format", Command::new(&cargo).args(["fmt", "--all", "--", "--check"]))?;
+    step(
+        "clippy",
+        Command::new(&cargo).args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    let nextest = Command::new(&cargo)
+        .args(["nextest", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let mut tests = Command::new(&cargo);
+    if nextest {
+        tests.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+    } else {
+        tests.args(["test", "--workspace", "--no-fail-fast"]);
+    }
+    tests.env("DATABASE_URL", &database_url);
+    step("tests", &mut tests)?;
+    Ok(())
+}
+
+fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("==> {name}: {cmd:?}");
+    let status = cmd.status().with_context(|| format!("running {name}"))?;
+    check(name, status)
+}
+
+fn check(name: &str, status: ExitStatus) -> anyhow::Result<()> {
+    if !status.success() {
+        bail!("{name} failed: {status}");
+    }
+    Ok(())
+}
+
+/// Makes a local Postgres reachable with a role that may create databases; returns its URL.
+fn ensure_postgres() -> anyhow::Result<String> {
+    if !Path::new("/usr/bin/pg_ctlcluster").exists() {
+        eprintln!("==> installing Debian's postgresql");
+        let sudo = if is_root() { vec![] } else { vec!["sudo"] };
+        let apt = |args: &[&str]| -> anyhow::Result<()> {
+            let mut cmd = Command::new(sudo.first().copied().unwrap_or("apt-get"));
+            if !sudo.is_empty() {
+                cmd.arg("apt-get");
+            }
+            cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+            check("apt-get", cmd.status().context("running apt-get")?)
+        };
+        apt(&["update", "-q"])?;
+        apt(&["install", "-y", "-q", "postgresql"])?;
+    }
+    let version = std::fs::read_dir("/etc/postgresql")
+        .context("no /etc/postgresql: is postgresql installed?")?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|v| v.parse::<u32>().ok())
+        .max()
+        .context("no Postgres cluster under /etc/postgresql")?
+        .to_string();
+    // Starting an already running cluster exits non-zero; only the outcome below matters.
+    let _ = Command::new("pg_ctlcluster").args([&version, "main", "start"]).status();
+    let create_role = format!(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{PG_ROLE}') THEN \
+         CREATE ROLE {PG_ROLE} LOGIN CREATEDB PASSWORD '{PG_ROLE}'; END IF; END $$;"
+    );
+    let status = if is_root() {
+        Command::new("su")
+            .args(["postgres", "-c", &format!("psql -q -c \"{create_role}\"")])
+            .status()
+    } else {
+        Command::new("sudo").args(["-u", "postgres", "psql", "-q", "-c", &create_role]).status()
+    }
+    .context("running psql as postgres")?;
+    check("creating the test role", status)?;
+    Ok(PG_URL.to_owned())
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
