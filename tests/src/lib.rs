@@ -71,6 +71,18 @@ impl ChildCoordinator {
         listen: SocketAddr,
         log: &Path,
     ) -> anyhow::Result<Self> {
+        let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)];
+        Self::spawn_with(bin, database_url, listen, log, &env).await
+    }
+
+    /// Like [`ChildCoordinator::spawn`], with extra environment variables.
+    pub async fn spawn_with(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -79,8 +91,8 @@ impl ChildCoordinator {
         let child = Command::new(bin)
             .args(["serve", "--listen", &listen.to_string()])
             .env("STARLING_DATABASE_URL", database_url)
-            .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
             .env("RUST_LOG", "info,sqlx=warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

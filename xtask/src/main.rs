@@ -5,12 +5,13 @@
 //! whole test suite. `.ci/run` calls exactly this.
 
 use std::env;
+use std::io::Write;
 use std::path::Path;
-use std::process::{Command, ExitStatus};
+use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, bail};
 
-/// Role the tests connect as; it needs CREATEDB for `#[sqlx::test]`'s per-test databases.
+/// Role the tests connect as (see `ensure_postgres` for why it is a superuser).
 const PG_ROLE: &str = "starling";
 const PG_URL: &str = "postgres://starling:starling@127.0.0.1:5432/postgres";
 
@@ -97,18 +98,27 @@ fn ensure_postgres() -> anyhow::Result<String> {
         .to_string();
     // Starting an already running cluster exits non-zero; only the outcome below matters.
     let _ = Command::new("pg_ctlcluster").args([&version, "main", "start"]).status();
+    // A superuser on the loopback test cluster: `#[sqlx::test]` creates and drops databases and
+    // keeps a bookkeeping schema in the master database, which a role of an earlier run (or a
+    // developer's own) may own. This role is never created anywhere but a test machine.
     let create_role = format!(
         "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{PG_ROLE}') THEN \
-         CREATE ROLE {PG_ROLE} LOGIN CREATEDB PASSWORD '{PG_ROLE}'; END IF; END $$;"
+         CREATE ROLE {PG_ROLE} LOGIN PASSWORD '{PG_ROLE}'; END IF; END $$;\n\
+         ALTER ROLE {PG_ROLE} SUPERUSER;"
     );
-    let status = if is_root() {
-        Command::new("su")
-            .args(["postgres", "-c", &format!("psql -q -c \"{create_role}\"")])
-            .status()
+    // The SQL goes in on stdin: through `su -c` a shell would expand its `$$`.
+    let mut psql = if is_root() {
+        let mut c = Command::new("su");
+        c.args(["postgres", "-c", "psql -q -v ON_ERROR_STOP=1"]);
+        c
     } else {
-        Command::new("sudo").args(["-u", "postgres", "psql", "-q", "-c", &create_role]).status()
-    }
-    .context("running psql as postgres")?;
+        let mut c = Command::new("sudo");
+        c.args(["-u", "postgres", "psql", "-q", "-v", "ON_ERROR_STOP=1"]);
+        c
+    };
+    let mut child = psql.stdin(Stdio::piped()).spawn().context("running psql as postgres")?;
+    child.stdin.take().context("psql stdin")?.write_all(create_role.as_bytes())?;
+    let status = child.wait().context("waiting for psql")?;
     check("creating the test role", status)?;
     Ok(PG_URL.to_owned())
 }

@@ -1,0 +1,167 @@
+//! Fleet throughput: N devices × P float32 parameters over real HTTP into a Postgres-backed
+//! coordinator process; reports rounds/s, updates/s, upload MB/s and the coordinator's peak RSS.
+//!
+//! Run with `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput`
+//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`.
+//! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
+//! (`VmHWM`) is that configuration's alone.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures_util::StreamExt;
+use futures_util::stream;
+use sqlx::Connection;
+use starling_coordinator::client::{AdminClient, FleetClient};
+use starling_core::RunId;
+use starling_core::wire::{self, CBOR_MEDIA_TYPE, UploadRequest};
+use starling_tests::{
+    ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr, wait_model,
+    wait_round_open,
+};
+
+/// Uploads in flight at once (a fleet's devices do not all connect in the same millisecond).
+const CONCURRENCY: usize = 64;
+
+struct Config {
+    devices: usize,
+    params: usize,
+    rounds: i64,
+}
+
+struct Measured {
+    round_secs: f64,
+    upload_secs: f64,
+    peak_rss_mib: f64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let Ok(base_url) = std::env::var("DATABASE_URL") else {
+        println!(
+            "fleet_throughput skipped: DATABASE_URL is not set (cargo xtask postgres prints one)"
+        );
+        return Ok(());
+    };
+    let wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
+        .into_iter()
+        .map(|(devices, params, rounds)| Config { devices, params, rounds })
+        .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    println!(
+        "{:>6} {:>9} {:>6} {:>9} {:>10} {:>12} {:>10} {:>13}",
+        "N", "P", "rounds", "rounds/s", "updates/s", "upload MB/s", "e2e upd/s", "peak RSS MiB"
+    );
+    for c in configs {
+        let m = runtime.block_on(bench(&base_url, &c))?;
+        let bytes_per_round = (c.devices * c.params * 4) as f64;
+        let rounds = c.rounds as f64;
+        println!(
+            "{:>6} {:>9} {:>6} {:>9.2} {:>10.1} {:>12.1} {:>10.1} {:>13.1}",
+            c.devices,
+            c.params,
+            c.rounds,
+            rounds / m.round_secs,
+            rounds * c.devices as f64 / m.upload_secs,
+            rounds * bytes_per_round / m.upload_secs / 1e6,
+            rounds * c.devices as f64 / m.round_secs,
+            m.peak_rss_mib,
+        );
+    }
+    Ok(())
+}
+
+async fn bench(base_url: &str, c: &Config) -> anyhow::Result<Measured> {
+    // Built from numbers only, so safe to splice into DDL (which takes no bind parameters).
+    let db = format!("starling_bench_{}_{}", std::process::id(), c.devices);
+    let mut admin_conn =
+        sqlx::PgConnection::connect(base_url).await.context("connecting to DATABASE_URL")?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+        .execute(&mut admin_conn)
+        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&mut admin_conn)
+        .await?;
+    let url = starling_coordinator::store::with_database(base_url, &db);
+    let logs = tempfile::tempdir()?;
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let child =
+        ChildCoordinator::spawn(bin, &url, free_addr(), &logs.path().join("coordinator.log"))
+            .await?;
+    let res = drive(&child, c).await;
+    drop(child);
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+        .execute(&mut admin_conn)
+        .await?;
+    res
+}
+
+async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured> {
+    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
+    let devices = enroll(&child.url, &admin, c.devices).await?;
+    let spec = PlanSpec {
+        params: c.params as u64,
+        cohort: c.devices as u32,
+        over_selection: 1.0,
+        quorum: c.devices as u32,
+        selection_secs: 300.0,
+        reporting_secs: 600.0,
+        rounds: c.rounds as u32,
+    };
+    let run = RunId(admin.create_run(&spec.json()).await?.id);
+    let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
+    let (mut round_secs, mut upload_secs) = (0.0, 0.0);
+    for round in 0..c.rounds {
+        wait_round_open(&admin, run, round).await?;
+        let started = Instant::now();
+        let tasks: Vec<_> =
+            stream::iter(&devices).map(expect_task).buffer_unordered(CONCURRENCY).collect().await;
+        let tasks = tasks.into_iter().collect::<Result<Vec<_>, _>>()?;
+        // Every device downloads the model, as real devices would (all share one hash).
+        let models: Vec<_> = stream::iter(&devices)
+            .map(|d| d.model(&tasks[0].model_hash))
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for m in models {
+            m?;
+        }
+        // Encoding is the devices' work, not the coordinator's: done before the clock starts.
+        let body = wire::to_vec(&UploadRequest {
+            model_version: tasks[0].model_version,
+            example_count: 32,
+            metrics: [("loss".to_owned(), 0.5)].into(),
+            delta: tasks[0].schema.encode_f32(&delta),
+        })?;
+        let path = format!("/v1/runs/{run}/rounds/{round}/updates");
+        let upload_started = Instant::now();
+        let results: Vec<_> = stream::iter(&devices)
+            .map(|d: &FleetClient| d.post_raw(&path, body.clone(), CBOR_MEDIA_TYPE))
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for r in results {
+            let (status, bytes) = r?;
+            if !status.is_success() {
+                bail!("upload failed: {status} {}", String::from_utf8_lossy(&bytes));
+            }
+        }
+        upload_secs += upload_started.elapsed().as_secs_f64();
+        wait_model(&admin, run, round + 1).await?;
+        round_secs += started.elapsed().as_secs_f64();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(Measured { round_secs, upload_secs, peak_rss_mib: peak_rss_mib(child.pid())? })
+}
+
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/pid/status")?;
+    Ok(kib / 1024.0)
+}
