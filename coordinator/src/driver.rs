@@ -491,6 +491,7 @@ impl Driver {
                         tokio::spawn(async move {
                             let metrics =
                                 serde_json::to_string(update.metrics()).expect("metrics serialize");
+                            let started = std::time::Instant::now();
                             let res = store
                                 .insert_update(
                                     run_id,
@@ -503,8 +504,14 @@ impl Driver {
                                     now_ms(),
                                 )
                                 .await;
-                            if let Err(e) = &res {
-                                tracing::warn!(%run_id, %device, error = %e, "update not persisted");
+                            let store_ms = started.elapsed().as_secs_f64() * 1e3;
+                            match &res {
+                                Ok(()) => {
+                                    tracing::debug!(%run_id, %device, store_ms, "update persisted")
+                                }
+                                Err(e) => {
+                                    tracing::warn!(%run_id, %device, store_ms, error = %e, "update not persisted")
+                                }
                             }
                             let _ = internal.send(Internal::UpdatePersisted {
                                 run_id,

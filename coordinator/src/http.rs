@@ -11,7 +11,7 @@ pub mod admin;
 pub mod error;
 pub mod fleet;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
@@ -27,6 +27,7 @@ use sha2::{Digest, Sha256};
 use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::wire::{self, CBOR_MEDIA_TYPE};
 use starling_core::{DeviceId, RunId};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::ApiError;
 use error::{ErrorFormat, render_errors};
@@ -45,7 +46,17 @@ struct Inner {
     store: SqlStore,
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
+    models: Mutex<VecDeque<(String, Bytes)>>,
+    uploads: Arc<Semaphore>,
 }
+
+/// Uploads processed at once (body, decoded copy and store write each hold a model's worth of
+/// memory); further uploads wait for a permit before their body is read, so the coordinator's
+/// memory is bounded by this, not by the number of devices.
+pub const MAX_CONCURRENT_UPLOADS: usize = 16;
+
+/// Encoded models kept in memory: a round's whole cohort downloads the same one.
+const MODEL_CACHE_ENTRIES: usize = 4;
 
 impl AppState {
     /// State over a running driver and its store.
@@ -56,6 +67,8 @@ impl AppState {
                 store,
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
+                models: Mutex::new(VecDeque::new()),
+                uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
             }),
         }
     }
@@ -66,6 +79,42 @@ impl AppState {
 
     fn driver(&self) -> &DriverHandle {
         &self.inner.driver
+    }
+
+    /// Waits for one of the [`MAX_CONCURRENT_UPLOADS`] upload permits.
+    async fn upload_permit(&self) -> OwnedSemaphorePermit {
+        self.inner
+            .uploads
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the upload semaphore is never closed")
+    }
+
+    /// An encoded model by content hash. Content-addressed bytes never change, so a cached
+    /// copy is always right; the cache only spares the store the cohort's repeated reads.
+    async fn model_bytes(&self, hash: &str) -> Result<Option<Bytes>, ApiError> {
+        let cached = self
+            .inner
+            .models
+            .lock()
+            .expect("model cache poisoned")
+            .iter()
+            .find(|(h, _)| h == hash)
+            .map(|(_, b)| b.clone());
+        if cached.is_some() {
+            return Ok(cached);
+        }
+        let Some(bytes) = self.store().model_by_hash(hash).await? else { return Ok(None) };
+        let bytes = Bytes::from(bytes);
+        let mut models = self.inner.models.lock().expect("model cache poisoned");
+        if !models.iter().any(|(h, _)| h == hash) {
+            if models.len() == MODEL_CACHE_ENTRIES {
+                models.pop_front();
+            }
+            models.push_back((hash.to_owned(), bytes.clone()));
+        }
+        Ok(Some(bytes))
     }
 
     /// A run's validated plan; plans never change, so they are cached after the first read.

@@ -87,9 +87,10 @@ async fn bench(base_url: &str, c: &Config) -> anyhow::Result<Measured> {
     let url = starling_coordinator::store::with_database(base_url, &db);
     let logs = tempfile::tempdir()?;
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let child =
-        ChildCoordinator::spawn(bin, &url, free_addr(), &logs.path().join("coordinator.log"))
-            .await?;
+    // STARLING_BENCH_LOG keeps the coordinator's log (e.g. with RUST_LOG=debug) for a look.
+    let log = std::env::var_os("STARLING_BENCH_LOG")
+        .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
+    let child = ChildCoordinator::spawn(bin, &url, free_addr(), &log).await?;
     let res = drive(&child, c).await;
     drop(child);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))

@@ -91,7 +91,10 @@ impl ChildCoordinator {
         let child = Command::new(bin)
             .args(["serve", "--listen", &listen.to_string()])
             .env("STARLING_DATABASE_URL", database_url)
-            .env("RUST_LOG", "info,sqlx=warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info,sqlx=warn".to_owned()),
+            )
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -236,6 +239,11 @@ pub async fn expect_task(device: &FleetClient) -> anyhow::Result<TaskAssignment>
         CheckInResponse::Task(t) => Ok(t),
         other => bail!("expected a task, got {other:?}"),
     }
+}
+
+/// Every device checks in concurrently and each expects a task.
+pub async fn expect_tasks(devices: &[FleetClient]) -> anyhow::Result<Vec<TaskAssignment>> {
+    futures_util::future::join_all(devices.iter().map(expect_task)).await.into_iter().collect()
 }
 
 /// Downloads and decodes a model.

@@ -55,10 +55,7 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
     let run = RunId(c.admin.create_run(&spec.json()).await?.id);
     for round in 0..3 {
         wait_round_open(&c.admin, run, round).await?;
-        let tasks = join_all(devices.iter().map(expect_task))
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = expect_tasks(&devices).await?;
         assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(round) && version(t) == round));
         let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
         let uploads = devices.iter().zip(&tasks).enumerate().map(|(i, (d, t))| async move {
@@ -142,10 +139,7 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     assert_eq!(api_code(late), Some(ErrorCode::RoundClosed));
 
     // Round 1: six selected, three report, three drop out: commits at the reporting deadline.
-    let tasks = join_all(devices.iter().map(expect_task))
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+    let tasks = expect_tasks(&devices).await?;
     assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(1)));
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
     for i in 0..3 {
@@ -160,10 +154,7 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
 
     // Round 2: six selected, two report: fails with too few reports, and round 3 retries.
     wait_round_open(&c.admin, run, 2).await?;
-    let tasks = join_all(devices.iter().map(expect_task))
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+    let tasks = expect_tasks(&devices).await?;
     for i in 0..2 {
         devices[i]
             .upload(run, RoundIdx(2), &upload_request(&tasks[i], &delta(i, 2, 16), weight(i)))
@@ -419,10 +410,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     };
     let run = RunId(admin.create_run(&spec.json()).await?.id);
     wait_round_open(&admin, run, 0).await?;
-    let tasks = join_all(devices.iter().map(expect_task))
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+    let tasks = expect_tasks(&devices).await?;
     let initial_hash = tasks[0].model_hash.clone();
 
     // Twelve concurrent uploads; SIGKILL as soon as three are acknowledged.
@@ -489,10 +477,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     let mut hashes = vec![wait_model(&admin, run, 1).await?];
     for round in 1..3 {
         wait_round_open(&admin, run, round).await?;
-        let tasks = join_all(devices.iter().map(expect_task))
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = expect_tasks(&devices).await?;
         for i in 0..20 {
             devices[i]
                 .upload(
@@ -529,10 +514,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     let mut ref_hashes = vec![];
     for round in 0..3 {
         wait_round_open(&reference.admin, ref_run, round).await?;
-        let tasks = join_all(ref_devices.iter().map(expect_task))
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = expect_tasks(&ref_devices).await?;
         for i in 0..20 {
             ref_devices[i]
                 .upload(

@@ -32,8 +32,20 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/enroll", post(enroll))
         .route("/v1/check-in", post(check_in))
         .route("/v1/models/{hash}", get(model))
-        .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
+        .route(
+            "/v1/runs/{run_id}/rounds/{round_idx}/updates",
+            post(upload).layer(axum::middleware::map_response(close_after_upload)),
+        )
         .route("/v1/runs/{run_id}/evaluations", post(evaluation))
+}
+
+/// Ends the connection after an upload. Reading a model-sized body grows the connection's read
+/// buffer to about the model's size, and an idle keep-alive connection keeps it: with a fleet of
+/// connected devices that would make memory grow with the number of devices, not the model.
+/// Reconnecting costs far less than the upload itself.
+async fn close_after_upload(mut res: Response) -> Response {
+    res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    res
 }
 
 async fn decode_small<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
@@ -110,8 +122,7 @@ async fn model(
         return Ok((StatusCode::NOT_MODIFIED, cache).into_response());
     }
     let bytes = state
-        .store()
-        .model_by_hash(&hash)
+        .model_bytes(&hash)
         .await?
         .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
     Ok((cache, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
@@ -129,7 +140,10 @@ async fn upload(
     check_content_type(&headers)?;
     let plan = state.plan(run_id).await?;
     let limit = plan.schema().byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
+    let _permit = state.upload_permit().await;
+    let started = std::time::Instant::now();
     let bytes = read_body(body, limit).await?;
+    let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // Decoding and the finiteness scan are O(model): keep them off the async threads.
     let validated = tokio::task::spawn_blocking(move || {
         let req: UploadRequest =
@@ -143,10 +157,12 @@ async fn upload(
     let (model_version, update) = validated.inspect_err(|e| {
         tracing::info!(%run_id, %round_idx, %device, status = %e.status_code(), "upload rejected");
     })?;
+    let validated_ms = started.elapsed().as_secs_f64() * 1e3;
     let ack = state
         .driver()
         .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
         .await?;
+    tracing::debug!(%run_id, %round_idx, %device, read_ms, validated_ms, acked_ms = started.elapsed().as_secs_f64() * 1e3, "upload acknowledged");
     Ok(Cbor(ack))
 }
 
