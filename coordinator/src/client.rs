@@ -225,6 +225,12 @@ impl AdminClient {
         self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds"), None).await
     }
 
+    /// One round of a run.
+    pub async fn round(&self, run: RunId, round_idx: i64) -> Result<RoundView, ClientError> {
+        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds/{round_idx}"), None)
+            .await
+    }
+
     /// A run's model versions.
     pub async fn models(&self, run: RunId) -> Result<Vec<ModelView>, ClientError> {
         self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/models"), None).await

@@ -190,6 +190,125 @@ pub struct RoundCommit<'a> {
     pub metrics: &'a BTreeMap<String, f64>,
 }
 
+/// The columns of a [`RoundRow`], with live selected/reported counts for an open round
+/// (a macro so that queries built on it stay `&'static str`).
+macro_rules! round_select {
+    () => {
+        "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
+                    r.reporting_deadline_ms, r.closed_at_ms,
+                    COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
+                    COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)) AS n_reported,
+                    r.n_dropped, r.outcome_json, r.metrics_json
+         FROM rounds r"
+    };
+}
+
+/// The state of an open round as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenRoundState {
+    /// The round row.
+    pub round: RoundOpened,
+    /// Selected devices.
+    pub selected: Vec<DeviceId>,
+    /// Devices with a stored update, and their slots, in slot order.
+    pub reported: Vec<(DeviceId, i64)>,
+}
+
+/// A small durable transition, batched by [`SqlStore::apply_transitions`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// A round opened.
+    OpenRound(RoundOpened),
+    /// A device was selected.
+    Select {
+        /// Round.
+        round_idx: RoundIdx,
+        /// Device.
+        device: DeviceId,
+    },
+    /// The run committed all its rounds.
+    FinishRun,
+    /// The operator stopped the run.
+    StopRun {
+        /// Round that was open, recorded as failed.
+        open_round: Option<RoundIdx>,
+    },
+}
+
+async fn set_run_status(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    status: &str,
+    now: Millis,
+) -> StoreResult<()> {
+    sqlx::query("UPDATE runs SET status = $2, updated_at_ms = $3 WHERE id = $1")
+        .bind(run_id.0)
+        .bind(status)
+        .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_err)?;
+    Ok(())
+}
+
+async fn close_round_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    c: &RoundClosing,
+    state: &str,
+    metrics: Option<&BTreeMap<String, f64>>,
+) -> StoreResult<()> {
+    let outcome_json = serde_json::to_string(&c.outcome).expect("outcome serializes");
+    let metrics_json = metrics.map(|m| serde_json::to_string(m).expect("metrics serialize"));
+    let res = sqlx::query(
+        "UPDATE rounds SET state = $3, closed_at_ms = $4, n_selected = $5, n_reported = $6, n_dropped = $7,
+                outcome_json = $8, metrics_json = $9
+         WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+    )
+    .bind(run_id.0)
+    .bind(c.round_idx.0)
+    .bind(state)
+    .bind(c.closed_at)
+    .bind(i64::from(c.n_selected))
+    .bind(i64::from(c.n_reported))
+    .bind(i64::from(c.n_dropped))
+    .bind(outcome_json)
+    .bind(metrics_json)
+    .execute(&mut **tx)
+    .await
+    .map_err(map_err)?;
+    if res.rows_affected() != 1 {
+        // Closing a round twice (or one that never opened) is a driver bug; refuse loudly.
+        return Err(StoreError::Corrupt(format!(
+            "round {} of run {run_id} is not open",
+            c.round_idx
+        )));
+    }
+    Ok(())
+}
+
+/// The outcome recorded for a round, parsed back.
+pub fn parse_outcome(json: &str) -> Option<RoundOutcome> {
+    serde_json::from_str(json).ok()
+}
+
+/// `url` with its database name replaced by `database` (e.g. a per-test Postgres database).
+pub fn with_database(url: &str, database: &str) -> String {
+    let (without_query, query) = match url.split_once('?') {
+        Some((u, q)) => (u, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = without_query.find("://").map_or(0, |i| i + 3);
+    let base = match without_query[scheme_end..].find('/') {
+        Some(slash) => &without_query[..scheme_end + slash],
+        None => without_query,
+    };
+    match query {
+        Some(q) => format!("{base}/{database}?{q}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
 /// The coordinator's store.
 #[derive(Debug, Clone)]
 pub struct SqlStore {
@@ -698,18 +817,21 @@ impl SqlStore {
 
     /// A run's rounds, oldest first, with live counts for the open one.
     pub async fn rounds(&self, run_id: RunId) -> StoreResult<Vec<RoundRow>> {
-        sqlx::query_as(
-            "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
-                    r.reporting_deadline_ms, r.closed_at_ms,
-                    COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
-                    COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)) AS n_reported,
-                    r.n_dropped, r.outcome_json, r.metrics_json
-             FROM rounds r WHERE r.run_id = $1 ORDER BY r.round_idx",
-        )
-        .bind(run_id.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)
+        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 ORDER BY r.round_idx"))
+            .bind(run_id.0)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
+    /// One round, with live counts if it is open.
+    pub async fn round(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<Option<RoundRow>> {
+        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 AND r.round_idx = $2"))
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)
     }
 
     /// Stores an evaluation report; a second report of one device on one model is a conflict.
@@ -747,112 +869,6 @@ impl SqlStore {
         .fetch_all(&self.pool)
         .await
         .map_err(map_err)
-    }
-}
-
-/// The state of an open round as stored.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OpenRoundState {
-    /// The round row.
-    pub round: RoundOpened,
-    /// Selected devices.
-    pub selected: Vec<DeviceId>,
-    /// Devices with a stored update, and their slots, in slot order.
-    pub reported: Vec<(DeviceId, i64)>,
-}
-
-/// A small durable transition, batched by [`SqlStore::apply_transitions`].
-#[derive(Debug, Clone, PartialEq)]
-pub enum Transition {
-    /// A round opened.
-    OpenRound(RoundOpened),
-    /// A device was selected.
-    Select {
-        /// Round.
-        round_idx: RoundIdx,
-        /// Device.
-        device: DeviceId,
-    },
-    /// The run committed all its rounds.
-    FinishRun,
-    /// The operator stopped the run.
-    StopRun {
-        /// Round that was open, recorded as failed.
-        open_round: Option<RoundIdx>,
-    },
-}
-
-async fn set_run_status(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: RunId,
-    status: &str,
-    now: Millis,
-) -> StoreResult<()> {
-    sqlx::query("UPDATE runs SET status = $2, updated_at_ms = $3 WHERE id = $1")
-        .bind(run_id.0)
-        .bind(status)
-        .bind(now)
-        .execute(&mut **tx)
-        .await
-        .map_err(map_err)?;
-    Ok(())
-}
-
-async fn close_round_row(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: RunId,
-    c: &RoundClosing,
-    state: &str,
-    metrics: Option<&BTreeMap<String, f64>>,
-) -> StoreResult<()> {
-    let outcome_json = serde_json::to_string(&c.outcome).expect("outcome serializes");
-    let metrics_json = metrics.map(|m| serde_json::to_string(m).expect("metrics serialize"));
-    let res = sqlx::query(
-        "UPDATE rounds SET state = $3, closed_at_ms = $4, n_selected = $5, n_reported = $6, n_dropped = $7,
-                outcome_json = $8, metrics_json = $9
-         WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
-    )
-    .bind(run_id.0)
-    .bind(c.round_idx.0)
-    .bind(state)
-    .bind(c.closed_at)
-    .bind(i64::from(c.n_selected))
-    .bind(i64::from(c.n_reported))
-    .bind(i64::from(c.n_dropped))
-    .bind(outcome_json)
-    .bind(metrics_json)
-    .execute(&mut **tx)
-    .await
-    .map_err(map_err)?;
-    if res.rows_affected() != 1 {
-        // Closing a round twice (or one that never opened) is a driver bug; refuse loudly.
-        return Err(StoreError::Corrupt(format!(
-            "round {} of run {run_id} is not open",
-            c.round_idx
-        )));
-    }
-    Ok(())
-}
-
-/// The outcome recorded for a round, parsed back.
-pub fn parse_outcome(json: &str) -> Option<RoundOutcome> {
-    serde_json::from_str(json).ok()
-}
-
-/// `url` with its database name replaced by `database` (e.g. a per-test Postgres database).
-pub fn with_database(url: &str, database: &str) -> String {
-    let (without_query, query) = match url.split_once('?') {
-        Some((u, q)) => (u, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = without_query.find("://").map_or(0, |i| i + 3);
-    let base = match without_query[scheme_end..].find('/') {
-        Some(slash) => &without_query[..scheme_end + slash],
-        None => without_query,
-    };
-    match query {
-        Some(q) => format!("{base}/{database}?{q}"),
-        None => format!("{base}/{database}"),
     }
 }
 

@@ -193,6 +193,10 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
             ),
         ]
     );
+    // One round can be read alone; an unknown one is a 404.
+    let one = c.admin.round(run, 1).await?;
+    assert_eq!((one.round_idx, one.state.as_str(), one.n_reported), (1, "committed", 3));
+    assert_eq!(api_code(c.admin.round(run, 99).await), Some(ErrorCode::NotFound));
     // Stopping the run ends it; the open round is recorded as failed.
     let stopped = c.admin.stop(run).await?;
     assert_eq!((stopped.status.as_str(), stopped.model_version), ("stopped", 1));

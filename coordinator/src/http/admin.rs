@@ -26,6 +26,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/admin/runs", post(create_run).get(list_runs))
         .route("/v1/admin/runs/{run_id}", get(get_run))
         .route("/v1/admin/runs/{run_id}/rounds", get(list_rounds))
+        .route("/v1/admin/runs/{run_id}/rounds/{round_idx}", get(get_round))
         .route("/v1/admin/runs/{run_id}/models", get(list_models))
         .route("/v1/admin/runs/{run_id}/stop", post(stop_run))
 }
@@ -259,6 +260,18 @@ async fn list_rounds(
 ) -> Result<AppJson<Vec<RoundView>>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
     Ok(AppJson(state.store().rounds(run_id).await?.into_iter().map(RoundView::from).collect()))
+}
+
+async fn get_round(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+) -> Result<AppJson<RoundView>, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    let round = state.store().round(run_id, starling_core::RoundIdx(round_idx)).await?;
+    let round = round
+        .ok_or_else(|| ApiError::not_found(format!("run {run_id} has no round {round_idx}")))?;
+    Ok(AppJson(RoundView::from(round)))
 }
 
 /// A committed model version with its federated evaluation.
