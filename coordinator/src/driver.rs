@@ -617,6 +617,7 @@ impl RunEntry {
                     model_version,
                     model_hash: self.model_hash.clone(),
                     schema: self.plan.schema().clone(),
+                    model_spec: self.plan.model_spec().cloned(),
                     training_config: self.training_config.clone(),
                     report_deadline_ms: report_deadline,
                 })

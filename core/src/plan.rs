@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::model_spec::{ModelSpec, SpecError, SplitMix64};
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
@@ -48,8 +49,13 @@ pub struct Plan {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPlan {
-    /// Tensor names, shapes, dtypes.
-    pub schema: TensorSchema,
+    /// Tensor names, shapes, dtypes; derived from `spec` when absent.
+    #[serde(default)]
+    pub schema: Option<TensorSchema>,
+    /// A declarative model the client SDK builds at run time (optional for runs whose clients
+    /// bring their own model).
+    #[serde(default)]
+    pub spec: Option<ModelSpec>,
     /// How version 0 is made.
     pub init: InitSpec,
 }
@@ -60,8 +66,9 @@ pub struct ModelPlan {
 pub enum InitSpec {
     /// Every parameter zero.
     Zeros,
-    /// Glorot-uniform weights for tensors of rank ≥ 2, zero for rank-1 tensors (biases),
-    /// from a deterministic generator seeded with `seed`.
+    /// With a `spec`: the spec's initialization (see [`ModelSpec::initial_parameters`]).
+    /// Without: Glorot-uniform weights for tensors of rank ≥ 2, zero for rank-1 tensors
+    /// (biases). Either way from a deterministic generator seeded with `seed`.
     Seeded {
         /// Generator seed.
         seed: u64,
@@ -77,6 +84,7 @@ pub enum InitSpec {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidatedPlan {
     plan: Plan,
+    schema: TensorSchema,
     rounds: RoundConfig,
 }
 
@@ -104,6 +112,9 @@ pub enum PlanError {
     /// The model schema is invalid.
     #[error("model schema: {0}")]
     Schema(#[from] TensorError),
+    /// The model spec is invalid.
+    #[error("model spec: {0}")]
+    Spec(#[from] SpecError),
     /// A field is out of range.
     #[error("{field}: {why}")]
     Field {
@@ -124,7 +135,18 @@ pub const MAX_COHORT: u32 = 1_000_000;
 impl Plan {
     /// Checks the plan and resolves defaults.
     pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
-        self.model.schema.validate()?;
+        let schema = match (&self.model.schema, &self.model.spec) {
+            (None, None) => return Err(field("model", "needs a schema, a spec, or both")),
+            (Some(schema), None) => schema.clone(),
+            (None, Some(spec)) => spec.schema()?,
+            (Some(schema), Some(spec)) => {
+                if spec.schema()? != *schema {
+                    return Err(field("model.schema", "does not match the schema of model.spec"));
+                }
+                schema.clone()
+            }
+        };
+        schema.validate()?;
         if self.population.is_empty() || self.population.len() > 128 {
             return Err(field("population", "must be 1..=128 bytes"));
         }
@@ -159,7 +181,7 @@ impl Plan {
         if let InitSpec::Parameters { data_base64 } = &self.model.init {
             // Length is checked here; values are checked when decoded by `initial_parameters`.
             let bytes = data_base64.len() / 4 * 3;
-            if bytes.abs_diff(self.model.schema.byte_len() as usize) > 2 {
+            if bytes.abs_diff(schema.byte_len() as usize) > 2 {
                 return Err(field("model.init.data_base64", "length does not match the schema"));
             }
         }
@@ -173,7 +195,7 @@ impl Plan {
             reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
             total_rounds: self.rounds,
         };
-        Ok(ValidatedPlan { plan: self, rounds })
+        Ok(ValidatedPlan { plan: self, schema, rounds })
     }
 }
 
@@ -185,7 +207,12 @@ impl ValidatedPlan {
 
     /// The model schema.
     pub fn schema(&self) -> &TensorSchema {
-        &self.plan.model.schema
+        &self.schema
+    }
+
+    /// The model spec, if the plan has one.
+    pub fn model_spec(&self) -> Option<&ModelSpec> {
+        self.plan.model.spec.as_ref()
     }
 
     /// Round pacing.
@@ -209,7 +236,10 @@ impl ValidatedPlan {
         let schema = self.schema();
         match &self.plan.model.init {
             InitSpec::Zeros => Ok(vec![0.0; schema.numel() as usize]),
-            InitSpec::Seeded { seed } => Ok(seeded_init(schema, *seed)),
+            InitSpec::Seeded { seed } => match self.model_spec() {
+                Some(spec) => Ok(spec.initial_parameters(*seed)?),
+                None => Ok(seeded_init(schema, *seed)),
+            },
             InitSpec::Parameters { data_base64 } => {
                 let bytes = decode_base64(data_base64)
                     .ok_or_else(|| field("model.init.data_base64", "not valid base64"))?;
@@ -233,15 +263,8 @@ impl ValidatedPlan {
 ///
 /// A statistical generator is right here: initial weights are public and need no secrecy.
 pub fn seeded_init(schema: &TensorSchema, seed: u64) -> Vec<f32> {
-    let mut state = seed;
-    let mut next_unit = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rng = SplitMix64(seed);
+    let mut next_unit = move || rng.unit();
     let mut out = Vec::with_capacity(schema.numel() as usize);
     for t in &schema.tensors {
         let n = t.numel() as usize;

@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use crate::model_spec::ModelSpec;
 use crate::tensor::{TensorPayload, TensorSchema};
 
 /// The media type of every fleet-API body.
@@ -151,6 +152,9 @@ pub struct TaskAssignment {
     pub model_hash: String,
     /// Schema of the model and of the expected update.
     pub schema: TensorSchema,
+    /// The model to build, when the run's plan has a declarative spec.
+    #[serde(default)]
+    pub model_spec: Option<ModelSpec>,
     /// The plan's local training configuration, as JSON text, passed through untouched.
     pub training_config: String,
     /// Uploads after this instant are refused.

@@ -68,3 +68,18 @@ fn explicit_parameters_are_checked() {
     v["model"]["init"] = serde_json::json!({"kind": "parameters", "data_base64": "AAAA"});
     assert!(parse(v).is_err());
 }
+
+#[test]
+fn schema_comes_from_the_spec_or_must_match_it() {
+    let spec = serde_json::json!({"input": {"kind": "features", "size": 4}, "layers": [{"kind": "linear", "out": 3}]});
+    let mut v = plan_json();
+    v["model"] = serde_json::json!({"spec": spec, "init": {"kind": "seeded", "seed": 1}});
+    let p = parse(v.clone()).unwrap();
+    assert_eq!(p.schema().tensors.len(), 2);
+    assert_eq!(p.initial_parameters(|_| None).unwrap().len(), 15);
+    assert!(p.model_spec().is_some());
+    v["model"]["schema"] = plan_json()["model"]["schema"].clone();
+    assert!(parse(v.clone()).unwrap_err().to_string().starts_with("model.schema"));
+    v["model"] = serde_json::json!({"init": {"kind": "zeros"}});
+    assert!(parse(v).unwrap_err().to_string().starts_with("model"));
+}

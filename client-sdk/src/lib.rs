@@ -1,0 +1,1 @@
+//! placeholder while reading burn sources

@@ -1,0 +1,367 @@
+//! Declarative model specs: a layer list that the client SDK turns into a burn module at run
+//! time, and from which the coordinator derives the tensor schema and initial parameters.
+//!
+//! Changing the model is a plan change, not an app rebuild. The schema computed here names,
+//! orders and shapes parameters exactly as burn's module visitor reports them for the module the
+//! SDK builds (`layers.{i}.{Variant}.{field}...`, `Option` fields adding no level); the SDK's
+//! tests check the two against each other in both directions.
+
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::{DType, TensorSchema, TensorSpec};
+
+/// A model: what it takes, and the layers applied in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The shape of one example.
+    pub input: InputSpec,
+    /// Layers, applied in order; the last one must produce class logits.
+    pub layers: Vec<LayerSpec>,
+}
+
+/// The shape of one example.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum InputSpec {
+    /// An image, channels first.
+    Image {
+        /// Channels.
+        channels: u64,
+        /// Height.
+        height: u64,
+        /// Width.
+        width: u64,
+    },
+    /// A flat feature vector.
+    Features {
+        /// Number of features.
+        size: u64,
+    },
+    /// A sequence of token ids.
+    Tokens {
+        /// Vocabulary size (ids are `0..vocab`).
+        vocab: u64,
+        /// Sequence length.
+        length: u64,
+    },
+}
+
+/// One layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum LayerSpec {
+    /// Fully connected, on the last dimension.
+    Linear {
+        /// Output features.
+        out: u64,
+    },
+    /// 2-D convolution, square kernel.
+    Conv2d {
+        /// Output channels.
+        out_channels: u64,
+        /// Kernel side.
+        kernel: u64,
+        /// Zero padding on each side.
+        #[serde(default)]
+        padding: u64,
+    },
+    /// 2-D max pooling, square window, stride equal to the window.
+    MaxPool2d {
+        /// Window side.
+        kernel: u64,
+    },
+    /// Rectified linear unit.
+    Relu,
+    /// Dropout while training.
+    Dropout {
+        /// Probability of zeroing an element.
+        prob: f64,
+    },
+    /// Flattens everything but the batch dimension.
+    Flatten,
+    /// Token embedding.
+    Embedding {
+        /// Embedding width.
+        dim: u64,
+    },
+    /// LSTM over a sequence, batch first.
+    Lstm {
+        /// Hidden size.
+        hidden: u64,
+    },
+    /// GRU over a sequence, batch first.
+    Gru {
+        /// Hidden size.
+        hidden: u64,
+    },
+    /// Layer normalization over the last dimension.
+    LayerNorm,
+    /// Keeps only the last step of a sequence.
+    LastStep,
+}
+
+/// The shape of the activation between layers (per example, without the batch dimension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `[channels, height, width]`.
+    Image(u64, u64, u64),
+    /// `[features]`.
+    Flat(u64),
+    /// `[steps, features]`.
+    Sequence(u64, u64),
+    /// `[steps]` of token ids below `vocab`.
+    Tokens {
+        /// Vocabulary size.
+        vocab: u64,
+        /// Steps.
+        length: u64,
+    },
+}
+
+/// Why a spec was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// The spec has no layers.
+    #[error("model spec has no layers")]
+    Empty,
+    /// A size is zero or absurd.
+    #[error("layer {layer}: {why}")]
+    BadLayer {
+        /// Layer index.
+        layer: usize,
+        /// What is wrong.
+        why: String,
+    },
+    /// A layer cannot take the activation the previous layers produce.
+    #[error("layer {layer} ({kind}) cannot take a {got:?} activation")]
+    ShapeMismatch {
+        /// Layer index.
+        layer: usize,
+        /// Layer kind.
+        kind: &'static str,
+        /// The activation it would get.
+        got: Activation,
+    },
+    /// The last layer does not produce flat class logits.
+    #[error("the model must end in flat class logits, it ends in {0:?}")]
+    BadOutput(Activation),
+}
+
+/// Largest size of any one dimension in a spec.
+const MAX_DIM: u64 = 1 << 24;
+
+impl LayerSpec {
+    /// The variant name, as burn's module derive names the enum level of the path.
+    pub fn variant(&self) -> &'static str {
+        match self {
+            LayerSpec::Linear { .. } => "Linear",
+            LayerSpec::Conv2d { .. } => "Conv2d",
+            LayerSpec::MaxPool2d { .. } => "MaxPool2d",
+            LayerSpec::Relu => "Relu",
+            LayerSpec::Dropout { .. } => "Dropout",
+            LayerSpec::Flatten => "Flatten",
+            LayerSpec::Embedding { .. } => "Embedding",
+            LayerSpec::Lstm { .. } => "Lstm",
+            LayerSpec::Gru { .. } => "Gru",
+            LayerSpec::LayerNorm => "LayerNorm",
+            LayerSpec::LastStep => "LastStep",
+        }
+    }
+}
+
+/// How a parameter is initialized.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Init {
+    /// `U(-b, b)`.
+    Uniform(f64),
+    /// All `v`.
+    Constant(f32),
+}
+
+impl ModelSpec {
+    /// Checks the spec and returns the activation after every layer.
+    pub fn activations(&self) -> Result<Vec<Activation>, SpecError> {
+        if self.layers.is_empty() {
+            return Err(SpecError::Empty);
+        }
+        let mut act = match self.input {
+            InputSpec::Image { channels, height, width } => Activation::Image(channels, height, width),
+            InputSpec::Features { size } => Activation::Flat(size),
+            InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
+        };
+        check_dims(0, &dims_of(act))?;
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mismatch = || SpecError::ShapeMismatch { layer: i, kind: layer.variant(), got: act };
+            act = match (*layer, act) {
+                (LayerSpec::Linear { out }, Activation::Flat(_)) => Activation::Flat(out),
+                (LayerSpec::Linear { out }, Activation::Sequence(t, _)) => Activation::Sequence(t, out),
+                (LayerSpec::Conv2d { out_channels, kernel, padding }, Activation::Image(_, h, w)) => {
+                    let side = |x: u64| (x + 2 * padding).checked_sub(kernel).map(|v| v + 1);
+                    match (side(h), side(w)) {
+                        (Some(h), Some(w)) if h > 0 && w > 0 && kernel > 0 => Activation::Image(out_channels, h, w),
+                        _ => return Err(bad(i, "kernel is larger than the padded input")),
+                    }
+                }
+                (LayerSpec::MaxPool2d { kernel }, Activation::Image(c, h, w)) => {
+                    if kernel == 0 || kernel > h || kernel > w {
+                        return Err(bad(i, "pool window is zero or larger than the input"));
+                    }
+                    Activation::Image(c, h / kernel, w / kernel)
+                }
+                (LayerSpec::Relu | LayerSpec::LayerNorm, a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..))) => {
+                    if matches!(layer, LayerSpec::LayerNorm) && matches!(a, Activation::Image(..)) {
+                        return Err(mismatch());
+                    }
+                    a
+                }
+                (LayerSpec::Dropout { prob }, a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..))) => {
+                    if !(0.0..1.0).contains(&prob) {
+                        return Err(bad(i, "dropout probability must be in [0, 1)"));
+                    }
+                    a
+                }
+                (LayerSpec::Flatten, Activation::Image(c, h, w)) => Activation::Flat(c * h * w),
+                (LayerSpec::Flatten, Activation::Sequence(t, f)) => Activation::Flat(t * f),
+                (LayerSpec::Embedding { dim }, Activation::Tokens { length, .. }) => Activation::Sequence(length, dim),
+                (LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden }, Activation::Sequence(t, _)) => Activation::Sequence(t, hidden),
+                (LayerSpec::LastStep, Activation::Sequence(_, f)) => Activation::Flat(f),
+                _ => return Err(mismatch()),
+            };
+            check_dims(i, &dims_of(act))?;
+            out.push(act);
+        }
+        match act {
+            Activation::Flat(n) if n >= 2 => Ok(out),
+            other => Err(SpecError::BadOutput(other)),
+        }
+    }
+
+    /// Number of classes the model predicts.
+    pub fn n_classes(&self) -> Result<u64, SpecError> {
+        match self.activations()?.last() {
+            Some(Activation::Flat(n)) => Ok(*n),
+            _ => unreachable!("activations() checked the output"),
+        }
+    }
+
+    /// The tensor schema of the module the SDK builds from this spec.
+    pub fn schema(&self) -> Result<TensorSchema, SpecError> {
+        Ok(TensorSchema { tensors: self.parameters()?.into_iter().map(|(spec, _)| spec).collect() })
+    }
+
+    /// Initial parameters, flat in schema order, deterministic for `seed`: Kaiming-uniform
+    /// weights (as burn's `Linear` and `Conv2d` default), zero biases, unit LayerNorm scales,
+    /// unit-variance embeddings, Xavier-uniform recurrent weights.
+    pub fn initial_parameters(&self, seed: u64) -> Result<Vec<f32>, SpecError> {
+        let mut rng = SplitMix64(seed);
+        let mut out = vec![];
+        for (spec, init) in self.parameters()? {
+            let n = spec.numel() as usize;
+            match init {
+                Init::Constant(v) => out.extend(std::iter::repeat_n(v, n)),
+                Init::Uniform(b) => out.extend((0..n).map(|_| ((rng.unit() * 2.0 - 1.0) * b) as f32)),
+            }
+        }
+        Ok(out)
+    }
+
+    fn parameters(&self) -> Result<Vec<(TensorSpec, Init)>, SpecError> {
+        let acts = self.activations()?;
+        let input = |i: usize| -> Activation {
+            if i == 0 {
+                match self.input {
+                    InputSpec::Image { channels, height, width } => Activation::Image(channels, height, width),
+                    InputSpec::Features { size } => Activation::Flat(size),
+                    InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
+                }
+            } else {
+                acts[i - 1]
+            }
+        };
+        let mut params = vec![];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let prefix = format!("layers.{i}.{}", layer.variant());
+            let mut push = |name: &str, shape: Vec<u64>, init: Init| {
+                params.push((TensorSpec { name: format!("{prefix}.{name}"), shape, dtype: DType::F32 }, init));
+            };
+            match (*layer, input(i)) {
+                (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    push("weight", vec![f, out], Init::Uniform((1.0 / f as f64).sqrt()));
+                    push("bias", vec![out], Init::Constant(0.0));
+                }
+                (LayerSpec::Conv2d { out_channels, kernel, .. }, Activation::Image(c, _, _)) => {
+                    let fan_in = c * kernel * kernel;
+                    push("weight", vec![out_channels, c, kernel, kernel], Init::Uniform((1.0 / fan_in as f64).sqrt()));
+                    push("bias", vec![out_channels], Init::Constant(0.0));
+                }
+                (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
+                    push("weight", vec![vocab, dim], Init::Uniform(3f64.sqrt()));
+                }
+                (LayerSpec::LayerNorm, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    push("gamma", vec![f], Init::Constant(1.0));
+                    push("beta", vec![f], Init::Constant(0.0));
+                }
+                (LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden }, Activation::Sequence(_, f)) => {
+                    let gates: &[&str] = if matches!(layer, LayerSpec::Lstm { .. }) {
+                        &["input_gate", "forget_gate", "output_gate", "cell_gate"]
+                    } else {
+                        &["update_gate", "reset_gate", "new_gate"]
+                    };
+                    for gate in gates {
+                        for (transform, fan_in) in [("input_transform", f), ("hidden_transform", hidden)] {
+                            let bound = (6.0 / (fan_in + hidden) as f64).sqrt();
+                            push(&format!("{gate}.{transform}.weight"), vec![fan_in, hidden], Init::Uniform(bound));
+                            push(&format!("{gate}.{transform}.bias"), vec![hidden], Init::Constant(0.0));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if params.is_empty() {
+            return Err(SpecError::BadLayer { layer: 0, why: "the model has no trainable parameters".into() });
+        }
+        Ok(params)
+    }
+}
+
+fn dims_of(a: Activation) -> Vec<u64> {
+    match a {
+        Activation::Image(c, h, w) => vec![c, h, w],
+        Activation::Flat(f) => vec![f],
+        Activation::Sequence(t, f) => vec![t, f],
+        Activation::Tokens { vocab, length } => vec![vocab, length],
+    }
+}
+
+fn check_dims(layer: usize, dims: &[u64]) -> Result<(), SpecError> {
+    match dims.iter().find(|&&d| d == 0 || d > MAX_DIM) {
+        Some(d) => Err(bad(layer, &format!("dimension {d} is outside 1..={MAX_DIM}"))),
+        None => Ok(()),
+    }
+}
+
+fn bad(layer: usize, why: &str) -> SpecError {
+    SpecError::BadLayer { layer, why: why.to_owned() }
+}
+
+/// SplitMix64: initial weights are public, so a statistical generator is the right tool.
+pub(crate) struct SplitMix64(pub(crate) u64);
+
+impl SplitMix64 {
+    /// A uniform draw from `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests;
