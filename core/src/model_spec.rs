@@ -187,21 +187,31 @@ impl ModelSpec {
             return Err(SpecError::Empty);
         }
         let mut act = match self.input {
-            InputSpec::Image { channels, height, width } => Activation::Image(channels, height, width),
+            InputSpec::Image { channels, height, width } => {
+                Activation::Image(channels, height, width)
+            }
             InputSpec::Features { size } => Activation::Flat(size),
             InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
         };
         check_dims(0, &dims_of(act))?;
         let mut out = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
-            let mismatch = || SpecError::ShapeMismatch { layer: i, kind: layer.variant(), got: act };
+            let mismatch =
+                || SpecError::ShapeMismatch { layer: i, kind: layer.variant(), got: act };
             act = match (*layer, act) {
                 (LayerSpec::Linear { out }, Activation::Flat(_)) => Activation::Flat(out),
-                (LayerSpec::Linear { out }, Activation::Sequence(t, _)) => Activation::Sequence(t, out),
-                (LayerSpec::Conv2d { out_channels, kernel, padding }, Activation::Image(_, h, w)) => {
+                (LayerSpec::Linear { out }, Activation::Sequence(t, _)) => {
+                    Activation::Sequence(t, out)
+                }
+                (
+                    LayerSpec::Conv2d { out_channels, kernel, padding },
+                    Activation::Image(_, h, w),
+                ) => {
                     let side = |x: u64| (x + 2 * padding).checked_sub(kernel).map(|v| v + 1);
                     match (side(h), side(w)) {
-                        (Some(h), Some(w)) if h > 0 && w > 0 && kernel > 0 => Activation::Image(out_channels, h, w),
+                        (Some(h), Some(w)) if h > 0 && w > 0 && kernel > 0 => {
+                            Activation::Image(out_channels, h, w)
+                        }
                         _ => return Err(bad(i, "kernel is larger than the padded input")),
                     }
                 }
@@ -211,13 +221,19 @@ impl ModelSpec {
                     }
                     Activation::Image(c, h / kernel, w / kernel)
                 }
-                (LayerSpec::Relu | LayerSpec::LayerNorm, a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..))) => {
+                (
+                    LayerSpec::Relu | LayerSpec::LayerNorm,
+                    a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..)),
+                ) => {
                     if matches!(layer, LayerSpec::LayerNorm) && matches!(a, Activation::Image(..)) {
                         return Err(mismatch());
                     }
                     a
                 }
-                (LayerSpec::Dropout { prob }, a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..))) => {
+                (
+                    LayerSpec::Dropout { prob },
+                    a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..)),
+                ) => {
                     if !(0.0..1.0).contains(&prob) {
                         return Err(bad(i, "dropout probability must be in [0, 1)"));
                     }
@@ -225,8 +241,13 @@ impl ModelSpec {
                 }
                 (LayerSpec::Flatten, Activation::Image(c, h, w)) => Activation::Flat(c * h * w),
                 (LayerSpec::Flatten, Activation::Sequence(t, f)) => Activation::Flat(t * f),
-                (LayerSpec::Embedding { dim }, Activation::Tokens { length, .. }) => Activation::Sequence(length, dim),
-                (LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden }, Activation::Sequence(t, _)) => Activation::Sequence(t, hidden),
+                (LayerSpec::Embedding { dim }, Activation::Tokens { length, .. }) => {
+                    Activation::Sequence(length, dim)
+                }
+                (
+                    LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden },
+                    Activation::Sequence(t, _),
+                ) => Activation::Sequence(t, hidden),
                 (LayerSpec::LastStep, Activation::Sequence(_, f)) => Activation::Flat(f),
                 _ => return Err(mismatch()),
             };
@@ -262,7 +283,9 @@ impl ModelSpec {
             let n = spec.numel() as usize;
             match init {
                 Init::Constant(v) => out.extend(std::iter::repeat_n(v, n)),
-                Init::Uniform(b) => out.extend((0..n).map(|_| ((rng.unit() * 2.0 - 1.0) * b) as f32)),
+                Init::Uniform(b) => {
+                    out.extend((0..n).map(|_| ((rng.unit() * 2.0 - 1.0) * b) as f32))
+                }
             }
         }
         Ok(out)
@@ -273,7 +296,9 @@ impl ModelSpec {
         let input = |i: usize| -> Activation {
             if i == 0 {
                 match self.input {
-                    InputSpec::Image { channels, height, width } => Activation::Image(channels, height, width),
+                    InputSpec::Image { channels, height, width } => {
+                        Activation::Image(channels, height, width)
+                    }
                     InputSpec::Features { size } => Activation::Flat(size),
                     InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
                 }
@@ -285,7 +310,10 @@ impl ModelSpec {
         for (i, layer) in self.layers.iter().enumerate() {
             let prefix = format!("layers.{i}.{}", layer.variant());
             let mut push = |name: &str, shape: Vec<u64>, init: Init| {
-                params.push((TensorSpec { name: format!("{prefix}.{name}"), shape, dtype: DType::F32 }, init));
+                params.push((
+                    TensorSpec { name: format!("{prefix}.{name}"), shape, dtype: DType::F32 },
+                    init,
+                ));
             };
             match (*layer, input(i)) {
                 (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
@@ -294,7 +322,11 @@ impl ModelSpec {
                 }
                 (LayerSpec::Conv2d { out_channels, kernel, .. }, Activation::Image(c, _, _)) => {
                     let fan_in = c * kernel * kernel;
-                    push("weight", vec![out_channels, c, kernel, kernel], Init::Uniform((1.0 / fan_in as f64).sqrt()));
+                    push(
+                        "weight",
+                        vec![out_channels, c, kernel, kernel],
+                        Init::Uniform((1.0 / fan_in as f64).sqrt()),
+                    );
                     push("bias", vec![out_channels], Init::Constant(0.0));
                 }
                 (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
@@ -304,17 +336,30 @@ impl ModelSpec {
                     push("gamma", vec![f], Init::Constant(1.0));
                     push("beta", vec![f], Init::Constant(0.0));
                 }
-                (LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden }, Activation::Sequence(_, f)) => {
+                (
+                    LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden },
+                    Activation::Sequence(_, f),
+                ) => {
                     let gates: &[&str] = if matches!(layer, LayerSpec::Lstm { .. }) {
                         &["input_gate", "forget_gate", "output_gate", "cell_gate"]
                     } else {
                         &["update_gate", "reset_gate", "new_gate"]
                     };
                     for gate in gates {
-                        for (transform, fan_in) in [("input_transform", f), ("hidden_transform", hidden)] {
+                        for (transform, fan_in) in
+                            [("input_transform", f), ("hidden_transform", hidden)]
+                        {
                             let bound = (6.0 / (fan_in + hidden) as f64).sqrt();
-                            push(&format!("{gate}.{transform}.weight"), vec![fan_in, hidden], Init::Uniform(bound));
-                            push(&format!("{gate}.{transform}.bias"), vec![hidden], Init::Constant(0.0));
+                            push(
+                                &format!("{gate}.{transform}.weight"),
+                                vec![fan_in, hidden],
+                                Init::Uniform(bound),
+                            );
+                            push(
+                                &format!("{gate}.{transform}.bias"),
+                                vec![hidden],
+                                Init::Constant(0.0),
+                            );
                         }
                     }
                 }
@@ -322,7 +367,10 @@ impl ModelSpec {
             }
         }
         if params.is_empty() {
-            return Err(SpecError::BadLayer { layer: 0, why: "the model has no trainable parameters".into() });
+            return Err(SpecError::BadLayer {
+                layer: 0,
+                why: "the model has no trainable parameters".into(),
+            });
         }
         Ok(params)
     }

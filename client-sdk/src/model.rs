@@ -1,0 +1,255 @@
+//! Builds a burn module from a run's [`ModelSpec`] at run time, and moves its parameters to and
+//! from the flat, schema-ordered vectors the coordinator exchanges.
+//!
+//! The module is a `Vec` of a layer enum, so burn's visitor reports parameters as
+//! `layers.{i}.{Variant}.{field}`: exactly the names `ModelSpec::schema` computes without burn.
+//! [`SpecModel::schema`] reads them back from the module, and the tests hold the two equal.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gru, GruConfig, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig, Lstm, LstmConfig, PaddingConfig2d, Relu,
+};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, SpecError};
+use starling_core::tensor::{DType, TensorSchema, TensorSpec};
+
+/// Why a model could not be built or loaded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// The spec is invalid.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// Flat parameters of the wrong length for the model.
+    #[error("the model has {expected} parameters, {got} were given")]
+    ParameterCount {
+        /// The model's parameter count.
+        expected: usize,
+        /// Values given.
+        got: usize,
+    },
+}
+
+/// A model built from a spec.
+#[derive(Module, Debug)]
+pub struct SpecModel {
+    layers: Vec<Layer>,
+}
+
+/// One layer of a [`SpecModel`].
+#[derive(Module, Debug)]
+#[allow(missing_docs)] // Each variant is the burn layer of the same name.
+pub enum Layer {
+    Linear(Linear),
+    Conv2d(Conv2d),
+    MaxPool2d(MaxPool2d),
+    Relu(Relu),
+    Dropout(Dropout),
+    Flatten(Flatten),
+    Embedding(Embedding),
+    Lstm(Lstm),
+    Gru(Gru),
+    LayerNorm(LayerNorm),
+    LastStep(LastStep),
+}
+
+/// Flattens all but the batch dimension.
+#[derive(Module, Debug, Default)]
+pub struct Flatten;
+
+/// Keeps the last step of a `[batch, steps, features]` sequence.
+#[derive(Module, Debug, Default)]
+pub struct LastStep;
+
+/// A batch on its way through the layers; the spec fixes which rank each layer sees.
+#[derive(Debug, Clone)]
+pub enum Batch {
+    /// `[batch, features]`.
+    Flat(Tensor<2>),
+    /// `[batch, steps, features]`.
+    Sequence(Tensor<3>),
+    /// `[batch, channels, height, width]`.
+    Image(Tensor<4>),
+    /// `[batch, steps]` token ids.
+    Tokens(Tensor<2, Int>),
+}
+
+impl SpecModel {
+    /// Builds the model for `spec` on `device`, with burn's default initialization.
+    pub fn build(spec: &ModelSpec, device: &Device) -> Result<Self, ModelError> {
+        let acts = spec.activations()?;
+        let input_of = |i: usize| {
+            if i == 0 {
+                match spec.input {
+                    InputSpec::Image { channels, height, width } => {
+                        Activation::Image(channels, height, width)
+                    }
+                    InputSpec::Features { size } => Activation::Flat(size),
+                    InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
+                }
+            } else {
+                acts[i - 1]
+            }
+        };
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for (i, layer) in spec.layers.iter().enumerate() {
+            let u = |v: u64| v as usize;
+            let built = match (*layer, input_of(i)) {
+                (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    Layer::Linear(LinearConfig::new(u(f), u(out)).init(device))
+                }
+                (
+                    LayerSpec::Conv2d { out_channels, kernel, padding },
+                    Activation::Image(c, _, _),
+                ) => Layer::Conv2d(
+                    Conv2dConfig::new([u(c), u(out_channels)], [u(kernel), u(kernel)])
+                        .with_padding(PaddingConfig2d::Explicit(
+                            u(padding),
+                            u(padding),
+                            u(padding),
+                            u(padding),
+                        ))
+                        .init(device),
+                ),
+                (LayerSpec::MaxPool2d { kernel }, _) => {
+                    Layer::MaxPool2d(MaxPool2dConfig::new([u(kernel), u(kernel)]).init())
+                }
+                (LayerSpec::Relu, _) => Layer::Relu(Relu::new()),
+                (LayerSpec::Dropout { prob }, _) => Layer::Dropout(DropoutConfig::new(prob).init()),
+                (LayerSpec::Flatten, _) => Layer::Flatten(Flatten),
+                (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
+                    Layer::Embedding(EmbeddingConfig::new(u(vocab), u(dim)).init(device))
+                }
+                (LayerSpec::Lstm { hidden }, Activation::Sequence(_, f)) => {
+                    Layer::Lstm(LstmConfig::new(u(f), u(hidden), true).init(device))
+                }
+                (LayerSpec::Gru { hidden }, Activation::Sequence(_, f)) => {
+                    Layer::Gru(GruConfig::new(u(f), u(hidden), true).init(device))
+                }
+                (LayerSpec::LayerNorm, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    Layer::LayerNorm(LayerNormConfig::new(u(f)).init(device))
+                }
+                (LayerSpec::LastStep, _) => Layer::LastStep(LastStep),
+                (layer, act) => unreachable!("spec validation admitted {layer:?} on {act:?}"),
+            };
+            layers.push(built);
+        }
+        Ok(SpecModel { layers })
+    }
+
+    /// Class logits, `[batch, classes]`.
+    pub fn forward(&self, input: Batch) -> Tensor<2> {
+        let out = self.layers.iter().fold(input, |x, layer| layer.forward(x));
+        match out {
+            Batch::Flat(logits) => logits,
+            other => unreachable!("spec validation guarantees flat logits, got {other:?}"),
+        }
+    }
+
+    /// The schema of this module's parameters, as burn visits them.
+    pub fn schema(&self) -> TensorSchema {
+        let mut reader = Reader { path: vec![], tensors: vec![], values: None };
+        self.visit(&mut reader);
+        TensorSchema { tensors: reader.tensors }
+    }
+
+    /// All parameters, flat, in schema order.
+    pub fn parameters(&self) -> Vec<f32> {
+        let mut reader = Reader { path: vec![], tensors: vec![], values: Some(vec![]) };
+        self.visit(&mut reader);
+        reader.values.unwrap_or_default()
+    }
+
+    /// Replaces every parameter with `values` (flat, schema order), keeping gradient tracking.
+    pub fn load_parameters(self, values: &[f32]) -> Result<Self, ModelError> {
+        let expected = self.schema().numel() as usize;
+        if values.len() != expected {
+            return Err(ModelError::ParameterCount { expected, got: values.len() });
+        }
+        let mut writer = Writer { values, offset: 0 };
+        Ok(self.map(&mut writer))
+    }
+}
+
+impl Layer {
+    fn forward(&self, x: Batch) -> Batch {
+        match (self, x) {
+            (Layer::Linear(l), Batch::Flat(t)) => Batch::Flat(l.forward(t)),
+            (Layer::Linear(l), Batch::Sequence(t)) => Batch::Sequence(l.forward(t)),
+            (Layer::Conv2d(c), Batch::Image(t)) => Batch::Image(c.forward(t)),
+            (Layer::MaxPool2d(p), Batch::Image(t)) => Batch::Image(p.forward(t)),
+            (Layer::Relu(_), Batch::Flat(t)) => Batch::Flat(relu(t)),
+            (Layer::Relu(_), Batch::Sequence(t)) => Batch::Sequence(relu(t)),
+            (Layer::Relu(_), Batch::Image(t)) => Batch::Image(relu(t)),
+            (Layer::Dropout(d), Batch::Flat(t)) => Batch::Flat(d.forward(t)),
+            (Layer::Dropout(d), Batch::Sequence(t)) => Batch::Sequence(d.forward(t)),
+            (Layer::Dropout(d), Batch::Image(t)) => Batch::Image(d.forward(t)),
+            (Layer::Flatten(_), Batch::Image(t)) => Batch::Flat(t.flatten(1, 3)),
+            (Layer::Flatten(_), Batch::Sequence(t)) => Batch::Flat(t.flatten(1, 2)),
+            (Layer::Embedding(e), Batch::Tokens(t)) => Batch::Sequence(e.forward(t)),
+            (Layer::Lstm(l), Batch::Sequence(t)) => Batch::Sequence(l.forward(t, None).0),
+            (Layer::Gru(g), Batch::Sequence(t)) => Batch::Sequence(g.forward(t, None)),
+            (Layer::LayerNorm(n), Batch::Flat(t)) => Batch::Flat(n.forward(t)),
+            (Layer::LayerNorm(n), Batch::Sequence(t)) => Batch::Sequence(n.forward(t)),
+            (Layer::LastStep(_), Batch::Sequence(t)) => {
+                let [b, s, f] = t.dims();
+                Batch::Flat(t.slice([0..b, s - 1..s, 0..f]).reshape([b, f]))
+            }
+            (layer, x) => unreachable!("spec validation admitted {layer:?} on {x:?}"),
+        }
+    }
+}
+
+/// Collects names and shapes (and optionally values) in visiting order.
+struct Reader {
+    path: Vec<String>,
+    tensors: Vec<TensorSpec>,
+    values: Option<Vec<f32>>,
+}
+
+impl ModuleVisitor for Reader {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_owned());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = param.val();
+        let shape = tensor.dims().iter().map(|&d| d as u64).collect();
+        self.tensors.push(TensorSpec { name: self.path.join("."), shape, dtype: DType::F32 });
+        if let Some(values) = &mut self.values {
+            let data = tensor.into_data();
+            values.extend(data.iter::<f32>());
+        }
+    }
+}
+
+/// Replaces parameters from a flat slice, in visiting order.
+struct Writer<'a> {
+    values: &'a [f32],
+    offset: usize,
+}
+
+impl ModuleMapper for Writer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|old| {
+            let dims = old.dims();
+            let n: usize = dims.iter().product();
+            let slice = &self.values[self.offset..self.offset + n];
+            self.offset += n;
+            let new = Tensor::<D>::from_data(TensorData::new(slice.to_vec(), dims), &old.device());
+            // A rebuilt tensor does not track gradients; the next backward() needs it to.
+            if old.is_require_grad() { new.require_grad() } else { new }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
