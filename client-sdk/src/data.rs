@@ -1,0 +1,204 @@
+//! Loaders for the real datasets in `shared/data` and the partitioners that split them into
+//! federated clients: IID, Dirichlet(α) label skew, and the FedAvg paper's shards per client.
+
+use std::io::Read;
+use std::path::Path;
+
+use starling_core::model_spec::InputSpec;
+
+use crate::examples::Examples;
+use crate::train::XorShift;
+
+/// Why a dataset could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// File.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The file is not what it should be.
+    #[error("{path}: {why}")]
+    Format {
+        /// File.
+        path: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// Reads an IDX u8 file (gunzipping `*.gz`): dimensions and data.
+pub fn read_idx(path: &Path) -> Result<(Vec<usize>, Vec<u8>), DataError> {
+    let name = path.display().to_string();
+    let io = |source| DataError::Io { path: name.clone(), source };
+    let raw = std::fs::read(path).map_err(io)?;
+    let buf = if path.extension().is_some_and(|e| e == "gz") {
+        let mut out = vec![];
+        flate2::read::GzDecoder::new(&raw[..]).read_to_end(&mut out).map_err(io)?;
+        out
+    } else {
+        raw
+    };
+    let format = |why: &str| DataError::Format { path: name.clone(), why: why.to_owned() };
+    if buf.len() < 4 || buf[0] != 0 || buf[1] != 0 || buf[2] != 0x08 {
+        return Err(format("not an IDX u8 file"));
+    }
+    let ndim = buf[3] as usize;
+    let header = 4 + 4 * ndim;
+    if buf.len() < header {
+        return Err(format("truncated header"));
+    }
+    let dims: Vec<usize> = (0..ndim)
+        .map(|i| {
+            u32::from_be_bytes(buf[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes")) as usize
+        })
+        .collect();
+    let n: usize = dims.iter().product();
+    let data = buf.get(header..header + n).ok_or_else(|| format("truncated data"))?.to_vec();
+    Ok((dims, data))
+}
+
+/// Grey images and their labels from a pair of IDX files, pixels scaled by `scale`.
+pub fn idx_images(images: &Path, labels: &Path, scale: f32) -> Result<Examples, DataError> {
+    let (dims, pixels) = read_idx(images)?;
+    let (ldims, labels_raw) = read_idx(labels)?;
+    let bad = |why: String| DataError::Format { path: images.display().to_string(), why };
+    if dims.len() != 3 || ldims.len() != 1 || dims[0] != ldims[0] {
+        return Err(bad(format!("image dims {dims:?} do not match label dims {ldims:?}")));
+    }
+    let input = InputSpec::Image { channels: 1, height: dims[1] as u64, width: dims[2] as u64 };
+    let mut out = Examples::new(input);
+    let w = dims[1] * dims[2];
+    let mut x = vec![0f32; w];
+    for (i, &label) in labels_raw.iter().enumerate() {
+        for (dst, &p) in x.iter_mut().zip(&pixels[i * w..(i + 1) * w]) {
+            *dst = f32::from(p) * scale;
+        }
+        out.push(&x, u32::from(label)).map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(out)
+}
+
+/// scikit-learn's 8×8 digits (1,797 examples, pixels 0–16 scaled to 0–1).
+pub fn digits(dir: &Path) -> Result<Examples, DataError> {
+    idx_images(
+        &dir.join("digits-images-idx3-ubyte"),
+        &dir.join("digits-labels-idx1-ubyte"),
+        1.0 / 16.0,
+    )
+}
+
+/// Which MNIST-format split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// 60,000 training examples.
+    Train,
+    /// 10,000 test examples.
+    Test,
+}
+
+/// MNIST or Fashion-MNIST from a folder of the official gzipped IDX files (pixels scaled to 0–1).
+pub fn mnist(dir: &Path, split: Split) -> Result<Examples, DataError> {
+    let prefix = match split {
+        Split::Train => "train",
+        Split::Test => "t10k",
+    };
+    idx_images(
+        &dir.join(format!("{prefix}-images-idx3-ubyte.gz")),
+        &dir.join(format!("{prefix}-labels-idx1-ubyte.gz")),
+        1.0 / 255.0,
+    )
+}
+
+/// IID: a shuffled, even split of `n` examples over `clients`.
+pub fn iid(n: usize, clients: usize, seed: u64) -> Vec<Vec<usize>> {
+    let mut idx: Vec<usize> = (0..n).collect();
+    XorShift(seed).shuffle(&mut idx);
+    let mut parts = vec![vec![]; clients];
+    for (k, i) in idx.into_iter().enumerate() {
+        parts[k % clients].push(i);
+    }
+    parts
+}
+
+/// Label skew: each class is spread over clients in proportions drawn from Dirichlet(α);
+/// small α gives each client few classes.
+pub fn dirichlet(labels: &[u32], clients: usize, alpha: f64, seed: u64) -> Vec<Vec<usize>> {
+    let mut rng = XorShift(seed);
+    let classes = labels.iter().max().map_or(0, |&m| m as usize + 1);
+    let mut parts = vec![vec![]; clients];
+    for class in 0..classes {
+        let mut members: Vec<usize> =
+            (0..labels.len()).filter(|&i| labels[i] as usize == class).collect();
+        rng.shuffle(&mut members);
+        let weights: Vec<f64> = (0..clients).map(|_| gamma(&mut rng, alpha)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut start = 0;
+        let mut acc = 0.0;
+        for (client, w) in weights.iter().enumerate() {
+            acc += w / total;
+            let end = if client + 1 == clients {
+                members.len()
+            } else {
+                (acc * members.len() as f64).round() as usize
+            };
+            parts[client].extend_from_slice(&members[start..end.max(start)]);
+            start = end.max(start);
+        }
+    }
+    parts
+}
+
+/// The FedAvg paper's pathological non-IID split: sort by label, cut into
+/// `clients × shards_per_client` shards, give each client that many random shards.
+pub fn shards(
+    labels: &[u32],
+    clients: usize,
+    shards_per_client: usize,
+    seed: u64,
+) -> Vec<Vec<usize>> {
+    let mut idx: Vec<usize> = (0..labels.len()).collect();
+    idx.sort_by_key(|&i| (labels[i], i));
+    let n_shards = clients * shards_per_client;
+    let shard_len = labels.len() / n_shards.max(1);
+    let mut order: Vec<usize> = (0..n_shards).collect();
+    XorShift(seed).shuffle(&mut order);
+    order
+        .chunks(shards_per_client)
+        .map(|own| {
+            own.iter()
+                .flat_map(|&s| idx[s * shard_len..(s + 1) * shard_len].iter().copied())
+                .collect()
+        })
+        .collect()
+}
+
+/// Gamma(α, 1) by Marsaglia–Tsang (with the α < 1 boost).
+fn gamma(rng: &mut XorShift, alpha: f64) -> f64 {
+    if alpha < 1.0 {
+        let u = rng.unit().max(f64::MIN_POSITIVE);
+        return gamma(rng, alpha + 1.0) * u.powf(1.0 / alpha);
+    }
+    let d = alpha - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        // Box–Muller normal.
+        let (u1, u2) = (rng.unit().max(f64::MIN_POSITIVE), rng.unit());
+        let x = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let v = (1.0 + c * x).powi(3);
+        if v <= 0.0 {
+            continue;
+        }
+        let u = rng.unit().max(f64::MIN_POSITIVE);
+        if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

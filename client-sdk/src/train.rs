@@ -1,0 +1,334 @@
+//! Local training and evaluation of a [`SpecModel`] on a device's own examples.
+//!
+//! The plan's training configuration arrives as JSON text, untouched by the coordinator; it is
+//! parsed and bounded here ([`TrainingConfig::from_json`]). Training is deterministic for a
+//! given seed: batches are shuffled with the SDK's own generator.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use serde::Deserialize;
+use starling_core::model_spec::{InputSpec, ModelSpec};
+
+use crate::examples::Examples;
+use crate::model::{Batch, SpecModel};
+
+/// Why training could not run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// The training configuration is not valid JSON of the expected shape.
+    #[error("training config: {0}")]
+    Config(String),
+    /// There is nothing to train on.
+    #[error("the example store is empty")]
+    NoExamples,
+    /// The examples do not fit the model's input.
+    #[error("examples are {got:?}, the model takes {expected:?}")]
+    InputMismatch {
+        /// The model's input.
+        expected: InputSpec,
+        /// The examples' shape.
+        got: InputSpec,
+    },
+    /// A label is not below the model's class count.
+    #[error("label {label} is not below the model's {classes} classes")]
+    Label {
+        /// The label.
+        label: u32,
+        /// Class count.
+        classes: u64,
+    },
+    /// The loss became NaN or infinite (learning rate too high?).
+    #[error("training diverged: the loss is not finite")]
+    Diverged,
+}
+
+/// Local optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// Plain stochastic gradient descent.
+    #[default]
+    Sgd,
+    /// Adam.
+    Adam,
+}
+
+/// The plan's local training configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    /// Passes over the local examples.
+    #[serde(default = "one")]
+    pub epochs: u32,
+    /// Examples per step.
+    #[serde(default = "thirty_two")]
+    pub batch_size: u32,
+    /// Learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// Optimizer.
+    #[serde(default)]
+    pub optimizer: OptimizerKind,
+    /// FedProx's proximal coefficient μ (0 is plain FedAvg).
+    #[serde(default)]
+    pub fedprox_mu: f64,
+    /// Shuffling seed.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+fn thirty_two() -> u32 {
+    32
+}
+fn default_lr() -> f64 {
+    0.05
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        TrainingConfig {
+            epochs: 1,
+            batch_size: 32,
+            lr: default_lr(),
+            optimizer: OptimizerKind::Sgd,
+            fedprox_mu: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+impl TrainingConfig {
+    /// Parses and bounds the plan's training JSON; `null` or `{}` gives the defaults.
+    pub fn from_json(json: &str) -> Result<Self, TrainError> {
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| TrainError::Config(e.to_string()))?;
+        let config: TrainingConfig = if value.is_null() {
+            TrainingConfig::default()
+        } else {
+            serde_json::from_value(value).map_err(|e| TrainError::Config(e.to_string()))?
+        };
+        if !(1..=1000).contains(&config.epochs) || !(1..=65_536).contains(&config.batch_size) {
+            return Err(TrainError::Config(
+                "epochs must be in 1..=1000 and batch_size in 1..=65536".into(),
+            ));
+        }
+        if !(config.lr.is_finite() && config.lr > 0.0 && config.lr < 100.0) {
+            return Err(TrainError::Config("lr must be in (0, 100)".into()));
+        }
+        if !(config.fedprox_mu.is_finite() && config.fedprox_mu >= 0.0) {
+            return Err(TrainError::Config("fedprox_mu must be finite and non-negative".into()));
+        }
+        Ok(config)
+    }
+}
+
+/// What training reports through the progress callback.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Epoch, from 0.
+    pub epoch: u32,
+    /// Step within the epoch, from 0.
+    pub batch: usize,
+    /// Steps per epoch.
+    pub batches: usize,
+    /// This step's loss (including the proximal term).
+    pub loss: f64,
+}
+
+/// The outcome of local training.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainReport {
+    /// Mean training loss over the last epoch.
+    pub loss: f64,
+    /// Examples trained on per epoch: the FedAvg weight.
+    pub examples: u64,
+}
+
+/// Loss and accuracy on a set of examples.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    /// Mean cross-entropy.
+    pub loss: f64,
+    /// Fraction classified correctly.
+    pub accuracy: f64,
+    /// Examples evaluated.
+    pub examples: u64,
+}
+
+/// Trains `model` (on an autodiff `device`) on `examples`.
+pub fn train(
+    model: SpecModel,
+    spec: &ModelSpec,
+    examples: &Examples,
+    config: &TrainingConfig,
+    device: &Device,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<(SpecModel, TrainReport), TrainError> {
+    check_examples(spec, examples)?;
+    let anchor = (config.fedprox_mu > 0.0).then(|| flat_params(&model.valid()));
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let mut optim = match config.optimizer {
+        OptimizerKind::Sgd => SgdConfig::new().init(),
+        OptimizerKind::Adam => AdamConfig::new().init(),
+    };
+    let mut model = model.train();
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    let mut rng = XorShift(config.seed ^ 0x5EED_0F_5747_11E6);
+    let batch_size = config.batch_size as usize;
+    let batches = examples.len().div_ceil(batch_size);
+    let mut epoch_loss = 0.0;
+    for epoch in 0..config.epochs {
+        rng.shuffle(&mut order);
+        epoch_loss = 0.0;
+        for (batch, idx) in order.chunks(batch_size).enumerate() {
+            let (input, targets) = examples.batch(idx, device);
+            let logits = model.forward(input);
+            let mut loss = loss_fn.forward(logits, targets);
+            if let Some(anchor) = &anchor {
+                let current = flat_params(&model);
+                let prox = current
+                    .into_iter()
+                    .zip(anchor)
+                    .map(|(w, w0)| (w - w0.clone()).powi_scalar(2).sum())
+                    .reduce(|a, b| a + b)
+                    .expect("a spec model has parameters");
+                loss = loss + prox.mul_scalar(config.fedprox_mu / 2.0);
+            }
+            let value = f64::from(loss.clone().into_scalar::<f32>());
+            if !value.is_finite() {
+                return Err(TrainError::Diverged);
+            }
+            epoch_loss += value * idx.len() as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(config.lr, model, grads);
+            on_progress(Progress { epoch, batch, batches, loss: value });
+        }
+    }
+    let report =
+        TrainReport { loss: epoch_loss / examples.len() as f64, examples: examples.len() as u64 };
+    Ok((model, report))
+}
+
+/// Evaluates `model` on `examples` without tracking gradients.
+pub fn evaluate(
+    model: &SpecModel,
+    spec: &ModelSpec,
+    examples: &Examples,
+    device: &Device,
+) -> Result<Evaluation, TrainError> {
+    check_examples(spec, examples)?;
+    let model = model.valid();
+    let device = device.clone().inner();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let (mut loss, mut correct) = (0.0, 0u64);
+    let idx: Vec<usize> = (0..examples.len()).collect();
+    for chunk in idx.chunks(256) {
+        let (input, targets) = examples.batch(chunk, &device);
+        let logits = model.forward(input);
+        let predicted = logits.clone().argmax(1).reshape([chunk.len()]);
+        correct += predicted.equal(targets.clone()).int().sum().into_scalar::<i64>() as u64;
+        loss +=
+            f64::from(loss_fn.forward(logits, targets).into_scalar::<f32>()) * chunk.len() as f64;
+    }
+    let n = examples.len() as f64;
+    Ok(Evaluation { loss: loss / n, accuracy: correct as f64 / n, examples: examples.len() as u64 })
+}
+
+/// Everything burn would panic on is checked here first.
+fn check_examples(spec: &ModelSpec, examples: &Examples) -> Result<(), TrainError> {
+    if examples.is_empty() {
+        return Err(TrainError::NoExamples);
+    }
+    if examples.input() != spec.input {
+        return Err(TrainError::InputMismatch { expected: spec.input, got: examples.input() });
+    }
+    let classes = spec.n_classes().map_err(|e| TrainError::Config(e.to_string()))?;
+    if let Some(&label) = examples.labels().iter().find(|&&l| u64::from(l) >= classes) {
+        return Err(TrainError::Label { label, classes });
+    }
+    Ok(())
+}
+
+/// Every parameter flattened to rank 1, in schema order.
+fn flat_params(model: &SpecModel) -> Vec<Tensor<1>> {
+    struct Flat(Vec<Tensor<1>>);
+    impl ModuleVisitor for Flat {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            let n = t.shape().num_elements();
+            self.0.push(t.reshape([n]));
+        }
+    }
+    let mut flat = Flat(vec![]);
+    model.visit(&mut flat);
+    flat.0
+}
+
+/// Builds `[batch, ...]` tensors for the examples at `idx`.
+pub(crate) fn batch_tensors(
+    input: InputSpec,
+    features: &[f32],
+    labels: &[u32],
+    idx: &[usize],
+    device: &Device,
+) -> (Batch, Tensor<1, Int>) {
+    let width = features.len() / labels.len();
+    let mut x = Vec::with_capacity(idx.len() * width);
+    for &i in idx {
+        x.extend_from_slice(&features[i * width..(i + 1) * width]);
+    }
+    let b = idx.len();
+    let batch = match input {
+        InputSpec::Image { channels, height, width } => Batch::Image(Tensor::from_data(
+            TensorData::new(x, [b, channels as usize, height as usize, width as usize]),
+            device,
+        )),
+        InputSpec::Features { size } => {
+            Batch::Flat(Tensor::from_data(TensorData::new(x, [b, size as usize]), device))
+        }
+        InputSpec::Tokens { length, .. } => {
+            let ids: Vec<i64> = x.into_iter().map(|v| v as i64).collect();
+            Batch::Tokens(Tensor::from_data(TensorData::new(ids, [b, length as usize]), device))
+        }
+    };
+    let y: Vec<i64> = idx.iter().map(|&i| i64::from(labels[i])).collect();
+    (batch, Tensor::from_data(TensorData::new(y, [b]), device))
+}
+
+/// A small deterministic generator for shuffling and partitioning (not for secrets).
+#[derive(Debug, Clone)]
+pub(crate) struct XorShift(pub(crate) u64);
+
+impl XorShift {
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        // SplitMix64 output function over a Weyl sequence: good statistics, any seed works.
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.unit() * n as f64) as usize % n.max(1)
+    }
+
+    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.below(i + 1));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,117 @@
+//! Local training really learns (on real digits), FedProx pulls towards the global model, and
+//! every bad input is an error before it reaches burn.
+
+use burn::tensor::Device;
+use starling_core::model_spec::ModelSpec;
+
+use super::*;
+use crate::data;
+use crate::model::SpecModel;
+
+fn digits_mlp() -> ModelSpec {
+    serde_json::from_value(serde_json::json!({
+        "input": {"kind": "image", "channels": 1, "height": 8, "width": 8},
+        "layers": [{"kind": "flatten"}, {"kind": "linear", "out": 32}, {"kind": "relu"}, {"kind": "linear", "out": 10}]
+    }))
+    .unwrap()
+}
+
+fn digits() -> Examples {
+    data::digits(&crate::data::tests::shared_data().join("sklearn_digits")).unwrap()
+}
+
+#[test]
+fn training_on_real_digits_lowers_the_loss_and_learns() {
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let (train_set, test_set) = digits().split_holdout(0.2, 1);
+    let model = SpecModel::build(&spec, &device)
+        .unwrap()
+        .load_parameters(&spec.initial_parameters(1).unwrap())
+        .unwrap();
+    let before = evaluate(&model, &spec, &test_set, &device).unwrap();
+    let config = TrainingConfig { epochs: 5, batch_size: 16, lr: 0.1, ..TrainingConfig::default() };
+    let mut steps = 0;
+    let (model, report) =
+        train(model, &spec, &train_set, &config, &device, &mut |_| steps += 1).unwrap();
+    let after = evaluate(&model, &spec, &test_set, &device).unwrap();
+    eprintln!(
+        "held-out: loss {:.3} -> {:.3}, accuracy {:.3} -> {:.3}",
+        before.loss, after.loss, before.accuracy, after.accuracy
+    );
+    assert_eq!(steps, 5 * train_set.len().div_ceil(16));
+    assert_eq!(report.examples, train_set.len() as u64);
+    assert!(after.loss < before.loss * 0.5, "loss {} -> {}", before.loss, after.loss);
+    assert!(after.accuracy > 0.85, "held-out accuracy {}", after.accuracy);
+}
+
+#[test]
+fn adam_also_learns_and_fedprox_stays_closer_to_the_global_model() {
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let examples = digits().subset(&(0..300).collect::<Vec<_>>());
+    let global = spec.initial_parameters(2).unwrap();
+    let distance = |mu: f64, optimizer| {
+        let model = SpecModel::build(&spec, &device).unwrap().load_parameters(&global).unwrap();
+        let config = TrainingConfig {
+            epochs: 2,
+            lr: 0.05,
+            fedprox_mu: mu,
+            optimizer,
+            ..TrainingConfig::default()
+        };
+        let (model, report) =
+            train(model, &spec, &examples, &config, &device, &mut |_| {}).unwrap();
+        let d: f64 =
+            model.parameters().iter().zip(&global).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+        (d.sqrt(), report.loss)
+    };
+    let (plain, _) = distance(0.0, OptimizerKind::Sgd);
+    let (prox, _) = distance(10.0, OptimizerKind::Sgd);
+    assert!(prox < plain * 0.8, "FedProx distance {prox} vs plain {plain}");
+    let (_, adam_loss) = distance(0.0, OptimizerKind::Adam);
+    assert!(adam_loss < 2.0, "Adam's mean training loss {adam_loss}");
+}
+
+#[test]
+fn bad_configs_and_examples_are_errors() {
+    assert_eq!(TrainingConfig::from_json("null").unwrap(), TrainingConfig::default());
+    assert_eq!(
+        TrainingConfig::from_json(r#"{"epochs": 3, "optimizer": "adam"}"#).unwrap().epochs,
+        3
+    );
+    for bad in [
+        r#"{"lr": -1}"#,
+        r#"{"epochs": 0}"#,
+        r#"{"momentum": 0.9}"#,
+        "[1",
+        r#"{"fedprox_mu": -0.1}"#,
+    ] {
+        assert!(matches!(TrainingConfig::from_json(bad), Err(TrainError::Config(_))), "{bad}");
+    }
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let model = || SpecModel::build(&spec, &device).unwrap();
+    let config = TrainingConfig::default();
+    let empty = Examples::new(spec.input);
+    assert!(matches!(
+        train(model(), &spec, &empty, &config, &device, &mut |_| {}),
+        Err(TrainError::NoExamples)
+    ));
+    let mut wrong_label = Examples::new(spec.input);
+    wrong_label.push(&[0.0; 64], 10).unwrap();
+    assert!(matches!(
+        train(model(), &spec, &wrong_label, &config, &device, &mut |_| {}),
+        Err(TrainError::Label { label: 10, classes: 10 })
+    ));
+    let other_input = Examples::new(starling_core::model_spec::InputSpec::Features { size: 64 });
+    let mut other = other_input.clone();
+    other.push(&[0.0; 64], 1).unwrap();
+    assert!(matches!(
+        evaluate(&model(), &spec, &other, &device),
+        Err(TrainError::InputMismatch { .. })
+    ));
+    let mut store = Examples::new(spec.input);
+    assert!(store.push(&[0.0; 63], 1).is_err());
+    assert!(store.push(&[f32::NAN; 64], 1).is_err());
+}
