@@ -179,7 +179,7 @@ pub fn train(
     };
     let mut model = model.train();
     let mut order: Vec<usize> = (0..examples.len()).collect();
-    let mut rng = XorShift(config.seed ^ 0x5EED_0F_5747_11E6);
+    let mut rng = XorShift(config.seed ^ 0x005E_ED0F_5747_11E6);
     let batch_size = config.batch_size as usize;
     let batches = examples.len().div_ceil(batch_size);
     let mut epoch_loss = 0.0;
