@@ -5,6 +5,9 @@
 //! * [`train`]: local training (SGD or Adam, FedProx) and evaluation.
 //! * [`examples`]: the on-device example store.
 //! * [`data`]: loaders for the shared datasets and federated partitioners.
+//! * [`protocol`]: fleet and admin API clients; [`participant`]: one device's participation
+//!   (check-in → evaluate → train → upload), with saveable state.
+//! * [`simulate`]: many real participants against a coordinator, as the `simulate` command.
 //!
 //! Training runs on burn's runtime [`burn::tensor::Device`]: the pure-Rust flex CPU backend
 //! here, wgpu where the `wgpu` feature is enabled and an adapter exists.
@@ -12,4 +15,7 @@
 pub mod data;
 pub mod examples;
 pub mod model;
+pub mod participant;
+pub mod protocol;
+pub mod simulate;
 pub mod train;

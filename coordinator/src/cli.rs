@@ -1,4 +1,4 @@
-//! The `starling-coordinator` command line: `serve`, `migrate`, `demo`.
+//! The `starling-coordinator` command line: `serve` and `migrate`.
 //!
 //! Configuration is read in two phases: flags and environment variables (clap) over an
 //! optional TOML file ([`FileConfig`]), then resolved into a validated [`ServeConfig`].
@@ -45,8 +45,6 @@ enum Command {
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
-    /// Run a self-contained demo: an embedded-store coordinator and simulated devices.
-    Demo(crate::demo::DemoArgs),
 }
 
 #[derive(Debug, Args)]
@@ -151,7 +149,6 @@ pub fn main() -> anyhow::Result<()> {
                 tracing::info!("migrations applied");
                 Ok(())
             }
-            Command::Demo(args) => crate::demo::run(args).await,
         }
     })
 }

@@ -7,9 +7,7 @@
 //! or as a child process.
 
 pub mod cli;
-pub mod client;
 pub mod clock;
-pub mod demo;
 pub mod driver;
 pub mod http;
 pub mod store;

@@ -5,12 +5,13 @@
 //! deterministic and testable without mocks.
 //!
 //! * [`tensor`]: tensor schemas, their stable `schema_id`, and the little-endian payload codec.
-//! * [`wire`]: versioned fleet-API messages, encoded as CBOR.
+//! * [`wire`]: versioned fleet-API messages, encoded as CBOR; [`admin`]: the admin API's views.
 //! * [`fedavg`]: update validation and the streaming weighted-FedAvg accumulator.
 //! * [`model_spec`]: declarative models, their tensor schema and initialization.
 //! * [`plan`]: the operator's run plan and its validation.
 //! * [`round`]: the round state machine (selection, reporting, closing, commit).
 
+pub mod admin;
 pub mod fedavg;
 pub mod ids;
 pub mod model_spec;

@@ -13,7 +13,7 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use futures_util::stream;
 use sqlx::Connection;
-use starling_coordinator::client::{AdminClient, FleetClient};
+use starling_client::protocol::{AdminClient, FleetClient};
 use starling_core::RunId;
 use starling_core::wire::{self, CBOR_MEDIA_TYPE, UploadRequest};
 use starling_tests::{

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use starling_coordinator::client::{AdminClient, FleetClient};
+use starling_client::protocol::{AdminClient, FleetClient};
 use starling_coordinator::{RunningCoordinator, ServeConfig};
 use starling_core::tensor::TensorSchema;
 use starling_core::wire::{CheckInResponse, TaskAssignment, UploadRequest};

@@ -74,7 +74,7 @@ async fn serve_reads_its_config_file_and_flags_win() {
     )
     .await
     .unwrap();
-    let admin = starling_coordinator::client::AdminClient::new(&child.url, OPERATOR_TOKEN);
+    let admin = starling_client::protocol::AdminClient::new(&child.url, OPERATOR_TOKEN);
     assert!(admin.enrollment_token(Some(1)).await.is_ok());
     assert!(flag_db.exists(), "the environment's database URL must win over the file's");
     assert!(!db.exists());

@@ -1,8 +1,11 @@
-//! `cargo xtask test`: the one command that runs every check, on a fresh machine too.
+//! Starling's dev tasks; std only, so they build in seconds.
 //!
-//! It makes sure a Postgres is reachable (installing Debian's `postgresql` and starting its
-//! cluster when there is none), exports `DATABASE_URL`, then runs formatting, clippy and the
-//! whole test suite. `.ci/run` calls exactly this.
+//! * `cargo xtask test`: the one command that runs every check, on a fresh machine too. It
+//!   makes sure a Postgres is reachable (installing Debian's `postgresql` and starting its
+//!   cluster when there is none), exports `DATABASE_URL`, then runs formatting, clippy and the
+//!   whole test suite. `.ci/run` calls exactly this.
+//! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
+//!   client SDK's simulator federating a real model on real data against it.
 
 use std::env;
 use std::io::Write;
@@ -19,11 +22,14 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(),
+        Some("demo") => demo(&args[1..]),
         Some("postgres") => {
             println!("DATABASE_URL={}", ensure_postgres()?);
             Ok(())
         }
-        _ => bail!("usage: cargo xtask test | cargo xtask postgres"),
+        _ => bail!(
+            "usage: cargo xtask test | cargo xtask demo [simulate flags...] | cargo xtask postgres"
+        ),
     }
 }
 
@@ -58,6 +64,71 @@ fn test() -> anyhow::Result<()> {
     tests.env("DATABASE_URL", &database_url);
     step("tests", &mut tests)?;
     Ok(())
+}
+
+fn demo(extra: &[String]) -> anyhow::Result<()> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("xtask sits in the repo")?
+        .to_owned();
+    step(
+        "build",
+        Command::new(&cargo).current_dir(&root).args([
+            "build",
+            "-q",
+            "-p",
+            "starling-coordinator",
+            "-p",
+            "starling-client",
+        ]),
+    )?;
+    let target =
+        env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into).join("debug");
+    let data = root.join("starling-data").join("demo");
+    std::fs::create_dir_all(&data).context("creating starling-data/demo")?;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(data.join(format!("demo.db{suffix}")));
+    }
+    let token = format!("demo-operator-{}-{}", std::process::id(), now_nanos());
+    let listen = env::var("STARLING_LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
+    let mut coordinator = Command::new(target.join("starling-coordinator"))
+        .args([
+            "serve",
+            "--listen",
+            &listen,
+            "--database-url",
+            &format!("sqlite://{}", data.join("demo.db").display()),
+        ])
+        .env("STARLING_OPERATOR_TOKEN", &token)
+        .env("RUST_LOG", env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()))
+        .spawn()
+        .context("starting the coordinator")?;
+    let ready = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::net::TcpStream::connect(&listen).is_ok()
+    });
+    if !ready {
+        let _ = coordinator.kill();
+        bail!("the coordinator did not start listening on {listen}");
+    }
+    println!(
+        "coordinator on http://{listen} (embedded store in {}); admin API token: {token}",
+        data.display()
+    );
+    let status = Command::new(target.join("starling-client"))
+        .args(["simulate", "--url", &format!("http://{listen}"), "--data-dir"])
+        .arg(root.join("client-sdk").join("data"))
+        .args(extra)
+        .env("STARLING_OPERATOR_TOKEN", &token)
+        .status();
+    let _ = coordinator.kill();
+    let _ = coordinator.wait();
+    check("simulation", status.context("running the simulator")?)
+}
+
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
 }
 
 fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {

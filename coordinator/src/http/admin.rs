@@ -8,7 +8,7 @@ use axum::extract::{FromRequest, Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use base64::Engine;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use starling_core::fedavg::MetricsAccumulator;
 use starling_core::plan::Plan;
 use starling_core::wire::ErrorCode;
@@ -18,6 +18,7 @@ use super::{ApiError, AppState, Operator, random_secret, sha256};
 use crate::clock::now_ms;
 use crate::driver::{Event, InitialModel};
 use crate::store::{ModelInfo, RoundRow, RunRow};
+use starling_core::admin::{EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView};
 
 /// The admin routes.
 pub fn routes() -> Router<AppState> {
@@ -48,25 +49,6 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
-/// `POST /v1/admin/enrollment-tokens` body.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewEnrollmentToken {
-    /// How many devices may enroll with it (unlimited if absent).
-    pub uses: Option<i64>,
-    /// Lifetime in seconds (no expiry if absent).
-    pub ttl_secs: Option<i64>,
-}
-
-/// A freshly issued enrollment token; shown once, stored only as a hash.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct EnrollmentToken {
-    /// The token.
-    pub token: String,
-    /// Expiry, if any.
-    pub expires_at_ms: Option<i64>,
-}
-
 async fn create_enrollment_token(
     State(state): State<AppState>,
     _op: Operator,
@@ -92,33 +74,6 @@ async fn create_enrollment_token(
         )
         .await?;
     Ok((StatusCode::CREATED, AppJson(EnrollmentToken { token, expires_at_ms })))
-}
-
-/// A run as the admin API shows it.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct RunView {
-    /// Run id.
-    pub id: i64,
-    /// Display name.
-    pub name: Option<String>,
-    /// Population.
-    pub population: String,
-    /// `running`, `finished` or `stopped`.
-    pub status: String,
-    /// Latest committed model version.
-    pub model_version: i64,
-    /// Its content hash.
-    pub model_hash: Option<String>,
-    /// Rounds committed.
-    pub rounds_committed: i64,
-    /// Rounds planned.
-    pub total_rounds: u32,
-    /// Creation time.
-    pub created_at_ms: i64,
-    /// Last transition.
-    pub updated_at_ms: i64,
-    /// The plan.
-    pub plan: serde_json::Value,
 }
 
 async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
@@ -198,37 +153,8 @@ async fn get_run(
     Ok(AppJson(run_view(&state, row).await?))
 }
 
-/// A round as the admin API shows it.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct RoundView {
-    /// Round index.
-    pub round_idx: i64,
-    /// Model version trained on.
-    pub model_version: i64,
-    /// `open`, `committed` or `failed`.
-    pub state: String,
-    /// Opening time.
-    pub opened_at_ms: i64,
-    /// End of selection.
-    pub selection_deadline_ms: i64,
-    /// Reporting deadline.
-    pub reporting_deadline_ms: i64,
-    /// Closing time.
-    pub closed_at_ms: Option<i64>,
-    /// Devices selected.
-    pub n_selected: i64,
-    /// Durable updates.
-    pub n_reported: i64,
-    /// Selected but not reported (once closed).
-    pub n_dropped: Option<i64>,
-    /// How it ended.
-    pub outcome: Option<serde_json::Value>,
-    /// Example-weighted mean of the clients' training metrics.
-    pub metrics: Option<BTreeMap<String, f64>>,
-}
-
-impl From<RoundRow> for RoundView {
-    fn from(r: RoundRow) -> Self {
+fn round_view(r: RoundRow) -> RoundView {
+    {
         RoundView {
             round_idx: r.round_idx,
             model_version: r.model_version,
@@ -259,7 +185,7 @@ async fn list_rounds(
     Path(run_id): Path<i64>,
 ) -> Result<AppJson<Vec<RoundView>>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
-    Ok(AppJson(state.store().rounds(run_id).await?.into_iter().map(RoundView::from).collect()))
+    Ok(AppJson(state.store().rounds(run_id).await?.into_iter().map(round_view).collect()))
 }
 
 async fn get_round(
@@ -271,24 +197,7 @@ async fn get_round(
     let round = state.store().round(run_id, starling_core::RoundIdx(round_idx)).await?;
     let round = round
         .ok_or_else(|| ApiError::not_found(format!("run {run_id} has no round {round_idx}")))?;
-    Ok(AppJson(RoundView::from(round)))
-}
-
-/// A committed model version with its federated evaluation.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ModelView {
-    /// Version.
-    pub version: i64,
-    /// Content hash (`GET /v1/models/{hash}`).
-    pub content_hash: String,
-    /// Round that produced it.
-    pub round_idx: Option<i64>,
-    /// Commit time.
-    pub created_at_ms: i64,
-    /// Evaluation reports received for this version.
-    pub n_evaluations: u64,
-    /// Example-weighted means of the evaluation metrics.
-    pub evaluation: BTreeMap<String, f64>,
+    Ok(AppJson(round_view(round)))
 }
 
 async fn list_models(

@@ -1,8 +1,8 @@
-//! Minimal HTTP clients for the fleet and admin APIs, over reqwest.
+//! HTTP clients for the fleet API (what a device speaks) and the admin API (what the simulator
+//! and tools speak), over reqwest with CBOR and JSON bodies.
 //!
-//! The demo's built-in load clients, the end-to-end tests and the benchmark use these until the
-//! client SDK (`starling-client`) brings its own protocol client; keeping one implementation
-//! here means every caller speaks the API the same way.
+//! One implementation serves the SDK's participant, the simulator, the end-to-end tests and the
+//! benchmarks, so every caller speaks the API the same way.
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use starling_core::wire::{
 };
 use starling_core::{RoundIdx, RunId};
 
-use crate::http::admin::{EnrollmentToken, ModelView, RoundView, RunView};
+use starling_core::admin::{EnrollmentToken, ModelView, RoundView, RunView};
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,49 @@ fn http_client() -> reqwest::Client {
         .expect("building the http client")
 }
 
+/// Retries `call` on transport errors, 429 and 503, with exponential backoff (at most `tries`
+/// attempts); any other answer, success or refusal, is returned at once.
+pub async fn retrying<T, F, Fut>(tries: u32, mut call: F) -> Result<T, ClientError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let mut backoff = Duration::from_millis(200);
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(e) if attempt < tries && e.is_transient() => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                attempt += 1;
+            }
+            res => return res,
+        }
+    }
+}
+
+impl ClientError {
+    /// Whether trying again later may succeed (transport failure, 429, 503).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ClientError::Transport(_) => true,
+            ClientError::Api { status, .. } => {
+                *status == StatusCode::SERVICE_UNAVAILABLE
+                    || *status == StatusCode::TOO_MANY_REQUESTS
+            }
+            ClientError::Decode(_) => false,
+        }
+    }
+
+    /// The API error code, if the server answered with one.
+    pub fn code(&self) -> Option<wire::ErrorCode> {
+        match self {
+            ClientError::Api { body, .. } => Some(body.code),
+            _ => None,
+        }
+    }
+}
+
 /// A device's view of the fleet API.
 #[derive(Debug, Clone)]
 pub struct FleetClient {
@@ -78,6 +121,11 @@ impl FleetClient {
     /// A client that authenticates with `credential`.
     pub fn with_credential(base: &str, credential: &str) -> Self {
         FleetClient { credential: Some(credential.to_owned()), ..Self::new(base) }
+    }
+
+    /// The credential this client authenticates with, if enrolled.
+    pub fn credential(&self) -> Option<&str> {
+        self.credential.as_deref()
     }
 
     /// Trades an enrollment token for a credential, and keeps it.

@@ -1,0 +1,264 @@
+//! One device's participation in federated training: check in, download the global model,
+//! evaluate it on local held-out data, train on local examples, upload the delta.
+//!
+//! The examples never leave the device: only the parameter delta, the example count and
+//! metrics do. The participant's durable state ([`ParticipantState`]) is small and
+//! `Serialize`, so an app that gets killed saves it and restores it on the next start.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+use starling_core::model_spec::ModelSpec;
+use starling_core::tensor::TensorSchema;
+use starling_core::wire::{
+    CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest,
+};
+use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
+
+use crate::examples::Examples;
+use crate::model::{ModelError, SpecModel};
+use crate::protocol::{ClientError, FleetClient, retrying};
+use crate::train::{Evaluation, Progress, TrainError, TrainingConfig, evaluate, train};
+
+/// Attempts per request on transient failures.
+const TRIES: u32 = 4;
+
+/// Why a participation failed; nothing of the device's data was sent in any case.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParticipantError {
+    /// The coordinator refused or could not be reached.
+    #[error(transparent)]
+    Protocol(#[from] ClientError),
+    /// The run's plan has no model spec this SDK can build.
+    #[error("the run's plan has no model spec")]
+    NoModelSpec,
+    /// The model could not be built or loaded.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Local training failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// The participant is not enrolled.
+    #[error("not enrolled: call enroll first")]
+    NotEnrolled,
+}
+
+/// What a participation did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Nothing to do now; check in again after this long.
+    ComeBackLater(Duration),
+    /// An update was uploaded and acknowledged (it is durable at the coordinator).
+    Uploaded {
+        /// Run.
+        run_id: RunId,
+        /// Round.
+        round_idx: RoundIdx,
+        /// Mean local training loss.
+        train_loss: f64,
+        /// The global model's evaluation on local held-out data, when it was evaluated.
+        evaluation: Option<Evaluation>,
+    },
+    /// The round closed before the update arrived; nothing was lost but this round's work.
+    RoundMissed {
+        /// Run.
+        run_id: RunId,
+        /// Round.
+        round_idx: RoundIdx,
+    },
+}
+
+/// What survives an app restart.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ParticipantState {
+    /// The device id, once enrolled.
+    pub device_id: Option<DeviceId>,
+    /// The device credential, once enrolled.
+    pub credential: Option<String>,
+    /// The last model version evaluated, so it is reported once.
+    pub last_evaluated: Option<(RunId, ModelVersion)>,
+}
+
+/// A device taking part in training.
+pub struct Participant {
+    url: String,
+    fleet: FleetClient,
+    population: String,
+    train_set: Arc<Examples>,
+    holdout: Arc<Examples>,
+    device: Device,
+    state: ParticipantState,
+    cached_model: Option<(String, Arc<Vec<f32>>)>,
+}
+
+impl Participant {
+    /// A participant for the coordinator at `url`, training on `train_set`, evaluating on
+    /// `holdout`, computing on `device` (an autodiff device).
+    pub fn new(
+        url: &str,
+        population: &str,
+        train_set: Examples,
+        holdout: Examples,
+        device: Device,
+    ) -> Self {
+        Participant {
+            url: url.to_owned(),
+            fleet: FleetClient::new(url),
+            population: population.to_owned(),
+            train_set: Arc::new(train_set),
+            holdout: Arc::new(holdout),
+            device,
+            state: ParticipantState::default(),
+            cached_model: None,
+        }
+    }
+
+    /// Restores a saved state (credential included).
+    pub fn restore(mut self, state: ParticipantState) -> Self {
+        self.fleet = match &state.credential {
+            Some(c) => FleetClient::with_credential(&self.url, c),
+            None => FleetClient::new(&self.url),
+        };
+        self.state = state;
+        self
+    }
+
+    /// The state to save.
+    pub fn state(&self) -> &ParticipantState {
+        &self.state
+    }
+
+    /// Enrolls with an operator-issued token.
+    pub async fn enroll(&mut self, enrollment_token: &str) -> Result<DeviceId, ParticipantError> {
+        let res = retrying(TRIES, || {
+            let mut fleet = self.fleet.clone();
+            async move { fleet.enroll(enrollment_token).await }
+        })
+        .await?;
+        self.fleet = FleetClient::with_credential(&self.url, &res.credential);
+        self.state.device_id = Some(res.device_id);
+        self.state.credential = Some(res.credential);
+        Ok(res.device_id)
+    }
+
+    /// One participation: check in, and if selected, evaluate, train and upload.
+    pub async fn participate(
+        &mut self,
+        on_progress: Box<dyn FnMut(Progress) + Send>,
+    ) -> Result<Outcome, ParticipantError> {
+        if self.state.credential.is_none() {
+            return Err(ParticipantError::NotEnrolled);
+        }
+        let population = self.population.clone();
+        let task = match retrying(TRIES, || self.fleet.check_in(&population)).await? {
+            CheckInResponse::ComeBackLater { retry_after_secs } => {
+                return Ok(Outcome::ComeBackLater(Duration::from_secs(u64::from(
+                    retry_after_secs,
+                ))));
+            }
+            CheckInResponse::Task(task) => task,
+        };
+        let spec = task.model_spec.clone().ok_or(ParticipantError::NoModelSpec)?;
+        let global = self.global_model(&task).await?;
+        let evaluation = self.evaluate_once(&task, &spec, &global).await?;
+        let config = TrainingConfig::from_json(&task.training_config)?;
+        let (train_set, device) = (self.train_set.clone(), self.device.clone());
+        let trained_from = global.clone();
+        let (delta, report) = tokio::task::spawn_blocking(move || {
+            let mut on_progress = on_progress;
+            let model = SpecModel::build(&spec, &device)?.load_parameters(&trained_from)?;
+            let (model, report) =
+                train(model, &spec, &train_set, &config, &device, &mut *on_progress)?;
+            let delta: Vec<f32> =
+                model.parameters().iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
+            Ok::<_, ParticipantError>((delta, report))
+        })
+        .await
+        .expect("training task panicked")?;
+        let upload = UploadRequest {
+            model_version: task.model_version,
+            example_count: report.examples,
+            metrics: [("loss".to_owned(), report.loss)].into(),
+            delta: task.schema.encode_f32(&delta),
+        };
+        let (run_id, round_idx) = (task.run_id, task.round_idx);
+        match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
+            // A retried upload whose first attempt landed is a duplicate: it is in.
+            Ok(_)
+            | Err(ClientError::Api {
+                body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
+                ..
+            }) => Ok(Outcome::Uploaded { run_id, round_idx, train_loss: report.loss, evaluation }),
+            Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
+                Ok(Outcome::RoundMissed { run_id, round_idx })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The task's global model, from the cache when the hash matches.
+    async fn global_model(
+        &mut self,
+        task: &TaskAssignment,
+    ) -> Result<Arc<Vec<f32>>, ParticipantError> {
+        if let Some((hash, values)) = &self.cached_model
+            && *hash == task.model_hash
+        {
+            return Ok(values.clone());
+        }
+        let payload = retrying(TRIES, || self.fleet.model(&task.model_hash)).await?;
+        let values = Arc::new(decode_model(&task.schema, &payload)?);
+        self.cached_model = Some((task.model_hash.clone(), values.clone()));
+        Ok(values)
+    }
+
+    /// Evaluates a model version on the held-out examples and reports it, once per version.
+    async fn evaluate_once(
+        &mut self,
+        task: &TaskAssignment,
+        spec: &ModelSpec,
+        global: &Arc<Vec<f32>>,
+    ) -> Result<Option<Evaluation>, ParticipantError> {
+        let key = (task.run_id, task.model_version);
+        if self.holdout.is_empty() || self.state.last_evaluated == Some(key) {
+            return Ok(None);
+        }
+        let (holdout, device, spec, global) =
+            (self.holdout.clone(), self.device.clone(), spec.clone(), global.clone());
+        let evaluation = tokio::task::spawn_blocking(move || {
+            let model = SpecModel::build(&spec, &device)?.load_parameters(&global)?;
+            Ok::<_, ParticipantError>(evaluate(&model, &spec, &holdout, &device)?)
+        })
+        .await
+        .expect("evaluation task panicked")?;
+        let report = EvaluationReport {
+            model_version: task.model_version,
+            example_count: evaluation.examples,
+            metrics: [
+                ("accuracy".to_owned(), evaluation.accuracy),
+                ("loss".to_owned(), evaluation.loss),
+            ]
+            .into(),
+        };
+        match retrying(TRIES, || self.fleet.evaluate(task.run_id, &report)).await {
+            Ok(()) => {}
+            Err(e) if e.code() == Some(ErrorCode::DuplicateUpload) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.state.last_evaluated = Some(key);
+        Ok(Some(evaluation))
+    }
+}
+
+/// Decodes a downloaded model for `schema`.
+pub fn decode_model(
+    schema: &TensorSchema,
+    payload: &starling_core::tensor::TensorPayload,
+) -> Result<Vec<f32>, ParticipantError> {
+    schema
+        .decode_f32(payload)
+        .map_err(|e| ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}"))))
+}

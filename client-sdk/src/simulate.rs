@@ -1,0 +1,295 @@
+//! The simulator: N real SDK participants (each its own HTTP client, each its own slice of a
+//! real dataset) as tasks in one process, against a coordinator URL.
+//!
+//! It creates the run through the admin API, partitions the data, runs the participants until
+//! the run ends, and evaluates every committed global model on the held-out test set, reporting
+//! the curve round by round.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use burn::tensor::Device;
+use serde::Serialize;
+use starling_core::RunId;
+use starling_core::model_spec::ModelSpec;
+use starling_core::tensor::TensorSchema;
+
+use crate::data::{self, DataError, Split};
+use crate::examples::Examples;
+use crate::model::SpecModel;
+use crate::participant::{Outcome, Participant, decode_model};
+use crate::protocol::{AdminClient, ClientError, FleetClient};
+use crate::train::evaluate;
+
+/// A real dataset from `shared/data`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Dataset {
+    /// scikit-learn's 8×8 digits (80/20 split).
+    Digits,
+    /// MNIST.
+    Mnist,
+    /// Fashion-MNIST.
+    FashionMnist,
+}
+
+/// How the training examples are split over clients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Partition {
+    /// Shuffled and even.
+    Iid,
+    /// Dirichlet(α) label skew.
+    Dirichlet(f64),
+    /// The FedAvg paper's shards: this many label-sorted shards per client.
+    Shards(usize),
+}
+
+impl std::str::FromStr for Partition {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "iid" => Ok(Partition::Iid),
+            Some(("dirichlet", a)) => {
+                a.parse().map(Partition::Dirichlet).map_err(|e| format!("alpha: {e}"))
+            }
+            Some(("shards", n)) => {
+                n.parse().map(Partition::Shards).map_err(|e| format!("shards: {e}"))
+            }
+            _ => Err("expected iid, dirichlet:ALPHA or shards:N".into()),
+        }
+    }
+}
+
+/// A named model for the image datasets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelKind {
+    /// Two hidden layers of 200 (the FedAvg paper's 2NN); 64 for the 8×8 digits.
+    Mlp,
+    /// The FedAvg paper's CNN (5×5 convs of 32 and 64 channels, 512-unit dense).
+    Cnn,
+}
+
+/// Everything a simulation needs.
+#[derive(Debug, Clone)]
+pub struct SimulationConfig {
+    /// Coordinator base URL.
+    pub url: String,
+    /// Operator token (the simulator creates the run).
+    pub operator_token: String,
+    /// Simulated devices.
+    pub clients: usize,
+    /// Reports per round.
+    pub cohort: u32,
+    /// Rounds to commit.
+    pub rounds: u32,
+    /// Dataset.
+    pub dataset: Dataset,
+    /// `shared/data`.
+    pub data_dir: PathBuf,
+    /// Split over clients.
+    pub partition: Partition,
+    /// Model.
+    pub model: ModelKind,
+    /// Training configuration JSON passed in the plan.
+    pub training: serde_json::Value,
+    /// Seed for partitioning and initialization.
+    pub seed: u64,
+    /// Use at most this many training examples (0: all).
+    pub max_examples: usize,
+}
+
+/// One committed round as the simulator saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundResult {
+    /// Model version committed.
+    pub version: i64,
+    /// Its accuracy on the test set.
+    pub test_accuracy: f64,
+    /// Its loss on the test set.
+    pub test_loss: f64,
+    /// Mean local training loss of the round that produced it.
+    pub train_loss: Option<f64>,
+    /// Updates aggregated.
+    pub reported: i64,
+    /// Selected devices that did not report.
+    pub dropped: i64,
+}
+
+/// Why a simulation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimulationError {
+    /// The dataset could not be loaded.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The coordinator failed.
+    #[error(transparent)]
+    Protocol(#[from] ClientError),
+    /// A participant failed for good.
+    #[error("participant: {0}")]
+    Participant(String),
+    /// The run ended without committing every round.
+    #[error("the run ended with status {0}")]
+    RunEnded(String),
+}
+
+/// The model spec for `kind` on `input`.
+pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) -> ModelSpec {
+    let small = matches!(input, starling_core::model_spec::InputSpec::Image { height: 8, .. });
+    let layers = match kind {
+        ModelKind::Mlp => {
+            let h = if small { 64 } else { 200 };
+            serde_json::json!([{"kind": "flatten"}, {"kind": "linear", "out": h}, {"kind": "relu"},
+                {"kind": "linear", "out": h}, {"kind": "relu"}, {"kind": "linear", "out": 10}])
+        }
+        ModelKind::Cnn => serde_json::json!([
+            {"kind": "conv2d", "out_channels": 32, "kernel": 5, "padding": 2}, {"kind": "relu"}, {"kind": "max_pool2d", "kernel": 2},
+            {"kind": "conv2d", "out_channels": 64, "kernel": 5, "padding": 2}, {"kind": "relu"}, {"kind": "max_pool2d", "kernel": 2},
+            {"kind": "flatten"}, {"kind": "linear", "out": 512}, {"kind": "relu"}, {"kind": "linear", "out": 10}]),
+    };
+    serde_json::from_value(serde_json::json!({"input": input, "layers": layers}))
+        .expect("built-in specs are valid")
+}
+
+/// Loads (train, test) for a dataset.
+pub fn load(
+    dataset: Dataset,
+    dir: &std::path::Path,
+    seed: u64,
+) -> Result<(Examples, Examples), DataError> {
+    Ok(match dataset {
+        Dataset::Digits => data::digits(&dir.join("sklearn_digits"))?.split_holdout(0.2, seed),
+        Dataset::Mnist => (
+            data::mnist(&dir.join("mnist"), Split::Train)?,
+            data::mnist(&dir.join("mnist"), Split::Test)?,
+        ),
+        Dataset::FashionMnist => {
+            let d = dir.join("fashion_mnist");
+            (data::mnist(&d, Split::Train)?, data::mnist(&d, Split::Test)?)
+        }
+    })
+}
+
+/// Runs a whole simulation, calling `on_round` for each committed model in order.
+pub async fn simulate(
+    config: SimulationConfig,
+    mut on_round: impl FnMut(&RoundResult),
+) -> Result<Vec<RoundResult>, SimulationError> {
+    let (mut train_set, test_set) = load(config.dataset, &config.data_dir, config.seed)?;
+    if config.max_examples > 0 && train_set.len() > config.max_examples {
+        train_set = train_set.subset(&(0..config.max_examples).collect::<Vec<_>>());
+    }
+    let spec = model_spec(config.model, train_set.input());
+    let admin = AdminClient::new(&config.url, &config.operator_token);
+    let token = admin.enrollment_token(Some(config.clients as i64 + 1)).await?;
+    let plan = serde_json::json!({
+        "name": format!("simulate-{:?}-{:?}", config.dataset, config.model).to_lowercase(),
+        "model": {"spec": spec, "init": {"kind": "seeded", "seed": config.seed}},
+        "training": config.training,
+        "cohort_size": config.cohort,
+        "over_selection": 1.3,
+        "min_quorum": (config.cohort * 4 / 5).max(1),
+        "selection_timeout_secs": 10.0,
+        "reporting_timeout_secs": 120.0,
+        "rounds": config.rounds,
+    });
+    let run = RunId(admin.create_run(&plan).await?.id);
+
+    let parts = match config.partition {
+        Partition::Iid => data::iid(train_set.len(), config.clients, config.seed),
+        Partition::Dirichlet(alpha) => {
+            data::dirichlet(train_set.labels(), config.clients, alpha, config.seed)
+        }
+        Partition::Shards(n) => data::shards(train_set.labels(), config.clients, n, config.seed),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = vec![];
+    for (i, idx) in parts.into_iter().enumerate() {
+        let local = train_set.subset(&idx);
+        let (local_train, local_holdout) = local.split_holdout(0.1, config.seed + i as u64);
+        let mut participant = Participant::new(
+            &config.url,
+            "default",
+            local_train,
+            local_holdout,
+            Device::flex().autodiff(),
+        );
+        let (token, stop) = (token.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            participant.enroll(&token).await.map_err(|e| e.to_string())?;
+            while !stop.load(Ordering::Relaxed) {
+                match participant.participate(Box::new(|_| {})).await {
+                    Ok(Outcome::ComeBackLater(d)) => {
+                        tokio::time::sleep(d.min(Duration::from_secs(1))).await
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(client = i, error = %e, "participation failed");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            }
+            Ok::<_, String>(())
+        }));
+    }
+
+    // Observe: evaluate each committed model on the test set.
+    let mut observer = FleetClient::new(&config.url);
+    observer.enroll(&token).await?;
+    let schema: TensorSchema = spec.schema().expect("built-in specs are valid");
+    let device = Device::flex();
+    let test_set = Arc::new(test_set);
+    let mut results: Vec<RoundResult> = vec![];
+    let outcome = loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let models = admin.models(run).await?;
+        let rounds = admin.rounds(run).await?;
+        let seen = results.len();
+        for m in models.iter().filter(|m| m.version as usize > seen) {
+            let payload = observer.model(&m.content_hash).await?;
+            let values = decode_model(&schema, &payload)
+                .map_err(|e| SimulationError::Participant(e.to_string()))?;
+            let (spec2, device2, test2) = (spec.clone(), device.clone(), test_set.clone());
+            let eval = tokio::task::spawn_blocking(move || {
+                let model = SpecModel::build(&spec2, &device2)
+                    .and_then(|m| m.load_parameters(&values))
+                    .expect("schema checked");
+                evaluate(&model, &spec2, &test2, &device2)
+            })
+            .await
+            .expect("evaluation task panicked")
+            .map_err(|e| SimulationError::Participant(e.to_string()))?;
+            let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
+            let result = RoundResult {
+                version: m.version,
+                test_accuracy: eval.accuracy,
+                test_loss: eval.loss,
+                train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
+                reported: round.map_or(0, |r| r.n_reported),
+                dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
+            };
+            on_round(&result);
+            results.push(result);
+        }
+        let status = admin.run(run).await?.status;
+        if status != "running" && results.len() as i64 == admin.run(run).await?.model_version {
+            break if status == "finished" {
+                Ok(())
+            } else {
+                Err(SimulationError::RunEnded(status))
+            };
+        }
+        if let Some(failed) = tasks.iter().position(|t| t.is_finished()) {
+            let res = tasks.remove(failed).await.expect("participant task panicked");
+            if let Err(e) = res {
+                break Err(SimulationError::Participant(e));
+            }
+        }
+    };
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.abort();
+    }
+    outcome.map(|()| results)
+}

@@ -1,0 +1,98 @@
+//! The admin API's JSON views, shared by the coordinator that serves them and every client
+//! (SDK, simulator, dashboard tooling) that reads them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/admin/enrollment-tokens` body.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewEnrollmentToken {
+    /// How many devices may enroll with it (unlimited if absent).
+    pub uses: Option<i64>,
+    /// Lifetime in seconds (no expiry if absent).
+    pub ttl_secs: Option<i64>,
+}
+
+/// A freshly issued enrollment token; shown once, stored only as a hash.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EnrollmentToken {
+    /// The token.
+    pub token: String,
+    /// Expiry, if any.
+    pub expires_at_ms: Option<i64>,
+}
+
+/// A run as the admin API shows it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RunView {
+    /// Run id.
+    pub id: i64,
+    /// Display name.
+    pub name: Option<String>,
+    /// Population.
+    pub population: String,
+    /// `running`, `finished` or `stopped`.
+    pub status: String,
+    /// Latest committed model version.
+    pub model_version: i64,
+    /// Its content hash.
+    pub model_hash: Option<String>,
+    /// Rounds committed.
+    pub rounds_committed: i64,
+    /// Rounds planned.
+    pub total_rounds: u32,
+    /// Creation time.
+    pub created_at_ms: i64,
+    /// Last transition.
+    pub updated_at_ms: i64,
+    /// The plan.
+    pub plan: serde_json::Value,
+}
+
+/// A round as the admin API shows it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RoundView {
+    /// Round index.
+    pub round_idx: i64,
+    /// Model version trained on.
+    pub model_version: i64,
+    /// `open`, `committed` or `failed`.
+    pub state: String,
+    /// Opening time.
+    pub opened_at_ms: i64,
+    /// End of selection.
+    pub selection_deadline_ms: i64,
+    /// Reporting deadline.
+    pub reporting_deadline_ms: i64,
+    /// Closing time.
+    pub closed_at_ms: Option<i64>,
+    /// Devices selected.
+    pub n_selected: i64,
+    /// Durable updates.
+    pub n_reported: i64,
+    /// Selected but not reported (once closed).
+    pub n_dropped: Option<i64>,
+    /// How it ended.
+    pub outcome: Option<serde_json::Value>,
+    /// Example-weighted mean of the clients' training metrics.
+    pub metrics: Option<BTreeMap<String, f64>>,
+}
+
+/// A committed model version with its federated evaluation.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ModelView {
+    /// Version.
+    pub version: i64,
+    /// Content hash (`GET /v1/models/{hash}`).
+    pub content_hash: String,
+    /// Round that produced it.
+    pub round_idx: Option<i64>,
+    /// Commit time.
+    pub created_at_ms: i64,
+    /// Evaluation reports received for this version.
+    pub n_evaluations: u64,
+    /// Example-weighted means of the evaluation metrics.
+    pub evaluation: BTreeMap<String, f64>,
+}
