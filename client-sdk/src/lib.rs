@@ -12,6 +12,9 @@
 //! Training runs on burn's runtime [`burn::tensor::Device`]: the pure-Rust flex CPU backend
 //! here, wgpu where the `wgpu` feature is enabled and an adapter exists.
 
+/// The compute device training runs on (`Device::flex().autodiff()` for the CPU backend).
+pub use burn::tensor::Device;
+
 pub mod data;
 pub mod examples;
 pub mod model;
