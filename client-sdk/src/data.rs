@@ -7,7 +7,7 @@ use std::path::Path;
 use starling_core::model_spec::InputSpec;
 
 use crate::examples::Examples;
-use crate::train::XorShift;
+use starling_core::rng::SplitMix64;
 
 /// Why a dataset could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +117,7 @@ pub fn mnist(dir: &Path, split: Split) -> Result<Examples, DataError> {
 /// IID: a shuffled, even split of `n` examples over `clients`.
 pub fn iid(n: usize, clients: usize, seed: u64) -> Vec<Vec<usize>> {
     let mut idx: Vec<usize> = (0..n).collect();
-    XorShift(seed).shuffle(&mut idx);
+    SplitMix64(seed).shuffle(&mut idx);
     let mut parts = vec![vec![]; clients];
     for (k, i) in idx.into_iter().enumerate() {
         parts[k % clients].push(i);
@@ -128,7 +128,7 @@ pub fn iid(n: usize, clients: usize, seed: u64) -> Vec<Vec<usize>> {
 /// Label skew: each class is spread over clients in proportions drawn from Dirichlet(α);
 /// small α gives each client few classes.
 pub fn dirichlet(labels: &[u32], clients: usize, alpha: f64, seed: u64) -> Vec<Vec<usize>> {
-    let mut rng = XorShift(seed);
+    let mut rng = SplitMix64(seed);
     let classes = labels.iter().max().map_or(0, |&m| m as usize + 1);
     let mut parts = vec![vec![]; clients];
     for class in 0..classes {
@@ -166,7 +166,7 @@ pub fn shards(
     let n_shards = clients * shards_per_client;
     let shard_len = labels.len() / n_shards.max(1);
     let mut order: Vec<usize> = (0..n_shards).collect();
-    XorShift(seed).shuffle(&mut order);
+    SplitMix64(seed).shuffle(&mut order);
     order
         .chunks(shards_per_client)
         .map(|own| {
@@ -178,7 +178,7 @@ pub fn shards(
 }
 
 /// Gamma(α, 1) by Marsaglia–Tsang (with the α < 1 boost).
-fn gamma(rng: &mut XorShift, alpha: f64) -> f64 {
+fn gamma(rng: &mut SplitMix64, alpha: f64) -> f64 {
     if alpha < 1.0 {
         let u = rng.unit().max(f64::MIN_POSITIVE);
         return gamma(rng, alpha + 1.0) * u.powf(1.0 / alpha);

@@ -7,7 +7,9 @@ use burn::tensor::{Device, Int, Tensor};
 use starling_core::model_spec::InputSpec;
 
 use crate::model::Batch;
-use crate::train::{XorShift, batch_tensors};
+use starling_core::rng::SplitMix64;
+
+use crate::train::batch_tensors;
 
 /// Why an example was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -115,7 +117,7 @@ impl Examples {
     /// A deterministic split into (train, held-out) with `fraction` held out.
     pub fn split_holdout(&self, fraction: f64, seed: u64) -> (Examples, Examples) {
         let mut idx: Vec<usize> = (0..self.len()).collect();
-        XorShift(seed).shuffle(&mut idx);
+        SplitMix64(seed).shuffle(&mut idx);
         let held = ((self.len() as f64) * fraction.clamp(0.0, 1.0)).round() as usize;
         (self.subset(&idx[held..]), self.subset(&idx[..held]))
     }

@@ -14,7 +14,7 @@ use burn::nn::{
 };
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, SpecError};
+use starling_core::model_spec::{Activation, LayerSpec, ModelSpec, SpecError};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 
 /// Why a model could not be built or loaded.
@@ -85,24 +85,11 @@ pub enum Batch {
 impl SpecModel {
     /// Builds the model for `spec` on `device`, with burn's default initialization.
     pub fn build(spec: &ModelSpec, device: &Device) -> Result<Self, ModelError> {
-        let acts = spec.activations()?;
-        let input_of = |i: usize| {
-            if i == 0 {
-                match spec.input {
-                    InputSpec::Image { channels, height, width } => {
-                        Activation::Image(channels, height, width)
-                    }
-                    InputSpec::Features { size } => Activation::Flat(size),
-                    InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
-                }
-            } else {
-                acts[i - 1]
-            }
-        };
+        let inputs = spec.layer_inputs()?;
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, layer) in spec.layers.iter().enumerate() {
             let u = |v: u64| v as usize;
-            let built = match (*layer, input_of(i)) {
+            let built = match (*layer, inputs[i]) {
                 (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
                     Layer::Linear(LinearConfig::new(u(f), u(out)).init(device))
                 }

@@ -10,6 +10,7 @@ use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::Deserialize;
 use starling_core::model_spec::{InputSpec, ModelSpec};
+use starling_core::rng::SplitMix64;
 
 use crate::examples::Examples;
 use crate::model::{Batch, SpecModel};
@@ -179,7 +180,7 @@ pub fn train(
     };
     let mut model = model.train();
     let mut order: Vec<usize> = (0..examples.len()).collect();
-    let mut rng = XorShift(config.seed ^ 0x005E_ED0F_5747_11E6);
+    let mut rng = SplitMix64(config.seed ^ 0x005E_ED0F_5747_11E6);
     let batch_size = config.batch_size as usize;
     let batches = examples.len().div_ceil(batch_size);
     let mut epoch_loss = 0.0;
@@ -299,35 +300,6 @@ pub(crate) fn batch_tensors(
     };
     let y: Vec<i64> = idx.iter().map(|&i| i64::from(labels[i])).collect();
     (batch, Tensor::from_data(TensorData::new(y, [b]), device))
-}
-
-/// A small deterministic generator for shuffling and partitioning (not for secrets).
-#[derive(Debug, Clone)]
-pub(crate) struct XorShift(pub(crate) u64);
-
-impl XorShift {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        // SplitMix64 output function over a Weyl sequence: good statistics, any seed works.
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub(crate) fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.unit() * n as f64) as usize % n.max(1)
-    }
-
-    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            items.swap(i, self.below(i + 1));
-        }
-    }
 }
 
 #[cfg(test)]

@@ -10,12 +10,14 @@
 //! * [`model_spec`]: declarative models, their tensor schema and initialization.
 //! * [`plan`]: the operator's run plan and its validation.
 //! * [`round`]: the round state machine (selection, reporting, closing, commit).
+//! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
 pub mod fedavg;
 pub mod ids;
 pub mod model_spec;
 pub mod plan;
+pub mod rng;
 pub mod round;
 pub mod tensor;
 pub mod wire;

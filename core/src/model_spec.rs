@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::rng::SplitMix64;
 use crate::tensor::{DType, TensorSchema, TensorSpec};
 
 /// A model: what it takes, and the layers applied in order.
@@ -117,6 +118,18 @@ pub enum Activation {
         /// Steps.
         length: u64,
     },
+}
+
+impl From<InputSpec> for Activation {
+    fn from(input: InputSpec) -> Self {
+        match input {
+            InputSpec::Image { channels, height, width } => {
+                Activation::Image(channels, height, width)
+            }
+            InputSpec::Features { size } => Activation::Flat(size),
+            InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
+        }
+    }
 }
 
 /// Why a spec was rejected.
@@ -260,6 +273,14 @@ impl ModelSpec {
         }
     }
 
+    /// The activation each layer takes: the input for layer 0, then each layer's output.
+    pub fn layer_inputs(&self) -> Result<Vec<Activation>, SpecError> {
+        let outputs = self.activations()?;
+        let mut inputs = vec![Activation::from(self.input)];
+        inputs.extend_from_slice(&outputs[..outputs.len() - 1]);
+        Ok(inputs)
+    }
+
     /// Number of classes the model predicts.
     pub fn n_classes(&self) -> Result<u64, SpecError> {
         match self.activations()?.last() {
@@ -292,20 +313,7 @@ impl ModelSpec {
     }
 
     fn parameters(&self) -> Result<Vec<(TensorSpec, Init)>, SpecError> {
-        let acts = self.activations()?;
-        let input = |i: usize| -> Activation {
-            if i == 0 {
-                match self.input {
-                    InputSpec::Image { channels, height, width } => {
-                        Activation::Image(channels, height, width)
-                    }
-                    InputSpec::Features { size } => Activation::Flat(size),
-                    InputSpec::Tokens { vocab, length } => Activation::Tokens { vocab, length },
-                }
-            } else {
-                acts[i - 1]
-            }
-        };
+        let inputs = self.layer_inputs()?;
         let mut params = vec![];
         for (i, layer) in self.layers.iter().enumerate() {
             let prefix = format!("layers.{i}.{}", layer.variant());
@@ -315,7 +323,7 @@ impl ModelSpec {
                     init,
                 ));
             };
-            match (*layer, input(i)) {
+            match (*layer, inputs[i]) {
                 (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
                     push("weight", vec![f, out], Init::Uniform((1.0 / f as f64).sqrt()));
                     push("bias", vec![out], Init::Constant(0.0));
@@ -394,21 +402,6 @@ fn check_dims(layer: usize, dims: &[u64]) -> Result<(), SpecError> {
 
 fn bad(layer: usize, why: &str) -> SpecError {
     SpecError::BadLayer { layer, why: why.to_owned() }
-}
-
-/// SplitMix64: initial weights are public, so a statistical generator is the right tool.
-pub(crate) struct SplitMix64(pub(crate) u64);
-
-impl SplitMix64 {
-    /// A uniform draw from `[0, 1)`.
-    pub(crate) fn unit(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 #[cfg(test)]

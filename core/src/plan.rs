@@ -6,7 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model_spec::{ModelSpec, SpecError, SplitMix64};
+use crate::model_spec::{ModelSpec, SpecError};
+use crate::rng::SplitMix64;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
