@@ -272,8 +272,9 @@ pub async fn simulate(
             on_round(&result);
             results.push(result);
         }
-        let status = admin.run(run).await?.status;
-        if status != "running" && results.len() as i64 == admin.run(run).await?.model_version {
+        let view = admin.run(run).await?;
+        let status = view.status;
+        if status != "running" && results.len() as i64 == view.model_version {
             break if status == "finished" {
                 Ok(())
             } else {

@@ -21,7 +21,7 @@ use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor, FromRow};
-use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome};
+use starling_core::round::{RoundClosing, RoundOpened};
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
 /// Which database a store runs on.
@@ -285,11 +285,6 @@ async fn close_round_row(
         )));
     }
     Ok(())
-}
-
-/// The outcome recorded for a round, parsed back.
-pub fn parse_outcome(json: &str) -> Option<RoundOutcome> {
-    serde_json::from_str(json).ok()
 }
 
 /// `url` with its database name replaced by `database` (e.g. a per-test Postgres database).
