@@ -114,6 +114,79 @@ pub fn mnist(dir: &Path, split: Split) -> Result<Examples, DataError> {
     )
 }
 
+/// LEAF's Shakespeare vocabulary (80 characters); anything else maps to the space.
+pub const SHAKESPEARE_VOCAB: &str =
+    "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}";
+
+/// One speaking role of one play: a naturally federated client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShakespeareRole {
+    /// `<play>/<SPEAKER>`.
+    pub id: String,
+    /// The role's speech, normalised as LEAF does (newlines to spaces, space runs collapsed).
+    pub text: String,
+}
+
+/// The Shakespeare-by-role dataset: one client per (play, speaking role), in file order.
+pub fn shakespeare_roles(dir: &Path) -> Result<Vec<ShakespeareRole>, DataError> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path)
+            .map_err(|source| DataError::Io { path: path.display().to_string(), source })
+    };
+    let text = read("text.txt")?;
+    let index = String::from_utf8(read("clients.tsv")?)
+        .map_err(|e| DataError::Format { path: "clients.tsv".into(), why: e.to_string() })?;
+    let bad = |line: usize, why: &str| DataError::Format {
+        path: "clients.tsv".into(),
+        why: format!("line {line}: {why}"),
+    };
+    let mut roles = vec![];
+    for (n, line) in index.lines().enumerate().skip(1) {
+        let cols: Vec<&str> = line.split('\t').collect();
+        let [_, id, _, _, _, _, offset, length, ..] = cols[..] else {
+            return Err(bad(n + 1, "too few columns"));
+        };
+        let (offset, length): (usize, usize) = match (offset.parse(), length.parse()) {
+            (Ok(o), Ok(l)) => (o, l),
+            _ => return Err(bad(n + 1, "offset and length must be numbers")),
+        };
+        let raw = text
+            .get(offset..offset + length)
+            .ok_or_else(|| bad(n + 1, "range outside text.txt"))?;
+        let mut normalised = String::with_capacity(raw.len());
+        for &b in raw {
+            let c = if b == b'\n' { ' ' } else { b as char };
+            if !(c == ' ' && normalised.ends_with(' ')) {
+                normalised.push(c);
+            }
+        }
+        roles.push(ShakespeareRole { id: id.to_owned(), text: normalised });
+    }
+    Ok(roles)
+}
+
+/// Next-character examples from `text`: every window of `length` characters, labelled with the
+/// character after it (LEAF's recipe), at most `max` of them (0: all), as vocabulary ids.
+pub fn next_char_examples(text: &str, length: usize, max: usize) -> Examples {
+    let vocab = SHAKESPEARE_VOCAB.len() as u64;
+    let ids: Vec<u32> = text
+        .bytes()
+        .map(|b| SHAKESPEARE_VOCAB.bytes().position(|v| v == b).unwrap_or(1) as u32)
+        .collect();
+    let mut out = Examples::new(InputSpec::Tokens { vocab, length: length as u64 });
+    let n = ids.len().saturating_sub(length);
+    let n = if max > 0 { n.min(max) } else { n };
+    let mut window = vec![0f32; length];
+    for i in 0..n {
+        for (w, &id) in window.iter_mut().zip(&ids[i..i + length]) {
+            *w = id as f32;
+        }
+        out.push(&window, ids[i + length]).expect("ids are below the vocabulary");
+    }
+    out
+}
+
 /// IID: a shuffled, even split of `n` examples over `clients`.
 pub fn iid(n: usize, clients: usize, seed: u64) -> Vec<Vec<usize>> {
     let mut idx: Vec<usize> = (0..n).collect();

@@ -69,3 +69,19 @@ fn partitioners_cover_every_example_once_and_skew_as_asked() {
         assert!(classes.len() <= 2, "two shards give at most two classes, got {classes:?}");
     }
 }
+
+#[test]
+fn shakespeare_roles_are_the_published_natural_clients() {
+    let roles = shakespeare_roles(&shared_data().join("shakespeare_roles")).unwrap();
+    assert_eq!(roles.len(), 1423);
+    let theseus = &roles[0];
+    assert_eq!(theseus.id, "a-midsummer-night-s-dream/THESEUS");
+    // The README's leaf_samples for THESEUS: windows of 80 after LEAF's normalisation.
+    let examples = next_char_examples(&theseus.text, 80, 0);
+    assert_eq!(examples.len(), 9360);
+    assert_eq!(examples.input(), InputSpec::Tokens { vocab: 80, length: 80 });
+    let hamlet = roles.iter().find(|r| r.id == "hamlet/HAMLET").unwrap();
+    assert!(hamlet.text.contains("To be, or not to be"));
+    assert_eq!(next_char_examples(&hamlet.text, 80, 100).len(), 100);
+    assert!(!hamlet.text.contains("  ") && !hamlet.text.contains('\n'));
+}

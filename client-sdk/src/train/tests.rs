@@ -115,3 +115,37 @@ fn bad_configs_and_examples_are_errors() {
     assert!(store.push(&[0.0; 63], 1).is_err());
     assert!(store.push(&[f32::NAN; 64], 1).is_err());
 }
+
+#[test]
+fn an_lstm_learns_next_characters_of_a_shakespeare_role() {
+    let roles =
+        data::shakespeare_roles(&crate::data::tests::shared_data().join("shakespeare_roles"))
+            .unwrap();
+    let hamlet = roles.iter().find(|r| r.id == "hamlet/HAMLET").unwrap();
+    let examples = data::next_char_examples(&hamlet.text, 20, 600);
+    let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+        "input": {"kind": "tokens", "vocab": 80, "length": 20},
+        "layers": [{"kind": "embedding", "dim": 8}, {"kind": "lstm", "hidden": 32}, {"kind": "last_step"}, {"kind": "linear", "out": 80}]
+    }))
+    .unwrap();
+    let device = Device::flex().autodiff();
+    let model = SpecModel::build(&spec, &device)
+        .unwrap()
+        .load_parameters(&spec.initial_parameters(1).unwrap())
+        .unwrap();
+    let before = evaluate(&model, &spec, &examples, &device).unwrap();
+    let config = TrainingConfig {
+        epochs: 4,
+        batch_size: 32,
+        lr: 0.01,
+        optimizer: OptimizerKind::Adam,
+        ..TrainingConfig::default()
+    };
+    let (model, _) = train(model, &spec, &examples, &config, &device, &mut |_| {}).unwrap();
+    let after = evaluate(&model, &spec, &examples, &device).unwrap();
+    eprintln!(
+        "next-char loss {:.3} -> {:.3}, accuracy {:.3} -> {:.3}",
+        before.loss, after.loss, before.accuracy, after.accuracy
+    );
+    assert!(after.loss < before.loss - 0.5, "loss {} -> {}", before.loss, after.loss);
+}
