@@ -106,9 +106,14 @@ fn main() -> anyhow::Result<()> {
         "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}",
         "model", "test acc", "test loss", "train loss", "reported", "dropped"
     );
+    let bar = indicatif::ProgressBar::new(u64::from(config.rounds));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} rounds {elapsed} {msg}")
+            .expect("the template is valid"),
+    );
     let results = runtime.block_on(simulate(config, |r| {
         let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
-        println!(
+        let row = format!(
             "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}",
             r.version,
             r.test_accuracy * 100.0,
@@ -117,8 +122,18 @@ fn main() -> anyhow::Result<()> {
             r.reported,
             r.dropped
         );
-        let _ = std::io::stdout().flush();
-    }))?;
+        // A hidden bar (output is not a terminal) drops println: print the row directly then.
+        if bar.is_hidden() {
+            println!("{row}");
+            let _ = std::io::stdout().flush();
+        } else {
+            bar.println(row);
+        }
+        bar.set_message(format!("test accuracy {:.2}%", r.test_accuracy * 100.0));
+        bar.inc(1);
+    }));
+    bar.finish_and_clear();
+    let results = results?;
     if let Some(path) = args.out {
         let text = if path.extension().is_some_and(|e| e == "json") {
             serde_json::to_string_pretty(&results)?

@@ -71,6 +71,33 @@ pub enum Outcome {
     },
 }
 
+/// Where a participation is; reported to the app's progress callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Asking the coordinator for a task.
+    CheckingIn,
+    /// Fetching the global model (skipped when cached).
+    Downloading,
+    /// Evaluating the global model on local held-out data.
+    Evaluating,
+    /// Training on local examples; [`ParticipantProgress::Step`] follows for each batch.
+    Training,
+    /// Sending the update.
+    Uploading,
+}
+
+/// What the progress callback receives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ParticipantProgress {
+    /// A new phase began.
+    Phase(Phase),
+    /// A training step finished (epoch, batch, loss).
+    Step(Progress),
+}
+
+/// The app's progress callback.
+pub type ProgressCallback = Box<dyn FnMut(ParticipantProgress) + Send>;
+
 /// What survives an app restart.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ParticipantState {
@@ -147,11 +174,18 @@ impl Participant {
     /// One participation: check in, and if selected, evaluate, train and upload.
     pub async fn participate(
         &mut self,
-        on_progress: Box<dyn FnMut(Progress) + Send>,
+        on_progress: ProgressCallback,
     ) -> Result<Outcome, ParticipantError> {
         if self.state.credential.is_none() {
             return Err(ParticipantError::NotEnrolled);
         }
+        // Shared with the training thread, which reports steps while this task waits.
+        let progress = Arc::new(std::sync::Mutex::new(on_progress));
+        let report = {
+            let progress = progress.clone();
+            move |p: ParticipantProgress| (progress.lock().expect("progress callback panicked"))(p)
+        };
+        report(ParticipantProgress::Phase(Phase::CheckingIn));
         let population = self.population.clone();
         let task = match retrying(TRIES, || self.fleet.check_in(&population)).await? {
             CheckInResponse::ComeBackLater { retry_after_secs } => {
@@ -162,26 +196,30 @@ impl Participant {
             CheckInResponse::Task(task) => task,
         };
         let spec = task.model_spec.clone().ok_or(ParticipantError::NoModelSpec)?;
+        report(ParticipantProgress::Phase(Phase::Downloading));
         let global = self.global_model(&task).await?;
+        report(ParticipantProgress::Phase(Phase::Evaluating));
         let evaluation = self.evaluate_once(&task, &spec, &global).await?;
+        report(ParticipantProgress::Phase(Phase::Training));
         let config = TrainingConfig::from_json(&task.training_config)?;
         let (train_set, device) = (self.train_set.clone(), self.device.clone());
         let trained_from = global.clone();
-        let (delta, report) = tokio::task::spawn_blocking(move || {
-            let mut on_progress = on_progress;
+        let step = report.clone();
+        let (delta, trained) = tokio::task::spawn_blocking(move || {
+            let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let model = SpecModel::build(&spec, &device)?.load_parameters(&trained_from)?;
-            let (model, report) =
-                train(model, &spec, &train_set, &config, &device, &mut *on_progress)?;
+            let (model, report) = train(model, &spec, &train_set, &config, &device, &mut on_step)?;
             let delta: Vec<f32> =
                 model.parameters().iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
             Ok::<_, ParticipantError>((delta, report))
         })
         .await
         .expect("training task panicked")?;
+        report(ParticipantProgress::Phase(Phase::Uploading));
         let upload = UploadRequest {
             model_version: task.model_version,
-            example_count: report.examples,
-            metrics: [("loss".to_owned(), report.loss)].into(),
+            example_count: trained.examples,
+            metrics: [("loss".to_owned(), trained.loss)].into(),
             delta: task.schema.encode_f32(&delta),
         };
         let (run_id, round_idx) = (task.run_id, task.round_idx);
@@ -191,7 +229,7 @@ impl Participant {
             | Err(ClientError::Api {
                 body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
                 ..
-            }) => Ok(Outcome::Uploaded { run_id, round_idx, train_loss: report.loss, evaluation }),
+            }) => Ok(Outcome::Uploaded { run_id, round_idx, train_loss: trained.loss, evaluation }),
             Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }

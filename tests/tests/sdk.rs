@@ -4,7 +4,9 @@ use std::path::Path;
 
 use starling_client::Device;
 use starling_client::data;
-use starling_client::participant::{Outcome, Participant, ParticipantError};
+use starling_client::participant::{
+    Outcome, Participant, ParticipantError, ParticipantProgress, Phase,
+};
 use starling_client::simulate::{ModelKind, model_spec};
 use starling_core::RunId;
 use starling_tests::{ChildCoordinator, OPERATOR_TOKEN, free_addr, sqlite_db, wait_model};
@@ -42,8 +44,31 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     b.enroll(&token).await.unwrap();
     let saved = b.state().clone();
 
-    let outcome = a.participate(Box::new(|_| {})).await.unwrap();
+    let events = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let sink = events.clone();
+    let outcome = a.participate(Box::new(move |p| sink.lock().unwrap().push(p))).await.unwrap();
     assert!(matches!(outcome, Outcome::Uploaded { evaluation: Some(_), .. }), "{outcome:?}");
+    let events = events.lock().unwrap();
+    let phases: Vec<Phase> = events
+        .iter()
+        .filter_map(|e| if let ParticipantProgress::Phase(p) = e { Some(*p) } else { None })
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            Phase::CheckingIn,
+            Phase::Downloading,
+            Phase::Evaluating,
+            Phase::Training,
+            Phase::Uploading
+        ]
+    );
+    let steps: Vec<_> = events
+        .iter()
+        .filter_map(|e| if let ParticipantProgress::Step(s) = e { Some(*s) } else { None })
+        .collect();
+    assert_eq!(steps.len(), 8, "80 local examples in batches of 10, one epoch");
+    assert!(steps.iter().all(|s| s.loss.is_finite() && s.batches == 8));
 
     // The coordinator vanishes with the round half reported: the device gets an error, not a panic.
     child.kill().unwrap();
