@@ -48,7 +48,7 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     let sink = events.clone();
     let outcome = a.participate(Box::new(move |p| sink.lock().unwrap().push(p))).await.unwrap();
     assert!(matches!(outcome, Outcome::Uploaded { evaluation: Some(_), .. }), "{outcome:?}");
-    let events = events.lock().unwrap();
+    let events = events.lock().unwrap().clone();
     let phases: Vec<Phase> = events
         .iter()
         .filter_map(|e| if let ParticipantProgress::Phase(p) = e { Some(*p) } else { None })
