@@ -103,6 +103,16 @@ impl Examples {
         &self.labels
     }
 
+    /// Appends every example of `other` (same input shape).
+    ///
+    /// # Panics
+    /// If the input shapes differ: a caller bug.
+    pub fn extend(&mut self, other: &Examples) {
+        assert_eq!(self.input, other.input, "examples of another input shape");
+        self.features.extend_from_slice(&other.features);
+        self.labels.extend_from_slice(&other.labels);
+    }
+
     /// The examples at `idx`, in that order.
     pub fn subset(&self, idx: &[usize]) -> Examples {
         let w = Self::width(self.input);

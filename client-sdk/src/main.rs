@@ -92,15 +92,13 @@ fn main() -> anyhow::Result<()> {
         seed: args.seed,
         max_examples: args.max_examples,
     };
+    let (model, partition) = match config.dataset {
+        Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),
+        _ => (format!("{:?}", config.model), format!("{:?}", config.partition)),
+    };
     println!(
-        "simulating {} clients ({:?}, {:?}, {:?}), cohort {}, {} rounds against {}",
-        config.clients,
-        config.dataset,
-        config.model,
-        config.partition,
-        config.cohort,
-        config.rounds,
-        config.url
+        "simulating {} clients ({:?}, {model}, {partition}), cohort {}, {} rounds against {}",
+        config.clients, config.dataset, config.cohort, config.rounds, config.url
     );
     println!(
         "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}",

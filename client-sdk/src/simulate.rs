@@ -32,7 +32,15 @@ pub enum Dataset {
     Mnist,
     /// Fashion-MNIST.
     FashionMnist,
+    /// Shakespeare by role: one client per (play, speaking role), the largest roles first;
+    /// next-character prediction with an LSTM. The partition is always the natural one.
+    Shakespeare,
 }
+
+/// Characters of context per Shakespeare example (LEAF uses 80).
+const SHAKESPEARE_CONTEXT: usize = 80;
+/// Examples per Shakespeare client, at most (the largest roles have tens of thousands).
+const SHAKESPEARE_MAX_PER_CLIENT: usize = 400;
 
 /// How the training examples are split over clients.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -134,8 +142,14 @@ pub enum SimulationError {
     RunEnded(String),
 }
 
-/// The model spec for `kind` on `input`.
+/// The model spec for `kind` on `input` (token inputs get an Embedding → LSTM next-token model).
 pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) -> ModelSpec {
+    if let starling_core::model_spec::InputSpec::Tokens { vocab, .. } = input {
+        let layers = serde_json::json!([{"kind": "embedding", "dim": 8}, {"kind": "lstm", "hidden": 64},
+            {"kind": "last_step"}, {"kind": "linear", "out": vocab}]);
+        return serde_json::from_value(serde_json::json!({"input": input, "layers": layers}))
+            .expect("built-in specs are valid");
+    }
     let small = matches!(input, starling_core::model_spec::InputSpec::Image { height: 8, .. });
     let layers = match kind {
         ModelKind::Mlp => {
@@ -168,7 +182,41 @@ pub fn load(
             let d = dir.join("fashion_mnist");
             (data::mnist(&d, Split::Train)?, data::mnist(&d, Split::Test)?)
         }
+        Dataset::Shakespeare => {
+            let (clients, test) = shakespeare_clients(dir, 64, seed)?;
+            let mut train = Examples::new(test.input());
+            for c in clients {
+                train.extend(&c);
+            }
+            (train, test)
+        }
     })
+}
+
+/// The `n` largest Shakespeare roles as clients' training examples, and a test set pooled from
+/// each one's held-out 10 %.
+pub fn shakespeare_clients(
+    dir: &std::path::Path,
+    n: usize,
+    seed: u64,
+) -> Result<(Vec<Examples>, Examples), DataError> {
+    let mut roles = data::shakespeare_roles(&dir.join("shakespeare_roles"))?;
+    roles.sort_by_key(|r| std::cmp::Reverse(r.text.len()));
+    let mut clients = vec![];
+    let mut test = None::<Examples>;
+    for (i, role) in roles.iter().take(n).enumerate() {
+        let examples =
+            data::next_char_examples(&role.text, SHAKESPEARE_CONTEXT, SHAKESPEARE_MAX_PER_CLIENT);
+        let (train, held) = examples.split_holdout(0.1, seed + i as u64);
+        test.get_or_insert_with(|| Examples::new(held.input())).extend(&held);
+        clients.push(train);
+    }
+    Ok((
+        clients,
+        test.unwrap_or_else(|| {
+            Examples::new(data::next_char_examples("", SHAKESPEARE_CONTEXT, 0).input())
+        }),
+    ))
 }
 
 /// Runs a whole simulation, calling `on_round` for each committed model in order.
@@ -196,12 +244,27 @@ pub async fn simulate(
     });
     let run = RunId(admin.create_run(&plan).await?.id);
 
-    let parts = match config.partition {
-        Partition::Iid => data::iid(train_set.len(), config.clients, config.seed),
-        Partition::Dirichlet(alpha) => {
+    let parts: Vec<Vec<usize>> = match (config.dataset, config.partition) {
+        // Shakespeare's partition is the natural one: each client is one speaking role.
+        (Dataset::Shakespeare, _) => {
+            let (clients, _) = shakespeare_clients(&config.data_dir, config.clients, config.seed)?;
+            train_set = Examples::new(train_set.input());
+            clients
+                .iter()
+                .map(|c| {
+                    let start = train_set.len();
+                    train_set.extend(c);
+                    (start..train_set.len()).collect()
+                })
+                .collect()
+        }
+        (_, Partition::Iid) => data::iid(train_set.len(), config.clients, config.seed),
+        (_, Partition::Dirichlet(alpha)) => {
             data::dirichlet(train_set.labels(), config.clients, alpha, config.seed)
         }
-        Partition::Shards(n) => data::shards(train_set.labels(), config.clients, n, config.seed),
+        (_, Partition::Shards(n)) => {
+            data::shards(train_set.labels(), config.clients, n, config.seed)
+        }
     };
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = vec![];

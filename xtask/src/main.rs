@@ -116,12 +116,13 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
         "coordinator on http://{listen} (embedded store in {}); admin API token: {token}",
         data.display()
     );
-    let status = Command::new(target.join("starling-client"))
-        .args(["simulate", "--url", &format!("http://{listen}"), "--data-dir"])
-        .arg(root.join("client-sdk").join("data"))
-        .args(extra)
-        .env("STARLING_OPERATOR_TOKEN", &token)
-        .status();
+    let mut simulate = Command::new(target.join("starling-client"));
+    simulate.args(["simulate", "--url", &format!("http://{listen}")]);
+    // The bundled digits make the default demo zero-setup; a caller may point elsewhere.
+    if !extra.iter().any(|a| a.starts_with("--data-dir")) {
+        simulate.arg("--data-dir").arg(root.join("client-sdk").join("data"));
+    }
+    let status = simulate.args(extra).env("STARLING_OPERATOR_TOKEN", &token).status();
     let _ = coordinator.kill();
     let _ = coordinator.wait();
     check("simulation", status.context("running the simulator")?)
