@@ -146,7 +146,8 @@ impl FleetClient {
     pub async fn model(&self, hash: &str) -> Result<TensorPayload, ClientError> {
         let res =
             self.authed(self.http.get(format!("{}/v1/models/{hash}", self.base))).send().await?;
-        decode_cbor(res).await
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
     }
 
     /// Uploads an update.
@@ -190,13 +191,8 @@ impl FleetClient {
         req: &Req,
     ) -> Result<Res, ClientError> {
         let body = wire::to_vec(req).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let res = self
-            .authed(self.http.post(format!("{}{path}", self.base)))
-            .header(CONTENT_TYPE, CBOR_MEDIA_TYPE)
-            .body(body)
-            .send()
-            .await?;
-        decode_cbor(res).await
+        let (status, bytes) = self.post_raw(path, body, CBOR_MEDIA_TYPE).await?;
+        decode_answer(status, &bytes)
     }
 
     fn authed(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -207,13 +203,12 @@ impl FleetClient {
     }
 }
 
-async fn decode_cbor<T: DeserializeOwned>(res: reqwest::Response) -> Result<T, ClientError> {
-    let status = res.status();
-    let bytes = res.bytes().await?;
+/// A CBOR answer, or the error body of a non-2xx one.
+fn decode_answer<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Result<T, ClientError> {
     if !status.is_success() {
-        return Err(api_error(status, &bytes));
+        return Err(api_error(status, bytes));
     }
-    wire::decode(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    wire::decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
 }
 
 /// Decodes an error body, CBOR or JSON.
