@@ -166,13 +166,29 @@ pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) 
         .expect("built-in specs are valid")
 }
 
-/// Loads (train, test) for a dataset.
-pub fn load(
+/// The data of a simulation: every client's training examples (concatenated), the test set,
+/// and each client's indices into the training examples.
+pub struct FederatedData {
+    /// All clients' training examples.
+    pub train: Examples,
+    /// The held-out test set the global model is scored on.
+    pub test: Examples,
+    /// Each client's indices into `train`.
+    pub clients: Vec<Vec<usize>>,
+}
+
+/// Loads a dataset once and splits it over `clients`: image sets by `partition` (after keeping
+/// at most `max_examples`, 0 for all), Shakespeare by its natural one-client-per-role partition.
+pub fn federated_data(
     dataset: Dataset,
     dir: &std::path::Path,
+    clients: usize,
+    partition: Partition,
+    max_examples: usize,
     seed: u64,
-) -> Result<(Examples, Examples), DataError> {
-    Ok(match dataset {
+) -> Result<FederatedData, DataError> {
+    let (mut train, test) = match dataset {
+        Dataset::Shakespeare => return shakespeare_data(dir, clients, seed),
         Dataset::Digits => data::digits(&dir.join("sklearn_digits"))?.split_holdout(0.2, seed),
         Dataset::Mnist => (
             data::mnist(&dir.join("mnist"), Split::Train)?,
@@ -182,41 +198,47 @@ pub fn load(
             let d = dir.join("fashion_mnist");
             (data::mnist(&d, Split::Train)?, data::mnist(&d, Split::Test)?)
         }
-        Dataset::Shakespeare => {
-            let (clients, test) = shakespeare_clients(dir, 64, seed)?;
-            let mut train = Examples::new(test.input());
-            for c in clients {
-                train.extend(&c);
-            }
-            (train, test)
-        }
-    })
+    };
+    if max_examples > 0 && train.len() > max_examples {
+        train = train.subset(&(0..max_examples).collect::<Vec<_>>());
+    }
+    let clients = match partition {
+        Partition::Iid => data::iid(train.len(), clients, seed),
+        Partition::Dirichlet(alpha) => data::dirichlet(train.labels(), clients, alpha, seed),
+        Partition::Shards(n) => data::shards(train.labels(), clients, n, seed),
+    };
+    Ok(FederatedData { train, test, clients })
 }
 
-/// The `n` largest Shakespeare roles as clients' training examples, and a test set pooled from
-/// each one's held-out 10 %.
-pub fn shakespeare_clients(
+/// Roles whose held-out 10 % form the Shakespeare test set.
+const SHAKESPEARE_TEST_ROLES: usize = 64;
+
+/// The `n` largest Shakespeare roles as clients (each role's 90 % for training), and a test set
+/// pooled from the held-out 10 % of the [`SHAKESPEARE_TEST_ROLES`] largest roles.
+fn shakespeare_data(
     dir: &std::path::Path,
     n: usize,
     seed: u64,
-) -> Result<(Vec<Examples>, Examples), DataError> {
+) -> Result<FederatedData, DataError> {
     let mut roles = data::shakespeare_roles(&dir.join("shakespeare_roles"))?;
     roles.sort_by_key(|r| std::cmp::Reverse(r.text.len()));
+    let input = data::next_char_examples("", SHAKESPEARE_CONTEXT, 0).input();
+    let (mut train, mut test) = (Examples::new(input), Examples::new(input));
     let mut clients = vec![];
-    let mut test = None::<Examples>;
-    for (i, role) in roles.iter().take(n).enumerate() {
+    for (i, role) in roles.iter().take(n.max(SHAKESPEARE_TEST_ROLES)).enumerate() {
         let examples =
             data::next_char_examples(&role.text, SHAKESPEARE_CONTEXT, SHAKESPEARE_MAX_PER_CLIENT);
-        let (train, held) = examples.split_holdout(0.1, seed + i as u64);
-        test.get_or_insert_with(|| Examples::new(held.input())).extend(&held);
-        clients.push(train);
+        let (own, held) = examples.split_holdout(0.1, seed + i as u64);
+        if i < SHAKESPEARE_TEST_ROLES {
+            test.extend(&held);
+        }
+        if i < n {
+            let start = train.len();
+            train.extend(&own);
+            clients.push((start..train.len()).collect());
+        }
     }
-    Ok((
-        clients,
-        test.unwrap_or_else(|| {
-            Examples::new(data::next_char_examples("", SHAKESPEARE_CONTEXT, 0).input())
-        }),
-    ))
+    Ok(FederatedData { train, test, clients })
 }
 
 /// Runs a whole simulation, calling `on_round` for each committed model in order.
@@ -224,10 +246,14 @@ pub async fn simulate(
     config: SimulationConfig,
     mut on_round: impl FnMut(&RoundResult),
 ) -> Result<Vec<RoundResult>, SimulationError> {
-    let (mut train_set, test_set) = load(config.dataset, &config.data_dir, config.seed)?;
-    if config.max_examples > 0 && train_set.len() > config.max_examples {
-        train_set = train_set.subset(&(0..config.max_examples).collect::<Vec<_>>());
-    }
+    let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
+        config.dataset,
+        &config.data_dir,
+        config.clients,
+        config.partition,
+        config.max_examples,
+        config.seed,
+    )?;
     let spec = model_spec(config.model, train_set.input());
     let admin = AdminClient::new(&config.url, &config.operator_token);
     let token = admin.enrollment_token(Some(config.clients as i64 + 1)).await?;
@@ -244,28 +270,6 @@ pub async fn simulate(
     });
     let run = RunId(admin.create_run(&plan).await?.id);
 
-    let parts: Vec<Vec<usize>> = match (config.dataset, config.partition) {
-        // Shakespeare's partition is the natural one: each client is one speaking role.
-        (Dataset::Shakespeare, _) => {
-            let (clients, _) = shakespeare_clients(&config.data_dir, config.clients, config.seed)?;
-            train_set = Examples::new(train_set.input());
-            clients
-                .iter()
-                .map(|c| {
-                    let start = train_set.len();
-                    train_set.extend(c);
-                    (start..train_set.len()).collect()
-                })
-                .collect()
-        }
-        (_, Partition::Iid) => data::iid(train_set.len(), config.clients, config.seed),
-        (_, Partition::Dirichlet(alpha)) => {
-            data::dirichlet(train_set.labels(), config.clients, alpha, config.seed)
-        }
-        (_, Partition::Shards(n)) => {
-            data::shards(train_set.labels(), config.clients, n, config.seed)
-        }
-    };
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = vec![];
     for (i, idx) in parts.into_iter().enumerate() {
