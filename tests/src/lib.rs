@@ -16,6 +16,11 @@ use starling_core::{ModelVersion, RunId};
 /// Operator token every test coordinator uses.
 pub const OPERATOR_TOKEN: &str = "test-operator-token-0123456789";
 
+/// The shared datasets folder beside the checkout (`../shared/data`).
+pub fn shared_data() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
+}
+
 /// A fresh SQLite database in a temporary directory (deleted when the guard drops).
 pub fn sqlite_db() -> (tempfile::TempDir, String) {
     let dir = tempfile::tempdir().expect("creating a temp dir");

@@ -9,7 +9,9 @@ use starling_client::participant::{
 };
 use starling_client::simulate::{ModelKind, model_spec};
 use starling_core::RunId;
-use starling_tests::{ChildCoordinator, OPERATOR_TOKEN, free_addr, sqlite_db, wait_model};
+use starling_tests::{
+    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, sqlite_db, wait_model,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn participant_survives_a_coordinator_that_disappears_mid_round() {
@@ -19,10 +21,7 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     let listen = free_addr();
     let mut child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
     let admin = starling_client::protocol::AdminClient::new(&child.url, OPERATOR_TOKEN);
-    let digits = data::digits(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/sklearn_digits"),
-    )
-    .unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
     let spec = model_spec(ModelKind::Mlp, digits.input());
     let plan = serde_json::json!({
         "model": {"spec": spec, "init": {"kind": "seeded", "seed": 1}},
