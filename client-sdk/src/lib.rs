@@ -9,12 +9,16 @@
 //!   (check-in → evaluate → train → upload), with saveable state.
 //! * [`simulate`]: many real participants against a coordinator, as the `simulate` command.
 //!
-//! Training runs on burn's runtime [`burn::tensor::Device`]: the pure-Rust flex CPU backend
-//! here, wgpu where the `wgpu` feature is enabled and an adapter exists.
+//! Training runs on burn's runtime [`burn::tensor::Device`]; [`backend::select`] picks wgpu
+//! (the default `wgpu` feature) when an adapter exists, and the pure-Rust flex CPU backend
+//! otherwise.
 
+/// The burn the SDK trains with: an app's own module (see [`model::Classifier`]) must use it.
+pub use burn;
 /// The compute device training runs on (`Device::flex().autodiff()` for the CPU backend).
 pub use burn::tensor::Device;
 
+pub mod backend;
 pub mod data;
 pub mod examples;
 pub mod model;

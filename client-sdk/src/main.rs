@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use starling_client::backend::{self, BackendChoice};
 use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
 
 #[derive(Debug, Parser)]
@@ -66,6 +67,9 @@ struct SimulateArgs {
     /// Use at most this many training examples (0: all).
     #[arg(long, default_value_t = 0)]
     max_examples: usize,
+    /// Where to train: `auto` (wgpu when an adapter exists, else CPU), `wgpu` or `cpu`.
+    #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
+    backend: BackendChoice,
     /// Write the curve here (`.json` for JSON, anything else CSV).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -91,6 +95,7 @@ fn main() -> anyhow::Result<()> {
         training: serde_json::json!({"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr}),
         seed: args.seed,
         max_examples: args.max_examples,
+        backend: backend::select(args.backend)?,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),
@@ -100,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         "simulating {} clients ({:?}, {model}, {partition}), cohort {}, {} rounds against {}",
         config.clients, config.dataset, config.cohort, config.rounds, config.url
     );
+    println!("training on {}", config.backend);
     println!(
         "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}",
         "model", "test acc", "test loss", "train loss", "reported", "dropped"

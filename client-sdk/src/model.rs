@@ -1,6 +1,9 @@
 //! Builds a burn module from a run's [`ModelSpec`] at run time, and moves its parameters to and
 //! from the flat, schema-ordered vectors the coordinator exchanges.
 //!
+//! Rust apps may instead bring their own burn module: anything implementing [`Classifier`]
+//! trains, and [`schema_of`], [`parameters_of`] and [`load_parameters`] work on every module.
+//!
 //! The module is a `Vec` of a layer enum, so burn's visitor reports parameters as
 //! `layers.{i}.{Variant}.{field}`: exactly the names `ModelSpec::schema` computes without burn.
 //! [`SpecModel::schema`] reads them back from the module, and the tests hold the two equal.
@@ -14,7 +17,7 @@ use burn::nn::{
 };
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use starling_core::model_spec::{Activation, LayerSpec, ModelSpec, SpecError};
+use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, SpecError};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 
 /// Why a model could not be built or loaded.
@@ -32,6 +35,56 @@ pub enum ModelError {
         /// Values given.
         got: usize,
     },
+}
+
+/// A model the SDK can train and exchange: a burn module whose forward pass maps a [`Batch`] to
+/// class logits `[batch, classes]`. [`SpecModel`] is the one built from a run's spec; a Rust app
+/// may implement it for its own `#[derive(Module)]` struct, whose parameter names and shapes (as
+/// [`schema_of`] reads them) must then equal the run's schema.
+pub trait Classifier: Module + 'static {
+    /// Class logits, `[batch, classes]`.
+    fn forward(&self, input: Batch) -> Tensor<2>;
+}
+
+/// What a classifier takes and gives; examples are checked against it before training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelIo {
+    /// The input each example must have.
+    pub input: InputSpec,
+    /// Labels must be below this.
+    pub classes: u64,
+}
+
+impl ModelIo {
+    /// The input and class count of a spec's model.
+    pub fn of_spec(spec: &ModelSpec) -> Result<Self, ModelError> {
+        Ok(ModelIo { input: spec.input, classes: spec.n_classes()? })
+    }
+}
+
+/// The schema of any module's float parameters, named by burn's visitor paths.
+pub fn schema_of<M: Module>(module: &M) -> TensorSchema {
+    let mut reader = Reader { path: vec![], tensors: vec![], values: None };
+    module.visit(&mut reader);
+    TensorSchema { tensors: reader.tensors }
+}
+
+/// All of a module's float parameters, flat, in schema order.
+pub fn parameters_of<M: Module>(module: &M) -> Vec<f32> {
+    let mut reader = Reader { path: vec![], tensors: vec![], values: Some(vec![]) };
+    module.visit(&mut reader);
+    reader.values.unwrap_or_default()
+}
+
+/// Replaces every float parameter of `module` with `values` (flat, schema order), keeping
+/// gradient tracking.
+pub fn load_parameters<M: Module>(module: M, values: &[f32]) -> Result<M, ModelError> {
+    let expected = schema_of(&module).numel() as usize;
+    if values.len() != expected {
+        return Err(ModelError::ParameterCount { expected, got: values.len() });
+    }
+    let mut writer = Writer { values, offset: 0 };
+    Ok(module.map(&mut writer))
 }
 
 /// A model built from a spec.
@@ -134,35 +187,32 @@ impl SpecModel {
 
     /// Class logits, `[batch, classes]`.
     pub fn forward(&self, input: Batch) -> Tensor<2> {
+        Classifier::forward(self, input)
+    }
+
+    /// The schema of this module's parameters, as burn visits them.
+    pub fn schema(&self) -> TensorSchema {
+        schema_of(self)
+    }
+
+    /// All parameters, flat, in schema order.
+    pub fn parameters(&self) -> Vec<f32> {
+        parameters_of(self)
+    }
+
+    /// Replaces every parameter with `values` (flat, schema order), keeping gradient tracking.
+    pub fn load_parameters(self, values: &[f32]) -> Result<Self, ModelError> {
+        load_parameters(self, values)
+    }
+}
+
+impl Classifier for SpecModel {
+    fn forward(&self, input: Batch) -> Tensor<2> {
         let out = self.layers.iter().fold(input, |x, layer| layer.forward(x));
         match out {
             Batch::Flat(logits) => logits,
             other => unreachable!("spec validation guarantees flat logits, got {other:?}"),
         }
-    }
-
-    /// The schema of this module's parameters, as burn visits them.
-    pub fn schema(&self) -> TensorSchema {
-        let mut reader = Reader { path: vec![], tensors: vec![], values: None };
-        self.visit(&mut reader);
-        TensorSchema { tensors: reader.tensors }
-    }
-
-    /// All parameters, flat, in schema order.
-    pub fn parameters(&self) -> Vec<f32> {
-        let mut reader = Reader { path: vec![], tensors: vec![], values: Some(vec![]) };
-        self.visit(&mut reader);
-        reader.values.unwrap_or_default()
-    }
-
-    /// Replaces every parameter with `values` (flat, schema order), keeping gradient tracking.
-    pub fn load_parameters(self, values: &[f32]) -> Result<Self, ModelError> {
-        let expected = self.schema().numel() as usize;
-        if values.len() != expected {
-            return Err(ModelError::ParameterCount { expected, got: values.len() });
-        }
-        let mut writer = Writer { values, offset: 0 };
-        Ok(self.map(&mut writer))
     }
 }
 

@@ -4,6 +4,10 @@
 //! The examples never leave the device: only the parameter delta, the example count and
 //! metrics do. The participant's durable state ([`ParticipantState`]) is small and
 //! `Serialize`, so an app that gets killed saves it and restores it on the next start.
+//!
+//! What is trained comes from a [`ModelFactory`]: by default [`FromPlan`] builds the run's
+//! declarative spec (a new model needs no app release); a Rust app may bring its own burn module
+//! with [`OwnModule`]. Either way the module's schema must equal the task's before anything runs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +22,9 @@ use starling_core::wire::{
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
 use crate::examples::Examples;
-use crate::model::{ModelError, SpecModel};
+use crate::model::{
+    Classifier, ModelError, ModelIo, SpecModel, load_parameters, parameters_of, schema_of,
+};
 use crate::protocol::{ClientError, FleetClient, retrying};
 use crate::train::{Evaluation, Progress, TrainError, TrainingConfig, evaluate, train};
 
@@ -38,6 +44,9 @@ pub enum ParticipantError {
     /// The model could not be built or loaded.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The app's module does not have the run's parameters.
+    #[error("the model's parameters do not match the run's schema: {0}")]
+    SchemaMismatch(String),
     /// Local training failed.
     #[error(transparent)]
     Train(#[from] TrainError),
@@ -98,6 +107,93 @@ pub enum ParticipantProgress {
 /// The app's progress callback.
 pub type ProgressCallback = Box<dyn FnMut(ParticipantProgress) + Send>;
 
+/// How a participant gets the (untrained) module it trains for a task.
+pub trait ModelFactory: Send + Sync + 'static {
+    /// The module.
+    type Model: Classifier;
+    /// Builds the module on `device` for a task whose plan carries `spec` (if any), with what
+    /// it takes and gives.
+    fn build(
+        &self,
+        spec: Option<&ModelSpec>,
+        device: &Device,
+    ) -> Result<(Self::Model, ModelIo), ParticipantError>;
+}
+
+/// Builds the run's declarative model spec: the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FromPlan;
+
+impl ModelFactory for FromPlan {
+    type Model = SpecModel;
+
+    fn build(
+        &self,
+        spec: Option<&ModelSpec>,
+        device: &Device,
+    ) -> Result<(SpecModel, ModelIo), ParticipantError> {
+        let spec = spec.ok_or(ParticipantError::NoModelSpec)?;
+        Ok((SpecModel::build(spec, device)?, ModelIo::of_spec(spec)?))
+    }
+}
+
+/// An app's own burn module (Rust embedders): `make` builds it on a device, `io` says what it
+/// takes and gives. The run's plan then names its schema (`model.schema`) instead of a spec.
+pub struct OwnModule<F> {
+    make: F,
+    io: ModelIo,
+}
+
+impl<F> OwnModule<F> {
+    /// Wraps the app's constructor.
+    pub fn new(make: F, io: ModelIo) -> Self {
+        OwnModule { make, io }
+    }
+}
+
+impl<F, M> ModelFactory for OwnModule<F>
+where
+    F: Fn(&Device) -> M + Send + Sync + 'static,
+    M: Classifier,
+{
+    type Model = M;
+
+    fn build(
+        &self,
+        _spec: Option<&ModelSpec>,
+        device: &Device,
+    ) -> Result<(M, ModelIo), ParticipantError> {
+        Ok(((self.make)(device), self.io))
+    }
+}
+
+/// Builds the task's module and loads `values` into it, after checking it has the task's schema.
+fn task_model<F: ModelFactory>(
+    factory: &F,
+    task_spec: Option<&ModelSpec>,
+    schema: &TensorSchema,
+    device: &Device,
+    values: &[f32],
+) -> Result<(F::Model, ModelIo), ParticipantError> {
+    let (model, io) = factory.build(task_spec, device)?;
+    let actual = schema_of(&model);
+    if actual != *schema {
+        let describe = |s: &TensorSchema| {
+            s.tensors
+                .iter()
+                .map(|t| format!("{}{:?}", t.name, t.shape))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(ParticipantError::SchemaMismatch(format!(
+            "the run has [{}], the module has [{}]",
+            describe(schema),
+            describe(&actual)
+        )));
+    }
+    Ok((load_parameters(model, values)?, io))
+}
+
 /// What survives an app restart.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ParticipantState {
@@ -110,7 +206,7 @@ pub struct ParticipantState {
 }
 
 /// A device taking part in training.
-pub struct Participant {
+pub struct Participant<F: ModelFactory = FromPlan> {
     url: String,
     fleet: FleetClient,
     population: String,
@@ -119,9 +215,10 @@ pub struct Participant {
     device: Device,
     state: ParticipantState,
     cached_model: Option<(String, Arc<Vec<f32>>)>,
+    factory: Arc<F>,
 }
 
-impl Participant {
+impl Participant<FromPlan> {
     /// A participant for the coordinator at `url`, training on `train_set`, evaluating on
     /// `holdout`, computing on `device` (an autodiff device).
     pub fn new(
@@ -140,6 +237,24 @@ impl Participant {
             device,
             state: ParticipantState::default(),
             cached_model: None,
+            factory: Arc::new(FromPlan),
+        }
+    }
+}
+
+impl<F: ModelFactory> Participant<F> {
+    /// The same participant training the module `factory` builds instead.
+    pub fn with_model<G: ModelFactory>(self, factory: G) -> Participant<G> {
+        Participant {
+            url: self.url,
+            fleet: self.fleet,
+            population: self.population,
+            train_set: self.train_set,
+            holdout: self.holdout,
+            device: self.device,
+            state: self.state,
+            cached_model: self.cached_model,
+            factory: Arc::new(factory),
         }
     }
 
@@ -195,22 +310,24 @@ impl Participant {
             }
             CheckInResponse::Task(task) => task,
         };
-        let spec = task.model_spec.clone().ok_or(ParticipantError::NoModelSpec)?;
         report(ParticipantProgress::Phase(Phase::Downloading));
         let global = self.global_model(&task).await?;
         report(ParticipantProgress::Phase(Phase::Evaluating));
-        let evaluation = self.evaluate_once(&task, &spec, &global).await?;
+        let evaluation = self.evaluate_once(&task, &global).await?;
         report(ParticipantProgress::Phase(Phase::Training));
         let config = TrainingConfig::from_json(&task.training_config)?;
         let (train_set, device) = (self.train_set.clone(), self.device.clone());
+        let (factory, spec, schema) =
+            (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
         let trained_from = global.clone();
         let step = report.clone();
         let (delta, trained) = tokio::task::spawn_blocking(move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
-            let model = SpecModel::build(&spec, &device)?.load_parameters(&trained_from)?;
-            let (model, report) = train(model, &spec, &train_set, &config, &device, &mut on_step)?;
+            let (model, io) =
+                task_model(&*factory, spec.as_ref(), &schema, &device, &trained_from)?;
+            let (model, report) = train(model, io, &train_set, &config, &device, &mut on_step)?;
             let delta: Vec<f32> =
-                model.parameters().iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
+                parameters_of(&model).iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
             Ok::<_, ParticipantError>((delta, report))
         })
         .await
@@ -257,18 +374,18 @@ impl Participant {
     async fn evaluate_once(
         &mut self,
         task: &TaskAssignment,
-        spec: &ModelSpec,
         global: &Arc<Vec<f32>>,
     ) -> Result<Option<Evaluation>, ParticipantError> {
         let key = (task.run_id, task.model_version);
         if self.holdout.is_empty() || self.state.last_evaluated == Some(key) {
             return Ok(None);
         }
-        let (holdout, device, spec, global) =
-            (self.holdout.clone(), self.device.clone(), spec.clone(), global.clone());
+        let (holdout, device, global) = (self.holdout.clone(), self.device.clone(), global.clone());
+        let (factory, spec, schema) =
+            (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
         let evaluation = tokio::task::spawn_blocking(move || {
-            let model = SpecModel::build(&spec, &device)?.load_parameters(&global)?;
-            Ok::<_, ParticipantError>(evaluate(&model, &spec, &holdout, &device)?)
+            let (model, io) = task_model(&*factory, spec.as_ref(), &schema, &device, &global)?;
+            Ok::<_, ParticipantError>(evaluate(&model, io, &holdout, &device)?)
         })
         .await
         .expect("evaluation task panicked")?;

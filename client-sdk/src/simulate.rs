@@ -10,15 +10,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use burn::tensor::Device;
 use serde::Serialize;
 use starling_core::RunId;
 use starling_core::model_spec::ModelSpec;
 use starling_core::tensor::TensorSchema;
 
+use crate::backend::Backend;
 use crate::data::{self, DataError, Split};
 use crate::examples::Examples;
-use crate::model::SpecModel;
+use crate::model::{ModelIo, SpecModel};
 use crate::participant::{Outcome, Participant, decode_model};
 use crate::protocol::{AdminClient, ClientError, FleetClient};
 use crate::train::evaluate;
@@ -105,6 +105,8 @@ pub struct SimulationConfig {
     pub seed: u64,
     /// Use at most this many training examples (0: all).
     pub max_examples: usize,
+    /// Where the simulated devices train and the test set is evaluated.
+    pub backend: Backend,
 }
 
 /// One committed round as the simulator saw it.
@@ -280,7 +282,7 @@ pub async fn simulate(
             "default",
             local_train,
             local_holdout,
-            Device::flex().autodiff(),
+            config.backend.training_device(),
         );
         let (token, stop) = (token.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
@@ -305,7 +307,8 @@ pub async fn simulate(
     let mut observer = FleetClient::new(&config.url);
     observer.enroll(&token).await?;
     let schema: TensorSchema = spec.schema().expect("built-in specs are valid");
-    let device = Device::flex();
+    let io = ModelIo::of_spec(&spec).expect("built-in specs are valid");
+    let device = config.backend.device.clone();
     let test_set = Arc::new(test_set);
     let mut results: Vec<RoundResult> = vec![];
     let outcome = loop {
@@ -322,7 +325,7 @@ pub async fn simulate(
                 let model = SpecModel::build(&spec2, &device2)
                     .and_then(|m| m.load_parameters(&values))
                     .expect("schema checked");
-                evaluate(&model, &spec2, &test2, &device2)
+                evaluate(&model, io, &test2, &device2)
             })
             .await
             .expect("evaluation task panicked")

@@ -9,11 +9,11 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::Deserialize;
-use starling_core::model_spec::{InputSpec, ModelSpec};
+use starling_core::model_spec::InputSpec;
 use starling_core::rng::SplitMix64;
 
 use crate::examples::Examples;
-use crate::model::{Batch, SpecModel};
+use crate::model::{Batch, Classifier, ModelIo};
 
 /// Why training could not run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -41,6 +41,9 @@ pub enum TrainError {
         /// Class count.
         classes: u64,
     },
+    /// FedProx needs parameters to anchor, and the model has none.
+    #[error("the model has no parameters to train")]
+    NoParameters,
     /// The loss became NaN or infinite (learning rate too high?).
     #[error("training diverged: the loss is not finite")]
     Diverged,
@@ -162,16 +165,16 @@ pub struct Evaluation {
     pub examples: u64,
 }
 
-/// Trains `model` (on an autodiff `device`) on `examples`.
-pub fn train(
-    model: SpecModel,
-    spec: &ModelSpec,
+/// Trains `model` (on an autodiff `device`) on `examples`, which must fit `io`.
+pub fn train<M: Classifier>(
+    model: M,
+    io: ModelIo,
     examples: &Examples,
     config: &TrainingConfig,
     device: &Device,
     on_progress: &mut dyn FnMut(Progress),
-) -> Result<(SpecModel, TrainReport), TrainError> {
-    check_examples(spec, examples)?;
+) -> Result<(M, TrainReport), TrainError> {
+    check_examples(io, examples)?;
     let anchor = (config.fedprox_mu > 0.0).then(|| flat_params(&model.valid()));
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let mut optim = match config.optimizer {
@@ -198,7 +201,7 @@ pub fn train(
                     .zip(anchor)
                     .map(|(w, w0)| (w - w0.clone()).powi_scalar(2).sum())
                     .reduce(|a, b| a + b)
-                    .expect("a spec model has parameters");
+                    .ok_or(TrainError::NoParameters)?;
                 loss = loss + prox.mul_scalar(config.fedprox_mu / 2.0);
             }
             let value = f64::from(loss.clone().into_scalar::<f32>());
@@ -216,14 +219,14 @@ pub fn train(
     Ok((model, report))
 }
 
-/// Evaluates `model` on `examples` without tracking gradients.
-pub fn evaluate(
-    model: &SpecModel,
-    spec: &ModelSpec,
+/// Evaluates `model` on `examples` (which must fit `io`) without tracking gradients.
+pub fn evaluate<M: Classifier>(
+    model: &M,
+    io: ModelIo,
     examples: &Examples,
     device: &Device,
 ) -> Result<Evaluation, TrainError> {
-    check_examples(spec, examples)?;
+    check_examples(io, examples)?;
     let model = model.valid();
     let device = device.clone().inner();
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
@@ -242,14 +245,14 @@ pub fn evaluate(
 }
 
 /// Everything burn would panic on is checked here first.
-fn check_examples(spec: &ModelSpec, examples: &Examples) -> Result<(), TrainError> {
+fn check_examples(io: ModelIo, examples: &Examples) -> Result<(), TrainError> {
     if examples.is_empty() {
         return Err(TrainError::NoExamples);
     }
-    if examples.input() != spec.input {
-        return Err(TrainError::InputMismatch { expected: spec.input, got: examples.input() });
+    if examples.input() != io.input {
+        return Err(TrainError::InputMismatch { expected: io.input, got: examples.input() });
     }
-    let classes = spec.n_classes().map_err(|e| TrainError::Config(e.to_string()))?;
+    let classes = io.classes;
     if let Some(&label) = examples.labels().iter().find(|&&l| u64::from(l) >= classes) {
         return Err(TrainError::Label { label, classes });
     }
@@ -257,7 +260,7 @@ fn check_examples(spec: &ModelSpec, examples: &Examples) -> Result<(), TrainErro
 }
 
 /// Every parameter flattened to rank 1, in schema order.
-fn flat_params(model: &SpecModel) -> Vec<Tensor<1>> {
+fn flat_params<M: Module>(model: &M) -> Vec<Tensor<1>> {
     struct Flat(Vec<Tensor<1>>);
     impl ModuleVisitor for Flat {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

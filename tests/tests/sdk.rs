@@ -1,16 +1,26 @@
-//! The client SDK against a real coordinator process that disappears mid-round.
+//! The client SDK against a real coordinator: one that disappears mid-round, and a run whose
+//! model is the app's own burn module rather than a spec.
 
 use std::path::Path;
 
-use starling_client::Device;
+use starling_client::burn;
+use starling_client::burn::module::Module;
+use starling_client::burn::nn::{Linear, LinearConfig};
+use starling_client::burn::tensor::Tensor;
+use starling_client::burn::tensor::activation::relu;
 use starling_client::data;
+use starling_client::model::{Batch, Classifier, ModelIo, schema_of};
 use starling_client::participant::{
-    Outcome, Participant, ParticipantError, ParticipantProgress, Phase,
+    Outcome, OwnModule, Participant, ParticipantError, ParticipantProgress, Phase,
 };
 use starling_client::simulate::{ModelKind, model_spec};
+use starling_client::train::evaluate;
+use starling_client::{Device, examples::Examples};
 use starling_core::RunId;
+use starling_core::model_spec::InputSpec;
 use starling_tests::{
-    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, sqlite_db, wait_model,
+    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, sqlite_db, start_in_process,
+    wait_model,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,4 +93,121 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     wait_model(&admin, run, 1).await.unwrap();
     let rounds = admin.rounds(run).await.unwrap();
     assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 2));
+}
+
+/// An app's own module: the SDK trains it exactly like a spec-built one.
+#[derive(Module, Debug)]
+struct DigitsNet {
+    hidden: Linear,
+    out: Linear,
+}
+
+impl DigitsNet {
+    fn new(hidden: usize, device: &Device) -> Self {
+        DigitsNet {
+            hidden: LinearConfig::new(64, hidden).init(device),
+            out: LinearConfig::new(hidden, 10).init(device),
+        }
+    }
+}
+
+impl Classifier for DigitsNet {
+    fn forward(&self, input: Batch) -> Tensor<2> {
+        let Batch::Image(images) = input else { panic!("digits are 1x8x8 images") };
+        self.out.forward(relu(self.hidden.forward(images.flatten(1, 3))))
+    }
+}
+
+const DIGITS_IO: ModelIo =
+    ModelIo { input: InputSpec::Image { channels: 1, height: 8, width: 8 }, classes: 10 };
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apps_own_burn_module_trains_federated_and_a_mismatched_one_is_refused() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let flex = Device::flex();
+    // The run names the module's schema (burn's parameter paths); there is no spec to build.
+    let schema = schema_of(&DigitsNet::new(32, &flex));
+    assert_eq!(
+        schema.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+        ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    );
+    let plan = serde_json::json!({
+        "model": {"schema": schema, "init": {"kind": "seeded", "seed": 5}},
+        "training": {"epochs": 3, "batch_size": 10, "lr": 0.1},
+        "cohort_size": 4, "min_quorum": 4, "over_selection": 1.0,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 4,
+    });
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let token = c.admin.enrollment_token(Some(5)).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let (train_set, test_set) = digits.split_holdout(0.2, 2);
+    let shard = |k: usize| {
+        let n = train_set.len() / 4;
+        train_set.subset(&(k * n..(k + 1) * n).collect::<Vec<_>>()).split_holdout(0.1, k as u64)
+    };
+
+    // A module whose shapes differ from the run's is refused before anything is trained or sent
+    // (in a run of its own population, so the main run's cohort is not kept waiting for it).
+    let mut side_plan = plan.clone();
+    side_plan["population"] = "side".into();
+    side_plan["cohort_size"] = 1.into();
+    side_plan["min_quorum"] = 1.into();
+    c.admin.create_run(&side_plan).await.unwrap();
+    let (wrong_train, wrong_hold) = shard(0);
+    let mut wrong =
+        Participant::new(&c.url, "side", wrong_train, wrong_hold, flex.clone().autodiff())
+            .with_model(OwnModule::new(|d: &Device| DigitsNet::new(16, d), DIGITS_IO));
+    wrong.enroll(&token).await.unwrap();
+    let err = wrong.participate(Box::new(|_| {})).await.unwrap_err();
+    assert!(
+        matches!(&err, ParticipantError::SchemaMismatch(m) if m.contains("hidden.weight[64, 16]")),
+        "{err}"
+    );
+
+    let mut tasks = vec![];
+    for k in 0..4 {
+        let (local_train, local_hold) = shard(k);
+        let mut p =
+            Participant::new(&c.url, "default", local_train, local_hold, flex.clone().autodiff())
+                .with_model(OwnModule::new(|d: &Device| DigitsNet::new(32, d), DIGITS_IO));
+        p.enroll(&token).await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let mut uploaded = 0;
+            while uploaded < 4 {
+                match p.participate(Box::new(|_| {})).await.unwrap() {
+                    Outcome::Uploaded { .. } => uploaded += 1,
+                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let first = accuracy(&c.url, &c.admin, run, 0, &test_set).await;
+    let last = accuracy(&c.url, &c.admin, run, 4, &test_set).await;
+    assert!(last >= 0.8 && last > first + 0.3, "test accuracy {first:.3} -> {last:.3}");
+    c.running.shutdown().await.unwrap();
+}
+
+/// Test-set accuracy of the run's model `version`, loaded into the app's module.
+async fn accuracy(
+    url: &str,
+    admin: &starling_client::protocol::AdminClient,
+    run: RunId,
+    version: i64,
+    test_set: &Examples,
+) -> f64 {
+    let hash = wait_model(admin, run, version).await.unwrap();
+    let mut observer = starling_client::protocol::FleetClient::new(url);
+    observer.enroll(&admin.enrollment_token(Some(1)).await.unwrap()).await.unwrap();
+    let device = Device::flex();
+    let module = DigitsNet::new(32, &device);
+    let payload = observer.model(&hash).await.unwrap();
+    let values = starling_client::participant::decode_model(&schema_of(&module), &payload).unwrap();
+    let module = starling_client::model::load_parameters(module, &values).unwrap();
+    evaluate(&module, DIGITS_IO, test_set, &device).unwrap().accuracy
 }

@@ -6,7 +6,11 @@ use starling_core::model_spec::ModelSpec;
 
 use super::*;
 use crate::data;
-use crate::model::SpecModel;
+use crate::model::{ModelIo, SpecModel};
+
+fn io(spec: &ModelSpec) -> ModelIo {
+    ModelIo::of_spec(spec).unwrap()
+}
 
 fn digits_mlp() -> ModelSpec {
     serde_json::from_value(serde_json::json!({
@@ -22,19 +26,38 @@ fn digits() -> Examples {
 
 #[test]
 fn training_on_real_digits_lowers_the_loss_and_learns() {
+    learns_digits_on(Device::flex().autodiff());
+}
+
+/// The same on wgpu: a GPU where there is one, Mesa's lavapipe in CI (`cargo xtask test`
+/// installs it and sets `STARLING_REQUIRE_WGPU`, so there a missing adapter fails the test).
+#[test]
+fn training_on_wgpu_lowers_the_loss_and_learns() {
+    let backend = match crate::backend::select(crate::backend::BackendChoice::Wgpu) {
+        Ok(backend) => backend,
+        Err(e) if std::env::var_os("STARLING_REQUIRE_WGPU").is_none() => {
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+        Err(e) => panic!("STARLING_REQUIRE_WGPU is set: {e}"),
+    };
+    eprintln!("training on {backend}");
+    learns_digits_on(backend.training_device());
+}
+
+fn learns_digits_on(device: Device) {
     let spec = digits_mlp();
-    let device = Device::flex().autodiff();
     let (train_set, test_set) = digits().split_holdout(0.2, 1);
     let model = SpecModel::build(&spec, &device)
         .unwrap()
         .load_parameters(&spec.initial_parameters(1).unwrap())
         .unwrap();
-    let before = evaluate(&model, &spec, &test_set, &device).unwrap();
+    let before = evaluate(&model, io(&spec), &test_set, &device).unwrap();
     let config = TrainingConfig { epochs: 5, batch_size: 16, lr: 0.1, ..TrainingConfig::default() };
     let mut steps = 0;
     let (model, report) =
-        train(model, &spec, &train_set, &config, &device, &mut |_| steps += 1).unwrap();
-    let after = evaluate(&model, &spec, &test_set, &device).unwrap();
+        train(model, io(&spec), &train_set, &config, &device, &mut |_| steps += 1).unwrap();
+    let after = evaluate(&model, io(&spec), &test_set, &device).unwrap();
     eprintln!(
         "held-out: loss {:.3} -> {:.3}, accuracy {:.3} -> {:.3}",
         before.loss, after.loss, before.accuracy, after.accuracy
@@ -61,7 +84,7 @@ fn adam_also_learns_and_fedprox_stays_closer_to_the_global_model() {
             ..TrainingConfig::default()
         };
         let (model, report) =
-            train(model, &spec, &examples, &config, &device, &mut |_| {}).unwrap();
+            train(model, io(&spec), &examples, &config, &device, &mut |_| {}).unwrap();
         let d: f64 =
             model.parameters().iter().zip(&global).map(|(a, b)| f64::from(a - b).powi(2)).sum();
         (d.sqrt(), report.loss)
@@ -95,20 +118,20 @@ fn bad_configs_and_examples_are_errors() {
     let config = TrainingConfig::default();
     let empty = Examples::new(spec.input);
     assert!(matches!(
-        train(model(), &spec, &empty, &config, &device, &mut |_| {}),
+        train(model(), io(&spec), &empty, &config, &device, &mut |_| {}),
         Err(TrainError::NoExamples)
     ));
     let mut wrong_label = Examples::new(spec.input);
     wrong_label.push(&[0.0; 64], 10).unwrap();
     assert!(matches!(
-        train(model(), &spec, &wrong_label, &config, &device, &mut |_| {}),
+        train(model(), io(&spec), &wrong_label, &config, &device, &mut |_| {}),
         Err(TrainError::Label { label: 10, classes: 10 })
     ));
     let other_input = Examples::new(starling_core::model_spec::InputSpec::Features { size: 64 });
     let mut other = other_input.clone();
     other.push(&[0.0; 64], 1).unwrap();
     assert!(matches!(
-        evaluate(&model(), &spec, &other, &device),
+        evaluate(&model(), io(&spec), &other, &device),
         Err(TrainError::InputMismatch { .. })
     ));
     let mut store = Examples::new(spec.input);
@@ -133,7 +156,7 @@ fn an_lstm_learns_next_characters_of_a_shakespeare_role() {
         .unwrap()
         .load_parameters(&spec.initial_parameters(1).unwrap())
         .unwrap();
-    let before = evaluate(&model, &spec, &examples, &device).unwrap();
+    let before = evaluate(&model, io(&spec), &examples, &device).unwrap();
     let config = TrainingConfig {
         epochs: 4,
         batch_size: 32,
@@ -141,8 +164,8 @@ fn an_lstm_learns_next_characters_of_a_shakespeare_role() {
         optimizer: OptimizerKind::Adam,
         ..TrainingConfig::default()
     };
-    let (model, _) = train(model, &spec, &examples, &config, &device, &mut |_| {}).unwrap();
-    let after = evaluate(&model, &spec, &examples, &device).unwrap();
+    let (model, _) = train(model, io(&spec), &examples, &config, &device, &mut |_| {}).unwrap();
+    let after = evaluate(&model, io(&spec), &examples, &device).unwrap();
     eprintln!(
         "next-char loss {:.3} -> {:.3}, accuracy {:.3} -> {:.3}",
         before.loss, after.loss, before.accuracy, after.accuracy

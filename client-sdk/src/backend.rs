@@ -1,0 +1,130 @@
+//! Where training runs: wgpu when the build has it and an adapter answers, else the flex CPU
+//! backend — chosen once per process, because burn's wgpu runtime is initialised only once.
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::Device;
+
+/// Which backend an app asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// wgpu when an adapter exists (a GPU, or Mesa's lavapipe software Vulkan), else CPU.
+    #[default]
+    Auto,
+    /// wgpu, or an error when there is no adapter.
+    Wgpu,
+    /// The pure-Rust flex CPU backend.
+    Cpu,
+}
+
+impl FromStr for BackendChoice {
+    type Err = BackendError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "wgpu" => Ok(BackendChoice::Wgpu),
+            "cpu" | "flex" => Ok(BackendChoice::Cpu),
+            other => Err(BackendError::UnknownChoice(other.to_owned())),
+        }
+    }
+}
+
+/// Why a backend could not be had.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// Not one of `auto`, `wgpu`, `cpu`.
+    #[error("unknown backend {0:?}: expected auto, wgpu or cpu")]
+    UnknownChoice(String),
+    /// wgpu was asked for and none is available.
+    #[error("the wgpu backend is unavailable: {0}")]
+    WgpuUnavailable(String),
+}
+
+/// The backend training will use.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    /// The device to build models on (without autodiff; see [`Backend::training_device`]).
+    pub device: Device,
+    /// What it is, for logs and benchmark labels.
+    pub kind: BackendKind,
+}
+
+/// What a [`Backend`] is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendKind {
+    /// wgpu on the named adapter.
+    Wgpu {
+        /// The adapter's name and driver, as wgpu reports them.
+        adapter: String,
+    },
+    /// The flex CPU backend; `fallback_reason` says why when wgpu was wanted.
+    Cpu {
+        /// Why wgpu was not used, when `auto` fell back.
+        fallback_reason: Option<String>,
+    },
+}
+
+impl Backend {
+    /// The same device with automatic differentiation, for training.
+    pub fn training_device(&self) -> Device {
+        self.device.clone().autodiff()
+    }
+
+    /// `"wgpu"` or `"cpu"`.
+    pub fn name(&self) -> &'static str {
+        match self.kind {
+            BackendKind::Wgpu { .. } => "wgpu",
+            BackendKind::Cpu { .. } => "cpu",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            BackendKind::Wgpu { adapter } => write!(f, "wgpu ({adapter})"),
+            BackendKind::Cpu { fallback_reason: None } => write!(f, "cpu (flex)"),
+            BackendKind::Cpu { fallback_reason: Some(why) } => {
+                write!(f, "cpu (flex; wgpu unavailable: {why})")
+            }
+        }
+    }
+}
+
+/// Resolves `choice` to a backend. wgpu's adapter is probed once per process and remembered.
+pub fn select(choice: BackendChoice) -> Result<Backend, BackendError> {
+    let cpu = |fallback_reason| Backend {
+        device: Device::flex(),
+        kind: BackendKind::Cpu { fallback_reason },
+    };
+    match choice {
+        BackendChoice::Cpu => Ok(cpu(None)),
+        BackendChoice::Wgpu => wgpu().map_err(BackendError::WgpuUnavailable),
+        BackendChoice::Auto => Ok(wgpu().unwrap_or_else(|why| {
+            tracing::info!(%why, "no wgpu adapter; training on the CPU backend");
+            cpu(Some(why))
+        })),
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu() -> Result<Backend, String> {
+    use std::sync::OnceLock;
+    static WGPU: OnceLock<Result<Backend, String>> = OnceLock::new();
+    WGPU.get_or_init(|| {
+        let (device, setup) =
+            Device::wgpu_options().init_with_setup().map_err(|e| e.to_string())?;
+        let info = setup.adapter.get_info();
+        let adapter = format!("{}, {:?}, {}", info.name, info.backend, info.driver);
+        Ok(Backend { device, kind: BackendKind::Wgpu { adapter } })
+    })
+    .clone()
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn wgpu() -> Result<Backend, String> {
+    Err("this build has no wgpu support (the starling-client `wgpu` feature is off)".into())
+}
