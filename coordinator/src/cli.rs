@@ -49,7 +49,7 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct ServeArgs {
-    /// TOML file with any of: listen, database_url, operator_token, migrate.
+    /// TOML file with any of: listen, database_url, operator_token, migrate, dashboard_dir.
     #[arg(long, env = "STARLING_CONFIG")]
     config: Option<PathBuf>,
     /// Address to listen on [default: 127.0.0.1:8080].
@@ -64,6 +64,9 @@ struct ServeArgs {
     /// Do not apply migrations at start.
     #[arg(long)]
     no_migrate: bool,
+    /// Serve the built web dashboard (web-dashboard/dist) from here at /dashboard/.
+    #[arg(long, env = "STARLING_DASHBOARD_DIR")]
+    dashboard_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -85,6 +88,8 @@ pub struct FileConfig {
     pub operator_token: Option<String>,
     /// Apply migrations at start (default true).
     pub migrate: Option<bool>,
+    /// Directory of the built dashboard.
+    pub dashboard_dir: Option<PathBuf>,
 }
 
 fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
@@ -112,7 +117,13 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         bail!("the operator token must be at least 16 characters");
     }
     let migrate = !args.no_migrate && file.migrate.unwrap_or(true);
-    Ok(ServeConfig { listen, database_url, operator_token, migrate })
+    let dashboard_dir = args.dashboard_dir.or(file.dashboard_dir);
+    if let Some(dir) = &dashboard_dir
+        && !dir.join("index.html").is_file()
+    {
+        bail!("--dashboard-dir {} holds no index.html: build the dashboard first", dir.display());
+    }
+    Ok(ServeConfig { listen, database_url, operator_token, migrate, dashboard_dir })
 }
 
 fn init_tracing(format: LogFormat) {

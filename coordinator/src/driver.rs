@@ -36,6 +36,7 @@ use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
+use crate::observe::{Observer, POPULATION_SAMPLE_MS};
 use crate::store::{NewRun, RoundCommit, SqlStore, StoreError, Transition};
 
 /// Why the driver refused a request; the HTTP edge maps each to a status and error code.
@@ -163,6 +164,7 @@ const MAX_BATCH: usize = 512;
 /// The driver task's state.
 pub struct Driver {
     store: SqlStore,
+    observer: Observer,
     runs: BTreeMap<RunId, RunEntry>,
     rx: mpsc::Receiver<Event>,
     internal_tx: mpsc::UnboundedSender<Internal>,
@@ -199,11 +201,21 @@ enum Reply {
 
 impl Driver {
     /// Rebuilds every running run from the store and returns the driver and its handle.
-    pub async fn recover(store: SqlStore) -> Result<(Driver, DriverHandle), StoreError> {
+    pub async fn recover(
+        store: SqlStore,
+        observer: Observer,
+    ) -> Result<(Driver, DriverHandle), StoreError> {
         let (tx, rx) = mpsc::channel(4096);
         let (internal_tx, internal_rx) = mpsc::unbounded_channel();
-        let mut driver =
-            Driver { store, runs: BTreeMap::new(), rx, internal_tx, internal_rx, next_request: 0 };
+        let mut driver = Driver {
+            store,
+            observer,
+            runs: BTreeMap::new(),
+            rx,
+            internal_tx,
+            internal_rx,
+            next_request: 0,
+        };
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
             let plan: Plan = serde_json::from_str(&row.plan_json)
@@ -273,6 +285,8 @@ impl Driver {
     pub async fn run(mut self) {
         // Recovered machines may already hold actions (e.g. a round whose deadline passed).
         self.execute_actions().await;
+        let mut sample_population =
+            tokio::time::interval(Duration::from_millis(POPULATION_SAMPLE_MS as u64));
         loop {
             let sleep = match self.next_timeout() {
                 Some(at) => Duration::from_millis((at - now_ms()).max(0) as u64),
@@ -284,6 +298,11 @@ impl Driver {
                     None => break,
                 },
                 Some(internal) = self.internal_rx.recv() => self.on_internal(internal),
+                _ = sample_population.tick() => {
+                    let participating =
+                        self.runs.values().map(|e| e.machine.participating() as u64).sum();
+                    self.observer.sample_population(now_ms(), participating);
+                }
                 _ = tokio::time::sleep(sleep) => {}
             }
             for _ in 0..MAX_BATCH {
@@ -329,6 +348,7 @@ impl Driver {
                     })
                     .map(|(id, _)| *id)
                     .collect();
+                self.observer.device_seen(device.0, now, !candidates.is_empty());
                 let chosen = candidates
                     .iter()
                     .find(|id| self.runs[id].machine.has_task_for(device))
@@ -350,6 +370,7 @@ impl Driver {
             }
             Event::Upload { device, run_id, round_idx, model_version, update, reply } => {
                 let request = self.request_id();
+                self.observer.device_seen(device.0, now, true);
                 let Some(entry) = self.runs.get_mut(&run_id) else {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
@@ -407,6 +428,7 @@ impl Driver {
         let entry =
             RunEntry::new(machine, Arc::new(plan), Arc::new(initial.values), initial.hash, acc);
         self.runs.insert(run_id, entry);
+        self.observer.run_state(run_id, "running");
         tracing::info!(%run_id, "run created");
         Ok(run_id)
     }
@@ -446,17 +468,24 @@ impl Driver {
                     Action::OpenRound(opened) => {
                         tracing::info!(%run_id, round = %opened.round_idx, model_version = %opened.model_version, "round opened");
                         entry.accumulator.reset(entry.global.len());
+                        self.observer.round_opened(run_id, opened.round_idx);
                         transitions.push(Transition::OpenRound(opened));
                     }
                     Action::PersistSelection { round_idx, device } => {
+                        self.observer.selected();
                         transitions.push(Transition::Select { round_idx, device });
                     }
                     Action::FinishRun => {
                         tracing::info!(%run_id, "run finished");
+                        self.observer.run_state(run_id, "finished");
                         transitions.push(Transition::FinishRun);
                     }
                     Action::StopRun { open_round } => {
                         tracing::info!(%run_id, "run stopped");
+                        if let Some(round_idx) = open_round {
+                            self.observer.round_stopped(run_id, round_idx);
+                        }
+                        self.observer.run_state(run_id, "stopped");
                         transitions.push(Transition::StopRun { open_round });
                     }
                     Action::ReplyCheckIn { request, decision } => {
@@ -488,6 +517,7 @@ impl Driver {
                         };
                         let store = self.store.clone();
                         let internal = self.internal_tx.clone();
+                        let observer = self.observer.clone();
                         tokio::spawn(async move {
                             let metrics =
                                 serde_json::to_string(update.metrics()).expect("metrics serialize");
@@ -505,6 +535,7 @@ impl Driver {
                                 )
                                 .await;
                             let store_ms = started.elapsed().as_secs_f64() * 1e3;
+                            observer.store_latency("insert_update", store_ms / 1e3);
                             match &res {
                                 Ok(()) => {
                                     tracing::debug!(%run_id, %device, store_ms, "update persisted")
@@ -537,6 +568,11 @@ impl Driver {
                     Action::CloseRound(closing) => {
                         let task = CloseTask {
                             store: self.store.clone(),
+                            observer: self.observer.clone(),
+                            opened_at: entry
+                                .machine
+                                .current_round()
+                                .map_or(closing.closed_at, |r| r.opened_at),
                             run_id,
                             closing,
                             finish: entry.accumulator.finish(),
@@ -550,11 +586,13 @@ impl Driver {
             }
             if !transitions.is_empty() {
                 let mut backoff = Duration::from_millis(50);
+                let started = std::time::Instant::now();
                 while let Err(e) = self.store.apply_transitions(run_id, &transitions, now).await {
                     tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
+                self.observer.store_latency("transitions", started.elapsed().as_secs_f64());
             }
             for reply in replies {
                 match reply {
@@ -638,6 +676,8 @@ impl RunEntry {
 /// Aggregates and commits a closed round, retrying the store until it succeeds.
 struct CloseTask {
     store: SqlStore,
+    observer: Observer,
+    opened_at: Millis,
     run_id: RunId,
     closing: RoundClosing,
     finish: oneshot::Receiver<Result<Aggregate, AggregateError>>,
@@ -648,8 +688,19 @@ struct CloseTask {
 
 impl CloseTask {
     async fn run(self) {
-        let CloseTask { store, run_id, closing, finish, global, plan, internal } = self;
+        let CloseTask {
+            store,
+            observer,
+            opened_at,
+            run_id,
+            closing,
+            finish,
+            global,
+            plan,
+            internal,
+        } = self;
         let round_idx = closing.round_idx;
+        let closing_started = std::time::Instant::now();
         let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
         let committed = match (closing.outcome, aggregate) {
             (RoundOutcome::Commit, Ok(aggregate)) => {
@@ -669,10 +720,21 @@ impl CloseTask {
                             model_hash: &hash,
                             metrics: &metrics,
                         };
+                        let commit_started = std::time::Instant::now();
                         retry_store("commit round", run_id, || {
                             store.commit_round(run_id, commit.clone(), now_ms())
                         })
                         .await;
+                        observer
+                            .store_latency("commit_round", commit_started.elapsed().as_secs_f64());
+                        observer.round_closed(
+                            run_id,
+                            round_idx,
+                            "committed",
+                            closing.n_dropped,
+                            closing.closed_at - opened_at,
+                            Some(closing_started.elapsed().as_secs_f64() * 1e3),
+                        );
                         tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
                         Some(CommittedModel { values: Arc::new(values), hash })
                     }
@@ -680,6 +742,15 @@ impl CloseTask {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
                         retry_store("fail round", run_id, || store.fail_round(run_id, closing))
                             .await;
+                        let open_ms = closing.closed_at - opened_at;
+                        observer.round_closed(
+                            run_id,
+                            round_idx,
+                            "aggregate_rejected",
+                            closing.n_dropped,
+                            open_ms,
+                            None,
+                        );
                         None
                     }
                 }
@@ -687,6 +758,15 @@ impl CloseTask {
             (outcome, _) => {
                 tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
                 retry_store("fail round", run_id, || store.fail_round(run_id, closing)).await;
+                let open_ms = closing.closed_at - opened_at;
+                observer.round_closed(
+                    run_id,
+                    round_idx,
+                    outcome.label(),
+                    closing.n_dropped,
+                    open_ms,
+                    None,
+                );
                 None
             }
         };

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod error;
 pub mod fleet;
+pub mod live;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,7 @@ pub use error::ApiError;
 use error::{ErrorFormat, render_errors};
 
 use crate::driver::DriverHandle;
+use crate::observe::Observer;
 use crate::store::SqlStore;
 
 /// State shared by every handler.
@@ -44,6 +46,7 @@ pub struct AppState {
 struct Inner {
     driver: DriverHandle,
     store: SqlStore,
+    observer: Observer,
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     models: Mutex<VecDeque<(String, Bytes)>>,
@@ -60,11 +63,17 @@ const MODEL_CACHE_ENTRIES: usize = 4;
 
 impl AppState {
     /// State over a running driver and its store.
-    pub fn new(driver: DriverHandle, store: SqlStore, operator_token: &str) -> Self {
+    pub fn new(
+        driver: DriverHandle,
+        store: SqlStore,
+        observer: Observer,
+        operator_token: &str,
+    ) -> Self {
         AppState {
             inner: Arc::new(Inner {
                 driver,
                 store,
+                observer,
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
                 models: Mutex::new(VecDeque::new()),
@@ -75,6 +84,10 @@ impl AppState {
 
     fn store(&self) -> &SqlStore {
         &self.inner.store
+    }
+
+    fn observer(&self) -> &Observer {
+        &self.inner.observer
     }
 
     fn driver(&self) -> &DriverHandle {
@@ -136,10 +149,11 @@ impl AppState {
 }
 
 /// The whole application.
-pub fn router(state: AppState) -> Router {
+pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Router {
     let fleet = fleet::routes()
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
     let admin = admin::routes()
+        .merge(live::routes(dashboard_dir))
         .route("/healthz", get(healthz))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));

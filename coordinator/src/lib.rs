@@ -10,6 +10,7 @@ pub mod cli;
 pub mod clock;
 pub mod driver;
 pub mod http;
+pub mod observe;
 pub mod store;
 
 use std::future::Future;
@@ -33,6 +34,8 @@ pub struct ServeConfig {
     pub operator_token: String,
     /// Apply migrations at start.
     pub migrate: bool,
+    /// The built dashboard to serve at `/dashboard/`, if any.
+    pub dashboard_dir: Option<std::path::PathBuf>,
 }
 
 /// Why the coordinator could not start or stopped.
@@ -88,10 +91,12 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     let store = SqlStore::connect(&config.database_url, config.migrate).await?;
     tracing::info!(backend = ?store.backend(), "store connected");
     let leadership = store.acquire_leadership().await?;
-    let (driver, handle) = Driver::recover(store.clone()).await?;
+    let observer = observe::Observer::new();
+    let (driver, handle) = Driver::recover(store.clone(), observer.clone()).await?;
     tokio::spawn(driver.run());
-    let state = http::AppState::new(handle, store, &config.operator_token);
-    let app = http::router(state).layer(tower_http::trace::TraceLayer::new_for_http());
+    let state = http::AppState::new(handle, store, observer, &config.operator_token);
+    let app = http::router(state, config.dashboard_dir.as_deref())
+        .layer(tower_http::trace::TraceLayer::new_for_http());
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServeError::Listen { addr: config.listen, source })?;

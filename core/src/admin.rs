@@ -78,6 +78,13 @@ pub struct RoundView {
     pub outcome: Option<serde_json::Value>,
     /// Example-weighted mean of the clients' training metrics.
     pub metrics: Option<BTreeMap<String, f64>>,
+    /// Uploads refused in this round, as counted by the serving coordinator since it started
+    /// (absent for rounds it did not see).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_rejected: Option<u64>,
+    /// Bytes of acknowledged uploads, counted like `n_rejected`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload_bytes: Option<u64>,
 }
 
 /// A committed model version with its federated evaluation.

@@ -247,6 +247,17 @@ pub enum RoundOutcome {
     },
 }
 
+impl RoundOutcome {
+    /// A stable snake_case name, for metrics labels.
+    pub fn label(&self) -> &'static str {
+        match self {
+            RoundOutcome::Commit => "committed",
+            RoundOutcome::TooFewSelected { .. } => "too_few_selected",
+            RoundOutcome::TooFewReports { .. } => "too_few_reports",
+        }
+    }
+}
+
 /// A run's durable state, from which a restarted coordinator rebuilds its machine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunSnapshot {
@@ -423,6 +434,21 @@ impl RunMachine {
             r.phase == Phase::Open
                 && r.selected.len() < self.config.target_selected as usize
                 && now < r.opened.selection_deadline
+        })
+    }
+
+    /// Devices holding an unfinished task in the open round (selected, no update yet).
+    pub fn participating(&self) -> usize {
+        self.round.as_ref().map_or(0, |r| {
+            if r.phase != Phase::Open {
+                return 0;
+            }
+            r.selected
+                .iter()
+                .filter(|d| {
+                    !r.reported.contains(d) && !r.in_flight.values().any(|f| f.device == **d)
+                })
+                .count()
         })
     }
 

@@ -94,6 +94,30 @@ pub enum ErrorCode {
     Internal,
 }
 
+impl ErrorCode {
+    /// The snake_case name it travels as (also a metrics label).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ErrorCode::MalformedBody => "malformed_body",
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::SchemaMismatch => "schema_mismatch",
+            ErrorCode::ShapeMismatch => "shape_mismatch",
+            ErrorCode::NonFiniteValue => "non_finite_value",
+            ErrorCode::InvalidField => "invalid_field",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::RoundClosed => "round_closed",
+            ErrorCode::NotSelected => "not_selected",
+            ErrorCode::DuplicateUpload => "duplicate_upload",
+            ErrorCode::StaleModel => "stale_model",
+            ErrorCode::InvalidPlan => "invalid_plan",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
 /// Every non-2xx answer carries this body (CBOR on the fleet API, JSON on the admin API).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {

@@ -54,6 +54,7 @@ pub async fn start_in_process(database_url: &str) -> anyhow::Result<InProcess> {
         database_url: database_url.to_owned(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         migrate: true,
+        dashboard_dir: None,
     })
     .await?;
     let url = running.url();

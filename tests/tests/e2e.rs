@@ -57,26 +57,14 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
     for round in 0..3 {
         wait_round_open(&c.admin, run, round).await?;
         let tasks = expect_tasks(&devices).await?;
-        assert!(
-            tasks
-                .iter()
-                .all(|t| t.round_idx == RoundIdx(round) && version(t) == round)
-        );
+        assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(round) && version(t) == round));
         let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
-        let uploads = devices
-            .iter()
-            .zip(&tasks)
-            .enumerate()
-            .map(|(i, (d, t))| async move {
-                let res = d
-                    .upload(
-                        run,
-                        t.round_idx,
-                        &upload_request(t, &delta(i, round, 1000), weight(i)),
-                    )
-                    .await;
-                (i, res)
-            });
+        let uploads = devices.iter().zip(&tasks).enumerate().map(|(i, (d, t))| async move {
+            let res = d
+                .upload(run, t.round_idx, &upload_request(t, &delta(i, round, 1000), weight(i)))
+                .await;
+            (i, res)
+        });
         let mut acked = vec![];
         for (i, res) in join_all(uploads).await {
             match res {
@@ -91,10 +79,8 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
         assert!(acked.len() >= 20, "only {} acknowledged", acked.len());
         let hash = wait_model(&c.admin, run, round + 1).await?;
         let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
-        let contributions: Vec<_> = acked
-            .iter()
-            .map(|&i| (delta(i, round, 1000), weight(i)))
-            .collect();
+        let contributions: Vec<_> =
+            acked.iter().map(|&i| (delta(i, round, 1000), weight(i))).collect();
         assert!(
             committed == fedavg_expected(&global, &contributions),
             "round {round}: model differs from the exact mean"
@@ -118,18 +104,11 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
     }
     let view = c.admin.run(run).await?;
     assert_eq!(
-        (
-            view.status.as_str(),
-            view.model_version,
-            view.rounds_committed
-        ),
+        (view.status.as_str(), view.model_version, view.rounds_committed),
         ("finished", 3, 3)
     );
     // A finished run hands out no more tasks.
-    assert!(matches!(
-        devices[0].check_in("default").await?,
-        CheckInResponse::ComeBackLater { .. }
-    ));
+    assert!(matches!(devices[0].check_in("default").await?, CheckInResponse::ComeBackLater { .. }));
     c.running.shutdown().await?;
     Ok(())
 }
@@ -153,17 +132,10 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
 
     // Round 0: two check-ins, quorum 3: fails at the selection deadline; round 1 opens by itself.
     wait_round_open(&c.admin, run, 0).await?;
-    let early = [
-        expect_task(&devices[0]).await?,
-        expect_task(&devices[1]).await?,
-    ];
+    let early = [expect_task(&devices[0]).await?, expect_task(&devices[1]).await?];
     wait_round_open(&c.admin, run, 1).await?;
     let late = devices[0]
-        .upload(
-            run,
-            early[0].round_idx,
-            &upload_request(&early[0], &delta(0, 0, 16), 10),
-        )
+        .upload(run, early[0].round_idx, &upload_request(&early[0], &delta(0, 0, 16), 10))
         .await;
     assert_eq!(api_code(late), Some(ErrorCode::RoundClosed));
 
@@ -173,11 +145,7 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
     for i in 0..3 {
         devices[i]
-            .upload(
-                run,
-                RoundIdx(1),
-                &upload_request(&tasks[i], &delta(i, 1, 16), weight(i)),
-            )
+            .upload(run, RoundIdx(1), &upload_request(&tasks[i], &delta(i, 1, 16), weight(i)))
             .await?;
     }
     let hash = wait_model(&c.admin, run, 1).await?;
@@ -190,36 +158,19 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     let tasks = expect_tasks(&devices).await?;
     for i in 0..2 {
         devices[i]
-            .upload(
-                run,
-                RoundIdx(2),
-                &upload_request(&tasks[i], &delta(i, 2, 16), weight(i)),
-            )
+            .upload(run, RoundIdx(2), &upload_request(&tasks[i], &delta(i, 2, 16), weight(i)))
             .await?;
     }
     wait_round_open(&c.admin, run, 3).await?;
-    let late = devices[5]
-        .upload(
-            run,
-            RoundIdx(2),
-            &upload_request(&tasks[5], &delta(5, 2, 16), 10),
-        )
-        .await;
+    let late =
+        devices[5].upload(run, RoundIdx(2), &upload_request(&tasks[5], &delta(5, 2, 16), 10)).await;
     assert_eq!(api_code(late), Some(ErrorCode::RoundClosed));
 
     let rounds = c.admin.rounds(run).await?;
     let summary: Vec<_> = rounds
         .iter()
         .take(3)
-        .map(|r| {
-            (
-                r.state.as_str(),
-                r.n_selected,
-                r.n_reported,
-                r.n_dropped,
-                r.outcome.clone(),
-            )
-        })
+        .map(|r| (r.state.as_str(), r.n_selected, r.n_reported, r.n_dropped, r.outcome.clone()))
         .collect();
     assert_eq!(
         summary,
@@ -233,13 +184,7 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
                     serde_json::json!({"outcome": "too_few_selected", "selected": 2, "quorum": 3})
                 )
             ),
-            (
-                "committed",
-                6,
-                3,
-                Some(3),
-                Some(serde_json::json!({"outcome": "commit"}))
-            ),
+            ("committed", 6, 3, Some(3), Some(serde_json::json!({"outcome": "commit"}))),
             (
                 "failed",
                 6,
@@ -251,20 +196,11 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     );
     // One round can be read alone; an unknown one is a 404.
     let one = c.admin.round(run, 1).await?;
-    assert_eq!(
-        (one.round_idx, one.state.as_str(), one.n_reported),
-        (1, "committed", 3)
-    );
-    assert_eq!(
-        api_code(c.admin.round(run, 99).await),
-        Some(ErrorCode::NotFound)
-    );
+    assert_eq!((one.round_idx, one.state.as_str(), one.n_reported), (1, "committed", 3));
+    assert_eq!(api_code(c.admin.round(run, 99).await), Some(ErrorCode::NotFound));
     // Stopping the run ends it; the open round is recorded as failed.
     let stopped = c.admin.stop(run).await?;
-    assert_eq!(
-        (stopped.status.as_str(), stopped.model_version),
-        ("stopped", 1)
-    );
+    assert_eq!((stopped.status.as_str(), stopped.model_version), ("stopped", 1));
     assert_eq!(c.admin.rounds(run).await?[3].state, "failed");
     c.running.shutdown().await?;
     Ok(())
@@ -306,12 +242,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
         ErrorCode::MalformedBody,
         vec![0xff, 0x13, 0x37],
     ));
-    cases.push((
-        "empty body",
-        StatusCode::BAD_REQUEST,
-        ErrorCode::MalformedBody,
-        vec![],
-    ));
+    cases.push(("empty body", StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, vec![]));
     cases.push((
         "wrong message",
         StatusCode::BAD_REQUEST,
@@ -320,12 +251,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
     ));
     let mut truncated = encode(&good);
     truncated.truncate(truncated.len() / 2);
-    cases.push((
-        "truncated",
-        StatusCode::BAD_REQUEST,
-        ErrorCode::MalformedBody,
-        truncated,
-    ));
+    cases.push(("truncated", StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, truncated));
     let mut other_schema = task.schema.clone();
     other_schema.tensors.push(TensorSpec {
         name: "extra".into(),
@@ -348,19 +274,10 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
         ErrorCode::ShapeMismatch,
         encode(&u),
     ));
-    for (name, v) in [
-        ("nan", f32::NAN),
-        ("inf", f32::INFINITY),
-        ("-inf", f32::NEG_INFINITY),
-    ] {
+    for (name, v) in [("nan", f32::NAN), ("inf", f32::INFINITY), ("-inf", f32::NEG_INFINITY)] {
         let mut u = good.clone();
         u.delta.data[40..44].copy_from_slice(&v.to_le_bytes());
-        cases.push((
-            name,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorCode::NonFiniteValue,
-            encode(&u),
-        ));
+        cases.push((name, StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::NonFiniteValue, encode(&u)));
     }
     let mut u = good.clone();
     u.example_count = 0;
@@ -386,23 +303,13 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
     ));
     let mut u = good.clone();
     u.model_version = starling_core::ModelVersion(7);
-    cases.push((
-        "stale model",
-        StatusCode::CONFLICT,
-        ErrorCode::StaleModel,
-        encode(&u),
-    ));
+    cases.push(("stale model", StatusCode::CONFLICT, ErrorCode::StaleModel, encode(&u)));
 
     for (name, status, code, body) in cases {
         let (got_status, bytes) = d.post_raw(&path, body, wire::CBOR_MEDIA_TYPE).await?;
         let body: ErrorBody = wire::decode(&bytes)
             .map_err(|e| anyhow::anyhow!("{name}: error body is not cbor: {e}"))?;
-        assert_eq!(
-            (got_status, body.code),
-            (status, code),
-            "{name}: {}",
-            body.message
-        );
+        assert_eq!((got_status, body.code), (status, code), "{name}: {}", body.message);
         assert!(!body.message.is_empty());
     }
 
@@ -448,16 +355,10 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
             api_code(client.upload(run, RoundIdx(0), &good).await),
             Some(ErrorCode::Unauthorized)
         );
-        assert_eq!(
-            api_code(client.check_in("default").await),
-            Some(ErrorCode::Unauthorized)
-        );
+        assert_eq!(api_code(client.check_in("default").await), Some(ErrorCode::Unauthorized));
     }
     let mut stranger = FleetClient::new(&c.url);
-    assert_eq!(
-        api_code(stranger.enroll("stenr_forged").await),
-        Some(ErrorCode::Unauthorized)
-    );
+    assert_eq!(api_code(stranger.enroll("stenr_forged").await), Some(ErrorCode::Unauthorized));
     for token in ["", "wrong-operator-token-123456"] {
         let res = AdminClient::new(&c.url, token).run(run).await;
         assert_eq!(api_code(res), Some(ErrorCode::Unauthorized));
@@ -472,19 +373,13 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
     assert!(
         matches!(&res, Err(ClientError::Api { status: StatusCode::UNPROCESSABLE_ENTITY, body }) if body.message.contains("cohort_size"))
     );
-    assert_eq!(
-        api_code(c.admin.run(RunId(404)).await),
-        Some(ErrorCode::NotFound)
-    );
+    assert_eq!(api_code(c.admin.run(RunId(404)).await), Some(ErrorCode::NotFound));
 
     // Nothing was stored, and the device's good update is still accepted, once.
     let r = &c.admin.rounds(run).await?[0];
     assert_eq!((r.n_selected, r.n_reported), (1, 0));
     d.upload(run, RoundIdx(0), &good).await?;
-    assert_eq!(
-        api_code(d.upload(run, RoundIdx(0), &good).await),
-        Some(ErrorCode::DuplicateUpload)
-    );
+    assert_eq!(api_code(d.upload(run, RoundIdx(0), &good).await), Some(ErrorCode::DuplicateUpload));
     assert_eq!(c.admin.rounds(run).await?[0].n_reported, 1);
     // Evaluation reports are validated too.
     let eval = starling_core::wire::EvaluationReport {
@@ -492,10 +387,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
         example_count: 5,
         metrics: BTreeMap::from([("accuracy".to_owned(), 0.5)]),
     };
-    assert_eq!(
-        api_code(d.evaluate(run, &eval).await),
-        Some(ErrorCode::NotFound)
-    );
+    assert_eq!(api_code(d.evaluate(run, &eval).await), Some(ErrorCode::NotFound));
     c.running.shutdown().await?;
     Ok(())
 }
@@ -533,11 +425,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
         let (d, t, tx) = (devices[i].clone(), tasks[i].clone(), ack_tx.clone());
         in_flight.push(tokio::spawn(async move {
             let res = d
-                .upload(
-                    run,
-                    RoundIdx(0),
-                    &upload_request(&t, &delta(i, 0, PARAMS), weight(i)),
-                )
+                .upload(run, RoundIdx(0), &upload_request(&t, &delta(i, 0, PARAMS), weight(i)))
                 .await;
             let _ = tx.send(res.is_ok());
             (i, res)
@@ -554,11 +442,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     let mut unacked = vec![];
     for h in in_flight {
         let (i, res) = h.await?;
-        if res.is_ok() {
-            acked.push(i)
-        } else {
-            unacked.push(i)
-        }
+        if res.is_ok() { acked.push(i) } else { unacked.push(i) }
     }
     eprintln!(
         "killed with {} acknowledged and {} unacknowledged uploads",
@@ -570,11 +454,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     // Acknowledged updates survived: resending one is a duplicate.
     for &i in &acked {
         let res = devices[i]
-            .upload(
-                run,
-                RoundIdx(0),
-                &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)),
-            )
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
             .await;
         assert_eq!(
             api_code(res),
@@ -585,11 +465,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     // Unacknowledged ones may or may not have been stored; resending settles it either way.
     for &i in &unacked {
         match devices[i]
-            .upload(
-                run,
-                RoundIdx(0),
-                &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)),
-            )
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
             .await
         {
             Ok(_) => {}
@@ -600,11 +476,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     // The selections survived too: eight more devices complete the cohort.
     for i in 12..20 {
         devices[i]
-            .upload(
-                run,
-                RoundIdx(0),
-                &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)),
-            )
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i)))
             .await?;
     }
     let mut hashes = vec![wait_model(&admin, run, 1).await?];
@@ -631,16 +503,11 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
     };
     let mut expected = model_values(&devices[0], &initial_hash, &schema).await?;
     for (round, hash) in hashes.iter().enumerate() {
-        let contributions: Vec<_> = (0..20)
-            .map(|i| (delta(i, round as i64, PARAMS), weight(i)))
-            .collect();
+        let contributions: Vec<_> =
+            (0..20).map(|i| (delta(i, round as i64, PARAMS), weight(i))).collect();
         expected = fedavg_expected(&expected, &contributions);
         let got = model_values(&devices[0], hash, &schema).await?;
-        assert!(
-            got == expected,
-            "model version {} differs from the exact mean",
-            round + 1
-        );
+        assert!(got == expected, "model version {} differs from the exact mean", round + 1);
     }
     drop(child);
 
@@ -664,10 +531,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
         }
         ref_hashes.push(wait_model(&reference.admin, ref_run, round + 1).await?);
     }
-    assert_eq!(
-        hashes, ref_hashes,
-        "a killed-and-restarted run committed different models"
-    );
+    assert_eq!(hashes, ref_hashes, "a killed-and-restarted run committed different models");
     reference.running.shutdown().await?;
     Ok(())
 }
@@ -702,19 +566,13 @@ async fn federated_digits_reach_ninety_percent() {
     .await
     .unwrap();
     assert_eq!(results.len(), 15);
-    let best_late = results[10..]
-        .iter()
-        .map(|r| r.test_accuracy)
-        .fold(0.0, f64::max);
+    let best_late = results[10..].iter().map(|r| r.test_accuracy).fold(0.0, f64::max);
     assert!(
         best_late >= 0.90,
         "accuracy curve: {:?}",
         results.iter().map(|r| r.test_accuracy).collect::<Vec<_>>()
     );
-    assert!(
-        results[0].test_accuracy < 0.6,
-        "the first round should still be far from trained"
-    );
+    assert!(results[0].test_accuracy < 0.6, "the first round should still be far from trained");
     // Federated evaluation reports from the devices reached the coordinator too.
     let run = c.admin.models(RunId(1)).await.unwrap();
     assert!(run.iter().filter(|m| m.n_evaluations > 0).count() >= 10);
@@ -745,10 +603,7 @@ async fn federated_shakespeare_roles_learn_next_characters() {
         backend: cpu_backend(),
     };
     let results = simulate(config, |r| {
-        eprintln!(
-            "model {}: next-char accuracy {:.3}",
-            r.version, r.test_accuracy
-        )
+        eprintln!("model {}: next-char accuracy {:.3}", r.version, r.test_accuracy)
     })
     .await
     .unwrap();
@@ -763,4 +618,95 @@ async fn federated_shakespeare_roles_learn_next_characters() {
 
 fn cpu_backend() -> backend::Backend {
     backend::select(BackendChoice::Cpu).expect("the CPU backend is always there")
+}
+
+/// `/metrics`, scraped during a run and after it, counts exactly the rounds, selections,
+/// acknowledged and refused uploads and dropouts the admin API reports; the per-round counters
+/// of the admin API agree with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_the_rounds_that_happened() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let http = reqwest::Client::new();
+    let scrape = || async {
+        let res = http
+            .get(format!("{}/metrics", c.url))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        res.text().await.unwrap()
+    };
+    let unauthenticated = http.get(format!("{}/metrics", c.url)).send().await.unwrap();
+    assert_eq!(unauthenticated.status(), StatusCode::UNAUTHORIZED);
+
+    let devices = enroll(&c.url, &c.admin, 8).await.unwrap();
+    let spec = PlanSpec {
+        params: 100,
+        cohort: 6,
+        over_selection: 1.34,
+        quorum: 6,
+        selection_secs: 20.0,
+        reporting_secs: 60.0,
+        rounds: 2,
+    };
+    let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
+    for round in 0..2 {
+        wait_round_open(&c.admin, run, round).await.unwrap();
+        let tasks = expect_tasks(&devices).await.unwrap();
+        // One malformed upload first: refused, and counted by its reason.
+        let mut bad = upload_request(&tasks[0], &delta(0, round, 100), 1);
+        bad.delta = tasks[0].schema.encode_f32(&[f32::NAN; 100]);
+        assert!(devices[0].upload(run, RoundIdx(round), &bad).await.is_err());
+        let uploads = devices.iter().zip(&tasks).enumerate().map(|(i, (d, t))| async move {
+            d.upload(run, t.round_idx, &upload_request(t, &delta(i, round, 100), weight(i))).await
+        });
+        join_all(uploads).await;
+        wait_model(&c.admin, run, round + 1).await.unwrap();
+        if round == 0 {
+            // Mid-run: one round so far.
+            let text = scrape().await;
+            assert_eq!(
+                metric(&text, "starling_rounds_total{outcome=\"committed\"}"),
+                1.0,
+                "{text}"
+            );
+        }
+    }
+    let rounds = c.admin.rounds(run).await.unwrap();
+    let sum = |f: &dyn Fn(&starling_core::admin::RoundView) -> i64| {
+        rounds.iter().map(f).sum::<i64>() as f64
+    };
+    let text = scrape().await;
+    assert_eq!(metric(&text, "starling_rounds_total{outcome=\"committed\"}"), 2.0, "{text}");
+    assert_eq!(metric(&text, "starling_participants_selected_total"), sum(&|r| r.n_selected));
+    assert_eq!(metric(&text, "starling_updates_accepted_total"), sum(&|r| r.n_reported));
+    assert_eq!(metric(&text, "starling_dropouts_total"), sum(&|r| r.n_dropped.unwrap_or(0)));
+    assert_eq!(metric(&text, "starling_uploads_rejected_total{reason=\"non_finite_value\"}"), 2.0);
+    let refused_late = 16.0 - sum(&|r| r.n_reported);
+    if refused_late > 0.0 {
+        assert_eq!(
+            metric(&text, "starling_uploads_rejected_total{reason=\"round_closed\"}"),
+            refused_late
+        );
+    }
+    assert!(metric(&text, "starling_upload_bytes_total") >= sum(&|r| r.n_reported) * 400.0);
+    assert!(metric(&text, "starling_aggregation_seconds_count") == 2.0);
+    assert!(
+        metric(&text, "starling_store_seconds_count{op=\"insert_update\"}")
+            >= sum(&|r| r.n_reported)
+    );
+    for r in &rounds {
+        assert_eq!(r.n_rejected, Some(8 - r.n_reported as u64 + 1), "round {}", r.round_idx);
+        assert!(r.upload_bytes.unwrap() >= r.n_reported as u64 * 400);
+    }
+    c.running.shutdown().await.unwrap();
+}
+
+/// The value of the sample named exactly `series` (name and labels) in an OpenMetrics text.
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
 }

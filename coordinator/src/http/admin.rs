@@ -17,6 +17,7 @@ use starling_core::{ModelVersion, RunId};
 use super::{ApiError, AppState, Operator, random_secret, sha256};
 use crate::clock::now_ms;
 use crate::driver::{Event, InitialModel};
+use crate::observe::RoundCounters;
 use crate::store::{ModelInfo, RoundRow, RunRow};
 use starling_core::admin::{EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView};
 
@@ -153,9 +154,11 @@ async fn get_run(
     Ok(AppJson(run_view(&state, row).await?))
 }
 
-fn round_view(r: RoundRow) -> RoundView {
+fn round_view(r: RoundRow, counters: Option<&RoundCounters>) -> RoundView {
     {
         RoundView {
+            n_rejected: counters.map(|c| c.rejected),
+            upload_bytes: counters.map(|c| c.upload_bytes),
             round_idx: r.round_idx,
             model_version: r.model_version,
             state: r.state,
@@ -185,7 +188,17 @@ async fn list_rounds(
     Path(run_id): Path<i64>,
 ) -> Result<AppJson<Vec<RoundView>>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
-    Ok(AppJson(state.store().rounds(run_id).await?.into_iter().map(round_view).collect()))
+    let counters = state.observer().run_round_counters(run_id);
+    let rounds = state.store().rounds(run_id).await?;
+    Ok(AppJson(
+        rounds
+            .into_iter()
+            .map(|r| {
+                let c = counters.get(&r.round_idx);
+                round_view(r, c)
+            })
+            .collect(),
+    ))
 }
 
 async fn get_round(
@@ -197,7 +210,9 @@ async fn get_round(
     let round = state.store().round(run_id, starling_core::RoundIdx(round_idx)).await?;
     let round = round
         .ok_or_else(|| ApiError::not_found(format!("run {run_id} has no round {round_idx}")))?;
-    Ok(AppJson(round_view(round)))
+    let counters = state.observer().run_round_counters(run_id);
+    let c = counters.get(&round.round_idx);
+    Ok(AppJson(round_view(round, c)))
 }
 
 async fn list_models(

@@ -68,6 +68,11 @@ impl ApiError {
     pub fn status_code(&self) -> StatusCode {
         self.status
     }
+
+    /// The error code.
+    pub fn code(&self) -> ErrorCode {
+        self.body.code
+    }
 }
 
 impl IntoResponse for ApiError {

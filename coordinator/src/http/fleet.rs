@@ -15,7 +15,7 @@ use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
     ErrorCode, EvaluationReport, UploadAck, UploadRequest,
 };
-use starling_core::{ModelVersion, RoundIdx, RunId};
+use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
 use super::{ApiError, AppState, Cbor, DeviceAuth, random_secret, read_body, sha256};
 use crate::clock::now_ms;
@@ -137,12 +137,34 @@ async fn upload(
     body: Body,
 ) -> Result<Cbor<UploadAck>, ApiError> {
     let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
-    check_content_type(&headers)?;
+    match accept_upload(&state, device, run_id, round_idx, &headers, body).await {
+        Ok((ack, bytes)) => {
+            state.observer().upload_accepted(run_id, round_idx, bytes);
+            Ok(Cbor(ack))
+        }
+        Err(e) => {
+            state.observer().upload_rejected(run_id, round_idx, e.code().as_str());
+            Err(e)
+        }
+    }
+}
+
+/// Reads, validates and hands an upload to the driver; the acknowledgement and body size.
+async fn accept_upload(
+    state: &AppState,
+    device: DeviceId,
+    run_id: RunId,
+    round_idx: RoundIdx,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(UploadAck, u64), ApiError> {
+    check_content_type(headers)?;
     let plan = state.plan(run_id).await?;
     let limit = plan.schema().byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
     let _permit = state.upload_permit().await;
     let started = std::time::Instant::now();
     let bytes = read_body(body, limit).await?;
+    let body_len = bytes.len() as u64;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // Decoding and the finiteness scan are O(model): keep them off the async threads.
     let validated = tokio::task::spawn_blocking(move || {
@@ -163,7 +185,7 @@ async fn upload(
         .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
         .await?;
     tracing::debug!(%run_id, %round_idx, %device, read_ms, validated_ms, acked_ms = started.elapsed().as_secs_f64() * 1e3, "upload acknowledged");
-    Ok(Cbor(ack))
+    Ok((ack, body_len))
 }
 
 async fn evaluation(
@@ -207,5 +229,6 @@ async fn evaluation(
             ),
             e => e.into(),
         })?;
+    state.observer().evaluation(run_id, version);
     Ok(StatusCode::NO_CONTENT)
 }

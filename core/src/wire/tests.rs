@@ -40,3 +40,28 @@ fn malformed_and_trailing_bytes_are_errors() {
     let err = decode::<EnrollRequest>(&bytes).unwrap_err();
     assert_eq!(err.to_string(), "malformed cbor body: 1 trailing bytes after the message");
 }
+
+#[test]
+fn error_code_names_match_their_wire_form() {
+    use ErrorCode::*;
+    for code in [
+        MalformedBody,
+        BodyTooLarge,
+        SchemaMismatch,
+        ShapeMismatch,
+        NonFiniteValue,
+        InvalidField,
+        Unauthorized,
+        NotFound,
+        RoundClosed,
+        NotSelected,
+        DuplicateUpload,
+        StaleModel,
+        InvalidPlan,
+        Conflict,
+        Unavailable,
+        Internal,
+    ] {
+        assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{}\"", code.as_str()));
+    }
+}
