@@ -2,13 +2,14 @@
 //!
 //! * `cargo xtask test`: the one command that runs every check, on a fresh machine too. It
 //!   makes sure a Postgres is reachable (installing Debian's `postgresql` and starting its
-//!   cluster when there is none), exports `DATABASE_URL`, then runs formatting, clippy and the
-//!   whole test suite. `.ci/run` calls exactly this.
+//!   cluster when there is none), exports `DATABASE_URL`, installs Mesa's software Vulkan
+//!   (`mesa-vulkan-drivers`, so the wgpu training test has an adapter) when missing, then runs
+//!   formatting, clippy and the whole test suite. `.ci/run` calls exactly this.
 //! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
 //!   client SDK's simulator federating a real model on real data against it.
 
 use std::env;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 
@@ -38,6 +39,7 @@ fn test() -> anyhow::Result<()> {
         Ok(url) => url,
         Err(_) => ensure_postgres()?,
     };
+    ensure_software_vulkan()?;
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     step("format", Command::new(&cargo).args(["fmt", "--all", "--", "--check"]))?;
     step(
@@ -62,16 +64,88 @@ fn test() -> anyhow::Result<()> {
         tests.args(["test", "--workspace", "--no-fail-fast"]);
     }
     tests.env("DATABASE_URL", &database_url);
+    // wgpu's runtime wants these; the shader and autotune cache stays out of the home directory.
+    let scratch = env::temp_dir().join("starling-test-xdg");
+    std::fs::create_dir_all(&scratch).context("creating the XDG scratch directory")?;
+    if env::var_os("XDG_RUNTIME_DIR").is_none() {
+        tests.env("XDG_RUNTIME_DIR", &scratch);
+    }
+    tests.env("XDG_CACHE_HOME", scratch.join("cache"));
+    // Lavapipe was installed above: the wgpu training test must find it, not skip.
+    tests.env("STARLING_REQUIRE_WGPU", "1");
     step("tests", &mut tests)?;
+    dashboard_tests(&cargo)?;
     Ok(())
+}
+
+/// Builds the dashboard and runs its browser tests (headless Chromium through playwright-core)
+/// against the real coordinator and simulator binaries.
+fn dashboard_tests(cargo: &str) -> anyhow::Result<()> {
+    let root = repo_root()?;
+    if !Path::new("/usr/bin/chromium").exists() {
+        apt_install("chromium")?;
+    }
+    let web = root.join("web-dashboard");
+    build_dashboard(&web)?;
+    step(
+        "build the binaries",
+        Command::new(cargo).current_dir(&root).args([
+            "build",
+            "-q",
+            "-p",
+            "starling-coordinator",
+            "-p",
+            "starling-client",
+        ]),
+    )?;
+    let target = target_dir(&root).join("debug");
+    step(
+        "dashboard browser tests",
+        Command::new("npm")
+            .current_dir(&web)
+            .args(["test"])
+            .env("STARLING_COORDINATOR_BIN", target.join("starling-coordinator"))
+            .env("STARLING_CLIENT_BIN", target.join("starling-client"))
+            .env("STARLING_ARTIFACTS", target_dir(&root).join("dashboard-screenshots")),
+    )
+}
+
+/// `npm ci` when the packages are missing or stale, then the Vite build into `dist/`.
+fn build_dashboard(web: &Path) -> anyhow::Result<()> {
+    let installed = web.join("node_modules").join(".package-lock.json");
+    let stale = |marker: &Path| {
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        modified(marker) < modified(&web.join("package-lock.json"))
+    };
+    if stale(&installed) {
+        step(
+            "npm ci",
+            Command::new("npm").current_dir(web).args(["ci", "--no-audit", "--no-fund"]),
+        )?;
+    }
+    step("dashboard build", Command::new("npm").current_dir(web).args(["run", "build"]))
+}
+
+fn repo_root() -> anyhow::Result<std::path::PathBuf> {
+    Ok(Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("xtask sits in the repo")?.to_owned())
+}
+
+fn target_dir(root: &Path) -> std::path::PathBuf {
+    env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into)
 }
 
 fn demo(extra: &[String]) -> anyhow::Result<()> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .context("xtask sits in the repo")?
-        .to_owned();
+    let root = repo_root()?;
+    // The dashboard needs Node.js; without it the demo runs without one.
+    let dashboard =
+        if Command::new("npm").arg("--version").output().is_ok_and(|o| o.status.success()) {
+            build_dashboard(&root.join("web-dashboard"))?;
+            Some(root.join("web-dashboard").join("dist"))
+        } else {
+            eprintln!("==> npm not found: running without the dashboard");
+            None
+        };
     step(
         "build",
         Command::new(&cargo).current_dir(&root).args([
@@ -83,8 +157,7 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
             "starling-client",
         ]),
     )?;
-    let target =
-        env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into).join("debug");
+    let target = target_dir(&root).join("debug");
     let data = root.join("starling-data").join("demo");
     std::fs::create_dir_all(&data).context("creating starling-data/demo")?;
     for suffix in ["", "-wal", "-shm"] {
@@ -100,6 +173,9 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
             "--database-url",
             &format!("sqlite://{}", data.join("demo.db").display()),
         ])
+        .args(
+            dashboard.iter().flat_map(|d| [std::ffi::OsStr::new("--dashboard-dir"), d.as_os_str()]),
+        )
         .env("STARLING_OPERATOR_TOKEN", &token)
         .env("RUST_LOG", env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()))
         .spawn()
@@ -116,6 +192,9 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
         "coordinator on http://{listen} (embedded store in {}); admin API token: {token}",
         data.display()
     );
+    if dashboard.is_some() {
+        println!("dashboard: http://{listen}/dashboard/ (sign in with the admin API token above)");
+    }
     let mut simulate = Command::new(target.join("starling-client"));
     simulate.args(["simulate", "--url", &format!("http://{listen}")]);
     // The bundled digits make the default demo zero-setup; a caller may point elsewhere.
@@ -123,6 +202,13 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
         simulate.arg("--data-dir").arg(root.join("client-sdk").join("data"));
     }
     let status = simulate.args(extra).env("STARLING_OPERATOR_TOKEN", &token).status();
+    // Someone at a terminal may still be looking at the dashboard: keep it up until they're done.
+    if dashboard.is_some() && std::io::stdin().is_terminal() {
+        println!(
+            "training done; the dashboard stays up at http://{listen}/dashboard/ — press Enter to stop"
+        );
+        let _ = std::io::stdin().read_line(&mut String::new());
+    }
     let _ = coordinator.kill();
     let _ = coordinator.wait();
     check("simulation", status.context("running the simulator")?)
@@ -148,18 +234,7 @@ fn check(name: &str, status: ExitStatus) -> anyhow::Result<()> {
 /// Makes a local Postgres reachable with a role that may create databases; returns its URL.
 fn ensure_postgres() -> anyhow::Result<String> {
     if !Path::new("/usr/bin/pg_ctlcluster").exists() {
-        eprintln!("==> installing Debian's postgresql");
-        let sudo = if is_root() { vec![] } else { vec!["sudo"] };
-        let apt = |args: &[&str]| -> anyhow::Result<()> {
-            let mut cmd = Command::new(sudo.first().copied().unwrap_or("apt-get"));
-            if !sudo.is_empty() {
-                cmd.arg("apt-get");
-            }
-            cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
-            check("apt-get", cmd.status().context("running apt-get")?)
-        };
-        apt(&["update", "-q"])?;
-        apt(&["install", "-y", "-q", "postgresql"])?;
+        apt_install("postgresql")?;
     }
     let version = std::fs::read_dir("/etc/postgresql")
         .context("no /etc/postgresql: is postgresql installed?")?
@@ -193,6 +268,29 @@ fn ensure_postgres() -> anyhow::Result<String> {
     let status = child.wait().context("waiting for psql")?;
     check("creating the test role", status)?;
     Ok(PG_URL.to_owned())
+}
+
+/// Installs Mesa's lavapipe (a Vulkan driver on the CPU) unless some Vulkan driver is there.
+fn ensure_software_vulkan() -> anyhow::Result<()> {
+    let has_driver = std::fs::read_dir("/usr/share/vulkan/icd.d")
+        .is_ok_and(|mut entries| entries.any(|e| e.is_ok()));
+    if has_driver { Ok(()) } else { apt_install("mesa-vulkan-drivers") }
+}
+
+/// Installs one of Debian's packages, through sudo unless already root.
+fn apt_install(package: &str) -> anyhow::Result<()> {
+    eprintln!("==> installing Debian's {package}");
+    let root = is_root();
+    let apt = |args: &[&str]| -> anyhow::Result<()> {
+        let mut cmd = if root { Command::new("apt-get") } else { Command::new("sudo") };
+        if !root {
+            cmd.arg("apt-get");
+        }
+        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        check("apt-get", cmd.status().context("running apt-get")?)
+    };
+    apt(&["update", "-q"])?;
+    apt(&["install", "-y", "-q", package])
 }
 
 fn is_root() -> bool {

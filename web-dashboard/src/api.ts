@@ -1,0 +1,129 @@
+// The coordinator's admin API as the dashboard reads it: JSON over fetch with the operator
+// token, and the live event stream (server-sent events read through fetch, because
+// EventSource cannot send an Authorization header).
+
+export interface RunView {
+  id: number;
+  name: string | null;
+  population: string;
+  status: string;
+  model_version: number;
+  rounds_committed: number;
+  total_rounds: number;
+  created_at_ms: number;
+  plan: Record<string, unknown>;
+}
+
+export interface RoundView {
+  round_idx: number;
+  model_version: number;
+  state: string;
+  opened_at_ms: number;
+  selection_deadline_ms: number;
+  reporting_deadline_ms: number;
+  closed_at_ms: number | null;
+  n_selected: number;
+  n_reported: number;
+  n_dropped: number | null;
+  outcome: unknown;
+  metrics: Record<string, number> | null;
+  n_rejected?: number;
+  upload_bytes?: number;
+}
+
+export interface ModelView {
+  version: number;
+  round_idx: number | null;
+  created_at_ms: number;
+  n_evaluations: number;
+  evaluation: Record<string, number>;
+}
+
+export interface PopulationSample {
+  at_ms: number;
+  online: number;
+  eligible: number;
+  participating: number;
+}
+
+export type LiveEvent =
+  | { type: 'run'; run_id: number; state: string }
+  | { type: 'round'; run_id: number; round_idx: number; state: string }
+  | { type: 'evaluation'; run_id: number; version: number }
+  | ({ type: 'population' } & PopulationSample);
+
+export class Unauthorized extends Error {}
+
+export class Api {
+  constructor(private readonly token: string) {}
+
+  private async get<T>(path: string): Promise<T> {
+    const res = await fetch(path, { headers: { Authorization: `Bearer ${this.token}` } });
+    if (res.status === 401) throw new Unauthorized('the operator token was refused');
+    if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
+    return (await res.json()) as T;
+  }
+
+  runs(): Promise<RunView[]> {
+    return this.get('/v1/admin/runs');
+  }
+  rounds(run: number): Promise<RoundView[]> {
+    return this.get(`/v1/admin/runs/${run}/rounds`);
+  }
+  models(run: number): Promise<ModelView[]> {
+    return this.get(`/v1/admin/runs/${run}/models`);
+  }
+  population(): Promise<PopulationSample[]> {
+    return this.get('/v1/admin/population');
+  }
+
+  /** Streams live events until `signal` aborts; reconnects with backoff. */
+  async stream(
+    onEvent: (e: LiveEvent) => void,
+    onReload: () => void,
+    onStatus: (s: string) => void,
+    signal: AbortSignal,
+  ): Promise<void> {
+    let backoff = 500;
+    while (!signal.aborted) {
+      try {
+        const res = await fetch('/v1/admin/events', {
+          headers: { Authorization: `Bearer ${this.token}`, Accept: 'text/event-stream' },
+          signal,
+        });
+        if (res.status === 401) throw new Unauthorized('the operator token was refused');
+        if (!res.ok || !res.body) throw new Error(`events: HTTP ${res.status}`);
+        onStatus('live');
+        // Whatever happened while disconnected is fetched again.
+        onReload();
+        backoff = 500;
+        const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+        let buffer = '';
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buffer += value;
+          let end: number;
+          while ((end = buffer.indexOf('\n\n')) >= 0) {
+            const block = buffer.slice(0, end);
+            buffer = buffer.slice(end + 2);
+            let name = 'message';
+            const data: string[] = [];
+            for (const line of block.split('\n')) {
+              if (line.startsWith('event:')) name = line.slice(6).trim();
+              else if (line.startsWith('data:')) data.push(line.slice(5).trimStart());
+            }
+            if (name === 'update' && data.length) onEvent(JSON.parse(data.join('\n')) as LiveEvent);
+            else if (name === 'reload') onReload();
+          }
+        }
+      } catch (e) {
+        if (signal.aborted) return;
+        if (e instanceof Unauthorized) throw e;
+      }
+      onStatus('reconnecting…');
+      await new Promise((r) => setTimeout(r, backoff));
+      backoff = Math.min(backoff * 2, 10_000);
+    }
+  }
+}

@@ -1,0 +1,239 @@
+// The Starling dashboard: operator sign-in, runs, a run's accuracy and loss curves and round
+// timeline, and the device population — kept current by the coordinator's live event stream.
+import uPlot from 'uplot';
+import 'uplot/dist/uPlot.min.css';
+import './style.css';
+import { Api, LiveEvent, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
+
+const TOKEN_KEY = 'starling-operator-token';
+const $ = <T extends HTMLElement>(id: string) => document.getElementById(id) as T;
+
+let api: Api | null = null;
+let selectedRun: number | null = null;
+let live: AbortController | null = null;
+let refreshTimer: number | undefined;
+let population: PopulationSample[] = [];
+const charts = new Map<string, uPlot>();
+
+function showLogin(message = ''): void {
+  live?.abort();
+  live = null;
+  api = null;
+  sessionStorage.removeItem(TOKEN_KEY);
+  // Nothing of the previous session stays on the page.
+  for (const chart of charts.values()) chart.destroy();
+  charts.clear();
+  $('app').hidden = true;
+  $('logout').hidden = true;
+  $('login').hidden = false;
+  $('live-status').textContent = '';
+  $('login-error').textContent = message;
+}
+
+async function signIn(token: string): Promise<void> {
+  const candidate = new Api(token);
+  try {
+    await candidate.runs();
+  } catch (e) {
+    showLogin(e instanceof Unauthorized ? 'That operator token was refused.' : `Cannot reach the coordinator: ${e}`);
+    return;
+  }
+  api = candidate;
+  sessionStorage.setItem(TOKEN_KEY, token);
+  $('login').hidden = true;
+  $('app').hidden = false;
+  $('logout').hidden = false;
+  population = await candidate.population();
+  await refresh();
+  live = new AbortController();
+  candidate
+    .stream(onLiveEvent, scheduleRefresh, (s) => ($('live-status').textContent = s), live.signal)
+    .catch((e) => showLogin(e instanceof Unauthorized ? 'The operator token is no longer accepted.' : String(e)));
+}
+
+function onLiveEvent(e: LiveEvent): void {
+  if (e.type === 'population') {
+    population.push(e);
+    if (population.length > 1800) population.shift();
+    renderPopulation();
+  } else {
+    scheduleRefresh();
+  }
+}
+
+function scheduleRefresh(): void {
+  window.clearTimeout(refreshTimer);
+  refreshTimer = window.setTimeout(() => void refresh(), 150);
+}
+
+async function refresh(): Promise<void> {
+  if (!api) return;
+  try {
+    const runs = await api.runs();
+    if (selectedRun === null && runs.length) selectedRun = Math.max(...runs.map((r) => r.id));
+    const detail =
+      selectedRun === null ? null : await Promise.all([api.rounds(selectedRun), api.models(selectedRun)]);
+    const latestModels = await Promise.all(runs.map((r) => (r.id === selectedRun && detail ? detail[1] : api!.models(r.id))));
+    renderRuns(runs, latestModels);
+    const run = runs.find((r) => r.id === selectedRun);
+    if (run && detail) renderRun(run, detail[0], detail[1]);
+    renderPopulation();
+  } catch (e) {
+    if (e instanceof Unauthorized) showLogin('The operator token is no longer accepted.');
+  }
+}
+
+function accuracyOf(models: ModelView[]): number | undefined {
+  const evaluated = models.filter((m) => m.evaluation.accuracy !== undefined);
+  return evaluated.length ? evaluated[evaluated.length - 1].evaluation.accuracy : undefined;
+}
+
+const pct = (x: number | undefined) => (x === undefined ? '–' : `${(x * 100).toFixed(1)}%`);
+
+function cell(row: HTMLTableRowElement, text: string): void {
+  row.insertCell().textContent = text;
+}
+
+function renderRuns(runs: RunView[], models: ModelView[][]): void {
+  const body = $('runs').querySelector('tbody')!;
+  body.replaceChildren();
+  runs.forEach((run, i) => {
+    const row = body.insertRow();
+    row.dataset.runId = String(run.id);
+    row.className = run.id === selectedRun ? 'selected' : '';
+    cell(row, `#${run.id}`);
+    cell(row, run.name ?? '');
+    cell(row, run.status);
+    cell(row, `${run.rounds_committed} / ${run.total_rounds} rounds`);
+    cell(row, `v${run.model_version}`);
+    cell(row, pct(accuracyOf(models[i])));
+    row.addEventListener('click', () => {
+      selectedRun = run.id;
+      void refresh();
+    });
+  });
+}
+
+function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void {
+  $('run-detail').hidden = false;
+  $('run-title').textContent = `Run #${run.id}${run.name ? ` — ${run.name}` : ''} (${run.status})`;
+  renderSettings(run);
+  const byVersion = new Map(models.map((m) => [m.version, m]));
+  const committed = rounds.filter((r) => r.state === 'committed').sort((a, b) => a.round_idx - b.round_idx);
+  const xs = committed.map((r) => r.round_idx);
+  const evalOf = (r: RoundView, key: string) => byVersion.get(r.model_version)?.evaluation[key] ?? null;
+  const accuracy = committed.map((r) => evalOf(r, 'accuracy'));
+  const chart = $('accuracy-chart');
+  chart.dataset.points = String(accuracy.filter((a) => a !== null).length);
+  chart.dataset.committedRounds = String(committed.length);
+  draw('accuracy-chart', [xs, accuracy], [{ label: 'accuracy', stroke: '#1f77b4', scale: 'acc' }], { acc: { range: [0, 1] } });
+  draw(
+    'loss-chart',
+    [xs, committed.map((r) => r.metrics?.loss ?? null), committed.map((r) => evalOf(r, 'loss'))],
+    [
+      { label: 'training loss', stroke: '#d62728' },
+      { label: 'evaluation loss', stroke: '#2ca02c' },
+    ],
+  );
+  renderTimeline(rounds, byVersion);
+}
+
+function renderSettings(run: RunView): void {
+  const plan = run.plan as Record<string, any>;
+  const training = (plan.training ?? {}) as Record<string, unknown>;
+  const settings: [string, string][] = [
+    ['Population', run.population],
+    ['Strategy', `FedAvg, example-weighted; server learning rate ${plan.server_learning_rate ?? 1}`],
+    ['Local training', Object.entries(training).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(', ') || 'SDK defaults'],
+    ['FedProx μ', String(training.fedprox_mu ?? 0)],
+    ['Cohort', `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
+    ['Deadlines', `selection ${plan.selection_timeout_secs} s, reporting ${plan.reporting_timeout_secs} s`],
+    [
+      'Privacy',
+      plan.secure_aggregation
+        ? `secure aggregation: ${JSON.stringify(plan.secure_aggregation)}`
+        : 'secure aggregation off: the coordinator sees each update (examples never leave devices)',
+    ],
+  ];
+  const dl = $('run-settings');
+  dl.replaceChildren();
+  for (const [k, v] of settings) {
+    const dt = document.createElement('dt');
+    dt.textContent = k;
+    const dd = document.createElement('dd');
+    dd.textContent = v;
+    dl.append(dt, dd);
+  }
+}
+
+const seconds = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
+const bytes = (n: number | undefined) =>
+  n === undefined ? '–' : n >= 1 << 20 ? `${(n / (1 << 20)).toFixed(1)} MiB` : `${(n / 1024).toFixed(1)} KiB`;
+
+function renderTimeline(rounds: RoundView[], byVersion: Map<number, ModelView>): void {
+  const body = $('rounds').querySelector('tbody')!;
+  body.replaceChildren();
+  for (const r of [...rounds].sort((a, b) => b.round_idx - a.round_idx)) {
+    const row = body.insertRow();
+    row.className = r.state;
+    cell(row, String(r.round_idx));
+    cell(row, r.state);
+    cell(row, `v${r.model_version}`);
+    cell(row, r.closed_at_ms === null ? `open ${seconds(Date.now() - r.opened_at_ms)}` : seconds(r.closed_at_ms - r.opened_at_ms));
+    const produced = byVersion.get(r.model_version + 1);
+    cell(row, r.state === 'committed' && produced && r.closed_at_ms !== null ? seconds(produced.created_at_ms - r.closed_at_ms) : '–');
+    cell(row, String(r.n_selected));
+    cell(row, String(r.n_reported));
+    cell(row, r.n_dropped === null ? '–' : String(r.n_dropped));
+    cell(row, r.n_rejected === undefined ? '–' : String(r.n_rejected));
+    cell(row, bytes(r.upload_bytes));
+    cell(row, r.metrics?.loss === undefined ? '–' : r.metrics.loss.toFixed(4));
+  }
+}
+
+function renderPopulation(): void {
+  if (!api) return;
+  const xs = population.map((p) => p.at_ms / 1000);
+  const chart = $('population-chart');
+  chart.dataset.points = String(population.length);
+  draw(
+    'population-chart',
+    [xs, population.map((p) => p.online), population.map((p) => p.eligible), population.map((p) => p.participating)],
+    [
+      { label: 'online', stroke: '#1f77b4' },
+      { label: 'eligible', stroke: '#ff7f0e' },
+      { label: 'participating', stroke: '#2ca02c' },
+    ],
+    {},
+    true,
+  );
+}
+
+/** Creates the chart in `id` once, then only swaps its data. */
+function draw(id: string, data: (number | null)[][], series: uPlot.Series[], scales: uPlot.Scales = {}, time = false): void {
+  const existing = charts.get(id);
+  if (existing) {
+    existing.setData(data as uPlot.AlignedData);
+    return;
+  }
+  const el = $(id);
+  const opts: uPlot.Options = {
+    width: Math.max(320, Math.min(640, el.clientWidth || 560)),
+    height: 240,
+    scales: { x: { time }, ...scales },
+    series: [{ label: time ? 'time' : 'round' }, ...series.map((s) => ({ width: 2, points: { show: true }, ...s }))],
+    // Rounds are whole numbers.
+    axes: [time ? {} : { incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500] }, { scale: series[0].scale ?? 'y' }],
+  };
+  charts.set(id, new uPlot(opts, data as uPlot.AlignedData, el));
+}
+
+$('login-form').addEventListener('submit', (e) => {
+  e.preventDefault();
+  void signIn($<HTMLInputElement>('token').value.trim());
+});
+$('logout').addEventListener('click', () => showLogin());
+
+const saved = sessionStorage.getItem(TOKEN_KEY);
+if (saved) void signIn(saved);
+else showLogin();

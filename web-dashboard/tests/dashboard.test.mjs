@@ -1,0 +1,142 @@
+// The dashboard in a real headless Chromium against a coordinator running a short real
+// training (the SDK's simulator: burn on the bundled digits). `cargo xtask test` runs this with
+// the binaries' paths in STARLING_COORDINATOR_BIN and STARLING_CLIENT_BIN; screenshots go to
+// STARLING_ARTIFACTS (default test-results/).
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { mkdirSync, mkdtempSync, existsSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { createServer } from 'node:net';
+import { chromium } from 'playwright-core';
+
+const root = resolve(import.meta.dirname, '..', '..');
+const coordinatorBin = process.env.STARLING_COORDINATOR_BIN;
+const clientBin = process.env.STARLING_CLIENT_BIN;
+const chromiumPath = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium';
+const artifacts = process.env.STARLING_ARTIFACTS ?? join(root, 'web-dashboard', 'test-results');
+const token = `dashboard-test-operator-${process.pid}`;
+const ROUNDS = 10;
+
+let coordinator;
+let base;
+let browser;
+
+const freePort = () =>
+  new Promise((ok) => {
+    const s = createServer().listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => ok(port));
+    });
+  });
+
+async function waitFor(what, check, timeoutMs = 60_000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 200));
+  }
+}
+
+const admin = (path) =>
+  fetch(`${base}${path}`, { headers: { Authorization: `Bearer ${token}` } }).then((r) => r.json());
+
+before(async () => {
+  assert.ok(coordinatorBin && existsSync(coordinatorBin), 'STARLING_COORDINATOR_BIN must name the built coordinator');
+  assert.ok(clientBin && existsSync(clientBin), 'STARLING_CLIENT_BIN must name the built client');
+  assert.ok(existsSync(chromiumPath), `no Chromium at ${chromiumPath} (apt-get install chromium)`);
+  mkdirSync(artifacts, { recursive: true });
+  const port = await freePort();
+  base = `http://127.0.0.1:${port}`;
+  const dir = mkdtempSync(join(tmpdir(), 'starling-dashboard-'));
+  coordinator = spawn(
+    coordinatorBin,
+    ['serve', '--listen', `127.0.0.1:${port}`, '--database-url', `sqlite://${join(dir, 'db.sqlite')}`,
+      '--dashboard-dir', join(root, 'web-dashboard', 'dist')],
+    { env: { ...process.env, STARLING_OPERATOR_TOKEN: token, RUST_LOG: 'warn' }, stdio: 'inherit' },
+  );
+  await waitFor('the coordinator', () => fetch(`${base}/healthz`).then((r) => r.ok, () => false));
+  browser = await chromium.launch({
+    executablePath: chromiumPath,
+    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+});
+
+after(async () => {
+  await browser?.close();
+  coordinator?.kill('SIGTERM');
+});
+
+test('an unauthenticated visit sees nothing but the sign-in form', async () => {
+  const page = await browser.newPage();
+  await page.goto(`${base}/dashboard/`);
+  await page.locator('#login').waitFor({ state: 'visible' });
+  assert.equal(await page.locator('#app').isVisible(), false);
+  assert.equal(await page.locator('#runs tbody tr').count(), 0);
+  // A wrong token gets an error and still nothing.
+  await page.fill('#token', 'not-the-operator-token');
+  await page.click('#login-button');
+  await page.locator('#login-error').filter({ hasText: 'refused' }).waitFor();
+  assert.equal(await page.locator('#app').isVisible(), false);
+  await page.screenshot({ path: join(artifacts, 'unauthenticated.png'), fullPage: true });
+  // The data behind it needs the credential too.
+  for (const path of ['/v1/admin/runs', '/v1/admin/events', '/v1/admin/population', '/metrics']) {
+    assert.equal((await fetch(`${base}${path}`)).status, 401, path);
+  }
+  await page.close();
+});
+
+test('a run trains live: it appears, its curves fill in round by round without a reload', async () => {
+  const page = await browser.newPage();
+  await page.goto(`${base}/dashboard/`);
+  await page.fill('#token', token);
+  await page.click('#login-button');
+  await page.locator('#app').waitFor({ state: 'visible' });
+  // Survives only as long as the page is not reloaded.
+  await page.evaluate(() => (window.__sameDocument = true));
+
+  const simulate = spawn(
+    clientBin,
+    ['simulate', '--url', base, '--clients', '8', '--cohort', '4', '--rounds', String(ROUNDS),
+      '--dataset', 'digits', '--data-dir', join(root, 'client-sdk', 'data'), '--backend', 'cpu',
+      // Enough local work that rounds take a moment, so the page sees them one by one.
+      '--epochs', '10'],
+    { env: { ...process.env, STARLING_OPERATOR_TOKEN: token }, stdio: 'inherit' },
+  );
+  const exited = new Promise((ok) => simulate.on('exit', ok));
+
+  // The run appears without a reload.
+  await page.locator('#runs tbody tr').first().waitFor({ timeout: 60_000 });
+  const chart = page.locator('#accuracy-chart');
+  const points = async () => Number((await chart.getAttribute('data-points')) ?? 0);
+  await waitFor('a first committed round on the chart', async () => (await points()) >= 1);
+  const first = await points();
+  await page.screenshot({ path: join(artifacts, 'first-round.png'), fullPage: true });
+  // A new round shows up, still in the same document.
+  await waitFor('a further round on the chart', async () => (await points()) > first);
+  assert.equal(await page.evaluate(() => window.__sameDocument), true);
+
+  assert.equal(await exited, 0, 'the simulation failed');
+  const [run] = await admin('/v1/admin/runs');
+  assert.equal(run.status, 'finished');
+  const committed = (await admin(`/v1/admin/runs/${run.id}/rounds`)).filter((r) => r.state === 'committed');
+  assert.equal(committed.length, ROUNDS);
+  // The chart catches up with the finished run: one point per committed round.
+  await waitFor('the chart to show every committed round', async () => (await points()) === committed.length);
+  assert.equal(Number(await chart.getAttribute('data-committed-rounds')), committed.length);
+  await page.locator('#runs tbody tr', { hasText: 'finished' }).waitFor();
+  assert.equal(await page.locator('#rounds tbody tr.committed').count(), committed.length);
+  assert.ok(Number(await page.locator('#population-chart').getAttribute('data-points')) >= 1);
+  assert.equal(await page.evaluate(() => window.__sameDocument), true);
+  await page.screenshot({ path: join(artifacts, 'finished-run.png'), fullPage: true });
+
+  // Signing out leaves nothing on the page.
+  await page.click('#logout');
+  await page.locator('#login').waitFor({ state: 'visible' });
+  assert.equal(await page.locator('#app').isVisible(), false);
+  await page.close();
+});
