@@ -87,15 +87,14 @@ fn dashboard_tests(cargo: &str) -> anyhow::Result<()> {
     }
     let web = root.join("web-dashboard");
     build_dashboard(&web)?;
+    // The same targets (and so the same feature set) the test run just built: nothing rebuilds.
     step(
         "build the binaries",
         Command::new(cargo).current_dir(&root).args([
             "build",
             "-q",
-            "-p",
-            "starling-coordinator",
-            "-p",
-            "starling-client",
+            "--workspace",
+            "--all-targets",
         ]),
     )?;
     let target = target_dir(&root).join("debug");
