@@ -67,7 +67,7 @@ struct SimulateArgs {
     /// Use at most this many training examples (0: all).
     #[arg(long, default_value_t = 0)]
     max_examples: usize,
-    /// Where to train: `auto` (wgpu when an adapter exists, else CPU), `wgpu` or `cpu`.
+    /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
     /// Write the curve here (`.json` for JSON, anything else CSV).
