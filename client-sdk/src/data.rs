@@ -83,6 +83,46 @@ pub fn idx_images(images: &Path, labels: &Path, scale: f32) -> Result<Examples, 
     Ok(out)
 }
 
+/// A device's own examples on disk: a directory holding `images-idx3-ubyte` and
+/// `labels-idx1-ubyte` (IDX, optionally `.gz`; pixels scaled by `pixel_scale`), or a CSV file
+/// of `label,x1,...,xn` rows for `input` (required for CSV). Every problem names its line.
+pub fn local_examples(
+    path: &Path,
+    input: Option<InputSpec>,
+    pixel_scale: f32,
+) -> Result<Examples, DataError> {
+    if path.is_dir() {
+        let find = |name: &str| {
+            let plain = path.join(name);
+            if plain.exists() { plain } else { path.join(format!("{name}.gz")) }
+        };
+        return idx_images(&find("images-idx3-ubyte"), &find("labels-idx1-ubyte"), pixel_scale);
+    }
+    let name = path.display().to_string();
+    let bad = |why: String| DataError::Format { path: name.clone(), why };
+    let input = input.ok_or_else(|| bad("a CSV file needs its input shape (--input)".into()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| DataError::Io { path: name.clone(), source })?;
+    let mut out = Examples::new(input);
+    let mut row = vec![];
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let mut fields = line.split(',').map(str::trim);
+        let label = fields.next().unwrap_or_default();
+        let label: u32 = label
+            .parse()
+            .map_err(|_| bad(format!("line {}: label {label:?} is not a class", i + 1)))?;
+        row.clear();
+        for f in fields {
+            row.push(
+                f.parse::<f32>()
+                    .map_err(|_| bad(format!("line {}: {f:?} is not a number", i + 1)))?,
+            );
+        }
+        out.push(&row, label).map_err(|e| bad(format!("line {}: {e}", i + 1)))?;
+    }
+    Ok(out)
+}
+
 /// scikit-learn's 8×8 digits (1,797 examples, pixels 0–16 scaled to 0–1).
 pub fn digits(dir: &Path) -> Result<Examples, DataError> {
     idx_images(

@@ -103,6 +103,11 @@ impl Examples {
         &self.labels
     }
 
+    /// The features, example after example (`Examples::width(input)` values each).
+    pub fn features(&self) -> &[f32] {
+        &self.features
+    }
+
     /// Appends every example of `other` (same input shape).
     ///
     /// # Panics

@@ -7,7 +7,9 @@
 //! * [`data`]: loaders for the shared datasets and federated partitioners.
 //! * [`protocol`]: fleet and admin API clients; [`participant`]: one device's participation
 //!   (check-in → evaluate → train → upload), with saveable state.
-//! * [`simulate`]: many real participants against a coordinator, as the `simulate` command.
+//! * [`simulate`]: many real participants against a coordinator, as the `simulate` command;
+//!   [`cli`]: the `starling-client` command line (`simulate`, and `participate` for one
+//!   Linux/IoT device training on local files).
 //!
 //! Training runs on burn's runtime [`burn::tensor::Device`]; [`backend::select`] picks wgpu
 //! (the default `wgpu` feature) when an adapter exists, and the pure-Rust flex CPU backend
@@ -19,6 +21,7 @@ pub use burn;
 pub use burn::tensor::Device;
 
 pub mod backend;
+pub mod cli;
 pub mod data;
 pub mod examples;
 pub mod model;

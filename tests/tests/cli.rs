@@ -79,3 +79,99 @@ async fn serve_reads_its_config_file_and_flags_win() {
     assert!(flag_db.exists(), "the environment's database URL must win over the file's");
     assert!(!db.exists());
 }
+
+/// `starling-client participate`, as a Linux/IoT device runs it: two devices, one with an IDX
+/// directory and one with a CSV file, enroll, train for three rounds and save their credential;
+/// bad input is refused with the line named, and an unenrolled device without a token is told
+/// what to pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_devices_train_from_local_files() {
+    use starling_client::data;
+    use starling_client::simulate::{ModelKind, model_spec};
+
+    let client = Path::new(env!("CARGO_BIN_EXE_client_under_test"));
+    let (dir, db) = starling_tests::sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let digits_dir = starling_tests::shared_data().join("sklearn_digits");
+    let digits = data::digits(&digits_dir).unwrap();
+    let spec = model_spec(ModelKind::Mlp, digits.input());
+    let plan = serde_json::json!({
+        "model": {"spec": spec, "init": {"kind": "seeded", "seed": 1}},
+        "training": {"epochs": 2, "batch_size": 10, "lr": 0.1},
+        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 3,
+    });
+    let run = starling_core::RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+
+    // Device A: the IDX files under the names the CLI looks for.
+    let idx = dir.path().join("device-a");
+    std::fs::create_dir_all(&idx).unwrap();
+    for (from, to) in [
+        ("digits-images-idx3-ubyte", "images-idx3-ubyte"),
+        ("digits-labels-idx1-ubyte", "labels-idx1-ubyte"),
+    ] {
+        std::fs::copy(digits_dir.join(from), idx.join(to)).unwrap();
+    }
+    // Device B: a CSV of the first 400 digits.
+    let csv = dir.path().join("device-b.csv");
+    let width = 64;
+    let all: Vec<usize> = (0..400).collect();
+    let mut text = String::new();
+    let subset = digits.subset(&all);
+    for (i, label) in subset.labels().iter().enumerate() {
+        let row: Vec<String> =
+            subset.features()[i * width..(i + 1) * width].iter().map(|v| v.to_string()).collect();
+        text += &format!("{label},{}\n", row.join(","));
+    }
+    std::fs::write(&csv, &text).unwrap();
+
+    let participate = |state: &Path, examples: &Path, extra: &[&str]| {
+        let mut cmd = tokio::process::Command::new(client);
+        cmd.args(["participate", "--url", &c.url, "--backend", "cpu", "--uploads", "3"])
+            .args(["--max-wait-secs", "1"])
+            .arg("--state")
+            .arg(state)
+            .arg("--examples")
+            .arg(examples)
+            .args(extra);
+        cmd
+    };
+    let state_a = dir.path().join("a.json");
+    let state_b = dir.path().join("b.json");
+    let a = participate(&state_a, &idx, &["--pixel-scale", "0.0625"])
+        .env("STARLING_ENROLLMENT_TOKEN", &token)
+        .output();
+    let b = participate(&state_b, &csv, &["--input", "image:1:8:8", "--enrollment-token", &token])
+        .output();
+    let (a, b) = tokio::join!(a, b);
+    for out in [a.unwrap(), b.unwrap()] {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(stdout.matches(": uploaded, training loss").count(), 3, "{stdout}");
+    }
+    // The last commit may still be finishing the run when the devices exit.
+    starling_tests::wait_model(&c.admin, run, 3).await.unwrap();
+    let view = c.admin.run(run).await.unwrap();
+    assert_eq!(view.rounds_committed, 3);
+    for r in c.admin.rounds(run).await.unwrap() {
+        assert_eq!(r.n_reported, 2);
+    }
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state_a).unwrap()).unwrap();
+    assert!(saved["credential"].as_str().is_some_and(|c| !c.is_empty()));
+
+    // Bad input is named, and nothing was enrolled for it.
+    std::fs::write(&csv, format!("{text}3,0.5,oops\n")).unwrap();
+    let bad = participate(&dir.path().join("c.json"), &csv, &["--input", "image:1:8:8"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("line 401"), "{bad:?}");
+    let unenrolled = participate(&dir.path().join("d.json"), &idx, &[]).output().await.unwrap();
+    assert!(!unenrolled.status.success());
+    assert!(String::from_utf8_lossy(&unenrolled.stderr).contains("--enrollment-token"));
+    assert!(!dir.path().join("d.json").exists());
+    c.running.shutdown().await.unwrap();
+}

@@ -1,0 +1,305 @@
+//! The SDK's command line, for Linux/IoT devices (`participate`: one device training on a local
+//! directory of examples) and for operators (`simulate`: many devices against a coordinator).
+//! It lives in the library so that tests run the same code as the binary.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use starling_core::model_spec::InputSpec;
+
+use crate::backend::{self, BackendChoice};
+use crate::data;
+use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
+use crate::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+
+#[derive(Debug, Parser)]
+#[command(name = "starling-client", version, about = "Starling client SDK tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run N real SDK clients against a coordinator and print the global model's test accuracy
+    /// round by round.
+    Simulate(SimulateArgs),
+    /// Take part in training as this device: enroll once (the credential is kept in --state),
+    /// then check in, train on the local examples and upload, round after round.
+    Participate(ParticipateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ParticipateArgs {
+    /// Coordinator URL.
+    #[arg(long, env = "STARLING_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Operator-issued enrollment token; needed only until the device is enrolled.
+    #[arg(long, env = "STARLING_ENROLLMENT_TOKEN", hide_env_values = true)]
+    enrollment_token: Option<String>,
+    /// The device's state file (credential, last evaluated model); created on enrollment.
+    #[arg(long, default_value = "starling-device.json")]
+    state: PathBuf,
+    /// The local examples: a directory holding `images-idx3-ubyte` and `labels-idx1-ubyte`
+    /// (IDX, as MNIST), or a CSV file of `label,x1,...,xn` rows (see --input).
+    #[arg(long)]
+    examples: PathBuf,
+    /// For a CSV file: the input, `features:N` or `image:C:H:W`.
+    #[arg(long)]
+    input: Option<String>,
+    /// Scale for IDX pixel bytes.
+    #[arg(long, default_value_t = 1.0 / 255.0)]
+    pixel_scale: f32,
+    /// Fraction of the examples held out to evaluate the global model on.
+    #[arg(long, default_value_t = 0.1)]
+    holdout: f64,
+    /// Device population.
+    #[arg(long, default_value = "default")]
+    population: String,
+    /// Check in again after at most this many seconds, whatever later time the coordinator
+    /// suggests.
+    #[arg(long, default_value_t = 60)]
+    max_wait_secs: u64,
+    /// Stop after this many acknowledged uploads (0: until interrupted).
+    #[arg(long, default_value_t = 0)]
+    uploads: u32,
+    /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` or `cpu`.
+    #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
+    backend: BackendChoice,
+}
+
+#[derive(Debug, clap::Args)]
+struct SimulateArgs {
+    /// Coordinator URL.
+    #[arg(long, env = "STARLING_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Operator token (the simulator creates the run).
+    #[arg(long, env = "STARLING_OPERATOR_TOKEN", hide_env_values = true)]
+    operator_token: String,
+    /// Simulated devices.
+    #[arg(long, default_value_t = 24)]
+    clients: usize,
+    /// Reports per round [default: half the clients].
+    #[arg(long)]
+    cohort: Option<u32>,
+    /// Rounds to commit.
+    #[arg(long, default_value_t = 15)]
+    rounds: u32,
+    /// Dataset.
+    #[arg(long, value_enum, default_value = "digits")]
+    dataset: Dataset,
+    /// The shared data folder.
+    #[arg(long, env = "STARLING_DATA_DIR", default_value = "../shared/data")]
+    data_dir: PathBuf,
+    /// iid, dirichlet:ALPHA or shards:N.
+    #[arg(long, default_value = "iid")]
+    partition: Partition,
+    /// Model.
+    #[arg(long, value_enum, default_value = "mlp")]
+    model: ModelKind,
+    /// Local epochs (the FedAvg paper's E).
+    #[arg(long, default_value_t = 5)]
+    epochs: u32,
+    /// Local batch size (the FedAvg paper's B).
+    #[arg(long, default_value_t = 10)]
+    batch_size: u32,
+    /// Local learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f64,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Use at most this many training examples (0: all).
+    #[arg(long, default_value_t = 0)]
+    max_examples: usize,
+    /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
+    #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
+    backend: BackendChoice,
+    /// Write the curve here (`.json` for JSON, anything else CSV).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The `starling-client` binary.
+pub fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    match cli.command {
+        Command::Simulate(args) => run_simulation(&runtime, args),
+        Command::Participate(args) => runtime.block_on(participate(args)),
+    }
+}
+
+async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
+    let input = args.input.as_deref().map(parse_input).transpose()?;
+    let examples = data::local_examples(&args.examples, input, args.pixel_scale)
+        .with_context(|| format!("reading examples from {}", args.examples.display()))?;
+    anyhow::ensure!(!examples.is_empty(), "{} holds no examples", args.examples.display());
+    let (train_set, holdout) = examples.split_holdout(args.holdout, 0);
+    let backend = backend::select(args.backend)?;
+    println!(
+        "{} local examples ({} held out), training on {backend}",
+        examples.len(),
+        holdout.len()
+    );
+    let mut device = Participant::new(
+        &args.url,
+        &args.population,
+        train_set,
+        holdout,
+        backend.training_device(),
+    );
+    let saved: Option<ParticipantState> = match std::fs::read(&args.state) {
+        Ok(bytes) => Some(serde_json::from_slice(&bytes).with_context(|| {
+            format!("{} is not a Starling device state file", args.state.display())
+        })?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).context(format!("reading {}", args.state.display())),
+    };
+    let save = |state: &ParticipantState| -> anyhow::Result<()> {
+        // Written aside and renamed, so a crash never leaves half a credential.
+        let tmp = args.state.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
+        std::fs::rename(&tmp, &args.state).context(format!("writing {}", args.state.display()))
+    };
+    match saved.filter(|s| s.credential.is_some()) {
+        Some(state) => device = device.restore(state),
+        None => {
+            let token = args.enrollment_token.as_deref().context(
+                "this device is not enrolled yet: pass --enrollment-token (or STARLING_ENROLLMENT_TOKEN)",
+            )?;
+            let id = device.enroll(token).await?;
+            save(device.state())?;
+            println!("enrolled as device {id}; credential saved in {}", args.state.display());
+        }
+    }
+    let mut uploads = 0;
+    let mut failures = 0u32;
+    while args.uploads == 0 || uploads < args.uploads {
+        match device.participate(Box::new(|_| {})).await {
+            Ok(Outcome::ComeBackLater(after)) => {
+                failures = 0;
+                tokio::time::sleep(after.min(Duration::from_secs(args.max_wait_secs))).await;
+            }
+            Ok(Outcome::Uploaded { run_id, round_idx, train_loss, evaluation }) => {
+                failures = 0;
+                uploads += 1;
+                let eval = evaluation.map_or(String::new(), |e| {
+                    format!(", global model on held-out data: accuracy {:.2}%", e.accuracy * 100.0)
+                });
+                println!(
+                    "run {run_id} round {round_idx}: uploaded, training loss {train_loss:.4}{eval}"
+                );
+            }
+            Ok(Outcome::RoundMissed { run_id, round_idx }) => {
+                println!("run {run_id} round {round_idx}: closed before the update arrived");
+            }
+            Err(ParticipantError::Protocol(e)) if e.is_transient() => {
+                failures += 1;
+                let wait = Duration::from_secs(2u64.pow(failures.min(5)));
+                eprintln!("coordinator unreachable ({e}); retrying in {wait:?}");
+                tokio::time::sleep(wait).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        save(device.state())?;
+    }
+    Ok(())
+}
+
+/// `features:N` or `image:C:H:W`.
+fn parse_input(text: &str) -> anyhow::Result<InputSpec> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let num =
+        |s: &str| s.parse::<u64>().with_context(|| format!("{s:?} in --input is not a count"));
+    match parts.as_slice() {
+        ["features", n] => Ok(InputSpec::Features { size: num(n)? }),
+        ["image", c, h, w] => {
+            Ok(InputSpec::Image { channels: num(c)?, height: num(h)?, width: num(w)? })
+        }
+        _ => anyhow::bail!("--input {text:?}: expected features:N or image:C:H:W"),
+    }
+}
+
+fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyhow::Result<()> {
+    let config = SimulationConfig {
+        url: args.url,
+        operator_token: args.operator_token,
+        clients: args.clients,
+        cohort: args.cohort.unwrap_or((args.clients / 2).max(1) as u32),
+        rounds: args.rounds,
+        dataset: args.dataset,
+        data_dir: args.data_dir,
+        partition: args.partition,
+        model: args.model,
+        training: serde_json::json!({"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr}),
+        seed: args.seed,
+        max_examples: args.max_examples,
+        backend: backend::select(args.backend)?,
+    };
+    let (model, partition) = match config.dataset {
+        Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),
+        _ => (format!("{:?}", config.model), format!("{:?}", config.partition)),
+    };
+    println!(
+        "simulating {} clients ({:?}, {model}, {partition}), cohort {}, {} rounds against {}",
+        config.clients, config.dataset, config.cohort, config.rounds, config.url
+    );
+    println!("training on {}", config.backend);
+    println!(
+        "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}",
+        "model", "test acc", "test loss", "train loss", "reported", "dropped"
+    );
+    let bar = indicatif::ProgressBar::new(u64::from(config.rounds));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} rounds {elapsed} {msg}")
+            .expect("the template is valid"),
+    );
+    let results = runtime.block_on(simulate(config, |r| {
+        let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
+        let row = format!(
+            "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}",
+            r.version,
+            r.test_accuracy * 100.0,
+            r.test_loss,
+            train,
+            r.reported,
+            r.dropped
+        );
+        // A hidden bar (output is not a terminal) drops println: print the row directly then.
+        if bar.is_hidden() {
+            println!("{row}");
+            let _ = std::io::stdout().flush();
+        } else {
+            bar.println(row);
+        }
+        bar.set_message(format!("test accuracy {:.2}%", r.test_accuracy * 100.0));
+        bar.inc(1);
+    }));
+    bar.finish_and_clear();
+    let results = results?;
+    if let Some(path) = args.out {
+        let text = if path.extension().is_some_and(|e| e == "json") {
+            serde_json::to_string_pretty(&results)?
+        } else {
+            let mut csv =
+                "version,test_accuracy,test_loss,train_loss,reported,dropped\n".to_owned();
+            for r in &results {
+                let train = r.train_loss.map_or(String::new(), |l| l.to_string());
+                csv += &format!(
+                    "{},{},{},{},{},{}\n",
+                    r.version, r.test_accuracy, r.test_loss, train, r.reported, r.dropped
+                );
+            }
+            csv
+        };
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
