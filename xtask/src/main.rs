@@ -5,6 +5,8 @@
 //!   cluster when there is none), exports `DATABASE_URL`, installs Mesa's software Vulkan
 //!   (`mesa-vulkan-drivers`, so the wgpu training test has an adapter) when missing, then runs
 //!   formatting, clippy and the whole test suite. `.ci/run` calls exactly this.
+//!   After the Rust tests it builds the dashboard and runs its browser tests, and generates the
+//!   mobile bindings and runs the Python-bindings tests.
 //! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
 //!   client SDK's simulator federating a real model on real data against it.
 
@@ -64,17 +66,52 @@ fn test() -> anyhow::Result<()> {
         tests.args(["test", "--workspace", "--no-fail-fast"]);
     }
     tests.env("DATABASE_URL", &database_url);
-    // wgpu's runtime wants these; the shader and autotune cache stays out of the home directory.
-    let scratch = env::temp_dir().join("starling-test-xdg");
-    std::fs::create_dir_all(&scratch).context("creating the XDG scratch directory")?;
-    if env::var_os("XDG_RUNTIME_DIR").is_none() {
-        tests.env("XDG_RUNTIME_DIR", &scratch);
-    }
-    tests.env("XDG_CACHE_HOME", scratch.join("cache"));
+    wgpu_env(&mut tests)?;
     // Lavapipe was installed above: the wgpu training test must find it, not skip.
     tests.env("STARLING_REQUIRE_WGPU", "1");
     step("tests", &mut tests)?;
     dashboard_tests(&cargo)?;
+    mobile_tests()?;
+    Ok(())
+}
+
+/// Generates the mobile bindings from the built library (Kotlin and Swift must generate; they
+/// cannot be compiled here) and runs the Python-bindings tests against a live coordinator.
+fn mobile_tests() -> anyhow::Result<()> {
+    let root = repo_root()?;
+    let target = target_dir(&root);
+    let debug = target.join("debug");
+    let library = debug.join("libstarling_mobile.so");
+    let out = target.join("mobile-bindings");
+    for language in ["python", "kotlin", "swift"] {
+        let dir = out.join(language);
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut generate = Command::new(debug.join("uniffi-bindgen"));
+        generate.arg("generate").arg("--library").arg(&library);
+        generate.args(["--language", language, "--no-format", "--out-dir"]).arg(&dir);
+        step(&format!("{language} bindings"), &mut generate)?;
+    }
+    let python = out.join("python");
+    std::fs::copy(&library, python.join("libstarling_mobile.so"))
+        .context("copying the library beside the Python bindings")?;
+    let mut test = Command::new("python3");
+    test.arg(root.join("mobile").join("tests").join("test_python_bindings.py"))
+        .env("PYTHONPATH", &python)
+        .env("STARLING_COORDINATOR_BIN", debug.join("starling-coordinator"))
+        .env("STARLING_DIGITS_DIR", root.join("client-sdk").join("data").join("sklearn_digits"));
+    wgpu_env(&mut test)?;
+    step("mobile bindings tests (Python)", &mut test)
+}
+
+/// wgpu's runtime wants `XDG_RUNTIME_DIR`; its shader and autotune cache stays out of the home
+/// directory.
+fn wgpu_env(cmd: &mut Command) -> anyhow::Result<()> {
+    let scratch = env::temp_dir().join("starling-test-xdg");
+    std::fs::create_dir_all(&scratch).context("creating the XDG scratch directory")?;
+    if env::var_os("XDG_RUNTIME_DIR").is_none() {
+        cmd.env("XDG_RUNTIME_DIR", &scratch);
+    }
+    cmd.env("XDG_CACHE_HOME", scratch.join("cache"));
     Ok(())
 }
 

@@ -1,0 +1,453 @@
+//! Starling for apps, through UniFFI: the one object an Android, iOS or other app creates per
+//! device ([`StarlingDevice`]), its records, errors and progress listener. There is no training
+//! logic here: enrolment, check-in, training and upload are the client SDK's
+//! ([`starling_client::participant`]); this crate only makes them callable from Kotlin, Swift
+//! and Python, blocking on an internal runtime (apps call it from a background thread).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use starling_client::backend::{self, Backend, BackendChoice};
+use starling_client::examples::Examples;
+use starling_client::participant::{
+    Outcome, Participant, ParticipantError, ParticipantProgress, ParticipantState, Phase,
+};
+use starling_client::train::{Evaluation, TrainError};
+use starling_core::model_spec::InputSpec;
+
+uniffi::setup_scaffolding!();
+
+/// What went wrong, as a typed exception in Kotlin, Swift and Python.
+#[derive(Debug, thiserror::Error, uniffi::Error)]
+pub enum StarlingError {
+    /// An argument is unusable (wrong lengths, a non-finite value, a bad URL, a shape that
+    /// does not fit the run's model).
+    #[error("invalid input: {message}")]
+    InvalidInput {
+        /// What is wrong.
+        message: String,
+    },
+    /// There are no examples to train on.
+    #[error("the example store is empty: add examples first")]
+    NoExamples,
+    /// The device has no credential yet.
+    #[error("not enrolled: create the device with a credential, or call enroll")]
+    NotEnrolled,
+    /// The coordinator could not be reached; try again later.
+    #[error("the coordinator is unreachable: {message}")]
+    Unreachable {
+        /// The transport's explanation.
+        message: String,
+    },
+    /// The coordinator answered with an error.
+    #[error("the coordinator refused: {message}")]
+    Refused {
+        /// Its explanation.
+        message: String,
+    },
+    /// The run's model cannot be built or does not match.
+    #[error("model: {message}")]
+    Model {
+        /// What does not fit.
+        message: String,
+    },
+    /// Local training failed.
+    #[error("training failed: {message}")]
+    Training {
+        /// Why.
+        message: String,
+    },
+    /// The storage directory could not be read or written.
+    #[error("storage: {message}")]
+    Storage {
+        /// Why.
+        message: String,
+    },
+}
+
+/// The shape of each example the app adds.
+#[derive(Debug, Clone, Copy, uniffi::Enum)]
+pub enum ExampleShape {
+    /// A flat feature vector.
+    Features {
+        /// Values per example.
+        size: u64,
+    },
+    /// An image, channels first.
+    Image {
+        /// Channels.
+        channels: u64,
+        /// Height.
+        height: u64,
+        /// Width.
+        width: u64,
+    },
+    /// A sequence of token ids (passed as whole-number floats).
+    Tokens {
+        /// Tokens per example.
+        length: u64,
+        /// Vocabulary size.
+        vocab: u64,
+    },
+}
+
+impl From<ExampleShape> for InputSpec {
+    fn from(shape: ExampleShape) -> Self {
+        match shape {
+            ExampleShape::Features { size } => InputSpec::Features { size },
+            ExampleShape::Image { channels, height, width } => {
+                InputSpec::Image { channels, height, width }
+            }
+            ExampleShape::Tokens { length, vocab } => InputSpec::Tokens { length, vocab },
+        }
+    }
+}
+
+/// A model's loss and accuracy on the device's held-out examples.
+#[derive(Debug, Clone, Copy, uniffi::Record)]
+pub struct ModelMetrics {
+    /// Fraction classified correctly.
+    pub accuracy: f64,
+    /// Mean cross-entropy.
+    pub loss: f64,
+    /// Examples evaluated.
+    pub examples: u64,
+}
+
+impl From<Evaluation> for ModelMetrics {
+    fn from(e: Evaluation) -> Self {
+        ModelMetrics { accuracy: e.accuracy, loss: e.loss, examples: e.examples }
+    }
+}
+
+/// What one participation did.
+#[derive(Debug, Clone, uniffi::Enum)]
+pub enum ParticipationOutcome {
+    /// No task now; participate again after this long.
+    ComeBackLater {
+        /// Seconds the coordinator asks the device to wait.
+        after_secs: u64,
+    },
+    /// An update was uploaded and acknowledged.
+    Uploaded {
+        /// Run.
+        run_id: i64,
+        /// Round.
+        round_idx: i64,
+        /// Mean local training loss.
+        train_loss: f64,
+        /// The global model on held-out examples, when it was evaluated this time.
+        evaluation: Option<ModelMetrics>,
+    },
+    /// The round closed before the update arrived.
+    RoundMissed {
+        /// Run.
+        run_id: i64,
+        /// Round.
+        round_idx: i64,
+    },
+}
+
+/// Where the device stands.
+#[derive(Debug, Clone, Default, uniffi::Record)]
+pub struct DeviceStatus {
+    /// The device id, once enrolled.
+    pub device_id: Option<i64>,
+    /// Whether it holds a credential.
+    pub enrolled: bool,
+    /// Examples in the store.
+    pub examples: u64,
+    /// Participations attempted.
+    pub participations: u64,
+    /// Updates acknowledged.
+    pub uploads: u64,
+    /// The backend training runs on.
+    pub backend: String,
+    /// Mean local training loss of the last upload.
+    pub last_train_loss: Option<f64>,
+    /// The last evaluation of a global model on held-out examples.
+    pub last_evaluation: Option<ModelMetrics>,
+}
+
+/// Progress of a participation, for the app's UI.
+#[uniffi::export(foreign)]
+pub trait ProgressListener: Send + Sync {
+    /// A phase began: `checking_in`, `downloading`, `evaluating`, `training`, `uploading`.
+    fn on_phase(&self, phase: String);
+    /// A training step finished.
+    fn on_step(&self, epoch: u32, batch: u32, batches: u32, loss: f64);
+}
+
+/// One device: its coordinator, credential, storage directory and examples.
+#[derive(uniffi::Object)]
+pub struct StarlingDevice {
+    runtime: tokio::runtime::Runtime,
+    url: String,
+    population: String,
+    state_path: PathBuf,
+    backend: Backend,
+    examples: Mutex<Examples>,
+    state: Mutex<ParticipantState>,
+    status: Mutex<DeviceStatus>,
+    listener: Mutex<Option<Arc<dyn ProgressListener>>>,
+}
+
+/// Held out of the app's examples to evaluate each global model.
+const HOLDOUT: f64 = 0.1;
+
+#[uniffi::export]
+impl StarlingDevice {
+    /// A device for the coordinator at `coordinator_url`, in `population`, taking examples of
+    /// `shape`. Its state lives in `storage_dir` (created if missing) and is restored from
+    /// there; `credential`, when given, replaces a stored one.
+    #[uniffi::constructor]
+    pub fn new(
+        coordinator_url: String,
+        population: String,
+        credential: Option<String>,
+        storage_dir: String,
+        shape: ExampleShape,
+    ) -> Result<Arc<Self>, StarlingError> {
+        if !(coordinator_url.starts_with("http://") || coordinator_url.starts_with("https://")) {
+            return Err(invalid(format!("{coordinator_url:?} is not an http(s) URL")));
+        }
+        let input: InputSpec = shape.into();
+        let dims: Vec<u64> = match input {
+            InputSpec::Features { size } => vec![size],
+            InputSpec::Image { channels, height, width } => vec![channels, height, width],
+            InputSpec::Tokens { length, vocab } => vec![length, vocab],
+        };
+        if dims.contains(&0)
+            || dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).is_none_or(|n| n > 1 << 24)
+        {
+            return Err(invalid(format!("example shape {input:?} is empty or too large")));
+        }
+        let dir = PathBuf::from(storage_dir);
+        std::fs::create_dir_all(&dir).map_err(storage)?;
+        let state_path = dir.join("starling-state.json");
+        let mut state: ParticipantState = match std::fs::read(&state_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(storage)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => ParticipantState::default(),
+            Err(e) => return Err(storage(e)),
+        };
+        if credential.is_some() {
+            state.credential = credential;
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(storage)?;
+        let backend = backend::select(BackendChoice::Auto).map_err(|e| invalid(e.to_string()))?;
+        let status = DeviceStatus {
+            device_id: state.device_id.map(|d| d.0),
+            enrolled: state.credential.is_some(),
+            backend: backend.to_string(),
+            ..DeviceStatus::default()
+        };
+        let device = StarlingDevice {
+            runtime,
+            url: coordinator_url.trim_end_matches('/').to_owned(),
+            population,
+            state_path,
+            backend,
+            examples: Mutex::new(Examples::new(input)),
+            state: Mutex::new(state),
+            status: Mutex::new(status),
+            listener: Mutex::new(None),
+        };
+        device.save_state()?;
+        Ok(Arc::new(device))
+    }
+
+    /// Trades an operator-issued enrollment token for a credential (stored); the device id.
+    pub fn enroll(&self, enrollment_token: String) -> Result<i64, StarlingError> {
+        let mut participant =
+            self.participant(Examples::new(self.input()), Examples::new(self.input()));
+        let id = self.runtime.block_on(participant.enroll(&enrollment_token)).map_err(map_error)?;
+        *lock(&self.state) = participant.state().clone();
+        self.save_state()?;
+        let mut status = lock(&self.status);
+        status.device_id = Some(id.0);
+        status.enrolled = true;
+        Ok(id.0)
+    }
+
+    /// Adds examples: `labels.len()` of them, their features one after another in `features`.
+    /// Nothing is added if any example is invalid.
+    pub fn add_examples(&self, features: Vec<f32>, labels: Vec<u32>) -> Result<(), StarlingError> {
+        let width = Examples::width(self.input());
+        if labels.is_empty() || features.len() != labels.len() * width {
+            return Err(invalid(format!(
+                "{} labels need {} feature values ({width} each), got {}",
+                labels.len(),
+                labels.len() * width,
+                features.len()
+            )));
+        }
+        let mut batch = Examples::new(self.input());
+        for (i, (row, &label)) in features.chunks(width).zip(&labels).enumerate() {
+            batch.push(row, label).map_err(|e| invalid(format!("example {i}: {e}")))?;
+        }
+        let mut examples = lock(&self.examples);
+        examples.extend(&batch);
+        lock(&self.status).examples = examples.len() as u64;
+        Ok(())
+    }
+
+    /// Removes every example.
+    pub fn clear_examples(&self) {
+        *lock(&self.examples) = Examples::new(self.input());
+        lock(&self.status).examples = 0;
+    }
+
+    /// One participation: check in and, when selected, evaluate the global model on held-out
+    /// examples, train on the rest and upload the update. Blocks until done.
+    pub fn participate(&self) -> Result<ParticipationOutcome, StarlingError> {
+        let examples = lock(&self.examples).clone();
+        if examples.is_empty() {
+            return Err(StarlingError::NoExamples);
+        }
+        if lock(&self.state).credential.is_none() {
+            return Err(StarlingError::NotEnrolled);
+        }
+        let (train_set, holdout) = examples.split_holdout(HOLDOUT, 0);
+        let mut participant = self.participant(train_set, holdout);
+        let listener = lock(&self.listener).clone();
+        let progress = Box::new(move |p: ParticipantProgress| {
+            let Some(listener) = &listener else { return };
+            match p {
+                ParticipantProgress::Phase(phase) => listener.on_phase(phase_name(phase).into()),
+                ParticipantProgress::Step(s) => {
+                    listener.on_step(s.epoch, s.batch as u32, s.batches as u32, s.loss)
+                }
+            }
+        });
+        lock(&self.status).participations += 1;
+        let outcome = self.runtime.block_on(participant.participate(progress));
+        // The state (last evaluated model) advances even when the upload failed.
+        *lock(&self.state) = participant.state().clone();
+        self.save_state()?;
+        let outcome = outcome.map_err(map_error)?;
+        let mut status = lock(&self.status);
+        Ok(match outcome {
+            Outcome::ComeBackLater(after) => {
+                ParticipationOutcome::ComeBackLater { after_secs: after.as_secs().max(1) }
+            }
+            Outcome::Uploaded { run_id, round_idx, train_loss, evaluation } => {
+                status.uploads += 1;
+                status.last_train_loss = Some(train_loss);
+                if let Some(e) = evaluation {
+                    status.last_evaluation = Some(e.into());
+                }
+                ParticipationOutcome::Uploaded {
+                    run_id: run_id.0,
+                    round_idx: round_idx.0,
+                    train_loss,
+                    evaluation: evaluation.map(Into::into),
+                }
+            }
+            Outcome::RoundMissed { run_id, round_idx } => {
+                ParticipationOutcome::RoundMissed { run_id: run_id.0, round_idx: round_idx.0 }
+            }
+        })
+    }
+
+    /// Where the device stands.
+    pub fn status(&self) -> DeviceStatus {
+        lock(&self.status).clone()
+    }
+
+    /// The last evaluation of a global model on held-out examples, if any.
+    pub fn last_metrics(&self) -> Option<ModelMetrics> {
+        lock(&self.status).last_evaluation
+    }
+
+    /// The durable state (credential, last evaluated model) as JSON, for apps that keep it
+    /// elsewhere too.
+    pub fn export_state(&self) -> String {
+        serde_json::to_string(&*lock(&self.state)).expect("the state serializes")
+    }
+
+    /// Replaces the durable state with one from [`StarlingDevice::export_state`].
+    pub fn restore_state(&self, state_json: String) -> Result<(), StarlingError> {
+        let state: ParticipantState =
+            serde_json::from_str(&state_json).map_err(|e| invalid(format!("state: {e}")))?;
+        {
+            let mut status = lock(&self.status);
+            status.device_id = state.device_id.map(|d| d.0);
+            status.enrolled = state.credential.is_some();
+        }
+        *lock(&self.state) = state;
+        self.save_state()
+    }
+
+    /// Writes the durable state to the storage directory (done after every change anyway).
+    pub fn save_state(&self) -> Result<(), StarlingError> {
+        let json = self.export_state();
+        let tmp = self.state_path.with_extension("tmp");
+        std::fs::write(&tmp, json).map_err(storage)?;
+        std::fs::rename(&tmp, &self.state_path).map_err(storage)
+    }
+
+    /// Receives progress from now on (replacing any earlier listener).
+    pub fn set_progress_listener(&self, listener: Arc<dyn ProgressListener>) {
+        *lock(&self.listener) = Some(listener);
+    }
+}
+
+impl StarlingDevice {
+    fn input(&self) -> InputSpec {
+        lock(&self.examples).input()
+    }
+
+    fn participant(&self, train_set: Examples, holdout: Examples) -> Participant {
+        Participant::new(
+            &self.url,
+            &self.population,
+            train_set,
+            holdout,
+            self.backend.training_device(),
+        )
+        .restore(lock(&self.state).clone())
+    }
+}
+
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::CheckingIn => "checking_in",
+        Phase::Downloading => "downloading",
+        Phase::Evaluating => "evaluating",
+        Phase::Training => "training",
+        Phase::Uploading => "uploading",
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave half-written data behind them.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn invalid(message: String) -> StarlingError {
+    StarlingError::InvalidInput { message }
+}
+
+fn storage(e: impl std::fmt::Display) -> StarlingError {
+    StarlingError::Storage { message: e.to_string() }
+}
+
+fn map_error(e: ParticipantError) -> StarlingError {
+    match e {
+        ParticipantError::Protocol(c) if c.is_transient() => {
+            StarlingError::Unreachable { message: c.to_string() }
+        }
+        ParticipantError::Protocol(c) => StarlingError::Refused { message: c.to_string() },
+        ParticipantError::NotEnrolled => StarlingError::NotEnrolled,
+        ParticipantError::Train(TrainError::NoExamples) => StarlingError::NoExamples,
+        ParticipantError::Train(
+            e @ (TrainError::InputMismatch { .. } | TrainError::Label { .. }),
+        ) => invalid(e.to_string()),
+        ParticipantError::Train(e) => StarlingError::Training { message: e.to_string() },
+        e => StarlingError::Model { message: e.to_string() },
+    }
+}

@@ -1,0 +1,182 @@
+"""The FFI layer through UniFFI's Python bindings, against a live coordinator.
+
+`cargo xtask test` generates the bindings (`uniffi-bindgen generate --language python`), puts
+them and the library on PYTHONPATH, and runs this with the coordinator binary and the digits
+directory in STARLING_COORDINATOR_BIN and STARLING_DIGITS_DIR.
+"""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.request
+
+import starling_mobile as sm
+
+TOKEN = f"mobile-test-operator-{os.getpid()}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_idx(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+    return dims, data[4 + 4 * ndim :]
+
+
+def digits():
+    root = os.environ["STARLING_DIGITS_DIR"]
+    dims, pixels = read_idx(os.path.join(root, "digits-images-idx3-ubyte"))
+    _, labels = read_idx(os.path.join(root, "digits-labels-idx1-ubyte"))
+    width = dims[1] * dims[2]
+    features = [p / 16.0 for p in pixels]
+    return [features[i * width : (i + 1) * width] for i in range(dims[0])], list(labels)
+
+
+class Coordinator:
+    def __init__(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.url = f"http://127.0.0.1:{free_port()}"
+        db = f"sqlite://{self.dir.name}/db.sqlite"
+        env = dict(os.environ, STARLING_OPERATOR_TOKEN=TOKEN, RUST_LOG="warn")
+        self.proc = subprocess.Popen(
+            [os.environ["STARLING_COORDINATOR_BIN"], "serve", "--listen", self.url[7:], "--database-url", db],
+            env=env,
+        )
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/healthz")
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def admin(self, method, path, body=None):
+        req = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req) as res:
+            return json.loads(res.read() or "null")
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait()
+        self.dir.cleanup()
+
+
+class Phases(sm.ProgressListener):
+    def __init__(self):
+        self.phases, self.steps = [], 0
+
+    def on_phase(self, phase):
+        self.phases.append(phase)
+
+    def on_step(self, epoch, batch, batches, loss):
+        self.steps += 1
+
+
+SHAPE = sm.ExampleShape.IMAGE(channels=1, height=8, width=8)
+
+
+class MobileBindings(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Coordinator()
+        cls.features, cls.labels = digits()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+
+    def test_a_device_participates_and_the_global_model_improves(self):
+        spec = {
+            "input": {"kind": "image", "channels": 1, "height": 8, "width": 8},
+            "layers": [{"kind": "flatten"}, {"kind": "linear", "out": 32}, {"kind": "relu"}, {"kind": "linear", "out": 10}],
+        }
+        run = self.c.admin("POST", "/v1/admin/runs", {
+            "population": "phones",
+            "model": {"spec": spec, "init": {"kind": "seeded", "seed": 3}},
+            "training": {"epochs": 3, "batch_size": 10, "lr": 0.1},
+            "cohort_size": 1, "min_quorum": 1, "over_selection": 1.0,
+            "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": 4,
+        })
+        token = self.c.admin("POST", "/v1/admin/enrollment-tokens", {"uses": 1})["token"]
+        storage = tempfile.mkdtemp()
+        device = sm.StarlingDevice(self.c.url, "phones", None, storage, SHAPE)
+        device.add_examples(self.features[0], [self.labels[0]])
+        with self.assertRaises(sm.StarlingError.NotEnrolled):
+            device.participate()
+        device.clear_examples()
+        device_id = device.enroll(token)
+        self.assertTrue(device.status().enrolled)
+        flat = [v for row in self.features[:600] for v in row]
+        device.add_examples(flat, self.labels[:600])
+        listener = Phases()
+        device.set_progress_listener(listener)
+
+        accuracies = []
+        while len(accuracies) < 4:
+            outcome = device.participate()
+            if isinstance(outcome, sm.ParticipationOutcome.UPLOADED):
+                self.assertIsNotNone(outcome.evaluation)
+                accuracies.append(outcome.evaluation.accuracy)
+            else:
+                time.sleep(0.2)
+        self.assertEqual(device.status().uploads, 4)
+        self.assertIn("training", listener.phases)
+        self.assertGreater(listener.steps, 0)
+        # Each round's global model is evaluated on held-out examples before training: after
+        # three committed rounds it is far better than the initial one.
+        self.assertGreater(accuracies[-1], accuracies[0] + 0.3, accuracies)
+        self.assertEqual(device.last_metrics().accuracy, accuracies[-1])
+        status = self.c.admin("GET", f"/v1/admin/runs/{run['id']}")
+        self.assertGreaterEqual(status["rounds_committed"], 3)
+
+        # The credential survives a restart through the storage directory.
+        again = sm.StarlingDevice(self.c.url, "phones", None, storage, SHAPE)
+        self.assertEqual(again.status().device_id, device_id)
+        self.assertEqual(json.loads(again.export_state())["credential"], json.loads(device.export_state())["credential"])
+
+    def test_bad_input_raises_typed_errors(self):
+        storage = tempfile.mkdtemp()
+        device = sm.StarlingDevice(self.c.url, "nobody", "not-a-real-credential", storage, SHAPE)
+        with self.assertRaises(sm.StarlingError.NoExamples):
+            device.participate()
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.add_examples([0.0] * 63, [1])  # one value short
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.add_examples([float("nan")] * 64, [1])
+        self.assertEqual(device.status().examples, 0)
+        device.add_examples(self.features[0], [self.labels[0]])
+        with self.assertRaises(sm.StarlingError.Refused):
+            device.participate()  # the coordinator does not know this credential
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            sm.StarlingDevice("ftp://example", "p", None, storage, SHAPE)
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            sm.StarlingDevice(self.c.url, "p", None, storage, sm.ExampleShape.FEATURES(size=0))
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.restore_state("{not json")
+        # Nobody listens on this port.
+        gone = sm.StarlingDevice(f"http://127.0.0.1:{free_port()}", "p", "cred", tempfile.mkdtemp(), SHAPE)
+        gone.add_examples(self.features[0], [self.labels[0]])
+        with self.assertRaises(sm.StarlingError.Unreachable):
+            gone.participate()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
