@@ -92,7 +92,7 @@ impl fmt::Display for Backend {
             BackendKind::Wgpu { adapter, .. } => write!(f, "wgpu ({adapter})"),
             BackendKind::Cpu { fallback_reason: None } => write!(f, "cpu (flex)"),
             BackendKind::Cpu { fallback_reason: Some(why) } => {
-                write!(f, "cpu (flex; wgpu unavailable: {why})")
+                write!(f, "cpu (flex; {why})")
             }
         }
     }
@@ -112,8 +112,10 @@ pub fn select(choice: BackendChoice) -> Result<Backend, BackendError> {
                 Ok(b) if matches!(b.kind, BackendKind::Wgpu { software: false, .. }) => {
                     return Ok(b);
                 }
-                Ok(b) => format!("the only adapter is a software rasterizer ({b}); flex is faster"),
-                Err(why) => why,
+                Ok(b) => {
+                    format!("the only wgpu adapter is a software rasterizer, slower than flex: {b}")
+                }
+                Err(why) => format!("no wgpu adapter: {why}"),
             };
             tracing::info!(%why, "training on the CPU backend");
             Ok(cpu(Some(why)))

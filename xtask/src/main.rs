@@ -182,16 +182,12 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
             eprintln!("==> npm not found: running without the dashboard");
             None
         };
+    // The whole workspace's binaries: the same feature set as `cargo xtask test`, so one build
+    // serves both commands (building two packages alone resolves burn's features differently
+    // and rebuilds it).
     step(
         "build",
-        Command::new(&cargo).current_dir(&root).args([
-            "build",
-            "-q",
-            "-p",
-            "starling-coordinator",
-            "-p",
-            "starling-client",
-        ]),
+        Command::new(&cargo).current_dir(&root).args(["build", "-q", "--workspace", "--bins"]),
     )?;
     let target = target_dir(&root).join("debug");
     let data = root.join("starling-data").join("demo");
@@ -237,6 +233,7 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
     if !extra.iter().any(|a| a.starts_with("--data-dir")) {
         simulate.arg("--data-dir").arg(root.join("client-sdk").join("data"));
     }
+    wgpu_env(&mut simulate)?;
     let status = simulate.args(extra).env("STARLING_OPERATOR_TOKEN", &token).status();
     // Someone at a terminal may still be looking at the dashboard: keep it up until they're done.
     if dashboard.is_some() && std::io::stdin().is_terminal() {
