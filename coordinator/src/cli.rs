@@ -45,6 +45,16 @@ enum Command {
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
+    /// Exit 0 when the coordinator at --url answers /healthz with 200 (its store is reachable);
+    /// the container's HEALTHCHECK.
+    Healthcheck(HealthcheckArgs),
+}
+
+#[derive(Debug, Args)]
+struct HealthcheckArgs {
+    /// Address the coordinator listens on.
+    #[arg(long, env = "STARLING_LISTEN", default_value = DEFAULT_LISTEN)]
+    listen: SocketAddr,
 }
 
 #[derive(Debug, Args)]
@@ -136,6 +146,40 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// Ctrl-C, or SIGTERM (what `docker stop` and Kubernetes send).
+async fn shutdown_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        res = tokio::signal::ctrl_c() => res.context("waiting for ctrl-c"),
+        _ = term.recv() => Ok(()),
+    }
+}
+
+/// `GET /healthz` over plain HTTP/1.1, without an HTTP client dependency.
+fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    // A wildcard listen address is reached on loopback.
+    let mut addr = listen;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let timeout = std::time::Duration::from_secs(5);
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    let request = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).with_context(|| format!("asking {addr}"))?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).with_context(|| format!("reading {addr}'s answer"))?;
+    let status = String::from_utf8_lossy(&answer).lines().next().unwrap_or_default().to_owned();
+    if status.split_whitespace().nth(1) == Some("200") {
+        Ok(())
+    } else {
+        bail!("{addr}/healthz answered {status:?}")
+    }
+}
+
 /// The binary's entry point.
 pub fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -150,11 +194,12 @@ pub fn main() -> anyhow::Result<()> {
                 let config = resolve(args)?;
                 tracing::info!(listen = %config.listen, database = %crate::store::redact(&config.database_url), "starting");
                 let running = crate::start(config).await.context("starting the coordinator")?;
-                tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+                shutdown_signal().await?;
                 tracing::info!("shutting down");
                 running.shutdown().await?;
                 Ok(())
             }
+            Command::Healthcheck(args) => healthcheck(args.listen),
             Command::Migrate(args) => {
                 crate::store::SqlStore::connect(&args.database_url, true).await.context("migrating")?;
                 tracing::info!("migrations applied");

@@ -42,6 +42,8 @@ fn test() -> anyhow::Result<()> {
         Err(_) => ensure_postgres()?,
     };
     ensure_software_vulkan()?;
+    // The container test serves the built dashboard, as the image does.
+    build_dashboard(&repo_root()?.join("web-dashboard"))?;
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     step("format", Command::new(&cargo).args(["fmt", "--all", "--", "--check"]))?;
     step(
@@ -123,7 +125,6 @@ fn dashboard_tests(cargo: &str) -> anyhow::Result<()> {
         apt_install("chromium")?;
     }
     let web = root.join("web-dashboard");
-    build_dashboard(&web)?;
     // The same targets (and so the same feature set) the test run just built: nothing rebuilds.
     step(
         "build the binaries",

@@ -1,0 +1,152 @@
+//! The coordinator's container without a container engine (this machine has none): the
+//! Dockerfile is read, its build command runs here, and the release binary is started with the
+//! final image's environment, entrypoint and command against a fresh Postgres database, its
+//! HEALTHCHECK command is run, and `docker stop`'s SIGTERM ends it cleanly.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use starling_client::protocol::AdminClient;
+use starling_tests::{OPERATOR_TOKEN, free_addr, pg_url};
+
+/// What the Dockerfile says, in the parts this test replays.
+struct Image {
+    build: Vec<String>,
+    env: Vec<(String, String)>,
+    entrypoint: Vec<String>,
+    healthcheck: Vec<String>,
+}
+
+fn json_words(text: &str) -> Vec<String> {
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not a JSON array: {text}: {e}"))
+}
+
+fn read_dockerfile(path: &Path) -> Image {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut image = Image { build: vec![], env: vec![], entrypoint: vec![], healthcheck: vec![] };
+    let mut stage = 0;
+    let mut cmd = vec![];
+    for line in text.lines().map(str::trim) {
+        if line.starts_with("FROM ") {
+            stage += 1;
+            image.env.clear();
+        } else if let Some(run) = line.strip_prefix("RUN cargo build") {
+            assert_eq!(stage, 1, "the build stage comes first");
+            image.build = run.split_whitespace().map(str::to_owned).collect();
+        } else if let Some(env) = line.strip_prefix("ENV ") {
+            let (k, v) = env.split_once('=').expect("ENV KEY=value");
+            image.env.push((k.to_owned(), v.to_owned()));
+        } else if let Some(e) = line.strip_prefix("ENTRYPOINT ") {
+            image.entrypoint = json_words(e);
+        } else if let Some(c) = line.strip_prefix("CMD ") {
+            cmd = json_words(c);
+        } else if let Some(h) = line.strip_prefix("HEALTHCHECK ") {
+            let (_, c) = h.split_once("CMD ").expect("HEALTHCHECK ... CMD [...]");
+            image.healthcheck = json_words(c);
+        }
+    }
+    assert!(!image.build.is_empty() && !image.entrypoint.is_empty() && !cmd.is_empty());
+    image.entrypoint.extend(cmd);
+    image
+}
+
+fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => dir.into(),
+        // This test binary is target/debug/deps/container-*.
+        None => std::env::current_exe().unwrap().ancestors().nth(3).unwrap().to_owned(),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_container_entrypoint_serves_against_postgres(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let image = read_dockerfile(&root.join("Dockerfile"));
+
+    // The image's build, to the letter (`cargo build` + the Dockerfile's flags).
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = tokio::process::Command::new(cargo)
+        .arg("build")
+        .args(&image.build)
+        .current_dir(root)
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "the image's cargo build failed");
+    let bin_dir = target_dir().join("release");
+
+    // The final stage's environment; paths inside the image map to where this checkout has them,
+    // and the port to a free one (a container's port is remapped anyway).
+    let listen = free_addr();
+    let mut env: Vec<(String, String)> = image
+        .env
+        .iter()
+        .map(|(k, v)| {
+            let v = match k.as_str() {
+                "STARLING_LISTEN" => {
+                    assert!(v.starts_with("0.0.0.0:"), "the image listens on all interfaces");
+                    format!("0.0.0.0:{}", listen.port())
+                }
+                "STARLING_DASHBOARD_DIR" => {
+                    assert_eq!(v, "/usr/share/starling/dashboard");
+                    let dist = root.join("web-dashboard").join("dist");
+                    assert!(
+                        dist.join("index.html").exists(),
+                        "cargo xtask test builds the dashboard first"
+                    );
+                    dist.display().to_string()
+                }
+                _ => v.clone(),
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    // What compose.yaml (the deployment) adds.
+    env.push(("STARLING_DATABASE_URL".into(), pg_url(&opts)));
+    env.push(("STARLING_OPERATOR_TOKEN".into(), OPERATOR_TOKEN.into()));
+    let run = |words: &[String]| {
+        let mut cmd = tokio::process::Command::new(bin_dir.join(&words[0]));
+        cmd.args(&words[1..]).env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        cmd
+    };
+    assert_eq!(image.entrypoint, ["starling-coordinator", "serve"]);
+    let logs = tempfile::NamedTempFile::new().unwrap();
+    let mut coordinator =
+        run(&image.entrypoint).stderr(logs.reopen().unwrap()).kill_on_drop(true).spawn().unwrap();
+
+    // The HEALTHCHECK turns healthy once the coordinator serves (migrations ran at start).
+    let mut healthy = false;
+    for _ in 0..100 {
+        if run(&image.healthcheck).status().await.unwrap().success() {
+            healthy = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(healthy, "the healthcheck never passed");
+    let url = format!("http://127.0.0.1:{}", listen.port());
+    let admin = AdminClient::new(&url, OPERATOR_TOKEN);
+    let plan = serde_json::json!({
+        "model": {"schema": {"tensors": [{"name": "w", "shape": [4], "dtype": "f32"}]}, "init": {"kind": "zeros"}},
+        "cohort_size": 1, "rounds": 1,
+    });
+    assert_eq!(admin.create_run(&plan).await.unwrap().id, 1, "the schema was migrated at start");
+    let dashboard = reqwest::get(format!("{url}/dashboard/")).await.unwrap();
+    assert_eq!(dashboard.status(), reqwest::StatusCode::OK);
+
+    // `docker stop`: SIGTERM, and a clean exit well before the 10 s grace period.
+    let pid = coordinator.id().unwrap();
+    let kill = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    assert!(kill.unwrap().success());
+    let exit = tokio::time::timeout(Duration::from_secs(10), coordinator.wait()).await;
+    assert!(exit.expect("still running 10 s after SIGTERM").unwrap().success());
+    assert!(!run(&image.healthcheck).status().await.unwrap().success());
+    // The image logs JSON lines.
+    let text = std::fs::read_to_string(logs.path()).unwrap();
+    let first = text.lines().next().expect("the coordinator logged");
+    assert!(serde_json::from_str::<serde_json::Value>(first).is_ok(), "not JSON: {first}");
+}
