@@ -77,6 +77,30 @@ struct ServeArgs {
     /// Serve the built web dashboard (web-dashboard/dist) from here at /dashboard/.
     #[arg(long, env = "STARLING_DASHBOARD_DIR")]
     dashboard_dir: Option<PathBuf>,
+    /// Fleet requests per second allowed per device, as RATE/BURST (`off` for none).
+    #[arg(long, env = "STARLING_DEVICE_RATE_LIMIT", default_value = "10/30")]
+    device_rate_limit: String,
+    /// Fleet requests per second allowed per client IP, as RATE/BURST (`off` for none).
+    #[arg(long, env = "STARLING_IP_RATE_LIMIT", default_value = "off")]
+    ip_rate_limit: String,
+}
+
+/// `RATE/BURST` or `off`.
+fn parse_rate(flag: &str, text: &str) -> anyhow::Result<Option<crate::http::limits::RateLimit>> {
+    if text == "off" {
+        return Ok(None);
+    }
+    let parsed = text
+        .split_once('/')
+        .and_then(|(r, b)| Some((r.parse::<f64>().ok()?, b.parse::<f64>().ok()?)));
+    match parsed {
+        Some((per_sec, burst))
+            if per_sec > 0.0 && per_sec.is_finite() && burst >= 1.0 && burst.is_finite() =>
+        {
+            Ok(Some(crate::http::limits::RateLimit { per_sec, burst }))
+        }
+        _ => bail!("--{flag} {text:?}: expected RATE/BURST with RATE > 0 and BURST >= 1, or off"),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -133,7 +157,11 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     {
         bail!("--dashboard-dir {} holds no index.html: build the dashboard first", dir.display());
     }
-    Ok(ServeConfig { listen, database_url, operator_token, migrate, dashboard_dir })
+    let limits = crate::http::Limits {
+        device: parse_rate("device-rate-limit", &args.device_rate_limit)?,
+        ip: parse_rate("ip-rate-limit", &args.ip_rate_limit)?,
+    };
+    Ok(ServeConfig { listen, database_url, operator_token, migrate, dashboard_dir, limits })
 }
 
 fn init_tracing(format: LogFormat) {

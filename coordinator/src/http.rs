@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod error;
 pub mod fleet;
+pub mod limits;
 pub mod live;
 
 use std::collections::{HashMap, VecDeque};
@@ -36,6 +37,7 @@ use error::{ErrorFormat, render_errors};
 use crate::driver::DriverHandle;
 use crate::observe::Observer;
 use crate::store::SqlStore;
+use limits::{Limiter, RateLimit};
 
 /// State shared by every handler.
 #[derive(Clone)]
@@ -51,6 +53,26 @@ struct Inner {
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     models: Mutex<VecDeque<(String, Bytes)>>,
     uploads: Arc<Semaphore>,
+    device_limiter: Option<Limiter<DeviceId>>,
+    ip_limiter: Option<Limiter<std::net::IpAddr>>,
+}
+
+/// Request rate limits; `None` turns one off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// Per authenticated device, on every fleet call.
+    pub device: Option<RateLimit>,
+    /// Per client IP address, on every fleet call (enrollment included). Fleets behind
+    /// carrier-grade NAT share addresses: size it for the largest such group.
+    pub ip: Option<RateLimit>,
+}
+
+impl Default for Limits {
+    /// A device makes a handful of calls per round: 10/s with bursts of 30 never touches a
+    /// well-behaved one. No per-IP limit unless configured.
+    fn default() -> Self {
+        Limits { device: Some(RateLimit { per_sec: 10.0, burst: 30.0 }), ip: None }
+    }
 }
 
 /// Uploads processed at once (body, decoded copy and store write each hold a model's worth of
@@ -68,6 +90,7 @@ impl AppState {
         store: SqlStore,
         observer: Observer,
         operator_token: &str,
+        limits: Limits,
     ) -> Self {
         AppState {
             inner: Arc::new(Inner {
@@ -78,12 +101,18 @@ impl AppState {
                 plans: Mutex::new(HashMap::new()),
                 models: Mutex::new(VecDeque::new()),
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
+                device_limiter: limits.device.map(Limiter::new),
+                ip_limiter: limits.ip.map(Limiter::new),
             }),
         }
     }
 
     fn store(&self) -> &SqlStore {
         &self.inner.store
+    }
+
+    fn ip_limiter(&self) -> Option<&Limiter<std::net::IpAddr>> {
+        self.inner.ip_limiter.as_ref()
     }
 
     fn observer(&self) -> &Observer {
@@ -151,6 +180,7 @@ impl AppState {
 /// The whole application.
 pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Router {
     let fleet = fleet::routes()
+        .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
     let admin = admin::routes()
         .merge(live::routes(dashboard_dir))
@@ -202,10 +232,16 @@ impl FromRequestParts<AppState> for DeviceAuth {
         let credential =
             bearer(parts).ok_or_else(|| ApiError::unauthorized("missing bearer credential"))?;
         let hash = hex::encode(sha256(credential.as_bytes()));
-        match state.store().device_by_credential(&hash).await? {
-            Some(device) => Ok(DeviceAuth(device)),
-            None => Err(ApiError::unauthorized("unknown or revoked device credential")),
+        let device = match state.store().device_by_credential(&hash).await? {
+            Some(device) => device,
+            None => return Err(ApiError::unauthorized("unknown or revoked device credential")),
+        };
+        if let Some(limiter) = &state.inner.device_limiter
+            && let Err(wait) = limiter.check(device, std::time::Instant::now())
+        {
+            return Err(ApiError::rate_limited(wait, "this device"));
         }
+        Ok(DeviceAuth(device))
     }
 }
 

@@ -36,6 +36,8 @@ pub struct ServeConfig {
     pub migrate: bool,
     /// The built dashboard to serve at `/dashboard/`, if any.
     pub dashboard_dir: Option<std::path::PathBuf>,
+    /// Request rate limits.
+    pub limits: http::Limits,
 }
 
 /// Why the coordinator could not start or stopped.
@@ -94,7 +96,7 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     let observer = observe::Observer::new();
     let (driver, handle) = Driver::recover(store.clone(), observer.clone()).await?;
     tokio::spawn(driver.run());
-    let state = http::AppState::new(handle, store, observer, &config.operator_token);
+    let state = http::AppState::new(handle, store, observer, &config.operator_token, config.limits);
     let app = http::router(state, config.dashboard_dir.as_deref())
         .layer(tower_http::trace::TraceLayer::new_for_http());
     let listener = TcpListener::bind(config.listen)
@@ -121,5 +123,7 @@ async fn serve_until(
     app: axum::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    // Peer addresses feed the per-IP rate limit.
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await.map_err(ServeError::Serve)
 }

@@ -92,6 +92,8 @@ pub enum ErrorCode {
     Unavailable,
     /// An internal error; details are in the server's log.
     Internal,
+    /// Too many requests from this device or address; retry after the `Retry-After` header.
+    RateLimited,
 }
 
 impl ErrorCode {
@@ -114,6 +116,7 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
+            ErrorCode::RateLimited => "rate_limited",
         }
     }
 }

@@ -49,12 +49,21 @@ pub struct InProcess {
 
 /// Starts a coordinator in-process on `database_url`.
 pub async fn start_in_process(database_url: &str) -> anyhow::Result<InProcess> {
+    start_in_process_with(database_url, Default::default()).await
+}
+
+/// Starts a coordinator in-process on `database_url` with these rate limits.
+pub async fn start_in_process_with(
+    database_url: &str,
+    limits: starling_coordinator::http::Limits,
+) -> anyhow::Result<InProcess> {
     let running = starling_coordinator::start(ServeConfig {
         listen: "127.0.0.1:0".parse().expect("loopback parses"),
         database_url: database_url.to_owned(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         migrate: true,
         dashboard_dir: None,
+        limits,
     })
     .await?;
     let url = running.url();

@@ -710,3 +710,80 @@ fn metric(text: &str, series: &str) -> f64 {
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
 }
+
+/// Per-device and per-IP rate limits: over the limit a call gets 429 with `Retry-After` and a
+/// `rate_limited` code, nothing else is done, other devices are unaffected, and after waiting
+/// the device is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_answer_429_and_recover() {
+    use starling_coordinator::http::Limits;
+    use starling_coordinator::http::limits::RateLimit;
+    let (_dir, db) = sqlite_db();
+    let limits = Limits { device: Some(RateLimit { per_sec: 2.0, burst: 3.0 }), ip: None };
+    let c = start_in_process_with(&db, limits).await.unwrap();
+    let http = reqwest::Client::new();
+    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+    let enroll = || async {
+        let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();
+        let res = http
+            .post(format!("{}/v1/enroll", c.url))
+            .header("content-type", wire::CBOR_MEDIA_TYPE)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        wire::decode::<wire::EnrollResponse>(&res.bytes().await.unwrap()).unwrap().credential
+    };
+    let (a, b) = (enroll().await, enroll().await);
+    let check_in = |credential: String| {
+        let http = http.clone();
+        let url = format!("{}/v1/check-in", c.url);
+        async move {
+            let body =
+                wire::to_vec(&wire::CheckInRequest { population: "default".into() }).unwrap();
+            http.post(url)
+                .bearer_auth(credential)
+                .header("content-type", wire::CBOR_MEDIA_TYPE)
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    for _ in 0..3 {
+        assert_eq!(check_in(a.clone()).await.status(), StatusCode::OK);
+    }
+    let limited = check_in(a.clone()).await;
+    assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = limited.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=2).contains(&retry_after), "Retry-After {retry_after}");
+    let body: ErrorBody = wire::decode(&limited.bytes().await.unwrap()).unwrap();
+    assert_eq!(body.code, ErrorCode::RateLimited);
+    // Another device has its own allowance.
+    assert_eq!(check_in(b.clone()).await.status(), StatusCode::OK);
+    tokio::time::sleep(std::time::Duration::from_secs(retry_after)).await;
+    assert_eq!(check_in(a.clone()).await.status(), StatusCode::OK);
+    c.running.shutdown().await.unwrap();
+
+    // Per IP: every fleet call from this address counts, enrollment attempts included.
+    let (_dir2, db2) = sqlite_db();
+    let limits = Limits { device: None, ip: Some(RateLimit { per_sec: 0.5, burst: 4.0 }) };
+    let c = start_in_process_with(&db2, limits).await.unwrap();
+    let bad_enroll = || {
+        let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: "nope".into() }).unwrap();
+        http.post(format!("{}/v1/enroll", c.url))
+            .header("content-type", wire::CBOR_MEDIA_TYPE)
+            .body(body)
+            .send()
+    };
+    for _ in 0..4 {
+        assert_eq!(bad_enroll().await.unwrap().status(), StatusCode::UNAUTHORIZED);
+    }
+    let limited = bad_enroll().await.unwrap();
+    assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(limited.headers().contains_key("retry-after"));
+    // The operator's API is not throttled by the fleet's limit.
+    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    c.running.shutdown().await.unwrap();
+}

@@ -22,12 +22,24 @@ use crate::store::StoreError;
 pub struct ApiError {
     status: StatusCode,
     body: ErrorBody,
+    retry_after: Option<std::time::Duration>,
 }
 
 impl ApiError {
     /// An error with an explicit status and code.
     pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
-        ApiError { status, body: ErrorBody { code, message: message.into() } }
+        ApiError { status, body: ErrorBody { code, message: message.into() }, retry_after: None }
+    }
+
+    /// 429 with `Retry-After` (whole seconds, rounded up).
+    pub fn rate_limited(wait: std::time::Duration, who: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::RateLimited,
+            format!("too many requests from {who}; retry in {:.1} s", wait.as_secs_f64()),
+        );
+        e.retry_after = Some(wait);
+        e
     }
 
     /// 400 malformed body.
@@ -78,6 +90,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut res = self.status.into_response();
+        if let Some(wait) = self.retry_after {
+            let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         res.extensions_mut().insert(self.body);
         res
     }

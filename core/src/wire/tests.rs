@@ -61,6 +61,7 @@ fn error_code_names_match_their_wire_form() {
         Conflict,
         Unavailable,
         Internal,
+        RateLimited,
     ] {
         assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{}\"", code.as_str()));
     }
