@@ -155,27 +155,14 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
         holdout,
         backend.training_device(),
     );
-    let saved: Option<ParticipantState> = match std::fs::read(&args.state) {
-        Ok(bytes) => Some(serde_json::from_slice(&bytes).with_context(|| {
-            format!("{} is not a Starling device state file", args.state.display())
-        })?),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(e).context(format!("reading {}", args.state.display())),
-    };
-    let save = |state: &ParticipantState| -> anyhow::Result<()> {
-        // Written aside and renamed, so a crash never leaves half a credential.
-        let tmp = args.state.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-        std::fs::rename(&tmp, &args.state).context(format!("writing {}", args.state.display()))
-    };
-    match saved.filter(|s| s.credential.is_some()) {
+    match ParticipantState::load(&args.state)?.filter(|s| s.credential.is_some()) {
         Some(state) => device = device.restore(state),
         None => {
             let token = args.enrollment_token.as_deref().context(
                 "this device is not enrolled yet: pass --enrollment-token (or STARLING_ENROLLMENT_TOKEN)",
             )?;
             let id = device.enroll(token).await?;
-            save(device.state())?;
+            device.state().save(&args.state)?;
             println!("enrolled as device {id}; credential saved in {}", args.state.display());
         }
     }
@@ -208,7 +195,7 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
             }
             Err(e) => return Err(e.into()),
         }
-        save(device.state())?;
+        device.state().save(&args.state)?;
     }
     Ok(())
 }

@@ -9,6 +9,7 @@
 //! declarative spec (a new model needs no app release); a Rust app may bring its own burn module
 //! with [`OwnModule`]. Either way the module's schema must equal the task's before anything runs.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,6 +54,14 @@ pub enum ParticipantError {
     /// The participant is not enrolled.
     #[error("not enrolled: call enroll first")]
     NotEnrolled,
+    /// The saved state could not be read or written.
+    #[error("state file {path}: {why}")]
+    StateFile {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        why: String,
+    },
 }
 
 /// What a participation did.
@@ -203,6 +212,34 @@ pub struct ParticipantState {
     pub credential: Option<String>,
     /// The last model version evaluated, so it is reported once.
     pub last_evaluated: Option<(RunId, ModelVersion)>,
+}
+
+impl ParticipantState {
+    /// Reads a state file written by [`ParticipantState::save`]; `None` when there is none yet.
+    pub fn load(path: &Path) -> Result<Option<Self>, ParticipantError> {
+        let fail =
+            |why: String| ParticipantError::StateFile { path: path.display().to_string(), why };
+        match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| fail(format!("not a Starling device state file: {e}"))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(fail(e.to_string())),
+        }
+    }
+
+    /// Writes the state to `path`: aside first, then renamed, so a crash never leaves half a
+    /// credential behind.
+    pub fn save(&self, path: &Path) -> Result<(), ParticipantError> {
+        let fail = |e: std::io::Error| ParticipantError::StateFile {
+            path: path.display().to_string(),
+            why: e.to_string(),
+        };
+        let json = serde_json::to_vec_pretty(self).expect("the state serializes");
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, json).map_err(fail)?;
+        std::fs::rename(&tmp, path).map_err(fail)
+    }
 }
 
 /// A device taking part in training.

@@ -701,6 +701,7 @@ impl CloseTask {
         } = self;
         let round_idx = closing.round_idx;
         let closing_started = std::time::Instant::now();
+        let open_ms = closing.closed_at - opened_at;
         let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
         let committed = match (closing.outcome, aggregate) {
             (RoundOutcome::Commit, Ok(aggregate)) => {
@@ -732,7 +733,7 @@ impl CloseTask {
                             round_idx,
                             "committed",
                             closing.n_dropped,
-                            closing.closed_at - opened_at,
+                            open_ms,
                             Some(closing_started.elapsed().as_secs_f64() * 1e3),
                         );
                         tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
@@ -742,7 +743,6 @@ impl CloseTask {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
                         retry_store("fail round", run_id, || store.fail_round(run_id, closing))
                             .await;
-                        let open_ms = closing.closed_at - opened_at;
                         observer.round_closed(
                             run_id,
                             round_idx,
@@ -758,7 +758,6 @@ impl CloseTask {
             (outcome, _) => {
                 tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
                 retry_store("fail round", run_id, || store.fail_round(run_id, closing)).await;
-                let open_ms = closing.closed_at - opened_at;
                 observer.round_closed(
                     run_id,
                     round_idx,

@@ -251,13 +251,17 @@ impl Observer {
         self.publish(LiveEvent::Run { run_id: run_id.0, state: state.to_owned() });
     }
 
-    /// A round opened.
-    pub fn round_opened(&self, run_id: RunId, round_idx: RoundIdx) {
+    fn publish_round(&self, run_id: RunId, round_idx: RoundIdx, state: &str) {
         self.publish(LiveEvent::Round {
             run_id: run_id.0,
             round_idx: round_idx.0,
-            state: "open".into(),
+            state: state.to_owned(),
         });
+    }
+
+    /// A round opened.
+    pub fn round_opened(&self, run_id: RunId, round_idx: RoundIdx) {
+        self.publish_round(run_id, round_idx, "open");
     }
 
     /// A round closed with `outcome` (`committed`, `too_few_selected`, ...) after `open_ms`
@@ -281,22 +285,14 @@ impl Observer {
             phase("aggregation").observe(ms / 1e3);
         }
         let state = if outcome == "committed" { "committed" } else { "failed" };
-        self.publish(LiveEvent::Round {
-            run_id: run_id.0,
-            round_idx: round_idx.0,
-            state: state.into(),
-        });
+        self.publish_round(run_id, round_idx, state);
     }
 
     /// A run was stopped with `round_idx` open; the round fails.
     pub fn round_stopped(&self, run_id: RunId, round_idx: RoundIdx) {
         let m = &self.inner.metrics;
         m.rounds.get_or_create(&OutcomeLabel { outcome: "stopped".to_owned() }).inc();
-        self.publish(LiveEvent::Round {
-            run_id: run_id.0,
-            round_idx: round_idx.0,
-            state: "failed".into(),
-        });
+        self.publish_round(run_id, round_idx, "failed");
     }
 
     /// A device was selected.

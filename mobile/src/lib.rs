@@ -149,7 +149,7 @@ pub enum ParticipationOutcome {
 }
 
 /// Where the device stands.
-#[derive(Debug, Clone, Default, uniffi::Record)]
+#[derive(Debug, Clone, uniffi::Record)]
 pub struct DeviceStatus {
     /// The device id, once enrolled.
     pub device_id: Option<i64>,
@@ -188,8 +188,18 @@ pub struct StarlingDevice {
     backend: Backend,
     examples: Mutex<Examples>,
     state: Mutex<ParticipantState>,
-    status: Mutex<DeviceStatus>,
+    activity: Mutex<Activity>,
     listener: Mutex<Option<Arc<dyn ProgressListener>>>,
+}
+
+/// What the device did since it was created; the rest of [`DeviceStatus`] is read from the
+/// state and the example store when asked.
+#[derive(Debug, Default)]
+struct Activity {
+    participations: u64,
+    uploads: u64,
+    last_train_loss: Option<f64>,
+    last_evaluation: Option<ModelMetrics>,
 }
 
 /// Held out of the app's examples to evaluate each global model.
@@ -225,11 +235,7 @@ impl StarlingDevice {
         let dir = PathBuf::from(storage_dir);
         std::fs::create_dir_all(&dir).map_err(storage)?;
         let state_path = dir.join("starling-state.json");
-        let mut state: ParticipantState = match std::fs::read(&state_path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(storage)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => ParticipantState::default(),
-            Err(e) => return Err(storage(e)),
-        };
+        let mut state = ParticipantState::load(&state_path).map_err(storage)?.unwrap_or_default();
         if credential.is_some() {
             state.credential = credential;
         }
@@ -239,12 +245,6 @@ impl StarlingDevice {
             .build()
             .map_err(storage)?;
         let backend = backend::select(BackendChoice::Auto).map_err(|e| invalid(e.to_string()))?;
-        let status = DeviceStatus {
-            device_id: state.device_id.map(|d| d.0),
-            enrolled: state.credential.is_some(),
-            backend: backend.to_string(),
-            ..DeviceStatus::default()
-        };
         let device = StarlingDevice {
             runtime,
             url: coordinator_url.trim_end_matches('/').to_owned(),
@@ -253,7 +253,7 @@ impl StarlingDevice {
             backend,
             examples: Mutex::new(Examples::new(input)),
             state: Mutex::new(state),
-            status: Mutex::new(status),
+            activity: Mutex::default(),
             listener: Mutex::new(None),
         };
         device.save_state()?;
@@ -267,9 +267,6 @@ impl StarlingDevice {
         let id = self.runtime.block_on(participant.enroll(&enrollment_token)).map_err(map_error)?;
         *lock(&self.state) = participant.state().clone();
         self.save_state()?;
-        let mut status = lock(&self.status);
-        status.device_id = Some(id.0);
-        status.enrolled = true;
         Ok(id.0)
     }
 
@@ -289,16 +286,13 @@ impl StarlingDevice {
         for (i, (row, &label)) in features.chunks(width).zip(&labels).enumerate() {
             batch.push(row, label).map_err(|e| invalid(format!("example {i}: {e}")))?;
         }
-        let mut examples = lock(&self.examples);
-        examples.extend(&batch);
-        lock(&self.status).examples = examples.len() as u64;
+        lock(&self.examples).extend(&batch);
         Ok(())
     }
 
     /// Removes every example.
     pub fn clear_examples(&self) {
         *lock(&self.examples) = Examples::new(self.input());
-        lock(&self.status).examples = 0;
     }
 
     /// One participation: check in and, when selected, evaluate the global model on held-out
@@ -323,22 +317,22 @@ impl StarlingDevice {
                 }
             }
         });
-        lock(&self.status).participations += 1;
+        lock(&self.activity).participations += 1;
         let outcome = self.runtime.block_on(participant.participate(progress));
         // The state (last evaluated model) advances even when the upload failed.
         *lock(&self.state) = participant.state().clone();
         self.save_state()?;
         let outcome = outcome.map_err(map_error)?;
-        let mut status = lock(&self.status);
+        let mut activity = lock(&self.activity);
         Ok(match outcome {
             Outcome::ComeBackLater(after) => {
                 ParticipationOutcome::ComeBackLater { after_secs: after.as_secs().max(1) }
             }
             Outcome::Uploaded { run_id, round_idx, train_loss, evaluation } => {
-                status.uploads += 1;
-                status.last_train_loss = Some(train_loss);
+                activity.uploads += 1;
+                activity.last_train_loss = Some(train_loss);
                 if let Some(e) = evaluation {
-                    status.last_evaluation = Some(e.into());
+                    activity.last_evaluation = Some(e.into());
                 }
                 ParticipationOutcome::Uploaded {
                     run_id: run_id.0,
@@ -355,12 +349,26 @@ impl StarlingDevice {
 
     /// Where the device stands.
     pub fn status(&self) -> DeviceStatus {
-        lock(&self.status).clone()
+        let (device_id, enrolled) = {
+            let state = lock(&self.state);
+            (state.device_id.map(|d| d.0), state.credential.is_some())
+        };
+        let activity = lock(&self.activity);
+        DeviceStatus {
+            device_id,
+            enrolled,
+            examples: lock(&self.examples).len() as u64,
+            participations: activity.participations,
+            uploads: activity.uploads,
+            backend: self.backend.to_string(),
+            last_train_loss: activity.last_train_loss,
+            last_evaluation: activity.last_evaluation,
+        }
     }
 
     /// The last evaluation of a global model on held-out examples, if any.
     pub fn last_metrics(&self) -> Option<ModelMetrics> {
-        lock(&self.status).last_evaluation
+        lock(&self.activity).last_evaluation
     }
 
     /// The durable state (credential, last evaluated model) as JSON, for apps that keep it
@@ -373,21 +381,13 @@ impl StarlingDevice {
     pub fn restore_state(&self, state_json: String) -> Result<(), StarlingError> {
         let state: ParticipantState =
             serde_json::from_str(&state_json).map_err(|e| invalid(format!("state: {e}")))?;
-        {
-            let mut status = lock(&self.status);
-            status.device_id = state.device_id.map(|d| d.0);
-            status.enrolled = state.credential.is_some();
-        }
         *lock(&self.state) = state;
         self.save_state()
     }
 
     /// Writes the durable state to the storage directory (done after every change anyway).
     pub fn save_state(&self) -> Result<(), StarlingError> {
-        let json = self.export_state();
-        let tmp = self.state_path.with_extension("tmp");
-        std::fs::write(&tmp, json).map_err(storage)?;
-        std::fs::rename(&tmp, &self.state_path).map_err(storage)
+        lock(&self.state).save(&self.state_path).map_err(storage)
     }
 
     /// Receives progress from now on (replacing any earlier listener).
@@ -443,6 +443,7 @@ fn map_error(e: ParticipantError) -> StarlingError {
         }
         ParticipantError::Protocol(c) => StarlingError::Refused { message: c.to_string() },
         ParticipantError::NotEnrolled => StarlingError::NotEnrolled,
+        e @ ParticipantError::StateFile { .. } => storage(e),
         ParticipantError::Train(TrainError::NoExamples) => StarlingError::NoExamples,
         ParticipantError::Train(
             e @ (TrainError::InputMismatch { .. } | TrainError::Label { .. }),
