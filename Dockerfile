@@ -26,6 +26,9 @@ WORKDIR /var/lib/starling
 ENV STARLING_LISTEN=0.0.0.0:8080
 ENV STARLING_DASHBOARD_DIR=/usr/share/starling/dashboard
 ENV STARLING_LOG_FORMAT=json
+# TLS is on: the deployment mounts the certificate and key here (compose.yaml: ./tls).
+ENV STARLING_TLS_CERT=/etc/starling/tls/cert.pem
+ENV STARLING_TLS_KEY=/etc/starling/tls/key.pem
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=6s --start-period=10s --retries=3 CMD ["starling-coordinator", "healthcheck"]
 # STARLING_DATABASE_URL and STARLING_OPERATOR_TOKEN come from the deployment; migrations run at start.

@@ -13,6 +13,7 @@ use starling_core::model_spec::InputSpec;
 use crate::backend::{self, BackendChoice};
 use crate::data;
 use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
+use crate::protocol::TlsSettings;
 use crate::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
 
 #[derive(Debug, Parser)]
@@ -69,6 +70,33 @@ struct ParticipateArgs {
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// How to verify an `https://` coordinator, and the device's own certificate for mutual TLS.
+#[derive(Debug, clap::Args)]
+struct TlsArgs {
+    /// PEM CA certificate(s) the coordinator's certificate must chain to (default: the
+    /// system's trust store).
+    #[arg(long, env = "STARLING_CA_CERT")]
+    ca_cert: Option<PathBuf>,
+    /// PEM device certificate, for a coordinator that requires mutual TLS.
+    #[arg(long, env = "STARLING_CLIENT_CERT", requires = "client_key")]
+    client_cert: Option<PathBuf>,
+    /// PEM private key of --client-cert.
+    #[arg(long, env = "STARLING_CLIENT_KEY", requires = "client_cert")]
+    client_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn settings(&self) -> anyhow::Result<TlsSettings> {
+        Ok(TlsSettings::from_files(
+            self.ca_cert.as_deref(),
+            self.client_cert.as_deref(),
+            self.client_key.as_deref(),
+        )?)
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -118,6 +146,8 @@ struct SimulateArgs {
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Write the curve here (`.json` for JSON, anything else CSV).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -154,7 +184,8 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
         train_set,
         holdout,
         backend.training_device(),
-    );
+    )
+    .with_tls(&args.tls.settings()?)?;
     match ParticipantState::load(&args.state)?.filter(|s| s.credential.is_some()) {
         Some(state) => device = device.restore(state),
         None => {
@@ -218,6 +249,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
     let config = SimulationConfig {
         url: args.url,
         operator_token: args.operator_token,
+        tls: args.tls.settings()?,
         clients: args.clients,
         cohort: args.cohort.unwrap_or((args.clients / 2).max(1) as u32),
         rounds: args.rounds,

@@ -26,7 +26,7 @@ use crate::examples::Examples;
 use crate::model::{
     Classifier, ModelError, ModelIo, SpecModel, load_parameters, parameters_of, schema_of,
 };
-use crate::protocol::{ClientError, FleetClient, retrying};
+use crate::protocol::{ClientError, FleetClient, TlsSettings, retrying};
 use crate::train::{Evaluation, Progress, TrainError, TrainingConfig, evaluate, train};
 
 /// Attempts per request on transient failures.
@@ -295,12 +295,18 @@ impl<F: ModelFactory> Participant<F> {
         }
     }
 
+    /// The same participant verifying the coordinator (and presenting a device certificate)
+    /// as `tls` says.
+    pub fn with_tls(mut self, tls: &TlsSettings) -> Result<Self, ClientError> {
+        let mut fleet = FleetClient::with_tls(&self.url, tls)?;
+        fleet.set_credential(self.fleet.credential());
+        self.fleet = fleet;
+        Ok(self)
+    }
+
     /// Restores a saved state (credential included).
     pub fn restore(mut self, state: ParticipantState) -> Self {
-        self.fleet = match &state.credential {
-            Some(c) => FleetClient::with_credential(&self.url, c),
-            None => FleetClient::new(&self.url),
-        };
+        self.fleet.set_credential(state.credential.as_deref());
         self.state = state;
         self
     }
@@ -317,7 +323,7 @@ impl<F: ModelFactory> Participant<F> {
             async move { fleet.enroll(enrollment_token).await }
         })
         .await?;
-        self.fleet = FleetClient::with_credential(&self.url, &res.credential);
+        self.fleet.set_credential(Some(&res.credential));
         self.state.device_id = Some(res.device_id);
         self.state.credential = Some(res.credential);
         Ok(res.device_id)

@@ -15,9 +15,9 @@ use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
     ErrorBody, EvaluationReport, UploadAck, UploadRequest,
 };
-use starling_core::{RoundIdx, RunId};
+use starling_core::{DeviceId, RoundIdx, RunId};
 
-use starling_core::admin::{EnrollmentToken, ModelView, RoundView, RunView};
+use starling_core::admin::{DeviceView, EnrollmentToken, ModelView, RoundView, RunView};
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +37,9 @@ pub enum ClientError {
     /// The answer could not be decoded.
     #[error("undecodable answer: {0}")]
     Decode(String),
+    /// The TLS settings are unusable (unreadable PEM, no certificate in it).
+    #[error("tls settings: {0}")]
+    Tls(String),
 }
 
 impl ClientError {
@@ -49,15 +52,63 @@ impl ClientError {
     }
 }
 
-fn http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .pool_max_idle_per_host(4)
-        .build()
-        .expect("building the http client")
+/// How the SDK authenticates the coordinator, and itself, over `https://`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// PEM CA certificates; the coordinator's certificate must chain to one of these and no
+    /// other. `None`: the platform's trust store.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM certificate chain followed by its private key: the device's identity for mutual TLS.
+    pub identity_pem: Option<Vec<u8>>,
 }
 
-/// Retries `call` on transport errors, 429 and 503, with exponential backoff (at most `tries`
+impl TlsSettings {
+    /// Reads the CA and, when both are given, the device certificate and key from PEM files.
+    pub fn from_files(
+        ca: Option<&std::path::Path>,
+        cert: Option<&std::path::Path>,
+        key: Option<&std::path::Path>,
+    ) -> Result<Self, ClientError> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| ClientError::Tls(format!("{}: {e}", p.display())))
+        };
+        let identity_pem = match (cert, key) {
+            (Some(cert), Some(key)) => Some([read(cert)?, read(key)?].concat()),
+            (None, None) => None,
+            _ => {
+                return Err(ClientError::Tls(
+                    "a client certificate needs its key, and the key its certificate".into(),
+                ));
+            }
+        };
+        Ok(TlsSettings { ca_pem: ca.map(read).transpose()?, identity_pem })
+    }
+}
+
+/// The one HTTP client configuration every SDK client uses.
+fn http_client(tls: &TlsSettings) -> Result<reqwest::Client, ClientError> {
+    // ring is the only rustls provider linked; installing it is idempotent (the error says one
+    // is installed already).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut builder =
+        reqwest::Client::builder().timeout(Duration::from_secs(120)).pool_max_idle_per_host(4);
+    if let Some(pem) = &tls.ca_pem {
+        let certs = reqwest::Certificate::from_pem_bundle(pem)
+            .map_err(|e| ClientError::Tls(format!("CA certificates: {e}")))?;
+        if certs.is_empty() {
+            return Err(ClientError::Tls("the CA file holds no certificate".into()));
+        }
+        builder = builder.tls_certs_only(certs);
+    }
+    if let Some(pem) = &tls.identity_pem {
+        let identity = reqwest::Identity::from_pem(pem)
+            .map_err(|e| ClientError::Tls(format!("client certificate and key: {e}")))?;
+        builder = builder.identity(identity);
+    }
+    builder.build().map_err(|e| ClientError::Tls(e.to_string()))
+}
+
+/// Retries `call` on transport errors, 408, 429 and 503, with exponential backoff (at most `tries`
 /// attempts); any other answer, success or refusal, is returned at once.
 pub async fn retrying<T, F, Fut>(tries: u32, mut call: F) -> Result<T, ClientError>
 where
@@ -79,15 +130,16 @@ where
 }
 
 impl ClientError {
-    /// Whether trying again later may succeed (transport failure, 429, 503).
+    /// Whether trying again later may succeed (transport failure, 408, 429, 503).
     pub fn is_transient(&self) -> bool {
         match self {
             ClientError::Transport(_) => true,
             ClientError::Api { status, .. } => {
                 *status == StatusCode::SERVICE_UNAVAILABLE
                     || *status == StatusCode::TOO_MANY_REQUESTS
+                    || *status == StatusCode::REQUEST_TIMEOUT
             }
-            ClientError::Decode(_) => false,
+            ClientError::Decode(_) | ClientError::Tls(_) => false,
         }
     }
 
@@ -109,18 +161,30 @@ pub struct FleetClient {
 }
 
 impl FleetClient {
-    /// A client for the coordinator at `base` (e.g. `http://127.0.0.1:8080`).
+    /// A client for the coordinator at `base` (e.g. `https://coordinator.example:8443`),
+    /// trusting the platform's CAs for `https://`.
     pub fn new(base: &str) -> Self {
-        FleetClient {
-            http: http_client(),
+        Self::with_tls(base, &TlsSettings::default()).expect("default tls settings always build")
+    }
+
+    /// A client for `base` that verifies the coordinator (and presents a device certificate)
+    /// as `tls` says.
+    pub fn with_tls(base: &str, tls: &TlsSettings) -> Result<Self, ClientError> {
+        Ok(FleetClient {
+            http: http_client(tls)?,
             base: base.trim_end_matches('/').to_owned(),
             credential: None,
-        }
+        })
     }
 
     /// A client that authenticates with `credential`.
     pub fn with_credential(base: &str, credential: &str) -> Self {
         FleetClient { credential: Some(credential.to_owned()), ..Self::new(base) }
+    }
+
+    /// The same connection settings, authenticating with `credential` (or not at all).
+    pub fn set_credential(&mut self, credential: Option<&str>) {
+        self.credential = credential.map(str::to_owned);
     }
 
     /// The credential this client authenticates with, if enrolled.
@@ -234,11 +298,17 @@ pub struct AdminClient {
 impl AdminClient {
     /// A client for the coordinator at `base` with the operator token.
     pub fn new(base: &str, token: &str) -> Self {
-        AdminClient {
-            http: http_client(),
+        Self::with_tls(base, token, &TlsSettings::default())
+            .expect("default tls settings always build")
+    }
+
+    /// A client for `base` verifying the coordinator as `tls` says.
+    pub fn with_tls(base: &str, token: &str, tls: &TlsSettings) -> Result<Self, ClientError> {
+        Ok(AdminClient {
+            http: http_client(tls)?,
             base: base.trim_end_matches('/').to_owned(),
             token: token.to_owned(),
-        }
+        })
     }
 
     /// Issues an enrollment token.
@@ -277,6 +347,30 @@ impl AdminClient {
     /// A run's model versions.
     pub async fn models(&self, run: RunId) -> Result<Vec<ModelView>, ClientError> {
         self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/models"), None).await
+    }
+
+    /// Every enrolled device.
+    pub async fn devices(&self) -> Result<Vec<DeviceView>, ClientError> {
+        self.send(reqwest::Method::GET, "/v1/admin/devices", None).await
+    }
+
+    /// Revokes a device's credential.
+    pub async fn revoke_device(&self, device: DeviceId) -> Result<DeviceView, ClientError> {
+        self.send(reqwest::Method::POST, &format!("/v1/admin/devices/{device}/revoke"), None).await
+    }
+
+    /// Issues an enrollment token with at most `uses` uses, valid for `ttl_secs`.
+    pub async fn enrollment_token_with(
+        &self,
+        uses: Option<i64>,
+        ttl_secs: Option<i64>,
+    ) -> Result<EnrollmentToken, ClientError> {
+        self.send(
+            reqwest::Method::POST,
+            "/v1/admin/enrollment-tokens",
+            Some(serde_json::json!({ "uses": uses, "ttl_secs": ttl_secs })),
+        )
+        .await
     }
 
     /// Stops a run.

@@ -20,7 +20,7 @@ use crate::data::{self, DataError, Split};
 use crate::examples::Examples;
 use crate::model::{ModelIo, SpecModel};
 use crate::participant::{Outcome, Participant, decode_model};
-use crate::protocol::{AdminClient, ClientError, FleetClient};
+use crate::protocol::{AdminClient, ClientError, FleetClient, TlsSettings};
 use crate::train::evaluate;
 
 /// A real dataset from `shared/data`.
@@ -85,6 +85,8 @@ pub struct SimulationConfig {
     pub url: String,
     /// Operator token (the simulator creates the run).
     pub operator_token: String,
+    /// How the simulated devices and the operator client verify an `https://` coordinator.
+    pub tls: TlsSettings,
     /// Simulated devices.
     pub clients: usize,
     /// Reports per round.
@@ -257,7 +259,7 @@ pub async fn simulate(
         config.seed,
     )?;
     let spec = model_spec(config.model, train_set.input());
-    let admin = AdminClient::new(&config.url, &config.operator_token);
+    let admin = AdminClient::with_tls(&config.url, &config.operator_token, &config.tls)?;
     let token = admin.enrollment_token(Some(config.clients as i64 + 1)).await?;
     let plan = serde_json::json!({
         "name": format!("simulate-{:?}-{:?}", config.dataset, config.model).to_lowercase(),
@@ -283,7 +285,8 @@ pub async fn simulate(
             local_train,
             local_holdout,
             config.backend.training_device(),
-        );
+        )
+        .with_tls(&config.tls)?;
         let (token, stop) = (token.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             participant.enroll(&token).await.map_err(|e| e.to_string())?;
@@ -304,7 +307,7 @@ pub async fn simulate(
     }
 
     // Observe: evaluate each committed model on the test set.
-    let mut observer = FleetClient::new(&config.url);
+    let mut observer = FleetClient::with_tls(&config.url, &config.tls)?;
     observer.enroll(&token).await?;
     let schema: TensorSchema = spec.schema().expect("built-in specs are valid");
     let io = ModelIo::of_spec(&spec).expect("built-in specs are valid");

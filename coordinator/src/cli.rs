@@ -42,7 +42,7 @@ enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the fleet and admin APIs.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
     /// Exit 0 when the coordinator at --url answers /healthz with 200 (its store is reachable);
@@ -55,11 +55,16 @@ struct HealthcheckArgs {
     /// Address the coordinator listens on.
     #[arg(long, env = "STARLING_LISTEN", default_value = DEFAULT_LISTEN)]
     listen: SocketAddr,
+    /// The coordinator serves TLS with this certificate: speak TLS to it (the same variable as
+    /// `serve` reads, so the container's HEALTHCHECK needs no flags).
+    #[arg(long, env = "STARLING_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
 struct ServeArgs {
-    /// TOML file with any of: listen, database_url, operator_token, migrate, dashboard_dir.
+    /// TOML file with any of: listen, database_url, operator_token, migrate, dashboard_dir,
+    /// tls_cert, tls_key, tls_client_ca.
     #[arg(long, env = "STARLING_CONFIG")]
     config: Option<PathBuf>,
     /// Address to listen on [default: 127.0.0.1:8080].
@@ -83,6 +88,24 @@ struct ServeArgs {
     /// Fleet requests per second allowed per client IP, as RATE/BURST (`off` for none).
     #[arg(long, env = "STARLING_IP_RATE_LIMIT", default_value = "off")]
     ip_rate_limit: String,
+    /// PEM certificate chain to serve TLS with (TLS is required unless --insecure-http).
+    #[arg(long, env = "STARLING_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "STARLING_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA that device certificates must chain to: turns on mutual TLS for the fleet API.
+    #[arg(long, env = "STARLING_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve plain HTTP: for the local demo, or behind a proxy that terminates TLS.
+    #[arg(long, env = "STARLING_INSECURE_HTTP", conflicts_with = "tls_cert")]
+    insecure_http: bool,
+    /// Seconds a connection gets for its TLS handshake and each request's headers.
+    #[arg(long, env = "STARLING_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Seconds every request body gets, on top of what its size limit needs at 16 KiB/s.
+    #[arg(long, env = "STARLING_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    body_timeout_secs: u64,
 }
 
 /// `RATE/BURST` or `off`.
@@ -124,6 +147,12 @@ pub struct FileConfig {
     pub migrate: Option<bool>,
     /// Directory of the built dashboard.
     pub dashboard_dir: Option<PathBuf>,
+    /// PEM certificate chain for TLS.
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for TLS.
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA for device certificates (mutual TLS).
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
@@ -161,7 +190,42 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         device: parse_rate("device-rate-limit", &args.device_rate_limit)?,
         ip: parse_rate("ip-rate-limit", &args.ip_rate_limit)?,
     };
-    Ok(ServeConfig { listen, database_url, operator_token, migrate, dashboard_dir, limits })
+    let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
+        (Some(cert), Some(key)) => Some(crate::tls::TlsConfig {
+            cert,
+            key,
+            client_ca: args.tls_client_ca.or(file.tls_client_ca),
+        }),
+        (None, None) if args.insecure_http => None,
+        (None, None) => bail!(
+            "TLS is on by default: pass --tls-cert and --tls-key (STARLING_TLS_CERT, STARLING_TLS_KEY), \
+             or --insecure-http to serve plain HTTP (the local demo, or behind a TLS-terminating proxy)"
+        ),
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
+    if tls.is_some() && args.insecure_http {
+        bail!("--insecure-http and a TLS certificate contradict each other");
+    }
+    for secs in [args.header_timeout_secs, args.body_timeout_secs] {
+        if secs == 0 {
+            bail!("timeouts must be at least one second");
+        }
+    }
+    let timeouts = crate::http::Timeouts {
+        header: std::time::Duration::from_secs(args.header_timeout_secs),
+        body_grace: std::time::Duration::from_secs(args.body_timeout_secs),
+        ..Default::default()
+    };
+    Ok(ServeConfig {
+        listen,
+        database_url,
+        operator_token,
+        migrate,
+        dashboard_dir,
+        limits,
+        timeouts,
+        tls,
+    })
 }
 
 fn init_tracing(format: LogFormat) {
@@ -184,8 +248,58 @@ async fn shutdown_signal() -> anyhow::Result<()> {
     }
 }
 
-/// `GET /healthz` over plain HTTP/1.1, without an HTTP client dependency.
-fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
+/// Accepts whatever certificate the coordinator shows: the health check talks to its own
+/// process over loopback, and asks only whether it is ready, so there is nothing to protect.
+#[derive(Debug)]
+struct AnyCertificate(std::sync::Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `GET /healthz` over HTTP/1.1 (in TLS when `tls`), without an HTTP client dependency.
+fn healthcheck(listen: SocketAddr, tls: bool) -> anyhow::Result<()> {
     use std::io::{Read, Write};
     // A wildcard listen address is reached on loopback.
     let mut addr = listen;
@@ -196,10 +310,30 @@ fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
     let mut stream = std::net::TcpStream::connect_timeout(&addr, timeout)
         .with_context(|| format!("connecting to {addr}"))?;
     stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     let request = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).with_context(|| format!("asking {addr}"))?;
     let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).with_context(|| format!("reading {addr}'s answer"))?;
+    if tls {
+        let provider = crate::tls::provider();
+        let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?
+            .dangerous()
+            .with_custom_certificate_verifier(std::sync::Arc::new(AnyCertificate(provider)))
+            .with_no_client_auth();
+        let name = rustls::pki_types::ServerName::from(addr.ip());
+        let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name)?;
+        let mut stream = rustls::StreamOwned::new(connection, stream);
+        stream.write_all(request.as_bytes()).with_context(|| format!("asking {addr}"))?;
+        // A peer that closes without close_notify still gave a whole HTTP/1.1 answer.
+        if let Err(e) = stream.read_to_end(&mut answer)
+            && answer.is_empty()
+        {
+            return Err(e).with_context(|| format!("reading {addr}'s answer"));
+        }
+    } else {
+        stream.write_all(request.as_bytes()).with_context(|| format!("asking {addr}"))?;
+        stream.read_to_end(&mut answer).with_context(|| format!("reading {addr}'s answer"))?;
+    }
     let status = String::from_utf8_lossy(&answer).lines().next().unwrap_or_default().to_owned();
     if status.split_whitespace().nth(1) == Some("200") {
         Ok(())
@@ -219,15 +353,15 @@ pub fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => {
-                let config = resolve(args)?;
-                tracing::info!(listen = %config.listen, database = %crate::store::redact(&config.database_url), "starting");
+                let config = resolve(*args)?;
+                tracing::info!(listen = %config.listen, tls = config.tls.is_some(), database = %crate::store::redact(&config.database_url), "starting");
                 let running = crate::start(config).await.context("starting the coordinator")?;
                 shutdown_signal().await?;
                 tracing::info!("shutting down");
                 running.shutdown().await?;
                 Ok(())
             }
-            Command::Healthcheck(args) => healthcheck(args.listen),
+            Command::Healthcheck(args) => healthcheck(args.listen, args.tls_cert.is_some()),
             Command::Migrate(args) => {
                 crate::store::SqlStore::connect(&args.database_url, true).await.context("migrating")?;
                 tracing::info!("migrations applied");

@@ -15,6 +15,7 @@ pub mod live;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -55,6 +56,38 @@ struct Inner {
     uploads: Arc<Semaphore>,
     device_limiter: Option<Limiter<DeviceId>>,
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
+    timeouts: Timeouts,
+    require_client_certificate: bool,
+}
+
+/// Deadlines that keep slow or stalled clients from holding connections and upload permits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// A connection must complete its TLS handshake, and each request its headers, within this.
+    pub header: Duration,
+    /// Every request body gets this long, plus one second per [`Timeouts::body_min_rate`] bytes of
+    /// its size limit (so a model-sized upload on a slow link still fits).
+    pub body_grace: Duration,
+    /// The slowest body transfer, in bytes per second, that the deadline allows for.
+    pub body_min_rate: u64,
+}
+
+impl Default for Timeouts {
+    /// 10 s for headers; bodies 30 s plus what 16 KiB/s needs for the size limit.
+    fn default() -> Self {
+        Timeouts {
+            header: Duration::from_secs(10),
+            body_grace: Duration::from_secs(30),
+            body_min_rate: 16 * 1024,
+        }
+    }
+}
+
+impl Timeouts {
+    /// The deadline for reading a body of at most `limit` bytes.
+    pub fn body_deadline(&self, limit: usize) -> Duration {
+        self.body_grace + Duration::from_secs_f64(limit as f64 / self.body_min_rate.max(1) as f64)
+    }
 }
 
 /// Request rate limits; `None` turns one off.
@@ -91,6 +124,7 @@ impl AppState {
         observer: Observer,
         operator_token: &str,
         limits: Limits,
+        timeouts: Timeouts,
     ) -> Self {
         AppState {
             inner: Arc::new(Inner {
@@ -103,7 +137,31 @@ impl AppState {
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
                 device_limiter: limits.device.map(Limiter::new),
                 ip_limiter: limits.ip.map(Limiter::new),
+                timeouts,
+                require_client_certificate: false,
             }),
+        }
+    }
+
+    /// Under mutual TLS: fleet requests (enrollment included) must come over a connection
+    /// that presented a device certificate chaining to the configured CA.
+    pub fn requiring_client_certificates(mut self, required: bool) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("configured before the state is shared")
+            .require_client_certificate = required;
+        self
+    }
+
+    /// Refuses a fleet request without a verified device certificate when mutual TLS is on.
+    fn check_client_certificate(&self, parts: &Parts) -> Result<(), ApiError> {
+        if !self.inner.require_client_certificate {
+            return Ok(());
+        }
+        match parts.extensions.get::<crate::tls::ClientCertificate>() {
+            Some(c) if c.verified => Ok(()),
+            _ => Err(ApiError::unauthorized(
+                "this coordinator requires a device certificate (mutual TLS)",
+            )),
         }
     }
 
@@ -184,14 +242,17 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
     let admin = admin::routes()
         .merge(live::routes(dashboard_dir))
-        .route("/healthz", get(healthz))
+        .route("/healthz", get(readyz))
+        .route("/readyz", get(readyz))
+        .route("/livez", get(|| async { "ok" }))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
     fleet.merge(admin).with_state(state)
 }
 
-/// Liveness and readiness: 200 when the store answers, 503 otherwise.
-async fn healthz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+/// Readiness (also `/healthz`): 200 when the store answers, 503 otherwise. Liveness is
+/// `/livez`, which answers whenever the process serves HTTP.
+async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
     state.store().ping().await?;
     Ok("ok")
 }
@@ -211,24 +272,48 @@ impl<T: Serialize> IntoResponse for Cbor<T> {
     }
 }
 
-/// Reads a whole body, refusing more than `limit` bytes with 413.
-pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::new(
-            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-            starling_core::wire::ErrorCode::BodyTooLarge,
-            format!("body exceeds the limit of {limit} bytes"),
-        )
-    })
+impl AppState {
+    /// Reads a whole body, refusing more than `limit` bytes with 413 and a body that has not
+    /// arrived by the deadline [`Timeouts::body_deadline`] gives `limit` with 408.
+    pub async fn read_body(&self, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+        let deadline = self.inner.timeouts.body_deadline(limit);
+        match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(_)) => Err(ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                starling_core::wire::ErrorCode::BodyTooLarge,
+                format!("body exceeds the limit of {limit} bytes"),
+            )),
+            Err(_) => Err(ApiError::new(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                starling_core::wire::ErrorCode::Timeout,
+                format!("the body did not arrive within {:.0} s", deadline.as_secs_f64()),
+            )),
+        }
+    }
 }
 
-/// An authenticated device (`Authorization: Bearer <credential>`).
+/// A connection allowed to call the fleet API: under mutual TLS, one that presented a verified
+/// device certificate (enrollment needs it before any credential exists).
+pub struct FleetConnection;
+
+impl FromRequestParts<AppState> for FleetConnection {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        state.check_client_certificate(parts).map(|()| FleetConnection)
+    }
+}
+
+/// An authenticated device (`Authorization: Bearer <credential>`), over a connection
+/// [`FleetConnection`] admits.
 pub struct DeviceAuth(pub DeviceId);
 
 impl FromRequestParts<AppState> for DeviceAuth {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        state.check_client_certificate(parts)?;
         let credential =
             bearer(parts).ok_or_else(|| ApiError::unauthorized("missing bearer credential"))?;
         let hash = hex::encode(sha256(credential.as_bytes()));

@@ -12,11 +12,13 @@ pub mod driver;
 pub mod http;
 pub mod observe;
 pub mod store;
+pub mod tls;
 
-use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::net::TcpListener;
+use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -38,7 +40,15 @@ pub struct ServeConfig {
     pub dashboard_dir: Option<std::path::PathBuf>,
     /// Request rate limits.
     pub limits: http::Limits,
+    /// Deadlines for slow clients.
+    pub timeouts: http::Timeouts,
+    /// TLS for the listener; `None` serves plain HTTP (the demo, or behind a TLS proxy).
+    pub tls: Option<tls::TlsConfig>,
 }
+
+/// How long in-flight requests get to finish at shutdown before their connections are closed
+/// (open event streams never finish by themselves).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Why the coordinator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +57,9 @@ pub enum ServeError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The TLS material is unusable.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     /// The listener failed.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -64,14 +77,15 @@ pub enum ServeError {
 pub struct RunningCoordinator {
     /// The bound address.
     pub addr: SocketAddr,
+    tls: bool,
     shutdown: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServeError>>,
 }
 
 impl RunningCoordinator {
-    /// `http://addr`.
+    /// `https://addr`, or `http://addr` without TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", if self.tls { "https" } else { "http" }, self.addr)
     }
 
     /// Stops accepting requests, finishes in-flight ones, and waits for the server to end.
@@ -90,40 +104,81 @@ impl RunningCoordinator {
 
 /// Starts the coordinator and returns once it accepts requests.
 pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError> {
+    // Bad TLS material fails the start before anything else is touched.
+    let server_tls = config.tls.as_ref().map(tls::server_config).transpose()?;
     let store = SqlStore::connect(&config.database_url, config.migrate).await?;
     tracing::info!(backend = ?store.backend(), "store connected");
     let leadership = store.acquire_leadership().await?;
     let observer = observe::Observer::new();
     let (driver, handle) = Driver::recover(store.clone(), observer.clone()).await?;
     tokio::spawn(driver.run());
-    let state = http::AppState::new(handle, store, observer, &config.operator_token, config.limits);
+    let state = http::AppState::new(
+        handle,
+        store,
+        observer,
+        &config.operator_token,
+        config.limits,
+        config.timeouts,
+    )
+    .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()));
     let app = http::router(state, config.dashboard_dir.as_deref())
         .layer(tower_http::trace::TraceLayer::new_for_http());
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| ServeError::Listen { addr: config.listen, source })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| ServeError::Listen { addr: config.listen, source })?;
-    tracing::info!(%addr, "coordinator listening");
+    let listen_error = |source| ServeError::Listen { addr: config.listen, source };
+    let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
+    listener.set_nonblocking(true).map_err(listen_error)?;
+    let addr = listener.local_addr().map_err(listen_error)?;
+    let tls = server_tls.is_some();
+    tracing::info!(%addr, tls, "coordinator listening");
+    let server = axum_server::Handle::<SocketAddr>::new();
     let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let res = serve_until(listener, app, async {
+    tokio::spawn({
+        let server = server.clone();
+        async move {
             let _ = rx.await;
-        })
-        .await;
+            server.graceful_shutdown(Some(SHUTDOWN_GRACE));
+        }
+    });
+    let task = tokio::spawn(async move {
+        let res = serve(listener, app, server_tls, config.timeouts, server).await;
         drop(leadership);
         res
     });
-    Ok(RunningCoordinator { addr, shutdown: Some(tx), task })
+    Ok(RunningCoordinator { addr, tls, shutdown: Some(tx), task })
 }
 
-async fn serve_until(
-    listener: TcpListener,
+/// Serves `app` on `listener` until `handle` shuts it down, with or without TLS, with the
+/// slow-client deadlines of `timeouts` on every connection.
+async fn serve(
+    listener: std::net::TcpListener,
     app: axum::Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    tls: Option<rustls::ServerConfig>,
+    timeouts: http::Timeouts,
+    handle: axum_server::Handle<SocketAddr>,
 ) -> Result<(), ServeError> {
     // Peer addresses feed the per-IP rate limit.
     let app = app.into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await.map_err(ServeError::Serve)
+    let server = axum_server::from_tcp(listener).map_err(ServeError::Serve)?.handle(handle);
+    let slow_headers = |builder: &mut hyper_util::server::conn::auto::Builder<_>| {
+        builder
+            .http1()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(timeouts.header);
+    };
+    match tls {
+        None => {
+            let mut server = server;
+            slow_headers(server.http_builder());
+            server.serve(app).await
+        }
+        Some(config) => {
+            let acceptor = tls::ClientCertAcceptor::new(
+                RustlsAcceptor::new(RustlsConfig::from_config(Arc::new(config)))
+                    .handshake_timeout(timeouts.header),
+            );
+            let mut server = server.acceptor(acceptor);
+            slow_headers(server.http_builder());
+            server.serve(app).await
+        }
+    }
+    .map_err(ServeError::Serve)
 }

@@ -475,6 +475,29 @@ impl SqlStore {
         Ok(row.map(|(id,)| DeviceId(id)))
     }
 
+    /// Revokes a device's credential for good; `false` when no such device exists. Revoking
+    /// twice is not an error.
+    pub async fn revoke_device(&self, device: DeviceId) -> StoreResult<bool> {
+        let done = sqlx::query("UPDATE devices SET revoked = TRUE WHERE id = $1")
+            .bind(device.0)
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Every enrolled device, by id: (id, enrolled at, revoked).
+    pub async fn devices(&self) -> StoreResult<Vec<(DeviceId, Millis, bool)>> {
+        // The flag as an integer: the Any driver decodes booleans differently per database.
+        let rows: Vec<(i64, i64, i64)> = sqlx::query_as(
+            "SELECT id, enrolled_at_ms, CAST(CASE WHEN revoked THEN 1 ELSE 0 END AS BIGINT) FROM devices ORDER BY id",
+        )
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+        Ok(rows.into_iter().map(|(id, at, revoked)| (DeviceId(id), at, revoked != 0)).collect())
+    }
+
     /// Creates a run and its model version 0 in one transaction.
     pub async fn create_run(&self, run: NewRun<'_>, now: Millis) -> StoreResult<RunId> {
         let mut tx = self.pool.begin().await.map_err(map_err)?;

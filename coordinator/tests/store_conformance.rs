@@ -89,6 +89,17 @@ async fn conformance(store: SqlStore) {
     assert!(matches!(store.enroll_device("tok2", "cred3", 5).await, Err(StoreError::Conflict)));
     assert_eq!(store.device_by_credential("cred2").await.unwrap(), Some(d2));
     assert_eq!(store.device_by_credential("unknown").await.unwrap(), None);
+    // Revocation: the credential stops working at once, for that device only.
+    assert!(store.revoke_device(d2).await.unwrap());
+    assert!(store.revoke_device(d2).await.unwrap(), "revoking twice is not an error");
+    assert!(!store.revoke_device(starling_core::DeviceId(9_999)).await.unwrap());
+    assert_eq!(store.device_by_credential("cred2").await.unwrap(), None);
+    assert_eq!(store.device_by_credential("cred3").await.unwrap(), Some(d3));
+    let listed = store.devices().await.unwrap();
+    assert_eq!(
+        listed.iter().map(|(d, _, revoked)| (*d, *revoked)).collect::<Vec<_>>(),
+        vec![(d1, false), (d2, true), (d3, false)]
+    );
 
     // A run and its model version 0.
     let run = store

@@ -24,6 +24,17 @@ pub struct EnrollmentToken {
     pub expires_at_ms: Option<i64>,
 }
 
+/// An enrolled device as the admin API shows it (never its credential).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceView {
+    /// Device id.
+    pub device_id: i64,
+    /// When it enrolled.
+    pub enrolled_at_ms: i64,
+    /// Whether its credential was revoked; a revoked device can no longer call the fleet API.
+    pub revoked: bool,
+}
+
 /// A run as the admin API shows it.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RunView {

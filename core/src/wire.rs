@@ -94,6 +94,8 @@ pub enum ErrorCode {
     Internal,
     /// Too many requests from this device or address; retry after the `Retry-After` header.
     RateLimited,
+    /// The request body arrived too slowly; nothing was stored.
+    Timeout,
 }
 
 impl ErrorCode {
@@ -117,6 +119,7 @@ impl ErrorCode {
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
             ErrorCode::RateLimited => "rate_limited",
+            ErrorCode::Timeout => "timeout",
         }
     }
 }

@@ -50,7 +50,7 @@ class Coordinator:
         db = f"sqlite://{self.dir.name}/db.sqlite"
         env = dict(os.environ, STARLING_OPERATOR_TOKEN=TOKEN, RUST_LOG="warn")
         self.proc = subprocess.Popen(
-            [os.environ["STARLING_COORDINATOR_BIN"], "serve", "--listen", self.url[7:], "--database-url", db],
+            [os.environ["STARLING_COORDINATOR_BIN"], "serve", "--insecure-http", "--listen", self.url[7:], "--database-url", db],
             env=env,
         )
         deadline = time.time() + 30

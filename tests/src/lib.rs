@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use starling_client::protocol::{AdminClient, FleetClient};
+use starling_client::protocol::{AdminClient, FleetClient, TlsSettings};
 use starling_coordinator::{RunningCoordinator, ServeConfig};
 use starling_core::tensor::TensorSchema;
 use starling_core::wire::{CheckInResponse, TaskAssignment, UploadRequest};
@@ -57,18 +57,94 @@ pub async fn start_in_process_with(
     database_url: &str,
     limits: starling_coordinator::http::Limits,
 ) -> anyhow::Result<InProcess> {
-    let running = starling_coordinator::start(ServeConfig {
+    start_in_process_configured(database_url, &TlsSettings::default(), |c| c.limits = limits).await
+}
+
+/// Starts a coordinator in-process on `database_url`, with the test defaults changed by
+/// `configure` (TLS, timeouts, limits). The admin client verifies the coordinator as
+/// `admin_tls` says.
+pub async fn start_in_process_configured(
+    database_url: &str,
+    admin_tls: &TlsSettings,
+    configure: impl FnOnce(&mut ServeConfig),
+) -> anyhow::Result<InProcess> {
+    let mut config = ServeConfig {
         listen: "127.0.0.1:0".parse().expect("loopback parses"),
         database_url: database_url.to_owned(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         migrate: true,
         dashboard_dir: None,
-        limits,
-    })
-    .await?;
+        limits: Default::default(),
+        timeouts: Default::default(),
+        tls: None,
+    };
+    configure(&mut config);
+    let running = starling_coordinator::start(config).await?;
     let url = running.url();
-    let admin = AdminClient::new(&url, OPERATOR_TOKEN);
+    let admin = AdminClient::with_tls(&url, OPERATOR_TOKEN, admin_tls)?;
     Ok(InProcess { running, url, admin })
+}
+
+/// A certificate authority for devices and servers, another one nobody trusts, and
+/// certificates from both, as PEM files in a temporary directory.
+pub struct TestPki {
+    /// Holds the files.
+    pub dir: tempfile::TempDir,
+}
+
+impl TestPki {
+    /// Makes the CAs and certificates: `server` (for `localhost` and `127.0.0.1`) and `device`
+    /// from the trusted CA, `stranger` and `impostor` (a server certificate for the same names)
+    /// from the other.
+    pub fn new() -> anyhow::Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let dir = tempfile::tempdir()?;
+        let write = |name: &str, text: String| std::fs::write(dir.path().join(name), text);
+        let mut issuers = vec![];
+        for ca in ["ca", "other-ca"] {
+            let mut params = CertificateParams::new(Vec::<String>::new())?;
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, format!("Starling test {ca}"));
+            let key = KeyPair::generate()?;
+            write(&format!("{ca}.pem"), params.self_signed(&key)?.pem())?;
+            issuers.push(Issuer::new(params, key));
+        }
+        let names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+        for (leaf, issuer, sans) in [
+            ("server", &issuers[0], names.clone()),
+            ("device", &issuers[0], vec![]),
+            ("stranger", &issuers[1], vec![]),
+            ("impostor", &issuers[1], names),
+        ] {
+            let mut params = CertificateParams::new(sans)?;
+            params.distinguished_name.push(DnType::CommonName, leaf);
+            let key = KeyPair::generate()?;
+            write(&format!("{leaf}.pem"), params.signed_by(&key, issuer)?.pem())?;
+            write(&format!("{leaf}.key"), key.serialize_pem())?;
+        }
+        Ok(TestPki { dir })
+    }
+
+    /// A file of this PKI: `ca.pem`, `other-ca.pem`, `server.pem`, `server.key`, ...
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// The coordinator's TLS: `server` certificate, and mutual TLS against `ca` when asked.
+    pub fn server_tls(&self, mutual: bool) -> starling_coordinator::tls::TlsConfig {
+        starling_coordinator::tls::TlsConfig {
+            cert: self.path("server.pem"),
+            key: self.path("server.key"),
+            client_ca: mutual.then(|| self.path("ca.pem")),
+        }
+    }
+
+    /// What a device trusting `ca_file` and presenting `identity` (a leaf name) uses.
+    pub fn client_tls(&self, ca_file: &str, identity: Option<&str>) -> anyhow::Result<TlsSettings> {
+        let cert = identity.map(|n| self.path(&format!("{n}.pem")));
+        let key = identity.map(|n| self.path(&format!("{n}.key")));
+        Ok(TlsSettings::from_files(Some(&self.path(ca_file)), cert.as_deref(), key.as_deref())?)
+    }
 }
 
 /// A coordinator as a child process, run exactly as the binary runs in production.
@@ -104,7 +180,7 @@ impl ChildCoordinator {
             .open(log)
             .context("opening the child's log")?;
         let child = Command::new(bin)
-            .args(["serve", "--listen", &listen.to_string()])
+            .args(["serve", "--listen", &listen.to_string(), "--insecure-http"])
             .env("STARLING_DATABASE_URL", database_url)
             .env(
                 "RUST_LOG",
@@ -117,7 +193,7 @@ impl ChildCoordinator {
             .spawn()
             .with_context(|| format!("spawning {}", bin.display()))?;
         let mut me = ChildCoordinator { child, url: format!("http://{listen}") };
-        let http = reqwest::Client::new();
+        let http = http_client();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(res) = http.get(format!("{}/healthz", me.url)).send().await
@@ -153,6 +229,20 @@ impl Drop for ChildCoordinator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A plain reqwest client for raw requests in tests (ring installed as rustls's provider first,
+/// as the SDK does; without it reqwest panics).
+pub fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+/// A reqwest client that trusts only the PEM CA in `ca_file`.
+pub fn http_client_trusting(ca_file: &Path) -> anyhow::Result<reqwest::Client> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca_file)?)?;
+    Ok(reqwest::Client::builder().tls_certs_only([ca]).build()?)
 }
 
 /// A free loopback address (bound, then released).

@@ -28,17 +28,30 @@ fn serve_refuses_a_missing_or_short_operator_token_and_unknown_config_keys() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("s.db").display());
     let out = Command::new(bin())
-        .args(["serve", "--database-url", &db])
+        .args(["serve", "--insecure-http", "--database-url", &db])
         .env_remove("STARLING_OPERATOR_TOKEN")
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("an operator token is required"));
     let out = Command::new(bin())
-        .args(["serve", "--database-url", &db, "--operator-token", "short"])
+        .args(["serve", "--insecure-http", "--database-url", &db, "--operator-token", "short"])
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 16 characters"));
+    // TLS is on by default: without a certificate, plain HTTP must be asked for.
+    let out = Command::new(bin())
+        .args(["serve", "--database-url", &db, "--operator-token", "0123456789abcdefgh"])
+        .env_remove("STARLING_TLS_CERT")
+        .env_remove("STARLING_INSECURE_HTTP")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("TLS is on by default"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let config = dir.path().join("bad.toml");
     std::fs::write(&config, "listn = \"127.0.0.1:1\"\n").unwrap();
     let out =

@@ -1,13 +1,14 @@
 //! The coordinator's container without a container engine (this machine has none): the
 //! Dockerfile is read, its build command runs here, and the release binary is started with the
 //! final image's environment, entrypoint and command against a fresh Postgres database, its
-//! HEALTHCHECK command is run, and `docker stop`'s SIGTERM ends it cleanly.
+//! HEALTHCHECK command is run (over TLS, as the image serves), and `docker stop`'s SIGTERM ends
+//! it cleanly.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use starling_client::protocol::AdminClient;
-use starling_tests::{OPERATOR_TOKEN, free_addr, pg_url};
+use starling_tests::{OPERATOR_TOKEN, TestPki, free_addr, pg_url};
 
 /// What the Dockerfile says, in the parts this test replays.
 struct Image {
@@ -77,6 +78,7 @@ async fn the_container_entrypoint_serves_against_postgres(
         .unwrap();
     assert!(status.success(), "the image's cargo build failed");
     let bin_dir = target_dir().join("release");
+    let pki = TestPki::new().unwrap();
 
     // The final stage's environment; paths inside the image map to where this checkout has them,
     // and the port to a free one (a container's port is remapped anyway).
@@ -98,6 +100,15 @@ async fn the_container_entrypoint_serves_against_postgres(
                         "cargo xtask test builds the dashboard first"
                     );
                     dist.display().to_string()
+                }
+                // What compose.yaml mounts at /etc/starling/tls.
+                "STARLING_TLS_CERT" => {
+                    assert_eq!(v, "/etc/starling/tls/cert.pem");
+                    pki.path("server.pem").display().to_string()
+                }
+                "STARLING_TLS_KEY" => {
+                    assert_eq!(v, "/etc/starling/tls/key.pem");
+                    pki.path("server.key").display().to_string()
                 }
                 _ => v.clone(),
             };
@@ -128,14 +139,20 @@ async fn the_container_entrypoint_serves_against_postgres(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(healthy, "the healthcheck never passed");
-    let url = format!("http://127.0.0.1:{}", listen.port());
-    let admin = AdminClient::new(&url, OPERATOR_TOKEN);
+    assert!(
+        image.env.iter().any(|(k, _)| k == "STARLING_TLS_CERT"),
+        "the image serves TLS by default"
+    );
+    let url = format!("https://localhost:{}", listen.port());
+    let tls = pki.client_tls("ca.pem", None).unwrap();
+    let admin = AdminClient::with_tls(&url, OPERATOR_TOKEN, &tls).unwrap();
     let plan = serde_json::json!({
         "model": {"schema": {"tensors": [{"name": "w", "shape": [4], "dtype": "f32"}]}, "init": {"kind": "zeros"}},
         "cohort_size": 1, "rounds": 1,
     });
     assert_eq!(admin.create_run(&plan).await.unwrap().id, 1, "the schema was migrated at start");
-    let dashboard = reqwest::get(format!("{url}/dashboard/")).await.unwrap();
+    let browser = starling_tests::http_client_trusting(&pki.path("ca.pem")).unwrap();
+    let dashboard = browser.get(format!("{url}/dashboard/")).send().await.unwrap();
     assert_eq!(dashboard.status(), reqwest::StatusCode::OK);
 
     // `docker stop`: SIGTERM, and a clean exit well before the 10 s grace period.

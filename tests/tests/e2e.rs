@@ -545,6 +545,7 @@ async fn federated_digits_reach_ninety_percent() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let config = SimulationConfig {
+        tls: Default::default(),
         url: c.url.clone(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         clients: 20,
@@ -587,6 +588,7 @@ async fn federated_shakespeare_roles_learn_next_characters() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let config = SimulationConfig {
+        tls: Default::default(),
         url: c.url.clone(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         clients: 4,
@@ -627,7 +629,7 @@ fn cpu_backend() -> backend::Backend {
 async fn metrics_count_the_rounds_that_happened() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
-    let http = reqwest::Client::new();
+    let http = http_client();
     let scrape = || async {
         let res = http
             .get(format!("{}/metrics", c.url))
@@ -721,7 +723,7 @@ async fn rate_limits_answer_429_and_recover() {
     let (_dir, db) = sqlite_db();
     let limits = Limits { device: Some(RateLimit { per_sec: 2.0, burst: 3.0 }), ip: None };
     let c = start_in_process_with(&db, limits).await.unwrap();
-    let http = reqwest::Client::new();
+    let http = http_client();
     let token = c.admin.enrollment_token(Some(2)).await.unwrap();
     let enroll = || async {
         let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();

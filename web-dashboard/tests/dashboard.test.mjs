@@ -54,7 +54,7 @@ before(async () => {
   const dir = mkdtempSync(join(tmpdir(), 'starling-dashboard-'));
   coordinator = spawn(
     coordinatorBin,
-    ['serve', '--listen', `127.0.0.1:${port}`, '--database-url', `sqlite://${join(dir, 'db.sqlite')}`,
+    ['serve', '--insecure-http', '--listen', `127.0.0.1:${port}`, '--database-url', `sqlite://${join(dir, 'db.sqlite')}`,
       '--dashboard-dir', join(root, 'web-dashboard', 'dist')],
     { env: { ...process.env, STARLING_OPERATOR_TOKEN: token, RUST_LOG: 'warn' }, stdio: 'inherit' },
   );

@@ -201,6 +201,8 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
     let mut coordinator = Command::new(target.join("starling-coordinator"))
         .args([
             "serve",
+            // The demo stays on this machine's loopback; production serves TLS (README).
+            "--insecure-http",
             "--listen",
             &listen,
             "--database-url",

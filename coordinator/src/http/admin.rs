@@ -19,7 +19,10 @@ use crate::clock::now_ms;
 use crate::driver::{Event, InitialModel};
 use crate::observe::RoundCounters;
 use crate::store::{ModelInfo, RoundRow, RunRow};
-use starling_core::admin::{EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView};
+use starling_core::DeviceId;
+use starling_core::admin::{
+    DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView,
+};
 
 /// The admin routes.
 pub fn routes() -> Router<AppState> {
@@ -31,6 +34,8 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/admin/runs/{run_id}/rounds/{round_idx}", get(get_round))
         .route("/v1/admin/runs/{run_id}/models", get(list_models))
         .route("/v1/admin/runs/{run_id}/stop", post(stop_run))
+        .route("/v1/admin/devices", get(list_devices))
+        .route("/v1/admin/devices/{device_id}/revoke", post(revoke_device))
 }
 
 /// `Json` whose rejections use our error body.
@@ -262,4 +267,42 @@ async fn stop_run(
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
     Ok(AppJson(run_view(&state, row).await?))
+}
+
+async fn list_devices(
+    State(state): State<AppState>,
+    _op: Operator,
+) -> Result<AppJson<Vec<DeviceView>>, ApiError> {
+    let devices = state.store().devices().await?;
+    Ok(AppJson(
+        devices
+            .into_iter()
+            .map(|(DeviceId(device_id), enrolled_at_ms, revoked)| DeviceView {
+                device_id,
+                enrolled_at_ms,
+                revoked,
+            })
+            .collect(),
+    ))
+}
+
+/// Revokes a device's credential: from the next request on, the device is refused everywhere
+/// (an update it already had acknowledged stays in its round).
+async fn revoke_device(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(device_id): Path<i64>,
+) -> Result<AppJson<DeviceView>, ApiError> {
+    if !state.store().revoke_device(DeviceId(device_id)).await? {
+        return Err(ApiError::not_found(format!("no device {device_id}")));
+    }
+    tracing::info!(device = device_id, "device credential revoked");
+    let (_, enrolled_at_ms, revoked) = state
+        .store()
+        .devices()
+        .await?
+        .into_iter()
+        .find(|(d, _, _)| d.0 == device_id)
+        .ok_or_else(|| ApiError::not_found(format!("no device {device_id}")))?;
+    Ok(AppJson(DeviceView { device_id, enrolled_at_ms, revoked }))
 }

@@ -17,7 +17,7 @@ use starling_core::wire::{
 };
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
-use super::{ApiError, AppState, Cbor, DeviceAuth, random_secret, read_body, sha256};
+use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
 use crate::clock::now_ms;
 use crate::driver::Event;
 
@@ -48,9 +48,13 @@ async fn close_after_upload(mut res: Response) -> Response {
     res
 }
 
-async fn decode_small<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+async fn decode_small<T: DeserializeOwned>(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, ApiError> {
     check_content_type(headers)?;
-    let bytes = read_body(body, SMALL_BODY_LIMIT).await?;
+    let bytes = state.read_body(body, SMALL_BODY_LIMIT).await?;
     wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
 }
 
@@ -68,10 +72,11 @@ fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
 
 async fn enroll(
     State(state): State<AppState>,
+    _connection: FleetConnection,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Cbor<EnrollResponse>, ApiError> {
-    let req: EnrollRequest = decode_small(&headers, body).await?;
+    let req: EnrollRequest = decode_small(&state, &headers, body).await?;
     let credential = random_secret("stdev");
     let device = state
         .store()
@@ -91,7 +96,7 @@ async fn check_in(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Cbor<CheckInResponse>, ApiError> {
-    let req: CheckInRequest = decode_small(&headers, body).await?;
+    let req: CheckInRequest = decode_small(&state, &headers, body).await?;
     let res = state
         .driver()
         .call(|reply| Event::CheckIn { device, population: req.population, reply })
@@ -163,7 +168,7 @@ async fn accept_upload(
     let limit = plan.schema().byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
     let _permit = state.upload_permit().await;
     let started = std::time::Instant::now();
-    let bytes = read_body(body, limit).await?;
+    let bytes = state.read_body(body, limit).await?;
     let body_len = bytes.len() as u64;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // Decoding and the finiteness scan are O(model): keep them off the async threads.
@@ -196,7 +201,7 @@ async fn evaluation(
     body: Body,
 ) -> Result<StatusCode, ApiError> {
     let run_id = RunId(run_id);
-    let report: EvaluationReport = decode_small(&headers, body).await?;
+    let report: EvaluationReport = decode_small(&state, &headers, body).await?;
     if report.example_count == 0 || report.example_count > MAX_EXAMPLE_COUNT {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
