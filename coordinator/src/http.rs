@@ -12,6 +12,7 @@ pub mod error;
 pub mod fleet;
 pub mod limits;
 pub mod live;
+pub mod openapi;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -235,26 +236,53 @@ impl AppState {
     }
 }
 
-/// The whole application.
+/// The whole application: the fleet API (CBOR errors, per-IP limit), the admin, observability
+/// and health routes (JSON errors), `/openapi.json`, and the dashboard's files.
 pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Router {
-    let fleet = fleet::routes()
+    let [fleet, admin, live] = openapi::api_routes();
+    let fleet = Router::from(fleet)
         .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
-    let admin = admin::routes()
-        .merge(live::routes(dashboard_dir))
-        .route("/healthz", get(readyz))
-        .route("/readyz", get(readyz))
-        .route("/livez", get(|| async { "ok" }))
+    let document = Arc::new(openapi::document());
+    let admin = Router::from(admin.merge(live))
+        .merge(live::dashboard(dashboard_dir))
+        .route("/openapi.json", get(move || async move { axum::Json(document.as_ref().clone()) }))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
     fleet.merge(admin).with_state(state)
 }
 
-/// Readiness (also `/healthz`): 200 when the store answers, 503 otherwise. Liveness is
-/// `/livez`, which answers whenever the process serves HTTP.
+/// The probes.
+fn health_routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
+    use utoipa_axum::routes;
+    utoipa_axum::router::OpenApiRouter::new()
+        .routes(routes!(readyz))
+        .routes(routes!(healthz))
+        .routes(routes!(livez))
+}
+
+/// Readiness: 200 when the store answers, 503 otherwise.
+#[utoipa::path(get, path = "/readyz", tag = "health",
+    responses((status = 200, description = "ready", body = String),
+        (status = 503, description = "the store does not answer", body = wire::ErrorBody)))]
 async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
     state.store().ping().await?;
     Ok("ok")
+}
+
+/// The container's health check: the same as `/readyz`.
+#[utoipa::path(get, path = "/healthz", tag = "health",
+    responses((status = 200, description = "ready", body = String),
+        (status = 503, description = "the store does not answer", body = wire::ErrorBody)))]
+async fn healthz(state: State<AppState>) -> Result<&'static str, ApiError> {
+    readyz(state).await
+}
+
+/// Liveness: answers whenever the process serves HTTP.
+#[utoipa::path(get, path = "/livez", tag = "health",
+    responses((status = 200, description = "alive", body = String)))]
+async fn livez() -> &'static str {
+    "ok"
 }
 
 /// A CBOR response body.

@@ -60,7 +60,7 @@ pub enum LiveEvent {
 }
 
 /// Devices online, eligible and participating at one moment.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct PopulationSample {
     /// Sample time.
     pub at_ms: i64,

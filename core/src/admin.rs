@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/admin/enrollment-tokens` body.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewEnrollmentToken {
@@ -16,6 +17,7 @@ pub struct NewEnrollmentToken {
 }
 
 /// A freshly issued enrollment token; shown once, stored only as a hash.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 pub struct EnrollmentToken {
     /// The token.
@@ -25,6 +27,7 @@ pub struct EnrollmentToken {
 }
 
 /// An enrolled device as the admin API shows it (never its credential).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceView {
     /// Device id.
@@ -36,6 +39,7 @@ pub struct DeviceView {
 }
 
 /// A run as the admin API shows it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RunView {
     /// Run id.
@@ -63,6 +67,7 @@ pub struct RunView {
 }
 
 /// A round as the admin API shows it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RoundView {
     /// Round index.
@@ -99,6 +104,7 @@ pub struct RoundView {
 }
 
 /// A committed model version with its federated evaluation.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ModelView {
     /// Version.

@@ -11,6 +11,7 @@ use crate::rng::SplitMix64;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Plan {
@@ -47,6 +48,7 @@ pub struct Plan {
 }
 
 /// Model schema and initial parameters.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPlan {
@@ -55,6 +57,7 @@ pub struct ModelPlan {
     pub schema: Option<TensorSchema>,
     /// A declarative model the client SDK builds at run time (optional for runs whose clients
     /// bring their own model).
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
     pub spec: Option<ModelSpec>,
     /// How version 0 is made.
@@ -62,6 +65,7 @@ pub struct ModelPlan {
 }
 
 /// How the initial model is made.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
 pub enum InitSpec {

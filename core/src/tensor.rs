@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// Element type of a tensor.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
@@ -36,6 +37,7 @@ impl DType {
 }
 
 /// One named tensor of a model.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSpec {
     /// Parameter name, e.g. `layers.0.weight`; unique within a schema.
@@ -54,6 +56,7 @@ impl TensorSpec {
 }
 
 /// The ordered list of tensors that make up a model.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSchema {
     /// Tensors in payload order.
@@ -61,8 +64,10 @@ pub struct TensorSchema {
 }
 
 /// A stable 256-bit digest of a [`TensorSchema`]: names, shapes and dtypes, in order.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
+#[cfg_attr(feature = "openapi", schema(value_type = String, format = Binary))]
 pub struct SchemaId(#[serde(with = "serde_bytes")] pub [u8; 32]);
 
 impl fmt::Debug for SchemaId {
@@ -248,12 +253,14 @@ impl TensorSchema {
 }
 
 /// A flat tensor buffer tagged with the schema it was encoded for.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorPayload {
     /// Digest of the schema the data is laid out in.
     pub schema_id: SchemaId,
     /// Raw little-endian values, tensors concatenated in schema order.
     #[serde(with = "serde_bytes")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Binary))]
     pub data: Vec<u8>,
 }
 

@@ -56,6 +56,7 @@ pub fn decode<T: DeserializeOwned>(mut bytes: &[u8]) -> Result<T, WireError> {
 }
 
 /// Error codes shared by the server and the SDK, so clients can branch on them.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
@@ -125,6 +126,7 @@ impl ErrorCode {
 }
 
 /// Every non-2xx answer carries this body (CBOR on the fleet API, JSON on the admin API).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// Machine-readable cause.
@@ -134,6 +136,7 @@ pub struct ErrorBody {
 }
 
 /// `POST /v1/enroll`: trade an operator-issued enrollment token for a device credential.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EnrollRequest {
     /// The enrollment token as issued by the operator.
@@ -141,6 +144,7 @@ pub struct EnrollRequest {
 }
 
 /// Answer to [`EnrollRequest`].
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EnrollResponse {
     /// The new device's id.
@@ -150,6 +154,7 @@ pub struct EnrollResponse {
 }
 
 /// `POST /v1/check-in`: a device offers to participate.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckInRequest {
     /// Population the device belongs to; runs are scheduled per population.
@@ -157,6 +162,7 @@ pub struct CheckInRequest {
 }
 
 /// Answer to [`CheckInRequest`].
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckInResponse {
@@ -170,6 +176,7 @@ pub enum CheckInResponse {
 }
 
 /// A round assignment.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskAssignment {
     /// Run the round belongs to.
@@ -183,6 +190,7 @@ pub struct TaskAssignment {
     /// Schema of the model and of the expected update.
     pub schema: TensorSchema,
     /// The model to build, when the run's plan has a declarative spec.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
     pub model_spec: Option<ModelSpec>,
     /// The plan's local training configuration, as JSON text, passed through untouched.
@@ -192,6 +200,7 @@ pub struct TaskAssignment {
 }
 
 /// `POST /v1/runs/{run}/rounds/{round}/updates`: a device's update.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UploadRequest {
     /// The model version the delta was computed against.
@@ -205,6 +214,7 @@ pub struct UploadRequest {
 }
 
 /// Answer to an accepted [`UploadRequest`]; sent only after the update is durable.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UploadAck {
     /// Run of the round.
@@ -214,6 +224,7 @@ pub struct UploadAck {
 }
 
 /// `POST /v1/runs/{run}/evaluations`: metrics of a global model on a device's held-out data.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvaluationReport {
     /// Model version evaluated.

@@ -1,7 +1,7 @@
 //! What a production deployment relies on, over real sockets: TLS and mutual TLS with the SDK,
 //! every authentication boundary (device against device, device against the admin API, revoked
 //! credentials, expired and used-up enrollment tokens), slow-client deadlines, and readiness
-//! that follows the store.
+//! that follows the store; the OpenAPI document against the routes.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -352,5 +352,61 @@ async fn readiness_follows_the_store(
     })
     .await
     .unwrap();
+    c.running.shutdown().await.unwrap();
+}
+
+/// The served OpenAPI document is the one generated from the handlers, equals the checked-in
+/// `docs/openapi.json` (`STARLING_UPDATE_OPENAPI=1` rewrites it), and every operation in it is a
+/// route that exists: asked without credentials, each answers something other than the
+/// router's "no such route" 404 or a 405.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_matches_the_routes() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let http = http_client();
+    let served: serde_json::Value =
+        http.get(format!("{}/openapi.json", c.url)).send().await.unwrap().json().await.unwrap();
+    let generated = serde_json::to_value(starling_coordinator::http::openapi::document()).unwrap();
+    assert_eq!(served, generated);
+    let checked_in = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json");
+    let pretty = serde_json::to_string_pretty(&generated).unwrap() + "\n";
+    if std::env::var_os("STARLING_UPDATE_OPENAPI").is_some() {
+        std::fs::write(&checked_in, &pretty).unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(&checked_in).unwrap_or_default(),
+        pretty,
+        "docs/openapi.json is stale: run the test with STARLING_UPDATE_OPENAPI=1"
+    );
+
+    let paths = generated["paths"].as_object().unwrap();
+    let mut operations = 0;
+    for (path, item) in paths {
+        let concrete = path
+            .replace("{run_id}", "1")
+            .replace("{round_idx}", "0")
+            .replace("{device_id}", "1")
+            .replace("{hash}", &"0".repeat(64));
+        for method in item.as_object().unwrap().keys() {
+            let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            let res =
+                http.request(method.clone(), format!("{}{concrete}", c.url)).send().await.unwrap();
+            let status = res.status();
+            let body = res.text().await.unwrap_or_default();
+            assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+            assert!(
+                !(status == StatusCode::NOT_FOUND && body.contains("no such route")),
+                "{method} {path} is documented but not routed"
+            );
+            if item[method.as_str().to_lowercase()]["security"].is_array() {
+                assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {path} without credentials");
+            }
+            operations += 1;
+        }
+    }
+    assert!(operations >= 21, "only {operations} operations documented");
+    // And an undocumented path is the router's 404.
+    let res = http.get(format!("{}/v1/nothing-here", c.url)).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
     c.running.shutdown().await.unwrap();
 }

@@ -109,3 +109,26 @@ fn migrations_are_reversible_and_in_step() {
     assert!(!pg.is_empty());
     assert_eq!(pg, versions("sqlite"));
 }
+
+/// Every API route is registered through `utoipa_axum::routes!`, which documents it in the
+/// OpenAPI document; plain `.route(` calls are only for what is not API (the dashboard's files,
+/// the document itself).
+#[test]
+fn every_api_route_is_documented() {
+    let http = repo_root().join("coordinator/src");
+    let mut files = vec![];
+    files_with_extension(&http, "rs", &mut files);
+    let mut undocumented = vec![];
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("readable source");
+        for (n, line) in text.lines().enumerate() {
+            if let Some(at) = line.find(".route(\"") {
+                let path = &line[at + 8..];
+                if !(path.starts_with("/dashboard") || path.starts_with("/openapi.json")) {
+                    undocumented.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(undocumented.is_empty(), "routes outside the OpenAPI document: {undocumented:#?}");
+}

@@ -2,17 +2,17 @@
 
 use std::collections::BTreeMap;
 
-use axum::Router;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Path, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
 use base64::Engine;
 use serde::Serialize;
 use starling_core::fedavg::MetricsAccumulator;
 use starling_core::plan::Plan;
-use starling_core::wire::ErrorCode;
+use starling_core::wire::{ErrorBody, ErrorCode};
 use starling_core::{ModelVersion, RunId};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::{ApiError, AppState, Operator, random_secret, sha256};
 use crate::clock::now_ms;
@@ -24,18 +24,18 @@ use starling_core::admin::{
     DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView,
 };
 
-/// The admin routes.
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/admin/enrollment-tokens", post(create_enrollment_token))
-        .route("/v1/admin/runs", post(create_run).get(list_runs))
-        .route("/v1/admin/runs/{run_id}", get(get_run))
-        .route("/v1/admin/runs/{run_id}/rounds", get(list_rounds))
-        .route("/v1/admin/runs/{run_id}/rounds/{round_idx}", get(get_round))
-        .route("/v1/admin/runs/{run_id}/models", get(list_models))
-        .route("/v1/admin/runs/{run_id}/stop", post(stop_run))
-        .route("/v1/admin/devices", get(list_devices))
-        .route("/v1/admin/devices/{device_id}/revoke", post(revoke_device))
+/// The admin routes, each with its OpenAPI operation.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create_enrollment_token))
+        .routes(routes!(create_run, list_runs))
+        .routes(routes!(get_run))
+        .routes(routes!(list_rounds))
+        .routes(routes!(get_round))
+        .routes(routes!(list_models))
+        .routes(routes!(stop_run))
+        .routes(routes!(list_devices))
+        .routes(routes!(revoke_device))
 }
 
 /// `Json` whose rejections use our error body.
@@ -55,6 +55,12 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
+#[utoipa::path(post, path = "/v1/admin/enrollment-tokens", tag = "admin", security(("operator" = [])),
+    request_body = NewEnrollmentToken,
+    responses((status = 201, description = "the token, shown once", body = EnrollmentToken), (status = 400, description = "malformed body", body = ErrorBody),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 422, description = "invalid field, schema or value", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn create_enrollment_token(
     State(state): State<AppState>,
     _op: Operator,
@@ -103,6 +109,12 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
     })
 }
 
+#[utoipa::path(post, path = "/v1/admin/runs", tag = "admin", security(("operator" = [])),
+    request_body = Plan,
+    responses((status = 201, description = "created; round 0 opens", body = RunView), (status = 400, description = "malformed body", body = ErrorBody),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 422, description = "invalid field, schema or value", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn create_run(
     State(state): State<AppState>,
     _op: Operator,
@@ -135,6 +147,9 @@ async fn create_run(
     Ok((StatusCode::CREATED, AppJson(run_view(&state, row).await?)))
 }
 
+#[utoipa::path(get, path = "/v1/admin/runs", tag = "admin", security(("operator" = [])),
+    responses((status = 200, description = "every run", body = Vec<RunView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn list_runs(
     State(state): State<AppState>,
     _op: Operator,
@@ -146,6 +161,10 @@ async fn list_runs(
     Ok(AppJson(out))
 }
 
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
+    responses((status = 200, description = "the run", body = RunView), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn get_run(
     State(state): State<AppState>,
     _op: Operator,
@@ -187,6 +206,10 @@ async fn existing_run(state: &AppState, run_id: i64) -> Result<RunId, ApiError> 
     }
 }
 
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/rounds", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
+    responses((status = 200, description = "the run's rounds", body = Vec<RoundView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn list_rounds(
     State(state): State<AppState>,
     _op: Operator,
@@ -206,6 +229,11 @@ async fn list_rounds(
     ))
 }
 
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/rounds/{round_idx}", tag = "admin", security(("operator" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    responses((status = 200, description = "the round", body = RoundView), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn get_round(
     State(state): State<AppState>,
     _op: Operator,
@@ -220,6 +248,10 @@ async fn get_round(
     Ok(AppJson(round_view(round, c)))
 }
 
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/models", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
+    responses((status = 200, description = "the run's model versions", body = Vec<ModelView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn list_models(
     State(state): State<AppState>,
     _op: Operator,
@@ -254,6 +286,11 @@ async fn list_models(
     Ok(AppJson(views))
 }
 
+#[utoipa::path(post, path = "/v1/admin/runs/{run_id}/stop", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
+    responses((status = 200, description = "stopped", body = RunView), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn stop_run(
     State(state): State<AppState>,
     _op: Operator,
@@ -269,6 +306,9 @@ async fn stop_run(
     Ok(AppJson(run_view(&state, row).await?))
 }
 
+#[utoipa::path(get, path = "/v1/admin/devices", tag = "admin", security(("operator" = [])),
+    responses((status = 200, description = "every enrolled device", body = Vec<DeviceView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn list_devices(
     State(state): State<AppState>,
     _op: Operator,
@@ -288,6 +328,11 @@ async fn list_devices(
 
 /// Revokes a device's credential: from the next request on, the device is refused everywhere
 /// (an update it already had acknowledged stays in its round).
+#[utoipa::path(post, path = "/v1/admin/devices/{device_id}/revoke", tag = "admin", security(("operator" = [])),
+    params(("device_id" = i64, Path, description = "device")),
+    responses((status = 200, description = "revoked", body = DeviceView), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn revoke_device(
     State(state): State<AppState>,
     _op: Operator,

@@ -3,19 +3,20 @@
 //! Every body is bounded before it is read, decoded off the async threads when it can be large,
 //! and validated before the driver or the store sees it.
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use serde::de::DeserializeOwned;
 use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update};
+use starling_core::tensor::TensorPayload;
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
-    ErrorCode, EvaluationReport, UploadAck, UploadRequest,
+    ErrorBody, ErrorCode, EvaluationReport, UploadAck, UploadRequest,
 };
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
 use crate::clock::now_ms;
@@ -26,17 +27,17 @@ const SMALL_BODY_LIMIT: usize = 64 * 1024;
 /// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
 const UPLOAD_ENVELOPE_LIMIT: usize = 64 * 1024;
 
-/// The fleet routes.
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/enroll", post(enroll))
-        .route("/v1/check-in", post(check_in))
-        .route("/v1/models/{hash}", get(model))
-        .route(
-            "/v1/runs/{run_id}/rounds/{round_idx}/updates",
-            post(upload).layer(axum::middleware::map_response(close_after_upload)),
-        )
-        .route("/v1/runs/{run_id}/evaluations", post(evaluation))
+/// The fleet routes, each with its OpenAPI operation.
+pub fn routes() -> OpenApiRouter<AppState> {
+    let uploads = OpenApiRouter::new()
+        .routes(routes!(upload))
+        .layer(axum::middleware::map_response(close_after_upload));
+    OpenApiRouter::new()
+        .routes(routes!(enroll))
+        .routes(routes!(check_in))
+        .routes(routes!(model))
+        .merge(uploads)
+        .routes(routes!(evaluation))
 }
 
 /// Ends the connection after an upload. Reading a model-sized body grows the connection's read
@@ -70,6 +71,17 @@ fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+#[utoipa::path(post, path = "/v1/enroll", tag = "fleet",
+    request_body(content = EnrollRequest, content_type = "application/cbor"),
+    responses(
+        (status = 200, description = "enrolled; keep the credential", body = EnrollResponse, content_type = "application/cbor"),
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
+        (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
 async fn enroll(
     State(state): State<AppState>,
     _connection: FleetConnection,
@@ -90,6 +102,16 @@ async fn enroll(
     Ok(Cbor(EnrollResponse { device_id: device, credential }))
 }
 
+#[utoipa::path(post, path = "/v1/check-in", tag = "fleet", security(("device" = [])),
+    request_body(content = CheckInRequest, content_type = "application/cbor"),
+    responses(
+        (status = 200, description = "a task, or when to come back", body = CheckInResponse, content_type = "application/cbor"),
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
 async fn check_in(
     State(state): State<AppState>,
     DeviceAuth(device): DeviceAuth,
@@ -105,6 +127,16 @@ async fn check_in(
 }
 
 /// Content-addressed model download: immutable, so cacheable forever, with `ETag` revalidation.
+#[utoipa::path(get, path = "/v1/models/{hash}", tag = "fleet", security(("device" = [])),
+    params(("hash" = String, Path, description = "the model's content hash, 64 hex digits")),
+    responses(
+        (status = 200, description = "the encoded model (cacheable forever)", body = TensorPayload, content_type = "application/cbor"),
+        (status = 304, description = "unchanged (If-None-Match)"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
 async fn model(
     State(state): State<AppState>,
     _device: DeviceAuth,
@@ -134,6 +166,21 @@ async fn model(
         .into_response())
 }
 
+#[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/updates", tag = "fleet", security(("device" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    request_body(content = UploadRequest, content_type = "application/cbor", description = "at most the model's size plus 64 KiB"),
+    responses(
+        (status = 200, description = "acknowledged: durably stored, never lost", body = UploadAck, content_type = "application/cbor"),
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
+        (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "invalid field, schema or value", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
 async fn upload(
     State(state): State<AppState>,
     DeviceAuth(device): DeviceAuth,
@@ -193,6 +240,20 @@ async fn accept_upload(
     Ok((ack, body_len))
 }
 
+#[utoipa::path(post, path = "/v1/runs/{run_id}/evaluations", tag = "fleet", security(("device" = [])),
+    params(("run_id" = i64, Path, description = "run")),
+    request_body(content = EvaluationReport, content_type = "application/cbor"),
+    responses(
+        (status = 204, description = "stored"),
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "invalid field, schema or value", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
 async fn evaluation(
     State(state): State<AppState>,
     DeviceAuth(device): DeviceAuth,

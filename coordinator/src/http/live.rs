@@ -21,14 +21,22 @@ use super::admin::AppJson;
 use super::error::ApiError;
 use super::{AppState, Operator};
 use crate::observe::PopulationSample;
+use starling_core::wire::ErrorBody;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The observability routes; the dashboard is served from `dashboard_dir` when given.
-pub fn routes(dashboard_dir: Option<&Path>) -> Router<AppState> {
-    let router = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/v1/admin/events", get(events))
-        .route("/v1/admin/population", get(population))
-        .route("/dashboard", get(|| async { Redirect::permanent("/dashboard/") }));
+/// The observability routes, each with its OpenAPI operation.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(metrics))
+        .routes(routes!(events))
+        .routes(routes!(population))
+}
+
+/// The dashboard's files (not part of the API), from `dashboard_dir` when given.
+pub fn dashboard(dashboard_dir: Option<&Path>) -> Router<AppState> {
+    let router =
+        Router::new().route("/dashboard", get(|| async { Redirect::permanent("/dashboard/") }));
     match dashboard_dir {
         Some(dir) => router
             .nest_service("/dashboard/", ServeDir::new(dir).append_index_html_on_directories(true)),
@@ -46,6 +54,8 @@ async fn no_dashboard() -> ApiError {
 }
 
 /// Prometheus metrics, OpenMetrics text format.
+#[utoipa::path(get, path = "/metrics", tag = "observability", security(("operator" = [])),
+    responses((status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text", body = String), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody)))]
 async fn metrics(State(state): State<AppState>, _op: Operator) -> impl IntoResponse {
     (
         [(
@@ -58,6 +68,8 @@ async fn metrics(State(state): State<AppState>, _op: Operator) -> impl IntoRespo
 
 /// Server-sent events: one `update` event (JSON) per [`crate::observe::LiveEvent`]; a `reload`
 /// event when this subscriber fell behind and should refetch everything.
+#[utoipa::path(get, path = "/v1/admin/events", tag = "observability", security(("operator" = [])),
+    responses((status = 200, description = "server-sent events: `update` (JSON) per change, `reload` after falling behind", content_type = "text/event-stream", body = String), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody)))]
 async fn events(
     State(state): State<AppState>,
     _op: Operator,
@@ -78,6 +90,8 @@ async fn events(
 }
 
 /// Population samples of the last hour, oldest first.
+#[utoipa::path(get, path = "/v1/admin/population", tag = "observability", security(("operator" = [])),
+    responses((status = 200, description = "population samples of the last hour, oldest first", body = Vec<PopulationSample>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody)))]
 async fn population(
     State(state): State<AppState>,
     _op: Operator,

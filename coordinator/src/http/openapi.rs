@@ -1,0 +1,64 @@
+//! The OpenAPI document, generated from the handlers' own annotations: every API route is
+//! registered through `utoipa_axum::routes!`, so a route and its documentation cannot part.
+//! Served at `/openapi.json`; `docs/openapi.json` is the checked-in copy a test keeps equal.
+
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+
+use super::AppState;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Starling coordinator",
+        description = "Fleet API (devices, CBOR bodies, device credentials) and admin API \
+                       (operators, JSON bodies, the operator token). Errors carry an ErrorBody \
+                       with a stable `code`.",
+        license(name = "Apache-2.0")
+    ),
+    modifiers(&Credentials),
+    tags(
+        (name = "fleet", description = "What devices call; CBOR (application/cbor)."),
+        (name = "admin", description = "What operators and the dashboard call; JSON."),
+        (name = "observability", description = "Metrics and live state; operator token."),
+        (name = "health", description = "Liveness and readiness probes; no credential."),
+    )
+)]
+struct ApiDoc;
+
+/// The two bearer credentials.
+struct Credentials;
+
+impl Modify for Credentials {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        for (name, what) in [
+            ("device", "the credential a device got at enrollment"),
+            ("operator", "the coordinator's operator token"),
+        ] {
+            let mut scheme = Http::new(HttpAuthScheme::Bearer);
+            scheme.description = Some(what.to_owned());
+            components.add_security_scheme(name, SecurityScheme::Http(scheme));
+        }
+    }
+}
+
+/// Every API route with its operation, in one router (before the per-API layers).
+pub fn api_routes() -> [OpenApiRouter<AppState>; 3] {
+    [
+        super::fleet::routes(),
+        super::admin::routes(),
+        super::live::routes().merge(super::health_routes()),
+    ]
+}
+
+/// The OpenAPI document of every API route.
+pub fn document() -> utoipa::openapi::OpenApi {
+    let mut doc = ApiDoc::openapi();
+    doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
+    for routes in api_routes() {
+        doc.merge(routes.into_openapi());
+    }
+    doc
+}
