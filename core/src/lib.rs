@@ -14,6 +14,8 @@
 
 pub mod admin;
 pub mod fedavg;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ids;
 pub mod model_spec;
 pub mod plan;

@@ -12,6 +12,7 @@ use starling_client::examples::Examples;
 use starling_client::participant::{
     Outcome, Participant, ParticipantError, ParticipantProgress, ParticipantState, Phase,
 };
+use starling_client::protocol::{FleetClient, TlsSettings};
 use starling_client::train::{Evaluation, TrainError};
 use starling_core::model_spec::InputSpec;
 
@@ -190,6 +191,7 @@ pub struct StarlingDevice {
     state: Mutex<ParticipantState>,
     activity: Mutex<Activity>,
     listener: Mutex<Option<Arc<dyn ProgressListener>>>,
+    tls: Mutex<TlsSettings>,
 }
 
 /// What the device did since it was created; the rest of [`DeviceStatus`] is read from the
@@ -255,15 +257,34 @@ impl StarlingDevice {
             state: Mutex::new(state),
             activity: Mutex::default(),
             listener: Mutex::new(None),
+            tls: Mutex::default(),
         };
         device.save_state()?;
         Ok(Arc::new(device))
     }
 
+    /// How to verify an `https://` coordinator: `ca_pem`, the PEM CA certificate(s) its
+    /// certificate must chain to (none: the platform's trust store), and `client_identity_pem`,
+    /// the device's certificate chain followed by its key, for a coordinator that requires
+    /// mutual TLS. Applies to every later call; unusable PEM is refused and changes nothing.
+    pub fn set_tls(
+        &self,
+        ca_pem: Option<String>,
+        client_identity_pem: Option<String>,
+    ) -> Result<(), StarlingError> {
+        let tls = TlsSettings {
+            ca_pem: ca_pem.map(String::into_bytes),
+            identity_pem: client_identity_pem.map(String::into_bytes),
+        };
+        FleetClient::with_tls(&self.url, &tls).map_err(|e| invalid(e.to_string()))?;
+        *lock(&self.tls) = tls;
+        Ok(())
+    }
+
     /// Trades an operator-issued enrollment token for a credential (stored); the device id.
     pub fn enroll(&self, enrollment_token: String) -> Result<i64, StarlingError> {
         let mut participant =
-            self.participant(Examples::new(self.input()), Examples::new(self.input()));
+            self.participant(Examples::new(self.input()), Examples::new(self.input()))?;
         let id = self.runtime.block_on(participant.enroll(&enrollment_token)).map_err(map_error)?;
         *lock(&self.state) = participant.state().clone();
         self.save_state()?;
@@ -306,7 +327,7 @@ impl StarlingDevice {
             return Err(StarlingError::NotEnrolled);
         }
         let (train_set, holdout) = examples.split_holdout(HOLDOUT, 0);
-        let mut participant = self.participant(train_set, holdout);
+        let mut participant = self.participant(train_set, holdout)?;
         let listener = lock(&self.listener).clone();
         let progress = Box::new(move |p: ParticipantProgress| {
             let Some(listener) = &listener else { return };
@@ -401,15 +422,21 @@ impl StarlingDevice {
         lock(&self.examples).input()
     }
 
-    fn participant(&self, train_set: Examples, holdout: Examples) -> Participant {
-        Participant::new(
+    fn participant(
+        &self,
+        train_set: Examples,
+        holdout: Examples,
+    ) -> Result<Participant, StarlingError> {
+        let participant = Participant::new(
             &self.url,
             &self.population,
             train_set,
             holdout,
             self.backend.training_device(),
         )
-        .restore(lock(&self.state).clone())
+        .with_tls(&lock(&self.tls))
+        .map_err(|e| invalid(e.to_string()))?;
+        Ok(participant.restore(lock(&self.state).clone()))
     }
 }
 

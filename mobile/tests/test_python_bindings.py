@@ -8,6 +8,7 @@ directory in STARLING_COORDINATOR_BIN and STARLING_DIGITS_DIR.
 import json
 import os
 import socket
+import ssl
 import struct
 import subprocess
 import tempfile
@@ -44,19 +45,35 @@ def digits():
 
 
 class Coordinator:
-    def __init__(self):
+    """The coordinator binary on a free port: plain HTTP, or TLS with a fresh self-signed
+    certificate (`self.cert`) made by openssl."""
+
+    def __init__(self, tls=False):
         self.dir = tempfile.TemporaryDirectory()
-        self.url = f"http://127.0.0.1:{free_port()}"
+        port = free_port()
         db = f"sqlite://{self.dir.name}/db.sqlite"
         env = dict(os.environ, STARLING_OPERATOR_TOKEN=TOKEN, RUST_LOG="warn")
-        self.proc = subprocess.Popen(
-            [os.environ["STARLING_COORDINATOR_BIN"], "serve", "--insecure-http", "--listen", self.url[7:], "--database-url", db],
-            env=env,
-        )
+        args = [os.environ["STARLING_COORDINATOR_BIN"], "serve", "--listen", f"127.0.0.1:{port}", "--database-url", db]
+        self.context = None
+        if tls:
+            self.cert, key = os.path.join(self.dir.name, "cert.pem"), os.path.join(self.dir.name, "key.pem")
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                 "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                 "-keyout", key, "-out", self.cert],
+                check=True, capture_output=True,
+            )
+            args += ["--tls-cert", self.cert, "--tls-key", key]
+            self.context = ssl.create_default_context(cafile=self.cert)
+            self.url = f"https://127.0.0.1:{port}"
+        else:
+            args.append("--insecure-http")
+            self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(args, env=env)
         deadline = time.time() + 30
         while True:
             try:
-                urllib.request.urlopen(self.url + "/healthz")
+                urllib.request.urlopen(self.url + "/healthz", context=self.context)
                 break
             except OSError:
                 if time.time() > deadline:
@@ -70,7 +87,7 @@ class Coordinator:
             data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(req) as res:
+        with urllib.request.urlopen(req, context=self.context) as res:
             return json.loads(res.read() or "null")
 
     def close(self):
@@ -176,6 +193,27 @@ class MobileBindings(unittest.TestCase):
         gone.add_examples(self.features[0], [self.labels[0]])
         with self.assertRaises(sm.StarlingError.Unreachable):
             gone.participate()
+
+
+class TlsTest(unittest.TestCase):
+    def test_a_device_verifies_the_coordinator_against_its_ca(self):
+        c = Coordinator(tls=True)
+        try:
+            token = c.admin("POST", "/v1/admin/enrollment-tokens", {"uses": 2})["token"]
+            with open(c.cert) as f:
+                ca = f.read()
+            # The platform's trust store does not know this certificate: no connection.
+            untrusting = sm.StarlingDevice(c.url, "p", None, tempfile.mkdtemp(), SHAPE)
+            with self.assertRaises(sm.StarlingError.Unreachable):
+                untrusting.enroll(token)
+            with self.assertRaises(sm.StarlingError.InvalidInput):
+                untrusting.set_tls("not a certificate", None)
+            device = sm.StarlingDevice(c.url, "p", None, tempfile.mkdtemp(), SHAPE)
+            device.set_tls(ca, None)
+            self.assertGreater(device.enroll(token), 0)
+            self.assertEqual(len(c.admin("GET", "/v1/admin/devices")), 1)
+        finally:
+            c.close()
 
 
 if __name__ == "__main__":

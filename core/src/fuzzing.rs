@@ -1,0 +1,65 @@
+//! Entry points that feed untrusted bytes to every decoder the coordinator and SDK run on
+//! network input. The cargo-fuzz targets in `fuzz/` call them, and so does the regression test
+//! over `fuzz/regressions/` on stable Rust in CI: one harness, two drivers.
+//!
+//! Each function must return normally for every input; a panic, abort or runaway allocation is
+//! a bug in the decoder.
+
+use crate::fedavg::validate_update;
+use crate::plan::Plan;
+use crate::tensor::{DType, TensorPayload, TensorSchema, TensorSpec};
+use crate::wire::{
+    self, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse, ErrorBody,
+    EvaluationReport, TaskAssignment, UploadAck, UploadRequest,
+};
+
+/// The schema uploads are checked against: two small tensors.
+fn round_schema() -> TensorSchema {
+    TensorSchema {
+        tensors: vec![
+            TensorSpec { name: "w".into(), shape: vec![4, 3], dtype: DType::F32 },
+            TensorSpec { name: "b".into(), shape: vec![3], dtype: DType::F32 },
+        ],
+    }
+}
+
+/// Every fleet-API message, as the coordinator (requests) and the SDK (answers) decode them;
+/// a decoded upload also goes through validation, and what decodes re-encodes to the same value.
+pub fn fleet_message(data: &[u8]) {
+    let _ = wire::decode::<EnrollRequest>(data);
+    let _ = wire::decode::<EnrollResponse>(data);
+    let _ = wire::decode::<CheckInRequest>(data);
+    let _ = wire::decode::<CheckInResponse>(data);
+    let _ = wire::decode::<TaskAssignment>(data);
+    let _ = wire::decode::<UploadAck>(data);
+    let _ = wire::decode::<EvaluationReport>(data);
+    let _ = wire::decode::<ErrorBody>(data);
+    if let Ok(upload) = wire::decode::<UploadRequest>(data) {
+        let again = wire::to_vec(&upload).expect("a decoded upload encodes");
+        assert_eq!(wire::decode::<UploadRequest>(&again).ok().as_ref(), Some(&upload));
+        let _ = validate_update(&round_schema(), upload);
+    }
+}
+
+/// Tensor payloads and schemas: CBOR-framed, and the raw little-endian body a model or delta
+/// is stored as.
+pub fn tensor_payload(data: &[u8]) {
+    let schema = round_schema();
+    if let Ok(payload) = wire::decode::<TensorPayload>(data) {
+        let _ = schema.decode_f32(&payload);
+    }
+    let _ = schema.decode_f32_bytes(data);
+    if let Ok(other) = wire::decode::<TensorSchema>(data)
+        && other.validate().is_ok()
+    {
+        let _ = other.schema_id();
+        let _ = other.byte_len();
+    }
+}
+
+/// A run plan as the admin API takes it (JSON), through validation.
+pub fn plan_json(data: &[u8]) {
+    if let Ok(plan) = serde_json::from_slice::<Plan>(data) {
+        let _ = plan.validate();
+    }
+}
