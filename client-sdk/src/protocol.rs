@@ -90,8 +90,13 @@ fn http_client(tls: &TlsSettings) -> Result<reqwest::Client, ClientError> {
     // ring is the only rustls provider linked; installing it is idempotent (the error says one
     // is installed already).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut builder =
-        reqwest::Client::builder().timeout(Duration::from_secs(120)).pool_max_idle_per_host(4);
+    let mut builder = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .pool_max_idle_per_host(4)
+        // Let idle connections go before the coordinator may (its header deadline, 10 s by
+        // default, can also end idle keep-alive connections), so a request never goes out on a
+        // connection the server is closing.
+        .pool_idle_timeout(Duration::from_secs(5));
     if let Some(pem) = &tls.ca_pem {
         let certs = reqwest::Certificate::from_pem_bundle(pem)
             .map_err(|e| ClientError::Tls(format!("CA certificates: {e}")))?;

@@ -60,6 +60,7 @@ class Coordinator:
             subprocess.run(
                 ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
                  "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                 "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "extendedKeyUsage=serverAuth",
                  "-keyout", key, "-out", self.cert],
                 check=True, capture_output=True,
             )

@@ -287,8 +287,12 @@ async fn slow_clients_time_out() {
             b"POST /v1/enroll HTTP/1.1\r\nHost: x\r\nContent-Type: application/cbor\r\nContent-Length: 100\r\n\r\n\xa1",
         )
     });
-    // Meanwhile the coordinator serves others.
-    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    // Meanwhile the coordinator serves others. (A fresh client each time: with a 1 s header
+    // deadline the server may also close idle keep-alive connections after 1 s, and a pooled
+    // one could be reused just as it closes; the SDK's pool lets idle connections go after 5 s,
+    // under the default 10 s.)
+    let fresh_admin = || AdminClient::new(&c.url, OPERATOR_TOKEN);
+    assert!(fresh_admin().enrollment_token(Some(1)).await.is_ok());
     let (answer, took) = stalled_headers.await.unwrap();
     assert!(took < Duration::from_secs(10), "headers stalled for {took:?}");
     assert!(!String::from_utf8_lossy(&answer).contains("200 OK"));
@@ -300,7 +304,7 @@ async fn slow_clients_time_out() {
         wire::decode(&answer[head_end..]).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(body.code, ErrorCode::Timeout);
     assert!(took < Duration::from_secs(10), "body stalled for {took:?}");
-    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    assert!(fresh_admin().enrollment_token(Some(1)).await.is_ok());
     c.running.shutdown().await.unwrap();
 }
 
