@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 seconds="${1:-60}"
 target_dir="${STARLING_FUZZ_TARGET_DIR:-/var/tmp/starling-fuzz-target}"
-for target in fleet_message tensor_payload plan_json; do
+for target in fleet_message tensor_payload plan_json secagg_message; do
     mkdir -p "corpus/$target"
     # Seed each corpus with the saved regressions, so a run starts from what was found before.
     if [ -d "regressions/$target" ]; then cp -n regressions/"$target"/* "corpus/$target/" 2>/dev/null || true; fi

@@ -10,6 +10,7 @@
 //! * [`model_spec`]: declarative models, their tensor schema and initialization.
 //! * [`plan`]: the operator's run plan and its validation.
 //! * [`round`]: the round state machine (selection, reporting, closing, commit).
+//! * [`secagg`]: SecAgg+ secure aggregation, client and server state machines.
 //! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
@@ -21,6 +22,7 @@ pub mod model_spec;
 pub mod plan;
 pub mod rng;
 pub mod round;
+pub mod secagg;
 pub mod tensor;
 pub mod wire;
 

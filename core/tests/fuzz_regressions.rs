@@ -6,15 +6,20 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use proptest::prelude::*;
-use starling_core::fuzzing::{fleet_message, plan_json, tensor_payload};
+use starling_core::fuzzing::{fleet_message, plan_json, secagg_message, tensor_payload};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 use starling_core::wire::{self, CheckInResponse, UploadRequest};
 use starling_core::{ModelVersion, RoundIdx, RunId};
 
 type Target = fn(&[u8]);
 
-fn targets() -> [(&'static str, Target); 3] {
-    [("fleet_message", fleet_message), ("tensor_payload", tensor_payload), ("plan_json", plan_json)]
+fn targets() -> [(&'static str, Target); 4] {
+    [
+        ("fleet_message", fleet_message),
+        ("tensor_payload", tensor_payload),
+        ("plan_json", plan_json),
+        ("secagg_message", secagg_message),
+    ]
 }
 
 /// Valid messages to mutate from.
