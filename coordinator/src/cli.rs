@@ -356,9 +356,14 @@ pub fn main() -> anyhow::Result<()> {
                 let config = resolve(*args)?;
                 tracing::info!(listen = %config.listen, tls = config.tls.is_some(), database = %crate::store::redact(&config.database_url), "starting");
                 let running = crate::start(config).await.context("starting the coordinator")?;
-                shutdown_signal().await?;
-                tracing::info!("shutting down");
-                running.shutdown().await?;
+                let signal = async {
+                    if let Err(e) = shutdown_signal().await {
+                        tracing::error!(error = %e, "signal handling failed");
+                        std::future::pending::<()>().await;
+                    }
+                    tracing::info!("shutting down");
+                };
+                running.serve_until(signal).await?;
                 Ok(())
             }
             Command::Healthcheck(args) => healthcheck(args.listen, args.tls_cert.is_some()),

@@ -71,6 +71,10 @@ pub enum ServeError {
     /// Serving failed.
     #[error("http server failed: {0}")]
     Serve(#[source] std::io::Error),
+    /// The connection holding the leadership lock died: another coordinator may now drive
+    /// the runs, so this one stopped (restart it to wait for the lock again).
+    #[error("lost the leadership lock (its database connection ended); stopped serving")]
+    LeadershipLost,
 }
 
 /// A started coordinator.
@@ -100,6 +104,19 @@ impl RunningCoordinator {
     pub async fn wait(self) -> Result<(), ServeError> {
         self.task.await.unwrap_or(Ok(()))
     }
+
+    /// Serves until `signal` resolves, then shuts down gracefully; or returns the error that
+    /// ended the server first (e.g. [`ServeError::LeadershipLost`]).
+    pub async fn serve_until(
+        mut self,
+        signal: impl std::future::Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        tokio::select! {
+            res = &mut self.task => return res.unwrap_or(Ok(())),
+            () = signal => {}
+        }
+        self.shutdown().await
+    }
 }
 
 /// Starts the coordinator and returns once it accepts requests.
@@ -108,7 +125,7 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     let server_tls = config.tls.as_ref().map(tls::server_config).transpose()?;
     let store = SqlStore::connect(&config.database_url, config.migrate).await?;
     tracing::info!(backend = ?store.backend(), "store connected");
-    let leadership = store.acquire_leadership().await?;
+    let mut leadership = store.acquire_leadership().await?;
     let observer = observe::Observer::new();
     let (driver, handle) = Driver::recover(store.clone(), observer.clone()).await?;
     tokio::spawn(driver.run());
@@ -139,9 +156,17 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
         }
     });
     let task = tokio::spawn(async move {
-        let res = serve(listener, app, server_tls, config.timeouts, server).await;
-        drop(leadership);
-        res
+        let serving = serve(listener, app, server_tls, config.timeouts, server.clone());
+        tokio::pin!(serving);
+        tokio::select! {
+            res = &mut serving => res,
+            () = leadership.lost() => {
+                tracing::error!("lost the leadership lock; stopping so another coordinator can take over");
+                server.shutdown();
+                let _ = serving.await;
+                Err(ServeError::LeadershipLost)
+            }
+        }
     });
     Ok(RunningCoordinator { addr, tls, shutdown: Some(tx), task })
 }

@@ -318,7 +318,31 @@ const LEADER_LOCK_KEY: i64 = 0x5354_4152;
 /// Holds the leadership lock; dropping it releases the lock.
 #[derive(Debug)]
 pub struct Leadership {
-    _conn: Option<sqlx::PgConnection>,
+    conn: Option<sqlx::PgConnection>,
+}
+
+/// The Postgres `application_name` of the connection that holds the leadership lock.
+pub const LEADER_APPLICATION_NAME: &str = "starling-leader";
+
+impl Leadership {
+    /// Resolves when the lock is lost: the connection holding it stopped answering (the
+    /// server restarted, an operator terminated it, the network broke). Postgres releases an
+    /// advisory lock with its session, so from then on another coordinator may drive the runs;
+    /// this one must stop. Never resolves for SQLite (one process owns the file).
+    pub async fn lost(&mut self) {
+        let Some(conn) = self.conn.as_mut() else { return std::future::pending().await };
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let alive = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                sqlx::query("SELECT 1").execute(&mut *conn),
+            )
+            .await;
+            if !matches!(alive, Ok(Ok(_))) {
+                return;
+            }
+        }
+    }
 }
 
 impl SqlStore {
@@ -365,7 +389,13 @@ impl SqlStore {
     pub async fn migrate(&self) -> StoreResult<()> {
         match self.backend {
             Backend::Postgres => {
-                let mut conn = sqlx::PgConnection::connect(&self.url).await.map_err(map_err)?;
+                let options: sqlx::postgres::PgConnectOptions =
+                    self.url.parse().map_err(map_err)?;
+                let mut conn = sqlx::PgConnection::connect_with(
+                    &options.application_name(LEADER_APPLICATION_NAME),
+                )
+                .await
+                .map_err(map_err)?;
                 sqlx::migrate!("../migrations/postgres").run(&mut conn).await?;
             }
             Backend::Sqlite => {
@@ -383,15 +413,21 @@ impl SqlStore {
     /// killed process's connection closes). SQLite is single-process by design.
     pub async fn acquire_leadership(&self) -> StoreResult<Leadership> {
         match self.backend {
-            Backend::Sqlite => Ok(Leadership { _conn: None }),
+            Backend::Sqlite => Ok(Leadership { conn: None }),
             Backend::Postgres => {
-                let mut conn = sqlx::PgConnection::connect(&self.url).await.map_err(map_err)?;
+                let options: sqlx::postgres::PgConnectOptions =
+                    self.url.parse().map_err(map_err)?;
+                let mut conn = sqlx::PgConnection::connect_with(
+                    &options.application_name(LEADER_APPLICATION_NAME),
+                )
+                .await
+                .map_err(map_err)?;
                 sqlx::query("SELECT pg_advisory_lock($1)")
                     .bind(LEADER_LOCK_KEY)
                     .execute(&mut conn)
                     .await
                     .map_err(map_err)?;
-                Ok(Leadership { _conn: Some(conn) })
+                Ok(Leadership { conn: Some(conn) })
             }
         }
     }

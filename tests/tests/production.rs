@@ -333,8 +333,11 @@ async fn readiness_follows_the_store(
             let sql = format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allowed}");
             sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
             if !allowed {
-                sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()")
+                // The store's pool, not the leadership lock (losing that stops the coordinator,
+                // see leadership_loss_stops_the_coordinator).
+                sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> $2")
                     .bind(&name)
+                    .bind(starling_coordinator::store::LEADER_APPLICATION_NAME)
                     .execute(&pool)
                     .await
                     .unwrap();
@@ -413,4 +416,34 @@ async fn the_openapi_document_matches_the_routes() {
     let res = http.get(format!("{}/v1/nothing-here", c.url)).send().await.unwrap();
     assert_eq!(res.status(), StatusCode::NOT_FOUND);
     c.running.shutdown().await.unwrap();
+}
+
+/// When the connection holding the leadership lock dies, Postgres releases the lock and another
+/// coordinator may take over: this one stops serving with `LeadershipLost` instead of driving
+/// runs alongside it.
+#[sqlx::test(migrations = false)]
+async fn leadership_loss_stops_the_coordinator(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let url = pg_url(&opts);
+    let c = start_in_process(&url).await.unwrap();
+    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    let maintenance = sqlx::PgPool::connect(&url).await.unwrap();
+    let killed: Vec<(bool,)> = sqlx::query_as(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+    )
+    .bind(opts.get_database().unwrap())
+    .bind(starling_coordinator::store::LEADER_APPLICATION_NAME)
+    .fetch_all(&maintenance)
+    .await
+    .unwrap();
+    assert_eq!(killed.len(), 1, "exactly one connection holds the lock");
+    let ended = tokio::time::timeout(Duration::from_secs(20), c.running.wait()).await;
+    let res = ended.expect("the coordinator kept serving after losing the lock");
+    assert!(matches!(res, Err(starling_coordinator::ServeError::LeadershipLost)), "{res:?}");
+    // A successor takes the lock and serves the same store.
+    let successor = start_in_process(&url).await.unwrap();
+    assert!(successor.admin.enrollment_token(Some(1)).await.is_ok());
+    successor.running.shutdown().await.unwrap();
 }
