@@ -389,13 +389,7 @@ impl SqlStore {
     pub async fn migrate(&self) -> StoreResult<()> {
         match self.backend {
             Backend::Postgres => {
-                let options: sqlx::postgres::PgConnectOptions =
-                    self.url.parse().map_err(map_err)?;
-                let mut conn = sqlx::PgConnection::connect_with(
-                    &options.application_name(LEADER_APPLICATION_NAME),
-                )
-                .await
-                .map_err(map_err)?;
+                let mut conn = sqlx::PgConnection::connect(&self.url).await.map_err(map_err)?;
                 sqlx::migrate!("../migrations/postgres").run(&mut conn).await?;
             }
             Backend::Sqlite => {
