@@ -62,6 +62,7 @@ fn error_code_names_match_their_wire_form() {
         Unavailable,
         Internal,
         RateLimited,
+        Timeout,
     ] {
         assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{}\"", code.as_str()));
     }
