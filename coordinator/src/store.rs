@@ -505,15 +505,17 @@ impl SqlStore {
         Ok(row.map(|(id,)| DeviceId(id)))
     }
 
-    /// Revokes a device's credential for good; `false` when no such device exists. Revoking
-    /// twice is not an error.
-    pub async fn revoke_device(&self, device: DeviceId) -> StoreResult<bool> {
-        let done = sqlx::query("UPDATE devices SET revoked = TRUE WHERE id = $1")
-            .bind(device.0)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(done.rows_affected() == 1)
+    /// Revokes a device's credential for good; when it enrolled, or `None` when no such
+    /// device exists. Revoking twice is not an error.
+    pub async fn revoke_device(&self, device: DeviceId) -> StoreResult<Option<Millis>> {
+        let row: Option<(i64,)> = sqlx::query_as(
+            "UPDATE devices SET revoked = TRUE WHERE id = $1 RETURNING enrolled_at_ms",
+        )
+        .bind(device.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(row.map(|(enrolled_at,)| enrolled_at))
     }
 
     /// Every enrolled device, by id: (id, enrolled at, revoked).

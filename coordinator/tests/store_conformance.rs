@@ -90,9 +90,9 @@ async fn conformance(store: SqlStore) {
     assert_eq!(store.device_by_credential("cred2").await.unwrap(), Some(d2));
     assert_eq!(store.device_by_credential("unknown").await.unwrap(), None);
     // Revocation: the credential stops working at once, for that device only.
-    assert!(store.revoke_device(d2).await.unwrap());
-    assert!(store.revoke_device(d2).await.unwrap(), "revoking twice is not an error");
-    assert!(!store.revoke_device(starling_core::DeviceId(9_999)).await.unwrap());
+    assert_eq!(store.revoke_device(d2).await.unwrap(), Some(5));
+    assert_eq!(store.revoke_device(d2).await.unwrap(), Some(5), "revoking twice is not an error");
+    assert_eq!(store.revoke_device(starling_core::DeviceId(9_999)).await.unwrap(), None);
     assert_eq!(store.device_by_credential("cred2").await.unwrap(), None);
     assert_eq!(store.device_by_credential("cred3").await.unwrap(), Some(d3));
     let listed = store.devices().await.unwrap();

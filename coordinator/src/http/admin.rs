@@ -338,16 +338,11 @@ async fn revoke_device(
     _op: Operator,
     Path(device_id): Path<i64>,
 ) -> Result<AppJson<DeviceView>, ApiError> {
-    if !state.store().revoke_device(DeviceId(device_id)).await? {
-        return Err(ApiError::not_found(format!("no device {device_id}")));
-    }
-    tracing::info!(device = device_id, "device credential revoked");
-    let (_, enrolled_at_ms, revoked) = state
+    let enrolled_at_ms = state
         .store()
-        .devices()
+        .revoke_device(DeviceId(device_id))
         .await?
-        .into_iter()
-        .find(|(d, _, _)| d.0 == device_id)
         .ok_or_else(|| ApiError::not_found(format!("no device {device_id}")))?;
-    Ok(AppJson(DeviceView { device_id, enrolled_at_ms, revoked }))
+    tracing::info!(device = device_id, "device credential revoked");
+    Ok(AppJson(DeviceView { device_id, enrolled_at_ms, revoked: true }))
 }
