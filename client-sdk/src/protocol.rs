@@ -85,11 +85,17 @@ impl TlsSettings {
     }
 }
 
+/// Makes ring the process's rustls provider, as reqwest (built without one) needs before its
+/// first client; idempotent. Every SDK client calls it; so must code building its own reqwest
+/// client in a process that links the SDK.
+pub fn install_tls_provider() {
+    // ring is the only rustls provider linked; the error only says one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// The one HTTP client configuration every SDK client uses.
 fn http_client(tls: &TlsSettings) -> Result<reqwest::Client, ClientError> {
-    // ring is the only rustls provider linked; installing it is idempotent (the error says one
-    // is installed already).
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    install_tls_provider();
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .pool_max_idle_per_host(4)

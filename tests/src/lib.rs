@@ -7,14 +7,22 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use starling_client::protocol::{AdminClient, FleetClient, TlsSettings};
+use starling_client::protocol::{AdminClient, ClientError, FleetClient, TlsSettings};
 use starling_coordinator::{RunningCoordinator, ServeConfig};
 use starling_core::tensor::TensorSchema;
-use starling_core::wire::{CheckInResponse, TaskAssignment, UploadRequest};
+use starling_core::wire::{CheckInResponse, ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{ModelVersion, RunId};
 
 /// Operator token every test coordinator uses.
 pub const OPERATOR_TOKEN: &str = "test-operator-token-0123456789";
+
+/// The API error code of a call that must have failed with one.
+pub fn api_code<T: std::fmt::Debug>(res: Result<T, ClientError>) -> Option<ErrorCode> {
+    match res {
+        Err(ClientError::Api { body, .. }) => Some(body.code),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
 
 /// The shared datasets folder beside the checkout (`../shared/data`).
 pub fn shared_data() -> std::path::PathBuf {
@@ -234,13 +242,13 @@ impl Drop for ChildCoordinator {
 /// A plain reqwest client for raw requests in tests (ring installed as rustls's provider first,
 /// as the SDK does; without it reqwest panics).
 pub fn http_client() -> reqwest::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    starling_client::protocol::install_tls_provider();
     reqwest::Client::new()
 }
 
 /// A reqwest client that trusts only the PEM CA in `ca_file`.
 pub fn http_client_trusting(ca_file: &Path) -> anyhow::Result<reqwest::Client> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    starling_client::protocol::install_tls_provider();
     let ca = reqwest::Certificate::from_pem(&std::fs::read(ca_file)?)?;
     Ok(reqwest::Client::builder().tls_certs_only([ca]).build()?)
 }

@@ -206,13 +206,6 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn api_code<T: std::fmt::Debug>(res: Result<T, ClientError>) -> Option<ErrorCode> {
-    match res {
-        Err(ClientError::Api { body, .. }) => Some(body.code),
-        other => panic!("expected an API error, got {other:?}"),
-    }
-}
-
 /// Every kind of bad input gets a 4xx whose body names the problem, stores nothing, and leaves
 /// the round able to take the device's good update afterwards.
 async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()> {

@@ -12,13 +12,6 @@ use starling_core::wire::{self, CheckInResponse, ErrorCode};
 use starling_core::{DeviceId, RoundIdx, RunId};
 use starling_tests::*;
 
-fn api_code<T: std::fmt::Debug>(res: Result<T, ClientError>) -> Option<ErrorCode> {
-    match res {
-        Err(e) => e.code(),
-        Ok(v) => panic!("expected an API error, got {v:?}"),
-    }
-}
-
 fn is_transport<T: std::fmt::Debug>(res: Result<T, ClientError>) -> bool {
     matches!(res, Err(ClientError::Transport(_)))
 }
