@@ -271,6 +271,22 @@ pub async fn enroll(url: &str, admin: &AdminClient, n: usize) -> anyhow::Result<
     Ok(devices)
 }
 
+/// A plan training the SDK's built-in MLP on `input` (two devices per round, both needed),
+/// for `epochs` local epochs and `rounds` rounds.
+pub fn mlp_plan(
+    input: starling_core::model_spec::InputSpec,
+    epochs: u32,
+    rounds: u32,
+) -> serde_json::Value {
+    use starling_client::simulate::{ModelKind, model_spec};
+    serde_json::json!({
+        "model": {"spec": model_spec(ModelKind::Mlp, input), "init": {"kind": "seeded", "seed": 1}},
+        "training": {"epochs": epochs, "batch_size": 10, "lr": 0.1},
+        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": rounds,
+    })
+}
+
 /// A run plan for a one-tensor model of `params` f32 values.
 #[derive(Debug, Clone)]
 pub struct PlanSpec {

@@ -100,20 +100,13 @@ async fn serve_reads_its_config_file_and_flags_win() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn linux_devices_train_from_local_files() {
     use starling_client::data;
-    use starling_client::simulate::{ModelKind, model_spec};
 
     let client = Path::new(env!("CARGO_BIN_EXE_client_under_test"));
     let (dir, db) = starling_tests::sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let digits_dir = starling_tests::shared_data().join("sklearn_digits");
     let digits = data::digits(&digits_dir).unwrap();
-    let spec = model_spec(ModelKind::Mlp, digits.input());
-    let plan = serde_json::json!({
-        "model": {"spec": spec, "init": {"kind": "seeded", "seed": 1}},
-        "training": {"epochs": 2, "batch_size": 10, "lr": 0.1},
-        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
-        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 3,
-    });
+    let plan = starling_tests::mlp_plan(digits.input(), 2, 3);
     let run = starling_core::RunId(c.admin.create_run(&plan).await.unwrap().id);
     let token = c.admin.enrollment_token(Some(2)).await.unwrap();
 

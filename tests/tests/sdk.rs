@@ -13,14 +13,13 @@ use starling_client::model::{Batch, Classifier, ModelIo, schema_of};
 use starling_client::participant::{
     Outcome, OwnModule, Participant, ParticipantError, ParticipantProgress, Phase,
 };
-use starling_client::simulate::{ModelKind, model_spec};
 use starling_client::train::evaluate;
 use starling_client::{Device, examples::Examples};
 use starling_core::RunId;
 use starling_core::model_spec::InputSpec;
 use starling_tests::{
-    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, sqlite_db, start_in_process,
-    wait_model,
+    ChildCoordinator, OPERATOR_TOKEN, free_addr, mlp_plan, shared_data, sqlite_db,
+    start_in_process, wait_model,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -32,14 +31,7 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     let mut child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
     let admin = starling_client::protocol::AdminClient::new(&child.url, OPERATOR_TOKEN);
     let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
-    let spec = model_spec(ModelKind::Mlp, digits.input());
-    let plan = serde_json::json!({
-        "model": {"spec": spec, "init": {"kind": "seeded", "seed": 1}},
-        "training": {"epochs": 1, "batch_size": 10, "lr": 0.1},
-        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
-        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 1,
-    });
-    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    let run = RunId(admin.create_run(&mlp_plan(digits.input(), 1, 1)).await.unwrap().id);
     let token = admin.enrollment_token(Some(2)).await.unwrap();
     let device = || Device::flex().autodiff();
     let half = |k: usize| {
