@@ -286,7 +286,7 @@ impl Keystream {
         u64::from_le_bytes(b)
     }
 
-    /// Adds (`sign` > 0) or subtracts the next `out.len()` ring elements to `out`.
+    /// Adds (`add`) or subtracts the next `out.len()` keystream ring elements to `out`.
     fn mask(mut self, out: &mut [u32], add: bool) {
         let mut buf = [0u8; 4096];
         for chunk in out.chunks_mut(1024) {
