@@ -37,11 +37,11 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
     let mut client_time = Duration::ZERO;
     let mut server_time = Duration::ZERO;
     let (mut sent, mut received) = (0usize, 0usize);
-    let mut server = Server::new(config.clone(), randomness(u64::MAX)).unwrap();
+    let mut server = Server::new(config, randomness(u64::MAX)).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=n {
         let t = Instant::now();
-        let (client, advert) = Client::new(i, config.clone(), randomness(u64::from(i))).unwrap();
+        let (client, advert) = Client::new(i, config, randomness(u64::from(i))).unwrap();
         client_time += t.elapsed();
         sent += size(&advert);
         let t = Instant::now();

@@ -74,18 +74,17 @@ pub fn secagg_message(data: &[u8]) {
     };
     let config = Config { session: [0; 16], n: 4, k: 3, t: 2, len: 4 };
     if let Ok(advert) = wire::decode::<AdvertiseKeys>(data) {
-        let mut server = Server::new(config.clone(), [1; 32]).expect("valid config");
+        let mut server = Server::new(config, [1; 32]).expect("valid config");
         let _ = server.receive_keys(1, advert);
     }
     if let Ok(neighbours) = wire::decode::<NeighbourKeys>(data) {
-        let (mut client, _) = Client::new(1, config.clone(), [7; 96]).expect("valid config");
+        let (mut client, _) = Client::new(1, config, [7; 96]).expect("valid config");
         let _ = client.share_keys(neighbours);
     }
     if let Ok(shares) = wire::decode::<Vec<SealedShares>>(data) {
-        let mut server = Server::new(config.clone(), [1; 32]).expect("valid config");
+        let mut server = Server::new(config, [1; 32]).expect("valid config");
         for i in 1..=4u8 {
-            let (_, advert) =
-                Client::new(u32::from(i), config.clone(), [i; 96]).expect("valid config");
+            let (_, advert) = Client::new(u32::from(i), config, [i; 96]).expect("valid config");
             let _ = server.receive_keys(u32::from(i), advert);
         }
         if server.close_advertise().is_ok() {

@@ -45,6 +45,30 @@ pub struct Plan {
     /// Server learning rate applied to the mean delta (1.0 is plain FedAvg).
     #[serde(default = "default_server_lr")]
     pub server_learning_rate: f64,
+    /// Secure aggregation (SecAgg+): the coordinator learns only the cohort's weighted sum.
+    /// Absent: plain FedAvg, devices upload their deltas.
+    #[serde(default)]
+    pub secure_aggregation: Option<SecureAggregationPlan>,
+}
+
+/// The plan's secure-aggregation switch and parameters.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecureAggregationPlan {
+    /// Each delta value (times its weight) is clipped to `[-clip, clip]` and quantized into
+    /// `32 − ⌈log2 n⌉` bits, so the cohort's sum cannot wrap the 2^32 ring.
+    pub clip: f64,
+    /// Example counts above this weigh as much as this (weights travel inside the masked sum).
+    pub max_examples: u64,
+    /// Neighbours per device in the SecAgg+ graph; default ~3·log2(n) (the complete graph, i.e.
+    /// SecAgg, when ≥ n − 1).
+    #[serde(default)]
+    pub neighbours: Option<u32>,
+    /// Deadline of each of the short stages (AdvertiseKeys, ShareKeys, Unmasking); masked
+    /// inputs are due by the round's reporting deadline.
+    #[serde(default = "default_stage_timeout")]
+    pub stage_timeout_secs: f64,
 }
 
 /// Model schema and initial parameters.
@@ -94,7 +118,7 @@ pub struct ValidatedPlan {
 }
 
 /// Round pacing derived from a plan; everything the round state machine needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RoundConfig {
     /// Reports wanted per round.
     pub cohort_size: u32,
@@ -108,6 +132,26 @@ pub struct RoundConfig {
     pub reporting_timeout_ms: i64,
     /// Rounds to commit.
     pub total_rounds: u32,
+    /// Secure aggregation, when the plan turns it on.
+    #[serde(default)]
+    pub secure: Option<SecureRoundConfig>,
+}
+
+/// Secure-aggregation parameters of a run, resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SecureRoundConfig {
+    /// Clipping range of the quantizer.
+    pub clip: f64,
+    /// Example counts are capped here for weighting.
+    pub max_examples: u64,
+    /// Neighbours per device.
+    pub k: u32,
+    /// Shamir threshold.
+    pub t: u32,
+    /// Masked vector length: the model's parameters plus the weight.
+    pub vector_len: usize,
+    /// Deadline of each short stage.
+    pub stage_timeout_ms: i64,
 }
 
 /// Why a plan was rejected.
@@ -192,6 +236,10 @@ impl Plan {
         }
         let target_selected = ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
             .max(self.cohort_size);
+        let secure = match &self.secure_aggregation {
+            None => None,
+            Some(s) => Some(s.resolve(target_selected, schema.numel() as usize)?),
+        };
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
             target_selected,
@@ -199,8 +247,62 @@ impl Plan {
             selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
             reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
             total_rounds: self.rounds,
+            secure,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds })
+    }
+}
+
+/// Largest secure cohort: beyond it the quantizer keeps too few bits (and such cohorts belong
+/// to the aggregator tier).
+pub const MAX_SECURE_COHORT: u32 = 1 << 16;
+
+impl SecureAggregationPlan {
+    fn resolve(
+        &self,
+        target_selected: u32,
+        n_params: usize,
+    ) -> Result<SecureRoundConfig, PlanError> {
+        let n = target_selected;
+        if !(3..=MAX_SECURE_COHORT).contains(&n) {
+            return Err(field(
+                "secure_aggregation",
+                format!(
+                    "needs 3..={MAX_SECURE_COHORT} selected devices per round, the plan selects {n}"
+                ),
+            ));
+        }
+        if !(self.clip.is_finite() && self.clip > 0.0 && self.clip <= 1e6) {
+            return Err(field("secure_aggregation.clip", "must be in (0, 1e6]"));
+        }
+        if self.max_examples == 0 || self.max_examples > crate::fedavg::MAX_EXAMPLE_COUNT {
+            return Err(field(
+                "secure_aggregation.max_examples",
+                format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
+            ));
+        }
+        if !(self.stage_timeout_secs.is_finite()
+            && (0.05..=86_400.0).contains(&self.stage_timeout_secs))
+        {
+            return Err(field("secure_aggregation.stage_timeout_secs", "must be in 0.05..=86400"));
+        }
+        let mut config = crate::secagg::Config::with_defaults([0; 16], n, n_params + 1);
+        if let Some(k) = self.neighbours {
+            if k < 2 || k % 2 == 1 {
+                return Err(field("secure_aggregation.neighbours", "must be even and at least 2"));
+            }
+            config.k = k.min(n - 1);
+            config.t = config.k / 2 + 1;
+        }
+        config.validate().map_err(|e| field("secure_aggregation", e.to_string()))?;
+        Ok(SecureRoundConfig {
+            clip: self.clip,
+            max_examples: self.max_examples,
+            k: config.k,
+            t: config.t,
+            vector_len: n_params + 1,
+            stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
+        })
     }
 }
 
@@ -301,6 +403,9 @@ fn default_reporting_timeout() -> f64 {
 }
 fn default_server_lr() -> f64 {
     1.0
+}
+fn default_stage_timeout() -> f64 {
+    30.0
 }
 
 #[cfg(test)]

@@ -44,8 +44,14 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::fedavg::Aggregate;
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::RoundConfig;
+use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
+
+pub mod secure;
+
+use secure::{Record, SecAggRejection, SecureRound};
 
 /// Identifies one pending request between the driver and the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,6 +92,26 @@ pub enum Input {
         /// Whether a new model version was committed; `false` for a failed round, and for a
         /// `Commit` the driver could not carry out (the aggregate was not finite).
         committed: bool,
+    },
+    /// A selected device's secure-aggregation message (secure runs only).
+    SecAgg {
+        /// Request to answer.
+        request: RequestId,
+        /// The device.
+        device: DeviceId,
+        /// Round it is for.
+        round_idx: RoundIdx,
+        /// The message.
+        message: SecAggUpload,
+    },
+    /// A device asks what its secure round needs from it next.
+    SecAggPoll {
+        /// Request to answer.
+        request: RequestId,
+        /// The device.
+        device: DeviceId,
+        /// Round it asks about.
+        round_idx: RoundIdx,
     },
     /// The operator stopped the run.
     Stop,
@@ -143,6 +169,36 @@ pub enum Action {
     },
     /// Aggregate and commit, or record the failure; then feed back [`Input::RoundClosed`].
     CloseRound(RoundClosing),
+    /// Persist a secure round's record (in the same batch as the transitions around it).
+    PersistSecAgg {
+        /// The round.
+        round_idx: RoundIdx,
+        /// Its position in the round's record log.
+        seq: i64,
+        /// The record.
+        record: Record,
+    },
+    /// Answer a secure-aggregation message.
+    ReplySecAgg {
+        /// Request to answer.
+        request: RequestId,
+        /// Accepted, or why not.
+        result: Result<(), SecAggRejection>,
+    },
+    /// Answer a secure-aggregation poll.
+    ReplySecAggPoll {
+        /// Request to answer.
+        request: RequestId,
+        /// What the device should do.
+        result: Result<SecAggInstruction, SecAggRejection>,
+    },
+    /// The unmasked weighted mean of a secure round; the `CloseRound` that follows commits it.
+    SecureAggregate {
+        /// The round.
+        round_idx: RoundIdx,
+        /// The mean delta (no per-device metrics: they would leak individual information).
+        aggregate: Aggregate,
+    },
     /// Persist that the run committed all its rounds.
     FinishRun,
     /// Persist that the run was stopped; `open_round`, if any, is recorded as failed.
@@ -168,7 +224,7 @@ pub struct RoundOpened {
 }
 
 /// The answer to a check-in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CheckInDecision {
     /// Train on `model_version` and upload to `round_idx` before `report_deadline`.
     Selected {
@@ -178,6 +234,8 @@ pub enum CheckInDecision {
         model_version: ModelVersion,
         /// Reporting deadline.
         report_deadline: Millis,
+        /// The device's part in the round's secure aggregation, in secure runs.
+        secure: Option<SecureAggregationTask>,
     },
     /// Nothing now; try again after this long.
     ComeBackLater {
@@ -204,6 +262,8 @@ pub enum UploadRejection {
     },
     /// The store could not make the update durable; nothing was acknowledged.
     Unavailable,
+    /// The run aggregates securely: devices send masked inputs, never plain deltas.
+    SecureRun,
 }
 
 /// What [`Action::CloseRound`] asks the driver to record.
@@ -245,6 +305,14 @@ pub enum RoundOutcome {
         /// Quorum.
         quorum: u32,
     },
+    /// Secure aggregation could not produce the sum (too few devices left at a stage, or
+    /// inconsistent unmasking shares); nothing about any device's input was revealed.
+    SecureAggregationFailed {
+        /// The stage that failed.
+        stage: secure::Stage,
+        /// Masked inputs received.
+        survivors: u32,
+    },
 }
 
 impl RoundOutcome {
@@ -254,6 +322,7 @@ impl RoundOutcome {
             RoundOutcome::Commit => "committed",
             RoundOutcome::TooFewSelected { .. } => "too_few_selected",
             RoundOutcome::TooFewReports { .. } => "too_few_reports",
+            RoundOutcome::SecureAggregationFailed { .. } => "secure_aggregation_failed",
         }
     }
 }
@@ -284,6 +353,8 @@ pub struct OpenRoundSnapshot {
     pub selected: Vec<DeviceId>,
     /// Devices with a durable update, with their slots.
     pub reported: Vec<(DeviceId, i64)>,
+    /// A secure round's records, in order (empty for plain runs).
+    pub secure_records: Vec<Record>,
 }
 
 /// The round state machine of one run.
@@ -297,6 +368,8 @@ pub struct RunMachine {
     round: Option<ActiveRound>,
     status: RunStatus,
     now: Millis,
+    /// Secret randomness from the driver; secure rounds derive their graph seeds from it.
+    entropy: [u8; 32],
     actions: VecDeque<Action>,
 }
 
@@ -326,6 +399,12 @@ struct ActiveRound {
     early_failure: Option<RoundOutcome>,
     /// Set when the round enters `Committing`.
     outcome: Option<RoundOutcome>,
+    /// When selection ended (target reached or deadline), once it has.
+    selection_ended: Option<Millis>,
+    /// The secure-aggregation protocol, in secure runs.
+    secure: Option<SecureRound>,
+    /// Records of `secure` persisted or queued so far.
+    secure_seq: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -347,8 +426,9 @@ const MAX_BACKOFF_MS: i64 = 60_000;
 const MIN_BACKOFF_MS: i64 = 1_000;
 
 impl RunMachine {
-    /// A fresh run at model version 0; opens its first round at `now`.
-    pub fn start(run_id: RunId, config: RoundConfig, now: Millis) -> Self {
+    /// A fresh run at model version 0; opens its first round at `now`. `entropy` is 32 bytes
+    /// from the OS, from which secure rounds draw their neighbour graphs.
+    pub fn start(run_id: RunId, config: RoundConfig, now: Millis, entropy: [u8; 32]) -> Self {
         Self::restore(
             RunSnapshot {
                 run_id,
@@ -359,14 +439,15 @@ impl RunMachine {
                 open_round: None,
             },
             now,
+            entropy,
         )
     }
 
     /// Rebuilds a run from its durable state; opens a round if none was open.
     ///
     /// The driver replays the stored updates of `open_round` into a fresh accumulator in slot
-    /// order before handling new input.
-    pub fn restore(snapshot: RunSnapshot, now: Millis) -> Self {
+    /// order before handling new input; a secure round replays its records here.
+    pub fn restore(snapshot: RunSnapshot, now: Millis, entropy: [u8; 32]) -> Self {
         let mut m = RunMachine {
             run_id: snapshot.run_id,
             config: snapshot.config,
@@ -376,6 +457,7 @@ impl RunMachine {
             round: None,
             status: RunStatus::Running,
             now,
+            entropy,
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
@@ -385,7 +467,7 @@ impl RunMachine {
         match snapshot.open_round {
             Some(open) => {
                 let next_slot = open.reported.iter().map(|(_, s)| s + 1).max().unwrap_or(0);
-                m.round = Some(ActiveRound {
+                let mut round = ActiveRound {
                     opened: open.round,
                     phase: Phase::Open,
                     selected: open.selected.into_iter().collect(),
@@ -394,13 +476,74 @@ impl RunMachine {
                     next_slot,
                     early_failure: None,
                     outcome: None,
-                });
+                    selection_ended: None,
+                    secure: None,
+                    secure_seq: 0,
+                };
                 m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
+                m.restore_secure(&mut round, open.secure_records);
+                m.round = Some(round);
                 m.check_progress();
             }
             None => m.open_round(),
         }
         m
+    }
+
+    /// Rebuilds a secure round from its records (or begins it, if none were stored).
+    fn restore_secure(&mut self, round: &mut ActiveRound, records: Vec<Record>) {
+        let Some(settings) = self.config.secure else { return };
+        let mut records = records.into_iter();
+        let secure = match records.next() {
+            Some(Record::Begin { config, graph_seed }) => {
+                round.secure_seq = 1;
+                SecureRound::begin(
+                    settings,
+                    config,
+                    graph_seed,
+                    self.config.min_quorum,
+                    round.opened.model_version,
+                    round.opened.reporting_deadline,
+                )
+                .map(|mut s| {
+                    s.take_records();
+                    s
+                })
+            }
+            _ => self.begin_secure(&round.opened),
+        };
+        let Ok(mut secure) = secure else {
+            // A stored config that no longer validates: the round fails rather than guessing.
+            round.early_failure = Some(RoundOutcome::SecureAggregationFailed {
+                stage: secure::Stage::AdvertiseKeys,
+                survivors: 0,
+            });
+            round.phase = Phase::Closing;
+            return;
+        };
+        for record in records {
+            round.secure_seq += 1;
+            secure.replay(record);
+        }
+        round.reported.extend(secure.masked_devices());
+        round.secure = Some(secure);
+    }
+
+    fn begin_secure(
+        &self,
+        opened: &RoundOpened,
+    ) -> Result<SecureRound, crate::secagg::SecAggError> {
+        let settings = self.config.secure.expect("secure run");
+        let session = secure::session_id(self.run_id, opened.round_idx, opened.model_version);
+        let config = SecureRound::config_for(&settings, session, self.config.target_selected);
+        SecureRound::begin(
+            settings,
+            config,
+            secure::graph_seed(&self.entropy, self.run_id, opened.round_idx),
+            self.config.min_quorum,
+            opened.model_version,
+            opened.reporting_deadline,
+        )
     }
 
     /// The run.
@@ -471,6 +614,12 @@ impl RunMachine {
             Input::RoundClosed { round_idx, committed } => {
                 self.on_round_closed(round_idx, committed)
             }
+            Input::SecAgg { request, device, round_idx, message } => {
+                self.on_secagg(request, device, round_idx, message)
+            }
+            Input::SecAggPoll { request, device, round_idx } => {
+                self.on_secagg_poll(request, device, round_idx)
+            }
             Input::Stop => self.on_stop(),
         }
         self.check_progress();
@@ -491,6 +640,8 @@ impl RunMachine {
         let selection_pending = r.selected.len() < self.config.target_selected as usize;
         if selection_pending && self.now < r.opened.selection_deadline {
             Some(r.opened.selection_deadline)
+        } else if let Some(s) = &r.secure {
+            s.deadline()
         } else {
             Some(r.opened.reporting_deadline)
         }
@@ -511,7 +662,7 @@ impl RunMachine {
             reporting_deadline: now + self.config.reporting_timeout_ms,
         };
         self.next_round_idx = RoundIdx(self.next_round_idx.0 + 1);
-        self.round = Some(ActiveRound {
+        let mut round = ActiveRound {
             opened,
             phase: Phase::Open,
             selected: BTreeSet::new(),
@@ -520,20 +671,55 @@ impl RunMachine {
             next_slot: 0,
             early_failure: None,
             outcome: None,
-        });
+            selection_ended: None,
+            secure: None,
+            secure_seq: 0,
+        };
         self.actions.push_back(Action::OpenRound(opened));
+        if self.config.secure.is_some() {
+            // The plan validated this config; a failure here is a bug, and fails the round.
+            match self.begin_secure(&opened) {
+                Ok(s) => round.secure = Some(s),
+                Err(_) => {
+                    round.early_failure = Some(RoundOutcome::SecureAggregationFailed {
+                        stage: secure::Stage::AdvertiseKeys,
+                        survivors: 0,
+                    });
+                    round.phase = Phase::Closing;
+                }
+            }
+        }
+        self.round = Some(round);
+        self.flush_secure();
+    }
+
+    /// Queues a persist action for each new record of the secure round.
+    fn flush_secure(&mut self) {
+        let Some(r) = self.round.as_mut() else { return };
+        let Some(s) = r.secure.as_mut() else { return };
+        for record in s.take_records() {
+            self.actions.push_back(Action::PersistSecAgg {
+                round_idx: r.opened.round_idx,
+                seq: r.secure_seq,
+                record,
+            });
+            r.secure_seq += 1;
+        }
     }
 
     fn on_check_in(&mut self, request: RequestId, device: DeviceId) {
         let now = self.now;
         let selecting = self.is_selecting(now);
         let decision = match self.round.as_mut() {
-            Some(r) if r.has_task_for(device) => selected_decision(&r.opened),
+            Some(r) if r.has_task_for(device) => r.selected_decision(device),
             Some(r) if selecting && !r.selected.contains(&device) => {
                 r.selected.insert(device);
+                if let Some(s) = r.secure.as_mut() {
+                    s.select(device);
+                }
                 let round_idx = r.opened.round_idx;
                 self.actions.push_back(Action::PersistSelection { round_idx, device });
-                selected_decision(&r.opened)
+                r.selected_decision(device)
             }
             // Come back within one selection window (the next round may open as soon as this
             // one has its cohort), or at the deadline if that is sooner.
@@ -565,6 +751,7 @@ impl RunMachine {
                 Err(UploadRejection::RoundClosed)
             }
             Some(r) if !r.selected.contains(&device) => Err(UploadRejection::NotSelected),
+            Some(r) if r.secure.is_some() => Err(UploadRejection::SecureRun),
             Some(r)
                 if r.reported.contains(&device)
                     || r.in_flight.values().any(|f| f.device == device) =>
@@ -588,6 +775,54 @@ impl RunMachine {
                 self.actions.push_back(Action::DropPayload { request });
             }
         }
+    }
+
+    fn on_secagg(
+        &mut self,
+        request: RequestId,
+        device: DeviceId,
+        round_idx: RoundIdx,
+        message: SecAggUpload,
+    ) {
+        let result = match self.round.as_mut() {
+            None if round_idx < self.next_round_idx => {
+                Err(SecAggRejection::Round(UploadRejection::RoundClosed))
+            }
+            None => Err(SecAggRejection::Round(UploadRejection::UnknownRound)),
+            Some(r) => match (r.admits(device, round_idx), r.secure.as_mut()) {
+                (Err(e), _) => Err(SecAggRejection::Round(e)),
+                (Ok(()), None) => {
+                    Err(SecAggRejection::Invalid("the run does not use secure aggregation".into()))
+                }
+                (Ok(()), Some(s)) => {
+                    let masked = matches!(message, SecAggUpload::MaskedInput { .. });
+                    let res = s.receive(device, message);
+                    if res.is_ok() && masked {
+                        r.reported.insert(device);
+                    }
+                    res
+                }
+            },
+        };
+        self.actions.push_back(Action::ReplySecAgg { request, result });
+    }
+
+    fn on_secagg_poll(&mut self, request: RequestId, device: DeviceId, round_idx: RoundIdx) {
+        let now = self.now;
+        let over = || SecAggInstruction::Excluded { reason: format!("round {round_idx} is over") };
+        let result = match self.round.as_ref() {
+            None if round_idx < self.next_round_idx => Ok(over()),
+            None => Err(SecAggRejection::Round(UploadRejection::UnknownRound)),
+            Some(r) => match (r.admits(device, round_idx), r.secure.as_ref()) {
+                (Err(UploadRejection::RoundClosed), _) => Ok(over()),
+                (Err(e), _) => Err(SecAggRejection::Round(e)),
+                (Ok(()), None) => {
+                    Err(SecAggRejection::Invalid("the run does not use secure aggregation".into()))
+                }
+                (Ok(()), Some(s)) => Ok(s.instruction(device, now)),
+            },
+        };
+        self.actions.push_back(Action::ReplySecAggPoll { request, result });
     }
 
     fn on_persisted(&mut self, request: RequestId, ok: bool) {
@@ -673,12 +908,34 @@ impl RunMachine {
             let n_reported = r.reported.len();
             let selection_over =
                 n_selected >= cfg.target_selected as usize || now >= r.opened.selection_deadline;
+            if selection_over && r.selection_ended.is_none() {
+                r.selection_ended = Some(now.min(r.opened.selection_deadline));
+            }
             if now >= r.opened.selection_deadline && n_selected < cfg.min_quorum as usize {
                 r.early_failure = Some(RoundOutcome::TooFewSelected {
                     selected: n_selected as u32,
                     quorum: cfg.min_quorum,
                 });
                 r.phase = Phase::Closing;
+            } else if let Some(s) = r.secure.as_mut() {
+                s.progress(now, r.selection_ended);
+                match s.outcome() {
+                    None => {}
+                    Some(Ok(aggregate)) => {
+                        self.actions.push_back(Action::SecureAggregate {
+                            round_idx: r.opened.round_idx,
+                            aggregate: aggregate.clone(),
+                        });
+                        r.phase = Phase::Closing;
+                    }
+                    Some(Err(failure)) => {
+                        r.early_failure = Some(RoundOutcome::SecureAggregationFailed {
+                            stage: failure.stage,
+                            survivors: failure.survivors,
+                        });
+                        r.phase = Phase::Closing;
+                    }
+                }
             } else if n_reported >= cfg.cohort_size as usize
                 || (selection_over && n_reported == n_selected)
                 || now >= r.opened.reporting_deadline
@@ -686,6 +943,8 @@ impl RunMachine {
                 r.phase = Phase::Closing;
             }
         }
+        self.flush_secure();
+        let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Closing && r.in_flight.is_empty() {
             r.phase = Phase::Committing;
             let n_selected = r.selected.len() as u32;
@@ -712,19 +971,36 @@ impl RunMachine {
 }
 
 impl ActiveRound {
+    fn selected_decision(&self, device: DeviceId) -> CheckInDecision {
+        CheckInDecision::Selected {
+            round_idx: self.opened.round_idx,
+            model_version: self.opened.model_version,
+            report_deadline: self.opened.reporting_deadline,
+            secure: self.secure.as_ref().and_then(|s| s.task(device)),
+        }
+    }
+
+    /// Which round `round_idx` names, relative to this one; `Ok` if it is this open round and
+    /// `device` was selected for it.
+    fn admits(&self, device: DeviceId, round_idx: RoundIdx) -> Result<(), UploadRejection> {
+        if round_idx < self.opened.round_idx {
+            Err(UploadRejection::RoundClosed)
+        } else if round_idx > self.opened.round_idx {
+            Err(UploadRejection::UnknownRound)
+        } else if self.phase != Phase::Open {
+            Err(UploadRejection::RoundClosed)
+        } else if !self.selected.contains(&device) {
+            Err(UploadRejection::NotSelected)
+        } else {
+            Ok(())
+        }
+    }
+
     fn has_task_for(&self, device: DeviceId) -> bool {
         self.phase == Phase::Open
             && self.selected.contains(&device)
             && !self.reported.contains(&device)
             && !self.in_flight.values().any(|f| f.device == device)
-    }
-}
-
-fn selected_decision(opened: &RoundOpened) -> CheckInDecision {
-    CheckInDecision::Selected {
-        round_idx: opened.round_idx,
-        model_version: opened.model_version,
-        report_deadline: opened.reporting_deadline,
     }
 }
 

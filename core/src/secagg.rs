@@ -55,7 +55,7 @@ pub enum SecAggError {
 }
 
 /// What every participant of one secure-aggregation round agrees on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     /// Binds every share message to this round (e.g. a hash of run, round and model version).
     pub session: [u8; 16],
@@ -142,18 +142,19 @@ impl Quantizer {
 }
 
 /// Example-weighted FedAvg through the masked sum: the vector carries `w·x` for each value and
-/// `w` last, with `w = examples / max_examples` in [0, 1]. The server divides the two sums.
+/// `w·clip` last, with `w = examples / max_examples` in [0, 1] (scaled so that any clipping
+/// range carries the weight exactly). The server divides the two sums.
 pub fn encode_weighted(q: &Quantizer, delta: &[f32], examples: u64, max_examples: u64) -> Vec<u32> {
     let w = examples.min(max_examples) as f64 / max_examples.max(1) as f64;
     let mut v: Vec<u32> = delta.iter().map(|&x| q.quantize(w * f64::from(x))).collect();
-    v.push(q.quantize(w));
+    v.push(q.quantize(w * q.clip));
     v
 }
 
 /// The weighted mean from the unmasked sum of `count` [`encode_weighted`] vectors.
 pub fn decode_weighted_mean(q: &Quantizer, sum: &[u32], count: u32) -> Option<Vec<f64>> {
     let (weight, values) = sum.split_last()?;
-    let total = q.dequantize_sum(*weight, count);
+    let total = q.dequantize_sum(*weight, count) / q.clip;
     if total <= 0.0 {
         return None;
     }
@@ -968,12 +969,12 @@ mod tests {
         seed: u64,
         script: &Script,
     ) -> (Outcome, BTreeMap<ClientIdx, Vec<u32>>) {
-        let mut server = Server::new(config.clone(), bytes(seed, 9)).unwrap();
+        let mut server = Server::new(*config, bytes(seed, 9)).unwrap();
         let mut clients = BTreeMap::new();
         let mut inputs = BTreeMap::new();
         for i in 1..=config.n {
             let (client, advert) =
-                Client::new(i, config.clone(), bytes(seed ^ u64::from(i) << 32, 1)).unwrap();
+                Client::new(i, *config, bytes(seed ^ u64::from(i) << 32, 1)).unwrap();
             let input: Vec<u32> = (0..config.len)
                 .map(|j| (u64::from(i) * 7919 + j as u64 * 104_729 + seed) as u32 % 1000)
                 .collect();

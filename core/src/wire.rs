@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::model_spec::ModelSpec;
+use crate::secagg;
 use crate::tensor::{TensorPayload, TensorSchema};
 
 /// The media type of every fleet-API body.
@@ -165,6 +166,8 @@ pub struct CheckInRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// One per check-in, moved straight into an encoder: boxing the task would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum CheckInResponse {
     /// The device is selected for a round.
     Task(TaskAssignment),
@@ -197,6 +200,76 @@ pub struct TaskAssignment {
     pub training_config: String,
     /// Uploads after this instant are refused.
     pub report_deadline_ms: Millis,
+    /// Set when the run aggregates securely: the device does not upload its delta but takes
+    /// part in the SecAgg+ stages at `/v1/runs/{run}/rounds/{round}/secagg`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    #[serde(default)]
+    pub secure_aggregation: Option<SecureAggregationTask>,
+}
+
+/// What a device needs to take part in a secure-aggregation round.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SecureAggregationTask {
+    /// The round's protocol parameters.
+    pub config: secagg::Config,
+    /// The device's index in the cohort (1-based).
+    pub index: secagg::ClientIdx,
+    /// Every delta value times its weight is clipped to `[-clip, clip]` before quantization.
+    pub clip: f64,
+    /// Example counts above this weigh as much as this.
+    pub max_examples: u64,
+}
+
+impl SecureAggregationTask {
+    /// The quantizer every member of the round uses.
+    pub fn quantizer(&self) -> secagg::Quantizer {
+        secagg::Quantizer::for_cohort(self.clip, self.config.n)
+    }
+}
+
+/// `POST /v1/runs/{run}/rounds/{round}/secagg`: a device's message for the current stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecAggUpload {
+    /// AdvertiseKeys: the device's two public keys.
+    AdvertiseKeys(secagg::AdvertiseKeys),
+    /// ShareKeys: one sealed share message per neighbour, for the server to relay.
+    ShareKeys(Vec<secagg::SealedShares>),
+    /// MaskedInputCollection: the masked, quantized, weighted delta.
+    MaskedInput {
+        /// The model version the delta was computed on.
+        model_version: ModelVersion,
+        /// Ring elements, little-endian `u32`.
+        #[serde(with = "serde_bytes")]
+        masked: Vec<u8>,
+    },
+    /// Unmasking: shares that remove masks, never both secrets of one neighbour.
+    Unmask(secagg::UnmaskResponse),
+}
+
+/// `GET /v1/runs/{run}/rounds/{round}/secagg`: what the device should do next.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecAggInstruction {
+    /// The current stage is still collecting; ask again after this long.
+    Wait {
+        /// Milliseconds.
+        retry_after_ms: u32,
+    },
+    /// Seal shares of your secrets to these neighbours.
+    ShareKeys(secagg::NeighbourKeys),
+    /// Open these shares, then send your masked input.
+    MaskedInput(secagg::MaskRequest),
+    /// Send the unmasking shares for these survivors.
+    Unmask(secagg::UnmaskRequest),
+    /// Your part is complete.
+    Done,
+    /// The round goes on without this device (it missed a stage or sent a bad message), or
+    /// failed.
+    Excluded {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// `POST /v1/runs/{run}/rounds/{round}/updates`: a device's update.

@@ -83,3 +83,32 @@ fn schema_comes_from_the_spec_or_must_match_it() {
     v["model"] = serde_json::json!({"init": {"kind": "zeros"}});
     assert!(parse(v).unwrap_err().to_string().starts_with("model"));
 }
+
+#[test]
+fn secure_aggregation_resolves_and_checks_its_bounds() {
+    let mut v = plan_json();
+    v["secure_aggregation"] = serde_json::json!({"clip": 0.5, "max_examples": 1000});
+    let secure = parse(v.clone()).unwrap().round_config().secure.unwrap();
+    // 13 selected: k = 12 (the complete graph: 3·⌈log2 13⌉ = 12 = n − 1), t = 7.
+    assert_eq!((secure.k, secure.t, secure.vector_len), (12, 7, 16 + 1));
+    assert_eq!(secure.stage_timeout_ms, 30_000);
+    v["secure_aggregation"]["neighbours"] = serde_json::json!(4);
+    assert_eq!(parse(v.clone()).unwrap().round_config().secure.unwrap().t, 3);
+    let bad = [
+        ("neighbours", serde_json::json!(3)),
+        ("clip", serde_json::json!(0.0)),
+        ("max_examples", serde_json::json!(0)),
+        ("stage_timeout_secs", serde_json::json!(-1.0)),
+    ];
+    for (key, value) in bad {
+        let mut v = v.clone();
+        v["secure_aggregation"][key] = value;
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    let mut tiny = plan_json();
+    tiny["cohort_size"] = serde_json::json!(2);
+    tiny["over_selection"] = serde_json::json!(1.0);
+    tiny["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 10});
+    assert!(parse(tiny).unwrap_err().to_string().contains("3..="));
+}

@@ -13,6 +13,7 @@ fn config() -> RoundConfig {
         selection_timeout_ms: 1_000,
         reporting_timeout_ms: 5_000,
         total_rounds: 2,
+        secure: None,
     }
 }
 
@@ -26,7 +27,7 @@ struct Trace {
 
 impl Trace {
     fn new() -> Self {
-        let m = RunMachine::start(RunId(1), config(), 0);
+        let m = RunMachine::start(RunId(1), config(), 0, [0; 32]);
         let mut t = Trace { m, now: 0, next_request: 0, lines: vec![] };
         t.drain();
         t
@@ -104,13 +105,13 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 CheckIn { request: RequestId(3), device: DeviceId(12) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12) }
-          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 CheckIn { request: RequestId(4), device: DeviceId(13) }
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1000 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
@@ -156,7 +157,7 @@ fn bad_uploads_are_refused_without_state_change() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(99), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           ReplyUpload { request: RequestId(2), result: Err(NotSelected) }
           DropPayload { request: RequestId(2) }
@@ -178,9 +179,9 @@ fn bad_uploads_are_refused_without_state_change() {
           ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1000 } }
         t=0 CheckIn { request: RequestId(8), device: DeviceId(11) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 CheckIn { request: RequestId(9), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3) }
           ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
           DropPayload { request: RequestId(10) }
@@ -199,7 +200,7 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=0 UploadPersisted { request: RequestId(2), ok: false }
@@ -223,7 +224,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=1000 timeout (poll_timeout was Some(1000))
           CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 })
         t=1000 RoundClosed { round_idx: RoundIdx(0), committed: false }
@@ -244,10 +245,10 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=5000 timeout (poll_timeout was Some(1000))
@@ -270,7 +271,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000 } }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=0 Stop
@@ -315,9 +316,10 @@ fn restore_resumes_open_round_and_continues_slots() {
             },
             selected: vec![DeviceId(10), DeviceId(11), DeviceId(12)],
             reported: vec![(DeviceId(10), 0)],
+            secure_records: vec![],
         }),
     };
-    let mut m = RunMachine::restore(snapshot, 2_000);
+    let mut m = RunMachine::restore(snapshot, 2_000, [0; 32]);
     assert_eq!(m.poll_action(), None, "restoring persists nothing");
     m.handle(
         2_000,
@@ -367,8 +369,9 @@ fn simulation_never_hangs() {
         selection_timeout_ms: 2_000,
         reporting_timeout_ms: 10_000,
         total_rounds: 5,
+        secure: None,
     };
-    let mut m = RunMachine::start(RunId(1), config, 0);
+    let mut m = RunMachine::start(RunId(1), config, 0, [0; 32]);
     let mut now = 0;
     let mut seed = 1u64;
     let mut rand = move || {
@@ -443,4 +446,297 @@ fn simulation_never_hangs() {
     assert_eq!(m.status(), RunStatus::Finished);
     assert_eq!(m.rounds_committed(), 5);
     assert_eq!(m.model_version(), ModelVersion(5));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Secure rounds: the machine driven by real SecAgg+ clients.
+
+mod secure_rounds {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::plan::SecureRoundConfig;
+    use crate::secagg::{self, Client};
+    use crate::wire::SecAggInstruction;
+
+    const LEN: usize = 20;
+
+    fn secure_config() -> RoundConfig {
+        RoundConfig {
+            cohort_size: 10,
+            target_selected: 10,
+            min_quorum: 5,
+            selection_timeout_ms: 1_000,
+            reporting_timeout_ms: 5_000,
+            total_rounds: 1,
+            secure: Some(SecureRoundConfig {
+                clip: 1.0,
+                max_examples: 100,
+                // Each device loses at most 3 of its 8 neighbours below: 5 shares remain.
+                k: 8,
+                t: 5,
+                vector_len: LEN + 1,
+                stage_timeout_ms: 1_000,
+            }),
+        }
+    }
+
+    /// Devices 1..=10 and their secrets; the records the machine asked to persist.
+    struct Fleet {
+        m: RunMachine,
+        now: Millis,
+        next_request: u64,
+        clients: BTreeMap<i64, Client>,
+        task: Option<crate::wire::SecureAggregationTask>,
+        records: Vec<Record>,
+        replies: BTreeMap<RequestId, Action>,
+        aggregate: Option<Aggregate>,
+        closing: Option<RoundClosing>,
+    }
+
+    fn delta(device: i64) -> Vec<f32> {
+        (0..LEN).map(|i| ((device * 7 + i as i64) % 11) as f32 / 40.0 - 0.12).collect()
+    }
+
+    fn examples(device: i64) -> u64 {
+        10 + device as u64 * 3
+    }
+
+    impl Fleet {
+        fn new() -> Self {
+            let m = RunMachine::start(RunId(7), secure_config(), 0, [9; 32]);
+            let mut f = Fleet {
+                m,
+                now: 0,
+                next_request: 0,
+                clients: BTreeMap::new(),
+                task: None,
+                records: vec![],
+                replies: BTreeMap::new(),
+                aggregate: None,
+                closing: None,
+            };
+            f.drain();
+            f
+        }
+
+        fn drain(&mut self) {
+            while let Some(a) = self.m.poll_action() {
+                match a {
+                    Action::PersistSecAgg { seq, record, .. } => {
+                        assert_eq!(
+                            seq as usize,
+                            self.records.len(),
+                            "records are numbered in order"
+                        );
+                        self.records.push(record);
+                    }
+                    Action::ReplyCheckIn { request, .. }
+                    | Action::ReplySecAgg { request, .. }
+                    | Action::ReplySecAggPoll { request, .. } => {
+                        self.replies.insert(request, a);
+                    }
+                    Action::SecureAggregate { aggregate, .. } => self.aggregate = Some(aggregate),
+                    Action::CloseRound(c) => self.closing = Some(c),
+                    _ => {}
+                }
+            }
+        }
+
+        fn input(&mut self, make: impl FnOnce(RequestId) -> Input) -> Action {
+            self.next_request += 1;
+            let request = RequestId(self.next_request);
+            self.m.handle(self.now, make(request));
+            self.drain();
+            self.replies.remove(&request).expect("every request is answered")
+        }
+
+        fn advance(&mut self, to: Millis) {
+            self.now = to;
+            self.m.handle_timeout(to);
+            self.drain();
+        }
+
+        fn join(&mut self, device: i64) {
+            let Action::ReplyCheckIn { decision: CheckInDecision::Selected { secure, .. }, .. } =
+                self.input(|request| Input::CheckIn { request, device: DeviceId(device) })
+            else {
+                panic!("device {device} not selected");
+            };
+            let task = secure.expect("a secure run hands out a secure task");
+            let mut randomness = [0u8; 96];
+            for (i, part) in randomness.chunks_mut(32).enumerate() {
+                use sha2::Digest;
+                part.copy_from_slice(&sha2::Sha256::digest([device as u8, i as u8]));
+            }
+            let (client, keys) = Client::new(task.index, task.config, randomness).unwrap();
+            self.clients.insert(device, client);
+            self.task = Some(task);
+            self.send(device, SecAggUpload::AdvertiseKeys(keys)).unwrap();
+        }
+
+        fn send(&mut self, device: i64, message: SecAggUpload) -> Result<(), SecAggRejection> {
+            let Action::ReplySecAgg { result, .. } = self.input(|request| Input::SecAgg {
+                request,
+                device: DeviceId(device),
+                round_idx: RoundIdx(0),
+                message,
+            }) else {
+                panic!("wrong reply")
+            };
+            result
+        }
+
+        fn poll(&mut self, device: i64) -> SecAggInstruction {
+            let Action::ReplySecAggPoll { result, .. } = self.input(|request| Input::SecAggPoll {
+                request,
+                device: DeviceId(device),
+                round_idx: RoundIdx(0),
+            }) else {
+                panic!("wrong reply")
+            };
+            result.unwrap()
+        }
+
+        /// Each device's next step, whatever the stage asks.
+        fn step(&mut self, device: i64) {
+            let message = match self.poll(device) {
+                SecAggInstruction::ShareKeys(n) => SecAggUpload::ShareKeys(
+                    self.clients.get_mut(&device).unwrap().share_keys(n).unwrap(),
+                ),
+                SecAggInstruction::MaskedInput(r) => {
+                    let task = self.task.unwrap();
+                    let input = secagg::encode_weighted(
+                        &task.quantizer(),
+                        &delta(device),
+                        examples(device),
+                        task.max_examples,
+                    );
+                    let y = self.clients.get_mut(&device).unwrap().masked_input(r, &input).unwrap();
+                    SecAggUpload::MaskedInput {
+                        model_version: ModelVersion(0),
+                        masked: y.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    }
+                }
+                SecAggInstruction::Unmask(r) => {
+                    SecAggUpload::Unmask(self.clients.get_mut(&device).unwrap().unmask(r).unwrap())
+                }
+                other => panic!("device {device}: unexpected {other:?}"),
+            };
+            self.send(device, message).unwrap();
+        }
+
+        fn restored(&self, now: Millis) -> RunMachine {
+            let selected = (1..=10).map(DeviceId).collect();
+            let snapshot = RunSnapshot {
+                run_id: RunId(7),
+                config: secure_config(),
+                model_version: ModelVersion(0),
+                rounds_committed: 0,
+                next_round_idx: RoundIdx(1),
+                open_round: Some(OpenRoundSnapshot {
+                    round: self.m.current_round().unwrap(),
+                    selected,
+                    reported: vec![],
+                    secure_records: self.records.clone(),
+                }),
+            };
+            RunMachine::restore(snapshot, now, [1; 32])
+        }
+    }
+
+    fn expected_mean(survivors: &[i64]) -> Vec<f64> {
+        let total: f64 = survivors.iter().map(|&d| examples(d) as f64).sum();
+        (0..LEN)
+            .map(|i| {
+                survivors.iter().map(|&d| examples(d) as f64 * f64::from(delta(d)[i])).sum::<f64>()
+                    / total
+            })
+            .collect()
+    }
+
+    fn run(restart_after_share: bool) -> (Aggregate, RoundClosing) {
+        let mut f = Fleet::new();
+        for d in 1..=10 {
+            f.join(d);
+        }
+        // A plain upload is refused in a secure run, and a retried message is answered again.
+        let keys = match &f.records[2] {
+            Record::Message { message, .. } => message.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(f.send(1, keys.clone()), Ok(()));
+        // Selection reached its target and every device advertised: ShareKeys is open.
+        for d in 1..=10 {
+            f.step(d);
+        }
+        if restart_after_share {
+            let records = f.records.len();
+            f.m = f.restored(f.now);
+            f.drain();
+            assert_eq!(f.records.len(), records, "replay persists nothing new");
+        }
+        // Devices 9 and 10 drop out while training; the others mask.
+        for d in 1..=8 {
+            f.step(d);
+        }
+        assert!(matches!(f.poll(9), SecAggInstruction::MaskedInput(_)));
+        assert!(matches!(f.poll(1), SecAggInstruction::Wait { .. }));
+        f.advance(5_000);
+        // Device 8 drops before unmasking; the rest answer.
+        for d in 1..=7 {
+            f.step(d);
+        }
+        assert!(matches!(f.poll(9), SecAggInstruction::Excluded { .. }));
+        assert!(f.aggregate.is_none());
+        f.advance(6_000);
+        let closing = f.closing.expect("the round closed");
+        (f.aggregate.unwrap_or_else(|| panic!("no aggregate: {closing:?}")), closing)
+    }
+
+    #[test]
+    fn secure_round_commits_the_survivors_weighted_mean() {
+        let (aggregate, closing) = run(false);
+        assert_eq!(closing.outcome, RoundOutcome::Commit);
+        assert_eq!((closing.n_selected, closing.n_reported, closing.n_dropped), (10, 8, 2));
+        // Device 8 sent its masked input before dropping: it is in the sum.
+        let want = expected_mean(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        for (got, want) in aggregate.mean_delta.iter().zip(&want) {
+            assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        }
+        assert_eq!(aggregate.n_updates, 8);
+    }
+
+    #[test]
+    fn a_restart_between_stages_replays_to_the_same_result() {
+        let (plain, _) = run(false);
+        let (restarted, closing) = run(true);
+        assert_eq!(closing.outcome, RoundOutcome::Commit);
+        assert_eq!(plain.mean_delta, restarted.mean_delta);
+    }
+
+    #[test]
+    fn too_few_masked_inputs_fail_the_round() {
+        let mut f = Fleet::new();
+        for d in 1..=10 {
+            f.join(d);
+        }
+        for d in 1..=10 {
+            f.step(d);
+        }
+        for d in 1..=4 {
+            f.step(d);
+        }
+        f.advance(5_000);
+        let closing = f.closing.expect("closed");
+        assert_eq!(
+            closing.outcome,
+            RoundOutcome::SecureAggregationFailed {
+                stage: secure::Stage::MaskedInput,
+                survivors: 4
+            }
+        );
+        assert!(f.aggregate.is_none());
+        assert!(matches!(f.poll(1), SecAggInstruction::Excluded { .. }));
+    }
 }

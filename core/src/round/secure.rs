@@ -1,0 +1,498 @@
+//! One secure-aggregation round inside the run machine: SecAgg+'s server side, the devices'
+//! indices, the per-stage deadlines, and the durable [`Record`]s the round is rebuilt from.
+//!
+//! Event-sourced: every decision that a restarted coordinator must repeat exactly (which
+//! devices got which index, which messages reached the protocol, when each stage closed) is a
+//! [`Record`], persisted before anything that depends on it is told to a device. Replaying the
+//! records in order through the same code rebuilds the same server state, so a coordinator
+//! restarted between stages carries on where it stopped.
+//!
+//! Stages and their deadlines (each stage also ends as soon as everyone expected answered):
+//! * AdvertiseKeys: until `stage_timeout` after selection ended;
+//! * ShareKeys: `stage_timeout` after AdvertiseKeys closed;
+//! * MaskedInputCollection (devices train meanwhile): until the round's reporting deadline, and
+//!   at least `stage_timeout` after ShareKeys closed;
+//! * Unmasking: `stage_timeout` after MaskedInputCollection closed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::UploadRejection;
+use crate::fedavg::Aggregate;
+use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use crate::plan::SecureRoundConfig;
+use crate::secagg::{
+    self, ClientIdx, MaskRequest, NeighbourKeys, Quantizer, SecAggError, UnmaskRequest,
+};
+use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
+
+/// A SecAgg+ stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Devices publish their public keys.
+    AdvertiseKeys,
+    /// Devices seal shares of their secrets to their neighbours.
+    ShareKeys,
+    /// Devices send masked inputs.
+    MaskedInput,
+    /// Survivors send the shares that remove the masks.
+    Unmasking,
+}
+
+impl Stage {
+    fn of(message: &SecAggUpload) -> Stage {
+        match message {
+            SecAggUpload::AdvertiseKeys(_) => Stage::AdvertiseKeys,
+            SecAggUpload::ShareKeys(_) => Stage::ShareKeys,
+            SecAggUpload::MaskedInput { .. } => Stage::MaskedInput,
+            SecAggUpload::Unmask(_) => Stage::Unmasking,
+        }
+    }
+
+    fn next(self) -> Option<Stage> {
+        match self {
+            Stage::AdvertiseKeys => Some(Stage::ShareKeys),
+            Stage::ShareKeys => Some(Stage::MaskedInput),
+            Stage::MaskedInput => Some(Stage::Unmasking),
+            Stage::Unmasking => None,
+        }
+    }
+}
+
+/// A durable event of a secure round; the round is rebuilt by replaying them in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Record {
+    /// The round's protocol parameters and the server's graph seed.
+    Begin {
+        /// Parameters every member agrees on.
+        config: secagg::Config,
+        /// Draws the neighbour graph.
+        graph_seed: [u8; 32],
+    },
+    /// A device was selected; its index is the number of `Selected` records before it, plus one.
+    Selected {
+        /// The device.
+        device: DeviceId,
+    },
+    /// A device's message reached the protocol (accepted, or excluding its sender).
+    Message {
+        /// The sender.
+        device: DeviceId,
+        /// The message.
+        message: SecAggUpload,
+    },
+    /// A stage closed.
+    Closed {
+        /// The stage.
+        stage: Stage,
+        /// When.
+        at: Millis,
+    },
+}
+
+/// Why a secure-aggregation message (or poll) was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecAggRejection {
+    /// The round is not open, not this one, or the device was not selected for it.
+    Round(UploadRejection),
+    /// The message belongs to another stage than the current one.
+    WrongStage(String),
+    /// The message is malformed or inconsistent; the device is excluded from the round.
+    Invalid(String),
+}
+
+/// How a secure round ended without a sum.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct SecureFailure {
+    pub stage: Stage,
+    pub survivors: u32,
+    pub reason: String,
+}
+
+/// The server side of one secure round.
+pub(super) struct SecureRound {
+    settings: SecureRoundConfig,
+    config: secagg::Config,
+    server: secagg::Server,
+    min_quorum: u32,
+    model_version: ModelVersion,
+    reporting_deadline: Millis,
+    /// The stage collecting messages; `None` once the round has an outcome.
+    stage: Option<Stage>,
+    /// When the previous stage closed (the current stage's clock); `None` for AdvertiseKeys.
+    previous_close: Option<Millis>,
+    devices: Vec<DeviceId>,
+    indices: BTreeMap<DeviceId, ClientIdx>,
+    /// Who completed each stage, with a digest of what they sent (a retried request with the
+    /// same message is answered again, not counted twice).
+    completed: BTreeMap<Stage, BTreeMap<ClientIdx, [u8; 32]>>,
+    excluded: BTreeMap<ClientIdx, String>,
+    neighbours: BTreeMap<ClientIdx, NeighbourKeys>,
+    mask_requests: BTreeMap<ClientIdx, MaskRequest>,
+    unmask_request: Option<UnmaskRequest>,
+    outcome: Option<Result<Aggregate, SecureFailure>>,
+    /// Records to persist, drained by the machine.
+    outbox: Vec<Record>,
+}
+
+impl std::fmt::Debug for SecureRound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureRound")
+            .field("config", &self.config)
+            .field("stage", &self.stage)
+            .field("selected", &self.devices.len())
+            .field("excluded", &self.excluded)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long a device waiting for a stage to close is asked to wait before asking again.
+const POLL_MS: i64 = 250;
+
+/// The session id binding every protocol message to one round of one run.
+pub fn session_id(run_id: RunId, round_idx: RoundIdx, model_version: ModelVersion) -> [u8; 16] {
+    let mut h = Sha256::new();
+    h.update(b"starling secagg session v1");
+    h.update(run_id.0.to_le_bytes());
+    h.update(round_idx.0.to_le_bytes());
+    h.update(model_version.0.to_le_bytes());
+    h.finalize()[..16].try_into().expect("16 bytes")
+}
+
+/// The graph seed of a round, from the machine's entropy.
+pub fn graph_seed(entropy: &[u8; 32], run_id: RunId, round_idx: RoundIdx) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"starling secagg graph v1");
+    h.update(entropy);
+    h.update(run_id.0.to_le_bytes());
+    h.update(round_idx.0.to_le_bytes());
+    h.finalize().into()
+}
+
+impl SecureRound {
+    /// A round from its `Begin` record.
+    pub fn begin(
+        settings: SecureRoundConfig,
+        config: secagg::Config,
+        graph_seed: [u8; 32],
+        min_quorum: u32,
+        model_version: ModelVersion,
+        reporting_deadline: Millis,
+    ) -> Result<Self, SecAggError> {
+        let server = secagg::Server::new(config, graph_seed)?;
+        Ok(SecureRound {
+            settings,
+            config,
+            server,
+            min_quorum,
+            model_version,
+            reporting_deadline,
+            stage: Some(Stage::AdvertiseKeys),
+            previous_close: None,
+            devices: vec![],
+            indices: BTreeMap::new(),
+            completed: BTreeMap::new(),
+            excluded: BTreeMap::new(),
+            neighbours: BTreeMap::new(),
+            mask_requests: BTreeMap::new(),
+            unmask_request: None,
+            outcome: None,
+            outbox: vec![Record::Begin { config, graph_seed }],
+        })
+    }
+
+    /// The round's config for a `Begin` record of a fresh round.
+    pub fn config_for(
+        settings: &SecureRoundConfig,
+        session: [u8; 16],
+        target_selected: u32,
+    ) -> secagg::Config {
+        secagg::Config {
+            session,
+            n: target_selected,
+            k: settings.k,
+            t: settings.t,
+            len: settings.vector_len,
+        }
+    }
+
+    /// Records to persist since the last call.
+    pub fn take_records(&mut self) -> Vec<Record> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Replays a stored record (the `Begin` record built this round).
+    pub fn replay(&mut self, record: Record) {
+        match record {
+            Record::Begin { .. } => {}
+            Record::Selected { device } => {
+                self.select(device);
+            }
+            Record::Message { device, message } => {
+                let _ = self.receive(device, message);
+            }
+            Record::Closed { stage, at } => self.close(stage, at),
+        }
+        self.outbox.clear();
+    }
+
+    /// Whether the round has ended (with a sum or a failure).
+    pub fn outcome(&self) -> Option<&Result<Aggregate, SecureFailure>> {
+        self.outcome.as_ref()
+    }
+
+    /// Devices whose masked input is in.
+    pub fn n_masked(&self) -> u32 {
+        self.done(Stage::MaskedInput).len() as u32
+    }
+
+    /// The devices whose masked input is in.
+    pub fn masked_devices(&self) -> impl Iterator<Item = DeviceId> + '_ {
+        self.done(Stage::MaskedInput).into_iter().map(|i| self.devices[i as usize - 1])
+    }
+
+    /// Gives a newly selected device its index.
+    pub fn select(&mut self, device: DeviceId) -> ClientIdx {
+        if let Some(&i) = self.indices.get(&device) {
+            return i;
+        }
+        self.devices.push(device);
+        let idx = self.devices.len() as ClientIdx;
+        self.indices.insert(device, idx);
+        self.outbox.push(Record::Selected { device });
+        idx
+    }
+
+    /// What a selected device is told with its task.
+    pub fn task(&self, device: DeviceId) -> Option<SecureAggregationTask> {
+        Some(SecureAggregationTask {
+            config: self.config,
+            index: *self.indices.get(&device)?,
+            clip: self.settings.clip,
+            max_examples: self.settings.max_examples,
+        })
+    }
+
+    fn done(&self, stage: Stage) -> BTreeSet<ClientIdx> {
+        self.completed.get(&stage).map(|m| m.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// A device's message for the current stage.
+    pub fn receive(
+        &mut self,
+        device: DeviceId,
+        message: SecAggUpload,
+    ) -> Result<(), SecAggRejection> {
+        let Some(&idx) = self.indices.get(&device) else {
+            return Err(SecAggRejection::Invalid("the device is not in this round".into()));
+        };
+        let stage = Stage::of(&message);
+        let digest: [u8; 32] =
+            Sha256::digest(crate::wire::to_vec(&message).expect("encodes")).into();
+        if let Some(previous) = self.completed.get(&stage).and_then(|m| m.get(&idx)) {
+            return if *previous == digest {
+                Ok(())
+            } else {
+                Err(SecAggRejection::Invalid(format!(
+                    "a different {stage:?} message was already accepted"
+                )))
+            };
+        }
+        if let Some(why) = self.excluded.get(&idx) {
+            return Err(SecAggRejection::Invalid(format!("excluded from the round: {why}")));
+        }
+        if self.stage != Some(stage) {
+            return Err(SecAggRejection::WrongStage(match self.stage {
+                Some(current) => format!("the round is in {current:?}, not {stage:?}"),
+                None => "the round's secure aggregation has ended".into(),
+            }));
+        }
+        if let SecAggUpload::MaskedInput { model_version, .. } = &message
+            && *model_version != self.model_version
+        {
+            return Err(SecAggRejection::Invalid(format!(
+                "the input was computed on model version {}, the round trains {}",
+                model_version.0, self.model_version.0
+            )));
+        }
+        self.outbox.push(Record::Message { device, message: message.clone() });
+        let res = match message {
+            SecAggUpload::AdvertiseKeys(keys) => self.server.receive_keys(idx, keys),
+            SecAggUpload::ShareKeys(shares) => self.server.receive_shares(idx, shares),
+            SecAggUpload::MaskedInput { masked, .. } => {
+                if masked.len() != self.config.len * 4 {
+                    Err(SecAggError::BadMessage {
+                        client: idx,
+                        why: format!(
+                            "{} bytes, the round's vectors are {} u32",
+                            masked.len(),
+                            self.config.len
+                        ),
+                    })
+                } else {
+                    let y = masked
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                        .collect();
+                    self.server.receive_masked(idx, y)
+                }
+            }
+            SecAggUpload::Unmask(response) => self.server.receive_unmask(idx, response),
+        };
+        match res {
+            Ok(()) => {
+                self.completed.entry(stage).or_default().insert(idx, digest);
+                Ok(())
+            }
+            Err(e) => {
+                let why = e.to_string();
+                self.excluded.insert(idx, why.clone());
+                Err(SecAggRejection::Invalid(why))
+            }
+        }
+    }
+
+    /// What `device` should do now.
+    pub fn instruction(&self, device: DeviceId, now: Millis) -> SecAggInstruction {
+        let Some(&idx) = self.indices.get(&device) else {
+            return excluded("the device is not in this round");
+        };
+        if let Some(why) = self.excluded.get(&idx) {
+            return excluded(why);
+        }
+        let wait = || SecAggInstruction::Wait {
+            retry_after_ms: self.deadline().map_or(POLL_MS, |d| (d - now).clamp(1, POLL_MS)) as u32,
+        };
+        let did = |stage: Stage| self.completed.get(&stage).is_some_and(|m| m.contains_key(&idx));
+        match self.stage {
+            Some(Stage::AdvertiseKeys) => wait(),
+            Some(Stage::ShareKeys) if did(Stage::ShareKeys) => wait(),
+            Some(Stage::ShareKeys) => match self.neighbours.get(&idx) {
+                Some(n) => SecAggInstruction::ShareKeys(n.clone()),
+                None => excluded("missed AdvertiseKeys"),
+            },
+            Some(Stage::MaskedInput) if did(Stage::MaskedInput) => wait(),
+            Some(Stage::MaskedInput) => match self.mask_requests.get(&idx) {
+                Some(r) => SecAggInstruction::MaskedInput(r.clone()),
+                None => excluded("missed ShareKeys"),
+            },
+            Some(Stage::Unmasking) if did(Stage::Unmasking) => SecAggInstruction::Done,
+            Some(Stage::Unmasking) => match &self.unmask_request {
+                Some(r) if r.survivors.contains(&idx) => SecAggInstruction::Unmask(r.clone()),
+                _ => excluded("missed MaskedInputCollection"),
+            },
+            None => match &self.outcome {
+                Some(Ok(_)) if did(Stage::Unmasking) => SecAggInstruction::Done,
+                Some(Err(f)) => excluded(&format!("the round failed: {}", f.reason)),
+                _ => excluded("missed a stage"),
+            },
+        }
+    }
+
+    /// When the current stage closes at the latest (`None` for AdvertiseKeys until selection
+    /// has ended, and once the round has an outcome).
+    pub fn deadline(&self) -> Option<Millis> {
+        let timeout = self.settings.stage_timeout_ms;
+        match self.stage? {
+            Stage::MaskedInput => Some(self.reporting_deadline.max(self.previous_close? + timeout)),
+            _ => Some(self.previous_close? + timeout),
+        }
+    }
+
+    /// Closes stages whose deadline passed or whose expected messages are all in.
+    /// `selection_ended` is when selection ended, once it has.
+    pub fn progress(&mut self, now: Millis, selection_ended: Option<Millis>) {
+        if self.stage == Some(Stage::AdvertiseKeys) && self.previous_close.is_none() {
+            // AdvertiseKeys's clock starts when selection ends.
+            match selection_ended {
+                Some(at) => self.previous_close = Some(at),
+                None => return,
+            }
+        }
+        while let Some(stage) = self.stage {
+            let expected = match stage {
+                Stage::AdvertiseKeys => self.devices.len(),
+                Stage::ShareKeys => self.neighbours.len(),
+                Stage::MaskedInput => self.mask_requests.len(),
+                Stage::Unmasking => self.unmask_request.as_ref().map_or(0, |r| r.survivors.len()),
+            };
+            let answered = self.done(stage).len()
+                + self.excluded.keys().filter(|i| self.expected_in(stage, **i)).count();
+            let due = self.deadline().is_some_and(|d| now >= d);
+            if !(due || answered >= expected) {
+                return;
+            }
+            self.close(stage, now);
+            self.outbox.push(Record::Closed { stage, at: now });
+        }
+    }
+
+    /// Whether `idx` was expected to send a message in `stage`.
+    fn expected_in(&self, stage: Stage, idx: ClientIdx) -> bool {
+        match stage {
+            Stage::AdvertiseKeys => true,
+            Stage::ShareKeys => self.neighbours.contains_key(&idx),
+            Stage::MaskedInput => self.mask_requests.contains_key(&idx),
+            Stage::Unmasking => {
+                self.unmask_request.as_ref().is_some_and(|r| r.survivors.contains(&idx))
+            }
+        }
+    }
+
+    fn close(&mut self, stage: Stage, at: Millis) {
+        if self.stage != Some(stage) {
+            return;
+        }
+        self.previous_close = Some(at);
+        self.stage = stage.next();
+        let res = match stage {
+            Stage::AdvertiseKeys => self.server.close_advertise().map(|n| self.neighbours = n),
+            Stage::ShareKeys => self.server.close_share_keys().map(|m| self.mask_requests = m),
+            Stage::MaskedInput => self.server.close_masked().and_then(|r| {
+                let survivors = r.survivors.len() as u32;
+                self.unmask_request = Some(r);
+                if survivors < self.min_quorum {
+                    return Err(SecAggError::BelowThreshold {
+                        stage: "MaskedInputCollection (quorum)",
+                        have: survivors as usize,
+                        need: self.min_quorum as usize,
+                    });
+                }
+                Ok(())
+            }),
+            Stage::Unmasking => self.finish(),
+        };
+        if let Err(e) = res {
+            self.stage = None;
+            self.outcome = Some(Err(SecureFailure {
+                stage,
+                survivors: self.n_masked(),
+                reason: e.to_string(),
+            }));
+        }
+    }
+
+    fn finish(&mut self) -> Result<(), SecAggError> {
+        let (sum, survivors) = self.server.finish()?;
+        let count = survivors.len() as u32;
+        let q = Quantizer::for_cohort(self.settings.clip, self.config.n);
+        let mean_delta = secagg::decode_weighted_mean(&q, &sum, count)
+            .ok_or_else(|| SecAggError::Config("the survivors' total weight is zero".into()))?;
+        let weight = q.dequantize_sum(*sum.last().expect("len ≥ 1"), count) / q.clip;
+        self.outcome = Some(Ok(Aggregate {
+            mean_delta,
+            total_weight: (weight * self.settings.max_examples as f64).round() as u64,
+            n_updates: u64::from(count),
+            metrics: BTreeMap::new(),
+        }));
+        Ok(())
+    }
+}
+
+fn excluded(why: &str) -> SecAggInstruction {
+    SecAggInstruction::Excluded { reason: why.to_owned() }
+}
