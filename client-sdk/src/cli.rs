@@ -143,6 +143,9 @@ struct SimulateArgs {
     /// Use at most this many training examples (0: all).
     #[arg(long, default_value_t = 0)]
     max_examples: usize,
+    /// Aggregate with SecAgg+ secure aggregation (the coordinator sees only masked inputs).
+    #[arg(long)]
+    secure: bool,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -261,6 +264,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         seed: args.seed,
         max_examples: args.max_examples,
         backend: backend::select(args.backend)?,
+        secure: args.secure,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

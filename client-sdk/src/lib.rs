@@ -27,5 +27,6 @@ pub mod examples;
 pub mod model;
 pub mod participant;
 pub mod protocol;
+pub mod secure;
 pub mod simulate;
 pub mod train;

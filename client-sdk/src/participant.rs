@@ -27,6 +27,7 @@ use crate::model::{
     Classifier, ModelError, ModelIo, SpecModel, load_parameters, parameters_of, schema_of,
 };
 use crate::protocol::{ClientError, FleetClient, TlsSettings, retrying};
+use crate::secure::{SecureError, SecureSession};
 use crate::train::{Evaluation, Progress, TrainError, TrainingConfig, evaluate, train};
 
 /// Attempts per request on transient failures.
@@ -54,6 +55,9 @@ pub enum ParticipantError {
     /// The participant is not enrolled.
     #[error("not enrolled: call enroll first")]
     NotEnrolled,
+    /// The secure-aggregation protocol failed on this device.
+    #[error(transparent)]
+    SecureAggregation(crate::secure::SecureError),
     /// The saved state could not be read or written.
     #[error("state file {path}: {why}")]
     StateFile {
@@ -353,6 +357,24 @@ impl<F: ModelFactory> Participant<F> {
             }
             CheckInResponse::Task(task) => task,
         };
+        let (run_id, round_idx) = (task.run_id, task.round_idx);
+        // A secure round's short key stages come before training; the masked input after it.
+        let mut secure = match task.secure_aggregation {
+            None => None,
+            Some(secure_task) => {
+                let joined = async {
+                    let mut session =
+                        SecureSession::advertise(&self.fleet, run_id, round_idx, secure_task)
+                            .await?;
+                    session.share_keys(&self.fleet).await?;
+                    Ok::<_, SecureError>(session)
+                };
+                match joined.await {
+                    Ok(session) => Some(session),
+                    Err(e) => return secure_outcome(run_id, round_idx, e),
+                }
+            }
+        };
         report(ParticipantProgress::Phase(Phase::Downloading));
         let global = self.global_model(&task).await?;
         report(ParticipantProgress::Phase(Phase::Evaluating));
@@ -376,13 +398,29 @@ impl<F: ModelFactory> Participant<F> {
         .await
         .expect("training task panicked")?;
         report(ParticipantProgress::Phase(Phase::Uploading));
+        if let Some(session) = secure.as_mut() {
+            let sent = async {
+                session
+                    .send_masked(&self.fleet, task.model_version, &delta, trained.examples)
+                    .await?;
+                session.unmask(&self.fleet).await
+            };
+            return match sent.await {
+                Ok(()) => Ok(Outcome::Uploaded {
+                    run_id,
+                    round_idx,
+                    train_loss: trained.loss,
+                    evaluation,
+                }),
+                Err(e) => secure_outcome(run_id, round_idx, e),
+            };
+        }
         let upload = UploadRequest {
             model_version: task.model_version,
             example_count: trained.examples,
             metrics: [("loss".to_owned(), trained.loss)].into(),
             delta: task.schema.encode_f32(&delta),
         };
-        let (run_id, round_idx) = (task.run_id, task.round_idx);
         match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
             // A retried upload whose first attempt landed is a duplicate: it is in.
             Ok(_)
@@ -448,6 +486,27 @@ impl<F: ModelFactory> Participant<F> {
         }
         self.state.last_evaluated = Some(key);
         Ok(Some(evaluation))
+    }
+}
+
+/// A secure round this device could not finish: missing it is an outcome, anything else an
+/// error.
+fn secure_outcome(
+    run_id: RunId,
+    round_idx: RoundIdx,
+    e: SecureError,
+) -> Result<Outcome, ParticipantError> {
+    match e {
+        SecureError::Excluded(why) => {
+            tracing::info!(%run_id, %round_idx, %why, "left out of the secure round");
+            Ok(Outcome::RoundMissed { run_id, round_idx })
+        }
+        SecureError::Protocol(e)
+            if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::Conflict)) =>
+        {
+            Ok(Outcome::RoundMissed { run_id, round_idx })
+        }
+        e => Err(ParticipantError::SecureAggregation(e)),
     }
 }
 

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
-    ErrorBody, EvaluationReport, UploadAck, UploadRequest,
+    ErrorBody, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
 };
 use starling_core::{DeviceId, RoundIdx, RunId};
 
@@ -233,6 +233,31 @@ impl FleetClient {
         update: &UploadRequest,
     ) -> Result<UploadAck, ClientError> {
         self.post(&format!("/v1/runs/{run}/rounds/{round}/updates"), update).await
+    }
+
+    /// Sends a secure-aggregation stage message; `Ok` once it is durable at the coordinator.
+    pub async fn secagg_send(
+        &self,
+        run: RunId,
+        round: RoundIdx,
+        message: &SecAggUpload,
+    ) -> Result<(), ClientError> {
+        let body = wire::to_vec(message).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let path = format!("/v1/runs/{run}/rounds/{round}/secagg");
+        let (status, bytes) = self.post_raw(&path, body, CBOR_MEDIA_TYPE).await?;
+        if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
+    }
+
+    /// What this device's secure round needs from it next.
+    pub async fn secagg_instruction(
+        &self,
+        run: RunId,
+        round: RoundIdx,
+    ) -> Result<SecAggInstruction, ClientError> {
+        let url = format!("{}/v1/runs/{run}/rounds/{round}/secagg", self.base);
+        let res = self.authed(self.http.get(url)).send().await?;
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
     }
 
     /// Reports an evaluation.

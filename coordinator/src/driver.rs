@@ -26,12 +26,15 @@ use starling_core::fedavg::{
     Aggregate, AggregateError, FedAvgAccumulator, ValidatedUpdate, validate_parts,
 };
 use starling_core::plan::{Plan, ValidatedPlan};
+use starling_core::round::secure::{Record, SecAggRejection};
 use starling_core::round::{
     Action, CheckInDecision, Input, OpenRoundSnapshot, RequestId, RoundClosing, RoundOutcome,
     RunMachine, RunSnapshot, RunStatus, UploadRejection,
 };
 use starling_core::tensor::{TensorPayload, TensorSchema};
-use starling_core::wire::{self, CheckInResponse, TaskAssignment, UploadAck};
+use starling_core::wire::{
+    self, CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
+};
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -49,6 +52,9 @@ pub enum DriverError {
     /// The machine refused the upload.
     #[error("upload refused: {0:?}")]
     Upload(UploadRejection),
+    /// The machine refused a secure-aggregation message or poll.
+    #[error("secure aggregation refused: {0:?}")]
+    SecAgg(SecAggRejection),
     /// The store failed; nothing was acknowledged.
     #[error("store unavailable")]
     Unavailable,
@@ -83,6 +89,30 @@ pub enum Event {
         update: ValidatedUpdate,
         /// Where the answer goes.
         reply: oneshot::Sender<Result<UploadAck, DriverError>>,
+    },
+    /// A device's secure-aggregation message (size-checked and decoded).
+    SecAgg {
+        /// The authenticated device.
+        device: DeviceId,
+        /// Run from the path.
+        run_id: RunId,
+        /// Round from the path.
+        round_idx: RoundIdx,
+        /// The message.
+        message: SecAggUpload,
+        /// Where the answer goes (after the message is durable).
+        reply: oneshot::Sender<Result<(), DriverError>>,
+    },
+    /// A device asks what its secure round needs next.
+    SecAggPoll {
+        /// The authenticated device.
+        device: DeviceId,
+        /// Run from the path.
+        run_id: RunId,
+        /// Round from the path.
+        round_idx: RoundIdx,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<SecAggInstruction, DriverError>>,
     },
     /// The operator creates a run.
     CreateRun {
@@ -181,6 +211,10 @@ struct RunEntry {
     accumulator: AccumulatorWorker,
     check_ins: HashMap<RequestId, oneshot::Sender<Result<CheckInResponse, DriverError>>>,
     uploads: HashMap<RequestId, PendingUpload>,
+    secagg_messages: HashMap<RequestId, oneshot::Sender<Result<(), DriverError>>>,
+    secagg_polls: HashMap<RequestId, oneshot::Sender<Result<SecAggInstruction, DriverError>>>,
+    /// A secure round's unmasked mean, waiting for its `CloseRound`.
+    secure_aggregate: Option<Aggregate>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
 }
 
@@ -197,6 +231,11 @@ enum Reply {
         Result<CheckInResponse, DriverError>,
     ),
     Upload(oneshot::Sender<Result<UploadAck, DriverError>>, Result<UploadAck, DriverError>),
+    SecAgg(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
+    SecAggPoll(
+        oneshot::Sender<Result<SecAggInstruction, DriverError>>,
+        Result<SecAggInstruction, DriverError>,
+    ),
 }
 
 impl Driver {
@@ -262,13 +301,26 @@ impl Driver {
                 model_version: version,
                 rounds_committed: row.rounds_committed as u32,
                 next_round_idx,
-                open_round: open.map(|o| OpenRoundSnapshot {
-                    round: o.round,
-                    selected: o.selected,
-                    reported: o.reported,
-                }),
+                open_round: match open {
+                    None => None,
+                    Some(o) => Some(OpenRoundSnapshot {
+                        round: o.round,
+                        selected: o.selected,
+                        reported: o.reported,
+                        secure_records: o
+                            .secure_records
+                            .iter()
+                            .map(|r| wire::decode::<Record>(r))
+                            .collect::<Result<_, _>>()
+                            .map_err(|e| {
+                                StoreError::Corrupt(format!(
+                                    "secure-aggregation record of run {run_id}: {e}"
+                                ))
+                            })?,
+                    }),
+                },
             };
-            let machine = RunMachine::restore(snapshot, now_ms());
+            let machine = RunMachine::restore(snapshot, now_ms(), entropy());
             let entry = RunEntry::new(
                 machine,
                 Arc::new(plan),
@@ -383,6 +435,25 @@ impl Driver {
                     .machine
                     .handle(now, Input::Upload { request, device, round_idx, model_version });
             }
+            Event::SecAgg { device, run_id, round_idx, message, reply } => {
+                let request = self.request_id();
+                self.observer.device_seen(device.0, now, true);
+                let Some(entry) = self.runs.get_mut(&run_id) else {
+                    let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
+                    return;
+                };
+                entry.secagg_messages.insert(request, reply);
+                entry.machine.handle(now, Input::SecAgg { request, device, round_idx, message });
+            }
+            Event::SecAggPoll { device, run_id, round_idx, reply } => {
+                let request = self.request_id();
+                let Some(entry) = self.runs.get_mut(&run_id) else {
+                    let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
+                    return;
+                };
+                entry.secagg_polls.insert(request, reply);
+                entry.machine.handle(now, Input::SecAggPoll { request, device, round_idx });
+            }
             Event::CreateRun { plan, initial, reply } => {
                 let res = self.create_run(*plan, initial, now).await;
                 let _ = reply.send(res);
@@ -423,7 +494,7 @@ impl Driver {
                 tracing::error!(error = %e, "creating run failed");
                 DriverError::Unavailable
             })?;
-        let machine = RunMachine::start(run_id, plan.round_config(), now);
+        let machine = RunMachine::start(run_id, plan.round_config(), now, entropy());
         let acc = FedAvgAccumulator::new(initial.values.len());
         let entry =
             RunEntry::new(machine, Arc::new(plan), Arc::new(initial.values), initial.hash, acc);
@@ -463,6 +534,7 @@ impl Driver {
         for (&run_id, entry) in self.runs.iter_mut() {
             let mut transitions = vec![];
             let mut replies = vec![];
+            let mut close_tasks = vec![];
             while let Some(action) = entry.machine.poll_action() {
                 match action {
                     Action::OpenRound(opened) => {
@@ -474,6 +546,25 @@ impl Driver {
                     Action::PersistSelection { round_idx, device } => {
                         self.observer.selected();
                         transitions.push(Transition::Select { round_idx, device });
+                    }
+                    Action::PersistSecAgg { round_idx, seq, record } => {
+                        let record = wire::to_vec(&record).expect("records encode");
+                        transitions.push(Transition::SecAggRecord { round_idx, seq, record });
+                    }
+                    Action::ReplySecAgg { request, result } => {
+                        if let Some(tx) = entry.secagg_messages.remove(&request) {
+                            replies.push(Reply::SecAgg(tx, result.map_err(DriverError::SecAgg)));
+                        }
+                    }
+                    Action::ReplySecAggPoll { request, result } => {
+                        if let Some(tx) = entry.secagg_polls.remove(&request) {
+                            let res = result.map_err(DriverError::SecAgg);
+                            replies.push(Reply::SecAggPoll(tx, res));
+                        }
+                    }
+                    Action::SecureAggregate { round_idx, aggregate } => {
+                        tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, "secure aggregation unmasked the cohort's sum");
+                        entry.secure_aggregate = Some(aggregate);
                     }
                     Action::FinishRun => {
                         tracing::info!(%run_id, "run finished");
@@ -575,12 +666,21 @@ impl Driver {
                                 .map_or(closing.closed_at, |r| r.opened_at),
                             run_id,
                             closing,
-                            finish: entry.accumulator.finish(),
+                            finish: match entry.secure_aggregate.take() {
+                                Some(aggregate) => {
+                                    let (tx, rx) = oneshot::channel();
+                                    let _ = tx.send(Ok(aggregate));
+                                    rx
+                                }
+                                None => entry.accumulator.finish(),
+                            },
                             global: entry.global.clone(),
                             plan: entry.plan.clone(),
                             internal: self.internal_tx.clone(),
                         };
-                        tokio::spawn(task.run());
+                        // Spawned once this batch's transitions are durable: the commit then
+                        // follows the round's last records, which it deletes.
+                        close_tasks.push(task);
                     }
                 }
             }
@@ -594,10 +694,15 @@ impl Driver {
                 }
                 self.observer.store_latency("transitions", started.elapsed().as_secs_f64());
             }
+            for task in close_tasks {
+                tokio::spawn(task.run());
+            }
             for reply in replies {
                 match reply {
                     Reply::CheckIn(tx, res) => drop(tx.send(res)),
                     Reply::Upload(tx, res) => drop(tx.send(res)),
+                    Reply::SecAgg(tx, res) => drop(tx.send(res)),
+                    Reply::SecAggPoll(tx, res) => drop(tx.send(res)),
                 }
             }
             if matches!(entry.machine.status(), RunStatus::Stopped | RunStatus::Finished) {
@@ -618,6 +723,12 @@ impl Driver {
                 }
                 for (_, tx) in entry.check_ins.drain() {
                     let _ = tx.send(Ok(CheckInResponse::ComeBackLater { retry_after_secs: 60 }));
+                }
+                for (_, tx) in entry.secagg_messages.drain() {
+                    let _ = tx.send(Err(DriverError::RunNotRunning(run_id)));
+                }
+                for (_, tx) in entry.secagg_polls.drain() {
+                    let _ = tx.send(Err(DriverError::RunNotRunning(run_id)));
                 }
             }
         }
@@ -642,13 +753,16 @@ impl RunEntry {
             accumulator: AccumulatorWorker::spawn(acc),
             check_ins: HashMap::new(),
             uploads: HashMap::new(),
+            secagg_messages: HashMap::new(),
+            secagg_polls: HashMap::new(),
+            secure_aggregate: None,
             stops: vec![],
         }
     }
 
     fn check_in_response(&self, run_id: RunId, decision: CheckInDecision) -> CheckInResponse {
         match decision {
-            CheckInDecision::Selected { round_idx, model_version, report_deadline } => {
+            CheckInDecision::Selected { round_idx, model_version, report_deadline, secure } => {
                 CheckInResponse::Task(TaskAssignment {
                     run_id,
                     round_idx,
@@ -658,6 +772,7 @@ impl RunEntry {
                     model_spec: self.plan.model_spec().cloned(),
                     training_config: self.training_config.clone(),
                     report_deadline_ms: report_deadline,
+                    secure_aggregation: secure,
                 })
             }
             CheckInDecision::ComeBackLater { after_ms } => CheckInResponse::ComeBackLater {
@@ -791,6 +906,13 @@ where
             }
         }
     }
+}
+
+/// 32 bytes from the OS for a run machine (secure rounds draw their neighbour graphs from it).
+fn entropy() -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).expect("the OS random source failed");
+    bytes
 }
 
 /// CBOR-encodes model values and returns the bytes and their content hash.

@@ -212,6 +212,8 @@ pub struct OpenRoundState {
     pub selected: Vec<DeviceId>,
     /// Devices with a stored update, and their slots, in slot order.
     pub reported: Vec<(DeviceId, i64)>,
+    /// A secure round's records (CBOR), in seq order.
+    pub secure_records: Vec<Vec<u8>>,
 }
 
 /// A small durable transition, batched by [`SqlStore::apply_transitions`].
@@ -225,6 +227,15 @@ pub enum Transition {
         round_idx: RoundIdx,
         /// Device.
         device: DeviceId,
+    },
+    /// A secure round's protocol record (CBOR), at position `seq` of the round's log.
+    SecAggRecord {
+        /// Round.
+        round_idx: RoundIdx,
+        /// Position.
+        seq: i64,
+        /// The encoded record.
+        record: Vec<u8>,
     },
     /// The run committed all its rounds.
     FinishRun,
@@ -245,6 +256,22 @@ async fn set_run_status(
         .bind(run_id.0)
         .bind(status)
         .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_err)?;
+    Ok(())
+}
+
+/// A closed round's protocol records are of no further use (the sum is committed or the
+/// round failed): drop them, masked inputs included.
+async fn delete_secagg_records(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> StoreResult<()> {
+    sqlx::query("DELETE FROM secagg_records WHERE run_id = $1 AND round_idx = $2")
+        .bind(run_id.0)
+        .bind(round_idx.0)
         .execute(&mut **tx)
         .await
         .map_err(map_err)?;
@@ -681,6 +708,20 @@ impl SqlStore {
                     .await
                     .map_err(map_err)?;
                 }
+                Transition::SecAggRecord { round_idx, seq, record } => {
+                    sqlx::query(
+                        "INSERT INTO secagg_records (run_id, round_idx, seq, record, created_at_ms) VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(run_id.0)
+                    .bind(round_idx.0)
+                    .bind(*seq)
+                    .bind(record.as_slice())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                }
                 Transition::FinishRun => {
                     set_run_status(&mut tx, run_id, "finished", now).await?;
                 }
@@ -697,6 +738,7 @@ impl SqlStore {
                         .execute(&mut *tx)
                         .await
                         .map_err(map_err)?;
+                        delete_secagg_records(&mut tx, run_id, *round_idx).await?;
                     }
                     set_run_status(&mut tx, run_id, "stopped", now).await?;
                 }
@@ -761,6 +803,14 @@ impl SqlStore {
         .fetch_all(&self.pool)
         .await
         .map_err(map_err)?;
+        let secure_records: Vec<(Vec<u8>,)> = sqlx::query_as(
+            "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
         Ok(Some(OpenRoundState {
             round: RoundOpened {
                 round_idx: RoundIdx(round.round_idx),
@@ -771,7 +821,37 @@ impl SqlStore {
             },
             selected: selected.into_iter().map(|(d,)| DeviceId(d)).collect(),
             reported: reported.into_iter().map(|(d, s)| (DeviceId(d), s)).collect(),
+            secure_records: secure_records.into_iter().map(|(r,)| r).collect(),
         }))
+    }
+
+    /// How many secure-aggregation records a run holds (closed rounds hold none).
+    pub async fn secagg_record_count(&self, run_id: RunId) -> StoreResult<usize> {
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM secagg_records WHERE run_id = $1")
+            .bind(run_id.0)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(n as usize)
+    }
+
+    /// Every stored secure-aggregation record of a run's open round and every stored update
+    /// payload of the run: what an audit of "the server never holds an unmasked update" reads.
+    pub async fn stored_payloads(&self, run_id: RunId) -> StoreResult<Vec<Vec<u8>>> {
+        let mut out: Vec<(Vec<u8>,)> =
+            sqlx::query_as("SELECT record FROM secagg_records WHERE run_id = $1")
+                .bind(run_id.0)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+        let updates: Vec<(Vec<u8>,)> =
+            sqlx::query_as("SELECT delta FROM updates WHERE run_id = $1 AND delta IS NOT NULL")
+                .bind(run_id.0)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+        out.extend(updates);
+        Ok(out.into_iter().map(|(b,)| b).collect())
     }
 
     /// Highest round index ever opened for a run.
@@ -848,6 +928,7 @@ impl SqlStore {
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
+        delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
         tx.commit().await.map_err(map_err)
     }
 
@@ -862,6 +943,7 @@ impl SqlStore {
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
+        delete_secagg_records(&mut tx, run_id, closing.round_idx).await?;
         tx.commit().await.map_err(map_err)
     }
 

@@ -122,10 +122,17 @@ async fn conformance(store: SqlStore) {
     assert_eq!(store.last_round_idx(run).await.unwrap(), None);
 
     // Round 0 opens, selects three devices; applying the same batch again changes nothing.
+    let secagg = |seq: i64, bytes: &[u8]| Transition::SecAggRecord {
+        round_idx: RoundIdx(0),
+        seq,
+        record: bytes.to_vec(),
+    };
     let batch = [
         Transition::OpenRound(opened(0, 0)),
+        secagg(0, b"begin"),
         Transition::Select { round_idx: RoundIdx(0), device: d1 },
         Transition::Select { round_idx: RoundIdx(0), device: d2 },
+        secagg(1, b"second"),
         Transition::Select { round_idx: RoundIdx(0), device: d3 },
     ];
     store.apply_transitions(run, &batch, 1_000).await.unwrap();
@@ -148,6 +155,15 @@ async fn conformance(store: SqlStore) {
     assert_eq!(open.round, opened(0, 0));
     assert_eq!(open.selected, vec![d1, d2, d3]);
     assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
+    // Secure-aggregation records come back in seq order, once each.
+    store
+        .apply_transitions(run, &[secagg(3, b"fourth"), secagg(2, b"third")], 1_700)
+        .await
+        .unwrap();
+    assert_eq!(
+        open_records(&store, run).await,
+        vec![b"begin".to_vec(), b"second".to_vec(), b"third".to_vec(), b"fourth".to_vec()]
+    );
     let mut replayed = vec![];
     let n = store
         .for_each_update(run, RoundIdx(0), |u| {
@@ -179,6 +195,8 @@ async fn conformance(store: SqlStore) {
     assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap().as_deref(), Some("h1"));
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
     assert_eq!(store.open_round(run).await.unwrap(), None);
+    // The committed round's protocol records are gone (a reopened round 0 would see none).
+    assert_eq!(count_secagg_records(&store, run).await, 0);
     let r0 = &store.rounds(run).await.unwrap()[0];
     assert_eq!((r0.state.as_str(), r0.n_reported, r0.n_dropped), ("committed", Some(2), Some(1)));
     assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"loss":1.75}"#));
@@ -212,8 +230,14 @@ async fn conformance(store: SqlStore) {
     ));
     assert_eq!(store.evaluations(run).await.unwrap().len(), 1);
 
-    // Stopping a run fails its open round and takes it out of the running set.
-    store.apply_transitions(run, &[Transition::OpenRound(opened(2, 1))], 7_000).await.unwrap();
+    // Stopping a run fails its open round (dropping its records) and takes it out of the
+    // running set.
+    let record = Transition::SecAggRecord { round_idx: RoundIdx(2), seq: 0, record: b"x".to_vec() };
+    store
+        .apply_transitions(run, &[Transition::OpenRound(opened(2, 1)), record], 7_000)
+        .await
+        .unwrap();
+    assert_eq!(count_secagg_records(&store, run).await, 1);
     store
         .apply_transitions(run, &[Transition::StopRun { open_round: Some(RoundIdx(2)) }], 7_000)
         .await
@@ -221,5 +245,14 @@ async fn conformance(store: SqlStore) {
     assert_eq!(store.run(run).await.unwrap().unwrap().status, "stopped");
     assert!(store.running_runs().await.unwrap().is_empty());
     assert_eq!(store.rounds(run).await.unwrap()[2].state, "failed");
+    assert_eq!(count_secagg_records(&store, run).await, 0);
     assert!(store.run(RunId(999)).await.unwrap().is_none());
+}
+
+async fn open_records(store: &SqlStore, run: RunId) -> Vec<Vec<u8>> {
+    store.open_round(run).await.unwrap().expect("a round is open").secure_records
+}
+
+async fn count_secagg_records(store: &SqlStore, run: RunId) -> usize {
+    store.secagg_record_count(run).await.unwrap()
 }

@@ -553,6 +553,7 @@ async fn federated_digits_reach_ninety_percent() {
         max_examples: 0,
         // The CPU backend keeps CI's two cores fast; wgpu has its own training test in client-sdk.
         backend: cpu_backend(),
+        secure: false,
     };
     let results = simulate(config, |r| {
         eprintln!("model {}: test accuracy {:.3}", r.version, r.test_accuracy)
@@ -596,6 +597,7 @@ async fn federated_shakespeare_roles_learn_next_characters() {
         max_examples: 0,
         // The CPU backend keeps CI's two cores fast; wgpu has its own training test in client-sdk.
         backend: cpu_backend(),
+        secure: false,
     };
     let results = simulate(config, |r| {
         eprintln!("model {}: next-char accuracy {:.3}", r.version, r.test_accuracy)

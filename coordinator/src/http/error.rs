@@ -11,6 +11,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use starling_core::fedavg::UpdateError;
 use starling_core::round::UploadRejection;
+use starling_core::round::secure::SecAggRejection;
 use starling_core::tensor::TensorError;
 use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
 
@@ -152,6 +153,18 @@ impl From<DriverError> for ApiError {
                     ),
                 ),
                 UploadRejection::Unavailable => ApiError::unavailable(),
+                UploadRejection::SecureRun => ApiError::new(
+                    S::CONFLICT,
+                    C::Conflict,
+                    "the run aggregates securely: take part through /v1/runs/{run}/rounds/{round}/secagg, never upload a plain delta",
+                ),
+            },
+            DriverError::SecAgg(r) => match r {
+                SecAggRejection::Round(r) => DriverError::Upload(r).into(),
+                SecAggRejection::WrongStage(why) => ApiError::new(S::CONFLICT, C::Conflict, why),
+                SecAggRejection::Invalid(why) => {
+                    ApiError::new(S::UNPROCESSABLE_ENTITY, C::InvalidField, why)
+                }
             },
             DriverError::Unavailable => ApiError::unavailable(),
             DriverError::ShuttingDown => ApiError::new(

@@ -12,7 +12,8 @@ use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
-    ErrorBody, ErrorCode, EvaluationReport, UploadAck, UploadRequest,
+    ErrorBody, ErrorCode, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck,
+    UploadRequest,
 };
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 use utoipa_axum::router::OpenApiRouter;
@@ -26,6 +27,9 @@ use crate::driver::Event;
 const SMALL_BODY_LIMIT: usize = 64 * 1024;
 /// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
 const UPLOAD_ENVELOPE_LIMIT: usize = 64 * 1024;
+/// Room for a secure-aggregation message beyond the masked vector: sealed shares for every
+/// neighbour (under 1 KiB each) or unmasking shares.
+const SECAGG_ENVELOPE_LIMIT: usize = 256 * 1024;
 
 /// The fleet routes, each with its OpenAPI operation.
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -37,6 +41,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(check_in))
         .routes(routes!(model))
         .merge(uploads)
+        .routes(routes!(secagg_message, secagg_instruction))
         .routes(routes!(evaluation))
 }
 
@@ -238,6 +243,72 @@ async fn accept_upload(
         .await?;
     tracing::debug!(%run_id, %round_idx, %device, read_ms, validated_ms, acked_ms = started.elapsed().as_secs_f64() * 1e3, "upload acknowledged");
     Ok((ack, body_len))
+}
+
+/// A stage message of a secure round (SecAgg+); answered once it is durable.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/secagg", tag = "fleet", security(("device" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    request_body(content = Vec<u8>, content_type = "application/cbor", description = "a SecAggUpload: advertise_keys, share_keys, masked_input or unmask"),
+    responses(
+        (status = 204, description = "accepted and durable"),
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the device was not selected for this round", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "another stage is running, or the round is closed", body = ErrorBody, content_type = "application/cbor"),
+        (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "inconsistent message; the device is excluded from the round", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
+async fn secagg_message(
+    State(state): State<AppState>,
+    DeviceAuth(device): DeviceAuth,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    check_content_type(&headers)?;
+    let plan = state.plan(run_id).await?;
+    let limit = plan.schema().byte_len() as usize + 4 + SECAGG_ENVELOPE_LIMIT;
+    let _permit = state.upload_permit().await;
+    let bytes = state.read_body(body, limit).await?;
+    let message = tokio::task::spawn_blocking(move || wire::decode::<SecAggUpload>(&bytes))
+        .await
+        .map_err(|e| ApiError::internal(&e))?
+        .map_err(|e| ApiError::malformed(e.to_string()))?;
+    state
+        .driver()
+        .call(|reply| Event::SecAgg { device, run_id, round_idx, message, reply })
+        .await
+        .inspect_err(|e| tracing::info!(%run_id, %round_idx, %device, error = %e, "secure-aggregation message refused"))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// What the device's secure round needs from it next.
+#[utoipa::path(get, path = "/v1/runs/{run_id}/rounds/{round_idx}/secagg", tag = "fleet", security(("device" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    responses(
+        (status = 200, description = "a SecAggInstruction: wait, share_keys, masked_input, unmask, done or excluded", body = Vec<u8>, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the device was not selected for this round", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "the run is not running", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "the run does not aggregate securely", body = ErrorBody, content_type = "application/cbor"),
+        (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
+async fn secagg_instruction(
+    State(state): State<AppState>,
+    DeviceAuth(device): DeviceAuth,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+) -> Result<Cbor<SecAggInstruction>, ApiError> {
+    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    let instruction =
+        state.driver().call(|reply| Event::SecAggPoll { device, run_id, round_idx, reply }).await?;
+    Ok(Cbor(instruction))
 }
 
 #[utoipa::path(post, path = "/v1/runs/{run_id}/evaluations", tag = "fleet", security(("device" = [])),

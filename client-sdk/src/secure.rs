@@ -1,0 +1,165 @@
+//! A device's side of a secure round: SecAgg+'s client state machine from `core`, driven
+//! through the stages over the fleet API, with secrets drawn from the OS.
+//!
+//! The device advertises its keys as soon as it is selected and seals its shares before it
+//! trains (those stages are short); its masked input follows training, and its unmasking shares
+//! follow the cohort's masked inputs. The coordinator only ever sees the masked vector.
+
+use std::time::Duration;
+
+use starling_core::secagg::{self, SecAggError};
+use starling_core::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
+use starling_core::{ModelVersion, RoundIdx, RunId};
+
+use crate::protocol::{ClientError, FleetClient, retrying};
+
+/// Attempts per request on transient failures.
+const TRIES: u32 = 6;
+
+/// Why a device's part in a secure round ended early.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SecureError {
+    /// The coordinator refused or could not be reached.
+    #[error(transparent)]
+    Protocol(#[from] ClientError),
+    /// The round goes on without this device (it missed a stage), or failed.
+    #[error("excluded from the secure round: {0}")]
+    Excluded(String),
+    /// The coordinator's message does not fit the protocol (e.g. a neighbourhood that leaves
+    /// too few neighbours); nothing secret was sent.
+    #[error("secure aggregation: {0}")]
+    Secagg(#[from] SecAggError),
+    /// The coordinator asked for another stage than the one this device is in.
+    #[error("the coordinator asked for {got} while the device waited for {want}")]
+    OutOfStep {
+        /// What the device waited for.
+        want: &'static str,
+        /// What it was asked.
+        got: String,
+    },
+}
+
+/// One device in one secure round.
+pub struct SecureSession {
+    run_id: RunId,
+    round_idx: RoundIdx,
+    task: SecureAggregationTask,
+    client: secagg::Client,
+}
+
+impl std::fmt::Debug for SecureSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureSession")
+            .field("run_id", &self.run_id)
+            .field("round_idx", &self.round_idx)
+            .field("index", &self.task.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SecureSession {
+    /// AdvertiseKeys: draws this round's secrets from the OS and publishes the public keys.
+    pub async fn advertise(
+        fleet: &FleetClient,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        task: SecureAggregationTask,
+    ) -> Result<Self, SecureError> {
+        let mut randomness = [0u8; 96];
+        getrandom::fill(&mut randomness).expect("the OS random source failed");
+        let (client, keys) = secagg::Client::new(task.index, task.config, randomness)?;
+        let session = SecureSession { run_id, round_idx, task, client };
+        session.send(fleet, SecAggUpload::AdvertiseKeys(keys)).await?;
+        Ok(session)
+    }
+
+    /// The device's index in the round.
+    pub fn index(&self) -> secagg::ClientIdx {
+        self.task.index
+    }
+
+    /// ShareKeys: waits for the neighbours' keys, then sends them sealed shares.
+    pub async fn share_keys(&mut self, fleet: &FleetClient) -> Result<(), SecureError> {
+        let neighbours = match self.next_instruction(fleet, "ShareKeys").await? {
+            SecAggInstruction::ShareKeys(n) => n,
+            other => return Err(out_of_step("ShareKeys", &other)),
+        };
+        let sealed = self.client.share_keys(neighbours)?;
+        self.send(fleet, SecAggUpload::ShareKeys(sealed)).await
+    }
+
+    /// MaskedInputCollection: waits for the neighbours' sealed shares, then sends the masked,
+    /// quantized, example-weighted `delta`.
+    pub async fn send_masked(
+        &mut self,
+        fleet: &FleetClient,
+        model_version: ModelVersion,
+        delta: &[f32],
+        example_count: u64,
+    ) -> Result<(), SecureError> {
+        let request = match self.next_instruction(fleet, "MaskedInput").await? {
+            SecAggInstruction::MaskedInput(r) => r,
+            other => return Err(out_of_step("MaskedInput", &other)),
+        };
+        let task = self.task;
+        let input =
+            secagg::encode_weighted(&task.quantizer(), delta, example_count, task.max_examples);
+        let masked = self.client.masked_input(request, &input)?;
+        let masked = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked }).await
+    }
+
+    /// Unmasking: waits for the survivors list, then sends the shares that remove the masks.
+    pub async fn unmask(&mut self, fleet: &FleetClient) -> Result<(), SecureError> {
+        let request = match self.next_instruction(fleet, "Unmask").await? {
+            SecAggInstruction::Unmask(r) => r,
+            other => return Err(out_of_step("Unmask", &other)),
+        };
+        let response = self.client.unmask(request)?;
+        self.send(fleet, SecAggUpload::Unmask(response)).await
+    }
+
+    async fn send(&self, fleet: &FleetClient, message: SecAggUpload) -> Result<(), SecureError> {
+        let (run, round) = (self.run_id, self.round_idx);
+        // A retried message whose first attempt landed is answered again, not counted twice.
+        retrying(TRIES, || fleet.secagg_send(run, round, &message)).await?;
+        Ok(())
+    }
+
+    /// Polls until the coordinator has something other than "wait" for this device.
+    async fn next_instruction(
+        &self,
+        fleet: &FleetClient,
+        want: &'static str,
+    ) -> Result<SecAggInstruction, SecureError> {
+        let (run, round) = (self.run_id, self.round_idx);
+        loop {
+            match retrying(TRIES, || fleet.secagg_instruction(run, round)).await? {
+                SecAggInstruction::Wait { retry_after_ms } => {
+                    tokio::time::sleep(Duration::from_millis(u64::from(retry_after_ms.max(10))))
+                        .await;
+                }
+                SecAggInstruction::Excluded { reason } => {
+                    return Err(SecureError::Excluded(reason));
+                }
+                SecAggInstruction::Done => {
+                    return Err(SecureError::OutOfStep { want, got: "done".into() });
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+}
+
+fn out_of_step(want: &'static str, got: &SecAggInstruction) -> SecureError {
+    let got = match got {
+        SecAggInstruction::Wait { .. } => "wait",
+        SecAggInstruction::ShareKeys(_) => "ShareKeys",
+        SecAggInstruction::MaskedInput(_) => "MaskedInput",
+        SecAggInstruction::Unmask(_) => "Unmask",
+        SecAggInstruction::Done => "done",
+        SecAggInstruction::Excluded { .. } => "excluded",
+    };
+    SecureError::OutOfStep { want, got: got.into() }
+}

@@ -1,0 +1,336 @@
+//! Secure aggregation end to end: a real coordinator, devices running the SDK's SecAgg+ client
+//! over HTTP, a real store — dropouts at every stage, a store audit, a coordinator killed
+//! between stages, and real federated training through the masks.
+
+use std::path::Path;
+
+use futures_util::future::join_all;
+use starling_client::backend::{self, BackendChoice};
+use starling_client::protocol::{AdminClient, FleetClient};
+use starling_client::secure::{SecureError, SecureSession};
+use starling_coordinator::store::SqlStore;
+use starling_core::round::secure::Record;
+use starling_core::secagg;
+use starling_core::wire::{self, ErrorCode, SecAggInstruction, SecAggUpload, TaskAssignment};
+use starling_core::{ModelVersion, RunId};
+use starling_tests::*;
+
+const PARAMS: usize = 1000;
+const CLIP: f64 = 1.0;
+const MAX_EXAMPLES: u64 = 100;
+
+#[sqlx::test(migrations = false)]
+async fn thirty_percent_dropout_on_postgres(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    thirty_percent_dropout(&pg_url(&opts)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_percent_dropout_on_sqlite() {
+    let (_dir, url) = sqlite_db();
+    thirty_percent_dropout(&url).await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_coordinator_killed_between_stages_resumes_the_round(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    killed_between_stages(&pg_url(&opts)).await.unwrap();
+}
+
+/// A one-tensor plan of `PARAMS` values with secure aggregation over `n` devices.
+fn secure_plan(
+    n: u32,
+    quorum: u32,
+    reporting_secs: f64,
+    neighbours: Option<u32>,
+) -> serde_json::Value {
+    let mut plan = PlanSpec {
+        params: PARAMS as u64,
+        cohort: n,
+        over_selection: 1.0,
+        quorum,
+        selection_secs: reporting_secs.min(20.0),
+        reporting_secs,
+        rounds: 1,
+    }
+    .json();
+    plan["secure_aggregation"] = serde_json::json!({
+        "clip": CLIP, "max_examples": MAX_EXAMPLES, "stage_timeout_secs": 3.0,
+        "neighbours": neighbours,
+    });
+    plan
+}
+
+/// The exact example-weighted mean applied to `global` (f64, rounded once).
+fn expected_model(global: &[f32], devices: &[usize]) -> Vec<f32> {
+    let contributions: Vec<_> = devices.iter().map(|&i| (delta(i, 0, PARAMS), weight(i))).collect();
+    fedavg_expected(global, &contributions)
+}
+
+fn assert_close(got: &[f32], want: &[f32], tolerance: f32) {
+    assert_eq!(got.len(), want.len());
+    let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max);
+    assert!(worst <= tolerance, "committed model is off by up to {worst}");
+}
+
+async fn advertise_all(
+    devices: &[FleetClient],
+    tasks: &[TaskAssignment],
+    run: RunId,
+) -> anyhow::Result<Vec<SecureSession>> {
+    let joined = devices.iter().zip(tasks).map(|(d, t)| {
+        let secure = t.secure_aggregation.expect("a secure run's task says so");
+        SecureSession::advertise(d, run, t.round_idx, secure)
+    });
+    Ok(join_all(joined).await.into_iter().collect::<Result<_, _>>()?)
+}
+
+/// 40 devices; 12 (30%) drop out mid-protocol: 4 after AdvertiseKeys, 4 after ShareKeys (while
+/// "training"), 4 after sending their masked input. The round commits the weighted mean of the
+/// 32 masked inputs, and at no point does the store hold an unmasked update.
+async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
+    const N: usize = 40;
+    let c = start_in_process(db).await?;
+    let devices = enroll(&c.url, &c.admin, N).await?;
+    // 32 neighbours of 39: whichever 12 drop, each secret keeps ≥ 20 holders (t = 17) — a
+    // SecAgg+ graph, not the complete one.
+    let run = RunId(c.admin.create_run(&secure_plan(N as u32, 20, 8.0, Some(32))).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let secure = tasks[0].secure_aggregation.expect("secure task");
+    assert_eq!((secure.config.n, secure.config.k, secure.config.t), (40, 32, 17));
+
+    // A plain upload is refused: the coordinator takes masked inputs only.
+    let plain = devices[0]
+        .upload(run, tasks[0].round_idx, &upload_request(&tasks[0], &delta(0, 0, PARAMS), 10))
+        .await;
+    assert_eq!(api_code(plain), Some(ErrorCode::Conflict));
+
+    let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    // Devices 0..4 vanish after advertising; the rest seal their shares.
+    let shared = sessions[4..].iter_mut().zip(&devices[4..]).map(|(s, d)| s.share_keys(d));
+    join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    // Devices 4..8 vanish while training; the rest send masked inputs.
+    let masked = (8..N).map(|i| (i, delta(i, 0, PARAMS), weight(i)));
+    let sent = sessions[8..].iter_mut().zip(&devices[8..]).zip(masked).map(
+        |((s, d), (_, delta, w))| async move { s.send_masked(d, ModelVersion(0), &delta, w).await },
+    );
+    join_all(sent).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+
+    // The store audit, with every masked input in: secure-aggregation records only, and no
+    // masked vector resembles any device's quantized input or contains its raw delta.
+    let store = SqlStore::connect(db, false).await?;
+    let payloads = store.stored_payloads(run).await?;
+    let quantizer = secure.quantizer();
+    let plaintexts: Vec<Vec<u32>> = (8..N)
+        .map(|i| secagg::encode_weighted(&quantizer, &delta(i, 0, PARAMS), weight(i), MAX_EXAMPLES))
+        .collect();
+    let mut masked_inputs = 0;
+    for payload in &payloads {
+        let record: Record = wire::decode(payload).map_err(|e| {
+            anyhow::anyhow!("a stored payload is not a secure-aggregation record: {e}")
+        })?;
+        for i in 8..N {
+            let raw: Vec<u8> =
+                delta(i, 0, PARAMS)[..16].iter().flat_map(|v| v.to_le_bytes()).collect();
+            assert!(
+                !payload.windows(raw.len()).any(|w| w == raw),
+                "device {i}'s raw delta is stored"
+            );
+        }
+        if let Record::Message { message: SecAggUpload::MaskedInput { masked, .. }, .. } = record {
+            masked_inputs += 1;
+            let y: Vec<u32> =
+                masked.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+            for x in &plaintexts {
+                let equal = y.iter().zip(x).filter(|(a, b)| a == b).count();
+                assert!(equal < 5, "a stored masked input matches a plaintext in {equal} places");
+            }
+        }
+    }
+    assert_eq!(masked_inputs, N - 8);
+
+    // Devices 8..12 vanish before unmasking; the others answer. The ones that left earlier are
+    // told they are out.
+    let unmasked = sessions[12..].iter_mut().zip(&devices[12..]).map(|(s, d)| s.unmask(d));
+    join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    let contributors: Vec<usize> = (8..N).collect();
+    // Quantization: 26 bits over ±1, so ~1e-7 per weighted value; f32 rounding dominates.
+    assert_close(&committed, &expected_model(&global, &contributors), 2e-6);
+    let round = &c.admin.rounds(run).await?[0];
+    assert_eq!(
+        (round.state.as_str(), round.n_selected, round.n_reported, round.n_dropped),
+        ("committed", 40, 32, Some(8))
+    );
+    assert_eq!(store.secagg_record_count(run).await?, 0, "records outlive their round");
+    // The run finished (one round): a late poll hears the round is over.
+    let late = devices[0].secagg_instruction(run, tasks[0].round_idx).await;
+    assert!(matches!(late, Ok(SecAggInstruction::Excluded { .. }) | Err(_)), "{late:?}");
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+/// The coordinator is SIGKILLed after ShareKeys closed and half the masked inputs are durable;
+/// a new process replays the round's records and the devices carry on to the exact mean.
+async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
+    const N: usize = 10;
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir()?;
+    let log = logs.path().join("coordinator.log");
+    let listen = free_addr();
+    let mut child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
+    let devices = enroll(&child.url, &admin, N).await?;
+    let run = RunId(admin.create_run(&secure_plan(N as u32, 8, 30.0, None)).await?.id);
+    wait_round_open(&admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    let shared = sessions.iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
+    join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let (first, second) = sessions.split_at_mut(N / 2);
+    for (i, s) in first.iter_mut().enumerate() {
+        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await?;
+    }
+
+    child.kill()?;
+    let log_text = std::fs::read_to_string(&log)?;
+    let child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+
+    for (j, s) in second.iter_mut().enumerate() {
+        let i = N / 2 + j;
+        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await?;
+    }
+    let unmasked = sessions.iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
+    join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let hash = wait_model(&admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_close(&committed, &expected_model(&global, &(0..N).collect::<Vec<_>>()), 2e-6);
+    let round = &admin.rounds(run).await?[0];
+    assert_eq!((round.n_reported, round.n_dropped), (10, Some(0)));
+    assert!(!log_text.contains("panicked"), "the first process panicked:\n{log_text}");
+    drop(child);
+    Ok(())
+}
+
+/// Garbage, a message for the wrong stage, a conflicting resend and a masked input of the wrong
+/// length are refused; only the last excludes its sender, and the others are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
+    const N: usize = 6;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await?;
+    let devices = enroll(&c.url, &c.admin, N).await?;
+    let run = RunId(c.admin.create_run(&secure_plan(N as u32, 4, 30.0, None)).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let round = tasks[0].round_idx;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    // Not CBOR at all; a masked input during AdvertiseKeys (wrong stage, not excluded).
+    let (status, _) = devices[0]
+        .post_raw(
+            &format!("/v1/runs/{run}/rounds/{round}/secagg"),
+            b"\xff\x00".to_vec(),
+            "application/cbor",
+        )
+        .await?;
+    assert_eq!(status, 400);
+    let early = SecAggUpload::MaskedInput { model_version: ModelVersion(0), masked: vec![0; 4] };
+    assert_eq!(
+        api_code(devices[0].secagg_send(run, round, &early).await),
+        Some(ErrorCode::Conflict)
+    );
+    let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    // Device 5 sends a second, different set of keys: refused (its first keys stay in), and it
+    // then drops out before sharing.
+    let other = secagg::AdvertiseKeys { cipher_pk: [7; 32], mask_pk: [8; 32] };
+    let twice = devices[5].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(other)).await;
+    assert_eq!(api_code(twice), Some(ErrorCode::InvalidField));
+    let shared = sessions[..5].iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
+    join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    // Device 4 sends a masked input of the wrong length: excluded, and told so afterwards.
+    let task = tasks[4].secure_aggregation.unwrap();
+    let short = SecAggUpload::MaskedInput {
+        model_version: ModelVersion(0),
+        masked: vec![1; task.config.len * 4 - 4],
+    };
+    // Wait (at the pace the coordinator asks for) until the stage is MaskedInput, then send it.
+    loop {
+        match devices[4].secagg_instruction(run, round).await? {
+            SecAggInstruction::MaskedInput(_) => break,
+            SecAggInstruction::Wait { retry_after_ms } => {
+                tokio::time::sleep(std::time::Duration::from_millis(retry_after_ms.into())).await
+            }
+            other => anyhow::bail!("device 4 was told {other:?}"),
+        }
+    }
+    assert_eq!(
+        api_code(devices[4].secagg_send(run, round, &short).await),
+        Some(ErrorCode::InvalidField)
+    );
+    assert!(matches!(
+        devices[4].secagg_instruction(run, round).await?,
+        SecAggInstruction::Excluded { .. }
+    ));
+    let sent = sessions[..4].iter_mut().zip(&devices).enumerate().map(|(i, (s, d))| async move {
+        s.send_masked(d, ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await
+    });
+    join_all(sent).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let unmasked = sessions[..4].iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
+    join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_close(&committed, &expected_model(&global, &[0, 1, 2, 3]), 2e-6);
+    // Device 5, which dropped after AdvertiseKeys, learns it is out when it tries to continue.
+    let excluded = sessions[5].share_keys(&devices[5]).await;
+    assert!(
+        matches!(excluded, Err(SecureError::Excluded(_)) | Err(SecureError::Protocol(_))),
+        "{excluded:?}"
+    );
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+/// Real federated training through SecAgg+: the SDK's participants train an MLP on the
+/// digits dataset and the coordinator only ever unmasks the cohort's sums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn federated_digits_train_through_secure_aggregation() {
+    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let config = SimulationConfig {
+        tls: Default::default(),
+        url: c.url.clone(),
+        operator_token: OPERATOR_TOKEN.to_owned(),
+        clients: 12,
+        cohort: 8,
+        rounds: 6,
+        dataset: Dataset::Digits,
+        data_dir: shared_data(),
+        partition: Partition::Iid,
+        model: ModelKind::Mlp,
+        training: serde_json::json!({"epochs": 5, "batch_size": 10, "lr": 0.1}),
+        seed: 11,
+        max_examples: 0,
+        backend: backend::select(BackendChoice::Cpu).unwrap(),
+        secure: true,
+    };
+    let results = simulate(config, |r| {
+        eprintln!("secure model {}: test accuracy {:.3}", r.version, r.test_accuracy)
+    })
+    .await
+    .unwrap();
+    assert_eq!(results.len(), 6);
+    let accuracy: Vec<f64> = results.iter().map(|r| r.test_accuracy).collect();
+    assert!(accuracy[5] >= 0.85, "accuracy curve: {accuracy:?}");
+    let rounds = c.admin.rounds(RunId(1)).await.unwrap();
+    assert!(rounds.iter().filter(|r| r.state == "committed").count() == 6);
+    c.running.shutdown().await.unwrap();
+}
