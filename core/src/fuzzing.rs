@@ -94,4 +94,42 @@ pub fn secagg_message(data: &[u8]) {
     let _ = wire::decode::<MaskRequest>(data);
     let _ = wire::decode::<UnmaskRequest>(data);
     let _ = wire::decode::<UnmaskResponse>(data);
+    let _ = wire::decode::<crate::wire::SecAggInstruction>(data);
+    let _ = wire::decode::<crate::round::secure::Record>(data);
+    if let Ok(message) = wire::decode::<crate::wire::SecAggUpload>(data) {
+        secure_round_takes(message);
+    }
+}
+
+/// A secure run with four selected devices takes `message` from device 1, as the fleet API
+/// hands it over.
+fn secure_round_takes(message: crate::wire::SecAggUpload) {
+    use crate::ids::{DeviceId, RoundIdx, RunId};
+    use crate::plan::{RoundConfig, SecureRoundConfig};
+    use crate::round::{Input, RequestId, RunMachine};
+    let config = RoundConfig {
+        cohort_size: 4,
+        target_selected: 4,
+        min_quorum: 3,
+        selection_timeout_ms: 1_000,
+        reporting_timeout_ms: 5_000,
+        total_rounds: 1,
+        secure: Some(SecureRoundConfig {
+            clip: 1.0,
+            max_examples: 10,
+            k: 3,
+            t: 2,
+            vector_len: 4,
+            stage_timeout_ms: 1_000,
+        }),
+    };
+    let mut m = RunMachine::start(RunId(1), config, 0, [3; 32]);
+    for d in 1..=4 {
+        m.handle(0, Input::CheckIn { request: RequestId(d as u64), device: DeviceId(d) });
+    }
+    let round_idx = RoundIdx(0);
+    m.handle(1, Input::SecAgg { request: RequestId(9), device: DeviceId(1), round_idx, message });
+    m.handle(2, Input::SecAggPoll { request: RequestId(10), device: DeviceId(1), round_idx });
+    m.handle_timeout(10_000);
+    while m.poll_action().is_some() {}
 }
