@@ -68,9 +68,14 @@ async fn bench(n: usize, m: usize) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let shares = started.elapsed().as_secs_f64();
     let deltas: Vec<Vec<f32>> = (0..n).map(|i| delta(i, 0, m)).collect();
-    join_all(sessions.iter_mut().zip(&devices).zip(&deltas).enumerate().map(
-        |(i, ((s, d), delta))| s.send_masked(d, ModelVersion(0), delta, weight(i)),
-    ))
+    join_all(
+        sessions
+            .iter_mut()
+            .zip(&devices)
+            .zip(&deltas)
+            .enumerate()
+            .map(|(i, ((s, d), delta))| s.send_masked(d, ModelVersion(0), delta, weight(i))),
+    )
     .await
     .into_iter()
     .collect::<Result<Vec<_>, _>>()?;
@@ -92,4 +97,3 @@ async fn bench(n: usize, m: usize) -> anyhow::Result<()> {
     c.running.shutdown().await?;
     Ok(())
 }
-

@@ -287,6 +287,37 @@ pub fn mlp_plan(
     })
 }
 
+/// `clients` simulated SDK devices training the MLP on the digits (IID, 5 local epochs) against
+/// the coordinator at `url`. On the CPU backend: it keeps CI's two cores fast, and wgpu has its
+/// own training test in client-sdk.
+pub fn digits_simulation(
+    url: &str,
+    clients: usize,
+    cohort: u32,
+    rounds: u32,
+    seed: u64,
+) -> starling_client::simulate::SimulationConfig {
+    use starling_client::backend::{self, BackendChoice};
+    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig};
+    SimulationConfig {
+        tls: Default::default(),
+        url: url.to_owned(),
+        operator_token: OPERATOR_TOKEN.to_owned(),
+        clients,
+        cohort,
+        rounds,
+        dataset: Dataset::Digits,
+        data_dir: shared_data(),
+        partition: Partition::Iid,
+        model: ModelKind::Mlp,
+        training: serde_json::json!({"epochs": 5, "batch_size": 10, "lr": 0.1}),
+        seed,
+        max_examples: 0,
+        backend: backend::select(BackendChoice::Cpu).expect("the CPU backend is always there"),
+        secure: false,
+    }
+}
+
 /// A run plan for a one-tensor model of `params` f32 values.
 #[derive(Debug, Clone)]
 pub struct PlanSpec {

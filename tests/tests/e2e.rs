@@ -8,7 +8,6 @@ use std::path::Path;
 
 use futures_util::future::join_all;
 use reqwest::StatusCode;
-use starling_client::backend::{self, BackendChoice};
 use starling_client::protocol::{AdminClient, ClientError, FleetClient};
 use starling_core::tensor::{DType, TensorSpec};
 use starling_core::wire::{self, CheckInResponse, ErrorBody, ErrorCode, UploadRequest};
@@ -534,27 +533,10 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
 /// 90% accuracy on the held-out test set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn federated_digits_reach_ninety_percent() {
-    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+    use starling_client::simulate::simulate;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
-    let config = SimulationConfig {
-        tls: Default::default(),
-        url: c.url.clone(),
-        operator_token: OPERATOR_TOKEN.to_owned(),
-        clients: 20,
-        cohort: 10,
-        rounds: 15,
-        dataset: Dataset::Digits,
-        data_dir: shared_data(),
-        partition: Partition::Iid,
-        model: ModelKind::Mlp,
-        training: serde_json::json!({"epochs": 5, "batch_size": 10, "lr": 0.1}),
-        seed: 7,
-        max_examples: 0,
-        // The CPU backend keeps CI's two cores fast; wgpu has its own training test in client-sdk.
-        backend: cpu_backend(),
-        secure: false,
-    };
+    let config = digits_simulation(&c.url, 20, 10, 15, 7);
     let results = simulate(config, |r| {
         eprintln!("model {}: test accuracy {:.3}", r.version, r.test_accuracy)
     })
@@ -578,26 +560,14 @@ async fn federated_digits_reach_ninety_percent() {
 /// predict the next character; two rounds already beat chance (1/80) several times over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn federated_shakespeare_roles_learn_next_characters() {
-    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+    use starling_client::simulate::{Dataset, SimulationConfig, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let config = SimulationConfig {
-        tls: Default::default(),
-        url: c.url.clone(),
-        operator_token: OPERATOR_TOKEN.to_owned(),
-        clients: 4,
-        cohort: 2,
-        rounds: 2,
         dataset: Dataset::Shakespeare,
-        data_dir: shared_data(),
-        partition: Partition::Iid,
-        model: ModelKind::Mlp,
         training: serde_json::json!({"epochs": 1, "batch_size": 10, "lr": 1.0}),
         seed: 3,
-        max_examples: 0,
-        // The CPU backend keeps CI's two cores fast; wgpu has its own training test in client-sdk.
-        backend: cpu_backend(),
-        secure: false,
+        ..digits_simulation(&c.url, 4, 2, 2, 3)
     };
     let results = simulate(config, |r| {
         eprintln!("model {}: next-char accuracy {:.3}", r.version, r.test_accuracy)
@@ -611,10 +581,6 @@ async fn federated_shakespeare_roles_learn_next_characters() {
         results.iter().map(|r| r.test_accuracy).collect::<Vec<_>>()
     );
     c.running.shutdown().await.unwrap();
-}
-
-fn cpu_backend() -> backend::Backend {
-    backend::select(BackendChoice::Cpu).expect("the CPU backend is always there")
 }
 
 /// `/metrics`, scraped during a run and after it, counts exactly the rounds, selections,

@@ -5,7 +5,6 @@
 use std::path::Path;
 
 use futures_util::future::join_all;
-use starling_client::backend::{self, BackendChoice};
 use starling_client::protocol::{AdminClient, FleetClient};
 use starling_client::secure::{SecureError, SecureSession};
 use starling_coordinator::store::SqlStore;
@@ -302,26 +301,10 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
 /// digits dataset and the coordinator only ever unmasks the cohort's sums.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn federated_digits_train_through_secure_aggregation() {
-    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+    use starling_client::simulate::{SimulationConfig, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
-    let config = SimulationConfig {
-        tls: Default::default(),
-        url: c.url.clone(),
-        operator_token: OPERATOR_TOKEN.to_owned(),
-        clients: 12,
-        cohort: 8,
-        rounds: 6,
-        dataset: Dataset::Digits,
-        data_dir: shared_data(),
-        partition: Partition::Iid,
-        model: ModelKind::Mlp,
-        training: serde_json::json!({"epochs": 5, "batch_size": 10, "lr": 0.1}),
-        seed: 11,
-        max_examples: 0,
-        backend: backend::select(BackendChoice::Cpu).unwrap(),
-        secure: true,
-    };
+    let config = SimulationConfig { secure: true, ..digits_simulation(&c.url, 12, 8, 6, 11) };
     let results = simulate(config, |r| {
         eprintln!("secure model {}: test accuracy {:.3}", r.version, r.test_accuracy)
     })
