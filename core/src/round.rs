@@ -742,26 +742,19 @@ impl RunMachine {
         model_version: ModelVersion,
     ) {
         let now = self.now;
-        let verdict = match self.round.as_mut() {
-            None if round_idx < self.next_round_idx => Err(UploadRejection::RoundClosed),
-            None => Err(UploadRejection::UnknownRound),
-            Some(r) if round_idx < r.opened.round_idx => Err(UploadRejection::RoundClosed),
-            Some(r) if round_idx > r.opened.round_idx => Err(UploadRejection::UnknownRound),
-            Some(r) if r.phase != Phase::Open || now >= r.opened.reporting_deadline => {
-                Err(UploadRejection::RoundClosed)
-            }
-            Some(r) if !r.selected.contains(&device) => Err(UploadRejection::NotSelected),
-            Some(r) if r.secure.is_some() => Err(UploadRejection::SecureRun),
-            Some(r)
+        let verdict = match self.selected_round(device, round_idx, Some(now)) {
+            Err(rejection) => Err(rejection),
+            Ok(r) if r.secure.is_some() => Err(UploadRejection::SecureRun),
+            Ok(r)
                 if r.reported.contains(&device)
                     || r.in_flight.values().any(|f| f.device == device) =>
             {
                 Err(UploadRejection::Duplicate)
             }
-            Some(r) if model_version != r.opened.model_version => {
+            Ok(r) if model_version != r.opened.model_version => {
                 Err(UploadRejection::StaleModel { expected: r.opened.model_version })
             }
-            Some(r) => {
+            Ok(r) => {
                 let slot = r.next_slot;
                 r.next_slot += 1;
                 r.in_flight.insert(slot, InFlight { request, device, persisted: false });
@@ -784,17 +777,13 @@ impl RunMachine {
         round_idx: RoundIdx,
         message: SecAggUpload,
     ) {
-        let result = match self.round.as_mut() {
-            None if round_idx < self.next_round_idx => {
-                Err(SecAggRejection::Round(UploadRejection::RoundClosed))
-            }
-            None => Err(SecAggRejection::Round(UploadRejection::UnknownRound)),
-            Some(r) => match (r.admits(device, round_idx), r.secure.as_mut()) {
-                (Err(e), _) => Err(SecAggRejection::Round(e)),
-                (Ok(()), None) => {
+        let result = match self.selected_round(device, round_idx, None) {
+            Err(rejection) => Err(SecAggRejection::Round(rejection)),
+            Ok(r) => match r.secure.as_mut() {
+                None => {
                     Err(SecAggRejection::Invalid("the run does not use secure aggregation".into()))
                 }
-                (Ok(()), Some(s)) => {
+                Some(s) => {
                     let masked = matches!(message, SecAggUpload::MaskedInput { .. });
                     let res = s.receive(device, message);
                     if res.is_ok() && masked {
@@ -809,20 +798,39 @@ impl RunMachine {
 
     fn on_secagg_poll(&mut self, request: RequestId, device: DeviceId, round_idx: RoundIdx) {
         let now = self.now;
-        let over = || SecAggInstruction::Excluded { reason: format!("round {round_idx} is over") };
-        let result = match self.round.as_ref() {
-            None if round_idx < self.next_round_idx => Ok(over()),
-            None => Err(SecAggRejection::Round(UploadRejection::UnknownRound)),
-            Some(r) => match (r.admits(device, round_idx), r.secure.as_ref()) {
-                (Err(UploadRejection::RoundClosed), _) => Ok(over()),
-                (Err(e), _) => Err(SecAggRejection::Round(e)),
-                (Ok(()), None) => {
+        let result = match self.selected_round(device, round_idx, None) {
+            Err(UploadRejection::RoundClosed) => {
+                Ok(SecAggInstruction::Excluded { reason: format!("round {round_idx} is over") })
+            }
+            Err(rejection) => Err(SecAggRejection::Round(rejection)),
+            Ok(r) => match r.secure.as_ref() {
+                None => {
                     Err(SecAggRejection::Invalid("the run does not use secure aggregation".into()))
                 }
-                (Ok(()), Some(s)) => Ok(s.instruction(device, now)),
+                Some(s) => Ok(s.instruction(device, now)),
             },
         };
         self.actions.push_back(Action::ReplySecAggPoll { request, result });
+    }
+
+    /// The open round `round_idx` names, if `device` was selected for it; why not otherwise.
+    /// With `upload_time`, the round also counts as closed from its reporting deadline on (plain
+    /// uploads; a secure round's later stages run past it).
+    fn selected_round(
+        &mut self,
+        device: DeviceId,
+        round_idx: RoundIdx,
+        upload_time: Option<Millis>,
+    ) -> Result<&mut ActiveRound, UploadRejection> {
+        let next_round_idx = self.next_round_idx;
+        match self.round.as_mut() {
+            None if round_idx < next_round_idx => Err(UploadRejection::RoundClosed),
+            None => Err(UploadRejection::UnknownRound),
+            Some(r) => {
+                r.admits(device, round_idx, upload_time)?;
+                Ok(r)
+            }
+        }
     }
 
     fn on_persisted(&mut self, request: RequestId, ok: bool) {
@@ -981,13 +989,20 @@ impl ActiveRound {
     }
 
     /// Which round `round_idx` names, relative to this one; `Ok` if it is this open round and
-    /// `device` was selected for it.
-    fn admits(&self, device: DeviceId, round_idx: RoundIdx) -> Result<(), UploadRejection> {
+    /// `device` was selected for it (see [`RunMachine::selected_round`] for `upload_time`).
+    fn admits(
+        &self,
+        device: DeviceId,
+        round_idx: RoundIdx,
+        upload_time: Option<Millis>,
+    ) -> Result<(), UploadRejection> {
         if round_idx < self.opened.round_idx {
             Err(UploadRejection::RoundClosed)
         } else if round_idx > self.opened.round_idx {
             Err(UploadRejection::UnknownRound)
-        } else if self.phase != Phase::Open {
+        } else if self.phase != Phase::Open
+            || upload_time.is_some_and(|now| now >= self.opened.reporting_deadline)
+        {
             Err(UploadRejection::RoundClosed)
         } else if !self.selected.contains(&device) {
             Err(UploadRejection::NotSelected)

@@ -247,7 +247,7 @@ impl SecureRound {
 
     /// Devices whose masked input is in.
     pub fn n_masked(&self) -> u32 {
-        self.done(Stage::MaskedInput).len() as u32
+        self.count(Stage::MaskedInput) as u32
     }
 
     /// The devices whose masked input is in.
@@ -279,6 +279,11 @@ impl SecureRound {
 
     fn done(&self, stage: Stage) -> BTreeSet<ClientIdx> {
         self.completed.get(&stage).map(|m| m.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// How many devices completed `stage`.
+    fn count(&self, stage: Stage) -> usize {
+        self.completed.get(&stage).map_or(0, BTreeMap::len)
     }
 
     /// A device's message for the current stage.
@@ -420,7 +425,7 @@ impl SecureRound {
                 Stage::MaskedInput => self.mask_requests.len(),
                 Stage::Unmasking => self.unmask_request.as_ref().map_or(0, |r| r.survivors.len()),
             };
-            let answered = self.done(stage).len()
+            let answered = self.count(stage)
                 + self.excluded.keys().filter(|i| self.expected_in(stage, **i)).count();
             let due = self.deadline().is_some_and(|d| now >= d);
             if !(due || answered >= expected) {
