@@ -4,6 +4,8 @@
 //! a delta that reached the sum has the round's schema, the right length, finite values and a
 //! sane weight.
 //! Memory is O(model): each update is folded in and dropped.
+//! Partial sums from the aggregator tier merge into the same accumulator ([`validate_partial`],
+//! [`FedAvgAccumulator::merge`]).
 //! Sums are double-double (f64 plus an error term from TwoSum), so the result is the exact
 //! weighted mean rounded once, whatever the number of clients, and in practice independent of
 //! the order in which updates arrive.
@@ -180,19 +182,46 @@ impl FedAvgAccumulator {
             self.hi.len() * 4,
             "update validated against another schema"
         );
-        let w = update.example_count as f64;
-        for ((hi, lo), d) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(update.delta_values()) {
-            // w * d is exact (see MAX_EXAMPLE_COUNT); TwoSum keeps the rounding error of the add.
-            let x = w * f64::from(d);
-            let s = *hi + x;
-            let bp = s - *hi;
-            let err = (*hi - (s - bp)) + (x - bp);
-            *hi = s;
-            *lo += err;
-        }
+        fold_weighted(&mut self.hi, &mut self.lo, update.example_count, &update.delta_le);
         self.total_weight += update.example_count;
         self.n_updates += 1;
         self.metrics.add(update.example_count, &update.metrics);
+    }
+
+    /// Folds in another accumulator's sums (an aggregator's partial aggregate).
+    ///
+    /// # Panics
+    /// If the partial has another length: validation against the same schema makes that a bug.
+    pub fn merge(&mut self, partial: &ValidatedPartial) {
+        let p = &partial.0;
+        assert_eq!(p.hi.len(), self.hi.len(), "partial validated against another schema");
+        merge_sums(&mut self.hi, &mut self.lo, &p.hi, &p.lo);
+        self.total_weight += p.total_weight;
+        self.n_updates += p.n_updates;
+        self.metrics.merge(&p.metrics);
+    }
+
+    /// The running sums as a partial aggregate (what an aggregator reports).
+    pub fn into_partial(self) -> PartialSums {
+        PartialSums {
+            hi: self.hi,
+            lo: self.lo,
+            total_weight: self.total_weight,
+            n_updates: self.n_updates,
+            metrics: self.metrics.sums,
+        }
+    }
+
+    /// An accumulator that continues from `partial`'s sums.
+    pub fn from_partial(partial: ValidatedPartial) -> Self {
+        let p = partial.0;
+        FedAvgAccumulator {
+            hi: p.hi,
+            lo: p.lo,
+            total_weight: p.total_weight,
+            n_updates: p.n_updates,
+            metrics: MetricsAccumulator { sums: p.metrics },
+        }
     }
 
     /// Number of updates folded in so far.
@@ -214,6 +243,144 @@ impl FedAvgAccumulator {
             metrics: self.metrics.finish(),
         })
     }
+}
+
+/// Adds `weight × delta` (little-endian f32 bytes) into the double-double sums `hi + lo`.
+///
+/// Every tier folds with this one loop (the coordinator's accumulator, the aggregators' CPU
+/// reducer chunk by chunk, and the GPU kernel computes the same operations in the same order),
+/// so a sum does not depend on where it was computed.
+///
+/// # Panics
+/// If the lengths disagree.
+pub fn fold_weighted(hi: &mut [f64], lo: &mut [f64], weight: u64, delta_le: &[u8]) {
+    assert!(hi.len() == lo.len() && delta_le.len() == hi.len() * 4, "length mismatch");
+    let w = weight as f64;
+    for ((hi, lo), d) in hi.iter_mut().zip(lo.iter_mut()).zip(delta_le.chunks_exact(4)) {
+        // w * d is exact (see MAX_EXAMPLE_COUNT); TwoSum keeps the rounding error of the add.
+        let x = w * f64::from(f32::from_le_bytes([d[0], d[1], d[2], d[3]]));
+        let s = *hi + x;
+        let bp = s - *hi;
+        let err = (*hi - (s - bp)) + (x - bp);
+        *hi = s;
+        *lo += err;
+    }
+}
+
+/// Adds the double-double sums `other_hi + other_lo` into `hi + lo` (TwoSum on the high parts).
+///
+/// # Panics
+/// If the lengths disagree.
+pub fn merge_sums(hi: &mut [f64], lo: &mut [f64], other_hi: &[f64], other_lo: &[f64]) {
+    assert!(
+        hi.len() == lo.len() && other_hi.len() == hi.len() && other_lo.len() == hi.len(),
+        "length mismatch"
+    );
+    for i in 0..hi.len() {
+        let (a, b) = (hi[i], other_hi[i]);
+        let s = a + b;
+        let bp = s - a;
+        let err = (a - (s - bp)) + (b - bp);
+        hi[i] = s;
+        lo[i] += err + other_lo[i];
+    }
+}
+
+/// The running sums of a (partial) FedAvg: what an aggregator reports for its shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartialSums {
+    /// High parts of the example-weighted sums, in schema order.
+    pub hi: Vec<f64>,
+    /// Low parts (accumulated rounding errors).
+    pub lo: Vec<f64>,
+    /// Sum of example counts.
+    pub total_weight: u64,
+    /// Updates folded in.
+    pub n_updates: u64,
+    /// Per metric: example-weighted sum and the weight behind it.
+    pub metrics: BTreeMap<String, (f64, u64)>,
+}
+
+/// Partial sums that passed [`validate_partial`]; the only thing [`FedAvgAccumulator::merge`]
+/// takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedPartial(PartialSums);
+
+impl ValidatedPartial {
+    /// The sums.
+    pub fn sums(&self) -> &PartialSums {
+        &self.0
+    }
+}
+
+/// Why a partial aggregate was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PartialError {
+    /// The sums have another length than the schema's parameter count.
+    #[error("partial sums hold {got} values, the schema {expected}")]
+    Length {
+        /// Parameters in the schema.
+        expected: usize,
+        /// Values sent.
+        got: usize,
+    },
+    /// A sum is NaN or infinite.
+    #[error("partial sum is not finite at flat index {0}")]
+    NonFinite(usize),
+    /// The counts cannot be right (no updates, or more weight than the updates can carry).
+    #[error("partial counts are inconsistent: {0}")]
+    Counts(&'static str),
+    /// A metric is invalid.
+    #[error(transparent)]
+    Metric(#[from] UpdateError),
+}
+
+/// Checks partial sums against the round's schema: lengths, finite values, and counts that
+/// updates validated by [`validate_update`] could have produced.
+pub fn validate_partial(
+    schema: &TensorSchema,
+    partial: PartialSums,
+) -> Result<ValidatedPartial, PartialError> {
+    let expected = schema.numel() as usize;
+    for got in [partial.hi.len(), partial.lo.len()] {
+        if got != expected {
+            return Err(PartialError::Length { expected, got });
+        }
+    }
+    if let Some(i) =
+        partial.hi.iter().zip(&partial.lo).position(|(h, l)| !(h.is_finite() && l.is_finite()))
+    {
+        return Err(PartialError::NonFinite(i));
+    }
+    if partial.n_updates == 0 {
+        return Err(PartialError::Counts("no updates"));
+    }
+    if partial.total_weight < partial.n_updates
+        || partial.total_weight > partial.n_updates.saturating_mul(MAX_EXAMPLE_COUNT)
+    {
+        return Err(PartialError::Counts("total weight outside n_updates..=n_updates × max"));
+    }
+    if partial.metrics.len() > MAX_METRICS {
+        return Err(UpdateError::Metric { name: String::new(), why: "too many metrics" }.into());
+    }
+    for (name, (sum, weight)) in &partial.metrics {
+        if name.is_empty() || name.len() > 64 {
+            return Err(UpdateError::Metric {
+                name: name.clone(),
+                why: "name must be 1..=64 bytes",
+            }
+            .into());
+        }
+        if !sum.is_finite() || *weight > partial.total_weight {
+            return Err(UpdateError::Metric {
+                name: name.clone(),
+                why: "sum or weight out of range",
+            }
+            .into());
+        }
+    }
+    Ok(ValidatedPartial(partial))
 }
 
 impl Aggregate {
@@ -247,6 +414,20 @@ impl MetricsAccumulator {
             entry.0 += value * example_count as f64;
             entry.1 += example_count;
         }
+    }
+
+    /// Adds another accumulator's sums (name → weighted sum, weight).
+    pub fn merge(&mut self, sums: &BTreeMap<String, (f64, u64)>) {
+        for (name, (sum, weight)) in sums {
+            let entry = self.sums.entry(name.clone()).or_insert((0.0, 0));
+            entry.0 += sum;
+            entry.1 += weight;
+        }
+    }
+
+    /// The sums so far: name → (weighted sum, weight).
+    pub fn into_sums(self) -> BTreeMap<String, (f64, u64)> {
+        self.sums
     }
 
     /// The weighted means.

@@ -42,3 +42,7 @@ id_newtype!(
     /// A committed global model within a run; version 0 is the initial model.
     ModelVersion(i64)
 );
+id_newtype!(
+    /// A node of the aggregator tier, numbered by the operator (stable across its restarts).
+    AggregatorId(u32)
+);

@@ -11,6 +11,7 @@
 //! * [`plan`]: the operator's run plan and its validation.
 //! * [`round`]: the round state machine (selection, reporting, closing, commit).
 //! * [`secagg`]: SecAgg+ secure aggregation, client and server state machines.
+//! * [`tier`]: the aggregator tier: device assignment, upload tickets, partial aggregates.
 //! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
@@ -24,6 +25,7 @@ pub mod rng;
 pub mod round;
 pub mod secagg;
 pub mod tensor;
+pub mod tier;
 pub mod wire;
 
-pub use ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+pub use ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};

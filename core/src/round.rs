@@ -30,6 +30,13 @@
 //! which is also the order a restarted coordinator replays them in, so the committed model does
 //! not depend on whether the coordinator restarted.
 //!
+//! **Aggregator tier.** When the driver reports live aggregators ([`Input::Aggregators`]) and
+//! a plain run selects more devices than the tier's threshold, each newly selected device is
+//! assigned an aggregator ([`tier::assign`]) and must upload there. An aggregator's partial
+//! ([`Input::Partial`]) takes a slot like an update and counts all its devices as reported.
+//! At the reporting deadline the round waits up to the tier's grace for partials still
+//! missing; an aggregator that never reports loses only its devices (they count as dropped).
+//!
 //! **Closing.** The round stops accepting uploads when `cohort_size` updates are durable, when
 //! every selected device reported after selection ended, or at the reporting deadline.
 //! It then waits for in-flight persists to settle and emits one [`Action::CloseRound`]:
@@ -45,8 +52,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::fedavg::Aggregate;
-use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use crate::ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::RoundConfig;
+use crate::tier::{self, TierConfig};
 use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
 
 pub mod secure;
@@ -78,9 +86,10 @@ pub enum Input {
         /// Model version the delta was computed on.
         model_version: ModelVersion,
     },
-    /// The store finished (or failed) writing an update asked for by [`Action::PersistUpdate`].
+    /// The store finished (or failed) writing an update or a partial asked for by
+    /// [`Action::PersistUpdate`] or [`Action::PersistPartial`].
     UploadPersisted {
-        /// The upload's request.
+        /// The upload's (or partial's) request.
         request: RequestId,
         /// Whether the update is durable.
         ok: bool,
@@ -115,6 +124,27 @@ pub enum Input {
     },
     /// The operator stopped the run.
     Stop,
+    /// The set of live aggregators changed (or the tier's settings did).
+    Aggregators {
+        /// Aggregators that polled recently, in any order.
+        live: Vec<AggregatorId>,
+        /// When runs go through the tier.
+        tier: TierConfig,
+    },
+    /// An aggregator reports the reduced updates of its (or its group's) devices; its sums
+    /// passed validation against the round's schema.
+    Partial {
+        /// Request to answer.
+        request: RequestId,
+        /// Round it reports for.
+        round_idx: RoundIdx,
+        /// Model version its updates were computed on.
+        model_version: ModelVersion,
+        /// The aggregators it speaks for.
+        aggregators: Vec<AggregatorId>,
+        /// The devices whose updates are in the sums.
+        devices: Vec<DeviceId>,
+    },
 }
 
 /// Something the driver must do, drained from [`RunMachine::poll_action`] in order.
@@ -131,6 +161,8 @@ pub enum Action {
         round_idx: RoundIdx,
         /// The device.
         device: DeviceId,
+        /// The aggregator it uploads to, when the round goes through the tier.
+        aggregator: Option<AggregatorId>,
     },
     /// Answer a check-in.
     ReplyCheckIn {
@@ -157,7 +189,24 @@ pub enum Action {
         /// Accepted, or why not.
         result: Result<(), UploadRejection>,
     },
-    /// Fold the (persisted) update of `request` into the round's accumulator, and drop its payload.
+    /// Write an aggregator's partial to the store, then feed back [`Input::UploadPersisted`].
+    PersistPartial {
+        /// The partial's request (the driver holds its sums under this id).
+        request: RequestId,
+        /// The round.
+        round_idx: RoundIdx,
+        /// Arrival order within the round, shared with updates; replay order after a restart.
+        slot: i64,
+    },
+    /// Answer a partial report.
+    ReplyPartial {
+        /// Request to answer.
+        request: RequestId,
+        /// Accepted (durable), or why not.
+        result: Result<(), UploadRejection>,
+    },
+    /// Fold the (persisted) update or partial of `request` into the round's accumulator, and
+    /// drop its payload.
     FoldUpdate {
         /// The upload's request.
         request: RequestId,
@@ -236,6 +285,8 @@ pub enum CheckInDecision {
         report_deadline: Millis,
         /// The device's part in the round's secure aggregation, in secure runs.
         secure: Option<SecureAggregationTask>,
+        /// The aggregator it uploads to, when the round goes through the tier.
+        aggregator: Option<AggregatorId>,
     },
     /// Nothing now; try again after this long.
     ComeBackLater {
@@ -264,6 +315,14 @@ pub enum UploadRejection {
     Unavailable,
     /// The run aggregates securely: devices send masked inputs, never plain deltas.
     SecureRun,
+    /// The device was assigned to an aggregator and must upload there.
+    UseAggregator {
+        /// Its aggregator.
+        aggregator: AggregatorId,
+    },
+    /// A partial names a device that is not assigned to any of the aggregators it speaks for,
+    /// or an aggregator with no devices in the round.
+    NotAssigned,
 }
 
 /// What [`Action::CloseRound`] asks the driver to record.
@@ -355,6 +414,32 @@ pub struct OpenRoundSnapshot {
     pub reported: Vec<(DeviceId, i64)>,
     /// A secure round's records, in order (empty for plain runs).
     pub secure_records: Vec<Record>,
+    /// Devices assigned to aggregators.
+    pub assignments: Vec<(DeviceId, AggregatorId)>,
+    /// Durable partials: slot, the aggregators and the devices each covers.
+    pub partials: Vec<StoredPartial>,
+}
+
+/// A durable partial, as a restarted coordinator reads it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredPartial {
+    /// Its slot (shared with updates).
+    pub slot: i64,
+    /// The aggregators it speaks for.
+    pub aggregators: Vec<AggregatorId>,
+    /// The devices whose updates it sums.
+    pub devices: Vec<DeviceId>,
+}
+
+/// An aggregator's view of its shard of an open round (see [`RunMachine::shard`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardView {
+    /// The round.
+    pub round: RoundOpened,
+    /// Devices assigned to the aggregator.
+    pub assigned: Vec<DeviceId>,
+    /// Whether selection is over.
+    pub selection_over: bool,
 }
 
 /// The round state machine of one run.
@@ -370,6 +455,10 @@ pub struct RunMachine {
     now: Millis,
     /// Secret randomness from the driver; secure rounds derive their graph seeds from it.
     entropy: [u8; 32],
+    /// The aggregator tier's settings, once the driver has told us of it.
+    tier: Option<TierConfig>,
+    /// Aggregators alive now, sorted.
+    live_aggregators: Vec<AggregatorId>,
     actions: VecDeque<Action>,
 }
 
@@ -405,6 +494,10 @@ struct ActiveRound {
     secure: Option<SecureRound>,
     /// Records of `secure` persisted or queued so far.
     secure_seq: i64,
+    /// Selected devices that upload through an aggregator.
+    assigned: BTreeMap<DeviceId, AggregatorId>,
+    /// Aggregators whose partial is durable or on its way.
+    shards_reported: BTreeSet<AggregatorId>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -417,7 +510,10 @@ enum Phase {
 #[derive(Debug)]
 struct InFlight {
     request: RequestId,
-    device: DeviceId,
+    /// The devices whose update(s) it carries: one for an upload, a shard's for a partial.
+    devices: Vec<DeviceId>,
+    /// An aggregator's partial rather than a device's upload.
+    partial: bool,
     persisted: bool,
 }
 
@@ -458,6 +554,8 @@ impl RunMachine {
             status: RunStatus::Running,
             now,
             entropy,
+            tier: None,
+            live_aggregators: vec![],
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
@@ -466,12 +564,25 @@ impl RunMachine {
         }
         match snapshot.open_round {
             Some(open) => {
-                let next_slot = open.reported.iter().map(|(_, s)| s + 1).max().unwrap_or(0);
+                let next_slot = open
+                    .reported
+                    .iter()
+                    .map(|(_, s)| s + 1)
+                    .chain(open.partials.iter().map(|p| p.slot + 1))
+                    .max()
+                    .unwrap_or(0);
+                let mut reported: BTreeSet<DeviceId> =
+                    open.reported.into_iter().map(|(d, _)| d).collect();
+                let mut shards_reported = BTreeSet::new();
+                for p in open.partials {
+                    reported.extend(p.devices);
+                    shards_reported.extend(p.aggregators);
+                }
                 let mut round = ActiveRound {
                     opened: open.round,
                     phase: Phase::Open,
                     selected: open.selected.into_iter().collect(),
-                    reported: open.reported.into_iter().map(|(d, _)| d).collect(),
+                    reported,
                     in_flight: BTreeMap::new(),
                     next_slot,
                     early_failure: None,
@@ -479,6 +590,8 @@ impl RunMachine {
                     selection_ended: None,
                     secure: None,
                     secure_seq: 0,
+                    assigned: open.assignments.into_iter().collect(),
+                    shards_reported,
                 };
                 m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
                 m.restore_secure(&mut round, open.secure_records);
@@ -586,12 +699,7 @@ impl RunMachine {
             if r.phase != Phase::Open {
                 return 0;
             }
-            r.selected
-                .iter()
-                .filter(|d| {
-                    !r.reported.contains(d) && !r.in_flight.values().any(|f| f.device == **d)
-                })
-                .count()
+            r.selected.iter().filter(|d| !r.reported.contains(d) && !r.in_flight_for(**d)).count()
         })
     }
 
@@ -621,6 +729,15 @@ impl RunMachine {
                 self.on_secagg_poll(request, device, round_idx)
             }
             Input::Stop => self.on_stop(),
+            Input::Aggregators { mut live, tier } => {
+                live.sort();
+                live.dedup();
+                self.live_aggregators = live;
+                self.tier = Some(tier);
+            }
+            Input::Partial { request, round_idx, model_version, aggregators, devices } => {
+                self.on_partial(request, round_idx, model_version, aggregators, devices)
+            }
         }
         self.check_progress();
     }
@@ -642,9 +759,41 @@ impl RunMachine {
             Some(r.opened.selection_deadline)
         } else if let Some(s) = &r.secure {
             s.deadline()
+        } else if self.now >= r.opened.reporting_deadline {
+            // Only partials still pending keep the round open past its deadline.
+            Some(r.opened.reporting_deadline + self.report_grace_ms())
         } else {
             Some(r.opened.reporting_deadline)
         }
+    }
+
+    /// The open round's shard assigned to `aggregator`, if it has devices in it and has not
+    /// reported yet.
+    pub fn shard(&self, aggregator: AggregatorId) -> Option<ShardView> {
+        let r = self.round.as_ref()?;
+        if r.phase != Phase::Open || r.shards_reported.contains(&aggregator) {
+            return None;
+        }
+        let assigned: Vec<DeviceId> =
+            r.assigned.iter().filter(|(_, a)| **a == aggregator).map(|(d, _)| *d).collect();
+        if assigned.is_empty() {
+            return None;
+        }
+        Some(ShardView { round: r.opened, assigned, selection_over: r.selection_ended.is_some() })
+    }
+
+    fn report_grace_ms(&self) -> i64 {
+        self.tier.map_or(0, |t| t.report_grace_ms)
+    }
+
+    /// The aggregator a newly selected device should upload to, if the run goes through the
+    /// tier and an aggregator lives.
+    fn aggregator_for(&self, device: DeviceId) -> Option<AggregatorId> {
+        let tier = self.tier?;
+        if self.config.secure.is_some() || self.config.target_selected <= tier.cohort_threshold {
+            return None;
+        }
+        tier::assign(device, &self.live_aggregators)
     }
 
     /// The next action to execute.
@@ -674,6 +823,8 @@ impl RunMachine {
             selection_ended: None,
             secure: None,
             secure_seq: 0,
+            assigned: BTreeMap::new(),
+            shards_reported: BTreeSet::new(),
         };
         self.actions.push_back(Action::OpenRound(opened));
         if self.config.secure.is_some() {
@@ -710,6 +861,7 @@ impl RunMachine {
     fn on_check_in(&mut self, request: RequestId, device: DeviceId) {
         let now = self.now;
         let selecting = self.is_selecting(now);
+        let aggregator = self.aggregator_for(device);
         let decision = match self.round.as_mut() {
             Some(r) if r.has_task_for(device) => r.selected_decision(device),
             Some(r) if selecting && !r.selected.contains(&device) => {
@@ -717,8 +869,11 @@ impl RunMachine {
                 if let Some(s) = r.secure.as_mut() {
                     s.select(device);
                 }
+                if let Some(a) = aggregator {
+                    r.assigned.insert(device, a);
+                }
                 let round_idx = r.opened.round_idx;
-                self.actions.push_back(Action::PersistSelection { round_idx, device });
+                self.actions.push_back(Action::PersistSelection { round_idx, device, aggregator });
                 r.selected_decision(device)
             }
             // Come back within one selection window (the next round may open as soon as this
@@ -745,11 +900,11 @@ impl RunMachine {
         let verdict = match self.selected_round(device, round_idx, Some(now)) {
             Err(rejection) => Err(rejection),
             Ok(r) if r.secure.is_some() => Err(UploadRejection::SecureRun),
-            Ok(r)
-                if r.reported.contains(&device)
-                    || r.in_flight.values().any(|f| f.device == device) =>
-            {
+            Ok(r) if r.reported.contains(&device) || r.in_flight_for(device) => {
                 Err(UploadRejection::Duplicate)
+            }
+            Ok(r) if r.assigned.contains_key(&device) => {
+                Err(UploadRejection::UseAggregator { aggregator: r.assigned[&device] })
             }
             Ok(r) if model_version != r.opened.model_version => {
                 Err(UploadRejection::StaleModel { expected: r.opened.model_version })
@@ -757,7 +912,10 @@ impl RunMachine {
             Ok(r) => {
                 let slot = r.next_slot;
                 r.next_slot += 1;
-                r.in_flight.insert(slot, InFlight { request, device, persisted: false });
+                r.in_flight.insert(
+                    slot,
+                    InFlight { request, devices: vec![device], partial: false, persisted: false },
+                );
                 Ok(Action::PersistUpdate { request, round_idx, device, slot })
             }
         };
@@ -765,6 +923,55 @@ impl RunMachine {
             Ok(persist) => self.actions.push_back(persist),
             Err(rejection) => {
                 self.actions.push_back(Action::ReplyUpload { request, result: Err(rejection) });
+                self.actions.push_back(Action::DropPayload { request });
+            }
+        }
+    }
+
+    fn on_partial(
+        &mut self,
+        request: RequestId,
+        round_idx: RoundIdx,
+        model_version: ModelVersion,
+        aggregators: Vec<AggregatorId>,
+        devices: Vec<DeviceId>,
+    ) {
+        let next_round_idx = self.next_round_idx;
+        let verdict = match self.round.as_mut() {
+            None if round_idx < next_round_idx => Err(UploadRejection::RoundClosed),
+            None => Err(UploadRejection::UnknownRound),
+            Some(r) if round_idx < r.opened.round_idx => Err(UploadRejection::RoundClosed),
+            Some(r) if round_idx > r.opened.round_idx => Err(UploadRejection::UnknownRound),
+            // Partials are welcome past the reporting deadline (within the grace): only the
+            // phase closes the round to them.
+            Some(r) if r.phase != Phase::Open => Err(UploadRejection::RoundClosed),
+            Some(r) if model_version != r.opened.model_version => {
+                Err(UploadRejection::StaleModel { expected: r.opened.model_version })
+            }
+            Some(r) if aggregators.iter().any(|a| r.shards_reported.contains(a)) => {
+                Err(UploadRejection::Duplicate)
+            }
+            Some(r)
+                if devices.iter().any(|d| {
+                    !r.assigned.get(d).is_some_and(|a| aggregators.contains(a))
+                        || r.reported.contains(d)
+                }) || aggregators.iter().any(|a| !r.assigned.values().any(|x| x == a)) =>
+            {
+                Err(UploadRejection::NotAssigned)
+            }
+            Some(r) => {
+                let slot = r.next_slot;
+                r.next_slot += 1;
+                r.shards_reported.extend(aggregators.iter().copied());
+                r.in_flight
+                    .insert(slot, InFlight { request, devices, partial: true, persisted: false });
+                Ok(Action::PersistPartial { request, round_idx, slot })
+            }
+        };
+        match verdict {
+            Ok(persist) => self.actions.push_back(persist),
+            Err(rejection) => {
+                self.actions.push_back(Action::ReplyPartial { request, result: Err(rejection) });
                 self.actions.push_back(Action::DropPayload { request });
             }
         }
@@ -838,17 +1045,27 @@ impl RunMachine {
         let Some((&slot, _)) = r.in_flight.iter().find(|(_, f)| f.request == request) else {
             return;
         };
+        let is_partial = r.in_flight[&slot].partial;
+        let reply = |result| match is_partial {
+            true => Action::ReplyPartial { request, result },
+            false => Action::ReplyUpload { request, result },
+        };
         if ok {
             let f = r.in_flight.get_mut(&slot).expect("slot just found");
             f.persisted = true;
-            r.reported.insert(f.device);
-            self.actions.push_back(Action::ReplyUpload { request, result: Ok(()) });
+            r.reported.extend(f.devices.iter().copied());
+            self.actions.push_back(reply(Ok(())));
         } else {
-            r.in_flight.remove(&slot);
-            self.actions.push_back(Action::ReplyUpload {
-                request,
-                result: Err(UploadRejection::Unavailable),
-            });
+            let f = r.in_flight.remove(&slot).expect("slot just found");
+            if is_partial {
+                // Not durable: the aggregator may report again.
+                for d in &f.devices {
+                    if let Some(a) = r.assigned.get(d) {
+                        r.shards_reported.remove(a);
+                    }
+                }
+            }
+            self.actions.push_back(reply(Err(UploadRejection::Unavailable)));
             self.actions.push_back(Action::DropPayload { request });
         }
         // Fold in slot order: a persisted update waits behind any earlier one still in flight.
@@ -897,9 +1114,10 @@ impl RunMachine {
         let round = self.round.take();
         if let Some(r) = &round {
             for f in r.in_flight.values() {
-                self.actions.push_back(Action::ReplyUpload {
-                    request: f.request,
-                    result: Err(UploadRejection::RoundClosed),
+                let result = Err(UploadRejection::RoundClosed);
+                self.actions.push_back(match f.partial {
+                    true => Action::ReplyPartial { request: f.request, result },
+                    false => Action::ReplyUpload { request: f.request, result },
                 });
                 self.actions.push_back(Action::DropPayload { request: f.request });
             }
@@ -910,6 +1128,7 @@ impl RunMachine {
     fn check_progress(&mut self) {
         let now = self.now;
         let cfg = self.config;
+        let grace_ms = self.report_grace_ms();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
             let n_selected = r.selected.len();
@@ -946,7 +1165,8 @@ impl RunMachine {
                 }
             } else if n_reported >= cfg.cohort_size as usize
                 || (selection_over && n_reported == n_selected)
-                || now >= r.opened.reporting_deadline
+                || (now >= r.opened.reporting_deadline
+                    && (!r.shards_pending() || now >= r.opened.reporting_deadline + grace_ms))
             {
                 r.phase = Phase::Closing;
             }
@@ -985,7 +1205,18 @@ impl ActiveRound {
             model_version: self.opened.model_version,
             report_deadline: self.opened.reporting_deadline,
             secure: self.secure.as_ref().and_then(|s| s.task(device)),
+            aggregator: self.assigned.get(&device).copied(),
         }
+    }
+
+    /// Whether an update or partial carrying `device` is on its way into the store.
+    fn in_flight_for(&self, device: DeviceId) -> bool {
+        self.in_flight.values().any(|f| f.devices.contains(&device))
+    }
+
+    /// Whether an aggregator with devices in this round has not reported its partial yet.
+    fn shards_pending(&self) -> bool {
+        self.assigned.values().any(|a| !self.shards_reported.contains(a))
     }
 
     /// Which round `round_idx` names, relative to this one; `Ok` if it is this open round and
@@ -1015,7 +1246,7 @@ impl ActiveRound {
         self.phase == Phase::Open
             && self.selected.contains(&device)
             && !self.reported.contains(&device)
-            && !self.in_flight.values().any(|f| f.device == device)
+            && !self.in_flight_for(device)
     }
 }
 

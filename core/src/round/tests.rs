@@ -104,14 +104,14 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 CheckIn { request: RequestId(3), device: DeviceId(12) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12) }
-          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12), aggregator: None }
+          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 CheckIn { request: RequestId(4), device: DeviceId(13) }
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1000 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
@@ -156,8 +156,8 @@ fn bad_uploads_are_refused_without_state_change() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(99), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           ReplyUpload { request: RequestId(2), result: Err(NotSelected) }
           DropPayload { request: RequestId(2) }
@@ -178,10 +178,10 @@ fn bad_uploads_are_refused_without_state_change() {
         t=0 CheckIn { request: RequestId(7), device: DeviceId(10) }
           ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1000 } }
         t=0 CheckIn { request: RequestId(8), device: DeviceId(11) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 CheckIn { request: RequestId(9), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3) }
           ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
           DropPayload { request: RequestId(10) }
@@ -199,8 +199,8 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=0 UploadPersisted { request: RequestId(2), ok: false }
@@ -223,8 +223,8 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=1000 timeout (poll_timeout was Some(1000))
           CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 })
         t=1000 RoundClosed { round_idx: RoundIdx(0), committed: false }
@@ -244,11 +244,11 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11) }
-          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=5000 timeout (poll_timeout was Some(1000))
@@ -270,8 +270,8 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
-          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None } }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0) }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0 }
         t=0 Stop
@@ -317,6 +317,8 @@ fn restore_resumes_open_round_and_continues_slots() {
             selected: vec![DeviceId(10), DeviceId(11), DeviceId(12)],
             reported: vec![(DeviceId(10), 0)],
             secure_records: vec![],
+            assignments: vec![],
+            partials: vec![],
         }),
     };
     let mut m = RunMachine::restore(snapshot, 2_000, [0; 32]);
@@ -639,6 +641,8 @@ mod secure_rounds {
                     selected,
                     reported: vec![],
                     secure_records: self.records.clone(),
+                    assignments: vec![],
+                    partials: vec![],
                 }),
             };
             RunMachine::restore(snapshot, now, [1; 32])
@@ -739,4 +743,156 @@ mod secure_rounds {
         assert!(f.aggregate.is_none());
         assert!(matches!(f.poll(1), SecAggInstruction::Excluded { .. }));
     }
+}
+
+fn tiered_trace() -> Trace {
+    let config = RoundConfig { cohort_size: 6, target_selected: 6, min_quorum: 2, ..config() };
+    let m = RunMachine::start(RunId(1), config, 0, [0; 32]);
+    let mut t = Trace { m, now: 0, next_request: 0, lines: vec![] };
+    t.drain();
+    t.input(Input::Aggregators {
+        live: vec![AggregatorId(2), AggregatorId(1)],
+        tier: TierConfig { cohort_threshold: 4, report_grace_ms: 2_000 },
+    });
+    t
+}
+
+impl Trace {
+    fn partial(&mut self, aggregators: &[u32], devices: &[i64]) -> RequestId {
+        let request = self.req();
+        self.input(Input::Partial {
+            request,
+            round_idx: RoundIdx(0),
+            model_version: ModelVersion(0),
+            aggregators: aggregators.iter().copied().map(AggregatorId).collect(),
+            devices: devices.iter().copied().map(DeviceId).collect(),
+        });
+        request
+    }
+
+    fn assigned_to(&self, aggregator: u32) -> Vec<i64> {
+        self.m
+            .shard(AggregatorId(aggregator))
+            .map_or(vec![], |s| s.assigned.iter().map(|d| d.0).collect())
+    }
+}
+
+#[test]
+fn a_tiered_round_commits_the_partials_and_drops_a_silent_aggregator() {
+    let mut t = tiered_trace();
+    for d in 10..16 {
+        t.check_in(d);
+    }
+    let (one, two) = (t.assigned_to(1), t.assigned_to(2));
+    assert_eq!(one.len() + two.len(), 6);
+    assert!(!one.is_empty() && !two.is_empty(), "rendezvous hashing split {one:?} / {two:?}");
+    assert!(t.m.shard(AggregatorId(1)).unwrap().selection_over);
+    // A device of the tier cannot upload to the coordinator.
+    t.upload(one[0], 0);
+    // A partial naming another aggregator's device, or an aggregator without devices: refused.
+    t.partial(&[1], &[two[0]]);
+    t.partial(&[3], &[one[0]]);
+    let p = t.partial(&[1], &one);
+    t.partial(&[1], &one); // in flight already: a duplicate
+    t.persisted(p, true);
+    assert!(t.m.shard(AggregatorId(1)).is_none(), "a reported shard is no longer work");
+    // Aggregator 2 never reports: the deadline waits out the grace, then commits without it.
+    t.advance_to(5_000);
+    t.advance_to(7_000);
+    t.closed(0, true);
+    let text = t.lines.join("\n");
+    assert!(text.contains("UseAggregator"), "{text}");
+    assert_eq!(text.matches("NotAssigned").count(), 2, "{text}");
+    assert!(text.contains("Duplicate"), "{text}");
+    assert!(text.contains("poll_timeout was Some(7000)"), "{text}");
+    let closing = format!(
+        "CloseRound(RoundClosing {{ round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 6, n_reported: {}, n_dropped: {}, closed_at: 7000 }})",
+        one.len(),
+        two.len()
+    );
+    assert!(text.contains(&closing), "{text}");
+}
+
+#[test]
+fn a_tiered_round_closes_as_soon_as_every_shard_reported() {
+    let mut t = tiered_trace();
+    for d in 10..16 {
+        t.check_in(d);
+    }
+    let (one, two) = (t.assigned_to(1), t.assigned_to(2));
+    let p1 = t.partial(&[1], &one);
+    let p2 = t.partial(&[2], &two);
+    t.persisted(p2, true);
+    t.persisted(p1, true);
+    let text = t.lines.join("\n");
+    assert!(
+        text.contains("outcome: Commit, n_selected: 6, n_reported: 6, n_dropped: 0, closed_at: 0"),
+        "{text}"
+    );
+    // Folded in slot order: aggregator 1's partial first although 2's was durable first.
+    let fold1 = text.find(&format!("FoldUpdate {{ request: {p1:?} }}")).unwrap();
+    let fold2 = text.find(&format!("FoldUpdate {{ request: {p2:?} }}")).unwrap();
+    assert!(fold1 < fold2);
+}
+
+#[test]
+fn a_restored_tiered_round_keeps_its_assignments_and_partials() {
+    let mut t = tiered_trace();
+    for d in 10..16 {
+        t.check_in(d);
+    }
+    let (one, two) = (t.assigned_to(1), t.assigned_to(2));
+    let assignments: Vec<(DeviceId, AggregatorId)> = one
+        .iter()
+        .map(|d| (DeviceId(*d), AggregatorId(1)))
+        .chain(two.iter().map(|d| (DeviceId(*d), AggregatorId(2))))
+        .collect();
+    let snapshot = RunSnapshot {
+        run_id: RunId(1),
+        config: RoundConfig { cohort_size: 6, target_selected: 6, min_quorum: 2, ..config() },
+        model_version: ModelVersion(0),
+        rounds_committed: 0,
+        next_round_idx: RoundIdx(1),
+        open_round: Some(OpenRoundSnapshot {
+            round: t.m.current_round().unwrap(),
+            selected: (10..16).map(DeviceId).collect(),
+            reported: vec![],
+            secure_records: vec![],
+            assignments,
+            partials: vec![StoredPartial {
+                slot: 0,
+                aggregators: vec![AggregatorId(1)],
+                devices: one.iter().copied().map(DeviceId).collect(),
+            }],
+        }),
+    };
+    let mut m = RunMachine::restore(snapshot, 100, [0; 32]);
+    assert!(m.shard(AggregatorId(1)).is_none());
+    assert_eq!(m.shard(AggregatorId(2)).unwrap().assigned.len(), two.len());
+    m.handle(
+        100,
+        Input::Partial {
+            request: RequestId(1),
+            round_idx: RoundIdx(0),
+            model_version: ModelVersion(0),
+            aggregators: vec![AggregatorId(2)],
+            devices: two.iter().copied().map(DeviceId).collect(),
+        },
+    );
+    assert_eq!(
+        m.poll_action(),
+        Some(Action::PersistPartial { request: RequestId(1), round_idx: RoundIdx(0), slot: 1 })
+    );
+}
+
+#[test]
+fn small_and_secure_runs_stay_off_the_tier() {
+    let mut t = Trace::new(); // target 3
+    t.input(Input::Aggregators {
+        live: vec![AggregatorId(1)],
+        tier: TierConfig { cohort_threshold: 3, report_grace_ms: 0 },
+    });
+    t.check_in(10);
+    assert!(t.lines.join("\n").contains("aggregator: None"));
+    assert!(t.m.shard(AggregatorId(1)).is_none());
 }

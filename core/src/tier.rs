@@ -1,0 +1,279 @@
+//! The aggregator tier's shared pieces: which aggregator a selected device uploads to, the
+//! upload tickets that let an aggregator trust a device only the coordinator can authenticate,
+//! and the messages between the coordinator and its aggregators.
+//!
+//! Assignment is rendezvous hashing over the aggregators alive at selection time, so a device
+//! keeps its aggregator while that one lives, and losing one moves only its devices.
+//! A ticket is an HMAC over (run, round, model version, device, aggregator) under a key both
+//! sides derive from the cluster secret: the aggregator checks it without a database.
+
+use std::collections::BTreeMap;
+
+use hmac::{KeyInit, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::fedavg::{PartialError, PartialSums, ValidatedPartial, validate_partial};
+use crate::ids::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
+use crate::tensor::{SchemaId, TensorSchema};
+
+/// The header a device sends its ticket in when it uploads to an aggregator:
+/// `{device id}:{hex HMAC}`.
+pub const TICKET_HEADER: &str = "x-starling-upload-ticket";
+
+/// Most aggregators one partial may speak for.
+pub const MAX_AGGREGATORS_PER_PARTIAL: usize = 1024;
+
+/// When the coordinator hands a run's devices to the aggregator tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierConfig {
+    /// Runs that select more devices per round than this upload through aggregators.
+    pub cohort_threshold: u32,
+    /// How long after the reporting deadline the coordinator waits for partials.
+    pub report_grace_ms: i64,
+}
+
+/// The aggregator `device` uploads to, among `live` (rendezvous hashing); `None` if none lives.
+pub fn assign(device: DeviceId, live: &[AggregatorId]) -> Option<AggregatorId> {
+    live.iter().copied().max_by_key(|a| {
+        let mut h = Sha256::new();
+        h.update(b"starling-assign-v1");
+        h.update(a.0.to_le_bytes());
+        h.update(device.0.to_le_bytes());
+        let d = h.finalize();
+        (u64::from_le_bytes(d[..8].try_into().expect("8 bytes")), a.0)
+    })
+}
+
+/// What a ticket allows: one device's one upload to one aggregator for one round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UploadGrant {
+    /// The run.
+    pub run_id: RunId,
+    /// The round.
+    pub round_idx: RoundIdx,
+    /// The model version the update must be computed on.
+    pub model_version: ModelVersion,
+    /// The device.
+    pub device: DeviceId,
+    /// The aggregator it uploads to.
+    pub aggregator: AggregatorId,
+}
+
+/// The key tickets are signed with, derived from the cluster secret.
+#[derive(Clone)]
+pub struct TicketKey([u8; 32]);
+
+impl std::fmt::Debug for TicketKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TicketKey(..)")
+    }
+}
+
+type HmacSha256 = hmac::Hmac<Sha256>;
+
+impl TicketKey {
+    /// Derives the ticket key from the secret shared by the coordinator and its aggregators.
+    pub fn derive(cluster_secret: &[u8]) -> Self {
+        let mut key = [0u8; 32];
+        hkdf::Hkdf::<Sha256>::new(Some(b"starling-tier-v1"), cluster_secret)
+            .expand(b"upload ticket", &mut key)
+            .expect("32 bytes is a valid HKDF output length");
+        TicketKey(key)
+    }
+
+    fn mac(&self, grant: &UploadGrant) -> HmacSha256 {
+        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        for part in [grant.run_id.0, grant.round_idx.0, grant.model_version.0, grant.device.0] {
+            mac.update(&part.to_le_bytes());
+        }
+        mac.update(&grant.aggregator.0.to_le_bytes());
+        mac
+    }
+
+    /// The ticket for `grant`, as sent in [`TICKET_HEADER`].
+    pub fn ticket(&self, grant: &UploadGrant) -> String {
+        format!("{}:{}", grant.device.0, hex::encode(self.mac(grant).finalize().into_bytes()))
+    }
+
+    /// Checks a ticket header for the round and aggregator; the device it names if it is
+    /// genuine. Constant-time in the MAC.
+    pub fn verify(
+        &self,
+        header: &str,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        model_version: ModelVersion,
+        aggregator: AggregatorId,
+    ) -> Option<DeviceId> {
+        let (device, mac) = header.split_once(':')?;
+        let device = DeviceId(device.parse().ok()?);
+        let tag = hex::decode(mac).ok()?;
+        let grant = UploadGrant { run_id, round_idx, model_version, device, aggregator };
+        self.mac(&grant).verify_slice(&tag).ok()?;
+        Some(device)
+    }
+}
+
+/// Where a selected device uploads when its run goes through the aggregator tier.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadTarget {
+    /// The aggregator.
+    pub aggregator: AggregatorId,
+    /// Its base URL: the device posts to `{url}/v1/runs/{run}/rounds/{round}/updates`.
+    pub url: String,
+    /// The value of the [`TICKET_HEADER`] header.
+    pub ticket: String,
+}
+
+/// `POST /v1/aggregation/poll`: an aggregator says it is alive and asks for its work.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AggregatorHello {
+    /// Its id.
+    pub id: AggregatorId,
+    /// The base URL devices reach it at.
+    pub url: String,
+    /// What reduces on it (`"cpu"`, `"cuda"`), for operators.
+    pub engine: String,
+}
+
+/// The answer to [`AggregatorHello`]: the open rounds that have devices assigned to it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AggregatorWork {
+    /// One per open round with devices assigned to the aggregator.
+    pub shards: Vec<ShardTask>,
+    /// Poll again after this long; the aggregator counts as lost after a few missed polls.
+    pub poll_after_ms: u32,
+}
+
+/// One round's shard: what an aggregator needs to validate, reduce and report.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardTask {
+    /// The run.
+    pub run_id: RunId,
+    /// The round.
+    pub round_idx: RoundIdx,
+    /// The model version updates must be computed on.
+    pub model_version: ModelVersion,
+    /// The schema updates are validated against.
+    pub schema: TensorSchema,
+    /// Devices assigned to this aggregator so far.
+    pub assigned: Vec<DeviceId>,
+    /// Whether selection is over (no more devices will be assigned).
+    pub selection_over: bool,
+    /// Milliseconds until the reporting deadline (relative: aggregators need no synchronized
+    /// clock); negative once it passed.
+    pub reporting_in_ms: i64,
+}
+
+/// `POST /v1/aggregation/runs/{run}/rounds/{round}/partial`: an aggregator's reduced shard.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartialReport {
+    /// The model version the updates were computed on.
+    pub model_version: ModelVersion,
+    /// The schema the sums are in.
+    pub schema_id: SchemaId,
+    /// The aggregators whose devices this partial covers (one, or an NCCL group's members).
+    pub aggregators: Vec<AggregatorId>,
+    /// The devices whose updates are in the sums, each once.
+    pub devices: Vec<DeviceId>,
+    /// Sum of their example counts.
+    pub total_weight: u64,
+    /// High parts of the example-weighted sums, little-endian f64.
+    #[serde(with = "serde_bytes")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Binary))]
+    pub sum_hi: Vec<u8>,
+    /// Low parts, little-endian f64.
+    #[serde(with = "serde_bytes")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Binary))]
+    pub sum_lo: Vec<u8>,
+    /// Per metric: example-weighted sum and the weight behind it.
+    pub metrics: BTreeMap<String, (f64, u64)>,
+}
+
+/// Why a partial report was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PartialReportError {
+    /// The report is for another schema than the round's.
+    #[error("partial is in another schema than the round's")]
+    SchemaMismatch,
+    /// The device or aggregator lists are empty, too long or repeat an id.
+    #[error("partial's {0} list is empty, too long or repeats an id")]
+    BadList(&'static str),
+    /// A sums byte string is not a whole number of f64s.
+    #[error("partial sums are not whole little-endian f64s")]
+    Ragged,
+    /// The sums fail validation.
+    #[error(transparent)]
+    Sums(#[from] PartialError),
+}
+
+impl PartialReport {
+    /// Packs partial sums for the wire.
+    pub fn new(
+        model_version: ModelVersion,
+        schema_id: SchemaId,
+        aggregators: Vec<AggregatorId>,
+        devices: Vec<DeviceId>,
+        sums: PartialSums,
+    ) -> Self {
+        let le = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        PartialReport {
+            model_version,
+            schema_id,
+            aggregators,
+            devices,
+            total_weight: sums.total_weight,
+            sum_hi: le(&sums.hi),
+            sum_lo: le(&sums.lo),
+            metrics: sums.metrics,
+        }
+    }
+
+    /// Checks the report against the round's schema; its sums, ready to merge.
+    pub fn validate(&self, schema: &TensorSchema) -> Result<ValidatedPartial, PartialReportError> {
+        if self.schema_id != schema.schema_id() {
+            return Err(PartialReportError::SchemaMismatch);
+        }
+        if !distinct(&self.devices, usize::MAX) {
+            return Err(PartialReportError::BadList("device"));
+        }
+        if !distinct(&self.aggregators, MAX_AGGREGATORS_PER_PARTIAL) {
+            return Err(PartialReportError::BadList("aggregator"));
+        }
+        let f64s = |bytes: &[u8]| -> Result<Vec<f64>, PartialReportError> {
+            if bytes.len() % 8 != 0 {
+                return Err(PartialReportError::Ragged);
+            }
+            Ok(bytes
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect())
+        };
+        let sums = PartialSums {
+            hi: f64s(&self.sum_hi)?,
+            lo: f64s(&self.sum_lo)?,
+            total_weight: self.total_weight,
+            n_updates: self.devices.len() as u64,
+            metrics: self.metrics.clone(),
+        };
+        Ok(validate_partial(schema, sums)?)
+    }
+}
+
+fn distinct<T: Ord>(ids: &[T], max: usize) -> bool {
+    if ids.is_empty() || ids.len() > max {
+        return false;
+    }
+    let set: std::collections::BTreeSet<&T> = ids.iter().collect();
+    set.len() == ids.len()
+}
+
+#[cfg(test)]
+mod tests;

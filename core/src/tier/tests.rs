@@ -1,0 +1,170 @@
+//! Assignment stability, ticket checks, and partial sums that merge to the single-node result.
+
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::fedavg::{FedAvgAccumulator, validate_parts};
+use crate::rng::SplitMix64;
+use crate::tensor::{DType, TensorSpec};
+
+fn schema(n: u64) -> TensorSchema {
+    TensorSchema {
+        tensors: vec![TensorSpec { name: "w".into(), shape: vec![n], dtype: DType::F32 }],
+    }
+}
+
+#[test]
+fn losing_an_aggregator_moves_only_its_devices() {
+    let all: Vec<AggregatorId> = (1..=4).map(AggregatorId).collect();
+    let without_2: Vec<AggregatorId> = all.iter().copied().filter(|a| a.0 != 2).collect();
+    let mut per_aggregator = BTreeMap::new();
+    for d in 0..4000 {
+        let device = DeviceId(d);
+        let before = assign(device, &all).unwrap();
+        *per_aggregator.entry(before).or_insert(0) += 1;
+        let after = assign(device, &without_2).unwrap();
+        if before.0 != 2 {
+            assert_eq!(before, after, "device {d} moved although its aggregator lives");
+        }
+        assert_ne!(after.0, 2);
+    }
+    // Roughly even: each of 4 gets 1000 ± 15 %.
+    for (a, n) in per_aggregator {
+        assert!((850..=1150).contains(&n), "aggregator {a} got {n} of 4000 devices");
+    }
+    assert_eq!(assign(DeviceId(1), &[]), None);
+}
+
+#[test]
+fn a_ticket_is_good_for_its_grant_only() {
+    let key = TicketKey::derive(b"cluster secret");
+    let grant = UploadGrant {
+        run_id: RunId(1),
+        round_idx: RoundIdx(2),
+        model_version: ModelVersion(3),
+        device: DeviceId(44),
+        aggregator: AggregatorId(5),
+    };
+    let ticket = key.ticket(&grant);
+    let check = |header: &str, round: i64, version: i64, agg: u32| {
+        key.verify(header, RunId(1), RoundIdx(round), ModelVersion(version), AggregatorId(agg))
+    };
+    assert_eq!(check(&ticket, 2, 3, 5), Some(DeviceId(44)));
+    assert_eq!(check(&ticket, 3, 3, 5), None, "another round");
+    assert_eq!(check(&ticket, 2, 4, 5), None, "another model version");
+    assert_eq!(check(&ticket, 2, 3, 6), None, "another aggregator");
+    let forged = ticket.replacen("44:", "45:", 1);
+    assert_eq!(check(&forged, 2, 3, 5), None, "another device");
+    assert_eq!(check("44:zz", 2, 3, 5), None);
+    assert_eq!(check("garbage", 2, 3, 5), None);
+    let other_key = TicketKey::derive(b"another secret");
+    assert_eq!(
+        other_key.verify(&ticket, RunId(1), RoundIdx(2), ModelVersion(3), AggregatorId(5)),
+        None
+    );
+}
+
+#[test]
+fn partials_merge_to_the_single_node_result_bit_for_bit() {
+    let n = 5000;
+    let schema = schema(n);
+    let mut rng = SplitMix64(7);
+    let updates: Vec<_> = (0..60)
+        .map(|i| {
+            let delta: Vec<f32> = (0..n).map(|_| (rng.unit() as f32 - 0.5) * 1e-2).collect();
+            let mut metrics = BTreeMap::new();
+            metrics.insert("loss".to_string(), rng.unit());
+            validate_parts(
+                &schema,
+                crate::tensor::f32_to_le_bytes(&delta),
+                1 + (i * 37 % 500) as u64,
+                metrics,
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut single = FedAvgAccumulator::new(n as usize);
+    updates.iter().for_each(|u| single.add(u));
+
+    // Three shards, reported over the wire, merged into a coordinator that also took direct
+    // uploads.
+    let mut coordinator = FedAvgAccumulator::new(n as usize);
+    let mut shards = vec![FedAvgAccumulator::new(n as usize); 3];
+    for (i, u) in updates.iter().enumerate() {
+        match i % 4 {
+            3 => coordinator.add(u),
+            s => shards[s].add(u),
+        }
+    }
+    for (s, shard) in shards.into_iter().enumerate() {
+        let devices: Vec<DeviceId> =
+            (0..60i64).filter(|i| *i as usize % 4 == s).map(DeviceId).collect();
+        let report = PartialReport::new(
+            ModelVersion(0),
+            schema.schema_id(),
+            vec![AggregatorId(s as u32)],
+            devices,
+            shard.into_partial(),
+        );
+        let report: PartialReport =
+            crate::wire::decode(&crate::wire::to_vec(&report).unwrap()).unwrap();
+        coordinator.merge(&report.validate(&schema).unwrap());
+    }
+    let global = vec![0.25f32; n as usize];
+    let a = single.finish().unwrap();
+    let b = coordinator.finish().unwrap();
+    assert_eq!(a.total_weight, b.total_weight);
+    assert_eq!(a.n_updates, b.n_updates);
+    assert_eq!(a.apply(&global, 1.0).unwrap(), b.apply(&global, 1.0).unwrap());
+    let (la, lb) = (a.metrics["loss"], b.metrics["loss"]);
+    assert!((la - lb).abs() < 1e-12, "{la} vs {lb}");
+}
+
+#[test]
+fn bad_partials_are_refused_with_the_reason() {
+    let schema = schema(4);
+    let mut acc = FedAvgAccumulator::new(4);
+    acc.add(&validate_parts(&schema, vec![0; 16], 3, BTreeMap::new()).unwrap());
+    let good = PartialReport::new(
+        ModelVersion(0),
+        schema.schema_id(),
+        vec![AggregatorId(1)],
+        vec![DeviceId(9)],
+        acc.into_partial(),
+    );
+    assert!(good.validate(&schema).is_ok());
+    let bad = |f: &dyn Fn(&mut PartialReport)| {
+        let mut p = good.clone();
+        f(&mut p);
+        p.validate(&schema).unwrap_err()
+    };
+    assert_eq!(
+        bad(&|p| p.schema_id = self::schema(5).schema_id()),
+        PartialReportError::SchemaMismatch
+    );
+    assert_eq!(bad(&|p| p.devices = vec![]), PartialReportError::BadList("device"));
+    assert_eq!(
+        bad(&|p| p.devices = vec![DeviceId(1), DeviceId(1)]),
+        PartialReportError::BadList("device")
+    );
+    assert_eq!(bad(&|p| p.aggregators = vec![]), PartialReportError::BadList("aggregator"));
+    assert_eq!(bad(&|p| p.sum_hi.pop().map(drop).unwrap_or(())), PartialReportError::Ragged);
+    assert!(matches!(
+        bad(&|p| p.sum_hi.truncate(24)),
+        PartialReportError::Sums(PartialError::Length { expected: 4, got: 3 })
+    ));
+    assert!(matches!(
+        bad(&|p| p.sum_lo[8..16].copy_from_slice(&f64::NAN.to_le_bytes())),
+        PartialReportError::Sums(PartialError::NonFinite(1))
+    ));
+    assert!(matches!(
+        bad(&|p| p.total_weight = 0),
+        PartialReportError::Sums(PartialError::Counts(_))
+    ));
+    assert!(matches!(
+        bad(&|p| {
+            p.metrics.insert("loss".into(), (f64::INFINITY, 1));
+        }),
+        PartialReportError::Sums(PartialError::Metric(_))
+    ));
+}
