@@ -248,7 +248,7 @@ impl PartialReport {
             return Err(PartialReportError::BadList("aggregator"));
         }
         let f64s = |bytes: &[u8]| -> Result<Vec<f64>, PartialReportError> {
-            if bytes.len() % 8 != 0 {
+            if !bytes.len().is_multiple_of(8) {
                 return Err(PartialReportError::Ragged);
             }
             Ok(bytes
