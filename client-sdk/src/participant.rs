@@ -421,7 +421,16 @@ impl<F: ModelFactory> Participant<F> {
             metrics: [("loss".to_owned(), trained.loss)].into(),
             delta: task.schema.encode_f32(&delta),
         };
-        match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
+        let sent = retrying(TRIES, || async {
+            match &task.upload_to {
+                Some(target) => {
+                    self.fleet.upload_to_aggregator(target, run_id, round_idx, &upload).await
+                }
+                None => self.fleet.upload(run_id, round_idx, &upload).await,
+            }
+        })
+        .await;
+        match sent {
             // A retried upload whose first attempt landed is a duplicate: it is in.
             Ok(_)
             | Err(ClientError::Api {
@@ -429,6 +438,12 @@ impl<F: ModelFactory> Participant<F> {
                 ..
             }) => Ok(Outcome::Uploaded { run_id, round_idx, train_loss: trained.loss, evaluation }),
             Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
+                Ok(Outcome::RoundMissed { run_id, round_idx })
+            }
+            // An aggregator that is gone takes its round's shard with it: like a round closed
+            // under the device, not an error of the device's.
+            Err(e) if task.upload_to.is_some() && e.is_transient() => {
+                tracing::warn!(%run_id, %round_idx, error = %e, "the assigned aggregator is unreachable; round missed");
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }
             Err(e) => Err(e.into()),

@@ -11,6 +11,7 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use starling_core::tensor::TensorPayload;
+use starling_core::tier::{TICKET_HEADER, UploadTarget};
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
     ErrorBody, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
@@ -233,6 +234,30 @@ impl FleetClient {
         update: &UploadRequest,
     ) -> Result<UploadAck, ClientError> {
         self.post(&format!("/v1/runs/{run}/rounds/{round}/updates"), update).await
+    }
+
+    /// Uploads an update to the aggregator the coordinator assigned (the task's `upload_to`),
+    /// with the ticket as credential; `Ok` once the aggregator took it into its reduction.
+    pub async fn upload_to_aggregator(
+        &self,
+        target: &UploadTarget,
+        run: RunId,
+        round: RoundIdx,
+        update: &UploadRequest,
+    ) -> Result<UploadAck, ClientError> {
+        let body = wire::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let url =
+            format!("{}/v1/runs/{run}/rounds/{round}/updates", target.url.trim_end_matches('/'));
+        let res = self
+            .http
+            .post(url)
+            .header(TICKET_HEADER, &target.ticket)
+            .header(CONTENT_TYPE, CBOR_MEDIA_TYPE)
+            .body(body)
+            .send()
+            .await?;
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
     }
 
     /// Sends a secure-aggregation stage message; `Ok` once it is durable at the coordinator.

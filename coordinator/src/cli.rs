@@ -106,6 +106,19 @@ struct ServeArgs {
     /// Seconds every request body gets, on top of what its size limit needs at 16 KiB/s.
     #[arg(long, env = "STARLING_BODY_TIMEOUT_SECS", default_value_t = 30)]
     body_timeout_secs: u64,
+    /// Secret shared with the aggregator nodes (at least 16 characters): turns the aggregator
+    /// tier on.
+    #[arg(long, env = "STARLING_AGGREGATOR_SECRET", hide_env_values = true)]
+    aggregator_secret: Option<String>,
+    /// Runs that select more devices per round than this upload through aggregators.
+    #[arg(long, env = "STARLING_AGGREGATE_ABOVE", default_value_t = 1000)]
+    aggregate_above: u32,
+    /// Seconds past a round's reporting deadline that aggregators' partials are waited for.
+    #[arg(long, env = "STARLING_AGGREGATOR_GRACE_SECS", default_value_t = 10)]
+    aggregator_grace_secs: u64,
+    /// Milliseconds without a poll after which an aggregator counts as lost.
+    #[arg(long, env = "STARLING_AGGREGATOR_LIVENESS_MS", default_value_t = 3000)]
+    aggregator_liveness_ms: u64,
 }
 
 /// `RATE/BURST` or `off`.
@@ -216,7 +229,25 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         body_grace: std::time::Duration::from_secs(args.body_timeout_secs),
         ..Default::default()
     };
+    let tier = match args.aggregator_secret {
+        Some(secret) if secret.len() < 16 => {
+            bail!("the aggregator secret must be at least 16 characters")
+        }
+        Some(secret) => {
+            if args.aggregator_liveness_ms < 200 {
+                bail!("--aggregator-liveness-ms must be at least 200");
+            }
+            Some(crate::tier::TierSettings {
+                secret,
+                cohort_threshold: args.aggregate_above,
+                report_grace: std::time::Duration::from_secs(args.aggregator_grace_secs),
+                liveness: std::time::Duration::from_millis(args.aggregator_liveness_ms),
+            })
+        }
+        None => None,
+    };
     Ok(ServeConfig {
+        tier,
         listen,
         database_url,
         operator_token,

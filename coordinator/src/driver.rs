@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use starling_core::fedavg::{
-    Aggregate, AggregateError, FedAvgAccumulator, ValidatedUpdate, validate_parts,
+    Aggregate, AggregateError, FedAvgAccumulator, ValidatedPartial, ValidatedUpdate,
+    validate_parts,
 };
 use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::round::secure::{Record, SecAggRejection};
@@ -31,6 +32,7 @@ use starling_core::round::{
     Action, CheckInDecision, Input, OpenRoundSnapshot, RequestId, RoundClosing, RoundOutcome,
     RunMachine, RunSnapshot, RunStatus, UploadRejection,
 };
+use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::tensor::{TensorPayload, TensorSchema};
 use starling_core::wire::{
     self, CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
@@ -41,6 +43,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::clock::now_ms;
 use crate::observe::{Observer, POPULATION_SAMPLE_MS};
 use crate::store::{NewRun, RoundCommit, SqlStore, StoreError, Transition};
+use crate::tier::{AggregatorRegistry, TierSettings};
 
 /// Why the driver refused a request; the HTTP edge maps each to a status and error code.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -61,6 +64,9 @@ pub enum DriverError {
     /// The driver has shut down.
     #[error("coordinator is shutting down")]
     ShuttingDown,
+    /// The aggregator tier is not configured on this coordinator.
+    #[error("the aggregator tier is not configured")]
+    TierOff,
 }
 
 /// A request from the HTTP edge.
@@ -113,6 +119,26 @@ pub enum Event {
         round_idx: RoundIdx,
         /// Where the answer goes.
         reply: oneshot::Sender<Result<SecAggInstruction, DriverError>>,
+    },
+    /// An aggregator polls: it is alive, and asks for its shards.
+    AggregatorPoll {
+        /// Who it is and where devices reach it.
+        hello: AggregatorHello,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<AggregatorWork, DriverError>>,
+    },
+    /// An aggregator reports a partial aggregate (validated against the round's schema).
+    Partial {
+        /// Run from the path.
+        run_id: RunId,
+        /// Round from the path.
+        round_idx: RoundIdx,
+        /// The report, as received (stored whole).
+        report: Box<PartialReport>,
+        /// Its sums, validated.
+        sums: ValidatedPartial,
+        /// Where the answer goes (after the partial is durable).
+        reply: oneshot::Sender<Result<(), DriverError>>,
     },
     /// The operator creates a run.
     CreateRun {
@@ -196,6 +222,8 @@ pub struct Driver {
     store: SqlStore,
     observer: Observer,
     runs: BTreeMap<RunId, RunEntry>,
+    /// The aggregator tier, when configured.
+    tier: Option<AggregatorRegistry>,
     rx: mpsc::Receiver<Event>,
     internal_tx: mpsc::UnboundedSender<Internal>,
     internal_rx: mpsc::UnboundedReceiver<Internal>,
@@ -209,13 +237,21 @@ struct RunEntry {
     model_hash: String,
     training_config: String,
     accumulator: AccumulatorWorker,
-    check_ins: HashMap<RequestId, oneshot::Sender<Result<CheckInResponse, DriverError>>>,
+    /// Pending check-ins, with the device asking.
+    check_ins: HashMap<RequestId, (DeviceId, oneshot::Sender<Result<CheckInResponse, DriverError>>)>,
     uploads: HashMap<RequestId, PendingUpload>,
+    partials: HashMap<RequestId, PendingPartial>,
     secagg_messages: HashMap<RequestId, oneshot::Sender<Result<(), DriverError>>>,
     secagg_polls: HashMap<RequestId, oneshot::Sender<Result<SecAggInstruction, DriverError>>>,
     /// A secure round's unmasked mean, waiting for its `CloseRound`.
     secure_aggregate: Option<Aggregate>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
+}
+
+struct PendingPartial {
+    reply: Option<oneshot::Sender<Result<(), DriverError>>>,
+    report: Option<Box<PartialReport>>,
+    sums: Option<ValidatedPartial>,
 }
 
 struct PendingUpload {
@@ -232,6 +268,7 @@ enum Reply {
     ),
     Upload(oneshot::Sender<Result<UploadAck, DriverError>>, Result<UploadAck, DriverError>),
     SecAgg(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
+    Partial(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
     SecAggPoll(
         oneshot::Sender<Result<SecAggInstruction, DriverError>>,
         Result<SecAggInstruction, DriverError>,
@@ -243,6 +280,7 @@ impl Driver {
     pub async fn recover(
         store: SqlStore,
         observer: Observer,
+        tier: Option<TierSettings>,
     ) -> Result<(Driver, DriverHandle), StoreError> {
         let (tx, rx) = mpsc::channel(4096);
         let (internal_tx, internal_rx) = mpsc::unbounded_channel();
@@ -250,6 +288,7 @@ impl Driver {
             store,
             observer,
             runs: BTreeMap::new(),
+            tier: tier.map(AggregatorRegistry::new),
             rx,
             internal_tx,
             internal_rx,
@@ -281,9 +320,23 @@ impl Driver {
             let mut acc = FedAvgAccumulator::new(values.len());
             if let Some(open) = &open {
                 let schema = plan.schema();
+                // Partials and updates share the slot order: merge each partial before the
+                // first update with a later slot.
+                let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
+                    match wire::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
+                        Ok(sums) => Some((slot, sums)),
+                        Err(e) => {
+                            tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
+                            None
+                        }
+                    }
+                }).peekable();
                 let replayed = driver
                     .store
                     .for_each_update(run_id, open.round.round_idx, |u| {
+                        while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
+                            acc.merge(&sums);
+                        }
                         let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
                         match validate_parts(schema, u.delta, u.example_count as u64, metrics) {
                             Ok(update) => acc.add(&update),
@@ -293,6 +346,9 @@ impl Driver {
                         Ok(())
                     })
                     .await?;
+                for (_, sums) in partials {
+                    acc.merge(&sums);
+                }
                 tracing::info!(%run_id, round = %open.round.round_idx, replayed, selected = open.selected.len(), "resuming open round");
             }
             let snapshot = RunSnapshot {
@@ -317,10 +373,15 @@ impl Driver {
                                     "secure-aggregation record of run {run_id}: {e}"
                                 ))
                             })?,
+                        assignments: o.assignments,
+                        partials: o.partials,
                     }),
                 },
             };
-            let machine = RunMachine::restore(snapshot, now_ms(), entropy());
+            let mut machine = RunMachine::restore(snapshot, now_ms(), entropy());
+            if let Some(input) = driver.tier_input() {
+                machine.handle(now_ms(), input);
+            }
             let entry = RunEntry::new(
                 machine,
                 Arc::new(plan),
@@ -339,6 +400,7 @@ impl Driver {
         self.execute_actions().await;
         let mut sample_population =
             tokio::time::interval(Duration::from_millis(POPULATION_SAMPLE_MS as u64));
+        let mut expire_aggregators = tokio::time::interval(Duration::from_millis(500));
         loop {
             let sleep = match self.next_timeout() {
                 Some(at) => Duration::from_millis((at - now_ms()).max(0) as u64),
@@ -355,6 +417,7 @@ impl Driver {
                         self.runs.values().map(|e| e.machine.participating() as u64).sum();
                     self.observer.sample_population(now_ms(), participating);
                 }
+                _ = expire_aggregators.tick(), if self.tier.is_some() => self.expire_aggregators(),
                 _ = tokio::time::sleep(sleep) => {}
             }
             for _ in 0..MAX_BATCH {
@@ -375,6 +438,52 @@ impl Driver {
             self.execute_actions().await;
         }
         tracing::info!("driver stopped");
+    }
+
+    /// What the run machines must hear about the tier now; `None` without a tier.
+    fn tier_input(&self) -> Option<Input> {
+        let tier = self.tier.as_ref()?;
+        Some(Input::Aggregators { live: tier.live(), tier: tier.settings().config() })
+    }
+
+    fn announce_aggregators(&mut self) {
+        let Some(input) = self.tier_input() else { return };
+        let now = now_ms();
+        for entry in self.runs.values_mut() {
+            entry.machine.handle(now, input.clone());
+        }
+    }
+
+    fn expire_aggregators(&mut self) {
+        if self.tier.as_mut().is_some_and(|t| t.expire(std::time::Instant::now())) {
+            self.announce_aggregators();
+        }
+    }
+
+    fn aggregator_poll(&mut self, hello: AggregatorHello) -> Result<AggregatorWork, DriverError> {
+        let tier = self.tier.as_mut().ok_or(DriverError::TierOff)?;
+        let poll_after_ms = (tier.settings().liveness.as_millis() as u32 / 4).clamp(50, 1_000);
+        if tier.seen(&hello, std::time::Instant::now()) {
+            self.announce_aggregators();
+        }
+        let now = now_ms();
+        let shards = self
+            .runs
+            .iter()
+            .filter_map(|(&run_id, entry)| {
+                let view = entry.machine.shard(hello.id)?;
+                Some(ShardTask {
+                    run_id,
+                    round_idx: view.round.round_idx,
+                    model_version: view.round.model_version,
+                    schema: entry.plan.schema().clone(),
+                    assigned: view.assigned,
+                    selection_over: view.selection_over,
+                    reporting_in_ms: view.round.reporting_deadline - now,
+                })
+            })
+            .collect();
+        Ok(AggregatorWork { shards, poll_after_ms })
     }
 
     fn next_timeout(&self) -> Option<Millis> {
@@ -411,7 +520,7 @@ impl Driver {
                 match chosen {
                     Some(run_id) => {
                         let entry = self.runs.get_mut(run_id).expect("candidate exists");
-                        entry.check_ins.insert(request, reply);
+                        entry.check_ins.insert(request, (device, reply));
                         entry.machine.handle(now, Input::CheckIn { request, device });
                     }
                     None => {
@@ -454,6 +563,28 @@ impl Driver {
                 entry.secagg_polls.insert(request, reply);
                 entry.machine.handle(now, Input::SecAggPoll { request, device, round_idx });
             }
+            Event::AggregatorPoll { hello, reply } => {
+                let _ = reply.send(self.aggregator_poll(hello));
+            }
+            Event::Partial { run_id, round_idx, report, sums, reply } => {
+                let request = self.request_id();
+                let Some(entry) = self.runs.get_mut(&run_id) else {
+                    let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
+                    return;
+                };
+                let input = Input::Partial {
+                    request,
+                    round_idx,
+                    model_version: report.model_version,
+                    aggregators: report.aggregators.clone(),
+                    devices: report.devices.clone(),
+                };
+                entry.partials.insert(
+                    request,
+                    PendingPartial { reply: Some(reply), report: Some(report), sums: Some(sums) },
+                );
+                entry.machine.handle(now, input);
+            }
             Event::CreateRun { plan, initial, reply } => {
                 let res = self.create_run(*plan, initial, now).await;
                 let _ = reply.send(res);
@@ -494,7 +625,10 @@ impl Driver {
                 tracing::error!(error = %e, "creating run failed");
                 DriverError::Unavailable
             })?;
-        let machine = RunMachine::start(run_id, plan.round_config(), now, entropy());
+        let mut machine = RunMachine::start(run_id, plan.round_config(), now, entropy());
+        if let Some(input) = self.tier_input() {
+            machine.handle(now, input);
+        }
         let acc = FedAvgAccumulator::new(initial.values.len());
         let entry =
             RunEntry::new(machine, Arc::new(plan), Arc::new(initial.values), initial.hash, acc);
@@ -543,9 +677,45 @@ impl Driver {
                         self.observer.round_opened(run_id, opened.round_idx);
                         transitions.push(Transition::OpenRound(opened));
                     }
-                    Action::PersistSelection { round_idx, device } => {
+                    Action::PersistSelection { round_idx, device, aggregator } => {
                         self.observer.selected();
-                        transitions.push(Transition::Select { round_idx, device });
+                        transitions.push(Transition::Select { round_idx, device, aggregator });
+                    }
+                    Action::PersistPartial { request, round_idx, slot } => {
+                        let Some(report) =
+                            entry.partials.get_mut(&request).and_then(|p| p.report.take())
+                        else {
+                            continue;
+                        };
+                        let store = self.store.clone();
+                        let internal = self.internal_tx.clone();
+                        let observer = self.observer.clone();
+                        tokio::spawn(async move {
+                            let started = std::time::Instant::now();
+                            let res =
+                                store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
+                            observer.store_latency("insert_partial", started.elapsed().as_secs_f64());
+                            match &res {
+                                Ok(()) => tracing::info!(%run_id, round = %round_idx, aggregators = ?report.aggregators, devices = report.devices.len(), "partial persisted"),
+                                Err(e) => tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted"),
+                            }
+                            let _ = internal.send(Internal::UpdatePersisted {
+                                run_id,
+                                request,
+                                ok: res.is_ok(),
+                            });
+                        });
+                    }
+                    Action::ReplyPartial { request, result } => {
+                        let Some(p) = entry.partials.get_mut(&request) else { continue };
+                        if let Some(tx) = p.reply.take() {
+                            let res = result.map_err(|r| match r {
+                                UploadRejection::Unavailable => DriverError::Unavailable,
+                                r => DriverError::Upload(r),
+                            });
+                            replies.push(Reply::Partial(tx, res));
+                        }
+                        entry.forget_if_done(request);
                     }
                     Action::PersistSecAgg { round_idx, seq, record } => {
                         let record = wire::to_vec(&record).expect("records encode");
@@ -580,11 +750,10 @@ impl Driver {
                         transitions.push(Transition::StopRun { open_round });
                     }
                     Action::ReplyCheckIn { request, decision } => {
-                        if let Some(tx) = entry.check_ins.remove(&request) {
-                            replies.push(Reply::CheckIn(
-                                tx,
-                                Ok(entry.check_in_response(run_id, decision)),
-                            ));
+                        if let Some((device, tx)) = entry.check_ins.remove(&request) {
+                            let tier = self.tier.as_ref();
+                            let res = entry.check_in_response(run_id, device, decision, tier);
+                            replies.push(Reply::CheckIn(tx, Ok(res)));
                         }
                     }
                     Action::ReplyUpload { request, result } => {
@@ -648,11 +817,20 @@ impl Driver {
                         {
                             entry.accumulator.fold(update);
                         }
+                        if let Some(sums) =
+                            entry.partials.get_mut(&request).and_then(|p| p.sums.take())
+                        {
+                            entry.accumulator.merge(sums);
+                        }
                         entry.forget_if_done(request);
                     }
                     Action::DropPayload { request } => {
                         if let Some(p) = entry.uploads.get_mut(&request) {
                             p.update = None;
+                        }
+                        if let Some(p) = entry.partials.get_mut(&request) {
+                            p.report = None;
+                            p.sums = None;
                         }
                         entry.forget_if_done(request);
                     }
@@ -702,6 +880,7 @@ impl Driver {
                     Reply::CheckIn(tx, res) => drop(tx.send(res)),
                     Reply::Upload(tx, res) => drop(tx.send(res)),
                     Reply::SecAgg(tx, res) => drop(tx.send(res)),
+                    Reply::Partial(tx, res) => drop(tx.send(res)),
                     Reply::SecAggPoll(tx, res) => drop(tx.send(res)),
                 }
             }
@@ -721,8 +900,13 @@ impl Driver {
                         let _ = tx.send(Err(DriverError::Upload(UploadRejection::RoundClosed)));
                     }
                 }
-                for (_, tx) in entry.check_ins.drain() {
+                for (_, (_, tx)) in entry.check_ins.drain() {
                     let _ = tx.send(Ok(CheckInResponse::ComeBackLater { retry_after_secs: 60 }));
+                }
+                for (_, p) in entry.partials.drain() {
+                    if let Some(tx) = p.reply {
+                        let _ = tx.send(Err(DriverError::Upload(UploadRejection::RoundClosed)));
+                    }
                 }
                 for (_, tx) in entry.secagg_messages.drain() {
                     let _ = tx.send(Err(DriverError::RunNotRunning(run_id)));
@@ -753,6 +937,7 @@ impl RunEntry {
             accumulator: AccumulatorWorker::spawn(acc),
             check_ins: HashMap::new(),
             uploads: HashMap::new(),
+            partials: HashMap::new(),
             secagg_messages: HashMap::new(),
             secagg_polls: HashMap::new(),
             secure_aggregate: None,
@@ -760,9 +945,21 @@ impl RunEntry {
         }
     }
 
-    fn check_in_response(&self, run_id: RunId, decision: CheckInDecision) -> CheckInResponse {
+    fn check_in_response(
+        &self,
+        run_id: RunId,
+        device: DeviceId,
+        decision: CheckInDecision,
+        tier: Option<&AggregatorRegistry>,
+    ) -> CheckInResponse {
         match decision {
-            CheckInDecision::Selected { round_idx, model_version, report_deadline, secure } => {
+            CheckInDecision::Selected {
+                round_idx,
+                model_version,
+                report_deadline,
+                secure,
+                aggregator,
+            } => {
                 CheckInResponse::Task(TaskAssignment {
                     run_id,
                     round_idx,
@@ -773,6 +970,9 @@ impl RunEntry {
                     training_config: self.training_config.clone(),
                     report_deadline_ms: report_deadline,
                     secure_aggregation: secure,
+                    upload_to: aggregator.and_then(|a| {
+                        tier?.target(run_id, round_idx, model_version, device, a)
+                    }),
                 })
             }
             CheckInDecision::ComeBackLater { after_ms } => CheckInResponse::ComeBackLater {
@@ -784,6 +984,13 @@ impl RunEntry {
     fn forget_if_done(&mut self, request: RequestId) {
         if self.uploads.get(&request).is_some_and(|p| p.reply.is_none() && p.update.is_none()) {
             self.uploads.remove(&request);
+        }
+        if self
+            .partials
+            .get(&request)
+            .is_some_and(|p| p.reply.is_none() && p.report.is_none() && p.sums.is_none())
+        {
+            self.partials.remove(&request);
         }
     }
 }
@@ -932,6 +1139,7 @@ struct AccumulatorWorker {
 enum AccMsg {
     Reset(usize),
     Fold(ValidatedUpdate),
+    Merge(ValidatedPartial),
     Finish(oneshot::Sender<Result<Aggregate, AggregateError>>),
 }
 
@@ -948,6 +1156,11 @@ impl AccumulatorWorker {
                         AccMsg::Fold(update) => {
                             if let Some(acc) = acc.as_mut() {
                                 acc.add(&update);
+                            }
+                        }
+                        AccMsg::Merge(partial) => {
+                            if let Some(acc) = acc.as_mut() {
+                                acc.merge(&partial);
                             }
                         }
                         AccMsg::Finish(reply) => {
@@ -969,6 +1182,10 @@ impl AccumulatorWorker {
 
     fn fold(&self, update: ValidatedUpdate) {
         let _ = self.tx.send(AccMsg::Fold(update));
+    }
+
+    fn merge(&self, partial: ValidatedPartial) {
+        let _ = self.tx.send(AccMsg::Merge(partial));
     }
 
     fn finish(&self) -> oneshot::Receiver<Result<Aggregate, AggregateError>> {

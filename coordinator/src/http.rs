@@ -2,12 +2,14 @@
 //!
 //! * [`fleet`]: the device API, CBOR bodies, device credentials.
 //! * [`admin`]: the operator API, JSON bodies, the operator credential.
+//! * [`aggregation`]: the aggregator tier's API, CBOR bodies, the cluster secret.
 //! * [`error`]: the one [`ApiError`] and its rendering.
 //!
 //! Handlers authenticate, bound and decode input, then either read the store (queries) or ask
 //! the driver (anything that changes round state).
 
 pub mod admin;
+pub mod aggregation;
 pub mod error;
 pub mod fleet;
 pub mod limits;
@@ -59,6 +61,10 @@ struct Inner {
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
     timeouts: Timeouts,
     require_client_certificate: bool,
+    /// SHA-256 of the cluster secret, when the aggregator tier is on.
+    aggregator_secret_hash: Option<[u8; 32]>,
+    /// NCCL unique ids published by aggregator group leaders, by group.
+    nccl_ids: Mutex<HashMap<String, Vec<u8>>>,
 }
 
 /// Deadlines that keep slow or stalled clients from holding connections and upload permits.
@@ -140,6 +146,8 @@ impl AppState {
                 ip_limiter: limits.ip.map(Limiter::new),
                 timeouts,
                 require_client_certificate: false,
+                aggregator_secret_hash: None,
+                nccl_ids: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -150,6 +158,14 @@ impl AppState {
         Arc::get_mut(&mut self.inner)
             .expect("configured before the state is shared")
             .require_client_certificate = required;
+        self
+    }
+
+    /// Turns the aggregation API on, authenticating aggregators by `secret`.
+    pub fn with_aggregator_secret(mut self, secret: Option<&str>) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("configured before the state is shared")
+            .aggregator_secret_hash = secret.map(|s| sha256(s.as_bytes()));
         self
     }
 

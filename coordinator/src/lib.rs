@@ -12,6 +12,7 @@ pub mod driver;
 pub mod http;
 pub mod observe;
 pub mod store;
+pub mod tier;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -44,6 +45,8 @@ pub struct ServeConfig {
     pub timeouts: http::Timeouts,
     /// TLS for the listener; `None` serves plain HTTP (the demo, or behind a TLS proxy).
     pub tls: Option<tls::TlsConfig>,
+    /// The aggregator tier; `None` runs every round on the coordinator alone.
+    pub tier: Option<tier::TierSettings>,
 }
 
 /// How long in-flight requests get to finish at shutdown before their connections are closed
@@ -127,7 +130,8 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     tracing::info!(backend = ?store.backend(), "store connected");
     let mut leadership = store.acquire_leadership().await?;
     let observer = observe::Observer::new();
-    let (driver, handle) = Driver::recover(store.clone(), observer.clone()).await?;
+    let (driver, handle) =
+        Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
     tokio::spawn(driver.run());
     let state = http::AppState::new(
         handle,
@@ -137,7 +141,8 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
         config.limits,
         config.timeouts,
     )
-    .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()));
+    .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
+    .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
     let app = http::router(state, config.dashboard_dir.as_deref())
         .layer(tower_http::trace::TraceLayer::new_for_http());
     let listen_error = |source| ServeError::Listen { addr: config.listen, source };

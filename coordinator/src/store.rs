@@ -21,8 +21,10 @@ use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor, FromRow};
-use starling_core::round::{RoundClosing, RoundOpened};
-use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+use starling_core::round::{RoundClosing, RoundOpened, StoredPartial};
+use starling_core::tier::PartialReport;
+use starling_core::wire;
+use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
 /// Which database a store runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -197,7 +199,8 @@ macro_rules! round_select {
         "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
                     r.reporting_deadline_ms, r.closed_at_ms,
                     COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
-                    COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)) AS n_reported,
+                    COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)
+                             + (SELECT COALESCE(SUM(p.n_devices), 0) FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx)) AS n_reported,
                     r.n_dropped, r.outcome_json, r.metrics_json
          FROM rounds r"
     };
@@ -214,6 +217,10 @@ pub struct OpenRoundState {
     pub reported: Vec<(DeviceId, i64)>,
     /// A secure round's records (CBOR), in seq order.
     pub secure_records: Vec<Vec<u8>>,
+    /// Devices that upload through an aggregator.
+    pub assignments: Vec<(DeviceId, AggregatorId)>,
+    /// Durable partials (without their sums), in slot order.
+    pub partials: Vec<StoredPartial>,
 }
 
 /// A small durable transition, batched by [`SqlStore::apply_transitions`].
@@ -227,6 +234,8 @@ pub enum Transition {
         round_idx: RoundIdx,
         /// Device.
         device: DeviceId,
+        /// The aggregator it uploads to, if the round goes through the tier.
+        aggregator: Option<AggregatorId>,
     },
     /// A secure round's protocol record (CBOR), at position `seq` of the round's log.
     SecAggRecord {
@@ -275,6 +284,27 @@ async fn delete_secagg_records(
         .execute(&mut **tx)
         .await
         .map_err(map_err)?;
+    Ok(())
+}
+
+/// Drops a closed round's update deltas and partial sums (the rows stay, as the record of who
+/// took part).
+async fn release_payloads(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> StoreResult<()> {
+    for sql in [
+        "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2",
+        "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2",
+    ] {
+        sqlx::query(sql)
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .execute(&mut **tx)
+            .await
+            .map_err(map_err)?;
+    }
     Ok(())
 }
 
@@ -693,17 +723,18 @@ impl SqlStore {
                     .await
                     .map_err(map_err)?;
                 }
-                Transition::Select { round_idx, device } => {
+                Transition::Select { round_idx, device, aggregator } => {
                     sqlx::query(
                         // Idempotent, like the round insert: a retry after a commit whose
                         // answer was lost must not fail on its own earlier write.
-                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms) VALUES ($1, $2, $3, $4)
+                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) VALUES ($1, $2, $3, $4, $5)
                          ON CONFLICT DO NOTHING",
                     )
                     .bind(run_id.0)
                     .bind(round_idx.0)
                     .bind(device.0)
                     .bind(now)
+                    .bind(aggregator.map(|a| i64::from(a.0)))
                     .execute(&mut *tx)
                     .await
                     .map_err(map_err)?;
@@ -739,6 +770,7 @@ impl SqlStore {
                         .await
                         .map_err(map_err)?;
                         delete_secagg_records(&mut tx, run_id, *round_idx).await?;
+                        release_payloads(&mut tx, run_id, *round_idx).await?;
                     }
                     set_run_status(&mut tx, run_id, "stopped", now).await?;
                 }
@@ -778,6 +810,52 @@ impl SqlStore {
         Ok(())
     }
 
+    /// Writes one aggregator's partial; `Ok` means it is durable and may be acknowledged.
+    pub async fn insert_partial(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        slot: i64,
+        report: &PartialReport,
+        now: Millis,
+    ) -> StoreResult<()> {
+        let encoded = wire::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
+        sqlx::query(
+            "INSERT INTO partials (run_id, round_idx, slot, aggregators_json, devices_json, n_devices, total_weight, report, received_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .bind(slot)
+        .bind(ids(report.aggregators.iter().map(|a| i64::from(a.0)).collect()))
+        .bind(ids(report.devices.iter().map(|d| d.0).collect()))
+        .bind(report.devices.len() as i64)
+        .bind(report.total_weight as i64)
+        .bind(encoded)
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(())
+    }
+
+    /// A round's stored partial reports (CBOR), by slot; closed rounds hold none.
+    pub async fn partial_reports(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<Vec<(i64, Vec<u8>)>> {
+        sqlx::query_as(
+            "SELECT slot, report FROM partials WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)
+    }
+
     /// The open round of a run, its selections and its durable updates' (device, slot).
     pub async fn open_round(&self, run_id: RunId) -> StoreResult<Option<OpenRoundState>> {
         let round: Option<RoundRow> = sqlx::query_as(
@@ -803,6 +881,40 @@ impl SqlStore {
         .fetch_all(&self.pool)
         .await
         .map_err(map_err)?;
+        let assignments: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT device_id, aggregator_id FROM selections
+             WHERE run_id = $1 AND round_idx = $2 AND aggregator_id IS NOT NULL ORDER BY device_id",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let partials: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT slot, aggregators_json, devices_json FROM partials WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let ids = |json: &str| -> StoreResult<Vec<i64>> {
+            serde_json::from_str(json)
+                .map_err(|e| StoreError::Corrupt(format!("partial id list of run {run_id}: {e}")))
+        };
+        let partials = partials
+            .iter()
+            .map(|(slot, aggregators, devices)| {
+                Ok(StoredPartial {
+                    slot: *slot,
+                    aggregators: ids(aggregators)?
+                        .into_iter()
+                        .map(|a| AggregatorId(a as u32))
+                        .collect(),
+                    devices: ids(devices)?.into_iter().map(DeviceId).collect(),
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
         let secure_records: Vec<(Vec<u8>,)> = sqlx::query_as(
             "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
         )
@@ -822,6 +934,11 @@ impl SqlStore {
             selected: selected.into_iter().map(|(d,)| DeviceId(d)).collect(),
             reported: reported.into_iter().map(|(d, s)| (DeviceId(d), s)).collect(),
             secure_records: secure_records.into_iter().map(|(r,)| r).collect(),
+            assignments: assignments
+                .into_iter()
+                .map(|(d, a)| (DeviceId(d), AggregatorId(a as u32)))
+                .collect(),
+            partials,
         }))
     }
 
@@ -922,12 +1039,7 @@ impl SqlStore {
         .execute(&mut *tx)
         .await
         .map_err(map_err)?;
-        sqlx::query("UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2")
-            .bind(run_id.0)
-            .bind(c.round_idx.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
+        release_payloads(&mut tx, run_id, c.round_idx).await?;
         delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
         tx.commit().await.map_err(map_err)
     }
@@ -937,12 +1049,7 @@ impl SqlStore {
     pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
         close_round_row(&mut tx, run_id, &closing, "failed", None).await?;
-        sqlx::query("UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2")
-            .bind(run_id.0)
-            .bind(closing.round_idx.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
+        release_payloads(&mut tx, run_id, closing.round_idx).await?;
         delete_secagg_records(&mut tx, run_id, closing.round_idx).await?;
         tx.commit().await.map_err(map_err)
     }

@@ -7,8 +7,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
     NewRun, RoundCommit, SqlStore, StoreError, Transition, redact, with_database,
 };
-use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome};
-use starling_core::{ModelVersion, RoundIdx, RunId};
+use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
+use starling_core::tier::PartialReport;
+use starling_core::wire;
+use starling_core::{AggregatorId, ModelVersion, RoundIdx, RunId};
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
 fn pg_url(opts: &PgConnectOptions) -> String {
@@ -130,10 +132,10 @@ async fn conformance(store: SqlStore) {
     let batch = [
         Transition::OpenRound(opened(0, 0)),
         secagg(0, b"begin"),
-        Transition::Select { round_idx: RoundIdx(0), device: d1 },
-        Transition::Select { round_idx: RoundIdx(0), device: d2 },
+        Transition::Select { round_idx: RoundIdx(0), device: d1, aggregator: None },
+        Transition::Select { round_idx: RoundIdx(0), device: d2, aggregator: None },
         secagg(1, b"second"),
-        Transition::Select { round_idx: RoundIdx(0), device: d3 },
+        Transition::Select { round_idx: RoundIdx(0), device: d3, aggregator: Some(AggregatorId(7)) },
     ];
     store.apply_transitions(run, &batch, 1_000).await.unwrap();
     store.apply_transitions(run, &batch, 1_000).await.unwrap();
@@ -155,6 +157,33 @@ async fn conformance(store: SqlStore) {
     assert_eq!(open.round, opened(0, 0));
     assert_eq!(open.selected, vec![d1, d2, d3]);
     assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
+    assert_eq!(open.assignments, vec![(d3, AggregatorId(7))]);
+    assert!(open.partials.is_empty());
+    // An aggregator's partial: durable with its lists, its sums replayable, one per slot.
+    let partial = PartialReport {
+        model_version: ModelVersion(0),
+        schema_id: starling_core::tensor::SchemaId([3; 32]),
+        aggregators: vec![AggregatorId(7)],
+        devices: vec![d3],
+        total_weight: 12,
+        sum_hi: vec![1; 16],
+        sum_lo: vec![0; 16],
+        metrics: BTreeMap::from([("loss".to_owned(), (6.0, 12))]),
+    };
+    store.insert_partial(run, RoundIdx(0), 2, &partial, 1_650).await.unwrap();
+    assert!(matches!(
+        store.insert_partial(run, RoundIdx(0), 2, &partial, 1_650).await,
+        Err(StoreError::Conflict)
+    ));
+    let open = store.open_round(run).await.unwrap().unwrap();
+    assert_eq!(
+        open.partials,
+        vec![StoredPartial { slot: 2, aggregators: vec![AggregatorId(7)], devices: vec![d3] }]
+    );
+    let reports = store.partial_reports(run, RoundIdx(0)).await.unwrap();
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].0, 2);
+    assert_eq!(wire::decode::<PartialReport>(&reports[0].1).unwrap(), partial);
     // Secure-aggregation records come back in seq order, once each.
     store
         .apply_transitions(run, &[secagg(3, b"fourth"), secagg(2, b"third")], 1_700)
@@ -177,7 +206,8 @@ async fn conformance(store: SqlStore) {
     let rounds = store.rounds(run).await.unwrap();
     assert_eq!(
         (rounds[0].n_selected, rounds[0].n_reported, rounds[0].state.as_str()),
-        (Some(3), Some(2), "open")
+        (Some(3), Some(3), "open"),
+        "the partial's device counts as reported"
     );
 
     // Commit: model v1, round closed with metrics, run advanced, payloads released.
@@ -194,6 +224,7 @@ async fn conformance(store: SqlStore) {
     assert_eq!((row.model_version, row.rounds_committed), (1, 1));
     assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap().as_deref(), Some("h1"));
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty(), "sums released");
     assert_eq!(store.open_round(run).await.unwrap(), None);
     // The committed round's protocol records are gone (a reopened round 0 would see none).
     assert_eq!(count_secagg_records(&store, run).await, 0);

@@ -205,6 +205,10 @@ pub struct TaskAssignment {
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
     pub secure_aggregation: Option<SecureAggregationTask>,
+    /// Set when the round goes through the aggregator tier: upload the update there (with
+    /// the ticket), not to the coordinator.
+    #[serde(default)]
+    pub upload_to: Option<crate::tier::UploadTarget>,
 }
 
 /// What a device needs to take part in a secure-aggregation round.

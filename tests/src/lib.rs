@@ -85,6 +85,7 @@ pub async fn start_in_process_configured(
         limits: Default::default(),
         timeouts: Default::default(),
         tls: None,
+        tier: None,
     };
     configure(&mut config);
     let running = starling_coordinator::start(config).await?;

@@ -158,6 +158,16 @@ impl From<DriverError> for ApiError {
                     C::Conflict,
                     "the run aggregates securely: take part through /v1/runs/{run}/rounds/{round}/secagg, never upload a plain delta",
                 ),
+                UploadRejection::UseAggregator { aggregator } => ApiError::new(
+                    S::CONFLICT,
+                    C::Conflict,
+                    format!("this device uploads to aggregator {aggregator} (its task's upload_to), not to the coordinator"),
+                ),
+                UploadRejection::NotAssigned => ApiError::new(
+                    S::UNPROCESSABLE_ENTITY,
+                    C::InvalidField,
+                    "the partial names a device not assigned to its aggregators, one already reported, or an aggregator without devices in the round",
+                ),
             },
             DriverError::SecAgg(r) => match r {
                 SecAggRejection::Round(r) => DriverError::Upload(r).into(),
@@ -167,6 +177,9 @@ impl From<DriverError> for ApiError {
                 }
             },
             DriverError::Unavailable => ApiError::unavailable(),
+            DriverError::TierOff => ApiError::not_found(
+                "this coordinator has no aggregator tier (start it with --aggregator-secret)",
+            ),
             DriverError::ShuttingDown => ApiError::new(
                 S::SERVICE_UNAVAILABLE,
                 C::Unavailable,

@@ -54,7 +54,7 @@ async fn close_after_upload(mut res: Response) -> Response {
     res
 }
 
-async fn decode_small<T: DeserializeOwned>(
+pub(super) async fn decode_small<T: DeserializeOwned>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
@@ -64,7 +64,7 @@ async fn decode_small<T: DeserializeOwned>(
     wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
 }
 
-fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers.get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("")) {
         None => Ok(()),
         Some(v) if v.starts_with(CBOR_MEDIA_TYPE) => Ok(()),

@@ -21,6 +21,7 @@ use super::AppState;
     tags(
         (name = "fleet", description = "What devices call; CBOR (application/cbor)."),
         (name = "admin", description = "What operators and the dashboard call; JSON."),
+        (name = "aggregation", description = "What aggregator nodes call; CBOR, the cluster secret."),
         (name = "observability", description = "Metrics and live state; operator token."),
         (name = "health", description = "Liveness and readiness probes; no credential."),
     )
@@ -36,6 +37,7 @@ impl Modify for Credentials {
         for (name, what) in [
             ("device", "the credential a device got at enrollment"),
             ("operator", "the coordinator's operator token"),
+            ("aggregator", "the secret shared by the coordinator and its aggregators"),
         ] {
             let mut scheme = Http::new(HttpAuthScheme::Bearer);
             scheme.description = Some(what.to_owned());
@@ -47,7 +49,7 @@ impl Modify for Credentials {
 /// Every API route with its operation, in one router (before the per-API layers).
 pub fn api_routes() -> [OpenApiRouter<AppState>; 3] {
     [
-        super::fleet::routes(),
+        super::fleet::routes().merge(super::aggregation::routes()),
         super::admin::routes(),
         super::live::routes().merge(super::health_routes()),
     ]

@@ -1,0 +1,311 @@
+//! The CUDA path: a batched, double-buffered weighted-sum reduction on one GPU, and NCCL
+//! all-reduce of partial sums across the GPUs of an aggregator group.
+//!
+//! Everything is loaded at run time (cudarc's dynamic loading): the crate builds and the CPU
+//! path runs on machines without CUDA. [`probe`] answers "is there a usable GPU?" with a
+//! specific [`GpuError`] instead of the panic cudarc gives when its libraries are missing.
+//! The kernel ships as hand-written PTX (`fold_batch.ptx`), which the driver compiles for the
+//! GPU it finds.
+#![allow(unsafe_code)] // Kernel launches and pinned host memory are FFI; each use says why it holds.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
+use cudarc::nccl::{Comm, Id, ReduceOp};
+
+use crate::reduce::{ReduceError, Reducer};
+
+const KERNEL_PTX: &str = include_str!("fold_batch.ptx");
+
+/// Why the GPU path is unavailable or failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// The CUDA driver library (libcuda) is not installed or not on the loader's path.
+    #[error("no CUDA driver library (libcuda.so) could be loaded: install the NVIDIA driver or use the CPU engine")]
+    NoDriver,
+    /// The driver loaded but reports no GPU.
+    #[error("the CUDA driver reports no GPU")]
+    NoDevice,
+    /// The NCCL library is not installed or not on the loader's path.
+    #[error("no NCCL library (libnccl.so) could be loaded: install NCCL or put its directory on LD_LIBRARY_PATH")]
+    NoNccl,
+    /// A CUDA call failed.
+    #[error("CUDA error: {0}")]
+    Cuda(String),
+    /// An NCCL call failed.
+    #[error("NCCL error: {0}")]
+    Nccl(String),
+    /// An NCCL unique id of the wrong size.
+    #[error("an NCCL unique id is 128 bytes, got {0}")]
+    BadNcclId(usize),
+}
+
+impl From<DriverError> for GpuError {
+    fn from(e: DriverError) -> Self {
+        GpuError::Cuda(format!("{e:?}"))
+    }
+}
+
+impl From<cudarc::nccl::result::NcclError> for GpuError {
+    fn from(e: cudarc::nccl::result::NcclError) -> Self {
+        GpuError::Nccl(format!("{e:?}"))
+    }
+}
+
+/// What [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// GPUs the driver reports.
+    pub devices: usize,
+    /// Name of GPU 0.
+    pub name: String,
+    /// Compute capability of GPU 0.
+    pub compute_capability: (i32, i32),
+    /// Its memory, bytes.
+    pub memory_bytes: usize,
+}
+
+/// Whether a CUDA driver and at least one GPU are present; never panics.
+pub fn probe() -> Result<GpuInfo, GpuError> {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(GpuError::NoDriver);
+    }
+    let devices = CudaContext::device_count().map_err(|_| GpuError::NoDevice)?;
+    if devices < 1 {
+        return Err(GpuError::NoDevice);
+    }
+    let ctx = CudaContext::new(0)?;
+    Ok(GpuInfo {
+        devices: devices as usize,
+        name: ctx.name()?,
+        compute_capability: ctx.compute_capability()?,
+        memory_bytes: ctx.total_mem()?,
+    })
+}
+
+/// Whether the NCCL library can be loaded; never panics.
+pub fn nccl_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
+/// One staging set: a batch of updates in pinned host memory, their device copy, weights.
+struct Staging {
+    host: PinnedHostSlice<f32>,
+    device: CudaSlice<f32>,
+    weights: CudaSlice<f64>,
+    filled: usize,
+    host_weights: PinnedHostSlice<f64>,
+}
+
+/// The CUDA engine: sums live on the GPU; updates are staged in pinned memory in batches,
+/// copied on a copy stream while the previous batch is reduced on the compute stream.
+pub struct CudaReducer {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    kernel: CudaFunction,
+    hi: CudaSlice<f64>,
+    lo: CudaSlice<f64>,
+    staging: [Staging; 2],
+    current: usize,
+    n: usize,
+    batch: usize,
+    grid: u32,
+}
+
+// SAFETY: the context, streams and buffers are only used from the thread that owns the
+// reducer at a time (the reducer is moved between threads, never shared); cudarc binds the
+// context to the calling thread on every call.
+unsafe impl Send for CudaReducer {}
+
+impl CudaReducer {
+    /// A reducer for `n_params` parameters on GPU `device`, `batch` updates per transfer.
+    pub fn new(device: usize, n_params: usize, batch: usize) -> Result<Self, GpuError> {
+        probe()?;
+        let ctx = CudaContext::new(device)?;
+        let compute = ctx.new_stream()?;
+        let copy = ctx.new_stream()?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(KERNEL_PTX))?;
+        let kernel = module.load_function("fold_batch")?;
+        let batch = batch.max(1);
+        let staging = |_| -> Result<Staging, GpuError> {
+            Ok(Staging {
+                // SAFETY: pinned memory starts uninitialized; only the first `filled` updates
+                // (each written whole before use) are ever copied out.
+                host: unsafe { ctx.alloc_pinned::<f32>(batch * n_params.max(1))? },
+                device: compute.alloc_zeros::<f32>(batch * n_params.max(1))?,
+                weights: compute.alloc_zeros::<f64>(batch)?,
+                filled: 0,
+                // SAFETY: as above; only the first `filled` weights are read by the kernel.
+                host_weights: unsafe { ctx.alloc_pinned::<f64>(batch)? },
+            })
+        };
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as u32;
+        let blocks_needed = n_params.div_ceil(256).max(1) as u32;
+        Ok(CudaReducer {
+            hi: compute.alloc_zeros::<f64>(n_params.max(1))?,
+            lo: compute.alloc_zeros::<f64>(n_params.max(1))?,
+            staging: [staging(0)?, staging(1)?],
+            ctx,
+            compute,
+            copy,
+            kernel,
+            current: 0,
+            n: n_params,
+            batch,
+            grid: blocks_needed.min(sms * 16),
+        })
+    }
+
+    /// The GPU's name.
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_default()
+    }
+
+    /// Copies the current batch to the GPU and launches its reduction; switches batches.
+    fn launch_current(&mut self) -> Result<(), GpuError> {
+        let s = &mut self.staging[self.current];
+        if s.filled == 0 {
+            return Ok(());
+        }
+        // The copy stream waits for the kernel that last read this device buffer (cudarc's
+        // event tracking), then the kernel waits for the copy. Both sources are pinned, so
+        // the copies are asynchronous: the host goes on staging the next batch. (A partial
+        // last batch copies its whole buffer; only its first `filled` updates are read.)
+        self.copy.memcpy_htod(&s.host, &mut s.device)?;
+        self.copy.memcpy_htod(&s.host_weights, &mut s.weights)?;
+        let (k, n) = (s.filled as u32, self.n as u64);
+        let cfg = LaunchConfig { grid_dim: (self.grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = self.compute.launch_builder(&self.kernel);
+        launch.arg(&mut self.hi).arg(&mut self.lo).arg(&s.device).arg(&s.weights).arg(&k).arg(&n);
+        // SAFETY: the arguments match fold_batch's signature (two f64 buffers of n, an f32
+        // buffer of at least k × n, an f64 buffer of at least k, k, n); the kernel stays in
+        // bounds by its loop conditions.
+        unsafe { launch.launch(cfg)? };
+        s.filled = 0;
+        self.current ^= 1;
+        Ok(())
+    }
+
+    /// Sums the group's partial sums into this reducer's (NCCL all-reduce, in place), after
+    /// reducing whatever is queued. Every member of the group must call it, in the same order.
+    pub fn all_reduce(&mut self, group: &NcclGroup) -> Result<(), GpuError> {
+        self.launch_current()?;
+        group.comm.all_reduce_in_place(&mut self.hi, &ReduceOp::Sum)?;
+        group.comm.all_reduce_in_place(&mut self.lo, &ReduceOp::Sum)?;
+        Ok(())
+    }
+
+    /// The compute stream (an NCCL group of this reducer runs on it).
+    pub fn stream(&self) -> Arc<CudaStream> {
+        self.compute.clone()
+    }
+
+    /// Copies `bytes` of little-endian f32s into slot `slot` of the current batch.
+    fn stage(&mut self, weight: u64, delta_le: &[u8]) -> Result<(), GpuError> {
+        let n = self.n;
+        let s = &mut self.staging[self.current];
+        // Waits for the last copy out of this pinned buffer to finish before writing it.
+        let host = s.host.as_mut_slice()?;
+        let dst = &mut host[s.filled * n..(s.filled + 1) * n];
+        for (d, c) in dst.iter_mut().zip(delta_le.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        s.host_weights.as_mut_slice()?[s.filled] = weight as f64;
+        s.filled += 1;
+        Ok(())
+    }
+}
+
+impl Reducer for CudaReducer {
+    fn engine(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn n_params(&self) -> usize {
+        self.n
+    }
+
+    fn push(&mut self, weight: u64, delta_le: Arc<Vec<u8>>) -> Result<(), ReduceError> {
+        let expected = self.n * 4;
+        if delta_le.len() != expected {
+            return Err(ReduceError::Length { expected, got: delta_le.len() });
+        }
+        self.stage(weight, &delta_le)?;
+        if self.staging[self.current].filled >= self.batch {
+            self.launch_current()?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(Vec<f64>, Vec<f64>), ReduceError> {
+        self.launch_current()?;
+        let mut hi = self.compute.clone_dtoh(&self.hi).map_err(GpuError::from)?;
+        let mut lo = self.compute.clone_dtoh(&self.lo).map_err(GpuError::from)?;
+        self.compute.synchronize().map_err(GpuError::from)?;
+        hi.truncate(self.n);
+        lo.truncate(self.n);
+        self.compute.memset_zeros(&mut self.hi).map_err(GpuError::from)?;
+        self.compute.memset_zeros(&mut self.lo).map_err(GpuError::from)?;
+        Ok((hi, lo))
+    }
+}
+
+/// An NCCL communicator over the GPUs of an aggregator group (one process per GPU).
+pub struct NcclGroup {
+    comm: Comm,
+}
+
+// SAFETY: as for CudaReducer, the communicator is used by one thread at a time.
+unsafe impl Send for NcclGroup {}
+
+impl NcclGroup {
+    /// A fresh unique id (the group leader makes it and publishes it through the coordinator).
+    pub fn unique_id() -> Result<Vec<u8>, GpuError> {
+        if !nccl_present() {
+            return Err(GpuError::NoNccl);
+        }
+        let id = Id::new()?;
+        Ok(id.internal().iter().map(|c| *c as u8).collect())
+    }
+
+    /// Joins the group `id` as `rank` of `world_size`, on `reducer`'s GPU and stream. Blocks
+    /// until every member has joined.
+    pub fn join(
+        reducer: &CudaReducer,
+        rank: usize,
+        world_size: usize,
+        id: &[u8],
+    ) -> Result<Self, GpuError> {
+        if !nccl_present() {
+            return Err(GpuError::NoNccl);
+        }
+        let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| {
+            id.get(i).copied().unwrap_or(0) as std::ffi::c_char
+        });
+        if id.len() != 128 {
+            return Err(GpuError::BadNcclId(id.len()));
+        }
+        let comm = Comm::from_rank(reducer.stream(), rank, world_size, Id::uninit(internal))?;
+        Ok(NcclGroup { comm })
+    }
+
+    /// All-reduces (sums) `buffer` in place across the group; for benchmarks and tests.
+    pub fn all_reduce_f64(&self, buffer: &mut CudaSlice<f64>) -> Result<(), GpuError> {
+        self.comm.all_reduce_in_place(buffer, &ReduceOp::Sum)?;
+        Ok(())
+    }
+
+    /// Members of the group.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+}

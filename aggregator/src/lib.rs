@@ -1,0 +1,18 @@
+//! Starling's datacenter aggregator tier: a node that receives the updates of its shard of a
+//! large cohort, validates them exactly as the coordinator does (core's code), streams them
+//! into a reduction, and reports one partial aggregate per round to the coordinator.
+//!
+//! * [`reduce`]: the reduction engines (SIMD + multi-threaded CPU; [`gpu`]: CUDA, NCCL).
+//! * [`shard`]: one round's shard: who uploaded, their weights, metrics and sums.
+//! * [`service`]: the HTTP service devices upload to, and the loop that polls the coordinator
+//!   for shards and reports partials at each round's deadline.
+//!
+//! No burn here: aggregators work on flat little-endian tensors.
+
+pub mod gpu;
+pub mod reduce;
+pub mod service;
+pub mod shard;
+
+pub use reduce::{Engine, ReduceError, Reducer};
+pub use service::{AggregatorConfig, RunningAggregator, start};

@@ -1,0 +1,454 @@
+//! The aggregator service: devices upload to it (their ticket from the coordinator is their
+//! credential), it reduces each round's shard on a thread of its own, and a poll loop keeps
+//! it registered with the coordinator, learns its shards, and reports each shard's partial at
+//! the round's deadline (or as soon as every assigned device has uploaded).
+//!
+//! An accepted upload is in the reduction, not on disk: an aggregator that dies loses its
+//! shard, and the coordinator counts those devices as dropped (the round commits without them
+//! if quorum holds). The partial is durable once the coordinator answers 204.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use starling_core::fedavg::{ValidatedUpdate, validate_update};
+use starling_core::tier::{
+    AggregatorHello, AggregatorWork, PartialReport, ShardTask, TICKET_HEADER, TicketKey,
+};
+use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, UploadRequest};
+use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use crate::reduce::Engine;
+use crate::shard::ShardAccumulator;
+
+/// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
+const UPLOAD_ENVELOPE_LIMIT: usize = 64 * 1024;
+/// Updates queued for a shard's reduction thread before uploads wait (bounds memory).
+const QUEUE_DEPTH: usize = 16;
+/// How long an upload for a shard this node has not heard of yet waits for the next poll.
+const UNKNOWN_SHARD_WAIT: Duration = Duration::from_secs(3);
+
+/// How an aggregator node is set up.
+#[derive(Debug, Clone)]
+pub struct AggregatorConfig {
+    /// Its id (stable across restarts; the coordinator hashes devices onto ids).
+    pub id: AggregatorId,
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// The URL devices reach it at; default `http://{the bound address}`.
+    pub public_url: Option<String>,
+    /// The coordinator's base URL.
+    pub coordinator_url: String,
+    /// The secret shared with the coordinator.
+    pub secret: String,
+    /// What reduces.
+    pub engine: Engine,
+}
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServiceError {
+    /// The listen address is unavailable.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(String),
+}
+
+/// A running aggregator.
+pub struct RunningAggregator {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// The URL it registered with.
+    pub url: String,
+    shutdown: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningAggregator {
+    /// Stops serving and polling.
+    pub async fn shutdown(self) {
+        self.shutdown.notify_waiters();
+        let _ = self.task.await;
+    }
+
+    /// Runs until the service stops.
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+struct Inner {
+    config: AggregatorConfig,
+    url: String,
+    key: TicketKey,
+    http: reqwest::Client,
+    shards: Mutex<HashMap<(RunId, RoundIdx), Shard>>,
+    poll_now: Notify,
+}
+
+struct Shard {
+    task: ShardTask,
+    deadline: Instant,
+    assigned: BTreeSet<DeviceId>,
+    received: BTreeSet<DeviceId>,
+    queue: Option<mpsc::Sender<(DeviceId, ValidatedUpdate)>>,
+    finished: Option<oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>>,
+}
+
+/// Starts the service: binds, then serves uploads and polls the coordinator until shut down.
+pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, ServiceError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
+    let addr = listener.local_addr().map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
+    let url = config.public_url.clone().unwrap_or_else(|| format!("http://{addr}"));
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .map_err(|e| ServiceError::Client(e.to_string()))?;
+    let inner = Arc::new(Inner {
+        key: TicketKey::derive(config.secret.as_bytes()),
+        config,
+        url: url.clone(),
+        http,
+        shards: Mutex::new(HashMap::new()),
+        poll_now: Notify::new(),
+    });
+    let app = Router::new()
+        .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
+        .route("/livez", get(|| async { "ok" }))
+        .with_state(inner.clone());
+    let shutdown = Arc::new(Notify::new());
+    tracing::info!(aggregator = %inner.config.id, %addr, %url, engine = inner.config.engine.name(), "aggregator listening");
+    let task = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            let stopped = shutdown.notified();
+            tokio::pin!(stopped);
+            tokio::select! {
+                res = axum::serve(listener, app) => {
+                    if let Err(e) = res { tracing::error!(error = %e, "http server failed"); }
+                }
+                () = poll_loop(inner) => {}
+                () = &mut stopped => {}
+            }
+        }
+    });
+    Ok(RunningAggregator { addr, url, shutdown, task })
+}
+
+/// Polls the coordinator, tracks shards, reports the ones that are done.
+async fn poll_loop(inner: Arc<Inner>) {
+    let hello = AggregatorHello {
+        id: inner.config.id,
+        url: inner.url.clone(),
+        engine: inner.config.engine.name().to_owned(),
+    };
+    let mut wait = Duration::from_millis(250);
+    loop {
+        match poll_once(&inner, &hello).await {
+            Ok(work) => {
+                wait = Duration::from_millis(u64::from(work.poll_after_ms.max(20)));
+                track(&inner, work.shards);
+            }
+            Err(e) => tracing::warn!(error = %e, "polling the coordinator failed; retrying"),
+        }
+        for (key, finished, task) in due_shards(&inner) {
+            let inner = inner.clone();
+            tokio::spawn(async move { report(&inner, key, task, finished).await });
+        }
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = inner.poll_now.notified() => {}
+        }
+    }
+}
+
+async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorWork, String> {
+    let body = wire::to_vec(hello).map_err(|e| e.to_string())?;
+    let res = inner
+        .http
+        .post(format!("{}/v1/aggregation/poll", inner.config.coordinator_url.trim_end_matches('/')))
+        .bearer_auth(&inner.config.secret)
+        .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = res.status();
+    let bytes = res.bytes().await.map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        let why = wire::decode::<ErrorBody>(&bytes).map_or_else(|_| String::new(), |b| b.message);
+        return Err(format!("{status}: {why}"));
+    }
+    wire::decode(&bytes).map_err(|e| e.to_string())
+}
+
+/// Starts shards the coordinator lists for the first time and refreshes the others.
+fn track(inner: &Inner, tasks: Vec<ShardTask>) {
+    let mut shards = inner.shards.lock().expect("shards poisoned");
+    for task in tasks {
+        let key = (task.run_id, task.round_idx);
+        let assigned: BTreeSet<DeviceId> = task.assigned.iter().copied().collect();
+        match shards.get_mut(&key) {
+            Some(shard) => {
+                shard.assigned = assigned;
+                shard.task.selection_over = task.selection_over;
+            }
+            None => {
+                let n_params = task.schema.numel() as usize;
+                let reducer = match inner.config.engine.reducer(n_params) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::error!(run = %task.run_id, round = %task.round_idx, error = %e, "cannot start a reduction; this shard's devices will drop out");
+                        continue;
+                    }
+                };
+                let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+                let (done_tx, done_rx) = oneshot::channel();
+                std::thread::Builder::new()
+                    .name(format!("reduce-{}-{}", task.run_id, task.round_idx))
+                    .spawn(move || reduce_thread(ShardAccumulator::new(reducer), rx, done_tx))
+                    .expect("spawning a reduction thread");
+                tracing::info!(run = %task.run_id, round = %task.round_idx, assigned = assigned.len(), params = n_params, "shard started");
+                shards.insert(
+                    key,
+                    Shard {
+                        deadline: Instant::now()
+                            + Duration::from_millis(task.reporting_in_ms.max(0) as u64),
+                        task,
+                        assigned,
+                        received: BTreeSet::new(),
+                        queue: Some(tx),
+                        finished: Some(done_rx),
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// The reduction thread of one shard: folds queued updates until the queue closes.
+fn reduce_thread(
+    mut acc: ShardAccumulator,
+    mut rx: mpsc::Receiver<(DeviceId, ValidatedUpdate)>,
+    done: oneshot::Sender<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
+) {
+    let mut failure = None;
+    while let Some((device, update)) = rx.blocking_recv() {
+        if failure.is_none()
+            && let Err(e) = acc.add(device, &update)
+        {
+            failure = Some(e.to_string());
+        }
+    }
+    let res = match failure {
+        Some(e) => Err(e),
+        None => acc.finish().map_err(|e| e.to_string()),
+    };
+    let _ = done.send(res);
+}
+
+type Due = (
+    (RunId, RoundIdx),
+    oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
+    ShardTask,
+);
+
+/// Shards whose deadline passed, or whose assigned devices have all uploaded: their queues
+/// are closed, so their reduction threads finish.
+fn due_shards(inner: &Inner) -> Vec<Due> {
+    let now = Instant::now();
+    let mut shards = inner.shards.lock().expect("shards poisoned");
+    let mut due = vec![];
+    for (key, shard) in shards.iter_mut() {
+        let complete = shard.task.selection_over
+            && !shard.assigned.is_empty()
+            && shard.assigned.is_subset(&shard.received);
+        if shard.queue.is_some() && (now >= shard.deadline || complete) {
+            shard.queue = None;
+            if let Some(finished) = shard.finished.take() {
+                due.push((*key, finished, shard.task.clone()));
+            }
+        }
+    }
+    // Forget shards long past their deadline (their reports are done or abandoned).
+    shards.retain(|_, s| s.queue.is_some() || now < s.deadline + Duration::from_secs(600));
+    due
+}
+
+/// Waits for a shard's reduction and reports it, retrying transient failures.
+async fn report(
+    inner: &Inner,
+    (run_id, round_idx): (RunId, RoundIdx),
+    task: ShardTask,
+    finished: oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
+) {
+    let (devices, sums) = match finished.await {
+        Ok(Ok(done)) => done,
+        Ok(Err(e)) => {
+            tracing::error!(run = %run_id, round = %round_idx, error = %e, "reduction failed; this shard's devices drop out");
+            return;
+        }
+        Err(_) => return,
+    };
+    if devices.is_empty() {
+        tracing::info!(run = %run_id, round = %round_idx, "no device uploaded; nothing to report");
+        return;
+    }
+    let n = devices.len();
+    let report = PartialReport::new(
+        task.model_version,
+        task.schema.schema_id(),
+        vec![inner.config.id],
+        devices,
+        sums,
+    );
+    let body = match tokio::task::spawn_blocking(move || wire::to_vec(&report)).await {
+        Ok(Ok(body)) => body,
+        _ => return,
+    };
+    let url = format!(
+        "{}/v1/aggregation/runs/{run_id}/rounds/{round_idx}/partial",
+        inner.config.coordinator_url.trim_end_matches('/')
+    );
+    let mut backoff = Duration::from_millis(100);
+    for attempt in 1..=8 {
+        let res = inner
+            .http
+            .post(&url)
+            .bearer_auth(&inner.config.secret)
+            .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+            .body(body.clone())
+            .send()
+            .await;
+        match res {
+            Ok(r) if r.status().is_success() => {
+                tracing::info!(run = %run_id, round = %round_idx, devices = n, "partial reported");
+                return;
+            }
+            Ok(r) if r.status() == StatusCode::CONFLICT || r.status() == StatusCode::UNPROCESSABLE_ENTITY => {
+                let status = r.status();
+                let why = r.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
+                // A duplicate means an earlier attempt got through.
+                tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "partial refused");
+                return;
+            }
+            Ok(r) => tracing::warn!(run = %run_id, round = %round_idx, status = %r.status(), attempt, "reporting the partial failed; retrying"),
+            Err(e) => tracing::warn!(run = %run_id, round = %round_idx, error = %e, attempt, "reporting the partial failed; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+    tracing::error!(run = %run_id, round = %round_idx, "gave up reporting the partial; its devices drop out");
+}
+
+/// An error answer in the fleet API's shape, so the SDK reads it like the coordinator's.
+struct Refusal(StatusCode, ErrorCode, String);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let body = ErrorBody { code: self.1, message: self.2 };
+        let bytes = wire::to_vec(&body).unwrap_or_default();
+        (self.0, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
+            .into_response()
+    }
+}
+
+/// A device's update: ticket, shard, validation (core's, as on the coordinator), reduction.
+async fn upload(
+    State(inner): State<Arc<Inner>>,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Refusal> {
+    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    let ticket = headers
+        .get(TICKET_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| Refusal(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, format!("missing {TICKET_HEADER}")))?
+        .to_owned();
+    let (schema, model_version) = shard_for(&inner, run_id, round_idx).await?;
+    let device = inner
+        .key
+        .verify(&ticket, run_id, round_idx, model_version, inner.config.id)
+        .ok_or_else(|| Refusal(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, "the upload ticket is not valid for this round and aggregator".into()))?;
+    let limit = schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        Refusal(StatusCode::PAYLOAD_TOO_LARGE, ErrorCode::BodyTooLarge, format!("body exceeds {limit} bytes"))
+    })?;
+    let update = tokio::task::spawn_blocking(move || {
+        let req: UploadRequest = wire::decode(&bytes)
+            .map_err(|e| Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string()))?;
+        if req.model_version != model_version {
+            return Err(Refusal(StatusCode::CONFLICT, ErrorCode::StaleModel, format!("the round trains model version {model_version}")));
+        }
+        validate_update(&schema, req).map_err(|e| {
+            let code = match &e {
+                starling_core::fedavg::UpdateError::Tensor(starling_core::tensor::TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
+                starling_core::fedavg::UpdateError::Tensor(starling_core::tensor::TensorError::NonFinite { .. }) => ErrorCode::NonFiniteValue,
+                starling_core::fedavg::UpdateError::Tensor(_) => ErrorCode::ShapeMismatch,
+                _ => ErrorCode::InvalidField,
+            };
+            Refusal(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
+        })
+    })
+    .await
+    .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string()))??;
+    let queue = {
+        let mut shards = inner.shards.lock().expect("shards poisoned");
+        let shard = shards.get_mut(&(run_id, round_idx)).ok_or_else(closed)?;
+        let queue = shard.queue.clone().filter(|_| Instant::now() < shard.deadline).ok_or_else(closed)?;
+        if !shard.received.insert(device) {
+            return Err(Refusal(StatusCode::CONFLICT, ErrorCode::DuplicateUpload, "device already uploaded in this round".into()));
+        }
+        queue
+    };
+    if queue.send((device, update)).await.is_err() {
+        return Err(closed());
+    }
+    inner.poll_now.notify_one();
+    let ack = wire::to_vec(&UploadAck { run_id, round_idx }).unwrap_or_default();
+    Ok(([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], ack).into_response())
+}
+
+fn closed() -> Refusal {
+    Refusal(StatusCode::CONFLICT, ErrorCode::RoundClosed, "the round no longer accepts uploads here".into())
+}
+
+/// The schema and model version of a shard; waits briefly for the next poll when the shard is
+/// not known yet (a device can check in and upload between two polls).
+async fn shard_for(
+    inner: &Inner,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> Result<(starling_core::tensor::TensorSchema, ModelVersion), Refusal> {
+    let started = Instant::now();
+    loop {
+        if let Some(s) = inner.shards.lock().expect("shards poisoned").get(&(run_id, round_idx)) {
+            return Ok((s.task.schema.clone(), s.task.model_version));
+        }
+        if started.elapsed() > UNKNOWN_SHARD_WAIT {
+            return Err(Refusal(StatusCode::NOT_FOUND, ErrorCode::NotFound, format!("this aggregator has no shard of run {run_id} round {round_idx}")));
+        }
+        inner.poll_now.notify_one();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

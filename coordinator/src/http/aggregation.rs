@@ -1,0 +1,155 @@
+//! The aggregation API: what aggregator nodes call, in CBOR, with the cluster secret as their
+//! bearer credential. Polls (liveness + shard assignments), partial reports, and the NCCL
+//! bootstrap id a GPU aggregator group exchanges through the coordinator.
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode};
+use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport};
+use starling_core::wire::{self, ErrorBody};
+use starling_core::{RoundIdx, RunId};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::fleet::{check_content_type, decode_small};
+use super::{ApiError, AppState, Cbor, bearer, sha256};
+use crate::driver::Event;
+
+/// Room in a partial beyond its sums: the device and aggregator lists and metrics.
+const PARTIAL_ENVELOPE_LIMIT: usize = 4 * 1024 * 1024;
+/// Largest NCCL unique id accepted (NCCL's is 128 bytes).
+const NCCL_ID_LIMIT: usize = 1024;
+
+/// The aggregation routes, each with its OpenAPI operation.
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(poll))
+        .routes(routes!(partial))
+        .routes(routes!(put_nccl_id, get_nccl_id))
+}
+
+/// An aggregator node, authenticated by the cluster secret.
+pub struct AggregatorAuth;
+
+impl FromRequestParts<AppState> for AggregatorAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let Some(expected) = state.inner.aggregator_secret_hash else {
+            return Err(crate::driver::DriverError::TierOff.into());
+        };
+        let secret = bearer(parts)
+            .ok_or_else(|| ApiError::unauthorized("missing aggregator credential"))?;
+        // Digests compare in time independent of where the strings differ.
+        if sha256(secret.as_bytes()) == expected {
+            Ok(AggregatorAuth)
+        } else {
+            Err(ApiError::unauthorized("wrong aggregator credential"))
+        }
+    }
+}
+
+/// An aggregator says it is alive and where devices reach it; the answer lists its shards of
+/// open rounds. Missing polls for the liveness period counts it as lost.
+#[utoipa::path(post, path = "/v1/aggregation/poll", tag = "aggregation", security(("aggregator" = [])),
+    request_body(content = AggregatorHello, content_type = "application/cbor"),
+    responses((status = 200, description = "its shards", body = AggregatorWork, content_type = "application/cbor"),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody),
+        (status = 404, description = "no aggregator tier configured", body = ErrorBody)))]
+async fn poll(
+    State(state): State<AppState>,
+    _auth: AggregatorAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Cbor<AggregatorWork>, ApiError> {
+    let hello: AggregatorHello = decode_small(&state, &headers, body).await?;
+    if hello.url.len() > 2048 || !(hello.url.starts_with("http://") || hello.url.starts_with("https://")) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            wire::ErrorCode::InvalidField,
+            "url must be an http(s) URL of at most 2048 bytes",
+        ));
+    }
+    Ok(Cbor(state.driver().call(|reply| Event::AggregatorPoll { hello, reply }).await?))
+}
+
+/// An aggregator's partial aggregate of its devices' updates for one round; answered once it
+/// is durable.
+#[utoipa::path(post, path = "/v1/aggregation/runs/{run_id}/rounds/{round_idx}/partial", tag = "aggregation", security(("aggregator" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    request_body(content = PartialReport, content_type = "application/cbor"),
+    responses((status = 204, description = "durable; the devices count as reported"),
+        (status = 400, description = "malformed body", body = ErrorBody),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody),
+        (status = 409, description = "round closed, already reported, or stale model", body = ErrorBody),
+        (status = 413, description = "body too large", body = ErrorBody),
+        (status = 422, description = "sums or lists fail validation", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn partial(
+    State(state): State<AppState>,
+    _auth: AggregatorAuth,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    check_content_type(&headers)?;
+    let plan = state.plan(run_id).await?;
+    let limit = plan.schema().numel() as usize * 16 + PARTIAL_ENVELOPE_LIMIT;
+    let _permit = state.upload_permit().await;
+    let bytes = state.read_body(body, limit).await?;
+    let (report, sums) = tokio::task::spawn_blocking(move || {
+        let report: PartialReport =
+            wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
+        let sums = report.validate(plan.schema()).map_err(|e| {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, wire::ErrorCode::InvalidField, e.to_string())
+        })?;
+        Ok::<_, ApiError>((report, sums))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    let report = Box::new(report);
+    state
+        .driver()
+        .call(|reply| Event::Partial { run_id, round_idx, report, sums, reply })
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The leader of an NCCL aggregator group publishes the group's unique id.
+#[utoipa::path(put, path = "/v1/aggregation/groups/{group}/nccl-id", tag = "aggregation", security(("aggregator" = [])),
+    params(("group" = String, Path, description = "group name")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204, description = "stored"),
+        (status = 413, description = "id too large", body = ErrorBody)))]
+async fn put_nccl_id(
+    State(state): State<AppState>,
+    _auth: AggregatorAuth,
+    Path(group): Path<String>,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let bytes = state.read_body(body, NCCL_ID_LIMIT).await?;
+    state.inner.nccl_ids.lock().expect("nccl ids poisoned").insert(group, bytes.to_vec());
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Group members fetch the unique id their leader published (404 until it has).
+#[utoipa::path(get, path = "/v1/aggregation/groups/{group}/nccl-id", tag = "aggregation", security(("aggregator" = [])),
+    params(("group" = String, Path, description = "group name")),
+    responses((status = 200, description = "the id", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 404, description = "not published yet", body = ErrorBody)))]
+async fn get_nccl_id(
+    State(state): State<AppState>,
+    _auth: AggregatorAuth,
+    Path(group): Path<String>,
+) -> Result<Vec<u8>, ApiError> {
+    state
+        .inner
+        .nccl_ids
+        .lock()
+        .expect("nccl ids poisoned")
+        .get(&group)
+        .cloned()
+        .ok_or_else(|| ApiError::not_found(format!("group {group:?} has published no NCCL id")))
+}

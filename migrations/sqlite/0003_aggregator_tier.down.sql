@@ -1,0 +1,2 @@
+DROP TABLE partials;
+ALTER TABLE selections DROP COLUMN aggregator_id;
