@@ -25,13 +25,17 @@ const KERNEL_PTX: &str = include_str!("fold_batch.ptx");
 #[non_exhaustive]
 pub enum GpuError {
     /// The CUDA driver library (libcuda) is not installed or not on the loader's path.
-    #[error("no CUDA driver library (libcuda.so) could be loaded: install the NVIDIA driver or use the CPU engine")]
+    #[error(
+        "no CUDA driver library (libcuda.so) could be loaded: install the NVIDIA driver or use the CPU engine"
+    )]
     NoDriver,
     /// The driver loaded but reports no GPU.
     #[error("the CUDA driver reports no GPU")]
     NoDevice,
     /// The NCCL library is not installed or not on the loader's path.
-    #[error("no NCCL library (libnccl.so) could be loaded: install NCCL or put its directory on LD_LIBRARY_PATH")]
+    #[error(
+        "no NCCL library (libnccl.so) could be loaded: install NCCL or put its directory on LD_LIBRARY_PATH"
+    )]
     NoNccl,
     /// A CUDA call failed.
     #[error("CUDA error: {0}")]
@@ -147,7 +151,9 @@ impl CudaReducer {
             })
         };
         let sms = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?
             .max(1) as u32;
         let blocks_needed = n_params.div_ceil(256).max(1) as u32;
         Ok(CudaReducer {
@@ -183,7 +189,11 @@ impl CudaReducer {
         self.copy.memcpy_htod(&s.host, &mut s.device)?;
         self.copy.memcpy_htod(&s.host_weights, &mut s.weights)?;
         let (k, n) = (s.filled as u32, self.n as u64);
-        let cfg = LaunchConfig { grid_dim: (self.grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (self.grid, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut launch = self.compute.launch_builder(&self.kernel);
         launch.arg(&mut self.hi).arg(&mut self.lo).arg(&s.device).arg(&s.weights).arg(&k).arg(&n);
         // SAFETY: the arguments match fold_batch's signature (two f64 buffers of n, an f32
@@ -288,9 +298,8 @@ impl NcclGroup {
         if !nccl_present() {
             return Err(GpuError::NoNccl);
         }
-        let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| {
-            id.get(i).copied().unwrap_or(0) as std::ffi::c_char
-        });
+        let internal: [std::ffi::c_char; 128] =
+            std::array::from_fn(|i| id.get(i).copied().unwrap_or(0) as std::ffi::c_char);
         if id.len() != 128 {
             return Err(GpuError::BadNcclId(id.len()));
         }
@@ -308,4 +317,80 @@ impl NcclGroup {
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }
+}
+
+/// Figures of the GPU path alone, for the benchmark (`cargo bench -p starling-aggregator`).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFigures {
+    /// Update bytes reduced per second by the kernel alone (updates already on the GPU).
+    pub update_gbps: f64,
+    /// All bytes the kernel moves per second (updates read, sums read and written).
+    pub memory_gbps: f64,
+    /// Pinned host-to-device copy, bytes per second.
+    pub h2d_gbps: f64,
+}
+
+/// Times the kernel on `k` updates of `n` parameters already on GPU 0 (`reps` launches), and a
+/// pinned host-to-device copy of the same batch.
+pub fn measure_kernel(n: usize, k: usize, reps: usize) -> Result<KernelFigures, GpuError> {
+    let mut r = CudaReducer::new(0, n, k)?;
+    for slot in 0..k {
+        let bytes: Vec<u8> = (0..n).flat_map(|i| ((i % 97) as f32 * 1e-3).to_le_bytes()).collect();
+        r.stage(1 + slot as u64, &bytes)?;
+    }
+    let s = &mut r.staging[0];
+    r.copy.memcpy_htod(&s.host, &mut s.device)?;
+    r.copy.memcpy_htod(&s.host_weights, &mut s.weights)?;
+    r.copy.synchronize()?;
+    // Host-to-device alone.
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        r.copy.memcpy_htod(&s.host, &mut s.device)?;
+    }
+    r.copy.synchronize()?;
+    let h2d_secs = started.elapsed().as_secs_f64();
+    let (kk, nn) = (k as u32, n as u64);
+    let cfg =
+        LaunchConfig { grid_dim: (r.grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let launch = |r: &mut CudaReducer| -> Result<(), GpuError> {
+        let s = &r.staging[0];
+        let mut launch = r.compute.launch_builder(&r.kernel);
+        launch.arg(&mut r.hi).arg(&mut r.lo).arg(&s.device).arg(&s.weights).arg(&kk).arg(&nn);
+        // SAFETY: as in `launch_current`.
+        unsafe { launch.launch(cfg)? };
+        Ok(())
+    };
+    launch(&mut r)?; // warm-up (and the JIT compile)
+    r.compute.synchronize()?;
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        launch(&mut r)?;
+    }
+    r.compute.synchronize()?;
+    let secs = started.elapsed().as_secs_f64();
+    let update_bytes = (k * n * 4 * reps) as f64;
+    let moved = update_bytes + (n * 32 * reps) as f64;
+    Ok(KernelFigures {
+        update_gbps: update_bytes / secs / 1e9,
+        memory_gbps: moved / secs / 1e9,
+        h2d_gbps: (k * n * 4 * reps) as f64 / h2d_secs / 1e9,
+    })
+}
+
+/// Times an NCCL all-reduce of `n` f64 in a group of one on GPU 0; bytes per second of the
+/// buffer (NCCL's "algorithm bandwidth"; its bus bandwidth equals it times 2(w-1)/w, zero for
+/// one GPU).
+pub fn measure_all_reduce(n: usize, reps: usize) -> Result<f64, GpuError> {
+    let r = CudaReducer::new(0, 1, 1)?;
+    let id = NcclGroup::unique_id()?;
+    let group = NcclGroup::join(&r, 0, 1, &id)?;
+    let mut buffer = r.compute.alloc_zeros::<f64>(n)?;
+    group.all_reduce_f64(&mut buffer)?;
+    r.compute.synchronize()?;
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        group.all_reduce_f64(&mut buffer)?;
+    }
+    r.compute.synchronize()?;
+    Ok((n * 8 * reps) as f64 / started.elapsed().as_secs_f64() / 1e9)
 }

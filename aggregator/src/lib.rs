@@ -9,6 +9,7 @@
 //!
 //! No burn here: aggregators work on flat little-endian tensors.
 
+pub mod cli;
 pub mod gpu;
 pub mod reduce;
 pub mod service;

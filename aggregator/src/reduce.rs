@@ -131,7 +131,10 @@ impl Reducer for CpuReducer {
     fn finish(&mut self) -> Result<(Vec<f64>, Vec<f64>), ReduceError> {
         self.reduce_pending();
         let n = self.hi.len();
-        Ok((std::mem::replace(&mut self.hi, vec![0.0; n]), std::mem::replace(&mut self.lo, vec![0.0; n])))
+        Ok((
+            std::mem::replace(&mut self.hi, vec![0.0; n]),
+            std::mem::replace(&mut self.lo, vec![0.0; n]),
+        ))
     }
 }
 
@@ -164,9 +167,7 @@ impl Engine {
     pub fn reducer(&self, n_params: usize) -> Result<Box<dyn Reducer>, ReduceError> {
         Ok(match *self {
             Engine::Cpu { threads } => Box::new(CpuReducer::new(n_params, 8, threads)),
-            Engine::Cuda { device } => {
-                Box::new(crate::gpu::CudaReducer::new(device, n_params, 8)?)
-            }
+            Engine::Cuda { device } => Box::new(crate::gpu::CudaReducer::new(device, n_params, 8)?),
         })
     }
 

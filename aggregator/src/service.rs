@@ -18,7 +18,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use starling_core::fedavg::{ValidatedUpdate, validate_update};
+use starling_core::fedavg::{PartialSums, ValidatedUpdate, validate_update};
 use starling_core::tier::{
     AggregatorHello, AggregatorWork, PartialReport, ShardTask, TICKET_HEADER, TicketKey,
 };
@@ -102,13 +102,16 @@ struct Inner {
     poll_now: Notify,
 }
 
+/// What a shard's reduction thread hands back: the devices in it and their sums.
+type Reduced = Result<(Vec<DeviceId>, PartialSums), String>;
+
 struct Shard {
     task: ShardTask,
     deadline: Instant,
     assigned: BTreeSet<DeviceId>,
     received: BTreeSet<DeviceId>,
     queue: Option<mpsc::Sender<(DeviceId, ValidatedUpdate)>>,
-    finished: Option<oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>>,
+    finished: Option<oneshot::Receiver<Reduced>>,
 }
 
 /// Starts the service: binds, then serves uploads and polls the coordinator until shut down.
@@ -117,7 +120,9 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
-    let addr = listener.local_addr().map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
     let url = config.public_url.clone().unwrap_or_else(|| format!("http://{addr}"));
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
@@ -249,7 +254,7 @@ fn track(inner: &Inner, tasks: Vec<ShardTask>) {
 fn reduce_thread(
     mut acc: ShardAccumulator,
     mut rx: mpsc::Receiver<(DeviceId, ValidatedUpdate)>,
-    done: oneshot::Sender<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
+    done: oneshot::Sender<Reduced>,
 ) {
     let mut failure = None;
     while let Some((device, update)) = rx.blocking_recv() {
@@ -266,11 +271,7 @@ fn reduce_thread(
     let _ = done.send(res);
 }
 
-type Due = (
-    (RunId, RoundIdx),
-    oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
-    ShardTask,
-);
+type Due = ((RunId, RoundIdx), oneshot::Receiver<Reduced>, ShardTask);
 
 /// Shards whose deadline passed, or whose assigned devices have all uploaded: their queues
 /// are closed, so their reduction threads finish.
@@ -299,7 +300,7 @@ async fn report(
     inner: &Inner,
     (run_id, round_idx): (RunId, RoundIdx),
     task: ShardTask,
-    finished: oneshot::Receiver<Result<(Vec<DeviceId>, starling_core::fedavg::PartialSums), String>>,
+    finished: oneshot::Receiver<Reduced>,
 ) {
     let (devices, sums) = match finished.await {
         Ok(Ok(done)) => done,
@@ -344,15 +345,22 @@ async fn report(
                 tracing::info!(run = %run_id, round = %round_idx, devices = n, "partial reported");
                 return;
             }
-            Ok(r) if r.status() == StatusCode::CONFLICT || r.status() == StatusCode::UNPROCESSABLE_ENTITY => {
+            Ok(r)
+                if r.status() == StatusCode::CONFLICT
+                    || r.status() == StatusCode::UNPROCESSABLE_ENTITY =>
+            {
                 let status = r.status();
                 let why = r.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
                 // A duplicate means an earlier attempt got through.
                 tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "partial refused");
                 return;
             }
-            Ok(r) => tracing::warn!(run = %run_id, round = %round_idx, status = %r.status(), attempt, "reporting the partial failed; retrying"),
-            Err(e) => tracing::warn!(run = %run_id, round = %round_idx, error = %e, attempt, "reporting the partial failed; retrying"),
+            Ok(r) => {
+                tracing::warn!(run = %run_id, round = %round_idx, status = %r.status(), attempt, "reporting the partial failed; retrying")
+            }
+            Err(e) => {
+                tracing::warn!(run = %run_id, round = %round_idx, error = %e, attempt, "reporting the partial failed; retrying")
+            }
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -383,27 +391,52 @@ async fn upload(
     let ticket = headers
         .get(TICKET_HEADER)
         .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| Refusal(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, format!("missing {TICKET_HEADER}")))?
+        .ok_or_else(|| {
+            Refusal(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::Unauthorized,
+                format!("missing {TICKET_HEADER}"),
+            )
+        })?
         .to_owned();
     let (schema, model_version) = shard_for(&inner, run_id, round_idx).await?;
     let device = inner
         .key
         .verify(&ticket, run_id, round_idx, model_version, inner.config.id)
-        .ok_or_else(|| Refusal(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, "the upload ticket is not valid for this round and aggregator".into()))?;
+        .ok_or_else(|| {
+            Refusal(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::Unauthorized,
+                "the upload ticket is not valid for this round and aggregator".into(),
+            )
+        })?;
     let limit = schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        Refusal(StatusCode::PAYLOAD_TOO_LARGE, ErrorCode::BodyTooLarge, format!("body exceeds {limit} bytes"))
+        Refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::BodyTooLarge,
+            format!("body exceeds {limit} bytes"),
+        )
     })?;
     let update = tokio::task::spawn_blocking(move || {
-        let req: UploadRequest = wire::decode(&bytes)
-            .map_err(|e| Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string()))?;
+        let req: UploadRequest = wire::decode(&bytes).map_err(|e| {
+            Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string())
+        })?;
         if req.model_version != model_version {
-            return Err(Refusal(StatusCode::CONFLICT, ErrorCode::StaleModel, format!("the round trains model version {model_version}")));
+            return Err(Refusal(
+                StatusCode::CONFLICT,
+                ErrorCode::StaleModel,
+                format!("the round trains model version {model_version}"),
+            ));
         }
         validate_update(&schema, req).map_err(|e| {
             let code = match &e {
-                starling_core::fedavg::UpdateError::Tensor(starling_core::tensor::TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
-                starling_core::fedavg::UpdateError::Tensor(starling_core::tensor::TensorError::NonFinite { .. }) => ErrorCode::NonFiniteValue,
+                starling_core::fedavg::UpdateError::Tensor(
+                    starling_core::tensor::TensorError::SchemaMismatch { .. },
+                ) => ErrorCode::SchemaMismatch,
+                starling_core::fedavg::UpdateError::Tensor(
+                    starling_core::tensor::TensorError::NonFinite { .. },
+                ) => ErrorCode::NonFiniteValue,
                 starling_core::fedavg::UpdateError::Tensor(_) => ErrorCode::ShapeMismatch,
                 _ => ErrorCode::InvalidField,
             };
@@ -411,13 +444,20 @@ async fn upload(
         })
     })
     .await
-    .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string()))??;
+    .map_err(|e| {
+        Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
+    })??;
     let queue = {
         let mut shards = inner.shards.lock().expect("shards poisoned");
         let shard = shards.get_mut(&(run_id, round_idx)).ok_or_else(closed)?;
-        let queue = shard.queue.clone().filter(|_| Instant::now() < shard.deadline).ok_or_else(closed)?;
+        let queue =
+            shard.queue.clone().filter(|_| Instant::now() < shard.deadline).ok_or_else(closed)?;
         if !shard.received.insert(device) {
-            return Err(Refusal(StatusCode::CONFLICT, ErrorCode::DuplicateUpload, "device already uploaded in this round".into()));
+            return Err(Refusal(
+                StatusCode::CONFLICT,
+                ErrorCode::DuplicateUpload,
+                "device already uploaded in this round".into(),
+            ));
         }
         queue
     };
@@ -430,7 +470,11 @@ async fn upload(
 }
 
 fn closed() -> Refusal {
-    Refusal(StatusCode::CONFLICT, ErrorCode::RoundClosed, "the round no longer accepts uploads here".into())
+    Refusal(
+        StatusCode::CONFLICT,
+        ErrorCode::RoundClosed,
+        "the round no longer accepts uploads here".into(),
+    )
 }
 
 /// The schema and model version of a shard; waits briefly for the next poll when the shard is
@@ -446,7 +490,11 @@ async fn shard_for(
             return Ok((s.task.schema.clone(), s.task.model_version));
         }
         if started.elapsed() > UNKNOWN_SHARD_WAIT {
-            return Err(Refusal(StatusCode::NOT_FOUND, ErrorCode::NotFound, format!("this aggregator has no shard of run {run_id} round {round_idx}")));
+            return Err(Refusal(
+                StatusCode::NOT_FOUND,
+                ErrorCode::NotFound,
+                format!("this aggregator has no shard of run {run_id} round {round_idx}"),
+            ));
         }
         inner.poll_now.notify_one();
         tokio::time::sleep(Duration::from_millis(50)).await;

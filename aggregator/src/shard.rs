@@ -4,8 +4,8 @@
 
 use std::collections::BTreeSet;
 
-use starling_core::fedavg::{MetricsAccumulator, PartialSums, ValidatedUpdate};
 use starling_core::DeviceId;
+use starling_core::fedavg::{MetricsAccumulator, PartialSums, ValidatedUpdate};
 
 use crate::reduce::{ReduceError, Reducer};
 

@@ -23,8 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use starling_core::fedavg::{
-    Aggregate, AggregateError, FedAvgAccumulator, ValidatedPartial, ValidatedUpdate,
-    validate_parts,
+    Aggregate, AggregateError, FedAvgAccumulator, ValidatedPartial, ValidatedUpdate, validate_parts,
 };
 use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::round::secure::{Record, SecAggRejection};
@@ -32,8 +31,8 @@ use starling_core::round::{
     Action, CheckInDecision, Input, OpenRoundSnapshot, RequestId, RoundClosing, RoundOutcome,
     RunMachine, RunSnapshot, RunStatus, UploadRejection,
 };
-use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::tensor::{TensorPayload, TensorSchema};
+use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::wire::{
     self, CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
 };
@@ -238,7 +237,8 @@ struct RunEntry {
     training_config: String,
     accumulator: AccumulatorWorker,
     /// Pending check-ins, with the device asking.
-    check_ins: HashMap<RequestId, (DeviceId, oneshot::Sender<Result<CheckInResponse, DriverError>>)>,
+    check_ins:
+        HashMap<RequestId, (DeviceId, oneshot::Sender<Result<CheckInResponse, DriverError>>)>,
     uploads: HashMap<RequestId, PendingUpload>,
     partials: HashMap<RequestId, PendingPartial>,
     secagg_messages: HashMap<RequestId, oneshot::Sender<Result<(), DriverError>>>,
@@ -264,7 +264,7 @@ struct PendingUpload {
 enum Reply {
     CheckIn(
         oneshot::Sender<Result<CheckInResponse, DriverError>>,
-        Result<CheckInResponse, DriverError>,
+        Box<Result<CheckInResponse, DriverError>>,
     ),
     Upload(oneshot::Sender<Result<UploadAck, DriverError>>, Result<UploadAck, DriverError>),
     SecAgg(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
@@ -692,12 +692,18 @@ impl Driver {
                         let observer = self.observer.clone();
                         tokio::spawn(async move {
                             let started = std::time::Instant::now();
-                            let res =
-                                store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
-                            observer.store_latency("insert_partial", started.elapsed().as_secs_f64());
+                            let res = store
+                                .insert_partial(run_id, round_idx, slot, &report, now_ms())
+                                .await;
+                            observer
+                                .store_latency("insert_partial", started.elapsed().as_secs_f64());
                             match &res {
-                                Ok(()) => tracing::info!(%run_id, round = %round_idx, aggregators = ?report.aggregators, devices = report.devices.len(), "partial persisted"),
-                                Err(e) => tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted"),
+                                Ok(()) => {
+                                    tracing::info!(%run_id, round = %round_idx, aggregators = ?report.aggregators, devices = report.devices.len(), "partial persisted")
+                                }
+                                Err(e) => {
+                                    tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted")
+                                }
                             }
                             let _ = internal.send(Internal::UpdatePersisted {
                                 run_id,
@@ -753,7 +759,7 @@ impl Driver {
                         if let Some((device, tx)) = entry.check_ins.remove(&request) {
                             let tier = self.tier.as_ref();
                             let res = entry.check_in_response(run_id, device, decision, tier);
-                            replies.push(Reply::CheckIn(tx, Ok(res)));
+                            replies.push(Reply::CheckIn(tx, Box::new(Ok(res))));
                         }
                     }
                     Action::ReplyUpload { request, result } => {
@@ -877,7 +883,7 @@ impl Driver {
             }
             for reply in replies {
                 match reply {
-                    Reply::CheckIn(tx, res) => drop(tx.send(res)),
+                    Reply::CheckIn(tx, res) => drop(tx.send(*res)),
                     Reply::Upload(tx, res) => drop(tx.send(res)),
                     Reply::SecAgg(tx, res) => drop(tx.send(res)),
                     Reply::Partial(tx, res) => drop(tx.send(res)),
@@ -959,22 +965,19 @@ impl RunEntry {
                 report_deadline,
                 secure,
                 aggregator,
-            } => {
-                CheckInResponse::Task(TaskAssignment {
-                    run_id,
-                    round_idx,
-                    model_version,
-                    model_hash: self.model_hash.clone(),
-                    schema: self.plan.schema().clone(),
-                    model_spec: self.plan.model_spec().cloned(),
-                    training_config: self.training_config.clone(),
-                    report_deadline_ms: report_deadline,
-                    secure_aggregation: secure,
-                    upload_to: aggregator.and_then(|a| {
-                        tier?.target(run_id, round_idx, model_version, device, a)
-                    }),
-                })
-            }
+            } => CheckInResponse::Task(TaskAssignment {
+                run_id,
+                round_idx,
+                model_version,
+                model_hash: self.model_hash.clone(),
+                schema: self.plan.schema().clone(),
+                model_spec: self.plan.model_spec().cloned(),
+                training_config: self.training_config.clone(),
+                report_deadline_ms: report_deadline,
+                secure_aggregation: secure,
+                upload_to: aggregator
+                    .and_then(|a| tier?.target(run_id, round_idx, model_version, device, a)),
+            }),
             CheckInDecision::ComeBackLater { after_ms } => CheckInResponse::ComeBackLater {
                 retry_after_secs: ((after_ms + 999) / 1000).clamp(1, 3600) as u32,
             },

@@ -135,7 +135,11 @@ async fn conformance(store: SqlStore) {
         Transition::Select { round_idx: RoundIdx(0), device: d1, aggregator: None },
         Transition::Select { round_idx: RoundIdx(0), device: d2, aggregator: None },
         secagg(1, b"second"),
-        Transition::Select { round_idx: RoundIdx(0), device: d3, aggregator: Some(AggregatorId(7)) },
+        Transition::Select {
+            round_idx: RoundIdx(0),
+            device: d3,
+            aggregator: Some(AggregatorId(7)),
+        },
     ];
     store.apply_transitions(run, &batch, 1_000).await.unwrap();
     store.apply_transitions(run, &batch, 1_000).await.unwrap();

@@ -36,11 +36,11 @@ impl FromRequestParts<AppState> for AggregatorAuth {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let secret =
+            bearer(parts).ok_or_else(|| ApiError::unauthorized("missing aggregator credential"))?;
         let Some(expected) = state.inner.aggregator_secret_hash else {
             return Err(crate::driver::DriverError::TierOff.into());
         };
-        let secret = bearer(parts)
-            .ok_or_else(|| ApiError::unauthorized("missing aggregator credential"))?;
         // Digests compare in time independent of where the strings differ.
         if sha256(secret.as_bytes()) == expected {
             Ok(AggregatorAuth)
@@ -64,7 +64,9 @@ async fn poll(
     body: Body,
 ) -> Result<Cbor<AggregatorWork>, ApiError> {
     let hello: AggregatorHello = decode_small(&state, &headers, body).await?;
-    if hello.url.len() > 2048 || !(hello.url.starts_with("http://") || hello.url.starts_with("https://")) {
+    if hello.url.len() > 2048
+        || !(hello.url.starts_with("http://") || hello.url.starts_with("https://"))
+    {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             wire::ErrorCode::InvalidField,
@@ -103,17 +105,18 @@ async fn partial(
         let report: PartialReport =
             wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let sums = report.validate(plan.schema()).map_err(|e| {
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, wire::ErrorCode::InvalidField, e.to_string())
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                wire::ErrorCode::InvalidField,
+                e.to_string(),
+            )
         })?;
         Ok::<_, ApiError>((report, sums))
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
     let report = Box::new(report);
-    state
-        .driver()
-        .call(|reply| Event::Partial { run_id, round_idx, report, sums, reply })
-        .await?;
+    state.driver().call(|reply| Event::Partial { run_id, round_idx, report, sums, reply }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

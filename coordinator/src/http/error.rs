@@ -161,7 +161,9 @@ impl From<DriverError> for ApiError {
                 UploadRejection::UseAggregator { aggregator } => ApiError::new(
                     S::CONFLICT,
                     C::Conflict,
-                    format!("this device uploads to aggregator {aggregator} (its task's upload_to), not to the coordinator"),
+                    format!(
+                        "this device uploads to aggregator {aggregator} (its task's upload_to), not to the coordinator"
+                    ),
                 ),
                 UploadRejection::NotAssigned => ApiError::new(
                     S::UNPROCESSABLE_ENTITY,

@@ -1,0 +1,97 @@
+//! The `starling-aggregator` command line: one aggregator node of the datacenter tier.
+
+use std::net::SocketAddr;
+
+use crate::{AggregatorConfig, Engine};
+use anyhow::{Context, bail};
+use clap::{Parser, ValueEnum};
+use starling_core::AggregatorId;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum EngineChoice {
+    /// CUDA when a GPU is present, else CPU.
+    Auto,
+    /// SIMD, multi-threaded CPU reduction.
+    Cpu,
+    /// CUDA on --gpu (fails with a clear error without a GPU).
+    Cuda,
+}
+
+/// Starling aggregator node: devices of a large cohort upload here; partials go to the
+/// coordinator.
+#[derive(Debug, Parser)]
+#[command(name = "starling-aggregator", version)]
+struct Cli {
+    /// This node's id (stable across restarts).
+    #[arg(long, env = "STARLING_AGGREGATOR_ID")]
+    id: u32,
+    /// Address to listen on.
+    #[arg(long, env = "STARLING_AGGREGATOR_LISTEN", default_value = "127.0.0.1:9090")]
+    listen: SocketAddr,
+    /// URL devices reach this node at [default: http://{listen}].
+    #[arg(long, env = "STARLING_AGGREGATOR_PUBLIC_URL")]
+    public_url: Option<String>,
+    /// The coordinator's base URL.
+    #[arg(long, env = "STARLING_COORDINATOR_URL")]
+    coordinator: String,
+    /// Secret shared with the coordinator (its --aggregator-secret).
+    #[arg(long, env = "STARLING_AGGREGATOR_SECRET", hide_env_values = true)]
+    secret: String,
+    /// Reduction engine.
+    #[arg(long, value_enum, default_value = "auto")]
+    engine: EngineChoice,
+    /// GPU ordinal for the CUDA engine.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Threads for the CPU engine [default: all].
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+/// Parses the command line and runs the node until Ctrl-C.
+pub fn main() -> anyhow::Result<()> {
+    tokio::runtime::Runtime::new()?.block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if cli.secret.len() < 16 {
+        bail!("the aggregator secret must be at least 16 characters");
+    }
+    let threads = cli.threads.unwrap_or_else(crate::reduce::available_threads);
+    let engine = match cli.engine {
+        EngineChoice::Auto => match Engine::detect() {
+            Engine::Cpu { .. } => Engine::Cpu { threads },
+            cuda => cuda,
+        },
+        EngineChoice::Cpu => Engine::Cpu { threads },
+        EngineChoice::Cuda => {
+            let info = crate::gpu::probe().context("the CUDA engine needs a GPU")?;
+            tracing::info!(gpu = %info.name, "CUDA engine");
+            Engine::Cuda { device: cli.gpu }
+        }
+    };
+    let running = crate::start(AggregatorConfig {
+        id: AggregatorId(cli.id),
+        listen: cli.listen,
+        public_url: cli.public_url,
+        coordinator_url: cli.coordinator,
+        secret: cli.secret,
+        engine,
+    })
+    .await?;
+    let addr = running.addr;
+    // Tests and scripts read the bound address from this line.
+    println!("starling-aggregator listening on {addr}");
+    tokio::select! {
+        () = running.wait() => {}
+        res = tokio::signal::ctrl_c() => { res?; }
+    }
+    Ok(())
+}

@@ -1,0 +1,294 @@
+//! The aggregator tier end to end: a coordinator, three `starling-aggregator` processes and
+//! devices over real HTTP. The committed model equals, bit for bit, the model one coordinator
+//! commits for the same updates; a SIGKILLed aggregator costs exactly its own devices.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use starling_client::protocol::FleetClient;
+use starling_coordinator::tier::TierSettings;
+use starling_core::fedavg::{FedAvgAccumulator, validate_update};
+use starling_core::tier::{AggregatorHello, TICKET_HEADER};
+use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
+use starling_core::{AggregatorId, RunId};
+use starling_tests::{
+    InProcess, api_code, enroll, expect_tasks, http_client, model_values, sqlite_db,
+    start_in_process_configured, wait_model,
+};
+
+const SECRET: &str = "tier-test-secret-0123456789";
+const PARAMS: u64 = 20_000;
+
+/// An aggregator node as a child process.
+struct ChildAggregator {
+    id: u32,
+    child: Child,
+}
+
+impl ChildAggregator {
+    fn spawn(id: u32, coordinator: &str) -> anyhow::Result<Self> {
+        let bin = Path::new(env!("CARGO_BIN_EXE_aggregator_under_test"));
+        let mut child = Command::new(bin)
+            .args([
+                "--id",
+                &id.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator",
+                coordinator,
+            ])
+            // CI has no GPU; on a GPU machine STARLING_TEST_AGGREGATOR_ENGINE=cuda runs the
+            // same tests through the CUDA engine.
+            .args([
+                "--engine",
+                &std::env::var("STARLING_TEST_AGGREGATOR_ENGINE").unwrap_or_else(|_| "cpu".into()),
+            ])
+            .args(["--threads", "2"])
+            .env("STARLING_AGGREGATOR_SECRET", SECRET)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+        anyhow::ensure!(line.contains("listening on"), "aggregator {id} did not start: {line:?}");
+        Ok(ChildAggregator { id, child })
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildAggregator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn coordinator(db: &str, tier: bool) -> anyhow::Result<InProcess> {
+    start_in_process_configured(db, &Default::default(), |c| {
+        c.limits.device = None;
+        c.tier = tier.then(|| TierSettings {
+            secret: SECRET.to_owned(),
+            cohort_threshold: 4,
+            report_grace: Duration::from_secs(3),
+            liveness: Duration::from_millis(1500),
+        });
+    })
+    .await
+}
+
+fn plan(devices: u32, quorum: u32, reporting_secs: f64, rounds: u32) -> serde_json::Value {
+    serde_json::json!({
+        "model": {
+            "schema": {"tensors": [{"name": "w", "shape": [PARAMS], "dtype": "f32"}]},
+            "init": {"kind": "seeded", "seed": 42}
+        },
+        "training": {"optimizer": "sgd", "lr": 0.1},
+        "cohort_size": devices, "over_selection": 1.0, "min_quorum": quorum,
+        "selection_timeout_secs": reporting_secs, "reporting_timeout_secs": reporting_secs, "rounds": rounds,
+    })
+}
+
+/// Device `i`'s update: arbitrary f32s (not exact in any sum), and an example count.
+fn update(task: &TaskAssignment, i: usize) -> UploadRequest {
+    let mut state = 0x2545_f491_4f6c_dd1du64 ^ ((i as u64 + 1) * 0x9e37_79b9);
+    let delta: Vec<f32> = (0..PARAMS)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.3
+        })
+        .collect();
+    UploadRequest {
+        model_version: task.model_version,
+        example_count: 1 + (i as u64 * 37) % 300,
+        metrics: [("loss".to_owned(), 0.5 + i as f64 / 100.0)].into(),
+        delta: task.schema.encode_f32(&delta),
+    }
+}
+
+/// Starts 3 aggregators and waits until the coordinator hands out tasks through them.
+async fn aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
+    let nodes =
+        (1..=3).map(|id| ChildAggregator::spawn(id, &c.url)).collect::<anyhow::Result<Vec<_>>>()?;
+    // Their first poll registers them; it follows the "listening" line at once.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    Ok(nodes)
+}
+
+/// What one coordinator alone commits for these updates: core's accumulator, in order.
+fn single_node_model(global: &[f32], task: &TaskAssignment, updates: &[UploadRequest]) -> Vec<f32> {
+    let mut acc = FedAvgAccumulator::new(global.len());
+    for u in updates {
+        acc.add(&validate_update(&task.schema, u.clone()).unwrap());
+    }
+    acc.finish().unwrap().apply(global, 1.0).unwrap()
+}
+
+async fn run_and_tasks(
+    c: &InProcess,
+    devices: &[FleetClient],
+    plan: &serde_json::Value,
+) -> anyhow::Result<(RunId, Vec<TaskAssignment>)> {
+    let run = RunId(c.admin.create_run(plan).await?.id);
+    Ok((run, expect_tasks(devices).await?))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result<()> {
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let _nodes = aggregators(&c).await?;
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 12, 30.0, 1)).await?;
+    let targets: BTreeSet<AggregatorId> =
+        tasks.iter().map(|t| t.upload_to.as_ref().expect("a tiered task").aggregator).collect();
+    assert!(targets.len() >= 2, "24 devices hash onto several aggregators: {targets:?}");
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
+
+    // Refusals first: the coordinator sends a tiered device to its aggregator; an aggregator
+    // refuses a missing or forged ticket, or one made out for another aggregator.
+    assert_eq!(
+        api_code(devices[0].upload(run, tasks[0].round_idx, &updates[0]).await),
+        Some(ErrorCode::Conflict)
+    );
+    let target = tasks[0].upload_to.clone().unwrap();
+    let url = format!("{}/v1/runs/{run}/rounds/{}/updates", target.url, tasks[0].round_idx);
+    let http = http_client();
+    // (Refused before the body is read: send none, or the server may close mid-body.)
+    let no_ticket = http.post(&url).send().await?;
+    assert_eq!(no_ticket.status(), 401);
+    let forged = target.ticket.replacen(':', ":00", 1);
+    let res = http.post(&url).header(TICKET_HEADER, forged).send().await?;
+    assert_eq!(res.status(), 401);
+    let other = tasks
+        .iter()
+        .position(|t| t.upload_to.as_ref().unwrap().aggregator != target.aggregator)
+        .unwrap();
+    let elsewhere = tasks[other].upload_to.as_ref().unwrap();
+    let res = http.post(&url).header(TICKET_HEADER, &elsewhere.ticket).send().await?;
+    assert_eq!(res.status(), 401, "a ticket for another aggregator");
+    // The aggregation API wants the cluster secret.
+    let hello = starling_core::wire::to_vec(&AggregatorHello {
+        id: AggregatorId(9),
+        url: "http://x".into(),
+        engine: "cpu".into(),
+    })?;
+    let res = http
+        .post(format!("{}/v1/aggregation/poll", c.url))
+        .bearer_auth("wrong-secret-wrong-secret")
+        .body(hello)
+        .send()
+        .await?;
+    assert_eq!(res.status(), 401);
+
+    // Every device uploads to its aggregator, concurrently.
+    let sent = futures_util::future::join_all(devices.iter().zip(&tasks).zip(&updates).map(
+        |((d, t), u)| d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u),
+    ))
+    .await;
+    for res in sent {
+        res?;
+    }
+    // A second upload of the same device is a duplicate at its aggregator.
+    let again = devices[1]
+        .upload_to_aggregator(
+            tasks[1].upload_to.as_ref().unwrap(),
+            run,
+            tasks[1].round_idx,
+            &updates[1],
+        )
+        .await;
+    assert!(matches!(
+        api_code(again),
+        Some(ErrorCode::DuplicateUpload) | Some(ErrorCode::RoundClosed)
+    ));
+
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    let round = c.admin.round(run, 0).await?;
+    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    assert_eq!(
+        committed,
+        single_node_model(&global, &tasks[0], &updates),
+        "tiered = one node, bit for bit"
+    );
+    let loss = round.metrics.as_ref().and_then(|m| m.get("loss")).copied();
+    assert!(loss.is_some(), "the partials carry the metrics: {:?}", round.metrics);
+
+    // The same updates through a coordinator without a tier commit the same bits.
+    let (_dir2, db2) = sqlite_db();
+    let plain = coordinator(&db2, false).await?;
+    let plain_devices = enroll(&plain.url, &plain.admin, 24).await?;
+    let (plain_run, plain_tasks) =
+        run_and_tasks(&plain, &plain_devices, &plan(24, 12, 30.0, 1)).await?;
+    assert!(plain_tasks.iter().all(|t| t.upload_to.is_none()));
+    for ((d, t), u) in plain_devices.iter().zip(&plain_tasks).zip(&updates) {
+        d.upload(plain_run, t.round_idx, u).await?;
+    }
+    let plain_hash = wait_model(&plain.admin, plain_run, 1).await?;
+    let plain_model = model_values(&plain_devices[0], &plain_hash, &plain_tasks[0].schema).await?;
+    assert_eq!(plain_model, committed);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_aggregator_loses_only_its_devices() -> anyhow::Result<()> {
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let mut nodes = aggregators(&c).await?;
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 2)).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, t) in tasks.iter().enumerate() {
+        by_node.entry(t.upload_to.as_ref().unwrap().aggregator.0).or_default().push(i);
+    }
+    // The victim: the node with the most devices. One device of every node holds back, so no
+    // node reports early; the victim dies with its uploads in memory.
+    let victim = *by_node.iter().max_by_key(|(_, v)| v.len()).unwrap().0;
+    let holdouts: BTreeSet<usize> = by_node.values().map(|v| v[0]).collect();
+    let mut survivors = vec![];
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        if holdouts.contains(&i) {
+            continue;
+        }
+        let u = update(t, i);
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, &u).await?;
+        if t.upload_to.as_ref().unwrap().aggregator.0 != victim {
+            survivors.push(u);
+        }
+    }
+    nodes.iter_mut().find(|n| n.id == victim).unwrap().kill();
+
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    let lost = by_node[&victim].len() as i64;
+    assert_eq!(
+        round.n_reported,
+        24 - lost - 2,
+        "the victim's devices and the survivors' holdouts are missing"
+    );
+    assert_eq!(round.n_dropped, Some(lost + 2));
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors));
+
+    // The next round assigns devices only to the live aggregators.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let next = expect_tasks(&devices).await?;
+    let used: BTreeSet<u32> =
+        next.iter().map(|t| t.upload_to.as_ref().unwrap().aggregator.0).collect();
+    assert!(!used.contains(&victim), "{used:?} includes the dead aggregator {victim}");
+    assert_eq!(next[0].round_idx.0, 1);
+    c.admin.stop(run).await?;
+    Ok(())
+}
