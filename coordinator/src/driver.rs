@@ -68,6 +68,17 @@ pub enum DriverError {
     TierOff,
 }
 
+impl From<UploadRejection> for DriverError {
+    /// A store that could not make an update or partial durable is `Unavailable` (retry);
+    /// every other refusal is the machine's.
+    fn from(r: UploadRejection) -> Self {
+        match r {
+            UploadRejection::Unavailable => DriverError::Unavailable,
+            r => DriverError::Upload(r),
+        }
+    }
+}
+
 /// A request from the HTTP edge.
 #[derive(Debug)]
 pub enum Event {
@@ -715,11 +726,7 @@ impl Driver {
                     Action::ReplyPartial { request, result } => {
                         let Some(p) = entry.partials.get_mut(&request) else { continue };
                         if let Some(tx) = p.reply.take() {
-                            let res = result.map_err(|r| match r {
-                                UploadRejection::Unavailable => DriverError::Unavailable,
-                                r => DriverError::Upload(r),
-                            });
-                            replies.push(Reply::Partial(tx, res));
+                            replies.push(Reply::Partial(tx, result.map_err(DriverError::from)));
                         }
                         entry.forget_if_done(request);
                     }
@@ -767,10 +774,7 @@ impl Driver {
                         if let Some(tx) = p.reply.take() {
                             let res = result
                                 .map(|()| UploadAck { run_id, round_idx: p.round_idx })
-                                .map_err(|r| match r {
-                                    UploadRejection::Unavailable => DriverError::Unavailable,
-                                    r => DriverError::Upload(r),
-                                });
+                                .map_err(DriverError::from);
                             replies.push(Reply::Upload(tx, res));
                         }
                         entry.forget_if_done(request);

@@ -200,7 +200,7 @@ macro_rules! round_select {
                     r.reporting_deadline_ms, r.closed_at_ms,
                     COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
                     COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)
-                             + (SELECT COALESCE(SUM(p.n_devices), 0) FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx)) AS n_reported,
+                             + (SELECT CAST(COALESCE(SUM(p.n_devices), 0) AS BIGINT) FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx)) AS n_reported,
                     r.n_dropped, r.outcome_json, r.metrics_json
          FROM rounds r"
     };

@@ -1,6 +1,7 @@
 //! The aggregator tier end to end: a coordinator, three `starling-aggregator` processes and
 //! devices over real HTTP. The committed model equals, bit for bit, the model one coordinator
-//! commits for the same updates; a SIGKILLed aggregator costs exactly its own devices.
+//! commits for the same updates (SQLite); a SIGKILLed aggregator costs exactly its own devices
+//! (Postgres).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
@@ -241,10 +242,13 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_killed_aggregator_loses_only_its_devices() -> anyhow::Result<()> {
-    let (_dir, db) = sqlite_db();
-    let c = coordinator(&db, true).await?;
+/// On Postgres: the partials and assignments go through the production store.
+#[sqlx::test(migrations = false)]
+async fn a_killed_aggregator_loses_only_its_devices(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) -> anyhow::Result<()> {
+    let c = coordinator(&starling_tests::pg_url(&opts), true).await?;
     let mut nodes = aggregators(&c).await?;
     let devices = enroll(&c.url, &c.admin, 24).await?;
     let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 2)).await?;
