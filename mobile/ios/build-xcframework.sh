@@ -7,7 +7,7 @@ root="$here/../.."
 cd "$root"
 target="${CARGO_TARGET_DIR:-$root/target}"
 for t in aarch64-apple-ios aarch64-apple-ios-sim; do
-  cargo build --release -p starling-mobile --target "$t"
+  cargo rustc --release -p starling-mobile --lib --target "$t" --crate-type staticlib
 done
 cargo build -p starling-mobile
 gen="$here/build/generated"

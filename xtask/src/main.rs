@@ -42,13 +42,14 @@ fn test() -> anyhow::Result<()> {
         Err(_) => ensure_postgres()?,
     };
     ensure_software_vulkan()?;
+    keep_disk_headroom(&target_dir(&repo_root()?))?;
     // The container test serves the built dashboard, as the image does.
     build_dashboard(&repo_root()?.join("web-dashboard"))?;
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     step("format", Command::new(&cargo).args(["fmt", "--all", "--", "--check"]))?;
     step(
         "clippy",
-        Command::new(&cargo).args([
+        build_cargo(&cargo).args([
             "clippy",
             "--workspace",
             "--all-targets",
@@ -61,7 +62,7 @@ fn test() -> anyhow::Result<()> {
         .args(["nextest", "--version"])
         .output()
         .is_ok_and(|o| o.status.success());
-    let mut tests = Command::new(&cargo);
+    let mut tests = build_cargo(&cargo);
     if nextest {
         tests.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
     } else {
@@ -75,6 +76,86 @@ fn test() -> anyhow::Result<()> {
     dashboard_tests(&cargo)?;
     mobile_tests()?;
     Ok(())
+}
+
+/// Cargo for the workspace builds of both commands (the same settings, so one build serves
+/// both). Without incremental state: a whole-suite run gains little from it and it was a quarter
+/// of the target directory (17 GB) when CI's disk filled up.
+fn build_cargo(cargo: &str) -> Command {
+    let mut cmd = Command::new(cargo);
+    cmd.env("CARGO_INCREMENTAL", "0");
+    cmd
+}
+
+/// Free space the suite wants on the target directory's disk before it builds (a cold build
+/// writes about 10 GB).
+const WANTED_FREE_BYTES: u64 = 20 << 30;
+/// Past this the target directory is mostly stale artifacts (every other clone path, lockfile or
+/// feature set leaves its own hashed copies behind), so it is cleared.
+const TARGET_DIR_BUDGET_BYTES: u64 = 40 << 30;
+
+/// Keeps the stable target directory from filling the disk: a run that starts short of space
+/// first drops incremental state, then the whole debug build, and says so. The price is one cold
+/// build; the alternative was a CI run that died with "No space left on device".
+fn keep_disk_headroom(target: &Path) -> anyhow::Result<()> {
+    let debug = target.join("debug");
+    let size = directory_bytes(target);
+    let free = free_bytes(target);
+    eprintln!(
+        "==> disk: target directory {:.1} GiB, {} free",
+        gib(size),
+        free.map_or_else(|| "unknown".to_owned(), |f| format!("{:.1} GiB", gib(f)))
+    );
+    let short = |free: Option<u64>| free.is_some_and(|f| f < WANTED_FREE_BYTES);
+    if size > TARGET_DIR_BUDGET_BYTES || short(free) {
+        let incremental = debug.join("incremental");
+        if incremental.exists() {
+            eprintln!("==> disk: removing {}", incremental.display());
+            std::fs::remove_dir_all(&incremental)
+                .with_context(|| format!("removing {}", incremental.display()))?;
+        }
+    }
+    if directory_bytes(target) > TARGET_DIR_BUDGET_BYTES || short(free_bytes(target)) {
+        eprintln!("==> disk: still short, removing {} (a cold build follows)", debug.display());
+        if debug.exists() {
+            std::fs::remove_dir_all(&debug)
+                .with_context(|| format!("removing {}", debug.display()))?;
+        }
+    }
+    if let Some(free) = free_bytes(target).filter(|&f| f < WANTED_FREE_BYTES) {
+        eprintln!(
+            "==> disk: warning: only {:.1} GiB free after clearing the build; the build may fail",
+            gib(free)
+        );
+    }
+    Ok(())
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30)
+}
+
+/// Bytes under `dir` (0 when it does not exist); symlinks are not followed.
+fn directory_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| match entry.file_type() {
+            Ok(kind) if kind.is_dir() => directory_bytes(&entry.path()),
+            Ok(kind) if kind.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Free bytes on the disk holding `path` (or its nearest existing ancestor), from POSIX `df`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let output = Command::new("df").arg("-Pk").arg(existing).output().ok()?;
+    let text = String::from_utf8(output.stdout).ok()?;
+    // "Filesystem 1024-blocks Used Available Capacity Mounted-on", then one line of numbers.
+    let available_kib: u64 = text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()?;
+    Some(available_kib * 1024)
 }
 
 /// Generates the mobile bindings from the built library (Kotlin and Swift must generate; they
@@ -128,12 +209,7 @@ fn dashboard_tests(cargo: &str) -> anyhow::Result<()> {
     // The same targets (and so the same feature set) the test run just built: nothing rebuilds.
     step(
         "build the binaries",
-        Command::new(cargo).current_dir(&root).args([
-            "build",
-            "-q",
-            "--workspace",
-            "--all-targets",
-        ]),
+        build_cargo(cargo).current_dir(&root).args(["build", "-q", "--workspace", "--all-targets"]),
     )?;
     let target = target_dir(&root).join("debug");
     step(
@@ -188,7 +264,7 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
     // and rebuilds it).
     step(
         "build",
-        Command::new(&cargo).current_dir(&root).args(["build", "-q", "--workspace", "--bins"]),
+        build_cargo(&cargo).current_dir(&root).args(["build", "-q", "--workspace", "--bins"]),
     )?;
     let target = target_dir(&root).join("debug");
     let data = root.join("starling-data").join("demo");
