@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 
-use crate::{AggregatorConfig, Engine};
+use crate::{AggregatorConfig, Engine, GroupConfig};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use starling_core::AggregatorId;
@@ -46,6 +46,19 @@ struct Cli {
     /// Threads for the CPU engine [default: all].
     #[arg(long)]
     threads: Option<usize>,
+    /// Aggregator group to join: its members hand their shards to the leader (rank 0), which
+    /// reports one partial for the group. Needs --rank and --world-size.
+    #[arg(long, env = "STARLING_AGGREGATOR_GROUP", requires_all = ["rank", "world_size"])]
+    group: Option<String>,
+    /// This node's rank in its group (0 leads).
+    #[arg(long, env = "STARLING_AGGREGATOR_RANK", requires = "group")]
+    rank: Option<u32>,
+    /// Members of the group, the leader included.
+    #[arg(long, env = "STARLING_AGGREGATOR_WORLD_SIZE", requires = "group")]
+    world_size: Option<u32>,
+    /// How long past its deadline the leader waits for members' shards, milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    group_wait_ms: u64,
 }
 
 /// Parses the command line and runs the node until Ctrl-C.
@@ -77,6 +90,19 @@ async fn run() -> anyhow::Result<()> {
             Engine::Cuda { device: cli.gpu }
         }
     };
+    let group = match (cli.group, cli.rank, cli.world_size) {
+        (Some(name), Some(rank), Some(world_size)) => {
+            let group = GroupConfig {
+                name,
+                rank,
+                world_size,
+                wait: std::time::Duration::from_millis(cli.group_wait_ms),
+            };
+            group.validate().context("--group/--rank/--world-size")?;
+            Some(group)
+        }
+        _ => None,
+    };
     let running = crate::start(AggregatorConfig {
         id: AggregatorId(cli.id),
         listen: cli.listen,
@@ -84,6 +110,7 @@ async fn run() -> anyhow::Result<()> {
         coordinator_url: cli.coordinator,
         secret: cli.secret,
         engine,
+        group,
     })
     .await?;
     let addr = running.addr;

@@ -3,6 +3,7 @@
 //! into a reduction, and reports one partial aggregate per round to the coordinator.
 //!
 //! * [`reduce`]: the reduction engines (SIMD + multi-threaded CPU; [`gpu`]: CUDA, NCCL).
+//! * [`group`]: aggregator groups, whose leader reports one partial for all its members.
 //! * [`shard`]: one round's shard: who uploaded, their weights, metrics and sums.
 //! * [`service`]: the HTTP service devices upload to, and the loop that polls the coordinator
 //!   for shards and reports partials at each round's deadline.
@@ -11,9 +12,11 @@
 
 pub mod cli;
 pub mod gpu;
+pub mod group;
 pub mod reduce;
 pub mod service;
 pub mod shard;
 
+pub use group::{GroupConfig, GroupConfigError};
 pub use reduce::{Engine, ReduceError, Reducer};
 pub use service::{AggregatorConfig, RunningAggregator, start};

@@ -3,6 +3,9 @@
 //! it registered with the coordinator, learns its shards, and reports each shard's partial at
 //! the round's deadline (or as soon as every assigned device has uploaded).
 //!
+//! In an aggregator group ([`crate::group`]) members hand their finished shards to the
+//! group's leader, which reports one partial for all of them.
+//!
 //! An accepted upload is in the reduction, not on disk: an aggregator that dies loses its
 //! shard, and the coordinator counts those devices as dropped (the round commits without them
 //! if quorum holds). The partial is durable once the coordinator answers 204.
@@ -51,6 +54,9 @@ pub struct AggregatorConfig {
     pub secret: String,
     /// What reduces.
     pub engine: Engine,
+    /// The aggregator group this node belongs to, if any: members hand their shards to the
+    /// group's leader, which reports one partial for all of them.
+    pub group: Option<crate::group::GroupConfig>,
 }
 
 /// Why the service could not start.
@@ -93,25 +99,28 @@ impl RunningAggregator {
     }
 }
 
-struct Inner {
-    config: AggregatorConfig,
-    url: String,
+pub(crate) struct Inner {
+    pub(crate) config: AggregatorConfig,
+    pub(crate) url: String,
     key: TicketKey,
-    http: reqwest::Client,
-    shards: Mutex<HashMap<(RunId, RoundIdx), Shard>>,
+    pub(crate) http: reqwest::Client,
+    pub(crate) shards: Mutex<HashMap<(RunId, RoundIdx), Shard>>,
     poll_now: Notify,
+    pub(crate) group: Option<crate::group::GroupState>,
 }
 
 /// What a shard's reduction thread hands back: the devices in it and their sums.
 type Reduced = Result<(Vec<DeviceId>, PartialSums), String>;
 
-struct Shard {
-    task: ShardTask,
-    deadline: Instant,
+pub(crate) struct Shard {
+    pub(crate) task: ShardTask,
+    pub(crate) deadline: Instant,
     assigned: BTreeSet<DeviceId>,
     received: BTreeSet<DeviceId>,
     queue: Option<mpsc::Sender<(DeviceId, ValidatedUpdate)>>,
     finished: Option<oneshot::Receiver<Reduced>>,
+    /// On a group leader: the members' finished shards of this round, until it reports.
+    pub(crate) inbox: crate::group::Inbox,
 }
 
 /// Starts the service: binds, then serves uploads and polls the coordinator until shut down.
@@ -128,7 +137,9 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
         .timeout(Duration::from_secs(120))
         .build()
         .map_err(|e| ServiceError::Client(e.to_string()))?;
+    let group = config.group.clone().map(|g| crate::group::GroupState::new(g, &config.engine));
     let inner = Arc::new(Inner {
+        group,
         key: TicketKey::derive(config.secret.as_bytes()),
         config,
         url: url.clone(),
@@ -138,6 +149,7 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
     });
     let app = Router::new()
         .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
+        .route(crate::group::HANDOFF_ROUTE, post(crate::group::handoff))
         .route("/livez", get(|| async { "ok" }))
         .with_state(inner.clone());
     let shutdown = Arc::new(Notify::new());
@@ -175,6 +187,7 @@ async fn poll_loop(inner: Arc<Inner>) {
             }
             Err(e) => tracing::warn!(error = %e, "polling the coordinator failed; retrying"),
         }
+        crate::group::rendezvous(&inner).await;
         for (key, finished, task) in due_shards(&inner) {
             let inner = inner.clone();
             tokio::spawn(async move { report(&inner, key, task, finished).await });
@@ -243,6 +256,7 @@ fn track(inner: &Inner, tasks: Vec<ShardTask>) {
                         received: BTreeSet::new(),
                         queue: Some(tx),
                         finished: Some(done_rx),
+                        inbox: crate::group::Inbox::default(),
                     },
                 );
             }
@@ -295,36 +309,67 @@ fn due_shards(inner: &Inner) -> Vec<Due> {
     due
 }
 
-/// Waits for a shard's reduction and reports it, retrying transient failures.
+/// Waits for a shard's reduction, then reports it: to the coordinator, or in a group through
+/// its leader.
 async fn report(
     inner: &Inner,
     (run_id, round_idx): (RunId, RoundIdx),
     task: ShardTask,
     finished: oneshot::Receiver<Reduced>,
 ) {
-    let (devices, sums) = match finished.await {
-        Ok(Ok(done)) => done,
+    let own = match finished.await {
+        Ok(Ok((devices, sums))) if !devices.is_empty() => Some(PartialReport::new(
+            task.model_version,
+            task.schema.schema_id(),
+            vec![inner.config.id],
+            devices,
+            sums,
+        )),
+        Ok(Ok(_)) | Err(_) => None,
         Ok(Err(e)) => {
             tracing::error!(run = %run_id, round = %round_idx, error = %e, "reduction failed; this shard's devices drop out");
-            return;
+            None
         }
-        Err(_) => return,
     };
-    if devices.is_empty() {
-        tracing::info!(run = %run_id, round = %round_idx, "no device uploaded; nothing to report");
-        return;
+    let key = (run_id, round_idx);
+    match (&inner.group, own) {
+        (Some(group), own) if group.is_leader() => group.lead(inner, key, &task, own).await,
+        (_, None) => {
+            tracing::info!(run = %run_id, round = %round_idx, "no device uploaded; nothing to report");
+        }
+        (Some(group), Some(own)) => {
+            if let Some(own) = group.hand_to_leader(inner, key, own).await {
+                send_partial(inner, key, own).await;
+            }
+        }
+        (None, Some(own)) => {
+            send_partial(inner, key, own).await;
+        }
     }
-    let n = devices.len();
-    let report = PartialReport::new(
-        task.model_version,
-        task.schema.schema_id(),
-        vec![inner.config.id],
-        devices,
-        sums,
-    );
+}
+
+/// How the coordinator answered a partial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// Durable there.
+    Accepted,
+    /// Refused for good (closed round, duplicate, invalid): retrying will not help.
+    Refused,
+    /// Not delivered after every retry.
+    GaveUp,
+}
+
+/// Reports one partial to the coordinator, retrying transient failures.
+pub(crate) async fn send_partial(
+    inner: &Inner,
+    (run_id, round_idx): (RunId, RoundIdx),
+    report: PartialReport,
+) -> Sent {
+    let n = report.devices.len();
+    let aggregators = report.aggregators.len();
     let body = match tokio::task::spawn_blocking(move || wire::to_vec(&report)).await {
         Ok(Ok(body)) => body,
-        _ => return,
+        _ => return Sent::GaveUp,
     };
     let url = format!(
         "{}/v1/aggregation/runs/{run_id}/rounds/{round_idx}/partial",
@@ -342,8 +387,8 @@ async fn report(
             .await;
         match res {
             Ok(r) if r.status().is_success() => {
-                tracing::info!(run = %run_id, round = %round_idx, devices = n, "partial reported");
-                return;
+                tracing::info!(run = %run_id, round = %round_idx, devices = n, aggregators, "partial reported");
+                return Sent::Accepted;
             }
             Ok(r)
                 if r.status() == StatusCode::CONFLICT
@@ -353,7 +398,7 @@ async fn report(
                 let why = r.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
                 // A duplicate means an earlier attempt got through.
                 tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "partial refused");
-                return;
+                return Sent::Refused;
             }
             Ok(r) => {
                 tracing::warn!(run = %run_id, round = %round_idx, status = %r.status(), attempt, "reporting the partial failed; retrying")
@@ -366,10 +411,11 @@ async fn report(
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
     tracing::error!(run = %run_id, round = %round_idx, "gave up reporting the partial; its devices drop out");
+    Sent::GaveUp
 }
 
 /// An error answer in the fleet API's shape, so the SDK reads it like the coordinator's.
-struct Refusal(StatusCode, ErrorCode, String);
+pub(crate) struct Refusal(pub(crate) StatusCode, pub(crate) ErrorCode, pub(crate) String);
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
@@ -479,7 +525,7 @@ fn closed() -> Refusal {
 
 /// The schema and model version of a shard; waits briefly for the next poll when the shard is
 /// not known yet (a device can check in and upload between two polls).
-async fn shard_for(
+pub(crate) async fn shard_for(
     inner: &Inner,
     run_id: RunId,
     round_idx: RoundIdx,

@@ -63,8 +63,8 @@ struct Inner {
     require_client_certificate: bool,
     /// SHA-256 of the cluster secret, when the aggregator tier is on.
     aggregator_secret_hash: Option<[u8; 32]>,
-    /// NCCL unique ids published by aggregator group leaders, by group.
-    nccl_ids: Mutex<HashMap<String, Vec<u8>>>,
+    /// Rendezvous documents published by aggregator group leaders, by group name.
+    groups: Mutex<HashMap<String, starling_core::tier::GroupRendezvous>>,
 }
 
 /// Deadlines that keep slow or stalled clients from holding connections and upload permits.
@@ -147,7 +147,7 @@ impl AppState {
                 timeouts,
                 require_client_certificate: false,
                 aggregator_secret_hash: None,
-                nccl_ids: Mutex::new(HashMap::new()),
+                groups: Mutex::new(HashMap::new()),
             }),
         }
     }

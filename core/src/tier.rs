@@ -139,6 +139,70 @@ pub struct AggregatorHello {
     pub engine: String,
 }
 
+/// Longest aggregator-group name (it is a URL path segment).
+pub const MAX_GROUP_NAME: usize = 64;
+
+/// What the leader (rank 0) of an aggregator group publishes through the coordinator
+/// (`PUT /v1/aggregation/groups/{group}`), so that members find it: where to hand their
+/// finished shards, how many members there are, and the NCCL unique id when the group
+/// reduces on GPUs.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRendezvous {
+    /// The leader's aggregator id.
+    pub leader: AggregatorId,
+    /// The leader's base URL (members post their shards there).
+    pub leader_url: String,
+    /// Members, the leader included.
+    pub world_size: u32,
+    /// NCCL's 128-byte unique id, when the leader runs the CUDA engine with NCCL present.
+    #[serde(default, with = "serde_bytes")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = Binary))]
+    pub nccl_id: Option<Vec<u8>>,
+}
+
+/// Why a group name or rendezvous document is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GroupError {
+    /// The name is empty, too long, or not `[A-Za-z0-9._-]`.
+    #[error("a group name is 1 to {MAX_GROUP_NAME} characters of A-Z, a-z, 0-9, '.', '_', '-'")]
+    BadName,
+    /// Fewer than two members, or more than one partial may speak for.
+    #[error("a group has 2 to {MAX_AGGREGATORS_PER_PARTIAL} members, not {0}")]
+    BadWorldSize(u32),
+    /// The leader URL is not http(s).
+    #[error("the leader URL must be http:// or https://")]
+    BadLeaderUrl,
+    /// An NCCL unique id that is not 128 bytes.
+    #[error("an NCCL unique id is 128 bytes, got {0}")]
+    BadNcclId(usize),
+}
+
+/// Checks a group name (it becomes a URL path segment).
+pub fn validate_group_name(name: &str) -> Result<(), GroupError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_GROUP_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok { Ok(()) } else { Err(GroupError::BadName) }
+}
+
+impl GroupRendezvous {
+    /// Checks the document's fields.
+    pub fn validate(&self) -> Result<(), GroupError> {
+        if !(2..=MAX_AGGREGATORS_PER_PARTIAL as u32).contains(&self.world_size) {
+            return Err(GroupError::BadWorldSize(self.world_size));
+        }
+        if !(self.leader_url.starts_with("http://") || self.leader_url.starts_with("https://")) {
+            return Err(GroupError::BadLeaderUrl);
+        }
+        match &self.nccl_id {
+            Some(id) if id.len() != 128 => Err(GroupError::BadNcclId(id.len())),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The answer to [`AggregatorHello`]: the open rounds that have devices assigned to it.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -209,6 +273,9 @@ pub enum PartialReportError {
     /// A sums byte string is not a whole number of f64s.
     #[error("partial sums are not whole little-endian f64s")]
     Ragged,
+    /// Partials of one group were computed on different model versions.
+    #[error("the partials being merged are of different model versions")]
+    ModelVersion,
     /// The sums fail validation.
     #[error(transparent)]
     Sums(#[from] PartialError),
@@ -265,6 +332,39 @@ impl PartialReport {
         };
         Ok(validate_partial(schema, sums)?)
     }
+}
+
+/// Merges the partial reports of an aggregator group's members into one that speaks for all of
+/// them (what the group's leader reports). Reports are merged in aggregator-id order, so the
+/// result does not depend on arrival order. Refuses reports of another model version or
+/// schema, and an aggregator or device that appears twice.
+pub fn merge_reports(
+    schema: &TensorSchema,
+    mut reports: Vec<PartialReport>,
+) -> Result<PartialReport, PartialReportError> {
+    reports.sort_by_key(|r| r.aggregators.first().copied());
+    let first = reports.first().ok_or(PartialReportError::BadList("aggregator"))?;
+    let model_version = first.model_version;
+    let mut aggregators = vec![];
+    let mut devices = vec![];
+    let mut merged: Option<crate::fedavg::FedAvgAccumulator> = None;
+    for report in &reports {
+        if report.model_version != model_version {
+            return Err(PartialReportError::ModelVersion);
+        }
+        let sums = report.validate(schema)?;
+        aggregators.extend_from_slice(&report.aggregators);
+        devices.extend_from_slice(&report.devices);
+        match &mut merged {
+            None => merged = Some(crate::fedavg::FedAvgAccumulator::from_partial(sums)),
+            Some(acc) => acc.merge(&sums),
+        }
+    }
+    let sums = merged.expect("at least one report").into_partial();
+    let merged = PartialReport::new(model_version, schema.schema_id(), aggregators, devices, sums);
+    // Repeats across reports show up here: the merged lists must be distinct.
+    merged.validate(schema)?;
+    Ok(merged)
 }
 
 fn distinct<T: Ord>(ids: &[T], max: usize) -> bool {

@@ -1,7 +1,8 @@
 //! The aggregator tier end to end: a coordinator, three `starling-aggregator` processes and
 //! devices over real HTTP. The committed model equals, bit for bit, the model one coordinator
 //! commits for the same updates (SQLite); a SIGKILLed aggregator costs exactly its own devices
-//! (Postgres).
+//! (Postgres). Grouped, the three report one partial through their leader, and members of a
+//! dead leader report alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
@@ -31,6 +32,10 @@ struct ChildAggregator {
 
 impl ChildAggregator {
     fn spawn(id: u32, coordinator: &str) -> anyhow::Result<Self> {
+        Self::spawn_with(id, coordinator, &[])
+    }
+
+    fn spawn_with(id: u32, coordinator: &str, extra: &[String]) -> anyhow::Result<Self> {
         let bin = Path::new(env!("CARGO_BIN_EXE_aggregator_under_test"));
         let mut child = Command::new(bin)
             .args([
@@ -48,6 +53,7 @@ impl ChildAggregator {
                 &std::env::var("STARLING_TEST_AGGREGATOR_ENGINE").unwrap_or_else(|_| "cpu".into()),
             ])
             .args(["--threads", "2"])
+            .args(extra)
             .env("STARLING_AGGREGATOR_SECRET", SECRET)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -294,5 +300,134 @@ async fn a_killed_aggregator_loses_only_its_devices(
     assert!(!used.contains(&victim), "{used:?} includes the dead aggregator {victim}");
     assert_eq!(next[0].round_idx.0, 1);
     c.admin.stop(run).await?;
+    Ok(())
+}
+
+/// Three aggregators in group "rack" (ids 1-3, ranks 0-2: node 1 leads), once the members
+/// found their leader through the coordinator.
+async fn grouped_aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
+    let nodes = (1..=3u32)
+        .map(|id| {
+            let group = ["--group", "rack", "--rank", &(id - 1).to_string(), "--world-size", "3"];
+            let extra: Vec<String> = group.iter().map(|s| s.to_string()).collect();
+            ChildAggregator::spawn_with(
+                id,
+                &c.url,
+                &[extra, vec!["--group-wait-ms".into(), "1000".into()]].concat(),
+            )
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // The leader publishes on its first poll; members look it up on each poll until found.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    Ok(nodes)
+}
+
+/// The aggregator lists of a round's stored partials.
+async fn stored_partials(db: &str, run: RunId) -> anyhow::Result<Vec<Vec<u32>>> {
+    let pool = sqlx::SqlitePool::connect(db).await?;
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT aggregators_json FROM partials WHERE run_id = ? AND round_idx = 0 ORDER BY slot",
+    )
+    .bind(run.0)
+    .fetch_all(&pool)
+    .await?;
+    rows.iter().map(|(json,)| Ok(serde_json::from_str(json)?)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
+    use starling_core::tier::GroupRendezvous;
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let _nodes = grouped_aggregators(&c).await?;
+
+    // The rendezvous, as the members read it; and what the endpoint refuses.
+    let http = http_client();
+    let groups = format!("{}/v1/aggregation/groups", c.url);
+    let res = http.get(format!("{groups}/rack")).bearer_auth(SECRET).send().await?;
+    assert_eq!(res.status(), 200);
+    let doc: GroupRendezvous = starling_core::wire::decode(&res.bytes().await?)?;
+    assert_eq!((doc.leader, doc.world_size, doc.nccl_id.is_some()), (AggregatorId(1), 3, false));
+    let res =
+        http.get(format!("{groups}/rack")).bearer_auth("wrong-secret-wrong-secret").send().await?;
+    assert_eq!(res.status(), 401);
+    let res = http.get(format!("{groups}/nobody")).bearer_auth(SECRET).send().await?;
+    assert_eq!(res.status(), 404);
+    let res = http.get(format!("{groups}/bad!name")).bearer_auth(SECRET).send().await?;
+    assert_eq!(res.status(), 400);
+    let lonely = GroupRendezvous { world_size: 1, ..doc.clone() };
+    let res = http
+        .put(format!("{groups}/other"))
+        .bearer_auth(SECRET)
+        .body(starling_core::wire::to_vec(&lonely)?)
+        .send()
+        .await?;
+    assert_eq!(res.status(), 422);
+
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 12, 30.0, 1)).await?;
+    let targets: BTreeSet<u32> =
+        tasks.iter().map(|t| t.upload_to.as_ref().expect("a tiered task").aggregator.0).collect();
+    assert_eq!(targets, BTreeSet::from([1, 2, 3]), "24 devices reach every node");
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
+    for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
+    }
+
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_eq!(committed, single_node_model(&global, &tasks[0], &updates), "bit for bit");
+    assert_eq!(
+        stored_partials(&db, run).await?,
+        vec![vec![1, 2, 3]],
+        "one partial, from the leader, for the whole group"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn members_of_a_dead_group_leader_report_alone() -> anyhow::Result<()> {
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let mut nodes = grouped_aggregators(&c).await?;
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 1)).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, t) in tasks.iter().enumerate() {
+        by_node.entry(t.upload_to.as_ref().unwrap().aggregator.0).or_default().push(i);
+    }
+    assert_eq!(by_node.len(), 3, "every node has devices: {by_node:?}");
+    // One device of every node holds back, so shards end at the deadline; the leader (node 1)
+    // dies before then, with its devices' uploads.
+    let holdouts: BTreeSet<usize> = by_node.values().map(|v| v[0]).collect();
+    let mut survivors = vec![];
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        if holdouts.contains(&i) {
+            continue;
+        }
+        let u = update(t, i);
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, &u).await?;
+        if t.upload_to.as_ref().unwrap().aggregator.0 != 1 {
+            survivors.push(u);
+        }
+    }
+    nodes.iter_mut().find(|n| n.id == 1).unwrap().kill();
+
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    let lost = by_node[&1].len() as i64;
+    assert_eq!(round.n_reported, 24 - lost - 2, "the leader's devices and two holdouts");
+    assert_eq!(round.n_dropped, Some(lost + 2));
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors));
+    assert_eq!(
+        stored_partials(&db, run).await?.into_iter().collect::<BTreeSet<_>>(),
+        BTreeSet::from([vec![2], vec![3]]),
+        "each member reported its own shard"
+    );
     Ok(())
 }

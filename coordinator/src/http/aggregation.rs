@@ -1,12 +1,14 @@
 //! The aggregation API: what aggregator nodes call, in CBOR, with the cluster secret as their
-//! bearer credential. Polls (liveness + shard assignments), partial reports, and the NCCL
-//! bootstrap id a GPU aggregator group exchanges through the coordinator.
+//! bearer credential. Polls (liveness + shard assignments), partial reports, and the
+//! rendezvous of aggregator groups (where members find their leader, and the NCCL unique id).
 
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
-use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport};
+use starling_core::tier::{
+    AggregatorHello, AggregatorWork, GroupRendezvous, PartialReport, validate_group_name,
+};
 use starling_core::wire::{self, ErrorBody};
 use starling_core::{RoundIdx, RunId};
 use utoipa_axum::router::OpenApiRouter;
@@ -18,15 +20,15 @@ use crate::driver::Event;
 
 /// Room in a partial beyond its sums: the device and aggregator lists and metrics.
 const PARTIAL_ENVELOPE_LIMIT: usize = 4 * 1024 * 1024;
-/// Largest NCCL unique id accepted (NCCL's is 128 bytes).
-const NCCL_ID_LIMIT: usize = 1024;
+/// Aggregator groups the coordinator keeps rendezvous documents for.
+const MAX_GROUPS: usize = 4096;
 
 /// The aggregation routes, each with its OpenAPI operation.
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(poll))
         .routes(routes!(partial))
-        .routes(routes!(put_nccl_id, get_nccl_id))
+        .routes(routes!(put_group, get_group))
 }
 
 /// An aggregator node, authenticated by the cluster secret.
@@ -120,39 +122,60 @@ async fn partial(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The leader of an NCCL aggregator group publishes the group's unique id.
-#[utoipa::path(put, path = "/v1/aggregation/groups/{group}/nccl-id", tag = "aggregation", security(("aggregator" = [])),
-    params(("group" = String, Path, description = "group name")),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+/// The leader of an aggregator group publishes where members find it (and the group's NCCL
+/// unique id on GPUs); a restarted leader publishes again, replacing it. Held in memory: a
+/// leader republishes periodically, so a restarted coordinator learns it again.
+#[utoipa::path(put, path = "/v1/aggregation/groups/{group}", tag = "aggregation", security(("aggregator" = [])),
+    params(("group" = String, Path, description = "group name: 1-64 of A-Z a-z 0-9 . _ -")),
+    request_body(content = GroupRendezvous, content_type = "application/cbor"),
     responses((status = 204, description = "stored"),
-        (status = 413, description = "id too large", body = ErrorBody)))]
-async fn put_nccl_id(
+        (status = 400, description = "malformed body or bad group name", body = ErrorBody),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody),
+        (status = 422, description = "the document fails validation", body = ErrorBody)))]
+async fn put_group(
     State(state): State<AppState>,
     _auth: AggregatorAuth,
     Path(group): Path<String>,
+    headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let bytes = state.read_body(body, NCCL_ID_LIMIT).await?;
-    state.inner.nccl_ids.lock().expect("nccl ids poisoned").insert(group, bytes.to_vec());
+    validate_group_name(&group).map_err(|e| ApiError::malformed(e.to_string()))?;
+    let rendezvous: GroupRendezvous = decode_small(&state, &headers, body).await?;
+    rendezvous.validate().map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            wire::ErrorCode::InvalidField,
+            e.to_string(),
+        )
+    })?;
+    let mut groups = state.inner.groups.lock().expect("groups poisoned");
+    if groups.len() >= MAX_GROUPS && !groups.contains_key(&group) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            wire::ErrorCode::InvalidField,
+            format!("at most {MAX_GROUPS} aggregator groups"),
+        ));
+    }
+    groups.insert(group, rendezvous);
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Group members fetch the unique id their leader published (404 until it has).
-#[utoipa::path(get, path = "/v1/aggregation/groups/{group}/nccl-id", tag = "aggregation", security(("aggregator" = [])),
+/// Group members look up their leader (404 until it has published).
+#[utoipa::path(get, path = "/v1/aggregation/groups/{group}", tag = "aggregation", security(("aggregator" = [])),
     params(("group" = String, Path, description = "group name")),
-    responses((status = 200, description = "the id", body = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, description = "the leader's document", body = GroupRendezvous, content_type = "application/cbor"),
+        (status = 400, description = "bad group name", body = ErrorBody),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody),
         (status = 404, description = "not published yet", body = ErrorBody)))]
-async fn get_nccl_id(
+async fn get_group(
     State(state): State<AppState>,
     _auth: AggregatorAuth,
     Path(group): Path<String>,
-) -> Result<Vec<u8>, ApiError> {
-    state
-        .inner
-        .nccl_ids
-        .lock()
-        .expect("nccl ids poisoned")
-        .get(&group)
-        .cloned()
-        .ok_or_else(|| ApiError::not_found(format!("group {group:?} has published no NCCL id")))
+) -> Result<Cbor<GroupRendezvous>, ApiError> {
+    validate_group_name(&group).map_err(|e| ApiError::malformed(e.to_string()))?;
+    let groups = state.inner.groups.lock().expect("groups poisoned");
+    let found = groups.get(&group).cloned();
+    found
+        .map(Cbor)
+        .ok_or_else(|| ApiError::not_found(format!("group {group:?} has no leader published yet")))
 }

@@ -168,3 +168,102 @@ fn bad_partials_are_refused_with_the_reason() {
         PartialReportError::Sums(PartialError::Metric(_))
     ));
 }
+
+/// Three shards' reports, for the merge tests: (schema, single-node accumulator, reports).
+fn three_shard_reports() -> (TensorSchema, FedAvgAccumulator, Vec<PartialReport>) {
+    let n = 3000;
+    let schema = schema(n);
+    let mut rng = SplitMix64(11);
+    let mut single = FedAvgAccumulator::new(n as usize);
+    let mut shards = vec![FedAvgAccumulator::new(n as usize); 3];
+    for i in 0..45 {
+        let delta: Vec<f32> = (0..n).map(|_| (rng.unit() as f32 - 0.5) * 1e-2).collect();
+        let metrics = BTreeMap::from([("loss".to_string(), rng.unit())]);
+        let bytes = crate::tensor::f32_to_le_bytes(&delta);
+        let u = validate_parts(&schema, bytes, 1 + (i * 53 % 400) as u64, metrics).unwrap();
+        single.add(&u);
+        shards[i % 3].add(&u);
+    }
+    let reports = shards
+        .into_iter()
+        .enumerate()
+        .map(|(s, shard)| {
+            let devices = (0..45i64).filter(|i| *i as usize % 3 == s).map(DeviceId).collect();
+            let aggregator = vec![AggregatorId(s as u32 + 1)];
+            PartialReport::new(
+                ModelVersion(4),
+                schema.schema_id(),
+                aggregator,
+                devices,
+                shard.into_partial(),
+            )
+        })
+        .collect();
+    (schema, single, reports)
+}
+
+#[test]
+fn a_groups_merged_report_commits_the_single_node_model() {
+    let (schema, single, mut reports) = three_shard_reports();
+    // Arrival order does not matter: the leader merges in aggregator order.
+    reports.swap(0, 2);
+    let merged = merge_reports(&schema, reports.clone()).unwrap();
+    reports.swap(0, 1);
+    assert_eq!(merge_reports(&schema, reports).unwrap(), merged);
+    assert_eq!(merged.aggregators, vec![AggregatorId(1), AggregatorId(2), AggregatorId(3)]);
+    assert_eq!(merged.devices.len(), 45);
+
+    let mut coordinator = FedAvgAccumulator::new(3000);
+    coordinator.merge(&merged.validate(&schema).unwrap());
+    let global = vec![-0.5f32; 3000];
+    let (a, b) = (single.finish().unwrap(), coordinator.finish().unwrap());
+    assert_eq!(a.total_weight, b.total_weight);
+    assert_eq!(a.apply(&global, 1.0).unwrap(), b.apply(&global, 1.0).unwrap());
+}
+
+#[test]
+fn a_group_merge_refuses_what_it_cannot_speak_for() {
+    let (schema, _, reports) = three_shard_reports();
+    assert_eq!(merge_reports(&schema, vec![]), Err(PartialReportError::BadList("aggregator")));
+    let mut stale = reports.clone();
+    stale[1].model_version = ModelVersion(3);
+    assert_eq!(merge_reports(&schema, stale), Err(PartialReportError::ModelVersion));
+    let mut twice = reports.clone();
+    twice[2].devices[0] = twice[0].devices[0];
+    assert_eq!(merge_reports(&schema, twice), Err(PartialReportError::BadList("device")));
+    let mut same_node = reports.clone();
+    same_node[2].aggregators = same_node[0].aggregators.clone();
+    assert_eq!(merge_reports(&schema, same_node), Err(PartialReportError::BadList("aggregator")));
+    let mut other_schema = reports;
+    other_schema[1].schema_id = self::schema(7).schema_id();
+    assert_eq!(merge_reports(&schema, other_schema), Err(PartialReportError::SchemaMismatch));
+}
+
+#[test]
+fn group_names_and_rendezvous_documents_are_checked() {
+    for good in ["gpu-rack-7", "a", "A.b_c-9"] {
+        assert_eq!(validate_group_name(good), Ok(()), "{good}");
+    }
+    for bad in ["", "with space", "slash/y", "ü", &"x".repeat(MAX_GROUP_NAME + 1)] {
+        assert_eq!(validate_group_name(bad), Err(GroupError::BadName), "{bad:?}");
+    }
+    let good = GroupRendezvous {
+        leader: AggregatorId(1),
+        leader_url: "http://10.0.0.1:9090".into(),
+        world_size: 4,
+        nccl_id: Some(vec![7; 128]),
+    };
+    assert_eq!(good.validate(), Ok(()));
+    let round_trip: GroupRendezvous =
+        crate::wire::decode(&crate::wire::to_vec(&good).unwrap()).unwrap();
+    assert_eq!(round_trip, good);
+    let with = |f: &dyn Fn(&mut GroupRendezvous)| {
+        let mut r = good.clone();
+        f(&mut r);
+        r.validate()
+    };
+    assert_eq!(with(&|r| r.world_size = 1), Err(GroupError::BadWorldSize(1)));
+    assert_eq!(with(&|r| r.leader_url = "ftp://x".into()), Err(GroupError::BadLeaderUrl));
+    assert_eq!(with(&|r| r.nccl_id = Some(vec![0; 12])), Err(GroupError::BadNcclId(12)));
+    assert_eq!(with(&|r| r.nccl_id = None), Ok(()));
+}
