@@ -21,10 +21,12 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use starling_core::tier::{GroupRendezvous, PartialReport, ShardTask, merge_reports};
-use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
+use starling_core::wire::{self, ErrorBody, ErrorCode};
 use starling_core::{RoundIdx, RunId};
 
-use crate::service::{Inner, Refusal, Sent, send_partial, shard_for};
+use crate::service::{
+    Inner, Refusal, Sent, malformed, read_body, send_partial, shard_for, stale_model,
+};
 
 /// Where a group leader takes its members' finished shards.
 pub(crate) const HANDOFF_ROUTE: &str = "/v1/group/runs/{run_id}/rounds/{round_idx}/partial";
@@ -213,10 +215,7 @@ impl GroupState {
             leader.leader_url.trim_end_matches('/')
         );
         let res = inner
-            .http
-            .post(url)
-            .bearer_auth(&inner.config.secret)
-            .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+            .cbor_request(reqwest::Method::POST, &url)
             .timeout(HANDOFF_TIMEOUT)
             .body(body)
             .send()
@@ -270,10 +269,7 @@ async fn publish(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
     };
     let body = wire::to_vec(&doc).map_err(|e| e.to_string())?;
     let res = inner
-        .http
-        .put(url)
-        .bearer_auth(&inner.config.secret)
-        .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+        .cbor_request(reqwest::Method::PUT, url)
         .body(body)
         .send()
         .await
@@ -358,23 +354,11 @@ pub(crate) async fn handoff(
         )
     })?;
     let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        Refusal(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorCode::BodyTooLarge,
-            format!("body exceeds {limit} bytes"),
-        )
-    })?;
+    let bytes = read_body(body, limit).await?;
     let report = tokio::task::spawn_blocking(move || {
-        let report: PartialReport = wire::decode(&bytes).map_err(|e| {
-            Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string())
-        })?;
+        let report: PartialReport = wire::decode(&bytes).map_err(malformed)?;
         if report.model_version != model_version {
-            return Err(Refusal(
-                StatusCode::CONFLICT,
-                ErrorCode::StaleModel,
-                format!("the round trains model version {model_version}"),
-            ));
+            return Err(stale_model(model_version));
         }
         report.validate(&schema).map_err(|e| {
             Refusal(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidField, e.to_string())

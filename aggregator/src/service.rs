@@ -109,6 +109,45 @@ pub(crate) struct Inner {
     pub(crate) group: Option<crate::group::GroupState>,
 }
 
+impl Inner {
+    /// A CBOR request carrying the cluster secret (to the coordinator, or to a group leader).
+    pub(crate) fn cbor_request(
+        &self,
+        method: reqwest::Method,
+        url: &str,
+    ) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, url)
+            .bearer_auth(&self.config.secret)
+            .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+    }
+}
+
+/// The body, or 413 past `limit` bytes.
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, Refusal> {
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        Refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::BodyTooLarge,
+            format!("body exceeds {limit} bytes"),
+        )
+    })
+}
+
+/// CBOR that does not decode: 400.
+pub(crate) fn malformed(e: impl std::fmt::Display) -> Refusal {
+    Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string())
+}
+
+/// Work computed on another model version than the round's: 409.
+pub(crate) fn stale_model(current: ModelVersion) -> Refusal {
+    Refusal(
+        StatusCode::CONFLICT,
+        ErrorCode::StaleModel,
+        format!("the round trains model version {current}"),
+    )
+}
+
 /// What a shard's reduction thread hands back: the devices in it and their sums.
 type Reduced = Result<(Vec<DeviceId>, PartialSums), String>;
 
@@ -201,11 +240,9 @@ async fn poll_loop(inner: Arc<Inner>) {
 
 async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorWork, String> {
     let body = wire::to_vec(hello).map_err(|e| e.to_string())?;
+    let url = format!("{}/v1/aggregation/poll", inner.config.coordinator_url.trim_end_matches('/'));
     let res = inner
-        .http
-        .post(format!("{}/v1/aggregation/poll", inner.config.coordinator_url.trim_end_matches('/')))
-        .bearer_auth(&inner.config.secret)
-        .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
+        .cbor_request(reqwest::Method::POST, &url)
         .body(body)
         .send()
         .await
@@ -377,14 +414,7 @@ pub(crate) async fn send_partial(
     );
     let mut backoff = Duration::from_millis(100);
     for attempt in 1..=8 {
-        let res = inner
-            .http
-            .post(&url)
-            .bearer_auth(&inner.config.secret)
-            .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
-            .body(body.clone())
-            .send()
-            .await;
+        let res = inner.cbor_request(reqwest::Method::POST, &url).body(body.clone()).send().await;
         match res {
             Ok(r) if r.status().is_success() => {
                 tracing::info!(run = %run_id, round = %round_idx, devices = n, aggregators, "partial reported");
@@ -457,23 +487,11 @@ async fn upload(
             )
         })?;
     let limit = schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        Refusal(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorCode::BodyTooLarge,
-            format!("body exceeds {limit} bytes"),
-        )
-    })?;
+    let bytes = read_body(body, limit).await?;
     let update = tokio::task::spawn_blocking(move || {
-        let req: UploadRequest = wire::decode(&bytes).map_err(|e| {
-            Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string())
-        })?;
+        let req: UploadRequest = wire::decode(&bytes).map_err(malformed)?;
         if req.model_version != model_version {
-            return Err(Refusal(
-                StatusCode::CONFLICT,
-                ErrorCode::StaleModel,
-                format!("the round trains model version {model_version}"),
-            ));
+            return Err(stale_model(model_version));
         }
         validate_update(&schema, req).map_err(|e| {
             let code = match &e {

@@ -248,6 +248,40 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     Ok(())
 }
 
+/// Device indices by the aggregator their task sends them to.
+fn devices_by_node(tasks: &[TaskAssignment]) -> BTreeMap<u32, Vec<usize>> {
+    let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, t) in tasks.iter().enumerate() {
+        by_node.entry(t.upload_to.as_ref().unwrap().aggregator.0).or_default().push(i);
+    }
+    by_node
+}
+
+/// Every device uploads except one per node (so no node reports before the deadline); returns
+/// the updates that reached nodes other than `victim`.
+async fn upload_all_but_holdouts(
+    devices: &[FleetClient],
+    tasks: &[TaskAssignment],
+    run: RunId,
+    by_node: &BTreeMap<u32, Vec<usize>>,
+    victim: u32,
+) -> anyhow::Result<Vec<UploadRequest>> {
+    let holdouts: BTreeSet<usize> = by_node.values().map(|v| v[0]).collect();
+    let mut survivors = vec![];
+    for (i, (d, t)) in devices.iter().zip(tasks).enumerate() {
+        if holdouts.contains(&i) {
+            continue;
+        }
+        let u = update(t, i);
+        let target = t.upload_to.as_ref().unwrap();
+        d.upload_to_aggregator(target, run, t.round_idx, &u).await?;
+        if target.aggregator.0 != victim {
+            survivors.push(u);
+        }
+    }
+    Ok(survivors)
+}
+
 /// On Postgres: the partials and assignments go through the production store.
 #[sqlx::test(migrations = false)]
 async fn a_killed_aggregator_loses_only_its_devices(
@@ -259,25 +293,11 @@ async fn a_killed_aggregator_loses_only_its_devices(
     let devices = enroll(&c.url, &c.admin, 24).await?;
     let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 2)).await?;
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
-    let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-    for (i, t) in tasks.iter().enumerate() {
-        by_node.entry(t.upload_to.as_ref().unwrap().aggregator.0).or_default().push(i);
-    }
+    let by_node = devices_by_node(&tasks);
     // The victim: the node with the most devices. One device of every node holds back, so no
     // node reports early; the victim dies with its uploads in memory.
     let victim = *by_node.iter().max_by_key(|(_, v)| v.len()).unwrap().0;
-    let holdouts: BTreeSet<usize> = by_node.values().map(|v| v[0]).collect();
-    let mut survivors = vec![];
-    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
-        if holdouts.contains(&i) {
-            continue;
-        }
-        let u = update(t, i);
-        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, &u).await?;
-        if t.upload_to.as_ref().unwrap().aggregator.0 != victim {
-            survivors.push(u);
-        }
-    }
+    let survivors = upload_all_but_holdouts(&devices, &tasks, run, &by_node, victim).await?;
     nodes.iter_mut().find(|n| n.id == victim).unwrap().kill();
 
     let hash = wait_model(&c.admin, run, 1).await?;
@@ -396,25 +416,11 @@ async fn members_of_a_dead_group_leader_report_alone() -> anyhow::Result<()> {
     let devices = enroll(&c.url, &c.admin, 24).await?;
     let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 1)).await?;
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
-    let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-    for (i, t) in tasks.iter().enumerate() {
-        by_node.entry(t.upload_to.as_ref().unwrap().aggregator.0).or_default().push(i);
-    }
+    let by_node = devices_by_node(&tasks);
     assert_eq!(by_node.len(), 3, "every node has devices: {by_node:?}");
-    // One device of every node holds back, so shards end at the deadline; the leader (node 1)
-    // dies before then, with its devices' uploads.
-    let holdouts: BTreeSet<usize> = by_node.values().map(|v| v[0]).collect();
-    let mut survivors = vec![];
-    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
-        if holdouts.contains(&i) {
-            continue;
-        }
-        let u = update(t, i);
-        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, &u).await?;
-        if t.upload_to.as_ref().unwrap().aggregator.0 != 1 {
-            survivors.push(u);
-        }
-    }
+    // Shards end at the deadline; the leader (node 1) dies before then, with its devices'
+    // uploads.
+    let survivors = upload_all_but_holdouts(&devices, &tasks, run, &by_node, 1).await?;
     nodes.iter_mut().find(|n| n.id == 1).unwrap().kill();
 
     let hash = wait_model(&c.admin, run, 1).await?;
