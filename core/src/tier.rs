@@ -193,7 +193,7 @@ impl GroupRendezvous {
         if !(2..=MAX_AGGREGATORS_PER_PARTIAL as u32).contains(&self.world_size) {
             return Err(GroupError::BadWorldSize(self.world_size));
         }
-        if !(self.leader_url.starts_with("http://") || self.leader_url.starts_with("https://")) {
+        if !crate::wire::is_http_url(&self.leader_url) {
             return Err(GroupError::BadLeaderUrl);
         }
         match &self.nccl_id {

@@ -19,6 +19,12 @@ use crate::tensor::{TensorPayload, TensorSchema};
 /// The media type of every fleet-API body.
 pub const CBOR_MEDIA_TYPE: &str = "application/cbor";
 
+/// Whether `url` is an `http://` or `https://` URL: the only schemes Starling's coordinator and
+/// aggregators are reached by.
+pub fn is_http_url(url: &str) -> bool {
+    url.starts_with("http://") || url.starts_with("https://")
+}
+
 /// Why a CBOR body could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

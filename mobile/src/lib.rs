@@ -220,7 +220,7 @@ impl StarlingDevice {
         storage_dir: String,
         shape: ExampleShape,
     ) -> Result<Arc<Self>, StarlingError> {
-        if !(coordinator_url.starts_with("http://") || coordinator_url.starts_with("https://")) {
+        if !starling_core::wire::is_http_url(&coordinator_url) {
             return Err(invalid(format!("{coordinator_url:?} is not an http(s) URL")));
         }
         let input: InputSpec = shape.into();

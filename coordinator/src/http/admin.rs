@@ -67,11 +67,7 @@ async fn create_enrollment_token(
     AppJson(req): AppJson<NewEnrollmentToken>,
 ) -> Result<(StatusCode, AppJson<EnrollmentToken>), ApiError> {
     if req.uses.is_some_and(|u| u < 1) || req.ttl_secs.is_some_and(|t| t < 1) {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorCode::InvalidField,
-            "uses and ttl_secs must be positive",
-        ));
+        return Err(ApiError::invalid("uses and ttl_secs must be positive"));
     }
     let token = random_secret("stenr");
     let now = now_ms();

@@ -66,14 +66,8 @@ async fn poll(
     body: Body,
 ) -> Result<Cbor<AggregatorWork>, ApiError> {
     let hello: AggregatorHello = decode_small(&state, &headers, body).await?;
-    if hello.url.len() > 2048
-        || !(hello.url.starts_with("http://") || hello.url.starts_with("https://"))
-    {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            wire::ErrorCode::InvalidField,
-            "url must be an http(s) URL of at most 2048 bytes",
-        ));
+    if hello.url.len() > 2048 || !wire::is_http_url(&hello.url) {
+        return Err(ApiError::invalid("url must be an http(s) URL of at most 2048 bytes"));
     }
     Ok(Cbor(state.driver().call(|reply| Event::AggregatorPoll { hello, reply }).await?))
 }
@@ -106,13 +100,7 @@ async fn partial(
     let (report, sums) = tokio::task::spawn_blocking(move || {
         let report: PartialReport =
             wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
-        let sums = report.validate(plan.schema()).map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                wire::ErrorCode::InvalidField,
-                e.to_string(),
-            )
-        })?;
+        let sums = report.validate(plan.schema()).map_err(|e| ApiError::invalid(e.to_string()))?;
         Ok::<_, ApiError>((report, sums))
     })
     .await
@@ -141,20 +129,10 @@ async fn put_group(
 ) -> Result<StatusCode, ApiError> {
     validate_group_name(&group).map_err(|e| ApiError::malformed(e.to_string()))?;
     let rendezvous: GroupRendezvous = decode_small(&state, &headers, body).await?;
-    rendezvous.validate().map_err(|e| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            wire::ErrorCode::InvalidField,
-            e.to_string(),
-        )
-    })?;
+    rendezvous.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
     let mut groups = state.inner.groups.lock().expect("groups poisoned");
     if groups.len() >= MAX_GROUPS && !groups.contains_key(&group) {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            wire::ErrorCode::InvalidField,
-            format!("at most {MAX_GROUPS} aggregator groups"),
-        ));
+        return Err(ApiError::invalid(format!("at most {MAX_GROUPS} aggregator groups")));
     }
     groups.insert(group, rendezvous);
     Ok(StatusCode::NO_CONTENT)

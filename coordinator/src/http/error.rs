@@ -48,6 +48,11 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, message)
     }
 
+    /// 422: a field of a well-formed body fails validation.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidField, message)
+    }
+
     /// 401.
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)
@@ -165,18 +170,14 @@ impl From<DriverError> for ApiError {
                         "this device uploads to aggregator {aggregator} (its task's upload_to), not to the coordinator"
                     ),
                 ),
-                UploadRejection::NotAssigned => ApiError::new(
-                    S::UNPROCESSABLE_ENTITY,
-                    C::InvalidField,
+                UploadRejection::NotAssigned => ApiError::invalid(
                     "the partial names a device not assigned to its aggregators, one already reported, or an aggregator without devices in the round",
                 ),
             },
             DriverError::SecAgg(r) => match r {
                 SecAggRejection::Round(r) => DriverError::Upload(r).into(),
                 SecAggRejection::WrongStage(why) => ApiError::new(S::CONFLICT, C::Conflict, why),
-                SecAggRejection::Invalid(why) => {
-                    ApiError::new(S::UNPROCESSABLE_ENTITY, C::InvalidField, why)
-                }
+                SecAggRejection::Invalid(why) => ApiError::invalid(why),
             },
             DriverError::Unavailable => ApiError::unavailable(),
             DriverError::TierOff => ApiError::not_found(

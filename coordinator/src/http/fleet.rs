@@ -335,11 +335,10 @@ async fn evaluation(
     let run_id = RunId(run_id);
     let report: EvaluationReport = decode_small(&state, &headers, body).await?;
     if report.example_count == 0 || report.example_count > MAX_EXAMPLE_COUNT {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorCode::InvalidField,
-            format!("example_count {} is outside 1..={MAX_EXAMPLE_COUNT}", report.example_count),
-        ));
+        return Err(ApiError::invalid(format!(
+            "example_count {} is outside 1..={MAX_EXAMPLE_COUNT}",
+            report.example_count
+        )));
     }
     validate_metrics(&report.metrics)?;
     let ModelVersion(version) = report.model_version;
