@@ -699,29 +699,27 @@ impl Driver {
                             continue;
                         };
                         let store = self.store.clone();
-                        let internal = self.internal_tx.clone();
-                        let observer = self.observer.clone();
-                        tokio::spawn(async move {
-                            let started = std::time::Instant::now();
-                            let res = store
-                                .insert_partial(run_id, round_idx, slot, &report, now_ms())
-                                .await;
-                            observer
-                                .store_latency("insert_partial", started.elapsed().as_secs_f64());
-                            match &res {
+                        let (aggregators, devices) =
+                            (report.aggregators.clone(), report.devices.len());
+                        persist_in_background(
+                            &self.internal_tx,
+                            &self.observer,
+                            (run_id, request),
+                            "insert_partial",
+                            async move {
+                                store
+                                    .insert_partial(run_id, round_idx, slot, &report, now_ms())
+                                    .await
+                            },
+                            move |res, _| match res {
                                 Ok(()) => {
-                                    tracing::info!(%run_id, round = %round_idx, aggregators = ?report.aggregators, devices = report.devices.len(), "partial persisted")
+                                    tracing::info!(%run_id, round = %round_idx, ?aggregators, devices, "partial persisted")
                                 }
                                 Err(e) => {
                                     tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted")
                                 }
-                            }
-                            let _ = internal.send(Internal::UpdatePersisted {
-                                run_id,
-                                request,
-                                ok: res.is_ok(),
-                            });
-                        });
+                            },
+                        );
                     }
                     Action::ReplyPartial { request, result } => {
                         let Some(p) = entry.partials.get_mut(&request) else { continue };
@@ -786,40 +784,36 @@ impl Driver {
                             continue;
                         };
                         let store = self.store.clone();
-                        let internal = self.internal_tx.clone();
-                        let observer = self.observer.clone();
-                        tokio::spawn(async move {
-                            let metrics =
-                                serde_json::to_string(update.metrics()).expect("metrics serialize");
-                            let started = std::time::Instant::now();
-                            let res = store
-                                .insert_update(
-                                    run_id,
-                                    round_idx,
-                                    device,
-                                    slot,
-                                    update.example_count(),
-                                    &metrics,
-                                    update.delta_le_bytes(),
-                                    now_ms(),
-                                )
-                                .await;
-                            let store_ms = started.elapsed().as_secs_f64() * 1e3;
-                            observer.store_latency("insert_update", store_ms / 1e3);
-                            match &res {
+                        persist_in_background(
+                            &self.internal_tx,
+                            &self.observer,
+                            (run_id, request),
+                            "insert_update",
+                            async move {
+                                let metrics = serde_json::to_string(update.metrics())
+                                    .expect("metrics serialize");
+                                store
+                                    .insert_update(
+                                        run_id,
+                                        round_idx,
+                                        device,
+                                        slot,
+                                        update.example_count(),
+                                        &metrics,
+                                        update.delta_le_bytes(),
+                                        now_ms(),
+                                    )
+                                    .await
+                            },
+                            move |res, store_ms| match res {
                                 Ok(()) => {
                                     tracing::debug!(%run_id, %device, store_ms, "update persisted")
                                 }
                                 Err(e) => {
                                     tracing::warn!(%run_id, %device, store_ms, error = %e, "update not persisted")
                                 }
-                            }
-                            let _ = internal.send(Internal::UpdatePersisted {
-                                run_id,
-                                request,
-                                ok: res.is_ok(),
-                            });
-                        });
+                            },
+                        );
                     }
                     Action::FoldUpdate { request } => {
                         if let Some(update) =
@@ -1000,6 +994,29 @@ impl RunEntry {
             self.partials.remove(&request);
         }
     }
+}
+
+/// Runs one durable write of a request's payload (an update, a partial) off the driver loop:
+/// records its latency under `what`, logs the outcome with `log` (given the milliseconds it
+/// took), and tells the loop whether the payload is durable.
+fn persist_in_background(
+    internal: &mpsc::UnboundedSender<Internal>,
+    observer: &Observer,
+    (run_id, request): (RunId, RequestId),
+    what: &'static str,
+    write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
+    log: impl FnOnce(&Result<(), StoreError>, f64) + Send + 'static,
+) {
+    let internal = internal.clone();
+    let observer = observer.clone();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let res = write.await;
+        let secs = started.elapsed().as_secs_f64();
+        observer.store_latency(what, secs);
+        log(&res, secs * 1e3);
+        let _ = internal.send(Internal::UpdatePersisted { run_id, request, ok: res.is_ok() });
+    });
 }
 
 /// Aggregates and commits a closed round, retrying the store until it succeeds.
