@@ -164,9 +164,12 @@ impl GroupState {
             }
             return;
         }
-        let schema = task.schema.clone();
-        let shards = all.clone();
-        let merged = tokio::task::spawn_blocking(move || merge_reports(&schema, shards)).await;
+        // Shared with the merge, not copied: the shards are kept for the fallback below.
+        let all = std::sync::Arc::new(all);
+        let merged = {
+            let (schema, shards) = (task.schema.clone(), all.clone());
+            tokio::task::spawn_blocking(move || merge_reports(&schema, &shards)).await
+        };
         match merged {
             Ok(Ok(merged)) => {
                 if send_partial(inner, key, merged).await != Sent::Refused {
@@ -179,6 +182,8 @@ impl GroupState {
             }
             Err(e) => tracing::error!(error = %e, "merging the group's shards panicked"),
         }
+        // The merge is over, so this is the only handle left.
+        let all = std::sync::Arc::try_unwrap(all).unwrap_or_else(|shared| (*shared).clone());
         for report in all {
             send_partial(inner, key, report).await;
         }

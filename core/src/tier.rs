@@ -340,8 +340,9 @@ impl PartialReport {
 /// schema, and an aggregator or device that appears twice.
 pub fn merge_reports(
     schema: &TensorSchema,
-    mut reports: Vec<PartialReport>,
+    reports: &[PartialReport],
 ) -> Result<PartialReport, PartialReportError> {
+    let mut reports: Vec<&PartialReport> = reports.iter().collect();
     reports.sort_by_key(|r| r.aggregators.first().copied());
     let first = reports.first().ok_or(PartialReportError::BadList("aggregator"))?;
     let model_version = first.model_version;

@@ -207,9 +207,9 @@ fn a_groups_merged_report_commits_the_single_node_model() {
     let (schema, single, mut reports) = three_shard_reports();
     // Arrival order does not matter: the leader merges in aggregator order.
     reports.swap(0, 2);
-    let merged = merge_reports(&schema, reports.clone()).unwrap();
+    let merged = merge_reports(&schema, &reports).unwrap();
     reports.swap(0, 1);
-    assert_eq!(merge_reports(&schema, reports).unwrap(), merged);
+    assert_eq!(merge_reports(&schema, &reports).unwrap(), merged);
     assert_eq!(merged.aggregators, vec![AggregatorId(1), AggregatorId(2), AggregatorId(3)]);
     assert_eq!(merged.devices.len(), 45);
 
@@ -224,19 +224,19 @@ fn a_groups_merged_report_commits_the_single_node_model() {
 #[test]
 fn a_group_merge_refuses_what_it_cannot_speak_for() {
     let (schema, _, reports) = three_shard_reports();
-    assert_eq!(merge_reports(&schema, vec![]), Err(PartialReportError::BadList("aggregator")));
+    assert_eq!(merge_reports(&schema, &[]), Err(PartialReportError::BadList("aggregator")));
     let mut stale = reports.clone();
     stale[1].model_version = ModelVersion(3);
-    assert_eq!(merge_reports(&schema, stale), Err(PartialReportError::ModelVersion));
+    assert_eq!(merge_reports(&schema, &stale), Err(PartialReportError::ModelVersion));
     let mut twice = reports.clone();
     twice[2].devices[0] = twice[0].devices[0];
-    assert_eq!(merge_reports(&schema, twice), Err(PartialReportError::BadList("device")));
+    assert_eq!(merge_reports(&schema, &twice), Err(PartialReportError::BadList("device")));
     let mut same_node = reports.clone();
     same_node[2].aggregators = same_node[0].aggregators.clone();
-    assert_eq!(merge_reports(&schema, same_node), Err(PartialReportError::BadList("aggregator")));
+    assert_eq!(merge_reports(&schema, &same_node), Err(PartialReportError::BadList("aggregator")));
     let mut other_schema = reports;
     other_schema[1].schema_id = self::schema(7).schema_id();
-    assert_eq!(merge_reports(&schema, other_schema), Err(PartialReportError::SchemaMismatch));
+    assert_eq!(merge_reports(&schema, &other_schema), Err(PartialReportError::SchemaMismatch));
 }
 
 #[test]
