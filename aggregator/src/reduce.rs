@@ -189,20 +189,15 @@ pub fn available_threads() -> usize {
 mod tests {
     use super::*;
     use starling_core::fedavg::fold_weighted;
+    use starling_core::rng::SplitMix64;
+    use starling_core::tensor::f32_to_le_bytes;
 
     fn updates(n: usize, count: usize) -> Vec<(u64, Arc<Vec<u8>>)> {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = SplitMix64(0x9e37_79b9_7f4a_7c15);
         (0..count)
             .map(|k| {
-                let bytes = (0..n)
-                    .flat_map(|_| {
-                        state ^= state << 13;
-                        state ^= state >> 7;
-                        state ^= state << 17;
-                        (((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1e-2).to_le_bytes()
-                    })
-                    .collect();
-                (1 + (k as u64 * 31) % 700, Arc::new(bytes))
+                let delta: Vec<f32> = (0..n).map(|_| (rng.unit() as f32 - 0.5) * 1e-2).collect();
+                (1 + (k as u64 * 31) % 700, Arc::new(f32_to_le_bytes(&delta)))
             })
             .collect()
     }

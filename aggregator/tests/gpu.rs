@@ -5,20 +5,15 @@ use std::sync::Arc;
 
 use starling_aggregator::gpu::{self, CudaReducer, GpuError, NcclGroup};
 use starling_aggregator::reduce::{CpuReducer, Reducer};
+use starling_core::rng::SplitMix64;
+use starling_core::tensor::f32_to_le_bytes;
 
 fn updates(n: usize, count: usize, seed: u64) -> Vec<(u64, Arc<Vec<u8>>)> {
-    let mut state = seed | 1;
+    let mut rng = SplitMix64(seed);
     (0..count)
         .map(|k| {
-            let bytes = (0..n)
-                .flat_map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.37).to_le_bytes()
-                })
-                .collect();
-            (1 + (k as u64 * 7919) % 5000, Arc::new(bytes))
+            let delta: Vec<f32> = (0..n).map(|_| (rng.unit() as f32 - 0.5) * 0.37).collect();
+            (1 + (k as u64 * 7919) % 5000, Arc::new(f32_to_le_bytes(&delta)))
         })
         .collect()
 }

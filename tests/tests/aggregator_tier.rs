@@ -13,6 +13,7 @@ use std::time::Duration;
 use starling_client::protocol::FleetClient;
 use starling_coordinator::tier::TierSettings;
 use starling_core::fedavg::{FedAvgAccumulator, validate_update};
+use starling_core::rng::SplitMix64;
 use starling_core::tier::{AggregatorHello, TICKET_HEADER};
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{AggregatorId, RunId};
@@ -105,15 +106,8 @@ fn plan(devices: u32, quorum: u32, reporting_secs: f64, rounds: u32) -> serde_js
 
 /// Device `i`'s update: arbitrary f32s (not exact in any sum), and an example count.
 fn update(task: &TaskAssignment, i: usize) -> UploadRequest {
-    let mut state = 0x2545_f491_4f6c_dd1du64 ^ ((i as u64 + 1) * 0x9e37_79b9);
-    let delta: Vec<f32> = (0..PARAMS)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.3
-        })
-        .collect();
+    let mut rng = SplitMix64(0x2545_f491_4f6c_dd1d ^ (i as u64 + 1));
+    let delta: Vec<f32> = (0..PARAMS).map(|_| (rng.unit() as f32 - 0.5) * 0.3).collect();
     UploadRequest {
         model_version: task.model_version,
         example_count: 1 + (i as u64 * 37) % 300,
