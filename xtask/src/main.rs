@@ -98,28 +98,29 @@ const TARGET_DIR_BUDGET_BYTES: u64 = 40 << 30;
 /// first drops incremental state, then the whole debug build, and says so. The price is one cold
 /// build; the alternative was a CI run that died with "No space left on device".
 fn keep_disk_headroom(target: &Path) -> anyhow::Result<()> {
-    let debug = target.join("debug");
-    let size = directory_bytes(target);
-    let free = free_bytes(target);
+    let short = |size: u64, free: Option<u64>| {
+        size > TARGET_DIR_BUDGET_BYTES || free.is_some_and(|f| f < WANTED_FREE_BYTES)
+    };
+    let (size, free) = (directory_bytes(target), free_bytes(target));
     eprintln!(
         "==> disk: target directory {:.1} GiB, {} free",
         gib(size),
         free.map_or_else(|| "unknown".to_owned(), |f| format!("{:.1} GiB", gib(f)))
     );
-    let short = |free: Option<u64>| free.is_some_and(|f| f < WANTED_FREE_BYTES);
-    if size > TARGET_DIR_BUDGET_BYTES || short(free) {
-        let incremental = debug.join("incremental");
-        if incremental.exists() {
-            eprintln!("==> disk: removing {}", incremental.display());
-            std::fs::remove_dir_all(&incremental)
-                .with_context(|| format!("removing {}", incremental.display()))?;
-        }
+    if !short(size, free) {
+        return Ok(());
     }
-    if directory_bytes(target) > TARGET_DIR_BUDGET_BYTES || short(free_bytes(target)) {
-        eprintln!("==> disk: still short, removing {} (a cold build follows)", debug.display());
-        if debug.exists() {
-            std::fs::remove_dir_all(&debug)
-                .with_context(|| format!("removing {}", debug.display()))?;
+    let debug = target.join("debug");
+    for (dir, why) in [
+        (debug.join("incremental"), "short of disk"),
+        (debug, "still short of disk; a cold build follows"),
+    ] {
+        if dir.exists() {
+            eprintln!("==> disk: {why}: removing {}", dir.display());
+            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+        if !short(directory_bytes(target), free_bytes(target)) {
+            return Ok(());
         }
     }
     if let Some(free) = free_bytes(target).filter(|&f| f < WANTED_FREE_BYTES) {
