@@ -353,18 +353,28 @@ pub fn validate_partial(
     {
         return Err(PartialError::NonFinite(i));
     }
-    if partial.n_updates == 0 {
+    check_counts_and_metrics(partial.total_weight, partial.n_updates, &partial.metrics)?;
+    Ok(ValidatedPartial(partial))
+}
+
+/// The counts and metrics of a partial: what updates validated by [`validate_update`] could
+/// have produced. Shared with reports whose sums travel apart from them (an aggregator group
+/// that sums on its GPUs).
+pub(crate) fn check_counts_and_metrics(
+    total_weight: u64,
+    n_updates: u64,
+    metrics: &BTreeMap<String, (f64, u64)>,
+) -> Result<(), PartialError> {
+    if n_updates == 0 {
         return Err(PartialError::Counts("no updates"));
     }
-    if partial.total_weight < partial.n_updates
-        || partial.total_weight > partial.n_updates.saturating_mul(MAX_EXAMPLE_COUNT)
-    {
+    if total_weight < n_updates || total_weight > n_updates.saturating_mul(MAX_EXAMPLE_COUNT) {
         return Err(PartialError::Counts("total weight outside n_updates..=n_updates × max"));
     }
-    if partial.metrics.len() > MAX_METRICS {
+    if metrics.len() > MAX_METRICS {
         return Err(UpdateError::Metric { name: String::new(), why: "too many metrics" }.into());
     }
-    for (name, (sum, weight)) in &partial.metrics {
+    for (name, (sum, weight)) in metrics {
         if name.is_empty() || name.len() > 64 {
             return Err(UpdateError::Metric {
                 name: name.clone(),
@@ -372,7 +382,7 @@ pub fn validate_partial(
             }
             .into());
         }
-        if !sum.is_finite() || *weight > partial.total_weight {
+        if !sum.is_finite() || *weight > total_weight {
             return Err(UpdateError::Metric {
                 name: name.clone(),
                 why: "sum or weight out of range",
@@ -380,7 +390,7 @@ pub fn validate_partial(
             .into());
         }
     }
-    Ok(ValidatedPartial(partial))
+    Ok(())
 }
 
 impl Aggregate {

@@ -13,7 +13,10 @@ use hmac::{KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::fedavg::{PartialError, PartialSums, ValidatedPartial, validate_partial};
+use crate::fedavg::{
+    MetricsAccumulator, PartialError, PartialSums, ValidatedPartial, check_counts_and_metrics,
+    validate_partial,
+};
 use crate::ids::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use crate::tensor::{SchemaId, TensorSchema};
 
@@ -305,6 +308,41 @@ impl PartialReport {
 
     /// Checks the report against the round's schema; its sums, ready to merge.
     pub fn validate(&self, schema: &TensorSchema) -> Result<ValidatedPartial, PartialReportError> {
+        self.check_header(schema)?;
+        let (hi, lo) = self.sums()?;
+        let sums = PartialSums {
+            hi,
+            lo,
+            total_weight: self.total_weight,
+            n_updates: self.devices.len() as u64,
+            metrics: self.metrics.clone(),
+        };
+        Ok(validate_partial(schema, sums)?)
+    }
+
+    /// The report without its sums: what a member of a group that sums on its GPUs (NCCL)
+    /// tells its leader, the sums going through the collective instead.
+    pub fn without_sums(&self) -> PartialReport {
+        PartialReport { sum_hi: vec![], sum_lo: vec![], ..self.clone() }
+    }
+
+    /// Checks a report whose sums travel apart from it ([`Self::without_sums`]): schema, lists,
+    /// counts and metrics as [`Self::validate`] does; the sums must be absent.
+    pub fn validate_metadata(&self, schema: &TensorSchema) -> Result<(), PartialReportError> {
+        self.check_header(schema)?;
+        if !self.sum_hi.is_empty() || !self.sum_lo.is_empty() {
+            return Err(PartialReportError::Ragged);
+        }
+        check_counts_and_metrics(self.total_weight, self.devices.len() as u64, &self.metrics)?;
+        Ok(())
+    }
+
+    /// The sums (high, low parts) decoded from their little-endian bytes.
+    pub fn sums(&self) -> Result<(Vec<f64>, Vec<f64>), PartialReportError> {
+        Ok((le_f64s(&self.sum_hi)?, le_f64s(&self.sum_lo)?))
+    }
+
+    fn check_header(&self, schema: &TensorSchema) -> Result<(), PartialReportError> {
         if self.schema_id != schema.schema_id() {
             return Err(PartialReportError::SchemaMismatch);
         }
@@ -314,24 +352,30 @@ impl PartialReport {
         if !distinct(&self.aggregators, MAX_AGGREGATORS_PER_PARTIAL) {
             return Err(PartialReportError::BadList("aggregator"));
         }
-        let f64s = |bytes: &[u8]| -> Result<Vec<f64>, PartialReportError> {
-            if !bytes.len().is_multiple_of(8) {
-                return Err(PartialReportError::Ragged);
-            }
-            Ok(bytes
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect())
-        };
-        let sums = PartialSums {
-            hi: f64s(&self.sum_hi)?,
-            lo: f64s(&self.sum_lo)?,
-            total_weight: self.total_weight,
-            n_updates: self.devices.len() as u64,
-            metrics: self.metrics.clone(),
-        };
-        Ok(validate_partial(schema, sums)?)
+        Ok(())
     }
+}
+
+fn le_f64s(bytes: &[u8]) -> Result<Vec<f64>, PartialReportError> {
+    if !bytes.len().is_multiple_of(8) {
+        return Err(PartialReportError::Ragged);
+    }
+    Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+}
+
+/// Reports in aggregator-id order (so merges do not depend on arrival order), and the model
+/// version they share.
+fn in_aggregator_order(
+    reports: &[PartialReport],
+) -> Result<(ModelVersion, Vec<&PartialReport>), PartialReportError> {
+    let mut reports: Vec<&PartialReport> = reports.iter().collect();
+    reports.sort_by_key(|r| r.aggregators.first().copied());
+    let first = reports.first().ok_or(PartialReportError::BadList("aggregator"))?;
+    let model_version = first.model_version;
+    if reports.iter().any(|r| r.model_version != model_version) {
+        return Err(PartialReportError::ModelVersion);
+    }
+    Ok((model_version, reports))
 }
 
 /// Merges the partial reports of an aggregator group's members into one that speaks for all of
@@ -342,17 +386,11 @@ pub fn merge_reports(
     schema: &TensorSchema,
     reports: &[PartialReport],
 ) -> Result<PartialReport, PartialReportError> {
-    let mut reports: Vec<&PartialReport> = reports.iter().collect();
-    reports.sort_by_key(|r| r.aggregators.first().copied());
-    let first = reports.first().ok_or(PartialReportError::BadList("aggregator"))?;
-    let model_version = first.model_version;
+    let (model_version, reports) = in_aggregator_order(reports)?;
     let mut aggregators = vec![];
     let mut devices = vec![];
     let mut merged: Option<crate::fedavg::FedAvgAccumulator> = None;
     for report in &reports {
-        if report.model_version != model_version {
-            return Err(PartialReportError::ModelVersion);
-        }
         let sums = report.validate(schema)?;
         aggregators.extend_from_slice(&report.aggregators);
         devices.extend_from_slice(&report.devices);
@@ -364,6 +402,47 @@ pub fn merge_reports(
     let sums = merged.expect("at least one report").into_partial();
     let merged = PartialReport::new(model_version, schema.schema_id(), aggregators, devices, sums);
     // Repeats across reports show up here: the merged lists must be distinct.
+    merged.validate(schema)?;
+    Ok(merged)
+}
+
+/// The report of an aggregator group whose members summed their sums with a collective (NCCL
+/// all-reduce on their GPUs) instead of sending them to the leader: the members' reports
+/// without sums ([`PartialReport::without_sums`]) merged as [`merge_reports`] merges them,
+/// with the collective's `(hi, lo)` as the sums. Refuses what `merge_reports` refuses.
+///
+/// The collective adds high and low parts separately in f64, so its sums equal the exact
+/// (double-double) merge up to the rounding of adding the members' high parts: within
+/// (members − 1) × 2⁻⁵³ of the largest member's sum, far below an f32 model's resolution,
+/// but not bit for bit.
+pub fn merge_collective(
+    schema: &TensorSchema,
+    reports: &[PartialReport],
+    hi: Vec<f64>,
+    lo: Vec<f64>,
+) -> Result<PartialReport, PartialReportError> {
+    let (model_version, reports) = in_aggregator_order(reports)?;
+    let mut aggregators = vec![];
+    let mut devices = vec![];
+    let mut total_weight = 0u64;
+    let mut metrics = MetricsAccumulator::default();
+    for report in &reports {
+        report.validate_metadata(schema)?;
+        aggregators.extend_from_slice(&report.aggregators);
+        devices.extend_from_slice(&report.devices);
+        total_weight = total_weight
+            .checked_add(report.total_weight)
+            .ok_or(PartialError::Counts("total weight overflows"))?;
+        metrics.merge(&report.metrics);
+    }
+    let sums = PartialSums {
+        hi,
+        lo,
+        total_weight,
+        n_updates: devices.len() as u64,
+        metrics: metrics.into_sums(),
+    };
+    let merged = PartialReport::new(model_version, schema.schema_id(), aggregators, devices, sums);
     merged.validate(schema)?;
     Ok(merged)
 }

@@ -239,6 +239,82 @@ fn a_group_merge_refuses_what_it_cannot_speak_for() {
     assert_eq!(merge_reports(&schema, &other_schema), Err(PartialReportError::SchemaMismatch));
 }
 
+/// What an NCCL all-reduce of the members' sums computes: high and low parts summed apart.
+fn summed_apart(reports: &[PartialReport]) -> (Vec<f64>, Vec<f64>) {
+    let (mut hi, mut lo) = reports[0].sums().unwrap();
+    for r in &reports[1..] {
+        let (h, l) = r.sums().unwrap();
+        hi.iter_mut().zip(&h).for_each(|(a, b)| *a += b);
+        lo.iter_mut().zip(&l).for_each(|(a, b)| *a += b);
+    }
+    (hi, lo)
+}
+
+#[test]
+fn a_collective_groups_report_speaks_for_every_member() {
+    let (schema, single, reports) = three_shard_reports();
+    let exact = merge_reports(&schema, &reports).unwrap();
+    let metadata: Vec<PartialReport> =
+        reports.iter().rev().map(PartialReport::without_sums).collect();
+    for m in &metadata {
+        assert_eq!(m.validate_metadata(&schema), Ok(()));
+        assert!(m.sum_hi.is_empty() && m.sum_lo.is_empty());
+    }
+    let (hi, lo) = summed_apart(&reports);
+    let merged = merge_collective(&schema, &metadata, hi, lo).unwrap();
+    // Everything but the sums is what the exact merge says, arrival order notwithstanding.
+    assert_eq!(merged.aggregators, exact.aggregators);
+    assert_eq!(merged.devices, exact.devices);
+    assert_eq!(merged.total_weight, exact.total_weight);
+    assert_eq!(merged.metrics, exact.metrics);
+    // The sums agree to within the rounding of adding three high parts in f64.
+    let (a, b) = (merged.sums().unwrap(), exact.sums().unwrap());
+    let largest =
+        reports.iter().flat_map(|r| r.sums().unwrap().0).fold(0f64, |m, x| m.max(x.abs()));
+    for i in 0..a.0.len() {
+        let diff = ((a.0[i] + a.1[i]) - (b.0[i] + b.1[i])).abs();
+        assert!(diff <= 2.0 * f64::EPSILON * largest, "parameter {i}: {diff}");
+    }
+    // And the model the coordinator commits from it is the single node's, to f32 resolution.
+    let mut coordinator = FedAvgAccumulator::new(3000);
+    coordinator.merge(&merged.validate(&schema).unwrap());
+    let global = vec![-0.5f32; 3000];
+    let single = single.finish().unwrap().apply(&global, 1.0).unwrap();
+    let grouped = coordinator.finish().unwrap().apply(&global, 1.0).unwrap();
+    for (x, y) in single.iter().zip(&grouped) {
+        assert!((x - y).abs() <= x.abs() * f32::EPSILON, "{x} vs {y}");
+    }
+}
+
+#[test]
+fn a_collective_merge_refuses_what_it_cannot_speak_for() {
+    let (schema, _, reports) = three_shard_reports();
+    let metadata: Vec<PartialReport> = reports.iter().map(PartialReport::without_sums).collect();
+    let (hi, lo) = summed_apart(&reports);
+    // Sums that came along anyway, a repeated device, a short collective result.
+    assert_eq!(reports[0].validate_metadata(&schema), Err(PartialReportError::Ragged));
+    let mut twice = metadata.clone();
+    let repeated = twice[0].devices[0];
+    twice[1].devices.push(repeated);
+    assert_eq!(
+        merge_collective(&schema, &twice, hi.clone(), lo.clone()),
+        Err(PartialReportError::BadList("device"))
+    );
+    let mut heavy = metadata.clone();
+    heavy[2].total_weight = 0;
+    assert!(matches!(
+        merge_collective(&schema, &heavy, hi.clone(), lo.clone()),
+        Err(PartialReportError::Sums(PartialError::Counts(_)))
+    ));
+    assert!(matches!(
+        merge_collective(&schema, &metadata, hi[1..].to_vec(), lo.clone()),
+        Err(PartialReportError::Sums(PartialError::Length { .. }))
+    ));
+    let mut stale = metadata;
+    stale[0].model_version = ModelVersion(1);
+    assert_eq!(merge_collective(&schema, &stale, hi, lo), Err(PartialReportError::ModelVersion));
+}
+
 #[test]
 fn group_names_and_rendezvous_documents_are_checked() {
     for good in ["gpu-rack-7", "a", "A.b_c-9"] {
