@@ -16,7 +16,7 @@ use cudarc::driver::{
 };
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use crate::reduce::{ReduceError, Reducer};
+use crate::reduce::{ReduceError, Reducer, Sums};
 
 const KERNEL_PTX: &str = include_str!("fold_batch.ptx");
 
@@ -46,6 +46,10 @@ pub enum GpuError {
     /// An NCCL unique id of the wrong size.
     #[error("an NCCL unique id is 128 bytes, got {0}")]
     BadNcclId(usize),
+    /// A collective did not finish by its deadline (a member is gone or stalled); the
+    /// communicator must be dropped (NCCL abort) and the group joined anew.
+    #[error("the NCCL collective did not finish in time")]
+    CollectiveTimeout,
 }
 
 impl From<DriverError> for GpuError {
@@ -205,20 +209,6 @@ impl CudaReducer {
         Ok(())
     }
 
-    /// Sums the group's partial sums into this reducer's (NCCL all-reduce, in place), after
-    /// reducing whatever is queued. Every member of the group must call it, in the same order.
-    pub fn all_reduce(&mut self, group: &NcclGroup) -> Result<(), GpuError> {
-        self.launch_current()?;
-        group.comm.all_reduce_in_place(&mut self.hi, &ReduceOp::Sum)?;
-        group.comm.all_reduce_in_place(&mut self.lo, &ReduceOp::Sum)?;
-        Ok(())
-    }
-
-    /// The compute stream (an NCCL group of this reducer runs on it).
-    pub fn stream(&self) -> Arc<CudaStream> {
-        self.compute.clone()
-    }
-
     /// Copies `bytes` of little-endian f32s into slot `slot` of the current batch.
     fn stage(&mut self, weight: u64, delta_le: &[u8]) -> Result<(), GpuError> {
         let n = self.n;
@@ -256,7 +246,7 @@ impl Reducer for CudaReducer {
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<(Vec<f64>, Vec<f64>), ReduceError> {
+    fn finish(&mut self) -> Result<Sums, ReduceError> {
         self.launch_current()?;
         let mut hi = self.compute.clone_dtoh(&self.hi).map_err(GpuError::from)?;
         let mut lo = self.compute.clone_dtoh(&self.lo).map_err(GpuError::from)?;
@@ -269,9 +259,14 @@ impl Reducer for CudaReducer {
     }
 }
 
-/// An NCCL communicator over the GPUs of an aggregator group (one process per GPU).
+/// An NCCL communicator over the GPUs of an aggregator group (one process per GPU), on a
+/// stream of its own.
 pub struct NcclGroup {
+    // Field order is drop order: the communicator is aborted before the buffers of a
+    // collective that timed out are freed (freeing them waits for that collective otherwise).
     comm: Comm,
+    stream: Arc<CudaStream>,
+    stranded: Vec<CudaSlice<f64>>,
 }
 
 // SAFETY: as for CudaReducer, the communicator is used by one thread at a time.
@@ -287,24 +282,63 @@ impl NcclGroup {
         Ok(id.internal().iter().map(|c| *c as u8).collect())
     }
 
-    /// Joins the group `id` as `rank` of `world_size`, on `reducer`'s GPU and stream. Blocks
-    /// until every member has joined.
+    /// Joins the group `id` as `rank` of `world_size` on GPU `device`. Blocks until every
+    /// member has joined (or NCCL's bootstrap gives up), so call it off the async runtime.
     pub fn join(
-        reducer: &CudaReducer,
+        device: usize,
         rank: usize,
         world_size: usize,
         id: &[u8],
     ) -> Result<Self, GpuError> {
-        if !nccl_present() {
-            return Err(GpuError::NoNccl);
-        }
-        let internal: [std::ffi::c_char; 128] =
-            std::array::from_fn(|i| id.get(i).copied().unwrap_or(0) as std::ffi::c_char);
         if id.len() != 128 {
             return Err(GpuError::BadNcclId(id.len()));
         }
-        let comm = Comm::from_rank(reducer.stream(), rank, world_size, Id::uninit(internal))?;
-        Ok(NcclGroup { comm })
+        probe()?;
+        if !nccl_present() {
+            return Err(GpuError::NoNccl);
+        }
+        let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| id[i] as std::ffi::c_char);
+        let stream = CudaContext::new(device)?.new_stream()?;
+        let comm = Comm::from_rank(stream.clone(), rank, world_size, Id::uninit(internal))?;
+        Ok(NcclGroup { comm, stream, stranded: vec![] })
+    }
+
+    /// Sums `hi` and `lo` (a member's partial sums, on the host) across the group: one
+    /// all-reduce of both, copied in and, when `want_result`, out again. Waits for the
+    /// collective at most until `deadline`; after [`GpuError::CollectiveTimeout`] the group
+    /// is broken: drop it (that aborts the communicator) and join a new one.
+    pub fn all_reduce_sums(
+        &mut self,
+        hi: &[f64],
+        lo: &[f64],
+        want_result: bool,
+        deadline: std::time::Instant,
+    ) -> Result<Option<Sums>, GpuError> {
+        let n = hi.len();
+        if lo.len() != n {
+            return Err(GpuError::Nccl(format!("high parts {n}, low parts {}", lo.len())));
+        }
+        let both: Vec<f64> = hi.iter().chain(lo).copied().collect();
+        let mut buffer = self.stream.clone_htod(&both)?;
+        drop(both);
+        self.comm.all_reduce_in_place(&mut buffer, &ReduceOp::Sum)?;
+        let done = self.stream.record_event(None)?;
+        // Polled, not synchronized: a member that died mid-collective would block a
+        // synchronize forever.
+        while !done.try_is_complete()? {
+            if std::time::Instant::now() >= deadline {
+                self.stranded.push(buffer);
+                return Err(GpuError::CollectiveTimeout);
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        if !want_result {
+            return Ok(None);
+        }
+        let mut sums = self.stream.clone_dtoh(&buffer)?;
+        self.stream.synchronize()?;
+        let lo = sums.split_off(n);
+        Ok(Some((sums, lo)))
     }
 
     /// All-reduces (sums) `buffer` in place across the group; for benchmarks and tests.
@@ -313,9 +347,22 @@ impl NcclGroup {
         Ok(())
     }
 
+    /// The group's stream (allocate buffers for [`Self::all_reduce_f64`] on it).
+    pub fn stream(&self) -> Arc<CudaStream> {
+        self.stream.clone()
+    }
+
     /// Members of the group.
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
+    }
+
+    /// Drops the group, aborting its communicator (cudarc's drop aborts, and panics if the
+    /// abort fails: that panic stops here).
+    pub fn abort(self) {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(self))).is_err() {
+            tracing::error!("aborting the NCCL communicator failed");
+        }
     }
 }
 
@@ -381,16 +428,16 @@ pub fn measure_kernel(n: usize, k: usize, reps: usize) -> Result<KernelFigures, 
 /// buffer (NCCL's "algorithm bandwidth"; its bus bandwidth equals it times 2(w-1)/w, zero for
 /// one GPU).
 pub fn measure_all_reduce(n: usize, reps: usize) -> Result<f64, GpuError> {
-    let r = CudaReducer::new(0, 1, 1)?;
     let id = NcclGroup::unique_id()?;
-    let group = NcclGroup::join(&r, 0, 1, &id)?;
-    let mut buffer = r.compute.alloc_zeros::<f64>(n)?;
+    let group = NcclGroup::join(0, 0, 1, &id)?;
+    let stream = group.stream();
+    let mut buffer = stream.alloc_zeros::<f64>(n)?;
     group.all_reduce_f64(&mut buffer)?;
-    r.compute.synchronize()?;
+    stream.synchronize()?;
     let started = std::time::Instant::now();
     for _ in 0..reps {
         group.all_reduce_f64(&mut buffer)?;
     }
-    r.compute.synchronize()?;
+    stream.synchronize()?;
     Ok((n * 8 * reps) as f64 / started.elapsed().as_secs_f64() / 1e9)
 }

@@ -8,6 +8,14 @@
 //! waits for every member (or until its own deadline plus `--group-wait-ms`), merges the
 //! shards exactly (core's `merge_reports`, in aggregator order) and reports once for all.
 //!
+//! On GPUs with NCCL ([`crate::collective`]) the sums do not travel over HTTP: once every
+//! member is on the group's communicator (the NCCL id the leader publishes), a member sends
+//! the leader only who and how much (its report without sums) and waits for its turn; when
+//! every member is in, the leader hands out one turn and all of them all-reduce their sums,
+//! and the leader reports the merged metadata with the summed sums (core's
+//! `merge_collective`). A member that is not on the communicator, an offer the leader cannot
+//! take, or a collective that fails falls back to the HTTP hand-off or to reporting alone.
+//!
 //! Nothing here can lose a shard that would otherwise have been reported: a member whose
 //! leader is unknown, unreachable or refuses reports alone, and a leader whose merged report
 //! the coordinator refuses reports each shard on its own (the coordinator takes the ones it
@@ -20,20 +28,29 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
-use starling_core::tier::{GroupRendezvous, PartialReport, ShardTask, merge_reports};
+use axum::response::IntoResponse;
+use serde::{Deserialize, Serialize};
+use starling_core::tier::{
+    GroupRendezvous, PartialReport, ShardTask, merge_collective, merge_reports,
+};
 use starling_core::wire::{self, ErrorBody, ErrorCode};
 use starling_core::{RoundIdx, RunId};
 
+use crate::collective::{Plane, PlaneStatus, collective_timeout, comm_tag};
 use crate::service::{
     Inner, Refusal, Sent, malformed, read_body, send_partial, shard_for, stale_model,
 };
 
 /// Where a group leader takes its members' finished shards.
 pub(crate) const HANDOFF_ROUTE: &str = "/v1/group/runs/{run_id}/rounds/{round_idx}/partial";
+/// Where a group leader takes its members' offers to sum by NCCL all-reduce.
+pub(crate) const COLLECTIVE_ROUTE: &str = "/v1/group/runs/{run_id}/rounds/{round_idx}/collective";
 /// How often a leader republishes its rendezvous and a member refreshes it.
 const REFRESH_EVERY: Duration = Duration::from_secs(5);
 /// Room in a handed-off shard beyond its sums (16 bytes a parameter).
 const HANDOFF_ENVELOPE_LIMIT: usize = 4 * 1024 * 1024;
+/// How long the leader waits for the sums of members whose collective offers it turned down.
+const CONVERT_WAIT: Duration = Duration::from_secs(10);
 /// How long a member waits for the leader to take its shard before reporting it alone.
 const HANDOFF_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -82,11 +99,66 @@ impl GroupConfig {
     }
 }
 
-/// A leader's inbox for one round: the members' shards it took, until it reports.
+/// A leader's inbox for one round: the members' shards it took (or their offers to sum by
+/// collective), until it reports.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
     reports: Vec<PartialReport>,
+    offers: Vec<Offer>,
+    /// Members whose offers were turned down, now handing their sums over HTTP.
+    converting: Vec<starling_core::AggregatorId>,
     closed: bool,
+}
+
+impl Inbox {
+    fn members(&self) -> usize {
+        self.reports.len() + self.offers.len()
+    }
+
+    /// Whether a member's shard (or offer) for these aggregators is already here.
+    fn holds_any_of(&self, aggregators: &[starling_core::AggregatorId]) -> bool {
+        self.reports
+            .iter()
+            .chain(self.offers.iter().map(|o| &o.report))
+            .any(|r| r.aggregators.iter().any(|a| aggregators.contains(a)))
+    }
+}
+
+/// A member's offer to sum its shard by collective: its report without sums, and where the
+/// leader answers with the member's turn (`None`: not by collective this round).
+#[derive(Debug)]
+struct Offer {
+    report: PartialReport,
+    turn: tokio::sync::oneshot::Sender<Option<u64>>,
+}
+
+/// `POST` [`COLLECTIVE_ROUTE`]: a member on the communicator `comm` offers its shard's
+/// metadata; the sums follow through NCCL once the leader answers with a [`CollectiveTurn`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CollectiveOffer {
+    /// The communicator the member is on ([`comm_tag`] of the NCCL id).
+    pub comm: u64,
+    /// The member's report, without its sums.
+    pub report: PartialReport,
+}
+
+/// The leader's answer to a [`CollectiveOffer`]: every member all-reduces now; `seq` numbers
+/// the group's collectives (for logs: they run one at a time).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct CollectiveTurn {
+    /// The collective's number on this communicator.
+    pub seq: u64,
+}
+
+/// How a member's offer to sum by collective ended.
+enum Contributed {
+    /// Its sums are in the group's; the leader reports them.
+    Done,
+    /// The leader did not take the offer (or the member is not on the communicator): hand
+    /// the sums over HTTP instead.
+    NotTaken(PartialReport),
+    /// The collective was announced but failed: report alone (the leader will not).
+    Failed(PartialReport),
 }
 
 /// A node's group state.
@@ -96,19 +168,61 @@ pub(crate) struct GroupState {
     rendezvous: Mutex<Option<GroupRendezvous>>,
     /// When the rendezvous was last published or refreshed.
     synced: Mutex<Option<Instant>>,
-    /// The NCCL unique id the leader publishes, when it runs CUDA with NCCL present.
-    nccl_id: Option<Vec<u8>>,
+    /// The NCCL unique id the leader publishes (a new one whenever its communicator broke).
+    nccl_id: Mutex<Option<Vec<u8>>>,
+    /// The NCCL plane, when the node runs CUDA with NCCL present.
+    plane: Option<Plane>,
 }
 
 impl GroupState {
     pub(crate) fn new(config: GroupConfig, engine: &crate::Engine) -> Self {
-        let nccl_id = match engine {
-            crate::Engine::Cuda { .. } if config.rank == 0 && crate::gpu::nccl_present() => {
-                crate::gpu::NcclGroup::unique_id().ok()
+        let plane = match *engine {
+            crate::Engine::Cuda { device } if crate::gpu::nccl_present() => {
+                Some(Plane::start(device, config.rank as usize, config.world_size as usize))
             }
             _ => None,
         };
-        GroupState { config, rendezvous: Mutex::new(None), synced: Mutex::new(None), nccl_id }
+        GroupState {
+            config,
+            rendezvous: Mutex::new(None),
+            synced: Mutex::new(None),
+            nccl_id: Mutex::new(None),
+            plane,
+        }
+    }
+
+    /// The leader's part in keeping a communicator: when it has none (at start, or after one
+    /// broke or a join was abandoned), a new NCCL id, joined and published at once.
+    fn renew_communicator(&self) {
+        let Some(plane) = &self.plane else { return };
+        if !self.is_leader() || plane.status() != PlaneStatus::Idle {
+            return;
+        }
+        match crate::gpu::NcclGroup::unique_id() {
+            Ok(id) => {
+                plane.join(&id);
+                *self.nccl_id.lock().expect("nccl id poisoned") = Some(id);
+                *self.synced.lock().expect("synced poisoned") = None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make an NCCL id; the group sums over HTTP")
+            }
+        }
+    }
+
+    /// How long until the leader decides a round at the latest: the round's deadline (as this
+    /// node knows it) plus the group's wait.
+    fn until_decided(&self, inner: &Inner, key: (RunId, RoundIdx)) -> Duration {
+        let deadline = inner.shards.lock().expect("shards poisoned").get(&key).map(|s| s.deadline);
+        deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(Instant::now()))
+            + self.config.wait
+    }
+
+    /// The communicator this node and its leader are both on, if any.
+    fn shared_communicator(&self, leader: &GroupRendezvous) -> Option<(&Plane, u64)> {
+        let plane = self.plane.as_ref()?;
+        let PlaneStatus::Joined { tag } = plane.status() else { return None };
+        (leader.nccl_id.as_deref().map(comm_tag) == Some(tag)).then_some((plane, tag))
     }
 
     /// The coordinator's rendezvous endpoint of this group.
@@ -141,17 +255,29 @@ impl GroupState {
             .get(&key)
             .map_or_else(Instant::now, |s| s.deadline)
             + self.config.wait;
-        let members = loop {
-            {
-                let mut shards = inner.shards.lock().expect("shards poisoned");
-                let Some(shard) = shards.get_mut(&key) else { break vec![] };
-                if shard.inbox.reports.len() >= expected || Instant::now() >= give_up {
-                    shard.inbox.closed = true;
-                    break std::mem::take(&mut shard.inbox.reports);
-                }
+        let Inbox { reports: mut members, offers, .. } =
+            collect(inner, key, give_up, |inbox| inbox.members() >= expected).await;
+        if !offers.is_empty() {
+            if members.is_empty() && offers.len() == expected {
+                return self.lead_collective(inner, key, task, own, offers).await;
             }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        };
+            // Not every member is in by collective (one had no uploads, or is gone): those
+            // that offered hand their sums over HTTP instead, into a reopened inbox.
+            let converting: Vec<_> =
+                offers.iter().flat_map(|o| o.report.aggregators.iter().copied()).collect();
+            if let Some(shard) = inner.shards.lock().expect("shards poisoned").get_mut(&key) {
+                shard.inbox.closed = false;
+                shard.inbox.converting.clone_from(&converting);
+            }
+            for offer in offers {
+                let _ = offer.turn.send(None);
+            }
+            let late = collect(inner, key, Instant::now() + CONVERT_WAIT, |inbox| {
+                converting.iter().all(|a| inbox.reports.iter().any(|r| r.aggregators.contains(a)))
+            })
+            .await;
+            members.extend(late.reports);
+        }
         let (run_id, round_idx) = key;
         if members.len() < expected {
             tracing::warn!(run = %run_id, round = %round_idx, got = members.len(), expected, "reporting without every member's shard");
@@ -189,6 +315,141 @@ impl GroupState {
         }
     }
 
+    /// The leader's part when every member offered its shard by collective: one turn for
+    /// all, the all-reduce, and one report of the merged metadata with the summed sums.
+    async fn lead_collective(
+        &self,
+        inner: &Inner,
+        key: (RunId, RoundIdx),
+        task: &ShardTask,
+        own: Option<PartialReport>,
+        offers: Vec<Offer>,
+    ) {
+        let (run_id, round_idx) = key;
+        let plane = self.plane.as_ref().expect("offers are taken only on a communicator");
+        let mut turns = plane.turns.lock().await;
+        let PlaneStatus::Joined { tag } = plane.status() else {
+            // The communicator broke since the offers were taken.
+            for offer in offers {
+                let _ = offer.turn.send(None);
+            }
+            tracing::warn!(run = %run_id, round = %round_idx, "no NCCL communicator any more; members report alone");
+            if let Some(own) = own {
+                send_partial(inner, key, own).await;
+            }
+            return;
+        };
+        let seq = *turns;
+        *turns += 1;
+        let mut metadata = Vec::with_capacity(offers.len() + 1);
+        let mut all_told = true;
+        for offer in offers {
+            metadata.push(offer.report);
+            all_told &= offer.turn.send(Some(seq)).is_ok();
+        }
+        let own_sums = match own.as_ref().map(PartialReport::sums) {
+            Some(Ok(sums)) => Some(sums),
+            None => {
+                let n = task.schema.numel() as usize;
+                Some((vec![0.0; n], vec![0.0; n]))
+            }
+            Some(Err(_)) => None,
+        };
+        let summed = match own_sums {
+            Some(sums) if all_told => {
+                let deadline = Instant::now() + collective_timeout(sums.0.len());
+                plane.all_reduce(tag, sums, true, deadline).await
+            }
+            _ => {
+                // A member will not come to this collective: nobody may wait in it.
+                plane.reset();
+                Err(crate::collective::CollectiveError::NotJoined(tag))
+            }
+        };
+        drop(turns);
+        match summed {
+            Ok(Some((hi, lo))) => {
+                metadata.extend(own.as_ref().map(PartialReport::without_sums));
+                let schema = task.schema.clone();
+                let merged = tokio::task::spawn_blocking(move || {
+                    merge_collective(&schema, &metadata, hi, lo)
+                })
+                .await;
+                match merged {
+                    Ok(Ok(merged)) => {
+                        tracing::info!(run = %run_id, round = %round_idx, seq, aggregators = merged.aggregators.len(), "the group's sums were all-reduced");
+                        if send_partial(inner, key, merged).await != Sent::Refused {
+                            return;
+                        }
+                        tracing::warn!(run = %run_id, round = %round_idx, "the group's partial was refused; the members' shards of this round are lost, the leader's reported alone");
+                    }
+                    Ok(Err(e)) => {
+                        tracing::error!(run = %run_id, round = %round_idx, error = %e, "the members' metadata does not merge; their shards of this round are lost");
+                    }
+                    Err(e) => tracing::error!(error = %e, "merging the group's metadata panicked"),
+                }
+            }
+            Ok(None) => tracing::error!("the collective gave no sums back"),
+            Err(e) => {
+                tracing::warn!(run = %run_id, round = %round_idx, seq, error = %e, "the group's collective failed; every member reports alone");
+            }
+        }
+        if let Some(own) = own {
+            send_partial(inner, key, own).await;
+        }
+    }
+
+    /// A member's offer to sum its shard by collective, and the all-reduce when the leader
+    /// gives it a turn.
+    async fn contribute(
+        &self,
+        inner: &Inner,
+        leader: &GroupRendezvous,
+        (run_id, round_idx): (RunId, RoundIdx),
+        own: PartialReport,
+    ) -> Contributed {
+        let Some((plane, tag)) = self.shared_communicator(leader) else {
+            return Contributed::NotTaken(own);
+        };
+        let Ok(sums) = own.sums() else { return Contributed::NotTaken(own) };
+        let offer = CollectiveOffer { comm: tag, report: own.without_sums() };
+        let Ok(body) = wire::to_vec(&offer) else { return Contributed::NotTaken(own) };
+        let url = format!(
+            "{}/v1/group/runs/{run_id}/rounds/{round_idx}/collective",
+            leader.leader_url.trim_end_matches('/')
+        );
+        // The leader answers once every member is in, which is at its deadline at the latest
+        // (plus its wait); this member may have finished early.
+        let wait = self.until_decided(inner, (run_id, round_idx)) + HANDOFF_TIMEOUT;
+        let res =
+            inner.cbor_request(reqwest::Method::POST, &url).timeout(wait).body(body).send().await;
+        let turn = match res {
+            Ok(r) if r.status() == StatusCode::OK => {
+                r.bytes().await.ok().and_then(|b| wire::decode::<CollectiveTurn>(&b).ok())
+            }
+            Ok(r) => {
+                tracing::info!(run = %run_id, round = %round_idx, status = %r.status(), "the leader sums this round over HTTP");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(run = %run_id, round = %round_idx, error = %e, "offering the shard to the group's collective");
+                None
+            }
+        };
+        let Some(CollectiveTurn { seq }) = turn else { return Contributed::NotTaken(own) };
+        let deadline = Instant::now() + collective_timeout(sums.0.len());
+        match plane.all_reduce(tag, sums, false, deadline).await {
+            Ok(_) => {
+                tracing::info!(run = %run_id, round = %round_idx, seq, devices = own.devices.len(), "sums all-reduced with the group");
+                Contributed::Done
+            }
+            Err(e) => {
+                tracing::warn!(run = %run_id, round = %round_idx, seq, error = %e, "the group's collective failed; reporting alone");
+                Contributed::Failed(own)
+            }
+        }
+    }
+
     /// A member's part: hands its shard to the leader. Gives the shard back when the leader
     /// did not take it, for the member to report alone.
     pub(crate) async fn hand_to_leader(
@@ -207,6 +468,11 @@ impl GroupState {
         let Some(leader) = leader else {
             tracing::warn!(run = %run_id, round = %round_idx, group = %self.config.name, "the group's leader is not known yet; reporting alone");
             return Some(own);
+        };
+        let own = match self.contribute(inner, &leader, (run_id, round_idx), own).await {
+            Contributed::Done => return None,
+            Contributed::Failed(own) => return Some(own),
+            Contributed::NotTaken(own) => own,
         };
         let (own, body) = tokio::task::spawn_blocking(move || {
             let body = wire::to_vec(&own);
@@ -244,10 +510,32 @@ impl GroupState {
     }
 }
 
+/// Waits until `done` holds for the round's inbox, or until `give_up`; then closes the inbox
+/// and takes what is in it.
+async fn collect(
+    inner: &Inner,
+    key: (RunId, RoundIdx),
+    give_up: Instant,
+    done: impl Fn(&Inbox) -> bool,
+) -> Inbox {
+    loop {
+        {
+            let mut shards = inner.shards.lock().expect("shards poisoned");
+            let Some(shard) = shards.get_mut(&key) else { return Inbox::default() };
+            if done(&shard.inbox) || Instant::now() >= give_up {
+                shard.inbox.closed = true;
+                return std::mem::take(&mut shard.inbox);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// Keeps the rendezvous fresh: the leader publishes it through the coordinator, members look
 /// it up (every poll until found, then every few seconds, so a restarted leader is found).
 pub(crate) async fn rendezvous(inner: &Inner) {
     let Some(group) = &inner.group else { return };
+    group.renew_communicator();
     let fresh =
         group.synced.lock().expect("synced poisoned").is_some_and(|t| t.elapsed() < REFRESH_EVERY);
     if fresh {
@@ -270,7 +558,7 @@ async fn publish(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
         leader: inner.config.id,
         leader_url: inner.url.clone(),
         world_size: group.config.world_size,
-        nccl_id: group.nccl_id.clone(),
+        nccl_id: group.nccl_id.lock().expect("nccl id poisoned").clone(),
     };
     let body = wire::to_vec(&doc).map_err(|e| e.to_string())?;
     let res = inner
@@ -284,7 +572,7 @@ async fn publish(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
     }
     let first = group.rendezvous.lock().expect("rendezvous poisoned").replace(doc).is_none();
     if first {
-        tracing::info!(group = %group.config.name, world_size = group.config.world_size, nccl = group.nccl_id.is_some(), "leading the aggregator group");
+        tracing::info!(group = %group.config.name, world_size = group.config.world_size, nccl = group.plane.is_some(), "leading the aggregator group");
     }
     Ok(())
 }
@@ -309,6 +597,9 @@ async fn look_up(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
             doc.world_size, group.config.world_size
         ));
     }
+    if let (Some(plane), Some(id)) = (&group.plane, &doc.nccl_id) {
+        plane.join(id);
+    }
     let previous = group.rendezvous.lock().expect("rendezvous poisoned").replace(doc.clone());
     if previous.as_ref() != Some(&doc) {
         tracing::info!(group = %group.config.name, leader = %doc.leader, url = %doc.leader_url, nccl = doc.nccl_id.is_some(), "found the group's leader");
@@ -322,16 +613,13 @@ async fn error_text(res: reqwest::Response) -> String {
     format!("{status}: {}", why.map_or_else(String::new, |w| w.message))
 }
 
-/// A member hands its finished shard to this node, the group's leader: 202 once taken (the
-/// leader now reports it), 409 when the leader already reported the round or has no shard of
-/// it, and the member reports alone.
-pub(crate) async fn handoff(
-    State(inner): State<std::sync::Arc<Inner>>,
-    Path((run_id, round_idx)): Path<(i64, i64)>,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<StatusCode, Refusal> {
-    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+/// What both hand-off endpoints check first: this node leads a group, the caller holds the
+/// cluster secret, and the round's shard is here. The shard's schema and model version.
+async fn as_leader(
+    inner: &Inner,
+    headers: &HeaderMap,
+    (run_id, round_idx): (RunId, RoundIdx),
+) -> Result<(starling_core::tensor::TensorSchema, starling_core::ModelVersion), Refusal> {
     if !inner.group.as_ref().is_some_and(GroupState::is_leader) {
         return Err(Refusal(
             StatusCode::NOT_FOUND,
@@ -351,31 +639,54 @@ pub(crate) async fn handoff(
             "missing or wrong cluster secret".into(),
         ));
     }
-    let (schema, model_version) = shard_for(&inner, run_id, round_idx).await.map_err(|_| {
+    shard_for(inner, run_id, round_idx).await.map_err(|_| {
         Refusal(
             StatusCode::CONFLICT,
             ErrorCode::RoundClosed,
             format!("the leader has no shard of run {run_id} round {round_idx}; report alone"),
         )
-    })?;
-    let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
-    let bytes = read_body(body, limit).await?;
-    let report = tokio::task::spawn_blocking(move || {
-        let report: PartialReport = wire::decode(&bytes).map_err(malformed)?;
-        if report.model_version != model_version {
-            return Err(stale_model(model_version));
-        }
-        report.validate(&schema).map_err(|e| {
-            Refusal(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidField, e.to_string())
-        })?;
-        Ok(report)
+    })
+}
+
+/// Decodes and checks a hand-off body off the async runtime.
+async fn decode_checked<T, F>(bytes: bytes::Bytes, check: F) -> Result<T, Refusal>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    F: FnOnce(&T) -> Result<(), Refusal> + Send + 'static,
+{
+    tokio::task::spawn_blocking(move || {
+        let value: T = wire::decode(&bytes).map_err(malformed)?;
+        check(&value)?;
+        Ok(value)
     })
     .await
-    .map_err(|e| {
-        Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
-    })??;
+    .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string()))?
+}
+
+/// The model version and the report's own checks, as the hand-offs answer them.
+fn check_report(
+    report: &PartialReport,
+    model_version: starling_core::ModelVersion,
+    check: impl FnOnce(&PartialReport) -> Result<(), starling_core::tier::PartialReportError>,
+) -> Result<(), Refusal> {
+    if report.model_version != model_version {
+        return Err(stale_model(model_version));
+    }
+    check(report).map_err(|e| {
+        Refusal(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidField, e.to_string())
+    })
+}
+
+/// Puts a member's shard or offer into the round's inbox: refused when the leader already
+/// reported the round, or the member's aggregators are already there.
+fn into_inbox(
+    inner: &Inner,
+    key: (RunId, RoundIdx),
+    aggregators: &[starling_core::AggregatorId],
+    put: impl FnOnce(&mut Inbox),
+) -> Result<(), Refusal> {
     let mut shards = inner.shards.lock().expect("shards poisoned");
-    let Some(shard) = shards.get_mut(&(run_id, round_idx)) else {
+    let Some(shard) = shards.get_mut(&key) else {
         return Err(Refusal(
             StatusCode::CONFLICT,
             ErrorCode::RoundClosed,
@@ -389,20 +700,97 @@ pub(crate) async fn handoff(
             "the leader already reported this round; report alone".into(),
         ));
     }
-    let repeats = shard
-        .inbox
-        .reports
-        .iter()
-        .any(|r| r.aggregators.iter().any(|a| report.aggregators.contains(a)));
-    if repeats || report.aggregators.contains(&inner.config.id) {
+    if shard.inbox.holds_any_of(aggregators) || aggregators.contains(&inner.config.id) {
         return Err(Refusal(
             StatusCode::CONFLICT,
             ErrorCode::DuplicateUpload,
             "this aggregator's shard is already here".into(),
         ));
     }
-    shard.inbox.reports.push(report);
+    put(&mut shard.inbox);
+    Ok(())
+}
+
+/// A member hands its finished shard to this node, the group's leader: 202 once taken (the
+/// leader now reports it), 409 when the leader already reported the round or has no shard of
+/// it, and the member reports alone.
+pub(crate) async fn handoff(
+    State(inner): State<std::sync::Arc<Inner>>,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, Refusal> {
+    let key = (RunId(run_id), RoundIdx(round_idx));
+    let (schema, model_version) = as_leader(&inner, &headers, key).await?;
+    let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
+    let bytes = read_body(body, limit).await?;
+    let report: PartialReport = decode_checked(bytes, move |r: &PartialReport| {
+        check_report(r, model_version, |r| r.validate(&schema).map(drop))
+    })
+    .await?;
+    let aggregators = report.aggregators.clone();
+    let mut converting = false;
+    into_inbox(&inner, key, &aggregators, |inbox| {
+        converting = inbox.converting.iter().any(|a| aggregators.contains(a));
+        inbox.reports.push(report);
+    })?;
+    let group = inner.group.as_ref().expect("checked by as_leader");
+    if let Some(plane) = &group.plane
+        && !converting
+        && matches!(plane.status(), PlaneStatus::Joined { .. })
+    {
+        // A member that hands its sums over HTTP is not on this communicator (it restarted,
+        // or a collective failed there): a new one, which it will join, is due.
+        tracing::info!(member = ?aggregators, "a member is off the group's NCCL communicator; renewing it");
+        plane.reset();
+    }
     Ok(StatusCode::ACCEPTED)
+}
+
+/// A member on this leader's NCCL communicator offers its shard's metadata; the answer waits
+/// until every member is in (or the leader's wait is over): 200 with the member's
+/// [`CollectiveTurn`] (all-reduce now), or 409 (hand the sums over HTTP, or report alone).
+pub(crate) async fn collective(
+    State(inner): State<std::sync::Arc<Inner>>,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<axum::response::Response, Refusal> {
+    let key = (RunId(run_id), RoundIdx(round_idx));
+    let (schema, model_version) = as_leader(&inner, &headers, key).await?;
+    let bytes = read_body(body, HANDOFF_ENVELOPE_LIMIT).await?;
+    let offer: CollectiveOffer = decode_checked(bytes, move |o: &CollectiveOffer| {
+        check_report(&o.report, model_version, |r| r.validate_metadata(&schema))
+    })
+    .await?;
+    let group = inner.group.as_ref().expect("checked by as_leader");
+    let on_it =
+        group.plane.as_ref().is_some_and(|p| p.status() == PlaneStatus::Joined { tag: offer.comm });
+    if !on_it {
+        return Err(Refusal(
+            StatusCode::CONFLICT,
+            ErrorCode::Conflict,
+            "the leader is not on that NCCL communicator; hand the sums over HTTP".into(),
+        ));
+    }
+    let (turn, answer) = tokio::sync::oneshot::channel();
+    let aggregators = offer.report.aggregators.clone();
+    into_inbox(&inner, key, &aggregators, |inbox| {
+        inbox.offers.push(Offer { report: offer.report, turn });
+    })?;
+    // Shorter than the member's own wait, so a turn is never given to a member gone.
+    let wait = group.until_decided(&inner, key) + HANDOFF_TIMEOUT - Duration::from_secs(5);
+    match tokio::time::timeout(wait, answer).await {
+        Ok(Ok(Some(seq))) => {
+            let body = wire::to_vec(&CollectiveTurn { seq }).unwrap_or_default();
+            Ok(([(header::CONTENT_TYPE, wire::CBOR_MEDIA_TYPE)], body).into_response())
+        }
+        _ => Err(Refusal(
+            StatusCode::CONFLICT,
+            ErrorCode::Conflict,
+            "not every member is in by collective this round; hand the sums over HTTP".into(),
+        )),
+    }
 }
 
 /// Compares secrets in time that does not depend on where they differ.

@@ -3,7 +3,8 @@
 //! into a reduction, and reports one partial aggregate per round to the coordinator.
 //!
 //! * [`reduce`]: the reduction engines (SIMD + multi-threaded CPU; [`gpu`]: CUDA, NCCL).
-//! * [`group`]: aggregator groups, whose leader reports one partial for all its members.
+//! * [`group`]: aggregator groups, whose leader reports one partial for all its members;
+//!   [`collective`]: on GPUs, the members' sums meet in an NCCL all-reduce.
 //! * [`shard`]: one round's shard: who uploaded, their weights, metrics and sums.
 //! * [`service`]: the HTTP service devices upload to, and the loop that polls the coordinator
 //!   for shards and reports partials at each round's deadline.
@@ -11,6 +12,7 @@
 //! No burn here: aggregators work on flat little-endian tensors.
 
 pub mod cli;
+pub mod collective;
 pub mod gpu;
 pub mod group;
 pub mod reduce;

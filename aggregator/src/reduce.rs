@@ -31,6 +31,9 @@ pub enum ReduceError {
     Gpu(#[from] crate::gpu::GpuError),
 }
 
+/// Double-double sums of a shard: high parts, low parts (accumulated rounding errors).
+pub type Sums = (Vec<f64>, Vec<f64>);
+
 /// A reduction engine for one shard of one round.
 pub trait Reducer: Send {
     /// What reduces (`"cpu"`, `"cuda"`), for logs and the coordinator's registry.
@@ -41,7 +44,7 @@ pub trait Reducer: Send {
     fn push(&mut self, weight: u64, delta_le: Arc<Vec<u8>>) -> Result<(), ReduceError>;
     /// Reduces whatever is queued and returns the sums (high, low parts); the reducer starts
     /// again from zero.
-    fn finish(&mut self) -> Result<(Vec<f64>, Vec<f64>), ReduceError>;
+    fn finish(&mut self) -> Result<Sums, ReduceError>;
 }
 
 /// Parameters per tile: 16 Ki × (8 + 8) bytes of sums = 256 KiB, an L2's worth.
@@ -128,7 +131,7 @@ impl Reducer for CpuReducer {
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<(Vec<f64>, Vec<f64>), ReduceError> {
+    fn finish(&mut self) -> Result<Sums, ReduceError> {
         self.reduce_pending();
         let n = self.hi.len();
         Ok((

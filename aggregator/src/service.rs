@@ -189,6 +189,7 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
     let app = Router::new()
         .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
         .route(crate::group::HANDOFF_ROUTE, post(crate::group::handoff))
+        .route(crate::group::COLLECTIVE_ROUTE, post(crate::group::collective))
         .route("/livez", get(|| async { "ok" }))
         .with_state(inner.clone());
     let shutdown = Arc::new(Notify::new());

@@ -83,23 +83,28 @@ fn an_nccl_group_all_reduces_partial_sums() {
         return;
     }
     // One process, one GPU: a group of one (NCCL refuses two ranks on one GPU). The id goes
-    // through bytes exactly as it travels through the coordinator.
+    // through bytes exactly as it travels through the coordinator, and the sums go through
+    // the same call the group's members make.
     let n = 4096;
     let ups = updates(n, 5, 99);
     let mut reducer = CudaReducer::new(0, n, 2).unwrap();
     for (w, d) in &ups {
         reducer.push(*w, d.clone()).unwrap();
     }
+    let (hi, lo) = reducer.finish().unwrap();
     let id = NcclGroup::unique_id().unwrap();
     assert_eq!(id.len(), 128);
-    let group = NcclGroup::join(&reducer, 0, 1, &id).unwrap();
+    let mut group = NcclGroup::join(0, 0, 1, &id).unwrap();
     assert_eq!(group.world_size(), 1);
-    reducer.all_reduce(&group).unwrap();
-    let (hi, _) = reducer.finish().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (sum_hi, sum_lo) = group.all_reduce_sums(&hi, &lo, true, deadline).unwrap().unwrap();
     let mut cpu = CpuReducer::new(n, 8, 1);
     for (w, d) in &ups {
         cpu.push(*w, d.clone()).unwrap();
     }
-    assert_eq!(hi, cpu.finish().unwrap().0, "a group of one sums to its own partial");
-    assert!(matches!(NcclGroup::join(&reducer, 0, 1, &id[..64]), Err(GpuError::BadNcclId(64))));
+    let (cpu_hi, cpu_lo) = cpu.finish().unwrap();
+    assert_eq!((sum_hi, sum_lo), (cpu_hi, cpu_lo), "a group of one sums to its own partial");
+    assert!(group.all_reduce_sums(&hi, &lo, false, deadline).unwrap().is_none());
+    group.abort();
+    assert!(matches!(NcclGroup::join(0, 0, 1, &id[..64]), Err(GpuError::BadNcclId(64))));
 }

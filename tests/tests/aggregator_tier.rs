@@ -2,7 +2,8 @@
 //! devices over real HTTP. The committed model equals, bit for bit, the model one coordinator
 //! commits for the same updates (SQLite); a SIGKILLed aggregator costs exactly its own devices
 //! (Postgres). Grouped, the three report one partial through their leader, and members of a
-//! dead leader report alone.
+//! dead leader report alone. On a machine with two GPUs or more and NCCL, a group of CUDA
+//! nodes sums its members' sums by NCCL all-reduce; elsewhere that test says it skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
@@ -37,6 +38,15 @@ impl ChildAggregator {
     }
 
     fn spawn_with(id: u32, coordinator: &str, extra: &[String]) -> anyhow::Result<Self> {
+        Self::spawn_logging(id, coordinator, extra, Stdio::inherit())
+    }
+
+    fn spawn_logging(
+        id: u32,
+        coordinator: &str,
+        extra: &[String],
+        stderr: Stdio,
+    ) -> anyhow::Result<Self> {
         let bin = Path::new(env!("CARGO_BIN_EXE_aggregator_under_test"));
         let mut child = Command::new(bin)
             .args([
@@ -59,7 +69,7 @@ impl ChildAggregator {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()?;
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
@@ -384,6 +394,34 @@ async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
         tasks.iter().map(|t| t.upload_to.as_ref().expect("a tiered task").aggregator.0).collect();
     assert_eq!(targets, BTreeSet::from([1, 2, 3]), "24 devices reach every node");
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+
+    // On CPUs there is no NCCL communicator: the leader turns an offer to sum by collective
+    // down (the member then hands its sums over HTTP), and checks the offer like a hand-off.
+    let offer_url = format!("{}/v1/group/runs/{run}/rounds/0/collective", doc.leader_url);
+    let metadata = starling_core::tier::PartialReport {
+        model_version: tasks[0].model_version,
+        schema_id: tasks[0].schema.schema_id(),
+        aggregators: vec![AggregatorId(2)],
+        devices: vec![starling_core::DeviceId(1)],
+        total_weight: 10,
+        sum_hi: vec![],
+        sum_lo: vec![],
+        metrics: Default::default(),
+    };
+    let offer = starling_core::wire::to_vec(&starling_aggregator::group::CollectiveOffer {
+        comm: 7,
+        report: metadata,
+    })?;
+    let res = http.post(&offer_url).bearer_auth(SECRET).body(offer.clone()).send().await?;
+    assert_eq!(res.status(), 409);
+    let why: starling_core::wire::ErrorBody = starling_core::wire::decode(&res.bytes().await?)?;
+    assert_eq!(why.code, ErrorCode::Conflict, "{}", why.message);
+    let res =
+        http.post(&offer_url).bearer_auth("wrong-secret-wrong-secret").body(offer).send().await?;
+    assert_eq!(res.status(), 401);
+    let res = http.post(&offer_url).bearer_auth(SECRET).body(vec![0xff, 0x00]).send().await?;
+    assert_eq!(res.status(), 400);
+
     let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
     for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
         d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
@@ -429,5 +467,86 @@ async fn members_of_a_dead_group_leader_report_alone() -> anyhow::Result<()> {
         BTreeSet::from([vec![2], vec![3]]),
         "each member reported its own shard"
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_group_sums_its_members_by_nccl_all_reduce() -> anyhow::Result<()> {
+    const TEST: &str = "a_gpu_group_sums_its_members_by_nccl_all_reduce";
+    // NCCL puts one rank on one GPU, so a group needs two GPUs at least.
+    let gpus = match starling_aggregator::gpu::probe() {
+        Ok(info) if info.devices >= 2 && starling_aggregator::gpu::nccl_present() => info.devices,
+        Ok(info) => {
+            eprintln!(
+                "{TEST}: SKIPPED, {} GPU(s), NCCL present: {}",
+                info.devices,
+                starling_aggregator::gpu::nccl_present()
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            eprintln!("{TEST}: SKIPPED, no GPU: {e}");
+            return Ok(());
+        }
+    };
+    let size = gpus.min(3) as u32;
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let logs = tempfile::tempdir()?;
+    let log_of = |id: u32| logs.path().join(format!("aggregator-{id}.log"));
+    let _nodes = (1..=size)
+        .map(|id| {
+            let rank = (id - 1).to_string();
+            let extra: Vec<String> = [
+                "--engine",
+                "cuda",
+                "--gpu",
+                &rank,
+                "--group",
+                "gpus",
+                "--rank",
+                &rank,
+                "--world-size",
+                &size.to_string(),
+                "--group-wait-ms",
+                "1000",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let log = std::fs::File::create(log_of(id))?;
+            ChildAggregator::spawn_logging(id, &c.url, &extra, Stdio::from(log))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Every node says so once it is on the communicator the leader published.
+    let joined = |id: u32| {
+        std::fs::read_to_string(log_of(id))
+            .is_ok_and(|log| log.contains("on the group's NCCL communicator"))
+    };
+    let started = std::time::Instant::now();
+    while !(1..=size).all(joined) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(90), "the group never joined NCCL");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 12, 30.0, 1)).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
+    for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
+    }
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    assert_eq!(stored_partials(&db, run).await?, vec![(1..=size).collect::<Vec<_>>()]);
+    let leader_log = std::fs::read_to_string(log_of(1))?;
+    assert!(leader_log.contains("the group's sums were all-reduced"), "{leader_log}");
+    // NCCL adds high and low parts apart: equal to the exact merge to f32 resolution.
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    let exact = single_node_model(&global, &tasks[0], &updates);
+    for (i, (x, y)) in committed.iter().zip(&exact).enumerate() {
+        assert!((x - y).abs() <= y.abs() * f32::EPSILON, "parameter {i}: {x} vs {y}");
+    }
     Ok(())
 }
