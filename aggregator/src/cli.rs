@@ -47,7 +47,8 @@ struct Cli {
     #[arg(long)]
     threads: Option<usize>,
     /// Aggregator group to join: its members hand their shards to the leader (rank 0), which
-    /// reports one partial for the group. Needs --rank and --world-size.
+    /// reports one partial for the group; on CUDA with NCCL the members' sums meet in one
+    /// NCCL all-reduce. Needs --rank and --world-size.
     #[arg(long, env = "STARLING_AGGREGATOR_GROUP", requires_all = ["rank", "world_size"])]
     group: Option<String>,
     /// This node's rank in its group (0 leads).
