@@ -296,18 +296,10 @@ impl GroupState {
             let (schema, shards) = (task.schema.clone(), all.clone());
             tokio::task::spawn_blocking(move || merge_reports(&schema, &shards)).await
         };
-        match merged {
-            Ok(Ok(merged)) => {
-                if send_partial(inner, key, merged).await != Sent::Refused {
-                    return;
-                }
-                tracing::warn!(run = %run_id, round = %round_idx, "the group's partial was refused; reporting each shard alone");
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(run = %run_id, round = %round_idx, error = %e, "cannot merge the group's shards; reporting each alone");
-            }
-            Err(e) => tracing::error!(error = %e, "merging the group's shards panicked"),
+        if send_merged(inner, key, merged).await {
+            return;
         }
+        tracing::warn!(run = %run_id, round = %round_idx, "reporting each of the group's shards alone");
         // The merge is over, so this is the only handle left.
         let all = std::sync::Arc::try_unwrap(all).unwrap_or_else(|shared| (*shared).clone());
         for report in all {
@@ -375,19 +367,11 @@ impl GroupState {
                     merge_collective(&schema, &metadata, hi, lo)
                 })
                 .await;
-                match merged {
-                    Ok(Ok(merged)) => {
-                        tracing::info!(run = %run_id, round = %round_idx, seq, aggregators = merged.aggregators.len(), "the group's sums were all-reduced");
-                        if send_partial(inner, key, merged).await != Sent::Refused {
-                            return;
-                        }
-                        tracing::warn!(run = %run_id, round = %round_idx, "the group's partial was refused; the members' shards of this round are lost, the leader's reported alone");
-                    }
-                    Ok(Err(e)) => {
-                        tracing::error!(run = %run_id, round = %round_idx, error = %e, "the members' metadata does not merge; their shards of this round are lost");
-                    }
-                    Err(e) => tracing::error!(error = %e, "merging the group's metadata panicked"),
+                tracing::info!(run = %run_id, round = %round_idx, seq, "the group's sums were all-reduced");
+                if send_merged(inner, key, merged).await {
+                    return;
                 }
+                tracing::error!(run = %run_id, round = %round_idx, "the members' shards of this round are lost (their sums exist only in the group's); the leader reports its own alone");
             }
             Ok(None) => tracing::error!("the collective gave no sums back"),
             Err(e) => {
@@ -508,6 +492,32 @@ impl GroupState {
             }
         }
     }
+}
+
+/// Reports a group's merged report: whether the coordinator took it (or it could not be
+/// delivered at all, when reporting shards alone would fare no better). Logs why not.
+async fn send_merged(
+    inner: &Inner,
+    key: (RunId, RoundIdx),
+    merged: Result<
+        Result<PartialReport, starling_core::tier::PartialReportError>,
+        tokio::task::JoinError,
+    >,
+) -> bool {
+    let (run_id, round_idx) = key;
+    match merged {
+        Ok(Ok(merged)) => {
+            if send_partial(inner, key, merged).await != Sent::Refused {
+                return true;
+            }
+            tracing::warn!(run = %run_id, round = %round_idx, "the group's partial was refused");
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(run = %run_id, round = %round_idx, error = %e, "the group's reports do not merge");
+        }
+        Err(e) => tracing::error!(error = %e, "merging the group's reports panicked"),
+    }
+    false
 }
 
 /// Waits until `done` holds for the round's inbox, or until `give_up`; then closes the inbox

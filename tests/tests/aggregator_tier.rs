@@ -327,6 +327,24 @@ async fn a_killed_aggregator_loses_only_its_devices(
     Ok(())
 }
 
+/// Every device uploads its update to its aggregator; the round commits with all 24 of them.
+/// The updates, and the committed model's hash.
+async fn upload_all_and_commit(
+    c: &InProcess,
+    devices: &[FleetClient],
+    tasks: &[TaskAssignment],
+    run: RunId,
+) -> anyhow::Result<(Vec<UploadRequest>, String)> {
+    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
+    for ((d, t), u) in devices.iter().zip(tasks).zip(&updates) {
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
+    }
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    Ok((updates, hash))
+}
+
 /// Three aggregators in group "rack" (ids 1-3, ranks 0-2: node 1 leads), once the members
 /// found their leader through the coordinator.
 async fn grouped_aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
@@ -422,14 +440,7 @@ async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
     let res = http.post(&offer_url).bearer_auth(SECRET).body(vec![0xff, 0x00]).send().await?;
     assert_eq!(res.status(), 400);
 
-    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
-    for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
-        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
-    }
-
-    let hash = wait_model(&c.admin, run, 1).await?;
-    let round = c.admin.round(run, 0).await?;
-    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    let (updates, hash) = upload_all_and_commit(&c, &devices, &tasks, run).await?;
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     assert_eq!(committed, single_node_model(&global, &tasks[0], &updates), "bit for bit");
     assert_eq!(
@@ -532,13 +543,7 @@ async fn a_gpu_group_sums_its_members_by_nccl_all_reduce() -> anyhow::Result<()>
     let devices = enroll(&c.url, &c.admin, 24).await?;
     let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 12, 30.0, 1)).await?;
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
-    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
-    for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
-        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
-    }
-    let hash = wait_model(&c.admin, run, 1).await?;
-    let round = c.admin.round(run, 0).await?;
-    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    let (updates, hash) = upload_all_and_commit(&c, &devices, &tasks, run).await?;
     assert_eq!(stored_partials(&db, run).await?, vec![(1..=size).collect::<Vec<_>>()]);
     let leader_log = std::fs::read_to_string(log_of(1))?;
     assert!(leader_log.contains("the group's sums were all-reduced"), "{leader_log}");
