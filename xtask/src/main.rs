@@ -240,8 +240,13 @@ fn build_dashboard(web: &Path) -> anyhow::Result<()> {
     step("dashboard build", Command::new("npm").current_dir(web).args(["run", "build"]))
 }
 
+/// The checkout this run is for. `cargo run` says where xtask's manifest is at run time; the
+/// path compiled in is only a fallback, because clones share one target dir (CI's and a
+/// developer's), and the xtask binary there may have been built from another clone.
 fn repo_root() -> anyhow::Result<std::path::PathBuf> {
-    Ok(Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("xtask sits in the repo")?.to_owned())
+    let manifest_dir =
+        env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    Ok(Path::new(&manifest_dir).parent().context("xtask sits in the repo")?.to_owned())
 }
 
 fn target_dir(root: &Path) -> std::path::PathBuf {
