@@ -103,9 +103,12 @@ fn main() {
             println!("pinned host-to-device copy                   {:7.1} GB/s", k.h2d_gbps);
             if gpu::nccl_present() {
                 match gpu::measure_all_reduce(n, 20) {
-                    Ok(bw) => println!(
-                        "NCCL all-reduce, group of 1, {:.0} MiB f64   {bw:7.1} GB/s algorithm bandwidth (bus bandwidth is 0 for one GPU)",
-                        (n * 8) as f64 / (1 << 20) as f64
+                    Ok(f) => println!(
+                        "NCCL all-reduce, {} GPU(s), {:.0} MiB f64     {:7.1} GB/s algorithm bandwidth, {:7.1} GB/s bus bandwidth",
+                        f.gpus,
+                        (n * 8) as f64 / (1 << 20) as f64,
+                        f.algorithm_gbps,
+                        f.bus_gbps
                     ),
                     Err(e) => println!("NCCL all-reduce: failed: {e}"),
                 }

@@ -424,20 +424,51 @@ pub fn measure_kernel(n: usize, k: usize, reps: usize) -> Result<KernelFigures, 
     })
 }
 
-/// Times an NCCL all-reduce of `n` f64 in a group of one on GPU 0; bytes per second of the
-/// buffer (NCCL's "algorithm bandwidth"; its bus bandwidth equals it times 2(w-1)/w, zero for
-/// one GPU).
-pub fn measure_all_reduce(n: usize, reps: usize) -> Result<f64, GpuError> {
-    let id = NcclGroup::unique_id()?;
-    let group = NcclGroup::join(0, 0, 1, &id)?;
-    let stream = group.stream();
-    let mut buffer = stream.alloc_zeros::<f64>(n)?;
-    group.all_reduce_f64(&mut buffer)?;
-    stream.synchronize()?;
+/// What [`measure_all_reduce`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct AllReduceFigures {
+    /// GPUs in the communicator (every visible one).
+    pub gpus: usize,
+    /// Buffer bytes all-reduced per second (NCCL's "algorithm bandwidth").
+    pub algorithm_gbps: f64,
+    /// Algorithm bandwidth × 2(g − 1)/g: what each GPU's links carry (NCCL's "bus
+    /// bandwidth", comparable across GPU counts; zero for one GPU).
+    pub bus_gbps: f64,
+}
+
+/// Times an NCCL all-reduce of `n` f64 across every visible GPU (one communicator per GPU in
+/// this process, launched as one NCCL group), `reps` times.
+pub fn measure_all_reduce(n: usize, reps: usize) -> Result<AllReduceFigures, GpuError> {
+    probe()?;
+    if !nccl_present() {
+        return Err(GpuError::NoNccl);
+    }
+    let gpus = CudaContext::device_count()?.max(1) as usize;
+    let streams = (0..gpus)
+        .map(|d| Ok(CudaContext::new(d)?.new_stream()?))
+        .collect::<Result<Vec<_>, GpuError>>()?;
+    let comms = Comm::from_devices(streams.clone())?;
+    let mut buffers =
+        streams.iter().map(|s| s.alloc_zeros::<f64>(n)).collect::<Result<Vec<_>, _>>()?;
+    let mut all_reduce = || -> Result<(), GpuError> {
+        cudarc::nccl::result::group_start()?;
+        for (comm, buffer) in comms.iter().zip(buffers.iter_mut()) {
+            comm.all_reduce_in_place(buffer, &ReduceOp::Sum)?;
+        }
+        cudarc::nccl::result::group_end()?;
+        Ok(())
+    };
+    let sync = |streams: &[Arc<CudaStream>]| -> Result<(), GpuError> {
+        streams.iter().try_for_each(|s| s.synchronize().map_err(GpuError::from))
+    };
+    all_reduce()?; // warm-up: NCCL sets up its channels on the first collective
+    sync(&streams)?;
     let started = std::time::Instant::now();
     for _ in 0..reps {
-        group.all_reduce_f64(&mut buffer)?;
+        all_reduce()?;
     }
-    stream.synchronize()?;
-    Ok((n * 8 * reps) as f64 / started.elapsed().as_secs_f64() / 1e9)
+    sync(&streams)?;
+    let algorithm_gbps = (n * 8 * reps) as f64 / started.elapsed().as_secs_f64() / 1e9;
+    let g = gpus as f64;
+    Ok(AllReduceFigures { gpus, algorithm_gbps, bus_gbps: algorithm_gbps * 2.0 * (g - 1.0) / g })
 }
