@@ -38,7 +38,7 @@ use starling_core::{RoundIdx, RunId};
 
 use crate::collective::{Plane, PlaneStatus, collective_timeout, comm_tag};
 use crate::service::{
-    Inner, Refusal, Sent, malformed, read_body, send_partial, shard_for, stale_model,
+    Inner, Refusal, Sent, decode_then, read_body, send_partial, shard_for, stale_model,
 };
 
 /// Where a group leader takes its members' finished shards.
@@ -143,10 +143,10 @@ pub struct CollectiveOffer {
 }
 
 /// The leader's answer to a [`CollectiveOffer`]: every member all-reduces now; `seq` numbers
-/// the group's collectives (for logs: they run one at a time).
+/// the leader's collectives since it started (for logs: they run one at a time).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct CollectiveTurn {
-    /// The collective's number on this communicator.
+    /// The collective's number.
     pub seq: u64,
 }
 
@@ -658,21 +658,6 @@ async fn as_leader(
     })
 }
 
-/// Decodes and checks a hand-off body off the async runtime.
-async fn decode_checked<T, F>(bytes: bytes::Bytes, check: F) -> Result<T, Refusal>
-where
-    T: serde::de::DeserializeOwned + Send + 'static,
-    F: FnOnce(&T) -> Result<(), Refusal> + Send + 'static,
-{
-    tokio::task::spawn_blocking(move || {
-        let value: T = wire::decode(&bytes).map_err(malformed)?;
-        check(&value)?;
-        Ok(value)
-    })
-    .await
-    .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string()))?
-}
-
 /// The model version and the report's own checks, as the hand-offs answer them.
 fn check_report(
     report: &PartialReport,
@@ -734,8 +719,9 @@ pub(crate) async fn handoff(
     let (schema, model_version) = as_leader(&inner, &headers, key).await?;
     let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
-    let report: PartialReport = decode_checked(bytes, move |r: &PartialReport| {
-        check_report(r, model_version, |r| r.validate(&schema).map(drop))
+    let report = decode_then(bytes, move |r: PartialReport| {
+        check_report(&r, model_version, |r| r.validate(&schema).map(drop))?;
+        Ok(r)
     })
     .await?;
     let aggregators = report.aggregators.clone();
@@ -769,8 +755,9 @@ pub(crate) async fn collective(
     let key = (RunId(run_id), RoundIdx(round_idx));
     let (schema, model_version) = as_leader(&inner, &headers, key).await?;
     let bytes = read_body(body, HANDOFF_ENVELOPE_LIMIT).await?;
-    let offer: CollectiveOffer = decode_checked(bytes, move |o: &CollectiveOffer| {
-        check_report(&o.report, model_version, |r| r.validate_metadata(&schema))
+    let offer = decode_then(bytes, move |o: CollectiveOffer| {
+        check_report(&o.report, model_version, |r| r.validate_metadata(&schema))?;
+        Ok(o)
     })
     .await?;
     let group = inner.group.as_ref().expect("checked by as_leader");

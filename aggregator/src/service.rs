@@ -135,8 +135,25 @@ pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, 
 }
 
 /// CBOR that does not decode: 400.
-pub(crate) fn malformed(e: impl std::fmt::Display) -> Refusal {
+fn malformed(e: impl std::fmt::Display) -> Refusal {
     Refusal(StatusCode::BAD_REQUEST, ErrorCode::MalformedBody, e.to_string())
+}
+
+/// Decodes a CBOR body and runs `then` (its checks) on it, both off the async runtime: 400
+/// for what does not decode, 500 if that work panicked.
+pub(crate) async fn decode_then<T, U>(
+    bytes: bytes::Bytes,
+    then: impl FnOnce(T) -> Result<U, Refusal> + Send + 'static,
+) -> Result<U, Refusal>
+where
+    T: serde::de::DeserializeOwned,
+    U: Send + 'static,
+{
+    tokio::task::spawn_blocking(move || then(wire::decode(&bytes).map_err(malformed)?))
+        .await
+        .map_err(|e| {
+            Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
+        })?
 }
 
 /// Work computed on another model version than the round's: 409.
@@ -489,8 +506,7 @@ async fn upload(
         })?;
     let limit = schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
-    let update = tokio::task::spawn_blocking(move || {
-        let req: UploadRequest = wire::decode(&bytes).map_err(malformed)?;
+    let update = decode_then(bytes, move |req: UploadRequest| {
         if req.model_version != model_version {
             return Err(stale_model(model_version));
         }
@@ -508,10 +524,7 @@ async fn upload(
             Refusal(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
         })
     })
-    .await
-    .map_err(|e| {
-        Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
-    })??;
+    .await?;
     let queue = {
         let mut shards = inner.shards.lock().expect("shards poisoned");
         let shard = shards.get_mut(&(run_id, round_idx)).ok_or_else(closed)?;
