@@ -341,17 +341,6 @@ impl NcclGroup {
         Ok(Some((sums, lo)))
     }
 
-    /// All-reduces (sums) `buffer` in place across the group; for benchmarks and tests.
-    pub fn all_reduce_f64(&self, buffer: &mut CudaSlice<f64>) -> Result<(), GpuError> {
-        self.comm.all_reduce_in_place(buffer, &ReduceOp::Sum)?;
-        Ok(())
-    }
-
-    /// The group's stream (allocate buffers for [`Self::all_reduce_f64`] on it).
-    pub fn stream(&self) -> Arc<CudaStream> {
-        self.stream.clone()
-    }
-
     /// Members of the group.
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
