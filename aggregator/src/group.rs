@@ -38,7 +38,7 @@ use starling_core::{RoundIdx, RunId};
 
 use crate::collective::{Plane, PlaneStatus, collective_timeout, comm_tag};
 use crate::service::{
-    Inner, Refusal, Sent, decode_then, read_body, send_partial, shard_for, stale_model,
+    Inner, Refusal, Sent, ShardRules, decode_then, read_body, send_partial, shard_for, stale_model,
 };
 
 /// Where a group leader takes its members' finished shards.
@@ -624,12 +624,12 @@ async fn error_text(res: reqwest::Response) -> String {
 }
 
 /// What both hand-off endpoints check first: this node leads a group, the caller holds the
-/// cluster secret, and the round's shard is here. The shard's schema and model version.
+/// cluster secret, and the round's shard is here. What the shard's updates are checked against.
 async fn as_leader(
     inner: &Inner,
     headers: &HeaderMap,
     (run_id, round_idx): (RunId, RoundIdx),
-) -> Result<(starling_core::tensor::TensorSchema, starling_core::ModelVersion), Refusal> {
+) -> Result<ShardRules, Refusal> {
     if !inner.group.as_ref().is_some_and(GroupState::is_leader) {
         return Err(Refusal(
             StatusCode::NOT_FOUND,
@@ -716,7 +716,7 @@ pub(crate) async fn handoff(
     body: Body,
 ) -> Result<StatusCode, Refusal> {
     let key = (RunId(run_id), RoundIdx(round_idx));
-    let (schema, model_version) = as_leader(&inner, &headers, key).await?;
+    let ShardRules { schema, model_version, .. } = as_leader(&inner, &headers, key).await?;
     let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
     let report = decode_then(bytes, move |r: PartialReport| {
@@ -753,7 +753,7 @@ pub(crate) async fn collective(
     body: Body,
 ) -> Result<axum::response::Response, Refusal> {
     let key = (RunId(run_id), RoundIdx(round_idx));
-    let (schema, model_version) = as_leader(&inner, &headers, key).await?;
+    let ShardRules { schema, model_version, .. } = as_leader(&inner, &headers, key).await?;
     let bytes = read_body(body, HANDOFF_ENVELOPE_LIMIT).await?;
     let offer = decode_then(bytes, move |o: CollectiveOffer| {
         check_report(&o.report, model_version, |r| r.validate_metadata(&schema))?;

@@ -493,7 +493,8 @@ async fn upload(
             )
         })?
         .to_owned();
-    let (schema, model_version) = shard_for(&inner, run_id, round_idx).await?;
+    let ShardRules { schema, model_version, max_examples } =
+        shard_for(&inner, run_id, round_idx).await?;
     let device = inner
         .key
         .verify(&ticket, run_id, round_idx, model_version, inner.config.id)
@@ -510,7 +511,7 @@ async fn upload(
         if req.model_version != model_version {
             return Err(stale_model(model_version));
         }
-        validate_update(&schema, req).map_err(|e| {
+        validate_update(&schema, req).map(|u| u.capped(max_examples)).map_err(|e| {
             let code = match &e {
                 starling_core::fedavg::UpdateError::Tensor(
                     starling_core::tensor::TensorError::SchemaMismatch { .. },
@@ -555,17 +556,31 @@ fn closed() -> Refusal {
     )
 }
 
+/// What every update of a shard is checked against.
+pub(crate) struct ShardRules {
+    /// The round's schema.
+    pub schema: starling_core::tensor::TensorSchema,
+    /// The model version updates must be computed on.
+    pub model_version: ModelVersion,
+    /// The run's cap on one device's example count.
+    pub max_examples: u64,
+}
+
 /// The schema and model version of a shard; waits briefly for the next poll when the shard is
 /// not known yet (a device can check in and upload between two polls).
 pub(crate) async fn shard_for(
     inner: &Inner,
     run_id: RunId,
     round_idx: RoundIdx,
-) -> Result<(starling_core::tensor::TensorSchema, ModelVersion), Refusal> {
+) -> Result<ShardRules, Refusal> {
     let started = Instant::now();
     loop {
         if let Some(s) = inner.shards.lock().expect("shards poisoned").get(&(run_id, round_idx)) {
-            return Ok((s.task.schema.clone(), s.task.model_version));
+            return Ok(ShardRules {
+                schema: s.task.schema.clone(),
+                model_version: s.task.model_version,
+                max_examples: s.task.max_examples,
+            });
         }
         if started.elapsed() > UNKNOWN_SHARD_WAIT {
             return Err(Refusal(

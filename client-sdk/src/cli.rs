@@ -14,7 +14,7 @@ use crate::backend::{self, BackendChoice};
 use crate::data;
 use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
 use crate::protocol::TlsSettings;
-use crate::simulate::{Dataset, ModelKind, Partition, SimulationConfig, simulate};
+use crate::simulate::{Dataset, ModelKind, Pacing, Partition, SimulationConfig, simulate};
 
 #[derive(Debug, Parser)]
 #[command(name = "starling-client", version, about = "Starling client SDK tools")]
@@ -146,6 +146,26 @@ struct SimulateArgs {
     /// Aggregate with SecAgg+ secure aggregation (the coordinator sees only masked inputs).
     #[arg(long)]
     secure: bool,
+    /// The device population the run trains [default: one of the simulation's own, named after
+    /// its run]. Refused while another run trains it: its devices would join that run too.
+    #[arg(long)]
+    population: Option<String>,
+    /// Devices selected per round, as a multiple of the cohort.
+    #[arg(long, default_value_t = Pacing::default().over_selection)]
+    over_selection: f64,
+    /// Fewest reports a round commits with [default: 80 % of the cohort].
+    #[arg(long)]
+    min_quorum: Option<u32>,
+    /// Longest time a round selects devices, in seconds.
+    #[arg(long, default_value_t = Pacing::default().selection_timeout_secs)]
+    selection_timeout_secs: f64,
+    /// Longest time from a round's opening to its close, in seconds; it must cover local
+    /// training (raise it for CNNs on CPUs).
+    #[arg(long, default_value_t = Pacing::default().reporting_timeout_secs)]
+    reporting_timeout_secs: f64,
+    /// Fraction of each device's examples held out for federated evaluation (0: train on all).
+    #[arg(long, default_value_t = 0.1)]
+    holdout: f64,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -265,6 +285,14 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         max_examples: args.max_examples,
         backend: backend::select(args.backend)?,
         secure: args.secure,
+        population: args.population,
+        pacing: Pacing {
+            over_selection: args.over_selection,
+            min_quorum: args.min_quorum,
+            selection_timeout_secs: args.selection_timeout_secs,
+            reporting_timeout_secs: args.reporting_timeout_secs,
+        },
+        holdout: args.holdout,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),
@@ -306,7 +334,9 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         bar.inc(1);
     }));
     bar.finish_and_clear();
-    let results = results?;
+    let report = results?;
+    println!("run {} trained population {:?}", report.run_id, report.population);
+    let results = report.rounds;
     if let Some(path) = args.out {
         let text = if path.extension().is_some_and(|e| e == "json") {
             serde_json::to_string_pretty(&results)?

@@ -162,9 +162,9 @@ impl SpecModel {
                 (LayerSpec::MaxPool2d { kernel }, _) => {
                     Layer::MaxPool2d(MaxPool2dConfig::new([u(kernel), u(kernel)]).init())
                 }
-                (LayerSpec::Relu, _) => Layer::Relu(Relu::new()),
+                (LayerSpec::Relu {}, _) => Layer::Relu(Relu::new()),
                 (LayerSpec::Dropout { prob }, _) => Layer::Dropout(DropoutConfig::new(prob).init()),
-                (LayerSpec::Flatten, _) => Layer::Flatten(Flatten),
+                (LayerSpec::Flatten {}, _) => Layer::Flatten(Flatten),
                 (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
                     Layer::Embedding(EmbeddingConfig::new(u(vocab), u(dim)).init(device))
                 }
@@ -174,10 +174,10 @@ impl SpecModel {
                 (LayerSpec::Gru { hidden }, Activation::Sequence(_, f)) => {
                     Layer::Gru(GruConfig::new(u(f), u(hidden), true).init(device))
                 }
-                (LayerSpec::LayerNorm, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                (LayerSpec::LayerNorm {}, Activation::Flat(f) | Activation::Sequence(_, f)) => {
                     Layer::LayerNorm(LayerNormConfig::new(u(f)).init(device))
                 }
-                (LayerSpec::LastStep, _) => Layer::LastStep(LastStep),
+                (LayerSpec::LastStep {}, _) => Layer::LastStep(LastStep),
                 (layer, act) => unreachable!("spec validation admitted {layer:?} on {act:?}"),
             };
             layers.push(built);

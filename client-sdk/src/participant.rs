@@ -378,7 +378,12 @@ impl<F: ModelFactory> Participant<F> {
         report(ParticipantProgress::Phase(Phase::Downloading));
         let global = self.global_model(&task).await?;
         report(ParticipantProgress::Phase(Phase::Evaluating));
-        let evaluation = self.evaluate_once(&task, &global).await?;
+        // A secure round's evaluation rides in the masked input (only the cohort's pooled
+        // evaluation is revealed); a plain round's is reported once per model version.
+        let evaluation = match secure {
+            Some(_) => self.evaluate(&task, &global).await?,
+            None => self.evaluate_once(&task, &global).await?,
+        };
         report(ParticipantProgress::Phase(Phase::Training));
         let config = TrainingConfig::from_json(&task.training_config)?;
         let (train_set, device) = (self.train_set.clone(), self.device.clone());
@@ -400,8 +405,13 @@ impl<F: ModelFactory> Participant<F> {
         report(ParticipantProgress::Phase(Phase::Uploading));
         if let Some(session) = secure.as_mut() {
             let sent = async {
+                let pooled = evaluation.map(|e| starling_core::secagg::EvaluationInput {
+                    examples: e.examples,
+                    accuracy: e.accuracy,
+                    loss: e.loss,
+                });
                 session
-                    .send_masked(&self.fleet, task.model_version, &delta, trained.examples)
+                    .send_masked(&self.fleet, task.model_version, &delta, trained.examples, pooled)
                     .await?;
                 session.unmask(&self.fleet).await
             };
@@ -466,14 +476,13 @@ impl<F: ModelFactory> Participant<F> {
         Ok(values)
     }
 
-    /// Evaluates a model version on the held-out examples and reports it, once per version.
-    async fn evaluate_once(
-        &mut self,
+    /// Evaluates the task's model on the held-out examples (none without any).
+    async fn evaluate(
+        &self,
         task: &TaskAssignment,
         global: &Arc<Vec<f32>>,
     ) -> Result<Option<Evaluation>, ParticipantError> {
-        let key = (task.run_id, task.model_version);
-        if self.holdout.is_empty() || self.state.last_evaluated == Some(key) {
+        if self.holdout.is_empty() {
             return Ok(None);
         }
         let (holdout, device, global) = (self.holdout.clone(), self.device.clone(), global.clone());
@@ -485,6 +494,19 @@ impl<F: ModelFactory> Participant<F> {
         })
         .await
         .expect("evaluation task panicked")?;
+        Ok(Some(evaluation))
+    }
+
+    /// Evaluates a model version on the held-out examples and reports it, once per version.
+    async fn evaluate_once(
+        &mut self,
+        task: &TaskAssignment,
+        global: &Arc<Vec<f32>>,
+    ) -> Result<Option<Evaluation>, ParticipantError> {
+        if self.state.last_evaluated == Some((task.run_id, task.model_version)) {
+            return Ok(None);
+        }
+        let Some(evaluation) = self.evaluate(task, global).await? else { return Ok(None) };
         let report = EvaluationReport {
             model_version: task.model_version,
             example_count: evaluation.examples,
@@ -499,7 +521,7 @@ impl<F: ModelFactory> Participant<F> {
             Err(e) if e.code() == Some(ErrorCode::DuplicateUpload) => {}
             Err(e) => return Err(e.into()),
         }
-        self.state.last_evaluated = Some(key);
+        self.state.last_evaluated = Some((task.run_id, task.model_version));
         Ok(Some(evaluation))
     }
 }

@@ -18,7 +18,9 @@ use starling_core::wire::{
 };
 use starling_core::{DeviceId, RoundIdx, RunId};
 
-use starling_core::admin::{DeviceView, EnrollmentToken, ModelView, RoundView, RunView};
+use starling_core::admin::{
+    DeviceView, EnrollmentToken, ModelView, RoundDeviceView, RoundView, RunView,
+};
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -403,6 +405,21 @@ impl AdminClient {
     pub async fn round(&self, run: RunId, round_idx: i64) -> Result<RoundView, ClientError> {
         self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds/{round_idx}"), None)
             .await
+    }
+
+    /// The devices selected for one round of a run, and whose contribution reached it.
+    pub async fn round_devices(
+        &self,
+        run: RunId,
+        round_idx: i64,
+    ) -> Result<Vec<RoundDeviceView>, ClientError> {
+        let path = format!("/v1/admin/runs/{run}/rounds/{round_idx}/devices");
+        self.send(reqwest::Method::GET, &path, None).await
+    }
+
+    /// Every run, newest first.
+    pub async fn runs(&self) -> Result<Vec<RunView>, ClientError> {
+        self.send(reqwest::Method::GET, "/v1/admin/runs", None).await
     }
 
     /// A run's model versions.

@@ -90,24 +90,35 @@ impl SecureSession {
     }
 
     /// MaskedInputCollection: waits for the neighbours' sealed shares, then sends the masked,
-    /// quantized, example-weighted `delta`.
+    /// quantized, example-weighted `delta`, and with it this device's `evaluation` of the
+    /// round's model when the round's vectors carry evaluations (the coordinator learns only
+    /// the cohort's pooled evaluation). Neighbours whose shares did not open are named, so the
+    /// coordinator leaves them out of the sum.
     pub async fn send_masked(
         &mut self,
         fleet: &FleetClient,
         model_version: ModelVersion,
         delta: &[f32],
         example_count: u64,
+        evaluation: Option<secagg::EvaluationInput>,
     ) -> Result<(), SecureError> {
         let request = match self.next_instruction(fleet, "MaskedInput").await? {
             SecAggInstruction::MaskedInput(r) => r,
             other => return Err(out_of_step("MaskedInput", &other)),
         };
         let task = self.task;
-        let input =
-            secagg::encode_weighted(&task.quantizer(), delta, example_count, task.max_examples);
+        let q = task.quantizer();
+        let mut input = secagg::encode_weighted(&q, delta, example_count, task.max_examples);
+        if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
+            secagg::append_evaluation(&q, &mut input, evaluation, task.max_examples);
+        }
         let masked = self.client.masked_input(request, &input)?;
         let masked = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked }).await
+        let rejected_shares = self.client.rejected().clone();
+        if !rejected_shares.is_empty() {
+            tracing::warn!(run = %self.run_id, round = %self.round_idx, ?rejected_shares, "sealed shares from these neighbours did not open");
+        }
+        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked, rejected_shares }).await
     }
 
     /// Unmasking: waits for the survivors list, then sends the shares that remove the masks.

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
-use starling_core::RunId;
 use starling_core::model_spec::ModelSpec;
 use starling_core::tensor::TensorSchema;
+use starling_core::{DeviceId, RunId};
 
 use crate::backend::Backend;
 use crate::data::{self, DataError, Split};
@@ -111,6 +111,53 @@ pub struct SimulationConfig {
     pub backend: Backend,
     /// Aggregate with SecAgg+: the coordinator learns only each cohort's weighted sum.
     pub secure: bool,
+    /// The device population the run trains and the simulated devices check in to. `None`: a
+    /// population of the simulation's own, named after its run, so that simulations sharing a
+    /// coordinator never train each other's runs.
+    pub population: Option<String>,
+    /// How rounds are paced (the plan's selection and deadlines).
+    pub pacing: Pacing,
+    /// Fraction of each device's examples held out to evaluate the global model on (the
+    /// federated evaluation); the rest is trained on. 0 trains on everything.
+    pub holdout: f64,
+}
+
+/// A simulated run's round pacing: the plan fields a simulation sets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pacing {
+    /// Devices selected per round, as a multiple of the cohort.
+    pub over_selection: f64,
+    /// Fewest reports a round commits with (`None`: 80 % of the cohort).
+    pub min_quorum: Option<u32>,
+    /// Longest time a round selects devices.
+    pub selection_timeout_secs: f64,
+    /// Longest time from a round's opening to its close; it must cover local training (the
+    /// FedAvg paper's CNN at E=5 takes minutes per round on a CPU).
+    pub reporting_timeout_secs: f64,
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Pacing {
+            over_selection: 1.3,
+            min_quorum: None,
+            selection_timeout_secs: 10.0,
+            reporting_timeout_secs: 120.0,
+        }
+    }
+}
+
+/// What a finished simulation reports.
+#[derive(Debug, Clone)]
+pub struct SimulationReport {
+    /// The run it created.
+    pub run_id: RunId,
+    /// The population the run trained and its devices checked in to.
+    pub population: String,
+    /// The simulated devices, as the coordinator enrolled them.
+    pub devices: Vec<DeviceId>,
+    /// Every committed model, in order.
+    pub rounds: Vec<RoundResult>,
 }
 
 /// One committed round as the simulator saw it.
@@ -146,6 +193,20 @@ pub enum SimulationError {
     /// The run ended without committing every round.
     #[error("the run ended with status {0}")]
     RunEnded(String),
+    /// Another run is training the population the simulation was asked to use: its devices
+    /// would join that run too.
+    #[error(
+        "run {run} is already training population {population:?}: pick another population, or let the simulator make its own"
+    )]
+    PopulationBusy {
+        /// The population.
+        population: String,
+        /// The running run that uses it.
+        run: i64,
+    },
+    /// The configuration cannot make a valid simulation.
+    #[error("invalid simulation: {0}")]
+    Invalid(String),
 }
 
 /// The model spec for `kind` on `input` (token inputs get an Embedding → LSTM next-token model).
@@ -248,10 +309,20 @@ fn shakespeare_data(
 }
 
 /// Runs a whole simulation, calling `on_round` for each committed model in order.
+///
+/// The run trains a population of its own unless `config.population` names one, and then only
+/// if no other running run trains it: a simulated device checks in to its population and would
+/// train whichever run of it is open.
 pub async fn simulate(
     config: SimulationConfig,
     mut on_round: impl FnMut(&RoundResult),
-) -> Result<Vec<RoundResult>, SimulationError> {
+) -> Result<SimulationReport, SimulationError> {
+    if !(0.0..1.0).contains(&config.holdout) {
+        return Err(SimulationError::Invalid(format!(
+            "holdout must be in [0, 1), not {}",
+            config.holdout
+        )));
+    }
     let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
         config.dataset,
         &config.data_dir,
@@ -262,19 +333,36 @@ pub async fn simulate(
     )?;
     let spec = model_spec(config.model, train_set.input());
     let admin = AdminClient::with_tls(&config.url, &config.operator_token, &config.tls)?;
+    let name = format!(
+        "simulate-{:?}-{:?}-{}",
+        config.dataset,
+        config.model,
+        hex_suffix().map_err(SimulationError::Invalid)?
+    )
+    .to_lowercase();
+    let population = config.population.clone().unwrap_or_else(|| name.clone());
+    if let Some(busy) = admin
+        .runs()
+        .await?
+        .into_iter()
+        .find(|r| r.population == population && r.status == "running")
+    {
+        return Err(SimulationError::PopulationBusy { population, run: busy.id });
+    }
     let token = admin.enrollment_token(Some(config.clients as i64 + 1)).await?;
-    let plan = serde_json::json!({
-        "name": format!("simulate-{:?}-{:?}", config.dataset, config.model).to_lowercase(),
+    let pacing = config.pacing;
+    let mut plan = serde_json::json!({
+        "name": name,
+        "population": population,
         "model": {"spec": spec, "init": {"kind": "seeded", "seed": config.seed}},
         "training": config.training,
         "cohort_size": config.cohort,
-        "over_selection": 1.3,
-        "min_quorum": (config.cohort * 4 / 5).max(1),
-        "selection_timeout_secs": 10.0,
-        "reporting_timeout_secs": 120.0,
+        "over_selection": pacing.over_selection,
+        "min_quorum": pacing.min_quorum.unwrap_or((config.cohort * 4 / 5).max(1)),
+        "selection_timeout_secs": pacing.selection_timeout_secs,
+        "reporting_timeout_secs": pacing.reporting_timeout_secs,
         "rounds": config.rounds,
     });
-    let mut plan = plan;
     if config.secure {
         // Deltas of these models stay well inside ±1 (weighted by examples / max_examples).
         plan["secure_aggregation"] = serde_json::json!({
@@ -286,21 +374,25 @@ pub async fn simulate(
     let run = RunId(admin.create_run(&plan).await?.id);
 
     let stop = Arc::new(AtomicBool::new(false));
+    let enrolled = Arc::new(std::sync::Mutex::new(vec![]));
     let mut tasks = vec![];
     for (i, idx) in parts.into_iter().enumerate() {
         let local = train_set.subset(&idx);
-        let (local_train, local_holdout) = local.split_holdout(0.1, config.seed + i as u64);
+        let (local_train, local_holdout) =
+            local.split_holdout(config.holdout, config.seed + i as u64);
         let mut participant = Participant::new(
             &config.url,
-            "default",
+            &population,
             local_train,
             local_holdout,
             config.backend.training_device(),
         )
         .with_tls(&config.tls)?;
         let (token, stop) = (token.clone(), stop.clone());
+        let enrolled = enrolled.clone();
         tasks.push(tokio::spawn(async move {
-            participant.enroll(&token).await.map_err(|e| e.to_string())?;
+            let device = participant.enroll(&token).await.map_err(|e| e.to_string())?;
+            enrolled.lock().expect("no task panics holding it").push(device);
             while !stop.load(Ordering::Relaxed) {
                 match participant.participate(Box::new(|_| {})).await {
                     Ok(Outcome::ComeBackLater(d)) => {
@@ -376,5 +468,14 @@ pub async fn simulate(
     for t in tasks {
         t.abort();
     }
-    outcome.map(|()| results)
+    let mut devices = enrolled.lock().expect("no task panics holding it").clone();
+    devices.sort();
+    outcome.map(|()| SimulationReport { run_id: run, population, devices, rounds: results })
+}
+
+/// Eight random hex digits, so that two simulations' runs and populations never share a name.
+fn hex_suffix() -> Result<String, String> {
+    let mut bytes = [0u8; 4];
+    getrandom::fill(&mut bytes).map_err(|e| format!("the OS random source failed: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use starling_core::fedavg::{
-    Aggregate, AggregateError, FedAvgAccumulator, ValidatedPartial, ValidatedUpdate, validate_parts,
+    Aggregate, AggregateError, FedAvgAccumulator, PooledEvaluation, ValidatedPartial,
+    ValidatedUpdate, validate_parts,
 };
 use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::round::secure::{Record, SecAggRejection};
@@ -190,8 +191,18 @@ impl InitialModel {
 /// Results of work the driver spawned.
 #[derive(Debug)]
 enum Internal {
-    UpdatePersisted { run_id: RunId, request: RequestId, ok: bool },
-    RoundClosed { run_id: RunId, round_idx: RoundIdx, committed: Option<CommittedModel> },
+    UpdatePersisted {
+        run_id: RunId,
+        request: RequestId,
+        ok: bool,
+    },
+    RoundClosed {
+        run_id: RunId,
+        round_idx: RoundIdx,
+        committed: Option<CommittedModel>,
+    },
+    /// A spawned write was fenced off: another coordinator leads.
+    Deposed,
 }
 
 #[derive(Debug)]
@@ -238,6 +249,8 @@ pub struct Driver {
     internal_tx: mpsc::UnboundedSender<Internal>,
     internal_rx: mpsc::UnboundedReceiver<Internal>,
     next_request: u64,
+    /// A write was fenced off: another coordinator leads, and this driver must stop.
+    deposed: bool,
 }
 
 struct RunEntry {
@@ -254,8 +267,8 @@ struct RunEntry {
     partials: HashMap<RequestId, PendingPartial>,
     secagg_messages: HashMap<RequestId, oneshot::Sender<Result<(), DriverError>>>,
     secagg_polls: HashMap<RequestId, oneshot::Sender<Result<SecAggInstruction, DriverError>>>,
-    /// A secure round's unmasked mean, waiting for its `CloseRound`.
-    secure_aggregate: Option<Aggregate>,
+    /// A secure round's unmasked mean and pooled evaluation, waiting for its `CloseRound`.
+    secure_aggregate: Option<(Aggregate, Option<PooledEvaluation>)>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
 }
 
@@ -304,6 +317,7 @@ impl Driver {
             internal_tx,
             internal_rx,
             next_request: 0,
+            deposed: false,
         };
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
@@ -447,6 +461,11 @@ impl Driver {
                 }
             }
             self.execute_actions().await;
+            if self.deposed {
+                // Pending requests are answered 503 as their channels close.
+                tracing::error!("another coordinator leads; the driver stops");
+                break;
+            }
         }
         tracing::info!("driver stopped");
     }
@@ -491,6 +510,7 @@ impl Driver {
                     assigned: view.assigned,
                     selection_over: view.selection_over,
                     reporting_in_ms: view.round.reporting_deadline - now,
+                    max_examples: entry.plan.max_examples(),
                 })
             })
             .collect();
@@ -652,6 +672,7 @@ impl Driver {
     fn on_internal(&mut self, internal: Internal) {
         let now = now_ms();
         match internal {
+            Internal::Deposed => self.deposed = true,
             Internal::UpdatePersisted { run_id, request, ok } => {
                 if let Some(entry) = self.runs.get_mut(&run_id) {
                     entry.machine.handle(now, Input::UploadPersisted { request, ok });
@@ -743,9 +764,9 @@ impl Driver {
                             replies.push(Reply::SecAggPoll(tx, res));
                         }
                     }
-                    Action::SecureAggregate { round_idx, aggregate } => {
-                        tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, "secure aggregation unmasked the cohort's sum");
-                        entry.secure_aggregate = Some(aggregate);
+                    Action::SecureAggregate { round_idx, aggregate, evaluation } => {
+                        tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, evaluated = evaluation.is_some(), "secure aggregation unmasked the cohort's sum");
+                        entry.secure_aggregate = Some((aggregate, evaluation));
                     }
                     Action::FinishRun => {
                         tracing::info!(%run_id, "run finished");
@@ -848,8 +869,12 @@ impl Driver {
                                 .map_or(closing.closed_at, |r| r.opened_at),
                             run_id,
                             closing,
+                            evaluation: entry
+                                .secure_aggregate
+                                .as_mut()
+                                .and_then(|(_, evaluation)| evaluation.take()),
                             finish: match entry.secure_aggregate.take() {
-                                Some(aggregate) => {
+                                Some((aggregate, _)) => {
                                     let (tx, rx) = oneshot::channel();
                                     let _ = tx.send(Ok(aggregate));
                                     rx
@@ -869,10 +894,22 @@ impl Driver {
             if !transitions.is_empty() {
                 let mut backoff = Duration::from_millis(50);
                 let started = std::time::Instant::now();
-                while let Err(e) = self.store.apply_transitions(run_id, &transitions, now).await {
-                    tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                loop {
+                    match self.store.apply_transitions(run_id, &transitions, now).await {
+                        Ok(()) => break,
+                        Err(e @ StoreError::Fenced { .. }) => {
+                            // A successor leads: nothing of this batch is durable, so nobody
+                            // hears of it; the driver stops (see `run`).
+                            tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");
+                            self.deposed = true;
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
+                    }
                 }
                 self.observer.store_latency("transitions", started.elapsed().as_secs_f64());
             }
@@ -1015,6 +1052,9 @@ fn persist_in_background(
         let secs = started.elapsed().as_secs_f64();
         observer.store_latency(what, secs);
         log(&res, secs * 1e3);
+        if matches!(res, Err(StoreError::Fenced { .. })) {
+            let _ = internal.send(Internal::Deposed);
+        }
         let _ = internal.send(Internal::UpdatePersisted { run_id, request, ok: res.is_ok() });
     });
 }
@@ -1027,6 +1067,8 @@ struct CloseTask {
     run_id: RunId,
     closing: RoundClosing,
     finish: oneshot::Receiver<Result<Aggregate, AggregateError>>,
+    /// A secure round's pooled evaluation, committed with the round.
+    evaluation: Option<PooledEvaluation>,
     global: Arc<Vec<f32>>,
     plan: Arc<ValidatedPlan>,
     internal: mpsc::UnboundedSender<Internal>,
@@ -1041,6 +1083,7 @@ impl CloseTask {
             run_id,
             closing,
             finish,
+            evaluation,
             global,
             plan,
             internal,
@@ -1066,12 +1109,18 @@ impl CloseTask {
                             model: &encoded,
                             model_hash: &hash,
                             metrics: &metrics,
+                            evaluation: evaluation.as_ref(),
                         };
                         let commit_started = std::time::Instant::now();
-                        retry_store("commit round", run_id, || {
+                        if retry_store("commit round", run_id, || {
                             store.commit_round(run_id, commit.clone(), now_ms())
                         })
-                        .await;
+                        .await
+                        .is_err()
+                        {
+                            let _ = internal.send(Internal::Deposed);
+                            return;
+                        }
                         observer
                             .store_latency("commit_round", commit_started.elapsed().as_secs_f64());
                         observer.round_closed(
@@ -1087,8 +1136,13 @@ impl CloseTask {
                     }
                     Err(e) => {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
-                        retry_store("fail round", run_id, || store.fail_round(run_id, closing))
-                            .await;
+                        if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
+                            .await
+                            .is_err()
+                        {
+                            let _ = internal.send(Internal::Deposed);
+                            return;
+                        }
                         observer.round_closed(
                             run_id,
                             round_idx,
@@ -1103,7 +1157,13 @@ impl CloseTask {
             }
             (outcome, _) => {
                 tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
-                retry_store("fail round", run_id, || store.fail_round(run_id, closing)).await;
+                if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
+                    .await
+                    .is_err()
+                {
+                    let _ = internal.send(Internal::Deposed);
+                    return;
+                }
                 observer.round_closed(
                     run_id,
                     round_idx,
@@ -1119,9 +1179,13 @@ impl CloseTask {
     }
 }
 
+/// Another coordinator leads: a write was fenced off.
+#[derive(Debug)]
+struct Deposed;
+
 /// Retries a store write until it succeeds; a conflict means an earlier attempt whose answer
-/// was lost already succeeded.
-async fn retry_store<F, Fut>(what: &str, run_id: RunId, mut op: F)
+/// was lost already succeeded. Fails only when the write was fenced off.
+async fn retry_store<F, Fut>(what: &str, run_id: RunId, mut op: F) -> Result<(), Deposed>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), StoreError>>,
@@ -1129,7 +1193,12 @@ where
     let mut backoff = Duration::from_millis(50);
     loop {
         match op().await {
-            Ok(()) | Err(StoreError::Conflict) => return,
+            Ok(()) | Err(StoreError::Conflict) => return Ok(()),
+            Err(e @ StoreError::Fenced { .. }) => {
+                // The successor recovers the round from the store and closes it itself.
+                tracing::error!(%run_id, error = %e, "{what} fenced off; left to the new leader");
+                return Err(Deposed);
+            }
             Err(e) => {
                 tracing::error!(%run_id, error = %e, ?backoff, "{what} failed; retrying");
                 tokio::time::sleep(backoff).await;

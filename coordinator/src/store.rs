@@ -15,6 +15,8 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use futures_util::TryStreamExt;
@@ -58,6 +60,15 @@ pub enum StoreError {
     /// A row holds data this version cannot read.
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// Another coordinator took the leadership since this one did: nothing was written, and
+    /// this coordinator must stop driving runs.
+    #[error("fenced: another coordinator leads now (leadership epoch {current}, ours {ours})")]
+    Fenced {
+        /// The epoch this store's leadership holds.
+        ours: i64,
+        /// The epoch in the store.
+        current: i64,
+    },
 }
 
 /// Result alias for store calls.
@@ -153,6 +164,21 @@ pub struct StoredUpdate {
     pub delta: Vec<u8>,
 }
 
+/// A device selected for a round, as [`SqlStore::round_devices`] reads it back.
+#[derive(Debug, Clone, PartialEq, Eq, FromRow)]
+pub struct RoundDeviceRow {
+    /// Device id.
+    pub device_id: i64,
+    /// When it was selected.
+    pub selected_at_ms: i64,
+    /// Its aggregator, in a tiered round.
+    pub aggregator_id: Option<i64>,
+    /// `update` or `partial` once its contribution is durable; `None` otherwise.
+    pub reported: Option<String>,
+    /// Its upload's example count, for `update`.
+    pub example_count: Option<i64>,
+}
+
 /// An evaluation report as stored.
 #[derive(Debug, Clone, FromRow)]
 pub struct EvaluationRow {
@@ -179,6 +205,24 @@ pub struct NewRun<'a> {
     pub initial_model_hash: &'a str,
 }
 
+/// The `source` of a secure round's pooled evaluation in `aggregate_evaluations`.
+pub const SECURE_EVALUATION_SOURCE: &str = "secure_cohort";
+
+/// A pooled evaluation as stored.
+#[derive(Debug, Clone, FromRow)]
+pub struct AggregateEvaluationRow {
+    /// Model version evaluated.
+    pub model_version: i64,
+    /// Where it comes from (e.g. [`SECURE_EVALUATION_SOURCE`]).
+    pub source: String,
+    /// Devices pooled.
+    pub n_devices: i64,
+    /// Their held-out examples.
+    pub example_count: i64,
+    /// Example-weighted means, JSON.
+    pub metrics_json: String,
+}
+
 /// A committed round's new model and aggregated metrics.
 #[derive(Debug, Clone)]
 pub struct RoundCommit<'a> {
@@ -190,6 +234,8 @@ pub struct RoundCommit<'a> {
     pub model_hash: &'a str,
     /// Aggregated training metrics.
     pub metrics: &'a BTreeMap<String, f64>,
+    /// A secure round's pooled evaluation of the model it trained on, if any.
+    pub evaluation: Option<&'a starling_core::fedavg::PooledEvaluation>,
 }
 
 /// The columns of a [`RoundRow`], with live selected/reported counts for an open round
@@ -367,6 +413,23 @@ pub struct SqlStore {
     pool: AnyPool,
     backend: Backend,
     url: String,
+    fence: Arc<Fence>,
+}
+
+/// The leadership epoch this store writes under, shared by its clones.
+///
+/// Postgres only: [`SqlStore::acquire_leadership`] increments the stored epoch and keeps it
+/// here; every write of round state then reads the stored epoch `FOR SHARE` in its own
+/// transaction and refuses to commit when it changed. A successor's increment waits for the
+/// writes in flight and every later write of the deposed leader fails, so no write of it lands
+/// after its successor took over. SQLite has one process per file and no epoch.
+#[derive(Debug, Default)]
+struct Fence {
+    /// 0 until this store leads.
+    epoch: AtomicI64,
+    /// Set once a write found a newer epoch.
+    deposed: AtomicBool,
+    wake: tokio::sync::Notify,
 }
 
 /// Postgres advisory-lock key held by the coordinator that drives runs ("STAR").
@@ -376,6 +439,7 @@ const LEADER_LOCK_KEY: i64 = 0x5354_4152;
 #[derive(Debug)]
 pub struct Leadership {
     conn: Option<sqlx::PgConnection>,
+    fence: Arc<Fence>,
 }
 
 /// The Postgres `application_name` of the connection that holds the leadership lock.
@@ -385,20 +449,42 @@ impl Leadership {
     /// Resolves when the lock is lost: the connection holding it stopped answering (the
     /// server restarted, an operator terminated it, the network broke). Postgres releases an
     /// advisory lock with its session, so from then on another coordinator may drive the runs;
-    /// this one must stop. Never resolves for SQLite (one process owns the file).
+    /// this one must stop. Also resolves as soon as a write of this store was fenced (a
+    /// successor took over). Never resolves for SQLite (one process owns the file).
     pub async fn lost(&mut self) {
+        let fence = self.fence.clone();
         let Some(conn) = self.conn.as_mut() else { return std::future::pending().await };
-        loop {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            let alive = tokio::time::timeout(
-                std::time::Duration::from_secs(5),
-                sqlx::query("SELECT 1").execute(&mut *conn),
-            )
-            .await;
-            if !matches!(alive, Ok(Ok(_))) {
-                return;
+        let deposed = async {
+            loop {
+                let woken = fence.wake.notified();
+                if fence.deposed.load(Ordering::SeqCst) {
+                    return;
+                }
+                woken.await;
             }
+        };
+        let dead = async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                let alive = tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    sqlx::query("SELECT 1").execute(&mut *conn),
+                )
+                .await;
+                if !matches!(alive, Ok(Ok(_))) {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            () = deposed => {}
+            () = dead => {}
         }
+    }
+
+    /// The leadership epoch this coordinator writes under (0 on SQLite).
+    pub fn epoch(&self) -> i64 {
+        self.fence.epoch.load(Ordering::SeqCst)
     }
 }
 
@@ -435,7 +521,7 @@ impl SqlStore {
                 })
             });
         let pool = options.connect(url).await.map_err(map_err)?;
-        let store = SqlStore { pool, backend, url: url.to_owned() };
+        let store = SqlStore { pool, backend, url: url.to_owned(), fence: Arc::default() };
         if migrate {
             store.migrate().await?;
         }
@@ -461,10 +547,24 @@ impl SqlStore {
     ///
     /// On Postgres several coordinators may share one database: a session-level advisory lock
     /// elects one driver, and a standby takes over as soon as the holder's session ends (a
-    /// killed process's connection closes). SQLite is single-process by design.
+    /// killed process's connection closes). Taking the lock increments the leadership epoch
+    /// that fences every later write (see [`Fence`]). SQLite is single-process by design.
     pub async fn acquire_leadership(&self) -> StoreResult<Leadership> {
+        match self.lock_leadership(true).await? {
+            Some(leadership) => Ok(leadership),
+            None => unreachable!("a blocking lock attempt returns only once it holds the lock"),
+        }
+    }
+
+    /// Takes the leadership if no other coordinator holds it now; `None` if one does.
+    pub async fn try_acquire_leadership(&self) -> StoreResult<Option<Leadership>> {
+        self.lock_leadership(false).await
+    }
+
+    async fn lock_leadership(&self, wait: bool) -> StoreResult<Option<Leadership>> {
+        let fence = self.fence.clone();
         match self.backend {
-            Backend::Sqlite => Ok(Leadership { conn: None }),
+            Backend::Sqlite => Ok(Some(Leadership { conn: None, fence })),
             Backend::Postgres => {
                 let options: sqlx::postgres::PgConnectOptions =
                     self.url.parse().map_err(map_err)?;
@@ -473,14 +573,64 @@ impl SqlStore {
                 )
                 .await
                 .map_err(map_err)?;
-                sqlx::query("SELECT pg_advisory_lock($1)")
-                    .bind(LEADER_LOCK_KEY)
-                    .execute(&mut conn)
-                    .await
-                    .map_err(map_err)?;
-                Ok(Leadership { conn: Some(conn) })
+                if wait {
+                    sqlx::query("SELECT pg_advisory_lock($1)")
+                        .bind(LEADER_LOCK_KEY)
+                        .execute(&mut conn)
+                        .await
+                        .map_err(map_err)?;
+                } else {
+                    let (locked,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+                        .bind(LEADER_LOCK_KEY)
+                        .fetch_one(&mut conn)
+                        .await
+                        .map_err(map_err)?;
+                    if !locked {
+                        return Ok(None);
+                    }
+                }
+                // Waits for the deposed leader's writes in flight (they hold the row FOR SHARE);
+                // every later one of them sees the new epoch and fails.
+                let (epoch,): (i64,) = sqlx::query_as(
+                    "UPDATE leadership SET epoch = epoch + 1, holder = $1, acquired_at_ms = $2
+                     WHERE id = 1 RETURNING epoch",
+                )
+                .bind(format!("pid {}", std::process::id()))
+                .bind(crate::clock::now_ms())
+                .fetch_one(&mut conn)
+                .await
+                .map_err(map_err)?;
+                fence.epoch.store(epoch, Ordering::SeqCst);
+                fence.deposed.store(false, Ordering::SeqCst);
+                Ok(Some(Leadership { conn: Some(conn), fence }))
             }
         }
+    }
+
+    /// Inside a write transaction of round state: refuses to go on when another coordinator
+    /// took the leadership since this store did (see [`Fence`]).
+    async fn check_fence(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> StoreResult<()> {
+        let ours = self.fence.epoch.load(Ordering::SeqCst);
+        if self.backend != Backend::Postgres || ours == 0 {
+            return Ok(());
+        }
+        let (current,): (i64,) =
+            sqlx::query_as("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE")
+                .fetch_one(&mut **tx)
+                .await
+                .map_err(map_err)?;
+        if current == ours {
+            return Ok(());
+        }
+        if !self.fence.deposed.swap(true, Ordering::SeqCst) {
+            tracing::error!(
+                ours,
+                current,
+                "another coordinator took the leadership; refusing to write"
+            );
+        }
+        self.fence.wake.notify_waiters();
+        Err(StoreError::Fenced { ours, current })
     }
 
     /// The backend.
@@ -590,6 +740,7 @@ impl SqlStore {
     /// Creates a run and its model version 0 in one transaction.
     pub async fn create_run(&self, run: NewRun<'_>, now: Millis) -> StoreResult<RunId> {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         let (id,): (i64,) = sqlx::query_as(
             "INSERT INTO runs (name, population, plan_json, status, model_version, rounds_committed, created_at_ms, updated_at_ms)
              VALUES ($1, $2, $3, 'running', 0, 0, $4, $4) RETURNING id",
@@ -706,6 +857,7 @@ impl SqlStore {
             return Ok(());
         }
         let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         for t in batch {
             match t {
                 Transition::OpenRound(r) => {
@@ -792,6 +944,8 @@ impl SqlStore {
         delta: &[u8],
         now: Millis,
     ) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         sqlx::query(
             "INSERT INTO updates (run_id, round_idx, device_id, slot, example_count, metrics_json, delta, received_at_ms)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -804,10 +958,10 @@ impl SqlStore {
         .bind(metrics_json)
         .bind(delta)
         .bind(now)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .map_err(map_err)?;
-        Ok(())
+        tx.commit().await.map_err(map_err)
     }
 
     /// Writes one aggregator's partial; `Ok` means it is durable and may be acknowledged.
@@ -821,6 +975,8 @@ impl SqlStore {
     ) -> StoreResult<()> {
         let encoded = wire::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         sqlx::query(
             "INSERT INTO partials (run_id, round_idx, slot, aggregators_json, devices_json, n_devices, total_weight, report, received_at_ms)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
@@ -834,10 +990,10 @@ impl SqlStore {
         .bind(report.total_weight as i64)
         .bind(encoded)
         .bind(now)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .map_err(map_err)?;
-        Ok(())
+        tx.commit().await.map_err(map_err)
     }
 
     /// A round's stored partial reports (CBOR), by slot; closed rounds hold none.
@@ -942,6 +1098,44 @@ impl SqlStore {
         }))
     }
 
+    /// Every device selected for a round, by id, with how its contribution reached the round.
+    pub async fn round_devices(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<Vec<RoundDeviceRow>> {
+        let mut rows: Vec<RoundDeviceRow> = sqlx::query_as(
+            "SELECT s.device_id, s.selected_at_ms, s.aggregator_id,
+                    CASE WHEN u.device_id IS NULL THEN NULL ELSE 'update' END AS reported,
+                    u.example_count
+             FROM selections s LEFT JOIN updates u
+               ON u.run_id = s.run_id AND u.round_idx = s.round_idx AND u.device_id = s.device_id
+             WHERE s.run_id = $1 AND s.round_idx = $2 ORDER BY s.device_id",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let partials: Vec<(String,)> = sqlx::query_as(
+            "SELECT devices_json FROM partials WHERE run_id = $1 AND round_idx = $2",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        for (json,) in partials {
+            let devices: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
+                StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
+            })?;
+            for row in rows.iter_mut().filter(|r| devices.contains(&r.device_id)) {
+                row.reported = Some("partial".to_owned());
+            }
+        }
+        Ok(rows)
+    }
+
     /// How many secure-aggregation records a run holds (closed rounds hold none).
     pub async fn secagg_record_count(&self, run_id: RunId) -> StoreResult<usize> {
         let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM secagg_records WHERE run_id = $1")
@@ -1017,6 +1211,7 @@ impl SqlStore {
         let c = commit.closing;
         let new_version = c.model_version.0 + 1;
         let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         sqlx::query(
             "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
         )
@@ -1041,6 +1236,23 @@ impl SqlStore {
         .map_err(map_err)?;
         release_payloads(&mut tx, run_id, c.round_idx).await?;
         delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
+        if let Some(e) = commit.evaluation {
+            let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
+            sqlx::query(
+                "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(run_id.0)
+            .bind(c.model_version.0)
+            .bind(SECURE_EVALUATION_SOURCE)
+            .bind(e.n_devices as i64)
+            .bind(e.example_count as i64)
+            .bind(metrics)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        }
         tx.commit().await.map_err(map_err)
     }
 
@@ -1048,6 +1260,7 @@ impl SqlStore {
     /// round with new uploads.
     pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
         close_round_row(&mut tx, run_id, &closing, "failed", None).await?;
         release_payloads(&mut tx, run_id, closing.round_idx).await?;
         delete_secagg_records(&mut tx, run_id, closing.round_idx).await?;
@@ -1097,6 +1310,42 @@ impl SqlStore {
         .await
         .map_err(map_err)?;
         Ok(())
+    }
+
+    /// A run's pooled evaluations (a secure round's cohort), by model version.
+    pub async fn aggregate_evaluations(
+        &self,
+        run_id: RunId,
+    ) -> StoreResult<Vec<AggregateEvaluationRow>> {
+        sqlx::query_as(
+            "SELECT model_version, source, n_devices, example_count, metrics_json FROM aggregate_evaluations
+             WHERE run_id = $1 ORDER BY model_version, source",
+        )
+        .bind(run_id.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)
+    }
+
+    /// Whether `device` was selected for a round of `run_id` that trained `version`: the
+    /// devices whose evaluation of that version the run accepts.
+    pub async fn selected_for_version(
+        &self,
+        run_id: RunId,
+        device: DeviceId,
+        version: ModelVersion,
+    ) -> StoreResult<bool> {
+        let row: Option<(i64,)> = sqlx::query_as(
+            "SELECT s.round_idx FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
+             WHERE s.run_id = $1 AND s.device_id = $2 AND r.model_version = $3 LIMIT 1",
+        )
+        .bind(run_id.0)
+        .bind(device.0)
+        .bind(version.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(row.is_some())
     }
 
     /// All evaluation reports of a run.

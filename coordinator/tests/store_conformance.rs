@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
-    NewRun, RoundCommit, SqlStore, StoreError, Transition, redact, with_database,
+    NewRun, RoundCommit, RoundDeviceRow, SqlStore, StoreError, Transition, redact, with_database,
 };
+use starling_core::fedavg::PooledEvaluation;
 use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
 use starling_core::wire;
@@ -213,14 +214,38 @@ async fn conformance(store: SqlStore) {
         (Some(3), Some(3), "open"),
         "the partial's device counts as reported"
     );
+    // The round's record of devices: each selected one, and how its update arrived.
+    let row =
+        |d: starling_core::DeviceId, agg: Option<i64>, how: &str, n: Option<i64>| RoundDeviceRow {
+            device_id: d.0,
+            selected_at_ms: 1_000,
+            aggregator_id: agg,
+            reported: Some(how.to_owned()),
+            example_count: n,
+        };
+    assert_eq!(
+        store.round_devices(run, RoundIdx(0)).await.unwrap(),
+        vec![
+            row(d1, None, "update", Some(1)),
+            row(d2, None, "update", Some(3)),
+            row(d3, Some(7), "partial", None)
+        ]
+    );
+    assert!(store.round_devices(run, RoundIdx(5)).await.unwrap().is_empty());
 
     // Commit: model v1, round closed with metrics, run advanced, payloads released.
     let metrics = BTreeMap::from([("loss".to_owned(), 1.75)]);
+    let pooled = PooledEvaluation {
+        n_devices: 2,
+        example_count: 40,
+        metrics: BTreeMap::from([("accuracy".to_owned(), 0.5)]),
+    };
     let commit = RoundCommit {
         closing: closing(0, 0, RoundOutcome::Commit),
         model: b"m1",
         model_hash: "h1",
         metrics: &metrics,
+        evaluation: Some(&pooled),
     };
     store.commit_round(run, commit.clone(), 4_000).await.unwrap();
     assert!(matches!(store.commit_round(run, commit, 4_000).await, Err(StoreError::Conflict)));
@@ -234,7 +259,24 @@ async fn conformance(store: SqlStore) {
     assert_eq!(count_secagg_records(&store, run).await, 0);
     let r0 = &store.rounds(run).await.unwrap()[0];
     assert_eq!((r0.state.as_str(), r0.n_reported, r0.n_dropped), ("committed", Some(2), Some(1)));
+    assert_eq!(
+        store.round_devices(run, RoundIdx(0)).await.unwrap().len(),
+        3,
+        "who took part outlives the payloads"
+    );
     assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"loss":1.75}"#));
+    // A secure cohort's pooled evaluation of the version the round trained on.
+    let pooled_rows = store.aggregate_evaluations(run).await.unwrap();
+    assert_eq!(
+        pooled_rows
+            .iter()
+            .map(|e| (e.model_version, e.n_devices, e.example_count, e.metrics_json.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(0, 2, 40, r#"{"accuracy":0.5}"#)]
+    );
+    // Devices selected for a round on version 0 may evaluate it; others may not.
+    assert!(store.selected_for_version(run, d1, ModelVersion(0)).await.unwrap());
+    assert!(!store.selected_for_version(run, d1, ModelVersion(1)).await.unwrap());
     let models = store.models(run).await.unwrap();
     assert_eq!(
         models.iter().map(|m| (m.version, m.round_idx)).collect::<Vec<_>>(),

@@ -75,11 +75,13 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
             continue;
         }
         let t = Instant::now();
-        let y = clients.get_mut(&i).unwrap().masked_input(request, &input).unwrap();
+        let client = clients.get_mut(&i).unwrap();
+        let y = client.masked_input(request, &input).unwrap();
+        let rejected = client.rejected().clone();
         client_time += t.elapsed();
         sent += y.len() * 4 + 8;
         let t = Instant::now();
-        server.receive_masked(i, y).unwrap();
+        server.receive_masked(i, y, rejected).unwrap();
         server_time += t.elapsed();
     }
     let t = Instant::now();

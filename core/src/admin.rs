@@ -120,3 +120,22 @@ pub struct ModelView {
     /// Example-weighted means of the evaluation metrics.
     pub evaluation: BTreeMap<String, f64>,
 }
+
+/// A device selected for a round, and whether its contribution reached the round
+/// (`GET /v1/admin/runs/{run}/rounds/{round}/devices`): the record of who trained what.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundDeviceView {
+    /// Device id.
+    pub device_id: i64,
+    /// When it was selected.
+    pub selected_at_ms: i64,
+    /// The aggregator it was sent to, when the round went through the aggregator tier.
+    pub aggregator_id: Option<i64>,
+    /// How its contribution reached the round: `update` (its own durable upload) or `partial`
+    /// (inside an aggregator's durable partial). Absent when none is recorded: it dropped out,
+    /// is still training, or the round was secure (which keeps no per-device record).
+    pub reported: Option<String>,
+    /// The example count (FedAvg weight) of its upload, for `update`.
+    pub example_count: Option<i64>,
+}

@@ -72,6 +72,13 @@ impl ValidatedUpdate {
         self.example_count
     }
 
+    /// The same update weighing at most `max_examples` (a run's cap on self-reported example
+    /// counts, so that no device dominates the mean by claiming a huge dataset).
+    pub fn capped(mut self, max_examples: u64) -> Self {
+        self.example_count = self.example_count.min(max_examples.max(1));
+        self
+    }
+
     /// Local metrics.
     pub fn metrics(&self) -> &BTreeMap<String, f64> {
         &self.metrics
@@ -105,7 +112,12 @@ pub fn validate_parts(
     Ok(ValidatedUpdate { delta_le: Arc::new(delta_le), example_count, metrics })
 }
 
-/// Checks a metrics map: at most [`MAX_METRICS`] entries, short names, finite values.
+/// Largest magnitude of any reported metric: enough for any honest loss or count, small enough
+/// that one report cannot drown a weighted mean.
+pub const MAX_METRIC_MAGNITUDE: f64 = 1e12;
+
+/// Checks a metrics map: at most [`MAX_METRICS`] entries, short names, finite values of at most
+/// [`MAX_METRIC_MAGNITUDE`]; an `accuracy` must be in [0, 1] and a `loss` must not be negative.
 pub fn validate_metrics(metrics: &BTreeMap<String, f64>) -> Result<(), UpdateError> {
     if metrics.len() > MAX_METRICS {
         return Err(UpdateError::Metric { name: String::new(), why: "too many metrics" });
@@ -120,6 +132,15 @@ pub fn validate_metrics(metrics: &BTreeMap<String, f64>) -> Result<(), UpdateErr
         if !value.is_finite() {
             return Err(UpdateError::Metric { name: name.clone(), why: "value is not finite" });
         }
+        if value.abs() > MAX_METRIC_MAGNITUDE {
+            return Err(UpdateError::Metric { name: name.clone(), why: "value exceeds 1e12" });
+        }
+        let why = match name.as_str() {
+            "accuracy" if !(0.0..=1.0).contains(value) => "an accuracy must be in [0, 1]",
+            "loss" if *value < 0.0 => "a loss cannot be negative",
+            _ => continue,
+        };
+        return Err(UpdateError::Metric { name: name.clone(), why });
     }
     Ok(())
 }
@@ -144,6 +165,19 @@ pub struct Aggregate {
     /// Number of updates folded in.
     pub n_updates: u64,
     /// Example-weighted means of the local metrics.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Evaluation reports pooled over several devices: how many, their examples, and the
+/// example-weighted means of their metrics (e.g. a secure round's cohort, which the server only
+/// ever sees pooled).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PooledEvaluation {
+    /// Devices that evaluated.
+    pub n_devices: u64,
+    /// Their held-out examples, in all.
+    pub example_count: u64,
+    /// Example-weighted means.
     pub metrics: BTreeMap<String, f64>,
 }
 

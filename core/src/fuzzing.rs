@@ -119,6 +119,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
             max_examples: 10,
             k: 3,
             t: 2,
+            n_params: 3,
             vector_len: 4,
             stage_timeout_ms: 1_000,
         }),

@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::rng::SplitMix64;
-use crate::tensor::{DType, TensorSchema, TensorSpec};
+use crate::tensor::{DType, MAX_SCHEMA_ELEMENTS, TensorSchema, TensorSpec};
 
 /// A model: what it takes, and the layers applied in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,14 +73,14 @@ pub enum LayerSpec {
         kernel: u64,
     },
     /// Rectified linear unit.
-    Relu,
+    Relu {},
     /// Dropout while training.
     Dropout {
         /// Probability of zeroing an element.
         prob: f64,
     },
     /// Flattens everything but the batch dimension.
-    Flatten,
+    Flatten {},
     /// Token embedding.
     Embedding {
         /// Embedding width.
@@ -97,9 +97,9 @@ pub enum LayerSpec {
         hidden: u64,
     },
     /// Layer normalization over the last dimension.
-    LayerNorm,
+    LayerNorm {},
     /// Keeps only the last step of a sequence.
-    LastStep,
+    LastStep {},
 }
 
 /// The shape of the activation between layers (per example, without the batch dimension).
@@ -172,14 +172,14 @@ impl LayerSpec {
             LayerSpec::Linear { .. } => "Linear",
             LayerSpec::Conv2d { .. } => "Conv2d",
             LayerSpec::MaxPool2d { .. } => "MaxPool2d",
-            LayerSpec::Relu => "Relu",
+            LayerSpec::Relu {} => "Relu",
             LayerSpec::Dropout { .. } => "Dropout",
-            LayerSpec::Flatten => "Flatten",
+            LayerSpec::Flatten {} => "Flatten",
             LayerSpec::Embedding { .. } => "Embedding",
             LayerSpec::Lstm { .. } => "Lstm",
             LayerSpec::Gru { .. } => "Gru",
-            LayerSpec::LayerNorm => "LayerNorm",
-            LayerSpec::LastStep => "LastStep",
+            LayerSpec::LayerNorm {} => "LayerNorm",
+            LayerSpec::LastStep {} => "LastStep",
         }
     }
 }
@@ -220,11 +220,21 @@ impl ModelSpec {
                     LayerSpec::Conv2d { out_channels, kernel, padding },
                     Activation::Image(_, h, w),
                 ) => {
-                    let side = |x: u64| (x + 2 * padding).checked_sub(kernel).map(|v| v + 1);
+                    if kernel == 0 || kernel > MAX_DIM || padding > MAX_DIM {
+                        return Err(bad(
+                            i,
+                            &format!(
+                                "kernel must be in 1..={MAX_DIM} and padding at most {MAX_DIM}"
+                            ),
+                        ));
+                    }
+                    // Every term is at most 3·2^24 here, but the arithmetic stays checked: a
+                    // wrapped side would give a schema the SDK cannot build.
+                    let side = |x: u64| {
+                        x.checked_add(padding.checked_mul(2)?)?.checked_sub(kernel)?.checked_add(1)
+                    };
                     match (side(h), side(w)) {
-                        (Some(h), Some(w)) if h > 0 && w > 0 && kernel > 0 => {
-                            Activation::Image(out_channels, h, w)
-                        }
+                        (Some(h), Some(w)) => Activation::Image(out_channels, h, w),
                         _ => return Err(bad(i, "kernel is larger than the padded input")),
                     }
                 }
@@ -235,10 +245,12 @@ impl ModelSpec {
                     Activation::Image(c, h / kernel, w / kernel)
                 }
                 (
-                    LayerSpec::Relu | LayerSpec::LayerNorm,
+                    LayerSpec::Relu {} | LayerSpec::LayerNorm {},
                     a @ (Activation::Flat(_) | Activation::Sequence(..) | Activation::Image(..)),
                 ) => {
-                    if matches!(layer, LayerSpec::LayerNorm) && matches!(a, Activation::Image(..)) {
+                    if matches!(layer, LayerSpec::LayerNorm {})
+                        && matches!(a, Activation::Image(..))
+                    {
                         return Err(mismatch());
                     }
                     a
@@ -252,8 +264,12 @@ impl ModelSpec {
                     }
                     a
                 }
-                (LayerSpec::Flatten, Activation::Image(c, h, w)) => Activation::Flat(c * h * w),
-                (LayerSpec::Flatten, Activation::Sequence(t, f)) => Activation::Flat(t * f),
+                (LayerSpec::Flatten {}, Activation::Image(c, h, w)) => {
+                    Activation::Flat(product(i, &[c, h, w])?)
+                }
+                (LayerSpec::Flatten {}, Activation::Sequence(t, f)) => {
+                    Activation::Flat(product(i, &[t, f])?)
+                }
                 (LayerSpec::Embedding { dim }, Activation::Tokens { length, .. }) => {
                     Activation::Sequence(length, dim)
                 }
@@ -261,7 +277,7 @@ impl ModelSpec {
                     LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden },
                     Activation::Sequence(t, _),
                 ) => Activation::Sequence(t, hidden),
-                (LayerSpec::LastStep, Activation::Sequence(_, f)) => Activation::Flat(f),
+                (LayerSpec::LastStep {}, Activation::Sequence(_, f)) => Activation::Flat(f),
                 _ => return Err(mismatch()),
             };
             check_dims(i, &dims_of(act))?;
@@ -329,18 +345,20 @@ impl ModelSpec {
                     push("bias", vec![out], Init::Constant(0.0));
                 }
                 (LayerSpec::Conv2d { out_channels, kernel, .. }, Activation::Image(c, _, _)) => {
-                    let fan_in = c * kernel * kernel;
+                    // In f64: the product of three dimensions can exceed u64 before the size
+                    // check below refuses the tensor.
+                    let fan_in = c as f64 * kernel as f64 * kernel as f64;
                     push(
                         "weight",
                         vec![out_channels, c, kernel, kernel],
-                        Init::Uniform((1.0 / fan_in as f64).sqrt()),
+                        Init::Uniform((1.0 / fan_in).sqrt()),
                     );
                     push("bias", vec![out_channels], Init::Constant(0.0));
                 }
                 (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
                     push("weight", vec![vocab, dim], Init::Uniform(3f64.sqrt()));
                 }
-                (LayerSpec::LayerNorm, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                (LayerSpec::LayerNorm {}, Activation::Flat(f) | Activation::Sequence(_, f)) => {
                     push("gamma", vec![f], Init::Constant(1.0));
                     push("beta", vec![f], Init::Constant(0.0));
                 }
@@ -380,6 +398,31 @@ impl ModelSpec {
                 why: "the model has no trainable parameters".into(),
             });
         }
+        let mut total: u64 = 0;
+        for (spec, _) in &params {
+            let layer = spec.name.split('.').nth(1).and_then(|i| i.parse().ok()).unwrap_or(0);
+            let numel = spec
+                .shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .filter(|&n| n <= MAX_SCHEMA_ELEMENTS)
+                .ok_or_else(|| {
+                    bad(
+                        layer,
+                        &format!(
+                            "parameter {} {:?} has more than {MAX_SCHEMA_ELEMENTS} elements",
+                            spec.name, spec.shape
+                        ),
+                    )
+                })?;
+            total = total.saturating_add(numel);
+        }
+        if total > MAX_SCHEMA_ELEMENTS {
+            return Err(bad(
+                0,
+                &format!("the model has {total} parameters, more than {MAX_SCHEMA_ELEMENTS}"),
+            ));
+        }
         Ok(params)
     }
 }
@@ -391,6 +434,13 @@ fn dims_of(a: Activation) -> Vec<u64> {
         Activation::Sequence(t, f) => vec![t, f],
         Activation::Tokens { vocab, length } => vec![vocab, length],
     }
+}
+
+/// The product of `dims`, as long as it is a valid dimension (at most [`MAX_DIM`]).
+fn product(layer: usize, dims: &[u64]) -> Result<u64, SpecError> {
+    dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&n| n <= MAX_DIM).ok_or_else(
+        || bad(layer, &format!("flattening {dims:?} gives more than {MAX_DIM} features")),
+    )
 }
 
 fn check_dims(layer: usize, dims: &[u64]) -> Result<(), SpecError> {

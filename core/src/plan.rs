@@ -45,6 +45,12 @@ pub struct Plan {
     /// Server learning rate applied to the mean delta (1.0 is plain FedAvg).
     #[serde(default = "default_server_lr")]
     pub server_learning_rate: f64,
+    /// Example counts above this weigh as much as this, in the FedAvg mean and in evaluation
+    /// means: devices report their own counts, and one claiming a huge dataset must not
+    /// dominate. Default [`DEFAULT_MAX_EXAMPLES`]. Secure runs set theirs in
+    /// `secure_aggregation.max_examples` instead.
+    #[serde(default)]
+    pub max_examples: Option<u64>,
     /// Secure aggregation (SecAgg+): the coordinator learns only the cohort's weighted sum.
     /// Absent: plain FedAvg, devices upload their deltas.
     #[serde(default)]
@@ -93,8 +99,9 @@ pub struct ModelPlan {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
 pub enum InitSpec {
-    /// Every parameter zero.
-    Zeros,
+    /// Every parameter zero. (A struct variant, so that unknown fields are refused: serde
+    /// lets them through on unit variants of an internally tagged enum.)
+    Zeros {},
     /// With a `spec`: the spec's initialization (see [`ModelSpec::initial_parameters`]).
     /// Without: Glorot-uniform weights for tensors of rank ≥ 2, zero for rank-1 tensors
     /// (biases). Either way from a deterministic generator seeded with `seed`.
@@ -148,10 +155,22 @@ pub struct SecureRoundConfig {
     pub k: u32,
     /// Shamir threshold.
     pub t: u32,
-    /// Masked vector length: the model's parameters plus the weight.
+    /// The model's parameters: the first entries of a masked vector.
+    #[serde(default)]
+    pub n_params: usize,
+    /// Masked vector length: the model's parameters, the weight, and the device's evaluation
+    /// ([`secagg::EVALUATION_ENTRIES`](crate::secagg::EVALUATION_ENTRIES)).
     pub vector_len: usize,
     /// Deadline of each short stage.
     pub stage_timeout_ms: i64,
+}
+
+impl SecureRoundConfig {
+    /// Whether masked vectors of `len` entries carry the devices' evaluation after the weighted
+    /// delta and its weight (a round begun before evaluations went through the sum does not).
+    pub fn carries_evaluation(&self, len: usize) -> bool {
+        len == self.n_params + 1 + crate::secagg::EVALUATION_ENTRIES
+    }
 }
 
 /// Why a plan was rejected.
@@ -177,6 +196,10 @@ pub enum PlanError {
 fn field(field: &'static str, why: impl Into<String>) -> PlanError {
     PlanError::Field { field, why: why.into() }
 }
+
+/// The cap on one device's example count (its FedAvg and evaluation weight) when a plain
+/// run's plan names none.
+pub const DEFAULT_MAX_EXAMPLES: u64 = 100_000;
 
 /// Upper bound on cohort size; larger cohorts belong to the aggregator tier.
 pub const MAX_COHORT: u32 = 1_000_000;
@@ -226,6 +249,20 @@ impl Plan {
         }
         if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
             return Err(field("server_learning_rate", "must be positive and finite"));
+        }
+        if let Some(max) = self.max_examples {
+            if self.secure_aggregation.is_some() {
+                return Err(field(
+                    "max_examples",
+                    "a secure run takes its cap in secure_aggregation.max_examples",
+                ));
+            }
+            if max == 0 || max > crate::fedavg::MAX_EXAMPLE_COUNT {
+                return Err(field(
+                    "max_examples",
+                    format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
+                ));
+            }
         }
         if let InitSpec::Parameters { data_base64 } = &self.model.init {
             // Length is checked here; values are checked when decoded by `initial_parameters`.
@@ -286,7 +323,8 @@ impl SecureAggregationPlan {
         {
             return Err(field("secure_aggregation.stage_timeout_secs", "must be in 0.05..=86400"));
         }
-        let mut config = crate::secagg::Config::with_defaults([0; 16], n, n_params + 1);
+        let vector_len = n_params + 1 + crate::secagg::EVALUATION_ENTRIES;
+        let mut config = crate::secagg::Config::with_defaults([0; 16], n, vector_len);
         if let Some(k) = self.neighbours {
             if k < 2 || k % 2 == 1 {
                 return Err(field("secure_aggregation.neighbours", "must be even and at least 2"));
@@ -300,7 +338,8 @@ impl SecureAggregationPlan {
             max_examples: self.max_examples,
             k: config.k,
             t: config.t,
-            vector_len: n_params + 1,
+            n_params,
+            vector_len,
             stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
         })
     }
@@ -327,6 +366,14 @@ impl ValidatedPlan {
         self.rounds
     }
 
+    /// The most examples one device's update or evaluation weighs.
+    pub fn max_examples(&self) -> u64 {
+        match &self.plan.secure_aggregation {
+            Some(s) => s.max_examples,
+            None => self.plan.max_examples.unwrap_or(DEFAULT_MAX_EXAMPLES),
+        }
+    }
+
     /// The training configuration as JSON text, as clients receive it.
     pub fn training_config_json(&self) -> String {
         self.plan.training.to_string()
@@ -342,7 +389,7 @@ impl ValidatedPlan {
     ) -> Result<Vec<f32>, PlanError> {
         let schema = self.schema();
         match &self.plan.model.init {
-            InitSpec::Zeros => Ok(vec![0.0; schema.numel() as usize]),
+            InitSpec::Zeros {} => Ok(vec![0.0; schema.numel() as usize]),
             InitSpec::Seeded { seed } => match self.model_spec() {
                 Some(spec) => Ok(spec.initial_parameters(*seed)?),
                 None => Ok(seeded_init(schema, *seed)),

@@ -51,7 +51,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fedavg::Aggregate;
+use crate::fedavg::{Aggregate, PooledEvaluation};
 use crate::ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::RoundConfig;
 use crate::tier::{self, TierConfig};
@@ -247,6 +247,9 @@ pub enum Action {
         round_idx: RoundIdx,
         /// The mean delta (no per-device metrics: they would leak individual information).
         aggregate: Aggregate,
+        /// The survivors' pooled evaluation of the round's model version, decoded from the
+        /// same sum (none when nobody evaluated); commit it with the round.
+        evaluation: Option<PooledEvaluation>,
     },
     /// Persist that the run committed all its rounds.
     FinishRun,
@@ -1146,12 +1149,17 @@ impl RunMachine {
                 r.phase = Phase::Closing;
             } else if let Some(s) = r.secure.as_mut() {
                 s.progress(now, r.selection_ended);
+                // Devices left out of the sum at the end of MaskedInputCollection (a neighbour
+                // could not open their shares) do not count as reported.
+                let counted: BTreeSet<DeviceId> = s.masked_devices().collect();
+                r.reported.retain(|d| counted.contains(d));
                 match s.outcome() {
                     None => {}
                     Some(Ok(aggregate)) => {
                         self.actions.push_back(Action::SecureAggregate {
                             round_idx: r.opened.round_idx,
                             aggregate: aggregate.clone(),
+                            evaluation: s.evaluation().cloned(),
                         });
                         r.phase = Phase::Closing;
                     }

@@ -161,6 +161,69 @@ pub fn decode_weighted_mean(q: &Quantizer, sum: &[u32], count: u32) -> Option<Ve
     Some(values.iter().map(|&s| q.dequantize_sum(s, count) / total).collect())
 }
 
+/// A device's evaluation of the global model on its held-out examples, as it travels inside
+/// its secure vector: the server learns only the cohort's pooled evaluation, never one device's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvaluationInput {
+    /// Held-out examples evaluated (its weight; capped at `max_examples` like the update's).
+    pub examples: u64,
+    /// Accuracy, in [0, 1].
+    pub accuracy: f64,
+    /// Mean loss (capped at [`SECURE_LOSS_CAP`]).
+    pub loss: f64,
+}
+
+/// Ring elements a secure vector carries after the weighted delta and its weight when it also
+/// carries the device's evaluation: the evaluation's weight, weighted accuracy and weighted
+/// (scaled) loss.
+pub const EVALUATION_ENTRIES: usize = 3;
+
+/// Losses above this count as this in a secure evaluation: the quantizer needs a range.
+pub const SECURE_LOSS_CAP: f64 = 100.0;
+
+/// Appends a device's evaluation to its [`encode_weighted`] vector (zero weight when it has
+/// none, e.g. no held-out examples): `e·clip`, `e·accuracy·clip` and `e·(loss/cap)·clip` with
+/// `e = examples / max_examples` in [0, 1], so every entry stays inside the clipping range.
+pub fn append_evaluation(
+    q: &Quantizer,
+    vector: &mut Vec<u32>,
+    evaluation: Option<EvaluationInput>,
+    max_examples: u64,
+) {
+    let (e, accuracy, loss) = match evaluation {
+        Some(ev) => (
+            ev.examples.min(max_examples) as f64 / max_examples.max(1) as f64,
+            if ev.accuracy.is_finite() { ev.accuracy.clamp(0.0, 1.0) } else { 0.0 },
+            if ev.loss.is_finite() { ev.loss.clamp(0.0, SECURE_LOSS_CAP) } else { SECURE_LOSS_CAP },
+        ),
+        None => (0.0, 0.0, 0.0),
+    };
+    vector.push(q.quantize(e * q.clip));
+    vector.push(q.quantize(e * accuracy * q.clip));
+    vector.push(q.quantize(e * loss / SECURE_LOSS_CAP * q.clip));
+}
+
+/// The cohort's pooled evaluation from the unmasked sum of `count` vectors' evaluation entries
+/// (the last [`EVALUATION_ENTRIES`]): total weight in examples, and the example-weighted mean
+/// accuracy and loss. `None` when no device evaluated (a total weight below half an example).
+pub fn decode_evaluation(
+    q: &Quantizer,
+    entries: &[u32],
+    count: u32,
+    max_examples: u64,
+) -> Option<(f64, f64, f64)> {
+    let [weight, accuracy, loss] = entries else { return None };
+    let total = q.dequantize_sum(*weight, count) / q.clip;
+    let examples = total * max_examples as f64;
+    if examples < 0.5 {
+        return None;
+    }
+    let accuracy = (q.dequantize_sum(*accuracy, count) / q.clip / total).clamp(0.0, 1.0);
+    let loss = (q.dequantize_sum(*loss, count) / q.clip / total * SECURE_LOSS_CAP)
+        .clamp(0.0, SECURE_LOSS_CAP);
+    Some((examples, accuracy, loss))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shamir sharing over GF(2^61 − 1), a 32-byte secret as five 7-byte (or shorter) chunks.
 
@@ -471,6 +534,9 @@ pub struct Client {
     keys: BTreeMap<ClientIdx, AdvertiseKeys>,
     /// Shares received from each neighbour that completed ShareKeys.
     held: BTreeMap<ClientIdx, Shares>,
+    /// Neighbours whose sealed shares arrived but did not open: this client added no pairwise
+    /// mask with them, and must say so with its masked input (see [`Client::rejected`]).
+    rejected: BTreeSet<ClientIdx>,
 }
 
 impl Client {
@@ -509,6 +575,7 @@ impl Client {
             stage: ClientStage::Advertised,
             keys: BTreeMap::new(),
             held: BTreeMap::new(),
+            rejected: BTreeSet::new(),
         };
         Ok((client, advert))
     }
@@ -567,8 +634,10 @@ impl Client {
     }
 
     /// MaskedInputCollection: `input` (quantized) plus the self mask plus pairwise masks with
-    /// every neighbour whose shares arrived. Shares that fail to open are ignored (that
-    /// neighbour is treated as dropped); too few left fails.
+    /// every neighbour whose shares arrived. A neighbour whose shares fail to open gets no
+    /// pairwise mask and is listed in [`Client::rejected`], which the masked input must carry:
+    /// the server then leaves that neighbour out of the sum instead of letting its
+    /// uncancelled mask corrupt it. Too few valid shares left fails.
     pub fn masked_input(
         &mut self,
         request: MaskRequest,
@@ -586,7 +655,10 @@ impl Client {
         }
         for sealed in request.shares {
             let Some(advert) = self.keys.get(&sealed.from) else { continue };
-            if sealed.to != self.me || self.held.contains_key(&sealed.from) {
+            if sealed.to != self.me
+                || self.held.contains_key(&sealed.from)
+                || self.rejected.contains(&sealed.from)
+            {
                 continue;
             }
             let cipher = share_cipher(
@@ -596,20 +668,26 @@ impl Client {
                 sealed.from,
                 &self.config.session,
             );
-            let Ok(plain) = cipher.decrypt(
-                &share_nonce(sealed.from, self.me).into(),
-                Payload { msg: &sealed.ciphertext, aad: &self.config.session },
-            ) else {
-                continue;
-            };
-            let Ok(shares) = crate::wire::decode::<Shares>(&plain) else { continue };
-            if shares.from != sealed.from
-                || shares.to != self.me
-                || shares.key.iter().chain(&shares.seed).any(|&v| v >= P)
-            {
-                continue;
+            let opened = cipher
+                .decrypt(
+                    &share_nonce(sealed.from, self.me).into(),
+                    Payload { msg: &sealed.ciphertext, aad: &self.config.session },
+                )
+                .ok()
+                .and_then(|plain| crate::wire::decode::<Shares>(&plain).ok())
+                .filter(|shares| {
+                    shares.from == sealed.from
+                        && shares.to == self.me
+                        && shares.key.iter().chain(&shares.seed).all(|&v| v < P)
+                });
+            match opened {
+                Some(shares) => {
+                    self.held.insert(sealed.from, shares);
+                }
+                None => {
+                    self.rejected.insert(sealed.from);
+                }
             }
-            self.held.insert(sealed.from, shares);
         }
         if self.held.len() < self.config.t as usize {
             return Err(SecAggError::BelowThreshold {
@@ -627,6 +705,11 @@ impl Client {
         }
         self.stage = ClientStage::Masked;
         Ok(y)
+    }
+
+    /// Neighbours whose sealed shares did not open (known once the masked input is made).
+    pub fn rejected(&self) -> &BTreeSet<ClientIdx> {
+        &self.rejected
     }
 
     /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share
@@ -685,6 +768,9 @@ pub struct Server {
     sealed: BTreeMap<ClientIdx, Vec<SealedShares>>,
     shared: BTreeSet<ClientIdx>,
     masked: BTreeMap<ClientIdx, Vec<u32>>,
+    /// For each masked input, the neighbours its sender could not open shares from (and so
+    /// added no pairwise mask with).
+    rejections: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
     survivors: BTreeSet<ClientIdx>,
     responses: BTreeMap<ClientIdx, UnmaskResponse>,
     excluded: BTreeSet<ClientIdx>,
@@ -703,6 +789,7 @@ impl Server {
             sealed: BTreeMap::new(),
             shared: BTreeSet::new(),
             masked: BTreeMap::new(),
+            rejections: BTreeMap::new(),
             survivors: BTreeSet::new(),
             responses: BTreeMap::new(),
             excluded: BTreeSet::new(),
@@ -813,8 +900,14 @@ impl Server {
             .collect())
     }
 
-    /// A masked input from `client`.
-    pub fn receive_masked(&mut self, client: ClientIdx, y: Vec<u32>) -> Result<(), SecAggError> {
+    /// A masked input from `client`, with the neighbours whose shares it could not open
+    /// ([`Client::rejected`]); those must be neighbours that shared.
+    pub fn receive_masked(
+        &mut self,
+        client: ClientIdx,
+        y: Vec<u32>,
+        rejected: BTreeSet<ClientIdx>,
+    ) -> Result<(), SecAggError> {
         self.expect(ServerStage::Collect, "MaskedInputCollection")?;
         if !self.shared.contains(&client)
             || self.masked.contains_key(&client)
@@ -822,13 +915,31 @@ impl Server {
         {
             return Err(self.bad(client, "unexpected masked input or wrong length"));
         }
+        if !rejected.iter().all(|j| self.graph[&client].contains(j) && self.shared.contains(j)) {
+            return Err(self.bad(client, "rejects shares from clients that sent it none"));
+        }
         self.masked.insert(client, y);
+        self.rejections.insert(client, rejected);
         Ok(())
     }
 
-    /// Ends MaskedInputCollection: the survivors every one of them is told.
+    /// Clients whose sealed shares a neighbour could not open: they are left out of the sum
+    /// (their masked input is dropped, their pairwise masks removed like a dropout's), so a
+    /// client that seals garbage to a neighbour cannot corrupt the aggregate.
+    pub fn accused(&self) -> BTreeSet<ClientIdx> {
+        self.rejections.values().flatten().copied().collect()
+    }
+
+    /// Ends MaskedInputCollection: the survivors every one of them is told (everyone who sent
+    /// a masked input, but clients a neighbour could not open shares from).
     pub fn close_masked(&mut self) -> Result<UnmaskRequest, SecAggError> {
         self.expect(ServerStage::Collect, "the end of MaskedInputCollection")?;
+        let accused = self.accused();
+        for &j in &accused {
+            self.masked.remove(&j);
+            self.rejections.remove(&j);
+            self.excluded.insert(j);
+        }
         self.at_least("MaskedInputCollection", self.masked.len())?;
         self.survivors = self.masked.keys().copied().collect();
         self.stage = ServerStage::Unmask;
@@ -922,6 +1033,10 @@ impl Server {
                 }
             };
             for &i in self.graph[&j].intersection(&self.survivors) {
+                if self.rejections.get(&i).is_some_and(|r| r.contains(&j)) {
+                    // i could not open j's shares, so it never added their pairwise mask.
+                    continue;
+                }
                 let seed = pairwise_seed(
                     &key,
                     j,
@@ -959,6 +1074,9 @@ mod tests {
         after_share: BTreeSet<ClientIdx>,
         after_mask: BTreeSet<ClientIdx>,
         corrupt_share: Option<ClientIdx>,
+        /// A sealed share (from, to) whose ciphertext is garbled: well-formed, but it does not
+        /// open.
+        garble: Option<(ClientIdx, ClientIdx)>,
     }
 
     type Outcome = Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError>;
@@ -994,14 +1112,18 @@ mod tests {
                 if script.corrupt_share == Some(i) {
                     sealed.pop();
                 }
+                for s in sealed.iter_mut().filter(|s| script.garble == Some((s.from, s.to))) {
+                    s.ciphertext[0] ^= 0xff;
+                }
                 let _ = server.receive_shares(i, sealed);
             }
             for (i, request) in server.close_share_keys()? {
                 if script.after_share.contains(&i) {
                     continue;
                 }
-                let y = clients.get_mut(&i).unwrap().masked_input(request, &inputs[&i])?;
-                server.receive_masked(i, y)?;
+                let client = clients.get_mut(&i).unwrap();
+                let y = client.masked_input(request, &inputs[&i])?;
+                server.receive_masked(i, y, client.rejected().clone())?;
             }
             let request = server.close_masked()?;
             for &i in &request.survivors {
@@ -1069,6 +1191,7 @@ mod tests {
             after_share: [5, 6].into(),
             after_mask: [7, 8].into(),
             corrupt_share: None,
+            garble: None,
         };
         let (result, inputs) = run(&config, 21, &script);
         let (sum, survivors) = result.unwrap();
@@ -1096,6 +1219,62 @@ mod tests {
         assert!(!survivors.contains(&4));
         assert_eq!(survivors.len(), 11);
         assert_eq!(sum, plain_sum(&inputs, &survivors, 8));
+    }
+
+    /// Issue 16: a client that seals an undecryptable share to one neighbour left that
+    /// neighbour without their pairwise mask while the server assumed it cancelled, and the
+    /// round committed a random sum. The neighbour now reports the share it could not open,
+    /// and the server leaves the sender out: the sum is the honest survivors' exactly.
+    #[test]
+    fn r16_a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
+        for (config, seed) in [
+            (Config::with_defaults([6; 16], 12, 8), 5),
+            (Config { session: [6; 16], n: 7, k: 6, t: 4, len: 8 }, 9),
+        ] {
+            let from = 3;
+            let to = *neighbours(&(1..=config.n).collect(), config.k, &bytes(seed, 9))[&from]
+                .iter()
+                .next()
+                .unwrap();
+            // The same graph the server draws from its seed: `run` seeds it with bytes(seed, 9).
+            let script = Script { garble: Some((from, to)), ..Default::default() };
+            let (result, inputs) = run(&config, seed, &script);
+            let (sum, survivors) = result.unwrap();
+            assert!(!survivors.contains(&from), "the sender is left out");
+            assert!(survivors.contains(&to), "the neighbour that reported it stays in");
+            assert_eq!(survivors.len() as u32, config.n - 1);
+            assert_eq!(sum, plain_sum(&inputs, &survivors, config.len as usize));
+        }
+        // With dropouts on top, the round still sums exactly or fails cleanly.
+        let config = Config { session: [8; 16], n: 9, k: 4, t: 3, len: 6 };
+        let script = Script { garble: Some((2, 3)), after_mask: [5].into(), ..Default::default() };
+        match run(&config, 4, &script) {
+            (Ok((sum, survivors)), inputs) => {
+                assert!(!survivors.contains(&2));
+                assert_eq!(sum, plain_sum(&inputs, &survivors, 6));
+            }
+            (Err(e), _) => assert!(matches!(e, SecAggError::BelowThreshold { .. }), "{e}"),
+        }
+    }
+
+    #[test]
+    fn a_client_cannot_reject_shares_it_never_got() {
+        let config = Config::with_defaults([2; 16], 6, 4);
+        let mut server = Server::new(config, bytes(1, 9)).unwrap();
+        let mut clients = BTreeMap::new();
+        for i in 1..=6 {
+            let (client, advert) = Client::new(i, config, bytes(u64::from(i), 1)).unwrap();
+            server.receive_keys(i, advert).unwrap();
+            clients.insert(i, client);
+        }
+        for (i, keys) in server.close_advertise().unwrap() {
+            let sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
+            server.receive_shares(i, sealed).unwrap();
+        }
+        server.close_share_keys().unwrap();
+        let err = server.receive_masked(1, vec![0; 4], [1].into()).unwrap_err();
+        assert!(matches!(err, SecAggError::BadMessage { client: 1, .. }), "{err}");
+        assert!(server.excluded().contains(&1));
     }
 
     #[test]
@@ -1130,6 +1309,49 @@ mod tests {
             // n values each off by half a step, over a total weight of at least n·0.1.
             assert!((mean[j] - exact).abs() < 1e-4, "{j}: {} vs {exact}", mean[j]);
         }
+    }
+
+    /// Issue 16: secure runs sent per-device evaluation reports in clear. The evaluation now
+    /// rides in the masked vector, and the server decodes only the cohort's pooled means.
+    #[test]
+    fn r16_evaluation_pools_through_the_ring() {
+        let n = 40;
+        let q = Quantizer::for_cohort(1.0, n);
+        let mut sum = vec![0u32; 2 + EVALUATION_ENTRIES];
+        let (mut examples, mut correct, mut loss_sum) = (0.0, 0.0, 0.0);
+        for i in 0..n {
+            let mut v = encode_weighted(&q, &[0.5], 10, 100);
+            let ev = (i % 4 != 0).then(|| EvaluationInput {
+                examples: 5 + u64::from(i) % 30,
+                accuracy: f64::from(i % 10) / 10.0,
+                loss: 0.2 + f64::from(i) / 20.0,
+            });
+            if let Some(ev) = ev {
+                examples += ev.examples as f64;
+                correct += ev.examples as f64 * ev.accuracy;
+                loss_sum += ev.examples as f64 * ev.loss;
+            }
+            append_evaluation(&q, &mut v, ev, 100);
+            for (s, x) in sum.iter_mut().zip(v) {
+                *s = s.wrapping_add(x);
+            }
+        }
+        let (weight, accuracy, loss) = decode_evaluation(&q, &sum[2..], n, 100).unwrap();
+        assert!((weight - examples).abs() < 0.01, "{weight} vs {examples}");
+        assert!((accuracy - correct / examples).abs() < 1e-5, "{accuracy}");
+        assert!((loss - loss_sum / examples).abs() < 1e-3, "{loss}");
+        let mean = decode_weighted_mean(&q, &sum[..2], n).unwrap();
+        assert!((mean[0] - 0.5).abs() < 1e-5);
+        // Nobody evaluated: no pooled evaluation, not a 0 % one.
+        let mut nobody = vec![0u32; EVALUATION_ENTRIES];
+        for _ in 0..n {
+            let mut v = vec![];
+            append_evaluation(&q, &mut v, None, 100);
+            for (s, x) in nobody.iter_mut().zip(v) {
+                *s = s.wrapping_add(x);
+            }
+        }
+        assert_eq!(decode_evaluation(&q, &nobody, n, 100), None);
     }
 
     proptest! {

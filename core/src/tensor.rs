@@ -49,9 +49,10 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// Number of elements.
+    /// Number of elements; `u64::MAX` for a shape whose product does not fit (only an
+    /// unvalidated schema has one: [`TensorSchema::validate`] refuses it).
     pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX)
     }
 }
 
@@ -169,12 +170,14 @@ impl TensorSchema {
 
     /// Total number of elements across all tensors.
     pub fn numel(&self) -> u64 {
-        self.tensors.iter().map(TensorSpec::numel).sum()
+        self.tensors.iter().fold(0u64, |acc, t| acc.saturating_add(t.numel()))
     }
 
-    /// Bytes of a payload in this schema.
+    /// Bytes of a payload in this schema (saturating, like [`TensorSpec::numel`]).
     pub fn byte_len(&self) -> u64 {
-        self.tensors.iter().map(|t| t.numel() * t.dtype.size() as u64).sum()
+        self.tensors.iter().fold(0u64, |acc, t| {
+            acc.saturating_add(t.numel().saturating_mul(t.dtype.size() as u64))
+        })
     }
 
     /// The schema's stable digest.

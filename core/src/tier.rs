@@ -235,6 +235,14 @@ pub struct ShardTask {
     /// Milliseconds until the reporting deadline (relative: aggregators need no synchronized
     /// clock); negative once it passed.
     pub reporting_in_ms: i64,
+    /// The run's cap on one device's example count: larger counts weigh this much.
+    #[serde(default = "no_example_cap")]
+    pub max_examples: u64,
+}
+
+/// What a coordinator that sends no cap means: only the validation bound.
+fn no_example_cap() -> u64 {
+    crate::fedavg::MAX_EXAMPLE_COUNT
 }
 
 /// `POST /v1/aggregation/runs/{run}/rounds/{round}/partial`: an aggregator's reduced shard.

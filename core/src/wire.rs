@@ -252,6 +252,10 @@ pub enum SecAggUpload {
         /// Ring elements, little-endian `u32`.
         #[serde(with = "serde_bytes")]
         masked: Vec<u8>,
+        /// Neighbours whose sealed shares the device could not open (it added no pairwise mask
+        /// with them); the server leaves them out of the sum.
+        #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+        rejected_shares: std::collections::BTreeSet<secagg::ClientIdx>,
     },
     /// Unmasking: shares that remove masks, never both secrets of one neighbour.
     Unmask(secagg::UnmaskResponse),

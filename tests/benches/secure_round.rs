@@ -74,7 +74,7 @@ async fn bench(n: usize, m: usize) -> anyhow::Result<()> {
             .zip(&devices)
             .zip(&deltas)
             .enumerate()
-            .map(|(i, ((s, d), delta))| s.send_masked(d, ModelVersion(0), delta, weight(i))),
+            .map(|(i, ((s, d), delta))| s.send_masked(d, ModelVersion(0), delta, weight(i), None)),
     )
     .await
     .into_iter()

@@ -316,6 +316,9 @@ pub fn digits_simulation(
         max_examples: 0,
         backend: backend::select(BackendChoice::Cpu).expect("the CPU backend is always there"),
         secure: false,
+        population: None,
+        pacing: Default::default(),
+        holdout: 0.1,
     }
 }
 

@@ -235,6 +235,18 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     );
     let loss = round.metrics.as_ref().and_then(|m| m.get("loss")).copied();
     assert!(loss.is_some(), "the partials carry the metrics: {:?}", round.metrics);
+    // The admin API tells which aggregator took each device and that its update came through
+    // that aggregator's partial.
+    let record = c.admin.round_devices(run, 0).await?;
+    assert_eq!(record.len(), 24);
+    assert!(record.iter().all(|d| d.reported.as_deref() == Some("partial")), "{record:?}");
+    assert!(record.iter().all(|d| d.example_count.is_none()), "{record:?}");
+    let mut recorded: Vec<Option<i64>> = record.iter().map(|d| d.aggregator_id).collect();
+    let mut assigned: Vec<Option<i64>> =
+        tasks.iter().map(|t| t.upload_to.as_ref().map(|u| i64::from(u.aggregator.0))).collect();
+    recorded.sort();
+    assigned.sort();
+    assert_eq!(recorded, assigned);
 
     // The same updates through a coordinator without a tier commit the same bits.
     let (_dir2, db2) = sqlite_db();

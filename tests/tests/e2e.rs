@@ -541,7 +541,8 @@ async fn federated_digits_reach_ninety_percent() {
         eprintln!("model {}: test accuracy {:.3}", r.version, r.test_accuracy)
     })
     .await
-    .unwrap();
+    .unwrap()
+    .rounds;
     assert_eq!(results.len(), 15);
     let best_late = results[10..].iter().map(|r| r.test_accuracy).fold(0.0, f64::max);
     assert!(
@@ -573,13 +574,86 @@ async fn federated_shakespeare_roles_learn_next_characters() {
         eprintln!("model {}: next-char accuracy {:.3}", r.version, r.test_accuracy)
     })
     .await
-    .unwrap();
+    .unwrap()
+    .rounds;
     assert_eq!(results.len(), 2);
     assert!(
         results[1].test_accuracy > 0.08,
         "accuracy {:?}",
         results.iter().map(|r| r.test_accuracy).collect::<Vec<_>>()
     );
+    c.running.shutdown().await.unwrap();
+}
+
+/// Issue 21: two simulations at once on one coordinator, one IID and one pathologically
+/// non-IID, each train only their own run. Every device the admin API records in a round of a
+/// run is one of that simulation's devices (before, both used the population `default` and each
+/// run took updates from the other's devices); the pacing flags reach the plan; and a simulation
+/// told to use a population another run trains is refused before it enrolls anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r21_concurrent_simulations_train_only_their_own_runs() {
+    use starling_client::simulate::{
+        Pacing, Partition, SimulationConfig, SimulationError, simulate,
+    };
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let iid = SimulationConfig {
+        training: serde_json::json!({"epochs": 1, "batch_size": 10, "lr": 0.1}),
+        ..digits_simulation(&c.url, 6, 3, 3, 5)
+    };
+    let skewed = SimulationConfig {
+        partition: Partition::Shards(2),
+        pacing: Pacing { reporting_timeout_secs: 300.0, min_quorum: Some(3), ..Pacing::default() },
+        ..iid.clone()
+    };
+    let (a, b) = tokio::join!(simulate(iid, |_| {}), simulate(skewed, |_| {}));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_ne!(a.population, b.population);
+    for report in [&a, &b] {
+        assert_eq!(report.devices.len(), 6);
+        assert_eq!(report.rounds.len(), 3);
+        assert_eq!(c.admin.run(report.run_id).await.unwrap().population, report.population);
+        for round in c.admin.rounds(report.run_id).await.unwrap() {
+            let record = c.admin.round_devices(report.run_id, round.round_idx).await.unwrap();
+            let strangers: Vec<i64> = record
+                .iter()
+                .map(|d| d.device_id)
+                .filter(|d| !report.devices.contains(&starling_core::DeviceId(*d)))
+                .collect();
+            assert!(strangers.is_empty(), "run {} took devices {strangers:?}", report.run_id);
+            if round.state == "committed" {
+                let reported = record.iter().filter(|d| d.reported.is_some()).count();
+                assert_eq!(reported as i64, round.n_reported, "{record:?}");
+            }
+        }
+    }
+    let plan = c.admin.run(b.run_id).await.unwrap().plan;
+    assert_eq!(
+        (plan["reporting_timeout_secs"].as_f64(), plan["min_quorum"].as_u64()),
+        (Some(300.0), Some(3))
+    );
+
+    // A population that a running run trains is refused by name.
+    let digits = starling_client::data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut busy = mlp_plan(digits.input(), 1, 5);
+    busy["population"] = "shared".into();
+    let busy = c.admin.create_run(&busy).await.unwrap();
+    let devices_before = c.admin.devices().await.unwrap().len();
+    let refused = simulate(
+        SimulationConfig {
+            population: Some("shared".into()),
+            ..digits_simulation(&c.url, 2, 1, 1, 5)
+        },
+        |_| {},
+    )
+    .await;
+    match refused {
+        Err(e @ SimulationError::PopulationBusy { .. }) => {
+            assert!(e.to_string().contains(&format!("run {}", busy.id)), "{e}")
+        }
+        other => panic!("expected PopulationBusy, got {other:?}"),
+    }
+    assert_eq!(c.admin.devices().await.unwrap().len(), devices_before);
     c.running.shutdown().await.unwrap();
 }
 

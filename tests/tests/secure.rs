@@ -115,11 +115,28 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
     let shared = sessions[4..].iter_mut().zip(&devices[4..]).map(|(s, d)| s.share_keys(d));
     join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
     // Devices 4..8 vanish while training; the rest send masked inputs.
+    // Each also evaluated the round's model on held-out examples (every fourth has none).
+    let evaluation = |i: usize| {
+        (i % 4 != 0).then(|| secagg::EvaluationInput {
+            examples: 10 + i as u64,
+            accuracy: (i % 10) as f64 / 10.0,
+            loss: 0.5 + i as f64 / 40.0,
+        })
+    };
     let masked = (8..N).map(|i| (i, delta(i, 0, PARAMS), weight(i)));
     let sent = sessions[8..].iter_mut().zip(&devices[8..]).zip(masked).map(
-        |((s, d), (_, delta, w))| async move { s.send_masked(d, ModelVersion(0), &delta, w).await },
+        |((s, d), (i, delta, w))| async move {
+            s.send_masked(d, ModelVersion(0), &delta, w, evaluation(i)).await
+        },
     );
     join_all(sent).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    // A device's plain evaluation report is refused in a secure run: it would leak it.
+    let leak = starling_core::wire::EvaluationReport {
+        model_version: ModelVersion(0),
+        example_count: 10,
+        metrics: [("accuracy".to_owned(), 0.5)].into(),
+    };
+    assert_eq!(api_code(devices[9].evaluate(run, &leak).await), Some(ErrorCode::InvalidField));
 
     // The store audit, with every masked input in: secure-aggregation records only, and no
     // masked vector resembles any device's quantized input or contains its raw delta.
@@ -169,6 +186,18 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
         ("committed", 40, 32, Some(8))
     );
     assert_eq!(store.secagg_record_count(run).await?, 0, "records outlive their round");
+    // The survivors' evaluations of model 0, pooled through the same sum (issue 16): the
+    // coordinator holds only the cohort's means.
+    let (mut examples, mut correct, mut loss) = (0.0, 0.0, 0.0);
+    for e in contributors.iter().filter_map(|&i| evaluation(i)) {
+        examples += e.examples as f64;
+        correct += e.examples as f64 * e.accuracy;
+        loss += e.examples as f64 * e.loss;
+    }
+    let model0 = &c.admin.models(run).await?[0];
+    assert_eq!(model0.n_evaluations, 32, "pooled over the 32 survivors");
+    assert!((model0.evaluation["accuracy"] - correct / examples).abs() < 1e-4, "{model0:?}");
+    assert!((model0.evaluation["loss"] - loss / examples).abs() < 1e-3, "{model0:?}");
     // The run finished (one round): a late poll hears the round is over.
     let late = devices[0].secagg_instruction(run, tasks[0].round_idx).await;
     assert!(matches!(late, Ok(SecAggInstruction::Excluded { .. }) | Err(_)), "{late:?}");
@@ -196,7 +225,7 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
     join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
     let (first, second) = sessions.split_at_mut(N / 2);
     for (i, s) in first.iter_mut().enumerate() {
-        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await?;
+        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i), None).await?;
     }
 
     child.kill()?;
@@ -205,7 +234,7 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
 
     for (j, s) in second.iter_mut().enumerate() {
         let i = N / 2 + j;
-        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await?;
+        s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i), None).await?;
     }
     let unmasked = sessions.iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
     join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>()?;
@@ -241,7 +270,11 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
         )
         .await?;
     assert_eq!(status, 400);
-    let early = SecAggUpload::MaskedInput { model_version: ModelVersion(0), masked: vec![0; 4] };
+    let early = SecAggUpload::MaskedInput {
+        model_version: ModelVersion(0),
+        masked: vec![0; 4],
+        rejected_shares: Default::default(),
+    };
     assert_eq!(
         api_code(devices[0].secagg_send(run, round, &early).await),
         Some(ErrorCode::Conflict)
@@ -259,6 +292,7 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
     let short = SecAggUpload::MaskedInput {
         model_version: ModelVersion(0),
         masked: vec![1; task.config.len * 4 - 4],
+        rejected_shares: Default::default(),
     };
     // Wait (at the pace the coordinator asks for) until the stage is MaskedInput, then send it.
     loop {
@@ -279,7 +313,7 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
         SecAggInstruction::Excluded { .. }
     ));
     let sent = sessions[..4].iter_mut().zip(&devices).enumerate().map(|(i, (s, d))| async move {
-        s.send_masked(d, ModelVersion(0), &delta(i, 0, PARAMS), weight(i)).await
+        s.send_masked(d, ModelVersion(0), &delta(i, 0, PARAMS), weight(i), None).await
     });
     join_all(sent).await.into_iter().collect::<Result<Vec<_>, _>>()?;
     let unmasked = sessions[..4].iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
@@ -309,7 +343,8 @@ async fn federated_digits_train_through_secure_aggregation() {
         eprintln!("secure model {}: test accuracy {:.3}", r.version, r.test_accuracy)
     })
     .await
-    .unwrap();
+    .unwrap()
+    .rounds;
     assert_eq!(results.len(), 6);
     let accuracy: Vec<f64> = results.iter().map(|r| r.test_accuracy).collect();
     assert!(accuracy[5] >= 0.85, "accuracy curve: {accuracy:?}");

@@ -21,7 +21,7 @@ use crate::observe::RoundCounters;
 use crate::store::{ModelInfo, RoundRow, RunRow};
 use starling_core::DeviceId;
 use starling_core::admin::{
-    DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundView, RunView,
+    DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView, RoundView, RunView,
 };
 
 /// The admin routes, each with its OpenAPI operation.
@@ -32,6 +32,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(get_run))
         .routes(routes!(list_rounds))
         .routes(routes!(get_round))
+        .routes(routes!(list_round_devices))
         .routes(routes!(list_models))
         .routes(routes!(stop_run))
         .routes(routes!(list_devices))
@@ -244,6 +245,37 @@ async fn get_round(
     Ok(AppJson(round_view(round, c)))
 }
 
+/// Who was selected for a round and whose contribution reached it: an operator can check that
+/// every update came from the devices meant to train the run.
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/rounds/{round_idx}/devices", tag = "admin", security(("operator" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
+    responses((status = 200, description = "the round's selected devices, by id", body = Vec<RoundDeviceView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn list_round_devices(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+) -> Result<AppJson<Vec<RoundDeviceView>>, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    let round_idx = starling_core::RoundIdx(round_idx);
+    if state.store().round(run_id, round_idx).await?.is_none() {
+        return Err(ApiError::not_found(format!("run {run_id} has no round {round_idx}")));
+    }
+    let rows = state.store().round_devices(run_id, round_idx).await?;
+    Ok(AppJson(
+        rows.into_iter()
+            .map(|r| RoundDeviceView {
+                device_id: r.device_id,
+                selected_at_ms: r.selected_at_ms,
+                aggregator_id: r.aggregator_id,
+                reported: r.reported,
+                example_count: r.example_count,
+            })
+            .collect(),
+    ))
+}
+
 #[utoipa::path(get, path = "/v1/admin/runs/{run_id}/models", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
     responses((status = 200, description = "the run's model versions", body = Vec<ModelView>), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
         (status = 404, description = "no such resource", body = ErrorBody),
@@ -260,6 +292,14 @@ async fn list_models(
             serde_json::from_str(&e.metrics_json).unwrap_or_default();
         let entry = evals.entry(e.model_version).or_default();
         entry.0 += 1;
+        entry.1.add(e.example_count as u64, &metrics);
+    }
+    // A secure cohort's evaluation arrives pooled: it counts as its devices' reports.
+    for e in state.store().aggregate_evaluations(run_id).await? {
+        let metrics: BTreeMap<String, f64> =
+            serde_json::from_str(&e.metrics_json).unwrap_or_default();
+        let entry = evals.entry(e.model_version).or_default();
+        entry.0 += e.n_devices as u64;
         entry.1.add(e.example_count as u64, &metrics);
     }
     let views = state

@@ -101,6 +101,15 @@ async fn partial(
         let report: PartialReport =
             wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let sums = report.validate(plan.schema()).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let cap = (report.devices.len() as u64).saturating_mul(plan.max_examples());
+        if report.total_weight > cap {
+            return Err(ApiError::invalid(format!(
+                "total weight {} is more than {} devices can weigh under the run's cap of {} examples",
+                report.total_weight,
+                report.devices.len(),
+                plan.max_examples()
+            )));
+        }
         Ok::<_, ApiError>((report, sums))
     })
     .await

@@ -118,6 +118,11 @@ impl From<StoreError> for ApiError {
             StoreError::InvalidToken => {
                 ApiError::unauthorized("enrollment token is invalid, expired or used up")
             }
+            StoreError::Fenced { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::Unavailable,
+                "another coordinator leads now; retry against it",
+            ),
             e => ApiError::internal(&e),
         }
     }

@@ -228,7 +228,7 @@ async fn accept_upload(
         let req: UploadRequest =
             wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let model_version = req.model_version;
-        let update = validate_update(plan.schema(), req)?;
+        let update = validate_update(plan.schema(), req)?.capped(plan.max_examples());
         Ok::<_, ApiError>((model_version, update))
     })
     .await
@@ -318,10 +318,11 @@ async fn secagg_instruction(
         (status = 204, description = "stored"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the device was not selected for a round on this model version", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
         (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
-        (status = 422, description = "invalid field, schema or value", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "invalid field, schema or value; or a secure run (its evaluations travel in the masked input)", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
         (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
     ))]
@@ -341,9 +342,24 @@ async fn evaluation(
         )));
     }
     validate_metrics(&report.metrics)?;
+    let plan = state.plan(run_id).await?;
+    if plan.round_config().secure.is_some() {
+        return Err(ApiError::invalid(
+            "the run aggregates securely: a device's evaluation travels inside its masked input, never in clear",
+        ));
+    }
     let ModelVersion(version) = report.model_version;
     if state.store().model_hash(run_id, report.model_version).await?.is_none() {
         return Err(ApiError::not_found(format!("run {run_id} has no model version {version}")));
+    }
+    if !state.store().selected_for_version(run_id, device, report.model_version).await? {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::NotSelected,
+            format!(
+                "the device was not selected for a round of run {run_id} on model version {version}"
+            ),
+        ));
     }
     let metrics = serde_json::to_string(&report.metrics).map_err(|e| ApiError::internal(&e))?;
     state
@@ -352,7 +368,8 @@ async fn evaluation(
             run_id,
             device,
             report.model_version,
-            report.example_count,
+            // Self-reported, like an update's count: it weighs at most the run's cap.
+            report.example_count.min(plan.max_examples()),
             &metrics,
             now_ms(),
         )

@@ -100,3 +100,29 @@ proptest! {
         }
     }
 }
+
+/// Issue 16: metrics were only checked to be finite, so one report of accuracy −1e300 could
+/// drown every mean it entered; example counts were uncapped, so one device claiming 2^29
+/// examples outweighed a cohort.
+#[test]
+fn r16_metrics_are_bounded_and_weights_capped() {
+    let s = schema(1);
+    let ok = crate::tensor::f32_to_le_bytes(&[1.0]);
+    for (name, value) in
+        [("accuracy", -1e300), ("accuracy", 1.5), ("loss", -0.1), ("anything", 2e12)]
+    {
+        let metrics = BTreeMap::from([(name.to_owned(), value)]);
+        assert!(
+            matches!(validate_parts(&s, ok.clone(), 1, metrics), Err(UpdateError::Metric { .. })),
+            "{name} = {value}"
+        );
+    }
+    let fine = BTreeMap::from([("accuracy".to_owned(), 0.5), ("loss".to_owned(), 3.0)]);
+    assert!(validate_parts(&s, ok.clone(), 1, fine).is_ok());
+    let mut acc = FedAvgAccumulator::new(1);
+    acc.add(&update(&[1.0], MAX_EXAMPLE_COUNT).capped(100));
+    acc.add(&update(&[-1.0], 100).capped(100));
+    let agg = acc.finish().unwrap();
+    assert_eq!((agg.mean_delta[0], agg.total_weight), (0.0, 200));
+    assert_eq!(update(&[1.0], 7).capped(100).example_count(), 7, "below the cap nothing changes");
+}

@@ -135,3 +135,112 @@ fn initialization_is_deterministic_and_layer_aware() {
     assert_eq!(&a[15..18], &[1.0; 3], "layer norm scale");
     assert_eq!(&a[18..21], &[0.0; 3], "layer norm shift");
 }
+
+/// Issue 16: sizes near u64's range made shape inference overflow (a panic in debug builds, a
+/// wrapped schema the SDK then panicked on in release builds). Each is now refused by name.
+#[test]
+fn r16_overflowing_sizes_are_refused_not_wrapped() {
+    let image = |c: u64, side: u64| serde_json::json!({"kind": "image", "channels": c, "height": side, "width": side});
+    check(
+        serde_json::json!({"input": image(1, 8), "layers": [
+            {"kind": "conv2d", "out_channels": 2, "kernel": 3, "padding": u64::MAX / 2 + 1},
+            {"kind": "flatten"}, {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0: kernel must be in 1..=16777216 and padding at most 16777216
+        "#]],
+    );
+    check(
+        serde_json::json!({"input": image(1, 8), "layers": [
+            {"kind": "conv2d", "out_channels": 2, "kernel": u64::MAX, "padding": 1},
+            {"kind": "flatten"}, {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0: kernel must be in 1..=16777216 and padding at most 16777216
+        "#]],
+    );
+    check(
+        serde_json::json!({"input": image(1 << 24, 1 << 24), "layers": [
+            {"kind": "flatten"}, {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0: flattening [16777216, 16777216, 16777216] gives more than 16777216 features
+        "#]],
+    );
+    // Every dimension in range, but the kernel tensor is 2^24 · 2^24 · 3 · 3 elements.
+    check(
+        serde_json::json!({"input": image(1 << 24, 3), "layers": [
+            {"kind": "conv2d", "out_channels": 1 << 24, "kernel": 3},
+            {"kind": "flatten"}, {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0: parameter layers.0.Conv2d.weight [16777216, 16777216, 3, 3] has more than 2147483648 elements
+        "#]],
+    );
+    check(
+        serde_json::json!({"input": {"kind": "features", "size": 1 << 20}, "layers": [
+            {"kind": "linear", "out": 1 << 11}, {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0: the model has 2147489794 parameters, more than 2147483648
+        "#]],
+    );
+}
+
+/// Any spec at all, however large its sizes: inference never panics, and an accepted spec's
+/// schema has exactly the sizes exact (u128) arithmetic gives, within the element limit.
+mod random_specs {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn size() -> impl Strategy<Value = u64> {
+        prop_oneof![1u64..40, 0u64..=u64::MAX, Just(1 << 24), Just((1 << 24) + 1), Just(0)]
+    }
+
+    fn layer() -> impl Strategy<Value = LayerSpec> {
+        prop_oneof![
+            size().prop_map(|out| LayerSpec::Linear { out }),
+            (size(), size(), prop_oneof![0u64..4, 0u64..=u64::MAX]).prop_map(
+                |(out_channels, kernel, padding)| LayerSpec::Conv2d {
+                    out_channels,
+                    kernel,
+                    padding
+                }
+            ),
+            size().prop_map(|kernel| LayerSpec::MaxPool2d { kernel }),
+            Just(LayerSpec::Relu {}),
+            Just(LayerSpec::Flatten {}),
+            size().prop_map(|dim| LayerSpec::Embedding { dim }),
+            size().prop_map(|hidden| LayerSpec::Lstm { hidden }),
+            size().prop_map(|hidden| LayerSpec::Gru { hidden }),
+            Just(LayerSpec::LayerNorm {}),
+            Just(LayerSpec::LastStep {}),
+        ]
+    }
+
+    fn input() -> impl Strategy<Value = InputSpec> {
+        prop_oneof![
+            (size(), size(), size()).prop_map(|(channels, height, width)| InputSpec::Image {
+                channels,
+                height,
+                width
+            }),
+            size().prop_map(|size| InputSpec::Features { size }),
+            (size(), size()).prop_map(|(vocab, length)| InputSpec::Tokens { vocab, length }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn inference_never_overflows(input in input(), layers in proptest::collection::vec(layer(), 1..6)) {
+            let spec = ModelSpec { input, layers };
+            if let Ok(schema) = spec.schema() {
+                schema.validate().unwrap();
+                let mut total: u128 = 0;
+                for t in &schema.tensors {
+                    let exact: u128 = t.shape.iter().map(|&d| u128::from(d)).product();
+                    prop_assert_eq!(u128::from(t.numel()), exact);
+                    total += exact;
+                }
+                prop_assert!(total <= u128::from(MAX_SCHEMA_ELEMENTS));
+                prop_assert_eq!(u128::from(schema.numel()), total);
+            }
+        }
+    }
+}

@@ -90,7 +90,9 @@ fn secure_aggregation_resolves_and_checks_its_bounds() {
     v["secure_aggregation"] = serde_json::json!({"clip": 0.5, "max_examples": 1000});
     let secure = parse(v.clone()).unwrap().round_config().secure.unwrap();
     // 13 selected: k = 12 (the complete graph: 3·⌈log2 13⌉ = 12 = n − 1), t = 7.
-    assert_eq!((secure.k, secure.t, secure.vector_len), (12, 7, 16 + 1));
+    // The vector: 16 weighted values, the weight, and the device's evaluation (3 entries).
+    assert_eq!((secure.k, secure.t, secure.n_params, secure.vector_len), (12, 7, 16, 16 + 1 + 3));
+    assert!(secure.carries_evaluation(20) && !secure.carries_evaluation(17));
     assert_eq!(secure.stage_timeout_ms, 30_000);
     v["secure_aggregation"]["neighbours"] = serde_json::json!(4);
     assert_eq!(parse(v.clone()).unwrap().round_config().secure.unwrap().t, 3);
@@ -111,4 +113,43 @@ fn secure_aggregation_resolves_and_checks_its_bounds() {
     tiny["over_selection"] = serde_json::json!(1.0);
     tiny["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 10});
     assert!(parse(tiny).unwrap_err().to_string().contains("3..="));
+}
+
+/// Issue 16: `init` (and a layer of a spec) with a unit `kind` accepted any other field, so a
+/// typo such as `{"kind": "zeros", "seed": 3}` passed silently. Every variant now refuses them.
+#[test]
+fn r16_unknown_fields_are_refused_in_every_tagged_variant() {
+    for init in [
+        serde_json::json!({"kind": "zeros", "seed": 3}),
+        serde_json::json!({"kind": "seeded", "seed": 3, "extra": 1}),
+    ] {
+        let mut plan = plan_json();
+        plan["model"]["init"] = init.clone();
+        let err = serde_json::from_value::<Plan>(plan).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{init}: {err}");
+    }
+    let mut plan = plan_json();
+    plan["model"]["init"] = serde_json::json!({"kind": "zeros"});
+    assert!(parse(plan).is_ok(), "the plain form still loads");
+    for layer in ["relu", "flatten", "layer_norm", "last_step"] {
+        let json = serde_json::json!({"kind": layer, "out": 3});
+        let err = serde_json::from_value::<crate::model_spec::LayerSpec>(json).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{layer}: {err}");
+    }
+    let relu: crate::model_spec::LayerSpec =
+        serde_json::from_value(serde_json::json!({"kind": "relu"})).unwrap();
+    assert_eq!(serde_json::to_value(relu).unwrap(), serde_json::json!({"kind": "relu"}));
+}
+
+/// Issue 16: plain runs cap self-reported example counts (secure runs already did).
+#[test]
+fn r16_plain_runs_cap_example_counts() {
+    assert_eq!(parse(plan_json()).unwrap().max_examples(), DEFAULT_MAX_EXAMPLES);
+    let mut plan = plan_json();
+    plan["max_examples"] = 600.into();
+    assert_eq!(parse(plan.clone()).unwrap().max_examples(), 600);
+    for bad in [0u64, crate::fedavg::MAX_EXAMPLE_COUNT + 1] {
+        plan["max_examples"] = bad.into();
+        assert!(matches!(parse(plan.clone()), Err(PlanError::Field { field: "max_examples", .. })));
+    }
 }

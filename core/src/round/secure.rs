@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::UploadRejection;
-use crate::fedavg::Aggregate;
+use crate::fedavg::{Aggregate, PooledEvaluation};
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::SecureRoundConfig;
 use crate::secagg::{
@@ -135,6 +135,9 @@ pub(super) struct SecureRound {
     mask_requests: BTreeMap<ClientIdx, MaskRequest>,
     unmask_request: Option<UnmaskRequest>,
     outcome: Option<Result<Aggregate, SecureFailure>>,
+    /// The cohort's pooled evaluation of the round's model, decoded with the sum (when the
+    /// vectors carry evaluations and anyone evaluated).
+    evaluation: Option<PooledEvaluation>,
     /// Records to persist, drained by the machine.
     outbox: Vec<Record>,
 }
@@ -201,6 +204,7 @@ impl SecureRound {
             mask_requests: BTreeMap::new(),
             unmask_request: None,
             outcome: None,
+            evaluation: None,
             outbox: vec![Record::Begin { config, graph_seed }],
         })
     }
@@ -245,14 +249,24 @@ impl SecureRound {
         self.outcome.as_ref()
     }
 
+    /// The survivors' pooled evaluation of the round's model, once the sum is in.
+    pub fn evaluation(&self) -> Option<&PooledEvaluation> {
+        self.evaluation.as_ref()
+    }
+
     /// Devices whose masked input is in.
     pub fn n_masked(&self) -> u32 {
         self.count(Stage::MaskedInput) as u32
     }
 
-    /// The devices whose masked input is in.
+    /// The devices whose masked input is in (and, once MaskedInputCollection closed, counts:
+    /// a device a neighbour could not open shares from is left out).
     pub fn masked_devices(&self) -> impl Iterator<Item = DeviceId> + '_ {
-        self.done(Stage::MaskedInput).into_iter().map(|i| self.devices[i as usize - 1])
+        let counted = match &self.unmask_request {
+            Some(r) => r.survivors.clone(),
+            None => self.done(Stage::MaskedInput),
+        };
+        counted.into_iter().map(|i| self.devices[i as usize - 1])
     }
 
     /// Gives a newly selected device its index.
@@ -328,7 +342,7 @@ impl SecureRound {
         let res = match message {
             SecAggUpload::AdvertiseKeys(keys) => self.server.receive_keys(idx, keys),
             SecAggUpload::ShareKeys(shares) => self.server.receive_shares(idx, shares),
-            SecAggUpload::MaskedInput { masked, .. } => {
+            SecAggUpload::MaskedInput { masked, rejected_shares, .. } => {
                 if masked.len() != self.config.len * 4 {
                     Err(SecAggError::BadMessage {
                         client: idx,
@@ -343,7 +357,7 @@ impl SecureRound {
                         .chunks_exact(4)
                         .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
                         .collect();
-                    self.server.receive_masked(idx, y)
+                    self.server.receive_masked(idx, y, rejected_shares)
                 }
             }
             SecAggUpload::Unmask(response) => self.server.receive_unmask(idx, response),
@@ -459,6 +473,11 @@ impl SecureRound {
             Stage::ShareKeys => self.server.close_share_keys().map(|m| self.mask_requests = m),
             Stage::MaskedInput => self.server.close_masked().and_then(|r| {
                 let survivors = r.survivors.len() as u32;
+                for idx in self.server.accused() {
+                    self.excluded.entry(idx).or_insert_with(|| {
+                        "a neighbour could not open the shares this device sealed".into()
+                    });
+                }
                 self.unmask_request = Some(r);
                 if survivors < self.min_quorum {
                     return Err(SecAggError::BelowThreshold {
@@ -485,9 +504,22 @@ impl SecureRound {
         let (sum, survivors) = self.server.finish()?;
         let count = survivors.len() as u32;
         let q = Quantizer::for_cohort(self.settings.clip, self.config.n);
-        let mean_delta = secagg::decode_weighted_mean(&q, &sum, count)
+        let (model_part, evaluation) = if self.settings.carries_evaluation(sum.len()) {
+            sum.split_at(self.settings.n_params + 1)
+        } else {
+            (&sum[..], &[][..])
+        };
+        let max_examples = self.settings.max_examples;
+        self.evaluation = secagg::decode_evaluation(&q, evaluation, count, max_examples).map(
+            |(examples, accuracy, loss)| PooledEvaluation {
+                n_devices: u64::from(count),
+                example_count: examples.round() as u64,
+                metrics: [("accuracy".to_owned(), accuracy), ("loss".to_owned(), loss)].into(),
+            },
+        );
+        let mean_delta = secagg::decode_weighted_mean(&q, model_part, count)
             .ok_or_else(|| SecAggError::Config("the survivors' total weight is zero".into()))?;
-        let weight = q.dequantize_sum(*sum.last().expect("len ≥ 1"), count) / q.clip;
+        let weight = q.dequantize_sum(*model_part.last().expect("len ≥ 1"), count) / q.clip;
         self.outcome = Some(Ok(Aggregate {
             mean_delta,
             total_weight: (weight * self.settings.max_examples as f64).round() as u64,

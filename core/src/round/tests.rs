@@ -477,6 +477,8 @@ mod secure_rounds {
                 // Each device loses at most 3 of its 8 neighbours below: 5 shares remain.
                 k: 8,
                 t: 5,
+                // The layout before evaluations travelled in the vector: no evaluation entries.
+                n_params: LEN,
                 vector_len: LEN + 1,
                 stage_timeout_ms: 1_000,
             }),
@@ -618,6 +620,7 @@ mod secure_rounds {
                     SecAggUpload::MaskedInput {
                         model_version: ModelVersion(0),
                         masked: y.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                        rejected_shares: Default::default(),
                     }
                 }
                 SecAggInstruction::Unmask(r) => {

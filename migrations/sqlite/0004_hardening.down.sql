@@ -1,0 +1,3 @@
+DROP TABLE leadership;
+DROP TABLE aggregate_evaluations;
+DROP INDEX selections_device;
