@@ -1,8 +1,9 @@
 //! The `starling-aggregator` command line: one aggregator node of the datacenter tier.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
-use crate::{AggregatorConfig, Engine, GroupConfig};
+use crate::{AggregatorConfig, Engine, GroupConfig, TransportSecurity};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use starling_core::AggregatorId;
@@ -60,6 +61,20 @@ struct Cli {
     /// How long past its deadline the leader waits for members' shards, milliseconds.
     #[arg(long, default_value_t = 2000)]
     group_wait_ms: u64,
+    /// PEM certificate chain to serve TLS with (required unless --insecure-http).
+    #[arg(long, env = "STARLING_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "STARLING_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA certificates the coordinator's and the group leader's certificates chain to
+    /// [default: the system's trust store].
+    #[arg(long, env = "STARLING_CA_CERT", requires = "tls_cert")]
+    ca_cert: Option<PathBuf>,
+    /// Plain HTTP for devices, the coordinator and the group (the cluster secret and devices'
+    /// updates then travel in clear): tests, or behind proxies that terminate TLS.
+    #[arg(long, env = "STARLING_INSECURE_HTTP", conflicts_with = "tls_cert")]
+    insecure_http: bool,
 }
 
 /// Parses the command line and runs the node until Ctrl-C.
@@ -104,6 +119,14 @@ async fn run() -> anyhow::Result<()> {
         }
         _ => None,
     };
+    let tls = match (cli.tls_cert, cli.tls_key) {
+        (Some(cert), Some(key)) => TransportSecurity::Tls { cert, key, ca: cli.ca_cert },
+        _ if cli.insecure_http => TransportSecurity::InsecureHttp,
+        _ => bail!(
+            "TLS is on by default: pass --tls-cert and --tls-key (STARLING_TLS_CERT, STARLING_TLS_KEY), \
+             or --insecure-http to serve and call in plain HTTP"
+        ),
+    };
     let running = crate::start(AggregatorConfig {
         id: AggregatorId(cli.id),
         listen: cli.listen,
@@ -112,6 +135,7 @@ async fn run() -> anyhow::Result<()> {
         secret: cli.secret,
         engine,
         group,
+        tls,
     })
     .await?;
     let addr = running.addr;

@@ -21,4 +21,4 @@ pub mod shard;
 
 pub use group::{GroupConfig, GroupConfigError};
 pub use reduce::{Engine, ReduceError, Reducer};
-pub use service::{AggregatorConfig, RunningAggregator, start};
+pub use service::{AggregatorConfig, RunningAggregator, TransportSecurity, start};

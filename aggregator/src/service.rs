@@ -57,6 +57,27 @@ pub struct AggregatorConfig {
     /// The aggregator group this node belongs to, if any: members hand their shards to the
     /// group's leader, which reports one partial for all of them.
     pub group: Option<crate::group::GroupConfig>,
+    /// How the node speaks to devices, its coordinator and its group.
+    pub tls: TransportSecurity,
+}
+
+/// How an aggregator's traffic is protected. Devices send it updates and tickets, and it sends
+/// the cluster secret to its coordinator and group leader: TLS unless told otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransportSecurity {
+    /// Serve TLS with this certificate and key (PEM), and speak only `https://` to the
+    /// coordinator and the group leader, verified against `ca` (PEM; `None`: the platform's
+    /// trust store).
+    Tls {
+        /// Certificate chain, leaf first.
+        cert: std::path::PathBuf,
+        /// Its private key.
+        key: std::path::PathBuf,
+        /// CA certificates the coordinator's and other aggregators' certificates chain to.
+        ca: Option<std::path::PathBuf>,
+    },
+    /// Plain HTTP everywhere: tests, or a private network whose proxies terminate TLS.
+    InsecureHttp,
 }
 
 /// Why the service could not start.
@@ -74,6 +95,9 @@ pub enum ServiceError {
     /// The HTTP client could not be built.
     #[error("http client: {0}")]
     Client(String),
+    /// The TLS certificate, key or CA could not be loaded.
+    #[error("tls: {0}")]
+    Tls(String),
 }
 
 /// A running aggregator.
@@ -182,17 +206,38 @@ pub(crate) struct Shard {
 /// Starts the service: binds, then serves uploads and polls the coordinator until shut down.
 pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, ServiceError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| ServiceError::Listen { addr: config.listen, source })?;
-    let url = config.public_url.clone().unwrap_or_else(|| format!("http://{addr}"));
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .map_err(|e| ServiceError::Client(e.to_string()))?;
+    let listen_error = |source| ServiceError::Listen { addr: config.listen, source };
+    let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
+    listener.set_nonblocking(true).map_err(listen_error)?;
+    let addr = listener.local_addr().map_err(listen_error)?;
+    let (scheme, server_tls) = match &config.tls {
+        TransportSecurity::Tls { cert, key, .. } => {
+            let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
+                .await
+                .map_err(|e| ServiceError::Tls(format!("{}: {e}", cert.display())))?;
+            ("https", Some(tls))
+        }
+        TransportSecurity::InsecureHttp => ("http", None),
+    };
+    let url = config.public_url.clone().unwrap_or_else(|| format!("{scheme}://{addr}"));
+    let mut http = reqwest::Client::builder().timeout(Duration::from_secs(120));
+    if let TransportSecurity::Tls { ca, .. } = &config.tls {
+        if !url.starts_with("https://") {
+            return Err(ServiceError::Tls(format!(
+                "the public URL {url} is not https:// while this node serves TLS"
+            )));
+        }
+        // The cluster secret never travels in clear: to the coordinator and the group leader.
+        http = http.https_only(true);
+        if let Some(ca) = ca {
+            let pem = std::fs::read(ca)
+                .map_err(|e| ServiceError::Tls(format!("{}: {e}", ca.display())))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| ServiceError::Tls(format!("{}: {e}", ca.display())))?;
+            http = http.tls_certs_only(certs);
+        }
+    }
+    let http = http.build().map_err(|e| ServiceError::Client(e.to_string()))?;
     let group = config.group.clone().map(|g| crate::group::GroupState::new(g, &config.engine));
     let inner = Arc::new(Inner {
         group,
@@ -211,13 +256,25 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
         .with_state(inner.clone());
     let shutdown = Arc::new(Notify::new());
     tracing::info!(aggregator = %inner.config.id, %addr, %url, engine = inner.config.engine.name(), "aggregator listening");
+    let serving = async move {
+        let server = axum_server::from_tcp(listener)?;
+        match server_tls {
+            Some(tls) => {
+                server
+                    .acceptor(axum_server::tls_rustls::RustlsAcceptor::new(tls))
+                    .serve(app.into_make_service())
+                    .await
+            }
+            None => server.serve(app.into_make_service()).await,
+        }
+    };
     let task = tokio::spawn({
         let shutdown = shutdown.clone();
         async move {
             let stopped = shutdown.notified();
             tokio::pin!(stopped);
             tokio::select! {
-                res = axum::serve(listener, app) => {
+                res = serving => {
                     if let Err(e) = res { tracing::error!(error = %e, "http server failed"); }
                 }
                 () = poll_loop(inner) => {}

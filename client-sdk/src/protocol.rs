@@ -247,6 +247,14 @@ impl FleetClient {
         round: RoundIdx,
         update: &UploadRequest,
     ) -> Result<UploadAck, ClientError> {
+        if self.base.starts_with("https://") && !target.url.starts_with("https://") {
+            // A coordinator reached over TLS that sends the update to a plain-HTTP address
+            // (misconfigured, or someone on the path rewriting the task) would expose it.
+            return Err(ClientError::Tls(format!(
+                "refusing to send an update to {} in clear: the coordinator is reached over https",
+                target.url
+            )));
+        }
         let body = wire::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
         let url =
             format!("{}/v1/runs/{run}/rounds/{round}/updates", target.url.trim_end_matches('/'));

@@ -100,6 +100,13 @@ struct ServeArgs {
     /// Serve plain HTTP: for the local demo, or behind a proxy that terminates TLS.
     #[arg(long, env = "STARLING_INSECURE_HTTP", conflicts_with = "tls_cert")]
     insecure_http: bool,
+    /// The largest model a run may have, in bytes (4 per parameter); larger plans are refused.
+    #[arg(long, env = "STARLING_MAX_MODEL_BYTES", default_value_t = crate::http::DEFAULT_MAX_MODEL_BYTES)]
+    max_model_bytes: u64,
+    /// Connections the kernel queues for the coordinator before it accepts them (capped by
+    /// net.core.somaxconn): room for an enrollment burst of a large fleet.
+    #[arg(long, env = "STARLING_LISTEN_BACKLOG", default_value_t = crate::DEFAULT_LISTEN_BACKLOG)]
+    listen_backlog: u32,
     /// Seconds a connection gets for its TLS handshake and each request's headers.
     #[arg(long, env = "STARLING_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     header_timeout_secs: u64,
@@ -202,7 +209,11 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     let limits = crate::http::Limits {
         device: parse_rate("device-rate-limit", &args.device_rate_limit)?,
         ip: parse_rate("ip-rate-limit", &args.ip_rate_limit)?,
+        max_model_bytes: args.max_model_bytes,
     };
+    if args.max_model_bytes < 4 || args.listen_backlog == 0 {
+        bail!("--max-model-bytes must be at least 4 and --listen-backlog at least 1");
+    }
     let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
         (Some(cert), Some(key)) => Some(crate::tls::TlsConfig {
             cert,
@@ -249,6 +260,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     Ok(ServeConfig {
         tier,
         listen,
+        listen_backlog: args.listen_backlog,
         database_url,
         operator_token,
         migrate,

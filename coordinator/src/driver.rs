@@ -92,6 +92,20 @@ pub enum Event {
         /// Where the answer goes.
         reply: oneshot::Sender<Result<CheckInResponse, DriverError>>,
     },
+    /// Before reading a model-sized body: may this device send it (see
+    /// [`RunMachine::admits_payload`])? Answered at once; changes nothing.
+    AdmitPayload {
+        /// The authenticated device.
+        device: DeviceId,
+        /// Run from the path.
+        run_id: RunId,
+        /// Round from the path.
+        round_idx: RoundIdx,
+        /// A secure round's message rather than a plain upload.
+        secure: bool,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<(), DriverError>>,
+    },
     /// A device uploads a validated update.
     Upload {
         /// The authenticated device.
@@ -559,6 +573,16 @@ impl Driver {
                             reply.send(Ok(CheckInResponse::ComeBackLater { retry_after_secs: 60 }));
                     }
                 }
+            }
+            Event::AdmitPayload { device, run_id, round_idx, secure, reply } => {
+                let res = match self.runs.get(&run_id) {
+                    Some(entry) => entry
+                        .machine
+                        .admits_payload(device, round_idx, now, secure)
+                        .map_err(DriverError::from),
+                    None => Err(DriverError::RunNotRunning(run_id)),
+                };
+                let _ = reply.send(res);
             }
             Event::Upload { device, run_id, round_idx, model_version, update, reply } => {
                 let request = self.request_id();

@@ -16,7 +16,7 @@ pub mod limits;
 pub mod live;
 pub mod openapi;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -57,10 +57,16 @@ struct Inner {
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     models: Mutex<VecDeque<(String, Bytes)>>,
     uploads: Arc<Semaphore>,
+    /// Devices with an upload in progress: one at a time each, so no device holds more than
+    /// one of the upload permits.
+    uploading: Mutex<HashSet<DeviceId>>,
     device_limiter: Option<Limiter<DeviceId>>,
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
     timeouts: Timeouts,
+    max_model_bytes: u64,
     require_client_certificate: bool,
+    /// The coordinator serves TLS: the aggregators it sends devices to must too.
+    serves_tls: bool,
     /// SHA-256 of the cluster secret, when the aggregator tier is on.
     aggregator_secret_hash: Option<[u8; 32]>,
     /// Rendezvous documents published by aggregator group leaders, by group name.
@@ -97,7 +103,8 @@ impl Timeouts {
     }
 }
 
-/// Request rate limits; `None` turns one off.
+/// Limits on what clients may ask of the coordinator: request rates (`None` turns one off) and
+/// model size.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     /// Per authenticated device, on every fleet call.
@@ -105,13 +112,42 @@ pub struct Limits {
     /// Per client IP address, on every fleet call (enrollment included). Fleets behind
     /// carrier-grade NAT share addresses: size it for the largest such group.
     pub ip: Option<RateLimit>,
+    /// The largest model a run may have, in bytes of f32 parameters. The coordinator holds a
+    /// few copies of the model per run (global model, sums, an encoded commit), so this bounds
+    /// what one plan can make it allocate.
+    pub max_model_bytes: u64,
 }
+
+/// [`Limits::max_model_bytes`] unless configured: 1 GiB, a 268M-parameter model.
+pub const DEFAULT_MAX_MODEL_BYTES: u64 = 1 << 30;
 
 impl Default for Limits {
     /// A device makes a handful of calls per round: 10/s with bursts of 30 never touches a
-    /// well-behaved one. No per-IP limit unless configured.
+    /// well-behaved one. No per-IP limit unless configured. Models up to 1 GiB.
     fn default() -> Self {
-        Limits { device: Some(RateLimit { per_sec: 10.0, burst: 30.0 }), ip: None }
+        Limits {
+            device: Some(RateLimit { per_sec: 10.0, burst: 30.0 }),
+            ip: None,
+            max_model_bytes: DEFAULT_MAX_MODEL_BYTES,
+        }
+    }
+}
+
+/// An admitted upload's hold on a permit and on its device's one upload at a time; both are
+/// released when it drops.
+pub(crate) struct UploadSlot {
+    _permit: OwnedSemaphorePermit,
+    _device: DeviceUpload,
+}
+
+struct DeviceUpload {
+    state: AppState,
+    device: DeviceId,
+}
+
+impl Drop for DeviceUpload {
+    fn drop(&mut self) {
+        self.state.inner.uploading.lock().expect("upload set poisoned").remove(&self.device);
     }
 }
 
@@ -142,10 +178,13 @@ impl AppState {
                 plans: Mutex::new(HashMap::new()),
                 models: Mutex::new(VecDeque::new()),
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
+                uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
                 ip_limiter: limits.ip.map(Limiter::new),
                 timeouts,
+                max_model_bytes: limits.max_model_bytes,
                 require_client_certificate: false,
+                serves_tls: false,
                 aggregator_secret_hash: None,
                 groups: Mutex::new(HashMap::new()),
             }),
@@ -159,6 +198,24 @@ impl AppState {
             .expect("configured before the state is shared")
             .require_client_certificate = required;
         self
+    }
+
+    /// The coordinator serves TLS (so devices' updates must not leave it for plain HTTP).
+    pub fn serving_tls(mut self, tls: bool) -> Self {
+        Arc::get_mut(&mut self.inner).expect("configured before the state is shared").serves_tls =
+            tls;
+        self
+    }
+
+    /// Refuses an aggregator (or group leader) URL that would downgrade a TLS coordinator's
+    /// traffic to plain HTTP: devices would send it their updates in clear.
+    fn check_tls_url(&self, url: &str) -> Result<(), ApiError> {
+        if self.inner.serves_tls && !url.starts_with("https://") {
+            return Err(ApiError::invalid(format!(
+                "{url}: this coordinator serves TLS, so its aggregators must too (start them with --tls-cert)"
+            )));
+        }
+        Ok(())
     }
 
     /// Turns the aggregation API on, authenticating aggregators by `secret`.
@@ -196,6 +253,50 @@ impl AppState {
 
     fn driver(&self) -> &DriverHandle {
         &self.inner.driver
+    }
+
+    /// Admits a model-sized body from `device` to `run_id`'s round `round_idx` before any of it
+    /// is read: the declared length fits `limit` (413 at once otherwise), the driver says the
+    /// device may send it now (selected, not reported yet), and the device has no other upload
+    /// in progress (409). Then it waits for one of the [`MAX_CONCURRENT_UPLOADS`] permits.
+    /// Without these checks, a few devices that were never selected could hold every permit
+    /// with trickled bodies and starve the cohort's uploads.
+    async fn admit_upload(
+        &self,
+        headers: &axum::http::HeaderMap,
+        limit: usize,
+        (device, run_id, round_idx): (DeviceId, RunId, starling_core::RoundIdx),
+        secure: bool,
+    ) -> Result<UploadSlot, ApiError> {
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(declared) = declared.filter(|&n| n > limit as u64) {
+            return Err(ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                starling_core::wire::ErrorCode::BodyTooLarge,
+                format!("a body of {declared} bytes exceeds the limit of {limit} bytes"),
+            ));
+        }
+        self.driver()
+            .call(|reply| crate::driver::Event::AdmitPayload {
+                device,
+                run_id,
+                round_idx,
+                secure,
+                reply,
+            })
+            .await?;
+        if !self.inner.uploading.lock().expect("upload set poisoned").insert(device) {
+            return Err(ApiError::new(
+                axum::http::StatusCode::CONFLICT,
+                starling_core::wire::ErrorCode::Conflict,
+                "another upload from this device is in progress",
+            ));
+        }
+        let device_slot = DeviceUpload { state: self.clone(), device };
+        Ok(UploadSlot { _permit: self.upload_permit().await, _device: device_slot })
     }
 
     /// Waits for one of the [`MAX_CONCURRENT_UPLOADS`] upload permits.
@@ -266,6 +367,24 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
     fleet.merge(admin).with_state(state)
+}
+
+/// What a standby serves while another coordinator leads: `/livez` (it is alive), and 503 with
+/// `Retry-After` for everything else, `/readyz` and `/healthz` included, so that probes and load
+/// balancers send traffic to the leader.
+pub fn standby_router() -> Router {
+    async fn standby() -> ApiError {
+        ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            starling_core::wire::ErrorCode::Unavailable,
+            "this coordinator is a standby: another one leads; retry (it takes over if that one stops)",
+        )
+        .retry_after(Duration::from_secs(5))
+    }
+    // The leader's own /livez operation: the standby answers it the same way.
+    Router::from(utoipa_axum::router::OpenApiRouter::new().routes(utoipa_axum::routes!(livez)))
+        .fallback(standby)
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)))
 }
 
 /// The probes.

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
-use tokio::sync::oneshot;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::driver::Driver;
@@ -31,6 +31,8 @@ use crate::store::{SqlStore, StoreError};
 pub struct ServeConfig {
     /// Address to listen on; port 0 picks a free one.
     pub listen: SocketAddr,
+    /// The listening socket's accept queue ([`DEFAULT_LISTEN_BACKLOG`] unless configured).
+    pub listen_backlog: u32,
     /// `postgres://...` or `sqlite://...`.
     pub database_url: String,
     /// The operator credential for the admin API.
@@ -48,6 +50,12 @@ pub struct ServeConfig {
     /// The aggregator tier; `None` runs every round on the coordinator alone.
     pub tier: Option<tier::TierSettings>,
 }
+
+/// The listening socket's accept queue unless configured. Rust's standard listener asks for
+/// 128, and an enrollment burst of thousands of devices then overflows it: the kernel drops
+/// SYNs and clients wait out 1, 3, 7 s retransmissions. (The kernel caps it at
+/// net.core.somaxconn, 4096 on current Linux.)
+pub const DEFAULT_LISTEN_BACKLOG: u32 = 4096;
 
 /// How long in-flight requests get to finish at shutdown before their connections are closed
 /// (open event streams never finish by themselves).
@@ -85,7 +93,7 @@ pub struct RunningCoordinator {
     /// The bound address.
     pub addr: SocketAddr,
     tls: bool,
-    shutdown: Option<oneshot::Sender<()>>,
+    shutdown: Option<watch::Sender<bool>>,
     task: JoinHandle<Result<(), ServeError>>,
 }
 
@@ -98,7 +106,7 @@ impl RunningCoordinator {
     /// Stops accepting requests, finishes in-flight ones, and waits for the server to end.
     pub async fn shutdown(mut self) -> Result<(), ServeError> {
         if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+            let _ = tx.send(true);
         }
         self.task.await.unwrap_or(Ok(()))
     }
@@ -123,15 +131,45 @@ impl RunningCoordinator {
 }
 
 /// Starts the coordinator and returns once it accepts requests.
+///
+/// When another coordinator holds the leadership lock (several share one Postgres), this one
+/// starts as a standby: it listens at once, answers `/livez` (and 503 everywhere else, `/readyz`
+/// included), and takes over as soon as the lock is released — recovering every run from the
+/// store, then serving on the same socket.
 pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError> {
     // Bad TLS material fails the start before anything else is touched.
     let server_tls = config.tls.as_ref().map(tls::server_config).transpose()?;
     let store = SqlStore::connect(&config.database_url, config.migrate).await?;
     tracing::info!(backend = ?store.backend(), "store connected");
-    let mut leadership = store.acquire_leadership().await?;
+    let listen_error = |source| ServeError::Listen { addr: config.listen, source };
+    let listener = bind(config.listen, config.listen_backlog).map_err(listen_error)?;
+    let addr = listener.local_addr().map_err(listen_error)?;
+    let tls = server_tls.is_some();
+    let (stop, stopped) = watch::channel(false);
+    let task = match store.try_acquire_leadership().await? {
+        Some(leadership) => {
+            let app = lead(store, &config, leadership.epoch()).await?;
+            tracing::info!(%addr, tls, "coordinator listening");
+            tokio::spawn(serve_as_leader(listener, app, leadership, server_tls, config, stopped))
+        }
+        None => {
+            tracing::info!(%addr, tls, "another coordinator holds the leadership lock: listening as a standby until it is released");
+            tokio::spawn(stand_by(listener, store, server_tls, config, stopped))
+        }
+    };
+    Ok(RunningCoordinator { addr, tls, shutdown: Some(stop), task })
+}
+
+/// Recovers every run from the store and starts the driver; the application to serve.
+async fn lead(
+    store: SqlStore,
+    config: &ServeConfig,
+    epoch: i64,
+) -> Result<axum::Router, ServeError> {
     let observer = observe::Observer::new();
     let (driver, handle) =
         Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
+    tracing::info!(epoch, "leading: runs recovered, driver started");
     tokio::spawn(driver.run());
     let state = http::AppState::new(
         handle,
@@ -142,38 +180,107 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
         config.timeouts,
     )
     .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
+    .serving_tls(config.tls.is_some())
     .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
-    let app = http::router(state, config.dashboard_dir.as_deref())
-        .layer(tower_http::trace::TraceLayer::new_for_http());
-    let listen_error = |source| ServeError::Listen { addr: config.listen, source };
-    let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
-    listener.set_nonblocking(true).map_err(listen_error)?;
-    let addr = listener.local_addr().map_err(listen_error)?;
-    let tls = server_tls.is_some();
-    tracing::info!(%addr, tls, "coordinator listening");
+    Ok(http::router(state, config.dashboard_dir.as_deref())
+        .layer(tower_http::trace::TraceLayer::new_for_http()))
+}
+
+/// Serves `app` until shutdown is asked, or until the leadership is lost (then with
+/// [`ServeError::LeadershipLost`], so another coordinator can take over).
+async fn serve_as_leader(
+    listener: std::net::TcpListener,
+    app: axum::Router,
+    mut leadership: store::Leadership,
+    tls: Option<rustls::ServerConfig>,
+    config: ServeConfig,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
     let server = axum_server::Handle::<SocketAddr>::new();
-    let (tx, rx) = oneshot::channel::<()>();
     tokio::spawn({
         let server = server.clone();
         async move {
-            let _ = rx.await;
+            stop_asked(&mut stopped).await;
             server.graceful_shutdown(Some(SHUTDOWN_GRACE));
         }
     });
-    let task = tokio::spawn(async move {
-        let serving = serve(listener, app, server_tls, config.timeouts, server.clone());
-        tokio::pin!(serving);
-        tokio::select! {
-            res = &mut serving => res,
-            () = leadership.lost() => {
-                tracing::error!("lost the leadership lock; stopping so another coordinator can take over");
-                server.shutdown();
-                let _ = serving.await;
-                Err(ServeError::LeadershipLost)
+    let serving = serve(listener, app, tls, config.timeouts, server.clone());
+    tokio::pin!(serving);
+    tokio::select! {
+        res = &mut serving => res,
+        () = leadership.lost() => {
+            tracing::error!("lost the leadership lock; stopping so another coordinator can take over");
+            server.shutdown();
+            let _ = serving.await;
+            Err(ServeError::LeadershipLost)
+        }
+    }
+}
+
+/// A standby: serves the probes (alive, not ready) while it waits for the leadership lock, then
+/// recovers the runs and leads on the same socket.
+async fn stand_by(
+    listener: std::net::TcpListener,
+    store: SqlStore,
+    tls: Option<rustls::ServerConfig>,
+    config: ServeConfig,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let listen_error = |source| ServeError::Listen { addr: config.listen, source };
+    let standby = axum_server::Handle::<SocketAddr>::new();
+    let standby_listener = listener.try_clone().map_err(listen_error)?;
+    let probes = tokio::spawn(serve(
+        standby_listener,
+        http::standby_router(),
+        tls.clone(),
+        config.timeouts,
+        standby.clone(),
+    ));
+    let leadership = tokio::select! {
+        leadership = wait_for_leadership(&store) => leadership,
+        () = stop_asked(&mut stopped) => {
+            standby.graceful_shutdown(Some(SHUTDOWN_GRACE));
+            return probes.await.unwrap_or(Ok(()));
+        }
+    };
+    tracing::info!(epoch = leadership.epoch(), "took over the leadership lock");
+    // Requests in flight on the standby get a moment; new connections wait in the socket's
+    // queue for the leader's server.
+    standby.graceful_shutdown(Some(Duration::from_secs(1)));
+    let _ = probes.await;
+    let app = lead(store, &config, leadership.epoch()).await?;
+    serve_as_leader(listener, app, leadership, tls, config, stopped).await
+}
+
+/// Resolves when shutdown is asked (or its handle is dropped).
+async fn stop_asked(stopped: &mut watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stop| *stop).await;
+}
+
+/// Blocks on the leadership lock, retrying while the database is unreachable.
+async fn wait_for_leadership(store: &SqlStore) -> store::Leadership {
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        match store.acquire_leadership().await {
+            Ok(leadership) => return leadership,
+            Err(e) => {
+                tracing::warn!(error = %e, ?backoff, "waiting for the leadership lock failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
             }
         }
-    });
-    Ok(RunningCoordinator { addr, tls, shutdown: Some(tx), task })
+    }
+}
+
+/// A non-blocking listening socket on `addr` with an accept queue of `backlog`.
+fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<std::net::TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)?.into_std()
 }
 
 /// Serves `app` on `listener` until `handle` shuts it down, with or without TLS, with the

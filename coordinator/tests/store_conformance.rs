@@ -35,6 +35,45 @@ async fn postgres_conformance(_pool: PgPoolOptions, opts: PgConnectOptions) {
     conformance(SqlStore::connect(&pg_url(&opts), true).await.unwrap()).await;
 }
 
+/// Issue 16: a coordinator whose leadership passed to another could keep writing round state
+/// (for the seconds until it noticed). Taking the lock now moves the leadership epoch on, and
+/// every write of round state of the deposed leader fails without writing anything.
+#[sqlx::test(migrations = false)]
+async fn postgres_fences_a_deposed_leader(_pool: PgPoolOptions, opts: PgConnectOptions) {
+    let url = pg_url(&opts);
+    let deposed = SqlStore::connect(&url, true).await.unwrap();
+    let lead = deposed.acquire_leadership().await.unwrap();
+    assert_eq!(lead.epoch(), 1);
+    let run = deposed.create_run(new_run(), 1).await.unwrap();
+    let successor = SqlStore::connect(&url, false).await.unwrap();
+    assert!(successor.try_acquire_leadership().await.unwrap().is_none(), "the lock is held");
+    // The deposed leader's lock connection ends (here it is dropped; in production it died).
+    drop(lead);
+    let taken = successor.try_acquire_leadership().await.unwrap().expect("the lock is free");
+    assert_eq!(taken.epoch(), 2);
+    let open = [Transition::OpenRound(opened(0, 0))];
+    let err = deposed.apply_transitions(run, &open, 2).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fenced { ours: 1, current: 2 }), "{err}");
+    assert!(deposed.open_round(run).await.unwrap().is_none(), "nothing was written");
+    assert!(matches!(deposed.create_run(new_run(), 2).await, Err(StoreError::Fenced { .. })));
+    successor.apply_transitions(run, &open, 3).await.unwrap();
+    let update = deposed
+        .insert_update(run, RoundIdx(0), starling_core::DeviceId(1), 0, 1, "{}", &[0; 4], 3)
+        .await;
+    assert!(matches!(update, Err(StoreError::Fenced { .. })), "{update:?}");
+    assert_eq!(successor.running_runs().await.unwrap().len(), 1);
+}
+
+fn new_run() -> NewRun<'static> {
+    NewRun {
+        name: Some("r"),
+        population: "p",
+        plan_json: "{}",
+        initial_model: b"m0",
+        initial_model_hash: "h0",
+    }
+}
+
 #[tokio::test]
 async fn sqlite_conformance() {
     let dir = tempfile::tempdir().unwrap();

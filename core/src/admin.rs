@@ -11,8 +11,10 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct NewEnrollmentToken {
     /// How many devices may enroll with it (unlimited if absent).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub uses: Option<i64>,
     /// Lifetime in seconds (no expiry if absent).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_secs: Option<i64>,
 }
 

@@ -27,20 +27,25 @@ pub struct Plan {
     #[serde(default)]
     pub training: serde_json::Value,
     /// Reports wanted per round; the round closes as soon as this many arrived.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
     pub cohort_size: u32,
     /// Devices selected per round = `ceil(cohort_size * over_selection)`.
     #[serde(default = "default_over_selection")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1.0, maximum = 10.0))]
     pub over_selection: f64,
     /// Longest time a round spends selecting devices.
     #[serde(default = "default_selection_timeout")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0.05, maximum = 604_800.0))]
     pub selection_timeout_secs: f64,
     /// Longest time a round spends, from its opening, before it closes with what it has.
     #[serde(default = "default_reporting_timeout")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0.05, maximum = 604_800.0))]
     pub reporting_timeout_secs: f64,
     /// Fewest reports a round may commit with; defaults to `cohort_size`.
     #[serde(default)]
     pub min_quorum: Option<u32>,
     /// Number of rounds to commit before the run completes.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub rounds: u32,
     /// Server learning rate applied to the mean delta (1.0 is plain FedAvg).
     #[serde(default = "default_server_lr")]
@@ -50,6 +55,7 @@ pub struct Plan {
     /// dominate. Default [`DEFAULT_MAX_EXAMPLES`]. Secure runs set theirs in
     /// `secure_aggregation.max_examples` instead.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 536_870_912))]
     pub max_examples: Option<u64>,
     /// Secure aggregation (SecAgg+): the coordinator learns only the cohort's weighted sum.
     /// Absent: plain FedAvg, devices upload their deltas.
@@ -77,8 +83,10 @@ pub struct SecureAggregationPlan {
     pub stage_timeout_secs: f64,
 }
 
-/// Model schema and initial parameters.
+/// Model schema and initial parameters: a `schema`, a `spec`, or both (then they must agree);
+/// a plan with neither is refused.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(min_properties = 2))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPlan {

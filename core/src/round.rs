@@ -892,6 +892,38 @@ impl RunMachine {
         self.actions.push_back(Action::ReplyCheckIn { request, decision });
     }
 
+    /// Whether `device` may send a model-sized payload to `round_idx` at `now`: a plain upload,
+    /// or with `secure` a secure round's message. The coordinator asks before it reads the
+    /// body, so that a device that was not selected, or already reported, cannot hold one of
+    /// the few upload slots while it trickles a body in. An upload is checked again when it
+    /// arrives (the round may have moved on meanwhile).
+    pub fn admits_payload(
+        &self,
+        device: DeviceId,
+        round_idx: RoundIdx,
+        now: Millis,
+        secure: bool,
+    ) -> Result<(), UploadRejection> {
+        let r = match self.round.as_ref() {
+            None if round_idx < self.next_round_idx => return Err(UploadRejection::RoundClosed),
+            None => return Err(UploadRejection::UnknownRound),
+            Some(r) => r,
+        };
+        // A secure round's later stages run past the reporting deadline.
+        r.admits(device, round_idx, (!secure).then_some(now))?;
+        if secure {
+            Ok(())
+        } else if r.secure.is_some() {
+            Err(UploadRejection::SecureRun)
+        } else if r.reported.contains(&device) || r.in_flight_for(device) {
+            Err(UploadRejection::Duplicate)
+        } else if let Some(&aggregator) = r.assigned.get(&device) {
+            Err(UploadRejection::UseAggregator { aggregator })
+        } else {
+            Ok(())
+        }
+    }
+
     fn on_upload(
         &mut self,
         request: RequestId,
@@ -900,15 +932,9 @@ impl RunMachine {
         model_version: ModelVersion,
     ) {
         let now = self.now;
-        let verdict = match self.selected_round(device, round_idx, Some(now)) {
+        let admitted = self.admits_payload(device, round_idx, now, false);
+        let verdict = match admitted.map(|()| self.round.as_mut().expect("an admitting round")) {
             Err(rejection) => Err(rejection),
-            Ok(r) if r.secure.is_some() => Err(UploadRejection::SecureRun),
-            Ok(r) if r.reported.contains(&device) || r.in_flight_for(device) => {
-                Err(UploadRejection::Duplicate)
-            }
-            Ok(r) if r.assigned.contains_key(&device) => {
-                Err(UploadRejection::UseAggregator { aggregator: r.assigned[&device] })
-            }
             Ok(r) if model_version != r.opened.model_version => {
                 Err(UploadRejection::StaleModel { expected: r.opened.model_version })
             }
@@ -987,7 +1013,7 @@ impl RunMachine {
         round_idx: RoundIdx,
         message: SecAggUpload,
     ) {
-        let result = match self.selected_round(device, round_idx, None) {
+        let result = match self.selected_round(device, round_idx) {
             Err(rejection) => Err(SecAggRejection::Round(rejection)),
             Ok(r) => match r.secure.as_mut() {
                 None => {
@@ -1008,7 +1034,7 @@ impl RunMachine {
 
     fn on_secagg_poll(&mut self, request: RequestId, device: DeviceId, round_idx: RoundIdx) {
         let now = self.now;
-        let result = match self.selected_round(device, round_idx, None) {
+        let result = match self.selected_round(device, round_idx) {
             Err(UploadRejection::RoundClosed) => {
                 Ok(SecAggInstruction::Excluded { reason: format!("round {round_idx} is over") })
             }
@@ -1024,20 +1050,19 @@ impl RunMachine {
     }
 
     /// The open round `round_idx` names, if `device` was selected for it; why not otherwise.
-    /// With `upload_time`, the round also counts as closed from its reporting deadline on (plain
-    /// uploads; a secure round's later stages run past it).
+    /// A secure round's stages run past the reporting deadline, so it does not close the round
+    /// here.
     fn selected_round(
         &mut self,
         device: DeviceId,
         round_idx: RoundIdx,
-        upload_time: Option<Millis>,
     ) -> Result<&mut ActiveRound, UploadRejection> {
         let next_round_idx = self.next_round_idx;
         match self.round.as_mut() {
             None if round_idx < next_round_idx => Err(UploadRejection::RoundClosed),
             None => Err(UploadRejection::UnknownRound),
             Some(r) => {
-                r.admits(device, round_idx, upload_time)?;
+                r.admits(device, round_idx, None)?;
                 Ok(r)
             }
         }
@@ -1228,7 +1253,8 @@ impl ActiveRound {
     }
 
     /// Which round `round_idx` names, relative to this one; `Ok` if it is this open round and
-    /// `device` was selected for it (see [`RunMachine::selected_round`] for `upload_time`).
+    /// `device` was selected for it. With `upload_time` (plain uploads), the round also counts
+    /// as closed from its reporting deadline on.
     fn admits(
         &self,
         device: DeviceId,

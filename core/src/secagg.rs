@@ -1243,7 +1243,7 @@ mod tests {
             assert!(!survivors.contains(&from), "the sender is left out");
             assert!(survivors.contains(&to), "the neighbour that reported it stays in");
             assert_eq!(survivors.len() as u32, config.n - 1);
-            assert_eq!(sum, plain_sum(&inputs, &survivors, config.len as usize));
+            assert_eq!(sum, plain_sum(&inputs, &survivors, config.len));
         }
         // With dropouts on top, the round still sums exactly or fails cleanly.
         let config = Config { session: [8; 16], n: 9, k: 4, t: 3, len: 6 };
@@ -1317,11 +1317,11 @@ mod tests {
     fn r16_evaluation_pools_through_the_ring() {
         let n = 40;
         let q = Quantizer::for_cohort(1.0, n);
-        let mut sum = vec![0u32; 2 + EVALUATION_ENTRIES];
+        let mut sum = [0u32; 2 + EVALUATION_ENTRIES];
         let (mut examples, mut correct, mut loss_sum) = (0.0, 0.0, 0.0);
         for i in 0..n {
             let mut v = encode_weighted(&q, &[0.5], 10, 100);
-            let ev = (i % 4 != 0).then(|| EvaluationInput {
+            let ev = (!i.is_multiple_of(4)).then(|| EvaluationInput {
                 examples: 5 + u64::from(i) % 30,
                 accuracy: f64::from(i % 10) / 10.0,
                 loss: 0.2 + f64::from(i) / 20.0,
@@ -1343,7 +1343,7 @@ mod tests {
         let mean = decode_weighted_mean(&q, &sum[..2], n).unwrap();
         assert!((mean[0] - 0.5).abs() < 1e-5);
         // Nobody evaluated: no pooled evaluation, not a 0 % one.
-        let mut nobody = vec![0u32; EVALUATION_ENTRIES];
+        let mut nobody = [0u32; EVALUATION_ENTRIES];
         for _ in 0..n {
             let mut v = vec![];
             append_evaluation(&q, &mut v, None, 100);

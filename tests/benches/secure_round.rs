@@ -36,7 +36,8 @@ fn main() -> anyhow::Result<()> {
 
 async fn bench(n: usize, m: usize) -> anyhow::Result<()> {
     let (_dir, db) = sqlite_db();
-    let limits = starling_coordinator::http::Limits { device: None, ip: None };
+    let limits =
+        starling_coordinator::http::Limits { device: None, ip: None, ..Default::default() };
     let c = start_in_process_with(&db, limits).await?;
     let devices = enroll(&c.url, &c.admin, n).await?;
     let mut plan = PlanSpec {

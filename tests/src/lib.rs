@@ -78,6 +78,7 @@ pub async fn start_in_process_configured(
 ) -> anyhow::Result<InProcess> {
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".parse().expect("loopback parses"),
+        listen_backlog: starling_coordinator::DEFAULT_LISTEN_BACKLOG,
         database_url: database_url.to_owned(),
         operator_token: OPERATOR_TOKEN.to_owned(),
         migrate: true,
@@ -175,6 +176,18 @@ impl ChildCoordinator {
         Self::spawn_with(bin, database_url, listen, log, &env).await
     }
 
+    /// Spawns `bin serve` on `listen` while another coordinator leads the same store, and
+    /// waits until it answers `/livez` as a standby.
+    pub async fn spawn_standby(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+    ) -> anyhow::Result<Self> {
+        let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)];
+        Self::spawn_until(bin, database_url, listen, log, &env, "/livez").await
+    }
+
     /// Like [`ChildCoordinator::spawn`], with extra environment variables.
     pub async fn spawn_with(
         bin: &Path,
@@ -182,6 +195,18 @@ impl ChildCoordinator {
         listen: SocketAddr,
         log: &Path,
         env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        Self::spawn_until(bin, database_url, listen, log, env, "/healthz").await
+    }
+
+    /// Spawns `bin serve` and waits until `probe` answers 200.
+    async fn spawn_until(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+        env: &[(&str, &str)],
+        probe: &str,
     ) -> anyhow::Result<Self> {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -205,7 +230,7 @@ impl ChildCoordinator {
         let http = http_client();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(res) = http.get(format!("{}/healthz", me.url)).send().await
+            if let Ok(res) = http.get(format!("{}{probe}", me.url)).send().await
                 && res.status().is_success()
             {
                 return Ok(me);
@@ -214,7 +239,7 @@ impl ChildCoordinator {
                 bail!("coordinator exited during start: {status}");
             }
             if Instant::now() > deadline {
-                bail!("coordinator did not become healthy in 30 s");
+                bail!("coordinator did not answer {probe} in 30 s");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

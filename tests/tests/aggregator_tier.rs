@@ -19,8 +19,8 @@ use starling_core::tier::{AggregatorHello, TICKET_HEADER};
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{AggregatorId, RunId};
 use starling_tests::{
-    InProcess, api_code, enroll, expect_tasks, http_client, model_values, sqlite_db,
-    start_in_process_configured, wait_model,
+    InProcess, TestPki, api_code, enroll, expect_tasks, http_client, http_client_trusting,
+    model_values, sqlite_db, start_in_process_configured, wait_model,
 };
 
 const SECRET: &str = "tier-test-secret-0123456789";
@@ -64,6 +64,11 @@ impl ChildAggregator {
                 &std::env::var("STARLING_TEST_AGGREGATOR_ENGINE").unwrap_or_else(|_| "cpu".into()),
             ])
             .args(["--threads", "2"])
+            .args(if extra.iter().any(|a| a == "--tls-cert") {
+                None
+            } else {
+                Some("--insecure-http")
+            })
             .args(extra)
             .env("STARLING_AGGREGATOR_SECRET", SECRET)
             .env("RUST_LOG", "info")
@@ -261,6 +266,83 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     let plain_hash = wait_model(&plain.admin, plain_run, 1).await?;
     let plain_model = model_values(&plain_devices[0], &plain_hash, &plain_tasks[0].schema).await?;
     assert_eq!(plain_model, committed);
+    Ok(())
+}
+
+/// Issue 16: aggregators served plain HTTP, so a TLS coordinator sent devices' updates (and
+/// aggregators the cluster secret) in clear. Now a TLS coordinator refuses an aggregator that
+/// offers plain HTTP; a TLS aggregator serves devices over TLS and speaks only https to the
+/// coordinator, verified against its CA; and the SDK refuses to send an update to a plain-HTTP
+/// target that an https coordinator handed it.
+#[tokio::test(flavor = "multi_thread")]
+async fn r16_a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
+    let pki = TestPki::new()?;
+    let (_dir, db) = sqlite_db();
+    let device_tls = pki.client_tls("ca.pem", None)?;
+    let c = start_in_process_configured(&db, &device_tls, |c| {
+        c.limits.device = None;
+        c.tls = Some(pki.server_tls(false));
+        c.tier = Some(TierSettings {
+            secret: SECRET.to_owned(),
+            cohort_threshold: 4,
+            report_grace: Duration::from_secs(3),
+            liveness: Duration::from_millis(1500),
+        });
+    })
+    .await?;
+    let hello = AggregatorHello {
+        id: AggregatorId(9),
+        url: "http://127.0.0.1:1".into(),
+        engine: "cpu".into(),
+    };
+    let res = http_client_trusting(&pki.path("ca.pem"))?
+        .post(format!("{}/v1/aggregation/poll", c.url))
+        .bearer_auth(SECRET)
+        .header("content-type", starling_core::wire::CBOR_MEDIA_TYPE)
+        .body(starling_core::wire::to_vec(&hello)?)
+        .send()
+        .await?;
+    assert_eq!(res.status(), 422, "a plain-HTTP aggregator is refused");
+    let path = |name: &str| pki.path(name).display().to_string();
+    let tls_args = [
+        "--tls-cert",
+        &path("server.pem"),
+        "--tls-key",
+        &path("server.key"),
+        "--ca-cert",
+        &path("ca.pem"),
+    ]
+    .map(str::to_owned);
+    let _node = ChildAggregator::spawn_with(1, &c.url, &tls_args)?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let token = c.admin.enrollment_token(None).await?;
+    let mut devices = vec![];
+    for _ in 0..8 {
+        let mut d = FleetClient::with_tls(&c.url, &device_tls)?;
+        d.enroll(&token).await?;
+        devices.push(d);
+    }
+    let run = RunId(c.admin.create_run(&plan(8, 8, 30.0, 1)).await?.id);
+    let tasks = expect_tasks(&devices).await?;
+    assert!(
+        tasks.iter().all(|t| t.upload_to.as_ref().is_some_and(|u| u.url.starts_with("https://")))
+    );
+    let updates: Vec<UploadRequest> = tasks.iter().enumerate().map(|(i, t)| update(t, i)).collect();
+    // A target rewritten to plain HTTP is refused before anything is sent.
+    let mut downgraded = tasks[0].upload_to.clone().unwrap();
+    downgraded.url = downgraded.url.replacen("https://", "http://", 1);
+    let refused =
+        devices[0].upload_to_aggregator(&downgraded, run, tasks[0].round_idx, &updates[0]).await;
+    assert!(
+        matches!(&refused, Err(starling_client::protocol::ClientError::Tls(m)) if m.contains("in clear")),
+        "{refused:?}"
+    );
+    for ((d, t), u) in devices.iter().zip(&tasks).zip(&updates) {
+        d.upload_to_aggregator(t.upload_to.as_ref().unwrap(), run, t.round_idx, u).await?;
+    }
+    wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    assert_eq!((round.n_reported, round.n_dropped), (8, Some(0)));
     Ok(())
 }
 

@@ -756,7 +756,11 @@ async fn rate_limits_answer_429_and_recover() {
     use starling_coordinator::http::Limits;
     use starling_coordinator::http::limits::RateLimit;
     let (_dir, db) = sqlite_db();
-    let limits = Limits { device: Some(RateLimit { per_sec: 2.0, burst: 3.0 }), ip: None };
+    let limits = Limits {
+        device: Some(RateLimit { per_sec: 2.0, burst: 3.0 }),
+        ip: None,
+        ..Limits::default()
+    };
     let c = start_in_process_with(&db, limits).await.unwrap();
     let http = http_client();
     let token = c.admin.enrollment_token(Some(2)).await.unwrap();
@@ -805,7 +809,11 @@ async fn rate_limits_answer_429_and_recover() {
 
     // Per IP: every fleet call from this address counts, enrollment attempts included.
     let (_dir2, db2) = sqlite_db();
-    let limits = Limits { device: None, ip: Some(RateLimit { per_sec: 0.5, burst: 4.0 }) };
+    let limits = Limits {
+        device: None,
+        ip: Some(RateLimit { per_sec: 0.5, burst: 4.0 }),
+        ..Limits::default()
+    };
     let c = start_in_process_with(&db2, limits).await.unwrap();
     let bad_enroll = || {
         let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: "nope".into() }).unwrap();

@@ -405,6 +405,48 @@ async fn the_openapi_document_matches_the_routes() {
         }
     }
     assert!(operations >= 21, "only {operations} operations documented");
+
+    // Issue 16: the answers the edge gives every route of a kind are documented on each, in
+    // the media type the route speaks, and the server-enforced bounds are in the schemas.
+    for (path, item) in paths {
+        for (method, op) in item.as_object().unwrap() {
+            let responses = op["responses"].as_object().unwrap();
+            let documented = |status: &str| responses.contains_key(status);
+            if path.contains('{') {
+                assert!(documented("400") && documented("404"), "{method} {path}: 400/404");
+            }
+            if op.get("requestBody").is_some() {
+                assert!(documented("415"), "{method} {path}: 415");
+            }
+            let tags = op["tags"].as_array().unwrap();
+            if tags.iter().any(|t| t == "fleet" || t == "aggregation") {
+                for (status, response) in responses.iter().filter(|(s, _)| *s >= &"400".to_owned())
+                {
+                    if let Some(content) = response.get("content") {
+                        assert!(
+                            content.get("application/cbor").is_some(),
+                            "{method} {path} {status}: errors are CBOR"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let schemas = &generated["components"]["schemas"];
+    assert_eq!(schemas["NewEnrollmentToken"]["properties"]["ttl_secs"]["minimum"], 1);
+    assert_eq!(schemas["Plan"]["properties"]["rounds"]["minimum"], 1);
+    assert!(
+        schemas["ModelPlan"]["description"].as_str().unwrap().contains("neither is refused"),
+        "{}",
+        schemas["ModelPlan"]
+    );
+    let res = http
+        .get(format!("{}/v1/admin/runs/not-a-number", c.url))
+        .bearer_auth(OPERATOR_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     // And an undocumented path is the router's 404.
     let res = http.get(format!("{}/v1/nothing-here", c.url)).send().await.unwrap();
     assert_eq!(res.status(), StatusCode::NOT_FOUND);

@@ -117,7 +117,7 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
     // Devices 4..8 vanish while training; the rest send masked inputs.
     // Each also evaluated the round's model on held-out examples (every fourth has none).
     let evaluation = |i: usize| {
-        (i % 4 != 0).then(|| secagg::EvaluationInput {
+        (!i.is_multiple_of(4)).then(|| secagg::EvaluationInput {
             examples: 10 + i as u64,
             accuracy: (i % 10) as f64 / 10.0,
             loss: 0.5 + i as f64 / 40.0,

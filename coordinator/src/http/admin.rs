@@ -120,6 +120,16 @@ async fn create_run(
     let plan = plan.validate().map_err(|e| {
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidPlan, e.to_string())
     })?;
+    let (bytes, limit) = (plan.schema().byte_len(), state.inner.max_model_bytes);
+    if bytes > limit {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidPlan,
+            format!(
+                "the model is {bytes} bytes, more than this coordinator's limit of {limit} (--max-model-bytes)"
+            ),
+        ));
+    }
     // Initialization and encoding are O(model): keep them off the async threads.
     let (plan, initial) = tokio::task::spawn_blocking(move || {
         let values =

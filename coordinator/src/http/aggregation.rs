@@ -57,8 +57,8 @@ impl FromRequestParts<AppState> for AggregatorAuth {
 #[utoipa::path(post, path = "/v1/aggregation/poll", tag = "aggregation", security(("aggregator" = [])),
     request_body(content = AggregatorHello, content_type = "application/cbor"),
     responses((status = 200, description = "its shards", body = AggregatorWork, content_type = "application/cbor"),
-        (status = 401, description = "wrong cluster secret", body = ErrorBody),
-        (status = 404, description = "no aggregator tier configured", body = ErrorBody)))]
+        (status = 401, description = "wrong cluster secret", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no aggregator tier configured", body = ErrorBody, content_type = "application/cbor")))]
 async fn poll(
     State(state): State<AppState>,
     _auth: AggregatorAuth,
@@ -69,6 +69,7 @@ async fn poll(
     if hello.url.len() > 2048 || !wire::is_http_url(&hello.url) {
         return Err(ApiError::invalid("url must be an http(s) URL of at most 2048 bytes"));
     }
+    state.check_tls_url(&hello.url)?;
     Ok(Cbor(state.driver().call(|reply| Event::AggregatorPoll { hello, reply }).await?))
 }
 
@@ -78,12 +79,12 @@ async fn poll(
     params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
     request_body(content = PartialReport, content_type = "application/cbor"),
     responses((status = 204, description = "durable; the devices count as reported"),
-        (status = 400, description = "malformed body", body = ErrorBody),
-        (status = 401, description = "wrong cluster secret", body = ErrorBody),
-        (status = 409, description = "round closed, already reported, or stale model", body = ErrorBody),
-        (status = 413, description = "body too large", body = ErrorBody),
-        (status = 422, description = "sums or lists fail validation", body = ErrorBody),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+        (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "round closed, already reported, or stale model", body = ErrorBody, content_type = "application/cbor"),
+        (status = 413, description = "body too large", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "sums or lists fail validation", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")))]
 async fn partial(
     State(state): State<AppState>,
     _auth: AggregatorAuth,
@@ -126,9 +127,9 @@ async fn partial(
     params(("group" = String, Path, description = "group name: 1-64 of A-Z a-z 0-9 . _ -")),
     request_body(content = GroupRendezvous, content_type = "application/cbor"),
     responses((status = 204, description = "stored"),
-        (status = 400, description = "malformed body or bad group name", body = ErrorBody),
-        (status = 401, description = "wrong cluster secret", body = ErrorBody),
-        (status = 422, description = "the document fails validation", body = ErrorBody)))]
+        (status = 400, description = "malformed body or bad group name", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "the document fails validation", body = ErrorBody, content_type = "application/cbor")))]
 async fn put_group(
     State(state): State<AppState>,
     _auth: AggregatorAuth,
@@ -139,6 +140,7 @@ async fn put_group(
     validate_group_name(&group).map_err(|e| ApiError::malformed(e.to_string()))?;
     let rendezvous: GroupRendezvous = decode_small(&state, &headers, body).await?;
     rendezvous.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
+    state.check_tls_url(&rendezvous.leader_url)?;
     let mut groups = state.inner.groups.lock().expect("groups poisoned");
     if groups.len() >= MAX_GROUPS && !groups.contains_key(&group) {
         return Err(ApiError::invalid(format!("at most {MAX_GROUPS} aggregator groups")));
@@ -151,9 +153,9 @@ async fn put_group(
 #[utoipa::path(get, path = "/v1/aggregation/groups/{group}", tag = "aggregation", security(("aggregator" = [])),
     params(("group" = String, Path, description = "group name")),
     responses((status = 200, description = "the leader's document", body = GroupRendezvous, content_type = "application/cbor"),
-        (status = 400, description = "bad group name", body = ErrorBody),
-        (status = 401, description = "wrong cluster secret", body = ErrorBody),
-        (status = 404, description = "not published yet", body = ErrorBody)))]
+        (status = 400, description = "bad group name", body = ErrorBody, content_type = "application/cbor"),
+        (status = 401, description = "wrong cluster secret", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "not published yet", body = ErrorBody, content_type = "application/cbor")))]
 async fn get_group(
     State(state): State<AppState>,
     _auth: AggregatorAuth,

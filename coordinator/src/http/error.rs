@@ -34,13 +34,18 @@ impl ApiError {
 
     /// 429 with `Retry-After` (whole seconds, rounded up).
     pub fn rate_limited(wait: std::time::Duration, who: &str) -> Self {
-        let mut e = Self::new(
+        Self::new(
             StatusCode::TOO_MANY_REQUESTS,
             ErrorCode::RateLimited,
             format!("too many requests from {who}; retry in {:.1} s", wait.as_secs_f64()),
-        );
-        e.retry_after = Some(wait);
-        e
+        )
+        .retry_after(wait)
+    }
+
+    /// The same error with a `Retry-After` header (whole seconds, rounded up).
+    pub fn retry_after(mut self, wait: std::time::Duration) -> Self {
+        self.retry_after = Some(wait);
+        self
     }
 
     /// 400 malformed body.

@@ -54,6 +54,15 @@ async fn close_after_upload(mut res: Response) -> Response {
     res
 }
 
+/// A round index from a path: rounds count from 0, so a negative one names no round (404, not
+/// the 409 "round closed" an earlier round gets).
+fn round_path(round_idx: i64) -> Result<RoundIdx, ApiError> {
+    if round_idx < 0 {
+        return Err(ApiError::not_found(format!("no round {round_idx}: rounds count from 0")));
+    }
+    Ok(RoundIdx(round_idx))
+}
+
 pub(super) async fn decode_small<T: DeserializeOwned>(
     state: &AppState,
     headers: &HeaderMap,
@@ -160,13 +169,15 @@ async fn model(
         (header::ETAG, HeaderValue::from_str(&etag).expect("hex is a valid header")),
         (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
     ];
-    if matches {
-        return Ok((StatusCode::NOT_MODIFIED, cache).into_response());
-    }
+    // Looked up first even for a conditional request: "not modified" is only true of a model
+    // that exists.
     let bytes = state
         .model_bytes(&hash)
         .await?
         .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
+    if matches {
+        return Ok((StatusCode::NOT_MODIFIED, cache).into_response());
+    }
     Ok((cache, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
         .into_response())
 }
@@ -178,10 +189,11 @@ async fn model(
         (status = 200, description = "acknowledged: durably stored, never lost", body = UploadAck, content_type = "application/cbor"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the device was not selected for this round (refused before the body is read)", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
-        (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
-        (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
+        (status = 409, description = "conflict (duplicate, another upload of the device in progress, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
+        (status = 413, description = "body, or its declared Content-Length, over the limit", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "invalid field, schema or value", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
         (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
@@ -193,7 +205,7 @@ async fn upload(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Cbor<UploadAck>, ApiError> {
-    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    let (run_id, round_idx) = (RunId(run_id), round_path(round_idx)?);
     match accept_upload(&state, device, run_id, round_idx, &headers, body).await {
         Ok((ack, bytes)) => {
             state.observer().upload_accepted(run_id, round_idx, bytes);
@@ -218,7 +230,7 @@ async fn accept_upload(
     check_content_type(headers)?;
     let plan = state.plan(run_id).await?;
     let limit = plan.schema().byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
-    let _permit = state.upload_permit().await;
+    let _slot = state.admit_upload(headers, limit, (device, run_id, round_idx), false).await?;
     let started = std::time::Instant::now();
     let bytes = state.read_body(body, limit).await?;
     let body_len = bytes.len() as u64;
@@ -269,11 +281,11 @@ async fn secagg_message(
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    let (run_id, round_idx) = (RunId(run_id), round_path(round_idx)?);
     check_content_type(&headers)?;
     let plan = state.plan(run_id).await?;
     let limit = plan.schema().byte_len() as usize + 4 + SECAGG_ENVELOPE_LIMIT;
-    let _permit = state.upload_permit().await;
+    let _slot = state.admit_upload(&headers, limit, (device, run_id, round_idx), true).await?;
     let bytes = state.read_body(body, limit).await?;
     let message = tokio::task::spawn_blocking(move || wire::decode::<SecAggUpload>(&bytes))
         .await
@@ -305,7 +317,7 @@ async fn secagg_instruction(
     DeviceAuth(device): DeviceAuth,
     Path((run_id, round_idx)): Path<(i64, i64)>,
 ) -> Result<Cbor<SecAggInstruction>, ApiError> {
-    let (run_id, round_idx) = (RunId(run_id), RoundIdx(round_idx));
+    let (run_id, round_idx) = (RunId(run_id), round_path(round_idx)?);
     let instruction =
         state.driver().call(|reply| Event::SecAggPoll { device, run_id, round_idx, reply }).await?;
     Ok(Cbor(instruction))

@@ -62,5 +62,54 @@ pub fn document() -> utoipa::openapi::OpenApi {
     for routes in api_routes() {
         doc.merge(routes.into_openapi());
     }
+    edge_answers(&mut doc);
     doc
+}
+
+/// Answers the HTTP edge gives every route of a kind, whatever its handler says: a path id
+/// that does not parse is 400 and one that names nothing 404; a body of another media type is
+/// 415. Added here once rather than repeated on each handler, where they were forgotten.
+fn edge_answers(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::path::ParameterIn;
+    use utoipa::openapi::{Content, RefOr, Response};
+    for item in doc.paths.paths.values_mut() {
+        for operation in
+            [&mut item.get, &mut item.put, &mut item.post, &mut item.delete, &mut item.patch]
+                .into_iter()
+                .flatten()
+        {
+            let cbor = operation
+                .tags
+                .as_ref()
+                .is_some_and(|tags| tags.iter().any(|t| t == "fleet" || t == "aggregation"));
+            let media = if cbor { "application/cbor" } else { "application/json" };
+            let error = |description: &str| {
+                let mut response = Response::new(description);
+                let schema = RefOr::Ref(utoipa::openapi::Ref::from_schema_name("ErrorBody"));
+                response.content.insert(media.to_owned(), RefOr::T(Content::new(Some(schema))));
+                RefOr::T(response)
+            };
+            let responses = &mut operation.responses.responses;
+            let has_path_ids = operation
+                .parameters
+                .iter()
+                .flatten()
+                .any(|p| matches!(p, RefOr::T(p) if p.parameter_in == ParameterIn::Path));
+            if has_path_ids {
+                responses
+                    .entry("400".to_owned())
+                    .or_insert_with(|| error("a path parameter does not parse"));
+                responses.entry("404".to_owned()).or_insert_with(|| error("no such resource"));
+            }
+            if operation.request_body.is_some() {
+                responses.entry("415".to_owned()).or_insert_with(|| {
+                    error(if cbor {
+                        "the body is not application/cbor"
+                    } else {
+                        "the body is not application/json"
+                    })
+                });
+            }
+        }
+    }
 }

@@ -496,6 +496,8 @@ mod secure_rounds {
         replies: BTreeMap<RequestId, Action>,
         aggregate: Option<Aggregate>,
         closing: Option<RoundClosing>,
+        /// A device that seals a share that does not open to its first neighbour.
+        garble: Option<i64>,
     }
 
     fn delta(device: i64) -> Vec<f32> {
@@ -519,6 +521,7 @@ mod secure_rounds {
                 replies: BTreeMap::new(),
                 aggregate: None,
                 closing: None,
+                garble: None,
             };
             f.drain();
             f
@@ -605,9 +608,13 @@ mod secure_rounds {
         /// Each device's next step, whatever the stage asks.
         fn step(&mut self, device: i64) {
             let message = match self.poll(device) {
-                SecAggInstruction::ShareKeys(n) => SecAggUpload::ShareKeys(
-                    self.clients.get_mut(&device).unwrap().share_keys(n).unwrap(),
-                ),
+                SecAggInstruction::ShareKeys(n) => {
+                    let mut sealed = self.clients.get_mut(&device).unwrap().share_keys(n).unwrap();
+                    if self.garble == Some(device) {
+                        sealed[0].ciphertext[0] ^= 0xff;
+                    }
+                    SecAggUpload::ShareKeys(sealed)
+                }
                 SecAggInstruction::MaskedInput(r) => {
                     let task = self.task.unwrap();
                     let input = secagg::encode_weighted(
@@ -616,11 +623,12 @@ mod secure_rounds {
                         examples(device),
                         task.max_examples,
                     );
-                    let y = self.clients.get_mut(&device).unwrap().masked_input(r, &input).unwrap();
+                    let client = self.clients.get_mut(&device).unwrap();
+                    let y = client.masked_input(r, &input).unwrap();
                     SecAggUpload::MaskedInput {
                         model_version: ModelVersion(0),
                         masked: y.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                        rejected_shares: Default::default(),
+                        rejected_shares: client.rejected().clone(),
                     }
                 }
                 SecAggInstruction::Unmask(r) => {
@@ -720,6 +728,41 @@ mod secure_rounds {
         let (restarted, closing) = run(true);
         assert_eq!(closing.outcome, RoundOutcome::Commit);
         assert_eq!(plain.mean_delta, restarted.mean_delta);
+    }
+
+    /// Issue 16: a device that seals a share that does not open to a neighbour is left out
+    /// by the machine too: the round commits the other nine's exact mean, counts nine
+    /// reports, and tells the sender it is excluded.
+    #[test]
+    fn r16_a_device_sealing_a_bad_share_is_left_out_of_the_commit() {
+        let mut f = Fleet::new();
+        f.garble = Some(3);
+        for d in 1..=10 {
+            f.join(d);
+        }
+        for _share_then_mask in 0..2 {
+            for d in 1..=10 {
+                f.step(d);
+            }
+        }
+        // Unmasking: the sender is told why it is out; the others answer.
+        let told = f.poll(3);
+        assert!(
+            matches!(&told, SecAggInstruction::Excluded { reason } if reason.contains("could not open")),
+            "{told:?}"
+        );
+        for d in (1..=10).filter(|&d| d != 3) {
+            f.step(d);
+        }
+        f.advance(6_000);
+        let closing = f.closing.expect("the round closed");
+        assert_eq!(closing.outcome, RoundOutcome::Commit);
+        assert_eq!((closing.n_reported, closing.n_dropped), (9, 1));
+        let aggregate = f.aggregate.take().expect("a sum");
+        let want = expected_mean(&[1, 2, 4, 5, 6, 7, 8, 9, 10]);
+        for (got, want) in aggregate.mean_delta.iter().zip(&want) {
+            assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        }
     }
 
     #[test]

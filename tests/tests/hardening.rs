@@ -1,0 +1,331 @@
+//! Regression tests for the holes a hostile-input, load and security review found (issue 16):
+//! each failed before its fix.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use starling_client::protocol::{FleetClient, TlsSettings};
+use starling_core::wire::{ErrorBody, ErrorCode, EvaluationReport};
+use starling_core::{ModelVersion, RoundIdx, RunId};
+use starling_tests::*;
+
+/// Sends the head of a POST with `declared` bytes of body but only one byte of it, and returns
+/// the status the coordinator answers while the body is still unsent (0 if it answered nothing
+/// within `wait`), with how long that took.
+fn trickled_upload(
+    addr: SocketAddr,
+    path: &str,
+    credential: &str,
+    declared: u64,
+    wait: Duration,
+) -> (u16, Duration) {
+    let started = Instant::now();
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {credential}\r\nContent-Type: application/cbor\r\nContent-Length: {declared}\r\n\r\n\x01"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&answer);
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, started.elapsed())
+}
+
+fn small_plan(params: u64, cohort: u32) -> serde_json::Value {
+    PlanSpec {
+        params,
+        cohort,
+        over_selection: 1.0,
+        quorum: cohort,
+        selection_secs: 30.0,
+        reporting_secs: 60.0,
+        rounds: 1,
+    }
+    .json()
+}
+
+/// Item 1: devices that were never selected opened uploads with a huge declared length and a
+/// one-byte body, held all 16 upload permits until the body deadline, and the cohort's uploads
+/// waited until the round failed. Now an over-long declaration is refused at once (413), an
+/// unselected device is refused before its body is read (403), a device gets one upload at a
+/// time (409), and the cohort's uploads go through meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r16_unselected_devices_cannot_hold_the_upload_slots() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 22).await.unwrap();
+    let run = RunId(c.admin.create_run(&small_plan(1000, 2)).await.unwrap().id);
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices[..2]).await.unwrap();
+    let path = format!("/v1/runs/{run}/rounds/0/updates");
+    let addr = c.running.addr;
+    // Well past the body deadline a held permit would last (30 s plus the limit at 16 KiB/s).
+    let wait = Duration::from_secs(20);
+    let attackers: Vec<_> = devices[2..]
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let (path, credential) = (path.clone(), d.credential().unwrap().to_owned());
+            // Half declare far more than any upload may be, half a plausible length.
+            let declared = if i % 2 == 0 { 1 << 40 } else { 4_000 };
+            tokio::task::spawn_blocking(move || {
+                (declared, trickled_upload(addr, &path, &credential, declared, wait))
+            })
+        })
+        .collect();
+    // The cohort uploads while the hostile connections are open.
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 1000), weight(i)))
+            .await
+            .unwrap();
+    }
+    wait_model(&c.admin, run, 1).await.unwrap();
+    for attacker in attackers {
+        let (declared, (status, took)) = attacker.await.unwrap();
+        let expected = if declared > 1 << 30 { 413 } else { 403 };
+        assert_eq!(status, expected, "declared {declared}: answered {status} after {took:?}");
+        assert!(took < wait, "answered only when the body timed out");
+    }
+
+    // One upload at a time per device: of two trickled at once, one is refused at once and
+    // the other waits for its body.
+    let run = RunId(c.admin.create_run(&small_plan(1000, 2)).await.unwrap().id);
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    expect_tasks(&devices[..2]).await.unwrap();
+    let path = format!("/v1/runs/{run}/rounds/0/updates");
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let (path, credential) = (path.clone(), devices[0].credential().unwrap().to_owned());
+            tokio::task::spawn_blocking(move || {
+                trickled_upload(addr, &path, &credential, 4_000, Duration::from_secs(5)).0
+            })
+        })
+        .collect();
+    let mut answers = vec![];
+    for one in both {
+        answers.push(one.await.unwrap());
+    }
+    answers.sort();
+    assert_eq!(answers, [0, 409], "0: still waiting for its body");
+    c.running.shutdown().await.unwrap();
+}
+
+/// Items 3 and 6: a plan whose model is over the coordinator's limit is refused before anything
+/// is allocated (a schema at the 2^31-element limit made it allocate 8 GiB and abort);
+/// `If-None-Match` on a model that does not exist is 404, not 304; an upload to round −1 is 404,
+/// not 409; `init` refuses unknown fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r16_limits_and_protocol_answers() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process_configured(&db, &TlsSettings::default(), |config| {
+        config.limits.max_model_bytes = 4_000;
+    })
+    .await
+    .unwrap();
+    let huge = small_plan(1 << 31, 1);
+    let err = c.admin.create_run(&huge).await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::InvalidPlan), "{err}");
+    assert!(err.to_string().contains("--max-model-bytes"), "{err}");
+    let err = c.admin.create_run(&small_plan(1001, 1)).await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::InvalidPlan), "{err}");
+    let run = RunId(c.admin.create_run(&small_plan(1000, 1)).await.unwrap().id);
+
+    let mut typo = small_plan(10, 1);
+    typo["model"]["init"] = serde_json::json!({"kind": "zeros", "seed": 3});
+    let err = c.admin.create_run(&typo).await.unwrap_err();
+    assert!(err.to_string().contains("unknown field"), "{err}");
+
+    let devices = enroll(&c.url, &c.admin, 1).await.unwrap();
+    let http = http_client();
+    let missing = "ab".repeat(32);
+    let res = http
+        .get(format!("{}/v1/models/{missing}", c.url))
+        .bearer_auth(devices[0].credential().unwrap())
+        .header("If-None-Match", format!("\"{missing}\""))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+    let task = expect_task(&devices[0]).await.unwrap();
+    let res = http
+        .get(format!("{}/v1/models/{}", c.url, task.model_hash))
+        .bearer_auth(devices[0].credential().unwrap())
+        .header("If-None-Match", format!("\"{}\"", task.model_hash))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_MODIFIED, "an existing model still revalidates");
+    let res =
+        devices[0].upload(run, RoundIdx(-1), &upload_request(&task, &delta(0, 0, 1000), 1)).await;
+    assert_eq!(api_code(res), Some(ErrorCode::NotFound));
+    c.running.shutdown().await.unwrap();
+}
+
+/// Items 4 and 5: evaluations were accepted from any enrolled device for any run, with any
+/// values and 2^29 examples, and a plain run's example counts were uncapped, so one device
+/// could dominate either mean. Now only devices selected for a round on the model version may
+/// evaluate it, metrics are bounded, and both weights are capped at the plan's `max_examples`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r16_one_device_cannot_dominate_a_mean() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
+    let mut plan = small_plan(4, 2);
+    plan["max_examples"] = 100.into();
+    plan["model"]["init"] = serde_json::json!({"kind": "zeros"});
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices[..2]).await.unwrap();
+    let report = |examples: u64, accuracy: f64| EvaluationReport {
+        model_version: ModelVersion(0),
+        example_count: examples,
+        metrics: [("accuracy".to_owned(), accuracy)].into(),
+    };
+    // Device 2 was never selected: its evaluation is refused.
+    let outsider = devices[2].evaluate(run, &report(10, 1.0)).await;
+    assert_eq!(api_code(outsider), Some(ErrorCode::NotSelected));
+    let absurd = devices[0].evaluate(run, &report(10, -1e300)).await;
+    assert_eq!(api_code(absurd), Some(ErrorCode::InvalidField));
+    devices[0].evaluate(run, &report(100, 0.2)).await.unwrap();
+    devices[1].evaluate(run, &report(1 << 29, 1.0)).await.unwrap();
+    let model0 = &c.admin.models(run).await.unwrap()[0];
+    assert_eq!(model0.n_evaluations, 2);
+    assert!((model0.evaluation["accuracy"] - 0.6).abs() < 1e-12, "{model0:?}");
+
+    // +1 claimed by 2^29 examples, −1 by 100: with both capped at 100 the mean is 0.
+    let up = upload_request(&tasks[0], &[1.0; 4], 1 << 29);
+    let down = upload_request(&tasks[1], &[-1.0; 4], 100);
+    devices[0].upload(run, RoundIdx(0), &up).await.unwrap();
+    devices[1].upload(run, RoundIdx(0), &down).await.unwrap();
+    let hash = wait_model(&c.admin, run, 1).await.unwrap();
+    let model = model_values(&devices[0], &hash, &tasks[0].schema).await.unwrap();
+    assert_eq!(model, vec![0.0; 4]);
+    c.running.shutdown().await.unwrap();
+}
+
+/// Item 7: the listening socket asked for Rust's default backlog of 128, so an enrollment burst
+/// of 2,000 devices overflowed it and clients waited out SYN retransmissions. The kernel now
+/// queues up to 4096 (or net.core.somaxconn, if lower); `ss` shows a listener's queue size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r16_the_listener_queues_an_enrollment_burst() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let port = c.running.addr.port();
+    let out = match std::process::Command::new("ss")
+        .args(["-ltnH", &format!("sport = :{port}")])
+        .output()
+    {
+        Ok(out) if out.status.success() => out,
+        other => {
+            eprintln!("r16_the_listener_queues_an_enrollment_burst: SKIPPED, no ss: {other:?}");
+            return;
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    // State Recv-Q Send-Q ...: for a listener, Send-Q is the accept queue's size.
+    let queue: u32 = text.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap();
+    let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(u32::MAX);
+    assert_eq!(queue, starling_coordinator::DEFAULT_LISTEN_BACKLOG.min(somaxconn), "{text}");
+    c.running.shutdown().await.unwrap();
+}
+
+/// Item 11: two coordinators share one Postgres. The standby listens (alive, not ready, 503 for
+/// everything else) instead of hanging in its start; when the leader is SIGKILLed mid-round it
+/// takes over within a bounded time, and the round commits with every update the dead leader
+/// had acknowledged. The deposed leader's epoch is fenced off in the store.
+#[sqlx::test(migrations = false)]
+async fn r16_a_standby_takes_over_and_loses_no_acknowledged_update(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let url = pg_url(&opts);
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let mut leader =
+        ChildCoordinator::spawn(bin, &url, free_addr(), &logs.path().join("a.log")).await.unwrap();
+    let standby =
+        ChildCoordinator::spawn_standby(bin, &url, free_addr(), &logs.path().join("b.log"))
+            .await
+            .unwrap();
+    let http = http_client();
+    let status = |base: &str, path: &str| {
+        let request = http.get(format!("{base}{path}"));
+        async move { request.send().await.unwrap().status() }
+    };
+    assert_eq!(status(&standby.url, "/livez").await, StatusCode::OK);
+    assert_eq!(status(&standby.url, "/readyz").await, StatusCode::SERVICE_UNAVAILABLE);
+    let res = http
+        .get(format!("{}/v1/admin/runs", standby.url))
+        .bearer_auth(OPERATOR_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().contains_key("retry-after"));
+    let body: ErrorBody = res.json().await.unwrap();
+    assert!(body.message.contains("standby"), "{}", body.message);
+
+    let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
+    let mut devices = enroll(&leader.url, &admin, 4).await.unwrap();
+    let run = RunId(admin.create_run(&small_plan(64, 4)).await.unwrap().id);
+    wait_round_open(&admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await.unwrap();
+    for i in 0..2 {
+        let ack = devices[i]
+            .upload(run, RoundIdx(0), &upload_request(&tasks[i], &delta(i, 0, 64), weight(i)))
+            .await;
+        ack.unwrap();
+    }
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let epoch = || async {
+        let (epoch,): (i64,) =
+            sqlx::query_as("SELECT epoch FROM leadership").fetch_one(&db).await.unwrap();
+        epoch
+    };
+    let leader_epoch = epoch().await;
+    leader.kill().unwrap();
+    let killed = Instant::now();
+    wait_for("the standby to take over", Duration::from_secs(30), || async {
+        let ready = http.get(format!("{}/readyz", standby.url)).send().await;
+        Ok(ready.is_ok_and(|r| r.status() == StatusCode::OK).then_some(()))
+    })
+    .await
+    .unwrap();
+    eprintln!("the standby took over {:?} after the leader was killed", killed.elapsed());
+    assert_eq!(epoch().await, leader_epoch + 1, "taking over moved the epoch on");
+
+    // The fleet reaches the new leader (as a load balancer sends it to the ready one).
+    for d in &mut devices {
+        let mut moved = FleetClient::new(&standby.url);
+        moved.set_credential(d.credential());
+        *d = moved;
+    }
+    let admin = starling_client::protocol::AdminClient::new(&standby.url, OPERATOR_TOKEN);
+    let round = admin.round(run, 0).await.unwrap();
+    assert_eq!((round.state.as_str(), round.n_reported), ("open", 2), "both acks survived");
+    let again = expect_tasks(&devices[2..]).await.unwrap();
+    for (i, t) in (2..4).zip(&again) {
+        devices[i]
+            .upload(run, RoundIdx(0), &upload_request(t, &delta(i, 0, 64), weight(i)))
+            .await
+            .unwrap();
+    }
+    let hash = wait_model(&admin, run, 1).await.unwrap();
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await.unwrap();
+    let contributions: Vec<_> = (0..4).map(|i| (delta(i, 0, 64), weight(i))).collect();
+    assert_eq!(committed, fedavg_expected(&global, &contributions));
+}
