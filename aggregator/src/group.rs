@@ -22,6 +22,7 @@
 //! still lacks). A shard the leader accepted is lost with the leader, as one in any node's
 //! memory is; its devices count as dropped.
 
+use starling_core::codec;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -397,7 +398,7 @@ impl GroupState {
         };
         let Ok(sums) = own.sums() else { return Contributed::NotTaken(own) };
         let offer = CollectiveOffer { comm: tag, report: own.without_sums() };
-        let Ok(body) = wire::to_vec(&offer) else { return Contributed::NotTaken(own) };
+        let Ok(body) = codec::to_vec(&offer) else { return Contributed::NotTaken(own) };
         let url = format!(
             "{}/v1/group/runs/{run_id}/rounds/{round_idx}/collective",
             leader.leader_url.trim_end_matches('/')
@@ -409,7 +410,7 @@ impl GroupState {
             inner.cbor_request(reqwest::Method::POST, &url).timeout(wait).body(body).send().await;
         let turn = match res {
             Ok(r) if r.status() == StatusCode::OK => {
-                r.bytes().await.ok().and_then(|b| wire::decode::<CollectiveTurn>(&b).ok())
+                r.bytes().await.ok().and_then(|b| codec::decode::<CollectiveTurn>(&b).ok())
             }
             Ok(r) => {
                 tracing::info!(run = %run_id, round = %round_idx, status = %r.status(), "the leader sums this round over HTTP");
@@ -459,7 +460,7 @@ impl GroupState {
             Contributed::NotTaken(own) => own,
         };
         let (own, body) = tokio::task::spawn_blocking(move || {
-            let body = wire::to_vec(&own);
+            let body = codec::to_vec(&own);
             (own, body)
         })
         .await
@@ -482,7 +483,7 @@ impl GroupState {
             }
             Ok(r) => {
                 let status = r.status();
-                let why = r.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
+                let why = r.bytes().await.ok().and_then(|b| codec::decode::<ErrorBody>(&b).ok());
                 tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "the group leader did not take the shard; reporting alone");
                 Some(own)
             }
@@ -570,7 +571,7 @@ async fn publish(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
         world_size: group.config.world_size,
         nccl_id: group.nccl_id.lock().expect("nccl id poisoned").clone(),
     };
-    let body = wire::to_vec(&doc).map_err(|e| e.to_string())?;
+    let body = codec::to_vec(&doc).map_err(|e| e.to_string())?;
     let res = inner
         .cbor_request(reqwest::Method::PUT, url)
         .body(body)
@@ -599,7 +600,7 @@ async fn look_up(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
         return Err(error_text(res).await);
     }
     let bytes = res.bytes().await.map_err(|e| e.to_string())?;
-    let doc: GroupRendezvous = wire::decode(&bytes).map_err(|e| e.to_string())?;
+    let doc: GroupRendezvous = codec::decode(&bytes).map_err(|e| e.to_string())?;
     doc.validate().map_err(|e| e.to_string())?;
     if doc.world_size != group.config.world_size {
         return Err(format!(
@@ -619,7 +620,7 @@ async fn look_up(inner: &Inner, group: &GroupState, url: &str) -> Result<(), Str
 
 async fn error_text(res: reqwest::Response) -> String {
     let status = res.status();
-    let why = res.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
+    let why = res.bytes().await.ok().and_then(|b| codec::decode::<ErrorBody>(&b).ok());
     format!("{status}: {}", why.map_or_else(String::new, |w| w.message))
 }
 
@@ -779,7 +780,7 @@ pub(crate) async fn collective(
     let wait = group.until_decided(&inner, key) + HANDOFF_TIMEOUT - Duration::from_secs(5);
     match tokio::time::timeout(wait, answer).await {
         Ok(Ok(Some(seq))) => {
-            let body = wire::to_vec(&CollectiveTurn { seq }).unwrap_or_default();
+            let body = codec::to_vec(&CollectiveTurn { seq }).unwrap_or_default();
             Ok(([(header::CONTENT_TYPE, wire::CBOR_MEDIA_TYPE)], body).into_response())
         }
         _ => Err(Refusal(

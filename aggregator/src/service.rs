@@ -10,6 +10,7 @@
 //! shard, and the coordinator counts those devices as dropped (the round commits without them
 //! if quorum holds). The partial is durable once the coordinator answers 204.
 
+use starling_core::codec;
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -25,7 +26,7 @@ use starling_core::fedavg::{PartialSums, ValidatedUpdate, validate_update};
 use starling_core::tier::{
     AggregatorHello, AggregatorWork, PartialReport, ShardTask, TICKET_HEADER, TicketKey,
 };
-use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, UploadRequest};
+use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, UploadRequest};
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -173,7 +174,7 @@ where
     T: serde::de::DeserializeOwned,
     U: Send + 'static,
 {
-    tokio::task::spawn_blocking(move || then(wire::decode(&bytes).map_err(malformed)?))
+    tokio::task::spawn_blocking(move || then(codec::decode(&bytes).map_err(malformed)?))
         .await
         .map_err(|e| {
             Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
@@ -314,7 +315,7 @@ async fn poll_loop(inner: Arc<Inner>) {
 }
 
 async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorWork, String> {
-    let body = wire::to_vec(hello).map_err(|e| e.to_string())?;
+    let body = codec::to_vec(hello).map_err(|e| e.to_string())?;
     let url = format!("{}/v1/aggregation/poll", inner.config.coordinator_url.trim_end_matches('/'));
     let res = inner
         .cbor_request(reqwest::Method::POST, &url)
@@ -325,10 +326,10 @@ async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorW
     let status = res.status();
     let bytes = res.bytes().await.map_err(|e| e.to_string())?;
     if !status.is_success() {
-        let why = wire::decode::<ErrorBody>(&bytes).map_or_else(|_| String::new(), |b| b.message);
+        let why = codec::decode::<ErrorBody>(&bytes).map_or_else(|_| String::new(), |b| b.message);
         return Err(format!("{status}: {why}"));
     }
-    wire::decode(&bytes).map_err(|e| e.to_string())
+    codec::decode(&bytes).map_err(|e| e.to_string())
 }
 
 /// Starts shards the coordinator lists for the first time and refreshes the others.
@@ -479,7 +480,7 @@ pub(crate) async fn send_partial(
 ) -> Sent {
     let n = report.devices.len();
     let aggregators = report.aggregators.len();
-    let body = match tokio::task::spawn_blocking(move || wire::to_vec(&report)).await {
+    let body = match tokio::task::spawn_blocking(move || codec::to_vec(&report)).await {
         Ok(Ok(body)) => body,
         _ => return Sent::GaveUp,
     };
@@ -500,7 +501,7 @@ pub(crate) async fn send_partial(
                     || r.status() == StatusCode::UNPROCESSABLE_ENTITY =>
             {
                 let status = r.status();
-                let why = r.bytes().await.ok().and_then(|b| wire::decode::<ErrorBody>(&b).ok());
+                let why = r.bytes().await.ok().and_then(|b| codec::decode::<ErrorBody>(&b).ok());
                 // A duplicate means an earlier attempt got through.
                 tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "partial refused");
                 return Sent::Refused;
@@ -525,7 +526,7 @@ pub(crate) struct Refusal(pub(crate) StatusCode, pub(crate) ErrorCode, pub(crate
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
         let body = ErrorBody { code: self.1, message: self.2 };
-        let bytes = wire::to_vec(&body).unwrap_or_default();
+        let bytes = codec::to_vec(&body).unwrap_or_default();
         (self.0, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
             .into_response()
     }
@@ -601,7 +602,7 @@ async fn upload(
         return Err(closed());
     }
     inner.poll_now.notify_one();
-    let ack = wire::to_vec(&UploadAck { run_id, round_idx }).unwrap_or_default();
+    let ack = codec::to_vec(&UploadAck { run_id, round_idx }).unwrap_or_default();
     Ok(([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], ack).into_response())
 }
 

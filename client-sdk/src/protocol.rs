@@ -4,6 +4,7 @@
 //! One implementation serves the SDK's participant, the simulator, the end-to-end tests and the
 //! benchmarks, so every caller speaks the API the same way.
 
+use starling_core::codec;
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -255,7 +256,7 @@ impl FleetClient {
                 target.url
             )));
         }
-        let body = wire::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let body = codec::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
         let url =
             format!("{}/v1/runs/{run}/rounds/{round}/updates", target.url.trim_end_matches('/'));
         let res = self
@@ -277,7 +278,7 @@ impl FleetClient {
         round: RoundIdx,
         message: &SecAggUpload,
     ) -> Result<(), ClientError> {
-        let body = wire::to_vec(message).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let body = codec::to_vec(message).map_err(|e| ClientError::Decode(e.to_string()))?;
         let path = format!("/v1/runs/{run}/rounds/{round}/secagg");
         let (status, bytes) = self.post_raw(&path, body, CBOR_MEDIA_TYPE).await?;
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
@@ -297,7 +298,7 @@ impl FleetClient {
 
     /// Reports an evaluation.
     pub async fn evaluate(&self, run: RunId, report: &EvaluationReport) -> Result<(), ClientError> {
-        let body = wire::to_vec(report).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let body = codec::to_vec(report).map_err(|e| ClientError::Decode(e.to_string()))?;
         let (status, bytes) =
             self.post_raw(&format!("/v1/runs/{run}/evaluations"), body, CBOR_MEDIA_TYPE).await?;
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
@@ -325,7 +326,7 @@ impl FleetClient {
         path: &str,
         req: &Req,
     ) -> Result<Res, ClientError> {
-        let body = wire::to_vec(req).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let body = codec::to_vec(req).map_err(|e| ClientError::Decode(e.to_string()))?;
         let (status, bytes) = self.post_raw(path, body, CBOR_MEDIA_TYPE).await?;
         decode_answer(status, &bytes)
     }
@@ -343,12 +344,12 @@ fn decode_answer<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Resul
     if !status.is_success() {
         return Err(api_error(status, bytes));
     }
-    wire::decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    codec::decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
 }
 
 /// Decodes an error body, CBOR or JSON.
 pub fn api_error(status: StatusCode, bytes: &[u8]) -> ClientError {
-    let body = wire::decode::<ErrorBody>(bytes)
+    let body = codec::decode::<ErrorBody>(bytes)
         .ok()
         .or_else(|| serde_json::from_slice(bytes).ok())
         .unwrap_or_else(|| ErrorBody {

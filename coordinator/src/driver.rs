@@ -18,6 +18,7 @@
 //! On start, [`Driver::recover`] rebuilds every running run from the store: latest model,
 //! open round, its selections, and its stored updates replayed in slot order.
 
+use starling_core::codec;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +36,7 @@ use starling_core::round::{
 use starling_core::tensor::{TensorPayload, TensorSchema};
 use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::wire::{
-    self, CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
+    CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
 };
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
@@ -344,7 +345,7 @@ impl Driver {
             let encoded = driver.store.model(run_id, version).await?.ok_or_else(|| {
                 StoreError::Corrupt(format!("run {run_id} lacks model {version}"))
             })?;
-            let payload: TensorPayload = wire::decode(&encoded)
+            let payload: TensorPayload = codec::decode(&encoded)
                 .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
             let values = plan
                 .schema()
@@ -362,7 +363,7 @@ impl Driver {
                 // Partials and updates share the slot order: merge each partial before the
                 // first update with a later slot.
                 let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
-                    match wire::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
+                    match codec::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
                         Ok(sums) => Some((slot, sums)),
                         Err(e) => {
                             tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
@@ -405,7 +406,7 @@ impl Driver {
                         secure_records: o
                             .secure_records
                             .iter()
-                            .map(|r| wire::decode::<Record>(r))
+                            .map(|r| codec::decode::<Record>(r))
                             .collect::<Result<_, _>>()
                             .map_err(|e| {
                                 StoreError::Corrupt(format!(
@@ -774,7 +775,7 @@ impl Driver {
                         entry.forget_if_done(request);
                     }
                     Action::PersistSecAgg { round_idx, seq, record } => {
-                        let record = wire::to_vec(&record).expect("records encode");
+                        let record = codec::to_vec(&record).expect("records encode");
                         transitions.push(Transition::SecAggRecord { round_idx, seq, record });
                     }
                     Action::ReplySecAgg { request, result } => {
@@ -1243,7 +1244,7 @@ fn entropy() -> [u8; 32] {
 pub fn encode_model(schema: &TensorSchema, values: &[f32]) -> (Vec<u8>, String) {
     let payload = schema.encode_f32(values);
     let hash = payload.content_hash();
-    (wire::to_vec(&payload).expect("payload encodes"), hash)
+    (codec::to_vec(&payload).expect("payload encodes"), hash)
 }
 
 /// A thread that owns one run's accumulator, so folding never blocks the async driver.

@@ -16,6 +16,7 @@ pub mod limits;
 pub mod live;
 pub mod openapi;
 
+use starling_core::codec;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -425,7 +426,7 @@ pub struct Cbor<T>(pub T);
 
 impl<T: Serialize> IntoResponse for Cbor<T> {
     fn into_response(self) -> Response {
-        match wire::to_vec(&self.0) {
+        match codec::to_vec(&self.0) {
             Ok(bytes) => {
                 ([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
                     .into_response()

@@ -13,6 +13,7 @@
 //! * Errors are mapped once, in [`map_err`]: a unique violation is [`StoreError::Conflict`],
 //!   everything else that is not the caller's fault is [`StoreError::Unavailable`].
 
+use starling_core::codec;
 use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -25,7 +26,6 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor, FromRow};
 use starling_core::round::{RoundClosing, RoundOpened, StoredPartial};
 use starling_core::tier::PartialReport;
-use starling_core::wire;
 use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
 /// Which database a store runs on.
@@ -973,7 +973,7 @@ impl SqlStore {
         report: &PartialReport,
         now: Millis,
     ) -> StoreResult<()> {
-        let encoded = wire::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let encoded = codec::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
         let mut tx = self.pool.begin().await.map_err(map_err)?;
         self.check_fence(&mut tx).await?;

@@ -1,6 +1,7 @@
 //! One conformance suite, run against every store backend: Postgres (a fresh database per test
 //! through `#[sqlx::test]`) and SQLite (a fresh file per test).
 
+use starling_core::codec;
 use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -10,7 +11,6 @@ use starling_coordinator::store::{
 use starling_core::fedavg::PooledEvaluation;
 use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
-use starling_core::wire;
 use starling_core::{AggregatorId, ModelVersion, RoundIdx, RunId};
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -227,7 +227,7 @@ async fn conformance(store: SqlStore) {
     let reports = store.partial_reports(run, RoundIdx(0)).await.unwrap();
     assert_eq!(reports.len(), 1);
     assert_eq!(reports[0].0, 2);
-    assert_eq!(wire::decode::<PartialReport>(&reports[0].1).unwrap(), partial);
+    assert_eq!(codec::decode::<PartialReport>(&reports[0].1).unwrap(), partial);
     // Secure-aggregation records come back in seq order, once each.
     store
         .apply_transitions(run, &[secagg(3, b"fourth"), secagg(2, b"third")], 1_700)

@@ -2,11 +2,11 @@
 //! client sends and receives, for the cohort sizes the issue names. `cargo bench -p
 //! starling-core --bench secagg` (release); `-- quick` runs only n = 50.
 
+use starling_core::codec;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use starling_core::secagg::{Client, ClientIdx, Config, Server};
-use starling_core::wire;
 
 fn randomness<const N: usize>(seed: u64) -> [u8; N] {
     // Benchmark-only stand-in for OS randomness: distinct, reproducible bytes.
@@ -29,7 +29,7 @@ struct Figures {
 }
 
 fn size<T: serde::Serialize>(v: &T) -> usize {
-    wire::to_vec(v).expect("messages encode").len()
+    codec::to_vec(v).expect("messages encode").len()
 }
 
 fn round(n: u32, m: usize, dropout: f64) -> Figures {

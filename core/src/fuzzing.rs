@@ -5,12 +5,13 @@
 //! Each function must return normally for every input; a panic, abort or runaway allocation is
 //! a bug in the decoder.
 
+use crate::codec;
 use crate::fedavg::validate_update;
 use crate::plan::Plan;
 use crate::tensor::{DType, TensorPayload, TensorSchema, TensorSpec};
 use crate::wire::{
-    self, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse, ErrorBody,
-    EvaluationReport, TaskAssignment, UploadAck, UploadRequest,
+    CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse, ErrorBody, EvaluationReport,
+    TaskAssignment, UploadAck, UploadRequest,
 };
 
 /// The schema uploads are checked against: two small tensors.
@@ -26,17 +27,17 @@ fn round_schema() -> TensorSchema {
 /// Every fleet-API message, as the coordinator (requests) and the SDK (answers) decode them;
 /// a decoded upload also goes through validation, and what decodes re-encodes to the same value.
 pub fn fleet_message(data: &[u8]) {
-    let _ = wire::decode::<EnrollRequest>(data);
-    let _ = wire::decode::<EnrollResponse>(data);
-    let _ = wire::decode::<CheckInRequest>(data);
-    let _ = wire::decode::<CheckInResponse>(data);
-    let _ = wire::decode::<TaskAssignment>(data);
-    let _ = wire::decode::<UploadAck>(data);
-    let _ = wire::decode::<EvaluationReport>(data);
-    let _ = wire::decode::<ErrorBody>(data);
-    if let Ok(upload) = wire::decode::<UploadRequest>(data) {
-        let again = wire::to_vec(&upload).expect("a decoded upload encodes");
-        assert_eq!(wire::decode::<UploadRequest>(&again).ok().as_ref(), Some(&upload));
+    let _ = codec::decode::<EnrollRequest>(data);
+    let _ = codec::decode::<EnrollResponse>(data);
+    let _ = codec::decode::<CheckInRequest>(data);
+    let _ = codec::decode::<CheckInResponse>(data);
+    let _ = codec::decode::<TaskAssignment>(data);
+    let _ = codec::decode::<UploadAck>(data);
+    let _ = codec::decode::<EvaluationReport>(data);
+    let _ = codec::decode::<ErrorBody>(data);
+    if let Ok(upload) = codec::decode::<UploadRequest>(data) {
+        let again = codec::to_vec(&upload).expect("a decoded upload encodes");
+        assert_eq!(codec::decode::<UploadRequest>(&again).ok().as_ref(), Some(&upload));
         let _ = validate_update(&round_schema(), upload);
     }
 }
@@ -45,11 +46,11 @@ pub fn fleet_message(data: &[u8]) {
 /// is stored as.
 pub fn tensor_payload(data: &[u8]) {
     let schema = round_schema();
-    if let Ok(payload) = wire::decode::<TensorPayload>(data) {
+    if let Ok(payload) = codec::decode::<TensorPayload>(data) {
         let _ = schema.decode_f32(&payload);
     }
     let _ = schema.decode_f32_bytes(data);
-    if let Ok(other) = wire::decode::<TensorSchema>(data)
+    if let Ok(other) = codec::decode::<TensorSchema>(data)
         && other.validate().is_ok()
     {
         let _ = other.schema_id();
@@ -73,15 +74,15 @@ pub fn secagg_message(data: &[u8]) {
         UnmaskRequest, UnmaskResponse,
     };
     let config = Config { session: [0; 16], n: 4, k: 3, t: 2, len: 4 };
-    if let Ok(advert) = wire::decode::<AdvertiseKeys>(data) {
+    if let Ok(advert) = codec::decode::<AdvertiseKeys>(data) {
         let mut server = Server::new(config, [1; 32]).expect("valid config");
         let _ = server.receive_keys(1, advert);
     }
-    if let Ok(neighbours) = wire::decode::<NeighbourKeys>(data) {
+    if let Ok(neighbours) = codec::decode::<NeighbourKeys>(data) {
         let (mut client, _) = Client::new(1, config, [7; 96]).expect("valid config");
         let _ = client.share_keys(neighbours);
     }
-    if let Ok(shares) = wire::decode::<Vec<SealedShares>>(data) {
+    if let Ok(shares) = codec::decode::<Vec<SealedShares>>(data) {
         let mut server = Server::new(config, [1; 32]).expect("valid config");
         for i in 1..=4u8 {
             let (_, advert) = Client::new(u32::from(i), config, [i; 96]).expect("valid config");
@@ -91,12 +92,12 @@ pub fn secagg_message(data: &[u8]) {
             let _ = server.receive_shares(1, shares);
         }
     }
-    let _ = wire::decode::<MaskRequest>(data);
-    let _ = wire::decode::<UnmaskRequest>(data);
-    let _ = wire::decode::<UnmaskResponse>(data);
-    let _ = wire::decode::<crate::wire::SecAggInstruction>(data);
-    let _ = wire::decode::<crate::round::secure::Record>(data);
-    if let Ok(message) = wire::decode::<crate::wire::SecAggUpload>(data) {
+    let _ = codec::decode::<MaskRequest>(data);
+    let _ = codec::decode::<UnmaskRequest>(data);
+    let _ = codec::decode::<UnmaskResponse>(data);
+    let _ = codec::decode::<crate::wire::SecAggInstruction>(data);
+    let _ = codec::decode::<crate::round::secure::Record>(data);
+    if let Ok(message) = codec::decode::<crate::wire::SecAggUpload>(data) {
         secure_round_takes(message);
     }
 }

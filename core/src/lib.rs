@@ -5,7 +5,8 @@
 //! deterministic and testable without mocks.
 //!
 //! * [`tensor`]: tensor schemas, their stable `schema_id`, and the little-endian payload codec.
-//! * [`wire`]: versioned fleet-API messages, encoded as CBOR; [`admin`]: the admin API's views.
+//! * [`codec`]: the CBOR codec; [`wire`]: versioned fleet-API messages; [`admin`]: the admin
+//!   API's views.
 //! * [`fedavg`]: update validation and the streaming weighted-FedAvg accumulator.
 //! * [`model_spec`]: declarative models, their tensor schema and initialization.
 //! * [`plan`]: the operator's run plan and its validation.
@@ -15,6 +16,7 @@
 //! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
+pub mod codec;
 pub mod fedavg;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -612,7 +612,7 @@ impl Client {
         let mut out = Vec::with_capacity(holders.len());
         for (&to, advert) in &neighbours.keys {
             let plain = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
-            let plain = crate::wire::to_vec(&plain).expect("shares encode");
+            let plain = crate::codec::to_vec(&plain).expect("shares encode");
             let cipher = share_cipher(
                 &self.cipher_sk,
                 self.me,
@@ -674,7 +674,7 @@ impl Client {
                     Payload { msg: &sealed.ciphertext, aad: &self.config.session },
                 )
                 .ok()
-                .and_then(|plain| crate::wire::decode::<Shares>(&plain).ok())
+                .and_then(|plain| crate::codec::decode::<Shares>(&plain).ok())
                 .filter(|shares| {
                     shares.from == sealed.from
                         && shares.to == self.me

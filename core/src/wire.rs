@@ -1,14 +1,12 @@
-//! Versioned fleet-API messages and their CBOR codec, shared by the coordinator and every client.
+//! Versioned fleet-API messages, shared by the coordinator and every client.
 //!
-//! Bodies are `application/cbor`; tensors inside them are [`TensorPayload`] byte strings.
-//! Encoding writes into a caller's `Vec<u8>` and decoding reads a byte slice, so the codec is
-//! pure and tested on byte literals.
+//! Bodies are `application/cbor` ([`crate::codec`]); tensors inside them are [`TensorPayload`]
+//! byte strings.
 //! Paths are versioned (`/v1/...`); a breaking change to a message adds a `v2` module beside
 //! this one rather than editing it.
 
 use std::collections::BTreeMap;
 
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
@@ -23,43 +21,6 @@ pub const CBOR_MEDIA_TYPE: &str = "application/cbor";
 /// aggregators are reached by.
 pub fn is_http_url(url: &str) -> bool {
     url.starts_with("http://") || url.starts_with("https://")
-}
-
-/// Why a CBOR body could not be encoded or decoded.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum WireError {
-    /// The bytes are not valid CBOR for the expected message.
-    #[error("malformed cbor body: {0}")]
-    Malformed(String),
-    /// Serialization failed (only on a bug or an out-of-memory writer).
-    #[error("cbor encoding failed: {0}")]
-    Encode(String),
-}
-
-/// Appends the CBOR encoding of `value` to `out`.
-pub fn encode<T: Serialize>(value: &T, out: &mut Vec<u8>) -> Result<(), WireError> {
-    ciborium::into_writer(value, out).map_err(|e| WireError::Encode(e.to_string()))
-}
-
-/// Encodes `value` into a fresh buffer.
-pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, WireError> {
-    let mut out = Vec::new();
-    encode(value, &mut out)?;
-    Ok(out)
-}
-
-/// Decodes one message, rejecting trailing bytes.
-pub fn decode<T: DeserializeOwned>(mut bytes: &[u8]) -> Result<T, WireError> {
-    let value =
-        ciborium::from_reader(&mut bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
-    if !bytes.is_empty() {
-        return Err(WireError::Malformed(format!(
-            "{} trailing bytes after the message",
-            bytes.len()
-        )));
-    }
-    Ok(value)
 }
 
 /// Error codes shared by the server and the SDK, so clients can branch on them.

@@ -2,6 +2,7 @@
 //! cargo-fuzz ever found (`fuzz/regressions/<target>/`), hostile CBOR and JSON written by hand,
 //! and random mutations of valid messages. Each must be refused or accepted, never crash.
 
+use starling_core::codec;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -37,11 +38,11 @@ fn seeds() -> Vec<Vec<u8>> {
         delta: schema.encode_f32(&[0.25; 15]),
     };
     vec![
-        wire::to_vec(&upload).unwrap(),
-        wire::to_vec(&upload.delta).unwrap(),
-        wire::to_vec(&schema).unwrap(),
-        wire::to_vec(&CheckInResponse::ComeBackLater { retry_after_secs: 5 }).unwrap(),
-        wire::to_vec(&wire::UploadAck { run_id: RunId(1), round_idx: RoundIdx(2) }).unwrap(),
+        codec::to_vec(&upload).unwrap(),
+        codec::to_vec(&upload.delta).unwrap(),
+        codec::to_vec(&schema).unwrap(),
+        codec::to_vec(&CheckInResponse::ComeBackLater { retry_after_secs: 5 }).unwrap(),
+        codec::to_vec(&wire::UploadAck { run_id: RunId(1), round_idx: RoundIdx(2) }).unwrap(),
         br#"{"model":{"schema":{"tensors":[{"name":"w","shape":[4],"dtype":"f32"}]},"init":{"kind":"zeros"}},"cohort_size":2,"rounds":1}"#.to_vec(),
     ]
 }

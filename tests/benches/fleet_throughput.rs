@@ -6,6 +6,7 @@
 //! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
 //! (`VmHWM`) is that configuration's alone.
 
+use starling_core::codec;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,7 @@ use futures_util::stream;
 use sqlx::Connection;
 use starling_client::protocol::{AdminClient, FleetClient};
 use starling_core::RunId;
-use starling_core::wire::{self, CBOR_MEDIA_TYPE, UploadRequest};
+use starling_core::wire::{CBOR_MEDIA_TYPE, UploadRequest};
 use starling_tests::{
     ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr, wait_model,
     wait_round_open,
@@ -130,7 +131,7 @@ async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured>
             m?;
         }
         // Encoding is the devices' work, not the coordinator's: done before the clock starts.
-        let body = wire::to_vec(&UploadRequest {
+        let body = codec::to_vec(&UploadRequest {
             model_version: tasks[0].model_version,
             example_count: 32,
             metrics: [("loss".to_owned(), 0.5)].into(),

@@ -194,7 +194,7 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     let res = http.post(&url).header(TICKET_HEADER, &elsewhere.ticket).send().await?;
     assert_eq!(res.status(), 401, "a ticket for another aggregator");
     // The aggregation API wants the cluster secret.
-    let hello = starling_core::wire::to_vec(&AggregatorHello {
+    let hello = starling_core::codec::to_vec(&AggregatorHello {
         id: AggregatorId(9),
         url: "http://x".into(),
         engine: "cpu".into(),
@@ -299,7 +299,7 @@ async fn r16_a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
         .post(format!("{}/v1/aggregation/poll", c.url))
         .bearer_auth(SECRET)
         .header("content-type", starling_core::wire::CBOR_MEDIA_TYPE)
-        .body(starling_core::wire::to_vec(&hello)?)
+        .body(starling_core::codec::to_vec(&hello)?)
         .send()
         .await?;
     assert_eq!(res.status(), 422, "a plain-HTTP aggregator is refused");
@@ -482,7 +482,7 @@ async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
     let groups = format!("{}/v1/aggregation/groups", c.url);
     let res = http.get(format!("{groups}/rack")).bearer_auth(SECRET).send().await?;
     assert_eq!(res.status(), 200);
-    let doc: GroupRendezvous = starling_core::wire::decode(&res.bytes().await?)?;
+    let doc: GroupRendezvous = starling_core::codec::decode(&res.bytes().await?)?;
     assert_eq!((doc.leader, doc.world_size, doc.nccl_id.is_some()), (AggregatorId(1), 3, false));
     let res =
         http.get(format!("{groups}/rack")).bearer_auth("wrong-secret-wrong-secret").send().await?;
@@ -495,7 +495,7 @@ async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
     let res = http
         .put(format!("{groups}/other"))
         .bearer_auth(SECRET)
-        .body(starling_core::wire::to_vec(&lonely)?)
+        .body(starling_core::codec::to_vec(&lonely)?)
         .send()
         .await?;
     assert_eq!(res.status(), 422);
@@ -520,13 +520,13 @@ async fn a_group_reports_one_partial_for_its_members() -> anyhow::Result<()> {
         sum_lo: vec![],
         metrics: Default::default(),
     };
-    let offer = starling_core::wire::to_vec(&starling_aggregator::group::CollectiveOffer {
+    let offer = starling_core::codec::to_vec(&starling_aggregator::group::CollectiveOffer {
         comm: 7,
         report: metadata,
     })?;
     let res = http.post(&offer_url).bearer_auth(SECRET).body(offer.clone()).send().await?;
     assert_eq!(res.status(), 409);
-    let why: starling_core::wire::ErrorBody = starling_core::wire::decode(&res.bytes().await?)?;
+    let why: starling_core::wire::ErrorBody = starling_core::codec::decode(&res.bytes().await?)?;
     assert_eq!(why.code, ErrorCode::Conflict, "{}", why.message);
     let res =
         http.post(&offer_url).bearer_auth("wrong-secret-wrong-secret").body(offer).send().await?;

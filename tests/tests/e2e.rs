@@ -3,6 +3,7 @@
 //! Every scenario runs twice: on Postgres (a fresh database per test via `#[sqlx::test]`) and
 //! on the embedded SQLite store.
 
+use starling_core::codec;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -225,7 +226,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
     let d = &devices[0];
     let path = format!("/v1/runs/{run}/rounds/0/updates");
     let good = upload_request(&task, &delta(0, 0, 64), 10);
-    let encode = |u: &UploadRequest| wire::to_vec(u).unwrap();
+    let encode = |u: &UploadRequest| codec::to_vec(u).unwrap();
 
     let mut cases: Vec<(&str, StatusCode, ErrorCode, Vec<u8>)> = vec![];
     cases.push((
@@ -239,7 +240,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
         "wrong message",
         StatusCode::BAD_REQUEST,
         ErrorCode::MalformedBody,
-        wire::to_vec(&task).unwrap(),
+        codec::to_vec(&task).unwrap(),
     ));
     let mut truncated = encode(&good);
     truncated.truncate(truncated.len() / 2);
@@ -299,7 +300,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
 
     for (name, status, code, body) in cases {
         let (got_status, bytes) = d.post_raw(&path, body, wire::CBOR_MEDIA_TYPE).await?;
-        let body: ErrorBody = wire::decode(&bytes)
+        let body: ErrorBody = codec::decode(&bytes)
             .map_err(|e| anyhow::anyhow!("{name}: error body is not cbor: {e}"))?;
         assert_eq!((got_status, body.code), (status, code), "{name}: {}", body.message);
         assert!(!body.message.is_empty());
@@ -331,7 +332,7 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
     ];
     for (name, p, status, code, media) in cases {
         let (got, bytes) = d.post_raw(&p, encode(&good), media).await?;
-        let body: ErrorBody = wire::decode(&bytes)?;
+        let body: ErrorBody = codec::decode(&bytes)?;
         assert_eq!((got, body.code), (status, code), "{name}: {}", body.message);
     }
     let res = devices[2].upload(run, RoundIdx(0), &good).await;
@@ -765,7 +766,7 @@ async fn rate_limits_answer_429_and_recover() {
     let http = http_client();
     let token = c.admin.enrollment_token(Some(2)).await.unwrap();
     let enroll = || async {
-        let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();
+        let body = codec::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();
         let res = http
             .post(format!("{}/v1/enroll", c.url))
             .header("content-type", wire::CBOR_MEDIA_TYPE)
@@ -774,7 +775,7 @@ async fn rate_limits_answer_429_and_recover() {
             .await
             .unwrap();
         assert_eq!(res.status(), StatusCode::OK);
-        wire::decode::<wire::EnrollResponse>(&res.bytes().await.unwrap()).unwrap().credential
+        codec::decode::<wire::EnrollResponse>(&res.bytes().await.unwrap()).unwrap().credential
     };
     let (a, b) = (enroll().await, enroll().await);
     let check_in = |credential: String| {
@@ -782,7 +783,7 @@ async fn rate_limits_answer_429_and_recover() {
         let url = format!("{}/v1/check-in", c.url);
         async move {
             let body =
-                wire::to_vec(&wire::CheckInRequest { population: "default".into() }).unwrap();
+                codec::to_vec(&wire::CheckInRequest { population: "default".into() }).unwrap();
             http.post(url)
                 .bearer_auth(credential)
                 .header("content-type", wire::CBOR_MEDIA_TYPE)
@@ -799,7 +800,7 @@ async fn rate_limits_answer_429_and_recover() {
     assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
     let retry_after: u64 = limited.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=2).contains(&retry_after), "Retry-After {retry_after}");
-    let body: ErrorBody = wire::decode(&limited.bytes().await.unwrap()).unwrap();
+    let body: ErrorBody = codec::decode(&limited.bytes().await.unwrap()).unwrap();
     assert_eq!(body.code, ErrorCode::RateLimited);
     // Another device has its own allowance.
     assert_eq!(check_in(b.clone()).await.status(), StatusCode::OK);
@@ -816,7 +817,7 @@ async fn rate_limits_answer_429_and_recover() {
     };
     let c = start_in_process_with(&db2, limits).await.unwrap();
     let bad_enroll = || {
-        let body = wire::to_vec(&wire::EnrollRequest { enrollment_token: "nope".into() }).unwrap();
+        let body = codec::to_vec(&wire::EnrollRequest { enrollment_token: "nope".into() }).unwrap();
         http.post(format!("{}/v1/enroll", c.url))
             .header("content-type", wire::CBOR_MEDIA_TYPE)
             .body(body)

@@ -3,6 +3,7 @@
 //! credentials, expired and used-up enrollment tokens), slow-client deadlines, and readiness
 //! that follows the store; the OpenAPI document against the routes.
 
+use starling_core::codec;
 use std::io::{Read, Write};
 use std::time::Duration;
 
@@ -294,7 +295,7 @@ async fn slow_clients_time_out() {
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
     let body: wire::ErrorBody =
-        wire::decode(&answer[head_end..]).unwrap_or_else(|e| panic!("{e}: {text}"));
+        codec::decode(&answer[head_end..]).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(body.code, ErrorCode::Timeout);
     assert!(took < Duration::from_secs(10), "body stalled for {took:?}");
     assert!(fresh_admin().enrollment_token(Some(1)).await.is_ok());

@@ -2,6 +2,7 @@
 //! over HTTP, a real store — dropouts at every stage, a store audit, a coordinator killed
 //! between stages, and real federated training through the masks.
 
+use starling_core::codec;
 use std::path::Path;
 
 use futures_util::future::join_all;
@@ -10,7 +11,7 @@ use starling_client::secure::{SecureError, SecureSession};
 use starling_coordinator::store::SqlStore;
 use starling_core::round::secure::Record;
 use starling_core::secagg;
-use starling_core::wire::{self, ErrorCode, SecAggInstruction, SecAggUpload, TaskAssignment};
+use starling_core::wire::{ErrorCode, SecAggInstruction, SecAggUpload, TaskAssignment};
 use starling_core::{ModelVersion, RunId};
 use starling_tests::*;
 
@@ -148,7 +149,7 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
         .collect();
     let mut masked_inputs = 0;
     for payload in &payloads {
-        let record: Record = wire::decode(payload).map_err(|e| {
+        let record: Record = codec::decode(payload).map_err(|e| {
             anyhow::anyhow!("a stored payload is not a secure-aggregation record: {e}")
         })?;
         for i in 8..N {

@@ -6,6 +6,7 @@ use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
+use starling_core::codec;
 use starling_core::tier::{
     AggregatorHello, AggregatorWork, GroupRendezvous, PartialReport, validate_group_name,
 };
@@ -100,7 +101,7 @@ async fn partial(
     let bytes = state.read_body(body, limit).await?;
     let (report, sums) = tokio::task::spawn_blocking(move || {
         let report: PartialReport =
-            wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
+            codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let sums = report.validate(plan.schema()).map_err(|e| ApiError::invalid(e.to_string()))?;
         let cap = (report.devices.len() as u64).saturating_mul(plan.max_examples());
         if report.total_weight > cap {

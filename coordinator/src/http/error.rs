@@ -9,11 +9,12 @@ use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use starling_core::codec;
 use starling_core::fedavg::UpdateError;
 use starling_core::round::UploadRejection;
 use starling_core::round::secure::SecAggRejection;
 use starling_core::tensor::TensorError;
-use starling_core::wire::{self, CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
+use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
 
 use crate::driver::DriverError;
 use crate::store::StoreError;
@@ -242,7 +243,7 @@ pub async fn render_errors(format: ErrorFormat, req: Request, next: Next) -> Res
         message: status.canonical_reason().unwrap_or("error").to_lowercase(),
     });
     let (bytes, media) = match format {
-        ErrorFormat::Cbor => (wire::to_vec(&body).expect("error body encodes"), CBOR_MEDIA_TYPE),
+        ErrorFormat::Cbor => (codec::to_vec(&body).expect("error body encodes"), CBOR_MEDIA_TYPE),
         ErrorFormat::Json => {
             (serde_json::to_vec(&body).expect("error body encodes"), "application/json")
         }

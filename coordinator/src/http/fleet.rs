@@ -8,12 +8,12 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
+use starling_core::codec;
 use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update};
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{
-    self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
-    ErrorBody, ErrorCode, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck,
-    UploadRequest,
+    CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse, ErrorBody,
+    ErrorCode, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
 };
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 use utoipa_axum::router::OpenApiRouter;
@@ -70,7 +70,7 @@ pub(super) async fn decode_small<T: DeserializeOwned>(
 ) -> Result<T, ApiError> {
     check_content_type(headers)?;
     let bytes = state.read_body(body, SMALL_BODY_LIMIT).await?;
-    wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
+    codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
 }
 
 pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
@@ -238,7 +238,7 @@ async fn accept_upload(
     // Decoding and the finiteness scan are O(model): keep them off the async threads.
     let validated = tokio::task::spawn_blocking(move || {
         let req: UploadRequest =
-            wire::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
+            codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let model_version = req.model_version;
         let update = validate_update(plan.schema(), req)?.capped(plan.max_examples());
         Ok::<_, ApiError>((model_version, update))
@@ -287,7 +287,7 @@ async fn secagg_message(
     let limit = plan.schema().byte_len() as usize + 4 + SECAGG_ENVELOPE_LIMIT;
     let _slot = state.admit_upload(&headers, limit, (device, run_id, round_idx), true).await?;
     let bytes = state.read_body(body, limit).await?;
-    let message = tokio::task::spawn_blocking(move || wire::decode::<SecAggUpload>(&bytes))
+    let message = tokio::task::spawn_blocking(move || codec::decode::<SecAggUpload>(&bytes))
         .await
         .map_err(|e| ApiError::internal(&e))?
         .map_err(|e| ApiError::malformed(e.to_string()))?;

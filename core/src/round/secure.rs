@@ -311,7 +311,7 @@ impl SecureRound {
         };
         let stage = Stage::of(&message);
         let digest: [u8; 32] =
-            Sha256::digest(crate::wire::to_vec(&message).expect("encodes")).into();
+            Sha256::digest(crate::codec::to_vec(&message).expect("encodes")).into();
         if let Some(previous) = self.completed.get(&stage).and_then(|m| m.get(&idx)) {
             return if *previous == digest {
                 Ok(())

@@ -107,7 +107,7 @@ fn partials_merge_to_the_single_node_result_bit_for_bit() {
             shard.into_partial(),
         );
         let report: PartialReport =
-            crate::wire::decode(&crate::wire::to_vec(&report).unwrap()).unwrap();
+            crate::codec::decode(&crate::codec::to_vec(&report).unwrap()).unwrap();
         coordinator.merge(&report.validate(&schema).unwrap());
     }
     let global = vec![0.25f32; n as usize];
@@ -331,7 +331,7 @@ fn group_names_and_rendezvous_documents_are_checked() {
     };
     assert_eq!(good.validate(), Ok(()));
     let round_trip: GroupRendezvous =
-        crate::wire::decode(&crate::wire::to_vec(&good).unwrap()).unwrap();
+        crate::codec::decode(&crate::codec::to_vec(&good).unwrap()).unwrap();
     assert_eq!(round_trip, good);
     let with = |f: &dyn Fn(&mut GroupRendezvous)| {
         let mut r = good.clone();

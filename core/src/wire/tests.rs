@@ -1,6 +1,7 @@
 //! The CBOR codec on byte literals: tensors are byte strings, trailing garbage is refused.
 
 use super::*;
+use crate::codec::{CodecError, decode, to_vec};
 use crate::tensor::{DType, TensorSpec};
 
 #[test]
@@ -33,8 +34,8 @@ fn check_in_response_encoding_is_pinned() {
 
 #[test]
 fn malformed_and_trailing_bytes_are_errors() {
-    assert!(matches!(decode::<EnrollRequest>(&[0xff, 0x00]), Err(WireError::Malformed(_))));
-    assert!(matches!(decode::<EnrollRequest>(&[]), Err(WireError::Malformed(_))));
+    assert!(matches!(decode::<EnrollRequest>(&[0xff, 0x00]), Err(CodecError::Malformed(_))));
+    assert!(matches!(decode::<EnrollRequest>(&[]), Err(CodecError::Malformed(_))));
     let mut bytes = to_vec(&EnrollRequest { enrollment_token: "t".into() }).unwrap();
     bytes.push(0);
     let err = decode::<EnrollRequest>(&bytes).unwrap_err();
