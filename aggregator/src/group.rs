@@ -34,6 +34,7 @@ use serde::{Deserialize, Serialize};
 use starling_core::tier::{
     GroupRendezvous, PartialReport, ShardTask, merge_collective, merge_reports,
 };
+use starling_core::wire::path;
 use starling_core::wire::{self, ErrorBody, ErrorCode};
 use starling_core::{RoundIdx, RunId};
 
@@ -42,10 +43,6 @@ use crate::service::{
     Inner, Refusal, Sent, ShardRules, decode_then, read_body, send_partial, shard_for, stale_model,
 };
 
-/// Where a group leader takes its members' finished shards.
-pub(crate) const HANDOFF_ROUTE: &str = "/v1/group/runs/{run_id}/rounds/{round_idx}/partial";
-/// Where a group leader takes its members' offers to sum by NCCL all-reduce.
-pub(crate) const COLLECTIVE_ROUTE: &str = "/v1/group/runs/{run_id}/rounds/{round_idx}/collective";
 /// How often a leader republishes its rendezvous and a member refreshes it.
 const REFRESH_EVERY: Duration = Duration::from_secs(5);
 /// Room in a handed-off shard beyond its sums (16 bytes a parameter).
@@ -133,7 +130,7 @@ struct Offer {
     turn: tokio::sync::oneshot::Sender<Option<u64>>,
 }
 
-/// `POST` [`COLLECTIVE_ROUTE`]: a member on the communicator `comm` offers its shard's
+/// `POST` [`path::GROUP_COLLECTIVE`]: a member on the communicator `comm` offers its shard's
 /// metadata; the sums follow through NCCL once the leader answers with a [`CollectiveTurn`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CollectiveOffer {
@@ -229,9 +226,9 @@ impl GroupState {
     /// The coordinator's rendezvous endpoint of this group.
     fn rendezvous_url(&self, inner: &Inner) -> String {
         format!(
-            "{}/v1/aggregation/groups/{}",
+            "{}{}",
             inner.config.coordinator_url.trim_end_matches('/'),
-            self.config.name
+            path::group(&self.config.name)
         )
     }
 
@@ -400,8 +397,9 @@ impl GroupState {
         let offer = CollectiveOffer { comm: tag, report: own.without_sums() };
         let Ok(body) = codec::to_vec(&offer) else { return Contributed::NotTaken(own) };
         let url = format!(
-            "{}/v1/group/runs/{run_id}/rounds/{round_idx}/collective",
-            leader.leader_url.trim_end_matches('/')
+            "{}{}",
+            leader.leader_url.trim_end_matches('/'),
+            path::group_collective(run_id, round_idx)
         );
         // The leader answers once every member is in, which is at its deadline at the latest
         // (plus its wait); this member may have finished early.
@@ -467,8 +465,9 @@ impl GroupState {
         .ok()?;
         let body = body.ok()?;
         let url = format!(
-            "{}/v1/group/runs/{run_id}/rounds/{round_idx}/partial",
-            leader.leader_url.trim_end_matches('/')
+            "{}{}",
+            leader.leader_url.trim_end_matches('/'),
+            path::group_handoff(run_id, round_idx)
         );
         let res = inner
             .cbor_request(reqwest::Method::POST, &url)

@@ -26,6 +26,7 @@ use starling_core::fedavg::{PartialSums, ValidatedUpdate, validate_update};
 use starling_core::tier::{
     AggregatorHello, AggregatorWork, PartialReport, ShardTask, TICKET_HEADER, TicketKey,
 };
+use starling_core::wire::path;
 use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, UploadRequest};
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -250,10 +251,10 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
         poll_now: Notify::new(),
     });
     let app = Router::new()
-        .route("/v1/runs/{run_id}/rounds/{round_idx}/updates", post(upload))
-        .route(crate::group::HANDOFF_ROUTE, post(crate::group::handoff))
-        .route(crate::group::COLLECTIVE_ROUTE, post(crate::group::collective))
-        .route("/livez", get(|| async { "ok" }))
+        .route(path::UPLOAD, post(upload))
+        .route(path::GROUP_HANDOFF, post(crate::group::handoff))
+        .route(path::GROUP_COLLECTIVE, post(crate::group::collective))
+        .route(path::LIVEZ, get(|| async { "ok" }))
         .with_state(inner.clone());
     let shutdown = Arc::new(Notify::new());
     tracing::info!(aggregator = %inner.config.id, %addr, %url, engine = inner.config.engine.name(), "aggregator listening");
@@ -316,7 +317,8 @@ async fn poll_loop(inner: Arc<Inner>) {
 
 async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorWork, String> {
     let body = codec::to_vec(hello).map_err(|e| e.to_string())?;
-    let url = format!("{}/v1/aggregation/poll", inner.config.coordinator_url.trim_end_matches('/'));
+    let url =
+        format!("{}{}", inner.config.coordinator_url.trim_end_matches('/'), path::AGGREGATOR_POLL);
     let res = inner
         .cbor_request(reqwest::Method::POST, &url)
         .body(body)
@@ -485,8 +487,9 @@ pub(crate) async fn send_partial(
         _ => return Sent::GaveUp,
     };
     let url = format!(
-        "{}/v1/aggregation/runs/{run_id}/rounds/{round_idx}/partial",
-        inner.config.coordinator_url.trim_end_matches('/')
+        "{}{}",
+        inner.config.coordinator_url.trim_end_matches('/'),
+        path::partial(run_id, round_idx)
     );
     let mut backoff = Duration::from_millis(100);
     for attempt in 1..=8 {

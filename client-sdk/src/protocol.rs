@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use starling_core::tensor::TensorPayload;
 use starling_core::tier::{TICKET_HEADER, UploadTarget};
+use starling_core::wire::path;
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
     ErrorBody, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
@@ -210,7 +211,7 @@ impl FleetClient {
     /// Trades an enrollment token for a credential, and keeps it.
     pub async fn enroll(&mut self, enrollment_token: &str) -> Result<EnrollResponse, ClientError> {
         let res: EnrollResponse = self
-            .post("/v1/enroll", &EnrollRequest { enrollment_token: enrollment_token.to_owned() })
+            .post(path::ENROLL, &EnrollRequest { enrollment_token: enrollment_token.to_owned() })
             .await?;
         self.credential = Some(res.credential.clone());
         Ok(res)
@@ -218,13 +219,15 @@ impl FleetClient {
 
     /// Checks in.
     pub async fn check_in(&self, population: &str) -> Result<CheckInResponse, ClientError> {
-        self.post("/v1/check-in", &CheckInRequest { population: population.to_owned() }).await
+        self.post(path::CHECK_IN, &CheckInRequest { population: population.to_owned() }).await
     }
 
     /// Downloads a model by content hash.
     pub async fn model(&self, hash: &str) -> Result<TensorPayload, ClientError> {
-        let res =
-            self.authed(self.http.get(format!("{}/v1/models/{hash}", self.base))).send().await?;
+        let res = self
+            .authed(self.http.get(format!("{}{}", self.base, path::model(hash))))
+            .send()
+            .await?;
         let status = res.status();
         decode_answer(status, &res.bytes().await?)
     }
@@ -236,7 +239,7 @@ impl FleetClient {
         round: RoundIdx,
         update: &UploadRequest,
     ) -> Result<UploadAck, ClientError> {
-        self.post(&format!("/v1/runs/{run}/rounds/{round}/updates"), update).await
+        self.post(&path::upload(run, round), update).await
     }
 
     /// Uploads an update to the aggregator the coordinator assigned (the task's `upload_to`),
@@ -257,8 +260,7 @@ impl FleetClient {
             )));
         }
         let body = codec::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let url =
-            format!("{}/v1/runs/{run}/rounds/{round}/updates", target.url.trim_end_matches('/'));
+        let url = format!("{}{}", target.url.trim_end_matches('/'), path::upload(run, round));
         let res = self
             .http
             .post(url)
@@ -279,7 +281,7 @@ impl FleetClient {
         message: &SecAggUpload,
     ) -> Result<(), ClientError> {
         let body = codec::to_vec(message).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let path = format!("/v1/runs/{run}/rounds/{round}/secagg");
+        let path = path::secagg(run, round);
         let (status, bytes) = self.post_raw(&path, body, CBOR_MEDIA_TYPE).await?;
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
     }
@@ -290,7 +292,7 @@ impl FleetClient {
         run: RunId,
         round: RoundIdx,
     ) -> Result<SecAggInstruction, ClientError> {
-        let url = format!("{}/v1/runs/{run}/rounds/{round}/secagg", self.base);
+        let url = format!("{}{}", self.base, path::secagg(run, round));
         let res = self.authed(self.http.get(url)).send().await?;
         let status = res.status();
         decode_answer(status, &res.bytes().await?)
@@ -299,8 +301,7 @@ impl FleetClient {
     /// Reports an evaluation.
     pub async fn evaluate(&self, run: RunId, report: &EvaluationReport) -> Result<(), ClientError> {
         let body = codec::to_vec(report).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let (status, bytes) =
-            self.post_raw(&format!("/v1/runs/{run}/evaluations"), body, CBOR_MEDIA_TYPE).await?;
+        let (status, bytes) = self.post_raw(&path::evaluations(run), body, CBOR_MEDIA_TYPE).await?;
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
     }
 
@@ -388,7 +389,7 @@ impl AdminClient {
         let t: EnrollmentToken = self
             .send(
                 reqwest::Method::POST,
-                "/v1/admin/enrollment-tokens",
+                path::ADMIN_ENROLLMENT_TOKENS,
                 Some(serde_json::json!({ "uses": uses })),
             )
             .await?;
@@ -397,23 +398,22 @@ impl AdminClient {
 
     /// Creates a run from a plan (JSON as the API takes it).
     pub async fn create_run(&self, plan: &serde_json::Value) -> Result<RunView, ClientError> {
-        self.send(reqwest::Method::POST, "/v1/admin/runs", Some(plan.clone())).await
+        self.send(reqwest::Method::POST, path::ADMIN_RUNS, Some(plan.clone())).await
     }
 
     /// One run.
     pub async fn run(&self, run: RunId) -> Result<RunView, ClientError> {
-        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}"), None).await
+        self.send(reqwest::Method::GET, &path::admin_run(run), None).await
     }
 
     /// A run's rounds.
     pub async fn rounds(&self, run: RunId) -> Result<Vec<RoundView>, ClientError> {
-        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds"), None).await
+        self.send(reqwest::Method::GET, &path::admin_rounds(run), None).await
     }
 
     /// One round of a run.
     pub async fn round(&self, run: RunId, round_idx: i64) -> Result<RoundView, ClientError> {
-        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/rounds/{round_idx}"), None)
-            .await
+        self.send(reqwest::Method::GET, &path::admin_round(run, RoundIdx(round_idx)), None).await
     }
 
     /// The devices selected for one round of a run, and whose contribution reached it.
@@ -422,28 +422,28 @@ impl AdminClient {
         run: RunId,
         round_idx: i64,
     ) -> Result<Vec<RoundDeviceView>, ClientError> {
-        let path = format!("/v1/admin/runs/{run}/rounds/{round_idx}/devices");
+        let path = path::admin_round_devices(run, RoundIdx(round_idx));
         self.send(reqwest::Method::GET, &path, None).await
     }
 
     /// Every run, newest first.
     pub async fn runs(&self) -> Result<Vec<RunView>, ClientError> {
-        self.send(reqwest::Method::GET, "/v1/admin/runs", None).await
+        self.send(reqwest::Method::GET, path::ADMIN_RUNS, None).await
     }
 
     /// A run's model versions.
     pub async fn models(&self, run: RunId) -> Result<Vec<ModelView>, ClientError> {
-        self.send(reqwest::Method::GET, &format!("/v1/admin/runs/{run}/models"), None).await
+        self.send(reqwest::Method::GET, &path::admin_models(run), None).await
     }
 
     /// Every enrolled device.
     pub async fn devices(&self) -> Result<Vec<DeviceView>, ClientError> {
-        self.send(reqwest::Method::GET, "/v1/admin/devices", None).await
+        self.send(reqwest::Method::GET, path::ADMIN_DEVICES, None).await
     }
 
     /// Revokes a device's credential.
     pub async fn revoke_device(&self, device: DeviceId) -> Result<DeviceView, ClientError> {
-        self.send(reqwest::Method::POST, &format!("/v1/admin/devices/{device}/revoke"), None).await
+        self.send(reqwest::Method::POST, &path::admin_revoke(device), None).await
     }
 
     /// Issues an enrollment token with at most `uses` uses, valid for `ttl_secs`.
@@ -454,7 +454,7 @@ impl AdminClient {
     ) -> Result<EnrollmentToken, ClientError> {
         self.send(
             reqwest::Method::POST,
-            "/v1/admin/enrollment-tokens",
+            path::ADMIN_ENROLLMENT_TOKENS,
             Some(serde_json::json!({ "uses": uses, "ttl_secs": ttl_secs })),
         )
         .await
@@ -462,7 +462,7 @@ impl AdminClient {
 
     /// Stops a run.
     pub async fn stop(&self, run: RunId) -> Result<RunView, ClientError> {
-        self.send(reqwest::Method::POST, &format!("/v1/admin/runs/{run}/stop"), None).await
+        self.send(reqwest::Method::POST, &path::admin_stop(run), None).await
     }
 
     async fn send<T: DeserializeOwned>(

@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+
+pub mod path;
 use crate::model_spec::ModelSpec;
 use crate::secagg;
 use crate::tensor::{TensorPayload, TensorSchema};

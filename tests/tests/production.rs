@@ -381,6 +381,12 @@ async fn the_openapi_document_matches_the_routes() {
     );
 
     let paths = generated["paths"].as_object().unwrap();
+    // The paths clients build (core::wire::path) are exactly the ones the handlers serve.
+    let mut documented: Vec<&str> = paths.keys().map(String::as_str).collect();
+    let mut built = starling_core::wire::path::COORDINATOR.to_vec();
+    documented.sort_unstable();
+    built.sort_unstable();
+    assert_eq!(documented, built, "core::wire::path::COORDINATOR and the OpenAPI paths differ");
     let mut operations = 0;
     for (path, item) in paths {
         let concrete = path
