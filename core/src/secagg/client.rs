@@ -1,0 +1,244 @@
+//! One device's side of a round: its secrets, its shares for its neighbours, its masked input,
+//! and the unmasking shares it reveals (never both of one neighbour's secrets).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chacha20::cipher::StreamCipher;
+use chacha20poly1305::aead::{Aead, Payload};
+use x25519_dalek::{PublicKey, StaticSecret};
+
+use super::messages::Shares;
+use super::prg::{Keystream, pairwise_seed, share_cipher, share_nonce};
+use super::shamir::{P, share};
+use super::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClientStage {
+    Advertised,
+    Shared,
+    Masked,
+    Done,
+}
+
+/// One client's side of a round.
+pub struct Client {
+    me: ClientIdx,
+    config: Config,
+    cipher_sk: StaticSecret,
+    mask_sk: StaticSecret,
+    self_seed: [u8; 32],
+    coefficients: [u8; 32],
+    stage: ClientStage,
+    keys: BTreeMap<ClientIdx, AdvertiseKeys>,
+    /// Shares received from each neighbour that completed ShareKeys.
+    held: BTreeMap<ClientIdx, Shares>,
+    /// Neighbours whose sealed shares arrived but did not open: this client added no pairwise
+    /// mask with them, and must say so with its masked input (see [`Client::rejected`]).
+    rejected: BTreeSet<ClientIdx>,
+}
+
+impl Client {
+    /// Client `me` with 96 bytes of OS randomness; its [`AdvertiseKeys`].
+    pub fn new(
+        me: ClientIdx,
+        config: Config,
+        randomness: [u8; 96],
+    ) -> Result<(Self, AdvertiseKeys), SecAggError> {
+        config.validate()?;
+        if me == 0 || me > config.n {
+            return Err(SecAggError::Config(format!("client index {me} outside 1..={}", config.n)));
+        }
+        let part = |i: usize| -> [u8; 32] {
+            randomness[32 * i..32 * i + 32].try_into().expect("32 bytes")
+        };
+        let cipher_sk = StaticSecret::from(part(0));
+        let mask_sk = StaticSecret::from(part(1));
+        let advert = AdvertiseKeys {
+            cipher_pk: PublicKey::from(&cipher_sk).to_bytes(),
+            mask_pk: PublicKey::from(&mask_sk).to_bytes(),
+        };
+        // The self-mask seed and the sharing polynomials come from the third part, expanded.
+        let mut expand = Keystream::new(&part(2), 1);
+        let mut self_seed = [0u8; 32];
+        expand.0.apply_keystream(&mut self_seed);
+        let mut coefficients = [0u8; 32];
+        expand.0.apply_keystream(&mut coefficients);
+        let client = Client {
+            me,
+            config,
+            cipher_sk,
+            mask_sk,
+            self_seed,
+            coefficients,
+            stage: ClientStage::Advertised,
+            keys: BTreeMap::new(),
+            held: BTreeMap::new(),
+            rejected: BTreeSet::new(),
+        };
+        Ok((client, advert))
+    }
+
+    /// ShareKeys: shares of this client's mask key and self-mask seed for each neighbour,
+    /// sealed to that neighbour.
+    pub fn share_keys(
+        &mut self,
+        neighbours: NeighbourKeys,
+    ) -> Result<Vec<SealedShares>, SecAggError> {
+        if self.stage != ClientStage::Advertised {
+            return Err(SecAggError::WrongStage("ShareKeys"));
+        }
+        if neighbours.keys.contains_key(&self.me)
+            || neighbours.keys.keys().any(|&j| j == 0 || j > self.config.n)
+            || neighbours.keys.len() > self.config.k as usize
+        {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: "neighbour list is not a neighbourhood".into(),
+            });
+        }
+        if neighbours.keys.len() < self.config.t as usize {
+            return Err(SecAggError::BelowThreshold {
+                stage: "ShareKeys",
+                have: neighbours.keys.len(),
+                need: self.config.t as usize,
+            });
+        }
+        let holders: Vec<ClientIdx> = neighbours.keys.keys().copied().collect();
+        let mut rng = Keystream::new(&self.coefficients, 2);
+        let key_shares = share(&self.mask_sk.to_bytes(), self.config.t, &holders, &mut rng);
+        let seed_shares = share(&self.self_seed, self.config.t, &holders, &mut rng);
+        let mut out = Vec::with_capacity(holders.len());
+        for (&to, advert) in &neighbours.keys {
+            let plain = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
+            let plain = crate::codec::to_vec(&plain).expect("shares encode");
+            let cipher = share_cipher(
+                &self.cipher_sk,
+                self.me,
+                &PublicKey::from(advert.cipher_pk),
+                to,
+                &self.config.session,
+            );
+            let ciphertext = cipher
+                .encrypt(
+                    &share_nonce(self.me, to).into(),
+                    Payload { msg: &plain, aad: &self.config.session },
+                )
+                .expect("encryption into a Vec cannot fail");
+            out.push(SealedShares { from: self.me, to, ciphertext });
+        }
+        self.keys = neighbours.keys;
+        self.stage = ClientStage::Shared;
+        Ok(out)
+    }
+
+    /// MaskedInputCollection: `input` (quantized) plus the self mask plus pairwise masks with
+    /// every neighbour whose shares arrived. A neighbour whose shares fail to open gets no
+    /// pairwise mask and is listed in [`Client::rejected`], which the masked input must carry:
+    /// the server then leaves that neighbour out of the sum instead of letting its
+    /// uncancelled mask corrupt it. Too few valid shares left fails.
+    pub fn masked_input(
+        &mut self,
+        request: MaskRequest,
+        input: &[u32],
+    ) -> Result<Vec<u32>, SecAggError> {
+        if self.stage != ClientStage::Shared {
+            return Err(SecAggError::WrongStage("MaskedInputCollection"));
+        }
+        if input.len() != self.config.len {
+            return Err(SecAggError::Config(format!(
+                "input has {} values, the round {}",
+                input.len(),
+                self.config.len
+            )));
+        }
+        for sealed in request.shares {
+            let Some(advert) = self.keys.get(&sealed.from) else { continue };
+            if sealed.to != self.me
+                || self.held.contains_key(&sealed.from)
+                || self.rejected.contains(&sealed.from)
+            {
+                continue;
+            }
+            let cipher = share_cipher(
+                &self.cipher_sk,
+                self.me,
+                &PublicKey::from(advert.cipher_pk),
+                sealed.from,
+                &self.config.session,
+            );
+            let opened = cipher
+                .decrypt(
+                    &share_nonce(sealed.from, self.me).into(),
+                    Payload { msg: &sealed.ciphertext, aad: &self.config.session },
+                )
+                .ok()
+                .and_then(|plain| crate::codec::decode::<Shares>(&plain).ok())
+                .filter(|shares| {
+                    shares.from == sealed.from
+                        && shares.to == self.me
+                        && shares.key.iter().chain(&shares.seed).all(|&v| v < P)
+                });
+            match opened {
+                Some(shares) => {
+                    self.held.insert(sealed.from, shares);
+                }
+                None => {
+                    self.rejected.insert(sealed.from);
+                }
+            }
+        }
+        if self.held.len() < self.config.t as usize {
+            return Err(SecAggError::BelowThreshold {
+                stage: "MaskedInputCollection",
+                have: self.held.len(),
+                need: self.config.t as usize,
+            });
+        }
+        let mut y = input.to_vec();
+        Keystream::new(&self.self_seed, 3).mask(&mut y, true);
+        for &j in self.held.keys() {
+            let pk = PublicKey::from(self.keys[&j].mask_pk);
+            let seed = pairwise_seed(&self.mask_sk, self.me, &pk, j, &self.config.session);
+            Keystream::new(&seed, 4).mask(&mut y, self.me < j);
+        }
+        self.stage = ClientStage::Masked;
+        Ok(y)
+    }
+
+    /// Neighbours whose sealed shares did not open (known once the masked input is made).
+    pub fn rejected(&self) -> &BTreeSet<ClientIdx> {
+        &self.rejected
+    }
+
+    /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share
+    /// if it did not. A request naming this client as dropped, or asked twice, is refused.
+    pub fn unmask(&mut self, request: UnmaskRequest) -> Result<UnmaskResponse, SecAggError> {
+        if self.stage != ClientStage::Masked {
+            return Err(SecAggError::WrongStage("Unmasking"));
+        }
+        if !request.survivors.contains(&self.me) {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: "the survivors list leaves out this client".into(),
+            });
+        }
+        if request.survivors.len() < self.config.t as usize {
+            return Err(SecAggError::BelowThreshold {
+                stage: "Unmasking",
+                have: request.survivors.len(),
+                need: self.config.t as usize,
+            });
+        }
+        let mut response =
+            UnmaskResponse { seed_shares: BTreeMap::new(), key_shares: BTreeMap::new() };
+        for (&j, shares) in &self.held {
+            if request.survivors.contains(&j) {
+                response.seed_shares.insert(j, shares.seed);
+            } else {
+                response.key_shares.insert(j, shares.key);
+            }
+        }
+        self.stage = ClientStage::Done;
+        Ok(response)
+    }
+}

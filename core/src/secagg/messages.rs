@@ -1,0 +1,69 @@
+//! The protocol's messages, stage by stage, as the coordinator relays them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::ClientIdx;
+use super::shamir::Share;
+
+/// Stage 0, client → server: the client's two public keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdvertiseKeys {
+    /// For the share channel.
+    pub cipher_pk: [u8; 32],
+    /// For pairwise masks.
+    pub mask_pk: [u8; 32],
+}
+
+/// Stage 1, server → client: its neighbours' keys (those that advertised) and the graph seed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NeighbourKeys {
+    /// Neighbour → its keys.
+    pub keys: BTreeMap<ClientIdx, AdvertiseKeys>,
+}
+
+/// A share message from one client to another, sealed; the server only relays it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SealedShares {
+    /// Sender.
+    pub from: ClientIdx,
+    /// Recipient.
+    pub to: ClientIdx,
+    /// ChaCha20-Poly1305 of the sender's shares for the recipient.
+    #[serde(with = "serde_bytes")]
+    pub ciphertext: Vec<u8>,
+}
+
+/// Stage 2, server → client: the sealed shares addressed to it by neighbours that shared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MaskRequest {
+    /// One per neighbour that completed ShareKeys.
+    pub shares: Vec<SealedShares>,
+}
+
+/// Stage 3, server → client: who sent a masked input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmaskRequest {
+    /// Clients whose masked input the server holds.
+    pub survivors: BTreeSet<ClientIdx>,
+}
+
+/// Stage 3, client → server: for each neighbour, the share of its self-mask seed (survivors)
+/// or of its mask key (dropped after sharing), never both.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmaskResponse {
+    /// Shares of survivors' self-mask seeds.
+    pub seed_shares: BTreeMap<ClientIdx, Share>,
+    /// Shares of dropped clients' mask keys.
+    pub key_shares: BTreeMap<ClientIdx, Share>,
+}
+
+/// What one client sends another inside [`SealedShares`].
+#[derive(Serialize, Deserialize)]
+pub(super) struct Shares {
+    pub(super) from: ClientIdx,
+    pub(super) to: ClientIdx,
+    pub(super) key: Share,
+    pub(super) seed: Share,
+}

@@ -1,0 +1,89 @@
+//! Key agreement, key derivation, share encryption and the mask generator: X25519, HKDF-SHA256,
+//! ChaCha20-Poly1305 for relayed shares, and the ChaCha20 keystream as the PRG.
+
+use chacha20::cipher::{KeyIvInit, StreamCipher};
+use chacha20poly1305::ChaCha20Poly1305;
+use chacha20poly1305::aead::KeyInit;
+use sha2::Sha256;
+use x25519_dalek::{PublicKey, StaticSecret};
+
+use super::ClientIdx;
+
+/// The ChaCha20 keystream under a 32-byte seed: a cryptographic PRG.
+pub(super) struct Keystream(pub(super) chacha20::ChaCha20);
+
+impl Keystream {
+    pub(super) fn new(seed: &[u8; 32], stream: u8) -> Self {
+        let mut nonce = [0u8; 12];
+        nonce[0] = stream;
+        Keystream(chacha20::ChaCha20::new(&(*seed).into(), &nonce.into()))
+    }
+
+    pub(super) fn next_u64(&mut self) -> u64 {
+        let mut b = [0u8; 8];
+        self.0.apply_keystream(&mut b);
+        u64::from_le_bytes(b)
+    }
+
+    /// Adds (`add`) or subtracts the next `out.len()` keystream ring elements to `out`.
+    pub(super) fn mask(mut self, out: &mut [u32], add: bool) {
+        let mut buf = [0u8; 4096];
+        for chunk in out.chunks_mut(1024) {
+            let bytes = &mut buf[..chunk.len() * 4];
+            bytes.fill(0);
+            self.0.apply_keystream(bytes);
+            for (v, w) in chunk.iter_mut().zip(bytes.chunks_exact(4)) {
+                let m = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                *v = if add { v.wrapping_add(m) } else { v.wrapping_sub(m) };
+            }
+        }
+    }
+}
+
+fn derive(
+    shared: &[u8; 32],
+    label: &[u8],
+    a: ClientIdx,
+    b: ClientIdx,
+    session: &[u8; 16],
+) -> [u8; 32] {
+    let (lo, hi) = (a.min(b), a.max(b));
+    let mut info = label.to_vec();
+    info.extend(session);
+    info.extend(lo.to_le_bytes());
+    info.extend(hi.to_le_bytes());
+    let mut out = [0u8; 32];
+    hkdf::Hkdf::<Sha256>::new(Some(b"starling-secagg-v1"), shared)
+        .expand(&info, &mut out)
+        .expect("32 bytes is a valid HKDF-SHA256 output length");
+    out
+}
+
+/// The seed of the pairwise mask between `me` (secret) and `other` (public).
+pub(super) fn pairwise_seed(
+    secret: &StaticSecret,
+    me: ClientIdx,
+    other_pk: &PublicKey,
+    other: ClientIdx,
+    session: &[u8; 16],
+) -> [u8; 32] {
+    derive(secret.diffie_hellman(other_pk).as_bytes(), b"mask", me, other, session)
+}
+
+pub(super) fn share_cipher(
+    secret: &StaticSecret,
+    me: ClientIdx,
+    other_pk: &PublicKey,
+    other: ClientIdx,
+    session: &[u8; 16],
+) -> ChaCha20Poly1305 {
+    let key = derive(secret.diffie_hellman(other_pk).as_bytes(), b"share", me, other, session);
+    ChaCha20Poly1305::new(&key.into())
+}
+
+pub(super) fn share_nonce(from: ClientIdx, to: ClientIdx) -> [u8; 12] {
+    let mut n = [0u8; 12];
+    n[..4].copy_from_slice(&from.to_le_bytes());
+    n[4..8].copy_from_slice(&to.to_le_bytes());
+    n
+}

@@ -1,0 +1,314 @@
+//! The server's side of a round: it relays sealed shares, collects masked inputs, leaves out
+//! clients a neighbour could not open shares from, and rebuilds only what the sum needs.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use x25519_dalek::{PublicKey, StaticSecret};
+
+use super::prg::{Keystream, pairwise_seed};
+use super::shamir::{P, Share, reconstruct};
+use super::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ServerStage {
+    Advertise,
+    Share,
+    Collect,
+    Unmask,
+    Done,
+}
+
+/// The server's side of a round: it relays sealed shares, collects masked inputs, and rebuilds
+/// only what the unmasked sum needs. It never holds an unmasked input.
+pub struct Server {
+    config: Config,
+    graph_seed: [u8; 32],
+    stage: ServerStage,
+    keys: BTreeMap<ClientIdx, AdvertiseKeys>,
+    graph: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
+    sealed: BTreeMap<ClientIdx, Vec<SealedShares>>,
+    shared: BTreeSet<ClientIdx>,
+    masked: BTreeMap<ClientIdx, Vec<u32>>,
+    /// For each masked input, the neighbours its sender could not open shares from (and so
+    /// added no pairwise mask with).
+    rejections: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
+    survivors: BTreeSet<ClientIdx>,
+    responses: BTreeMap<ClientIdx, UnmaskResponse>,
+    excluded: BTreeSet<ClientIdx>,
+}
+
+impl Server {
+    /// A round; `graph_seed` (32 random bytes) draws the neighbour graph.
+    pub fn new(config: Config, graph_seed: [u8; 32]) -> Result<Self, SecAggError> {
+        config.validate()?;
+        Ok(Server {
+            config,
+            graph_seed,
+            stage: ServerStage::Advertise,
+            keys: BTreeMap::new(),
+            graph: BTreeMap::new(),
+            sealed: BTreeMap::new(),
+            shared: BTreeSet::new(),
+            masked: BTreeMap::new(),
+            rejections: BTreeMap::new(),
+            survivors: BTreeSet::new(),
+            responses: BTreeMap::new(),
+            excluded: BTreeSet::new(),
+        })
+    }
+
+    /// Clients excluded for bad messages so far.
+    pub fn excluded(&self) -> &BTreeSet<ClientIdx> {
+        &self.excluded
+    }
+
+    fn bad(&mut self, client: ClientIdx, why: impl Into<String>) -> SecAggError {
+        self.excluded.insert(client);
+        SecAggError::BadMessage { client, why: why.into() }
+    }
+
+    fn expect(&self, stage: ServerStage, what: &'static str) -> Result<(), SecAggError> {
+        if self.stage == stage { Ok(()) } else { Err(SecAggError::WrongStage(what)) }
+    }
+
+    /// AdvertiseKeys from `client`.
+    pub fn receive_keys(
+        &mut self,
+        client: ClientIdx,
+        advert: AdvertiseKeys,
+    ) -> Result<(), SecAggError> {
+        self.expect(ServerStage::Advertise, "AdvertiseKeys")?;
+        if client == 0 || client > self.config.n || self.keys.contains_key(&client) {
+            return Err(self.bad(client, "unknown index or keys sent twice"));
+        }
+        if advert.cipher_pk == advert.mask_pk
+            || self
+                .keys
+                .values()
+                .any(|k| k.mask_pk == advert.mask_pk || k.cipher_pk == advert.cipher_pk)
+        {
+            return Err(self.bad(client, "reused public key"));
+        }
+        self.keys.insert(client, advert);
+        Ok(())
+    }
+
+    fn at_least(&self, stage: &'static str, have: usize) -> Result<(), SecAggError> {
+        let need = self.config.t as usize + 1;
+        if have < need { Err(SecAggError::BelowThreshold { stage, have, need }) } else { Ok(()) }
+    }
+
+    /// Ends AdvertiseKeys (its deadline passed or everyone answered): each advertiser's
+    /// neighbours among the advertisers, with their keys.
+    pub fn close_advertise(&mut self) -> Result<BTreeMap<ClientIdx, NeighbourKeys>, SecAggError> {
+        self.expect(ServerStage::Advertise, "the end of AdvertiseKeys")?;
+        let members: BTreeSet<ClientIdx> = self.keys.keys().copied().collect();
+        self.at_least("AdvertiseKeys", members.len())?;
+        self.graph = neighbours(&members, self.config.k, &self.graph_seed);
+        self.stage = ServerStage::Share;
+        Ok(self
+            .graph
+            .iter()
+            .map(|(&i, ns)| {
+                (i, NeighbourKeys { keys: ns.iter().map(|j| (*j, self.keys[j])).collect() })
+            })
+            .collect())
+    }
+
+    /// ShareKeys from `client`: exactly one sealed message per neighbour.
+    pub fn receive_shares(
+        &mut self,
+        client: ClientIdx,
+        shares: Vec<SealedShares>,
+    ) -> Result<(), SecAggError> {
+        self.expect(ServerStage::Share, "ShareKeys")?;
+        let Some(ns) = self.graph.get(&client) else {
+            return Err(self.bad(client, "not in the round"));
+        };
+        let targets: BTreeSet<ClientIdx> = shares.iter().map(|s| s.to).collect();
+        if self.shared.contains(&client)
+            || targets != *ns
+            || shares.len() != ns.len()
+            || shares.iter().any(|s| s.from != client || s.ciphertext.len() > 1024)
+        {
+            return Err(self.bad(client, "share messages do not match the neighbourhood"));
+        }
+        for s in shares {
+            self.sealed.entry(s.to).or_default().push(s);
+        }
+        self.shared.insert(client);
+        Ok(())
+    }
+
+    /// Ends ShareKeys: what each sharer receives (shares from its neighbours that shared).
+    pub fn close_share_keys(&mut self) -> Result<BTreeMap<ClientIdx, MaskRequest>, SecAggError> {
+        self.expect(ServerStage::Share, "the end of ShareKeys")?;
+        self.at_least("ShareKeys", self.shared.len())?;
+        self.stage = ServerStage::Collect;
+        let shared = self.shared.clone();
+        Ok(shared
+            .iter()
+            .map(|&i| {
+                let shares = self
+                    .sealed
+                    .remove(&i)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|s| shared.contains(&s.from))
+                    .collect();
+                (i, MaskRequest { shares })
+            })
+            .collect())
+    }
+
+    /// A masked input from `client`, with the neighbours whose shares it could not open
+    /// ([`Client::rejected`]); those must be neighbours that shared.
+    pub fn receive_masked(
+        &mut self,
+        client: ClientIdx,
+        y: Vec<u32>,
+        rejected: BTreeSet<ClientIdx>,
+    ) -> Result<(), SecAggError> {
+        self.expect(ServerStage::Collect, "MaskedInputCollection")?;
+        if !self.shared.contains(&client)
+            || self.masked.contains_key(&client)
+            || y.len() != self.config.len
+        {
+            return Err(self.bad(client, "unexpected masked input or wrong length"));
+        }
+        if !rejected.iter().all(|j| self.graph[&client].contains(j) && self.shared.contains(j)) {
+            return Err(self.bad(client, "rejects shares from clients that sent it none"));
+        }
+        self.masked.insert(client, y);
+        self.rejections.insert(client, rejected);
+        Ok(())
+    }
+
+    /// Clients whose sealed shares a neighbour could not open: they are left out of the sum
+    /// (their masked input is dropped, their pairwise masks removed like a dropout's), so a
+    /// client that seals garbage to a neighbour cannot corrupt the aggregate.
+    pub fn accused(&self) -> BTreeSet<ClientIdx> {
+        self.rejections.values().flatten().copied().collect()
+    }
+
+    /// Ends MaskedInputCollection: the survivors every one of them is told (everyone who sent
+    /// a masked input, but clients a neighbour could not open shares from).
+    pub fn close_masked(&mut self) -> Result<UnmaskRequest, SecAggError> {
+        self.expect(ServerStage::Collect, "the end of MaskedInputCollection")?;
+        let accused = self.accused();
+        for &j in &accused {
+            self.masked.remove(&j);
+            self.rejections.remove(&j);
+            self.excluded.insert(j);
+        }
+        self.at_least("MaskedInputCollection", self.masked.len())?;
+        self.survivors = self.masked.keys().copied().collect();
+        self.stage = ServerStage::Unmask;
+        Ok(UnmaskRequest { survivors: self.survivors.clone() })
+    }
+
+    /// An unmasking response from a survivor: seed shares only for surviving neighbours, key
+    /// shares only for neighbours that shared and then dropped.
+    pub fn receive_unmask(
+        &mut self,
+        client: ClientIdx,
+        response: UnmaskResponse,
+    ) -> Result<(), SecAggError> {
+        self.expect(ServerStage::Unmask, "Unmasking")?;
+        if !self.survivors.contains(&client) || self.responses.contains_key(&client) {
+            return Err(self.bad(client, "not a survivor, or answered twice"));
+        }
+        let ns = &self.graph[&client];
+        let seeds_ok =
+            response.seed_shares.keys().all(|j| ns.contains(j) && self.survivors.contains(j));
+        let keys_ok = response
+            .key_shares
+            .keys()
+            .all(|j| ns.contains(j) && self.shared.contains(j) && !self.survivors.contains(j));
+        let values_ok = response
+            .seed_shares
+            .values()
+            .chain(response.key_shares.values())
+            .flatten()
+            .all(|&v| v < P);
+        if !(seeds_ok && keys_ok && values_ok) {
+            return Err(self.bad(client, "unmasking shares for the wrong clients"));
+        }
+        self.responses.insert(client, response);
+        Ok(())
+    }
+
+    /// Ends Unmasking: the sum of the survivors' inputs, and who they are. Fails cleanly when
+    /// some secret has fewer than `t` shares or a rebuilt key does not match its public key.
+    pub fn finish(&mut self) -> Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError> {
+        self.expect(ServerStage::Unmask, "the end of Unmasking")?;
+        self.at_least("Unmasking", self.responses.len())?;
+        self.stage = ServerStage::Done;
+        let t = self.config.t as usize;
+        let gather =
+            |select: &dyn Fn(&UnmaskResponse) -> Option<Share>| -> Vec<(ClientIdx, Share)> {
+                self.responses
+                    .iter()
+                    .filter_map(|(&i, r)| select(r).map(|s| (i, s)))
+                    .take(t)
+                    .collect()
+            };
+        let mut sum = vec![0u32; self.config.len];
+        for y in self.masked.values() {
+            for (s, v) in sum.iter_mut().zip(y) {
+                *s = s.wrapping_add(*v);
+            }
+        }
+        for &j in &self.survivors {
+            let shares = gather(&|r| r.seed_shares.get(&j).copied());
+            if shares.len() < t {
+                return Err(SecAggError::BelowThreshold {
+                    stage: "Unmasking (self masks)",
+                    have: shares.len(),
+                    need: t,
+                });
+            }
+            let seed = reconstruct(&shares).ok_or_else(|| SecAggError::BadMessage {
+                client: j,
+                why: "seed shares are inconsistent".into(),
+            })?;
+            Keystream::new(&seed, 3).mask(&mut sum, false);
+        }
+        for &j in self.shared.difference(&self.survivors) {
+            let shares = gather(&|r| r.key_shares.get(&j).copied());
+            if shares.len() < t {
+                return Err(SecAggError::BelowThreshold {
+                    stage: "Unmasking (dropped keys)",
+                    have: shares.len(),
+                    need: t,
+                });
+            }
+            let key = reconstruct(&shares).map(StaticSecret::from);
+            let key = match key {
+                Some(k) if PublicKey::from(&k).to_bytes() == self.keys[&j].mask_pk => k,
+                _ => {
+                    return Err(SecAggError::BadMessage {
+                        client: j,
+                        why: "rebuilt mask key does not match its public key".into(),
+                    });
+                }
+            };
+            for &i in self.graph[&j].intersection(&self.survivors) {
+                if self.rejections.get(&i).is_some_and(|r| r.contains(&j)) {
+                    // i could not open j's shares, so it never added their pairwise mask.
+                    continue;
+                }
+                let seed = pairwise_seed(
+                    &key,
+                    j,
+                    &PublicKey::from(self.keys[&i].mask_pk),
+                    i,
+                    &self.config.session,
+                );
+                // Survivor i added the pairwise mask if i < j and subtracted it otherwise.
+                Keystream::new(&seed, 4).mask(&mut sum, i > j);
+            }
+        }
+        Ok((sum, self.survivors.clone()))
+    }
+}
