@@ -9,31 +9,44 @@
 //!   handling one batch of events go to the store in one transaction, before any reply of that
 //!   batch is sent. A store failure is retried with backoff; replies wait (handlers time out
 //!   with 503), so memory never runs ahead of the store in what devices are told.
-//! * Update payloads are written by spawned tasks, concurrently, and come back as
-//!   [`Internal::UpdatePersisted`]; only then is the device acknowledged.
+//! * Payloads (updates, partials) travel inside the machine's inputs and actions, shared, never
+//!   parked here: they are written by spawned tasks, concurrently, and come back as
+//!   [`Internal::Persisted`]; only then is the sender acknowledged.
 //! * Folding happens on a per-run accumulator thread, fed in the machine's slot order.
 //! * Closing a round (aggregate, apply, encode, commit) runs in a spawned task and comes back
 //!   as [`Internal::RoundClosed`].
 //!
-//! On start, [`Driver::recover`] rebuilds every running run from the store: latest model,
-//! open round, its selections, and its stored updates replayed in slot order.
+//! The one piece of bookkeeping is who waits for an answer: a [`Responder`] per request.
+//!
+//! * `recover`: on start, every running run rebuilt from the store (latest model, open round,
+//!   its selections, its stored updates and partials replayed in slot order);
+//! * `execute`: the machines' actions carried out;
+//! * `close`: a closed round aggregated and committed, off the driver task;
+//! * `accumulator`: the per-run thread that folds the sums.
 
-use starling_core::codec;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use starling_core::codec;
+
+mod accumulator;
+mod close;
+use accumulator::AccumulatorWorker;
+mod execute;
+mod recover;
+#[cfg(test)]
+mod tests;
+
 use starling_core::fedavg::{
-    Aggregate, AggregateError, FedAvgAccumulator, PooledEvaluation, ValidatedPartial,
-    ValidatedUpdate, validate_parts,
+    Aggregate, FedAvgAccumulator, PooledEvaluation, ValidatedPartial, ValidatedUpdate,
 };
-use starling_core::plan::{Plan, ValidatedPlan};
-use starling_core::round::secure::{Record, SecAggRejection};
+use starling_core::plan::ValidatedPlan;
+use starling_core::round::secure::SecAggRejection;
 use starling_core::round::{
-    Action, CheckInDecision, Input, OpenRoundSnapshot, RequestId, RoundClosing, RoundOutcome,
-    RunMachine, RunSnapshot, RunStatus, UploadRejection,
+    CheckInDecision, Input, RequestId, RunMachine, RunStatus, UploadRejection,
 };
-use starling_core::tensor::{TensorPayload, TensorSchema};
+use starling_core::tensor::TensorSchema;
 use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::wire::{
     CheckInResponse, SecAggInstruction, SecAggUpload, TaskAssignment, UploadAck,
@@ -43,8 +56,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
 use crate::observe::{Observer, POPULATION_SAMPLE_MS};
-use crate::store::{NewRun, RoundCommit, SqlStore, StoreError, Transition};
-use crate::tier::{AggregatorRegistry, TierSettings};
+use crate::store::{NewRun, SqlStore};
+use crate::tier::AggregatorRegistry;
 
 /// Why the driver refused a request; the HTTP edge maps each to a status and error code.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -160,9 +173,9 @@ pub enum Event {
         /// Round from the path.
         round_idx: RoundIdx,
         /// The report, as received (stored whole).
-        report: Box<PartialReport>,
+        report: Arc<PartialReport>,
         /// Its sums, validated.
-        sums: ValidatedPartial,
+        sums: Arc<ValidatedPartial>,
         /// Where the answer goes (after the partial is durable).
         reply: oneshot::Sender<Result<(), DriverError>>,
     },
@@ -206,7 +219,8 @@ impl InitialModel {
 /// Results of work the driver spawned.
 #[derive(Debug)]
 enum Internal {
-    UpdatePersisted {
+    /// An update or a partial is durable (or failed to be).
+    Persisted {
         run_id: RunId,
         request: RequestId,
         ok: bool,
@@ -275,165 +289,41 @@ struct RunEntry {
     model_hash: String,
     training_config: String,
     accumulator: AccumulatorWorker,
-    /// Pending check-ins, with the device asking.
-    check_ins:
-        HashMap<RequestId, (DeviceId, oneshot::Sender<Result<CheckInResponse, DriverError>>)>,
-    uploads: HashMap<RequestId, PendingUpload>,
-    partials: HashMap<RequestId, PendingPartial>,
-    secagg_messages: HashMap<RequestId, oneshot::Sender<Result<(), DriverError>>>,
-    secagg_polls: HashMap<RequestId, oneshot::Sender<Result<SecAggInstruction, DriverError>>>,
+    /// Who waits for the answer to each request the machine has not answered yet.
+    responders: HashMap<RequestId, Responder>,
     /// A secure round's unmasked mean and pooled evaluation, waiting for its `CloseRound`.
     secure_aggregate: Option<(Aggregate, Option<PooledEvaluation>)>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
 }
 
-struct PendingPartial {
-    reply: Option<oneshot::Sender<Result<(), DriverError>>>,
-    report: Option<Box<PartialReport>>,
-    sums: Option<ValidatedPartial>,
+/// Who waits for the machine's answer to a request, and how it is answered.
+enum Responder {
+    CheckIn { device: DeviceId, reply: oneshot::Sender<Result<CheckInResponse, DriverError>> },
+    Upload { round_idx: RoundIdx, reply: oneshot::Sender<Result<UploadAck, DriverError>> },
+    Partial(oneshot::Sender<Result<(), DriverError>>),
+    SecAgg(oneshot::Sender<Result<(), DriverError>>),
+    SecAggPoll(oneshot::Sender<Result<SecAggInstruction, DriverError>>),
 }
 
-struct PendingUpload {
-    round_idx: RoundIdx,
-    reply: Option<oneshot::Sender<Result<UploadAck, DriverError>>>,
-    update: Option<ValidatedUpdate>,
-}
-
-/// A deferred reply, sent after the batch's transitions are durable.
-enum Reply {
-    CheckIn(
-        oneshot::Sender<Result<CheckInResponse, DriverError>>,
-        Box<Result<CheckInResponse, DriverError>>,
-    ),
-    Upload(oneshot::Sender<Result<UploadAck, DriverError>>, Result<UploadAck, DriverError>),
-    SecAgg(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
-    Partial(oneshot::Sender<Result<(), DriverError>>, Result<(), DriverError>),
-    SecAggPoll(
-        oneshot::Sender<Result<SecAggInstruction, DriverError>>,
-        Result<SecAggInstruction, DriverError>,
-    ),
+impl Responder {
+    /// The answer when the run ends before the machine answered.
+    fn run_ended(self, run_id: RunId) {
+        let closed = || DriverError::Upload(UploadRejection::RoundClosed);
+        match self {
+            Responder::CheckIn { reply, .. } => {
+                let _ = reply.send(Ok(CheckInResponse::ComeBackLater { retry_after_secs: 60 }));
+            }
+            Responder::Upload { reply, .. } => drop(reply.send(Err(closed()))),
+            Responder::Partial(reply) => drop(reply.send(Err(closed()))),
+            Responder::SecAgg(reply) => drop(reply.send(Err(DriverError::RunNotRunning(run_id)))),
+            Responder::SecAggPoll(reply) => {
+                let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
+            }
+        }
+    }
 }
 
 impl Driver {
-    /// Rebuilds every running run from the store and returns the driver and its handle.
-    pub async fn recover(
-        store: SqlStore,
-        observer: Observer,
-        tier: Option<TierSettings>,
-    ) -> Result<(Driver, DriverHandle), StoreError> {
-        let (tx, rx) = mpsc::channel(4096);
-        let (internal_tx, internal_rx) = mpsc::unbounded_channel();
-        let mut driver = Driver {
-            store,
-            observer,
-            runs: BTreeMap::new(),
-            tier: tier.map(AggregatorRegistry::new),
-            rx,
-            internal_tx,
-            internal_rx,
-            next_request: 0,
-            deposed: false,
-        };
-        for row in driver.store.running_runs().await? {
-            let run_id = RunId(row.id);
-            let plan: Plan = serde_json::from_str(&row.plan_json)
-                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
-            let plan = plan
-                .validate()
-                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
-            let version = ModelVersion(row.model_version);
-            let encoded = driver.store.model(run_id, version).await?.ok_or_else(|| {
-                StoreError::Corrupt(format!("run {run_id} lacks model {version}"))
-            })?;
-            let payload: TensorPayload = codec::decode(&encoded)
-                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
-            let values = plan
-                .schema()
-                .decode_f32(&payload)
-                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
-            let open = driver.store.open_round(run_id).await?;
-            let next_round_idx = driver
-                .store
-                .last_round_idx(run_id)
-                .await?
-                .map_or(RoundIdx(0), |r| RoundIdx(r.0 + 1));
-            let mut acc = FedAvgAccumulator::new(values.len());
-            if let Some(open) = &open {
-                let schema = plan.schema();
-                // Partials and updates share the slot order: merge each partial before the
-                // first update with a later slot.
-                let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
-                    match codec::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
-                        Ok(sums) => Some((slot, sums)),
-                        Err(e) => {
-                            tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
-                            None
-                        }
-                    }
-                }).peekable();
-                let replayed = driver
-                    .store
-                    .for_each_update(run_id, open.round.round_idx, |u| {
-                        while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
-                            acc.merge(&sums);
-                        }
-                        let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
-                        match validate_parts(schema, u.delta, u.example_count as u64, metrics) {
-                            Ok(update) => acc.add(&update),
-                            // Validated before it was stored: only corruption gets here.
-                            Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
-                        }
-                        Ok(())
-                    })
-                    .await?;
-                for (_, sums) in partials {
-                    acc.merge(&sums);
-                }
-                tracing::info!(%run_id, round = %open.round.round_idx, replayed, selected = open.selected.len(), "resuming open round");
-            }
-            let snapshot = RunSnapshot {
-                run_id,
-                config: plan.round_config(),
-                model_version: version,
-                rounds_committed: row.rounds_committed as u32,
-                next_round_idx,
-                open_round: match open {
-                    None => None,
-                    Some(o) => Some(OpenRoundSnapshot {
-                        round: o.round,
-                        selected: o.selected,
-                        reported: o.reported,
-                        secure_records: o
-                            .secure_records
-                            .iter()
-                            .map(|r| codec::decode::<Record>(r))
-                            .collect::<Result<_, _>>()
-                            .map_err(|e| {
-                                StoreError::Corrupt(format!(
-                                    "secure-aggregation record of run {run_id}: {e}"
-                                ))
-                            })?,
-                        assignments: o.assignments,
-                        partials: o.partials,
-                    }),
-                },
-            };
-            let mut machine = RunMachine::restore(snapshot, now_ms(), entropy());
-            if let Some(input) = driver.tier_input() {
-                machine.handle(now_ms(), input);
-            }
-            let entry = RunEntry::new(
-                machine,
-                Arc::new(plan),
-                Arc::new(values),
-                payload.content_hash(),
-                acc,
-            );
-            driver.runs.insert(run_id, entry);
-        }
-        Ok((driver, DriverHandle { tx }))
-    }
-
     /// Runs until every [`DriverHandle`] is dropped.
     pub async fn run(mut self) {
         // Recovered machines may already hold actions (e.g. a round whose deadline passed).
@@ -566,7 +456,7 @@ impl Driver {
                 match chosen {
                     Some(run_id) => {
                         let entry = self.runs.get_mut(run_id).expect("candidate exists");
-                        entry.check_ins.insert(request, (device, reply));
+                        entry.responders.insert(request, Responder::CheckIn { device, reply });
                         entry.machine.handle(now, Input::CheckIn { request, device });
                     }
                     None => {
@@ -592,13 +482,9 @@ impl Driver {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
                 };
-                entry.uploads.insert(
-                    request,
-                    PendingUpload { round_idx, reply: Some(reply), update: Some(update) },
-                );
-                entry
-                    .machine
-                    .handle(now, Input::Upload { request, device, round_idx, model_version });
+                entry.responders.insert(request, Responder::Upload { round_idx, reply });
+                let input = Input::Upload { request, device, round_idx, model_version, update };
+                entry.machine.handle(now, input);
             }
             Event::SecAgg { device, run_id, round_idx, message, reply } => {
                 let request = self.request_id();
@@ -607,7 +493,7 @@ impl Driver {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
                 };
-                entry.secagg_messages.insert(request, reply);
+                entry.responders.insert(request, Responder::SecAgg(reply));
                 entry.machine.handle(now, Input::SecAgg { request, device, round_idx, message });
             }
             Event::SecAggPoll { device, run_id, round_idx, reply } => {
@@ -616,7 +502,7 @@ impl Driver {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
                 };
-                entry.secagg_polls.insert(request, reply);
+                entry.responders.insert(request, Responder::SecAggPoll(reply));
                 entry.machine.handle(now, Input::SecAggPoll { request, device, round_idx });
             }
             Event::AggregatorPoll { hello, reply } => {
@@ -628,18 +514,8 @@ impl Driver {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
                 };
-                let input = Input::Partial {
-                    request,
-                    round_idx,
-                    model_version: report.model_version,
-                    aggregators: report.aggregators.clone(),
-                    devices: report.devices.clone(),
-                };
-                entry.partials.insert(
-                    request,
-                    PendingPartial { reply: Some(reply), report: Some(report), sums: Some(sums) },
-                );
-                entry.machine.handle(now, input);
+                entry.responders.insert(request, Responder::Partial(reply));
+                entry.machine.handle(now, Input::Partial { request, round_idx, report, sums });
             }
             Event::CreateRun { plan, initial, reply } => {
                 let res = self.create_run(*plan, initial, now).await;
@@ -698,9 +574,9 @@ impl Driver {
         let now = now_ms();
         match internal {
             Internal::Deposed => self.deposed = true,
-            Internal::UpdatePersisted { run_id, request, ok } => {
+            Internal::Persisted { run_id, request, ok } => {
                 if let Some(entry) = self.runs.get_mut(&run_id) {
-                    entry.machine.handle(now, Input::UploadPersisted { request, ok });
+                    entry.machine.handle(now, Input::Persisted { request, ok });
                 }
             }
             Internal::RoundClosed { run_id, round_idx, committed } => {
@@ -713,272 +589,6 @@ impl Driver {
                     entry
                         .machine
                         .handle(now, Input::RoundClosed { round_idx, committed: was_committed });
-                }
-            }
-        }
-    }
-
-    /// Drains every machine's actions and executes them (see the module doc for the rules).
-    async fn execute_actions(&mut self) {
-        let now = now_ms();
-        let mut finished = vec![];
-        for (&run_id, entry) in self.runs.iter_mut() {
-            let mut transitions = vec![];
-            let mut replies = vec![];
-            let mut close_tasks = vec![];
-            while let Some(action) = entry.machine.poll_action() {
-                match action {
-                    Action::OpenRound(opened) => {
-                        tracing::info!(%run_id, round = %opened.round_idx, model_version = %opened.model_version, "round opened");
-                        entry.accumulator.reset(entry.global.len());
-                        self.observer.round_opened(run_id, opened.round_idx);
-                        transitions.push(Transition::OpenRound(opened));
-                    }
-                    Action::PersistSelection { round_idx, device, aggregator } => {
-                        self.observer.selected();
-                        transitions.push(Transition::Select { round_idx, device, aggregator });
-                    }
-                    Action::PersistPartial { request, round_idx, slot } => {
-                        let Some(report) =
-                            entry.partials.get_mut(&request).and_then(|p| p.report.take())
-                        else {
-                            continue;
-                        };
-                        let store = self.store.clone();
-                        let (aggregators, devices) =
-                            (report.aggregators.clone(), report.devices.len());
-                        persist_in_background(
-                            &self.internal_tx,
-                            &self.observer,
-                            (run_id, request),
-                            "insert_partial",
-                            async move {
-                                store
-                                    .insert_partial(run_id, round_idx, slot, &report, now_ms())
-                                    .await
-                            },
-                            move |res, _| match res {
-                                Ok(()) => {
-                                    tracing::info!(%run_id, round = %round_idx, ?aggregators, devices, "partial persisted")
-                                }
-                                Err(e) => {
-                                    tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted")
-                                }
-                            },
-                        );
-                    }
-                    Action::ReplyPartial { request, result } => {
-                        let Some(p) = entry.partials.get_mut(&request) else { continue };
-                        if let Some(tx) = p.reply.take() {
-                            replies.push(Reply::Partial(tx, result.map_err(DriverError::from)));
-                        }
-                        entry.forget_if_done(request);
-                    }
-                    Action::PersistSecAgg { round_idx, seq, record } => {
-                        let record = codec::to_vec(&record).expect("records encode");
-                        transitions.push(Transition::SecAggRecord { round_idx, seq, record });
-                    }
-                    Action::ReplySecAgg { request, result } => {
-                        if let Some(tx) = entry.secagg_messages.remove(&request) {
-                            replies.push(Reply::SecAgg(tx, result.map_err(DriverError::SecAgg)));
-                        }
-                    }
-                    Action::ReplySecAggPoll { request, result } => {
-                        if let Some(tx) = entry.secagg_polls.remove(&request) {
-                            let res = result.map_err(DriverError::SecAgg);
-                            replies.push(Reply::SecAggPoll(tx, res));
-                        }
-                    }
-                    Action::SecureAggregate { round_idx, aggregate, evaluation } => {
-                        tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, evaluated = evaluation.is_some(), "secure aggregation unmasked the cohort's sum");
-                        entry.secure_aggregate = Some((aggregate, evaluation));
-                    }
-                    Action::FinishRun => {
-                        tracing::info!(%run_id, "run finished");
-                        self.observer.run_state(run_id, "finished");
-                        transitions.push(Transition::FinishRun);
-                    }
-                    Action::StopRun { open_round } => {
-                        tracing::info!(%run_id, "run stopped");
-                        if let Some(round_idx) = open_round {
-                            self.observer.round_stopped(run_id, round_idx);
-                        }
-                        self.observer.run_state(run_id, "stopped");
-                        transitions.push(Transition::StopRun { open_round });
-                    }
-                    Action::ReplyCheckIn { request, decision } => {
-                        if let Some((device, tx)) = entry.check_ins.remove(&request) {
-                            let tier = self.tier.as_ref();
-                            let res = entry.check_in_response(run_id, device, decision, tier);
-                            replies.push(Reply::CheckIn(tx, Box::new(Ok(res))));
-                        }
-                    }
-                    Action::ReplyUpload { request, result } => {
-                        let Some(p) = entry.uploads.get_mut(&request) else { continue };
-                        if let Some(tx) = p.reply.take() {
-                            let res = result
-                                .map(|()| UploadAck { run_id, round_idx: p.round_idx })
-                                .map_err(DriverError::from);
-                            replies.push(Reply::Upload(tx, res));
-                        }
-                        entry.forget_if_done(request);
-                    }
-                    Action::PersistUpdate { request, round_idx, device, slot } => {
-                        let Some(update) =
-                            entry.uploads.get(&request).and_then(|p| p.update.clone())
-                        else {
-                            continue;
-                        };
-                        let store = self.store.clone();
-                        persist_in_background(
-                            &self.internal_tx,
-                            &self.observer,
-                            (run_id, request),
-                            "insert_update",
-                            async move {
-                                let metrics = serde_json::to_string(update.metrics())
-                                    .expect("metrics serialize");
-                                store
-                                    .insert_update(
-                                        run_id,
-                                        round_idx,
-                                        device,
-                                        slot,
-                                        update.example_count(),
-                                        &metrics,
-                                        update.delta_le_bytes(),
-                                        now_ms(),
-                                    )
-                                    .await
-                            },
-                            move |res, store_ms| match res {
-                                Ok(()) => {
-                                    tracing::debug!(%run_id, %device, store_ms, "update persisted")
-                                }
-                                Err(e) => {
-                                    tracing::warn!(%run_id, %device, store_ms, error = %e, "update not persisted")
-                                }
-                            },
-                        );
-                    }
-                    Action::FoldUpdate { request } => {
-                        if let Some(update) =
-                            entry.uploads.get_mut(&request).and_then(|p| p.update.take())
-                        {
-                            entry.accumulator.fold(update);
-                        }
-                        if let Some(sums) =
-                            entry.partials.get_mut(&request).and_then(|p| p.sums.take())
-                        {
-                            entry.accumulator.merge(sums);
-                        }
-                        entry.forget_if_done(request);
-                    }
-                    Action::DropPayload { request } => {
-                        if let Some(p) = entry.uploads.get_mut(&request) {
-                            p.update = None;
-                        }
-                        if let Some(p) = entry.partials.get_mut(&request) {
-                            p.report = None;
-                            p.sums = None;
-                        }
-                        entry.forget_if_done(request);
-                    }
-                    Action::CloseRound(closing) => {
-                        let task = CloseTask {
-                            store: self.store.clone(),
-                            observer: self.observer.clone(),
-                            opened_at: entry
-                                .machine
-                                .current_round()
-                                .map_or(closing.closed_at, |r| r.opened_at),
-                            run_id,
-                            closing,
-                            evaluation: entry
-                                .secure_aggregate
-                                .as_mut()
-                                .and_then(|(_, evaluation)| evaluation.take()),
-                            finish: match entry.secure_aggregate.take() {
-                                Some((aggregate, _)) => {
-                                    let (tx, rx) = oneshot::channel();
-                                    let _ = tx.send(Ok(aggregate));
-                                    rx
-                                }
-                                None => entry.accumulator.finish(),
-                            },
-                            global: entry.global.clone(),
-                            plan: entry.plan.clone(),
-                            internal: self.internal_tx.clone(),
-                        };
-                        // Spawned once this batch's transitions are durable: the commit then
-                        // follows the round's last records, which it deletes.
-                        close_tasks.push(task);
-                    }
-                }
-            }
-            if !transitions.is_empty() {
-                let mut backoff = Duration::from_millis(50);
-                let started = std::time::Instant::now();
-                loop {
-                    match self.store.apply_transitions(run_id, &transitions, now).await {
-                        Ok(()) => break,
-                        Err(e @ StoreError::Fenced { .. }) => {
-                            // A successor leads: nothing of this batch is durable, so nobody
-                            // hears of it; the driver stops (see `run`).
-                            tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");
-                            self.deposed = true;
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(Duration::from_secs(2));
-                        }
-                    }
-                }
-                self.observer.store_latency("transitions", started.elapsed().as_secs_f64());
-            }
-            for task in close_tasks {
-                tokio::spawn(task.run());
-            }
-            for reply in replies {
-                match reply {
-                    Reply::CheckIn(tx, res) => drop(tx.send(*res)),
-                    Reply::Upload(tx, res) => drop(tx.send(res)),
-                    Reply::SecAgg(tx, res) => drop(tx.send(res)),
-                    Reply::Partial(tx, res) => drop(tx.send(res)),
-                    Reply::SecAggPoll(tx, res) => drop(tx.send(res)),
-                }
-            }
-            if matches!(entry.machine.status(), RunStatus::Stopped | RunStatus::Finished) {
-                finished.push(run_id);
-            }
-            if entry.machine.status() != RunStatus::Running {
-                for tx in entry.stops.drain(..) {
-                    let _ = tx.send(Ok(()));
-                }
-            }
-        }
-        for run_id in finished {
-            if let Some(mut entry) = self.runs.remove(&run_id) {
-                for (_, p) in entry.uploads.drain() {
-                    if let Some(tx) = p.reply {
-                        let _ = tx.send(Err(DriverError::Upload(UploadRejection::RoundClosed)));
-                    }
-                }
-                for (_, (_, tx)) in entry.check_ins.drain() {
-                    let _ = tx.send(Ok(CheckInResponse::ComeBackLater { retry_after_secs: 60 }));
-                }
-                for (_, p) in entry.partials.drain() {
-                    if let Some(tx) = p.reply {
-                        let _ = tx.send(Err(DriverError::Upload(UploadRejection::RoundClosed)));
-                    }
-                }
-                for (_, tx) in entry.secagg_messages.drain() {
-                    let _ = tx.send(Err(DriverError::RunNotRunning(run_id)));
-                }
-                for (_, tx) in entry.secagg_polls.drain() {
-                    let _ = tx.send(Err(DriverError::RunNotRunning(run_id)));
                 }
             }
         }
@@ -1001,11 +611,7 @@ impl RunEntry {
             model_hash,
             training_config,
             accumulator: AccumulatorWorker::spawn(acc),
-            check_ins: HashMap::new(),
-            uploads: HashMap::new(),
-            partials: HashMap::new(),
-            secagg_messages: HashMap::new(),
-            secagg_polls: HashMap::new(),
+            responders: HashMap::new(),
             secure_aggregate: None,
             stops: vec![],
         }
@@ -1043,194 +649,6 @@ impl RunEntry {
             },
         }
     }
-
-    fn forget_if_done(&mut self, request: RequestId) {
-        if self.uploads.get(&request).is_some_and(|p| p.reply.is_none() && p.update.is_none()) {
-            self.uploads.remove(&request);
-        }
-        if self
-            .partials
-            .get(&request)
-            .is_some_and(|p| p.reply.is_none() && p.report.is_none() && p.sums.is_none())
-        {
-            self.partials.remove(&request);
-        }
-    }
-}
-
-/// Runs one durable write of a request's payload (an update, a partial) off the driver loop:
-/// records its latency under `what`, logs the outcome with `log` (given the milliseconds it
-/// took), and tells the loop whether the payload is durable.
-fn persist_in_background(
-    internal: &mpsc::UnboundedSender<Internal>,
-    observer: &Observer,
-    (run_id, request): (RunId, RequestId),
-    what: &'static str,
-    write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
-    log: impl FnOnce(&Result<(), StoreError>, f64) + Send + 'static,
-) {
-    let internal = internal.clone();
-    let observer = observer.clone();
-    tokio::spawn(async move {
-        let started = std::time::Instant::now();
-        let res = write.await;
-        let secs = started.elapsed().as_secs_f64();
-        observer.store_latency(what, secs);
-        log(&res, secs * 1e3);
-        if matches!(res, Err(StoreError::Fenced { .. })) {
-            let _ = internal.send(Internal::Deposed);
-        }
-        let _ = internal.send(Internal::UpdatePersisted { run_id, request, ok: res.is_ok() });
-    });
-}
-
-/// Aggregates and commits a closed round, retrying the store until it succeeds.
-struct CloseTask {
-    store: SqlStore,
-    observer: Observer,
-    opened_at: Millis,
-    run_id: RunId,
-    closing: RoundClosing,
-    finish: oneshot::Receiver<Result<Aggregate, AggregateError>>,
-    /// A secure round's pooled evaluation, committed with the round.
-    evaluation: Option<PooledEvaluation>,
-    global: Arc<Vec<f32>>,
-    plan: Arc<ValidatedPlan>,
-    internal: mpsc::UnboundedSender<Internal>,
-}
-
-impl CloseTask {
-    async fn run(self) {
-        let CloseTask {
-            store,
-            observer,
-            opened_at,
-            run_id,
-            closing,
-            finish,
-            evaluation,
-            global,
-            plan,
-            internal,
-        } = self;
-        let round_idx = closing.round_idx;
-        let closing_started = std::time::Instant::now();
-        let open_ms = closing.closed_at - opened_at;
-        let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
-        let committed = match (closing.outcome, aggregate) {
-            (RoundOutcome::Commit, Ok(aggregate)) => {
-                let server_lr = plan.plan().server_learning_rate;
-                let prepared = tokio::task::spawn_blocking(move || {
-                    let values = aggregate.apply(&global, server_lr)?;
-                    let (encoded, hash) = encode_model(plan.schema(), &values);
-                    Ok::<_, AggregateError>((values, encoded, hash, aggregate.metrics))
-                })
-                .await
-                .expect("aggregation task panicked");
-                match prepared {
-                    Ok((values, encoded, hash, metrics)) => {
-                        let commit = RoundCommit {
-                            closing,
-                            model: &encoded,
-                            model_hash: &hash,
-                            metrics: &metrics,
-                            evaluation: evaluation.as_ref(),
-                        };
-                        let commit_started = std::time::Instant::now();
-                        if retry_store("commit round", run_id, || {
-                            store.commit_round(run_id, commit.clone(), now_ms())
-                        })
-                        .await
-                        .is_err()
-                        {
-                            let _ = internal.send(Internal::Deposed);
-                            return;
-                        }
-                        observer
-                            .store_latency("commit_round", commit_started.elapsed().as_secs_f64());
-                        observer.round_closed(
-                            run_id,
-                            round_idx,
-                            "committed",
-                            closing.n_dropped,
-                            open_ms,
-                            Some(closing_started.elapsed().as_secs_f64() * 1e3),
-                        );
-                        tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                        Some(CommittedModel { values: Arc::new(values), hash })
-                    }
-                    Err(e) => {
-                        tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
-                        if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
-                            .await
-                            .is_err()
-                        {
-                            let _ = internal.send(Internal::Deposed);
-                            return;
-                        }
-                        observer.round_closed(
-                            run_id,
-                            round_idx,
-                            "aggregate_rejected",
-                            closing.n_dropped,
-                            open_ms,
-                            None,
-                        );
-                        None
-                    }
-                }
-            }
-            (outcome, _) => {
-                tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
-                if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
-                    .await
-                    .is_err()
-                {
-                    let _ = internal.send(Internal::Deposed);
-                    return;
-                }
-                observer.round_closed(
-                    run_id,
-                    round_idx,
-                    outcome.label(),
-                    closing.n_dropped,
-                    open_ms,
-                    None,
-                );
-                None
-            }
-        };
-        let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
-    }
-}
-
-/// Another coordinator leads: a write was fenced off.
-#[derive(Debug)]
-struct Deposed;
-
-/// Retries a store write until it succeeds; a conflict means an earlier attempt whose answer
-/// was lost already succeeded. Fails only when the write was fenced off.
-async fn retry_store<F, Fut>(what: &str, run_id: RunId, mut op: F) -> Result<(), Deposed>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), StoreError>>,
-{
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match op().await {
-            Ok(()) | Err(StoreError::Conflict) => return Ok(()),
-            Err(e @ StoreError::Fenced { .. }) => {
-                // The successor recovers the round from the store and closes it itself.
-                tracing::error!(%run_id, error = %e, "{what} fenced off; left to the new leader");
-                return Err(Deposed);
-            }
-            Err(e) => {
-                tracing::error!(%run_id, error = %e, ?backoff, "{what} failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
 }
 
 /// 32 bytes from the OS for a run machine (secure rounds draw their neighbour graphs from it).
@@ -1245,70 +663,4 @@ pub fn encode_model(schema: &TensorSchema, values: &[f32]) -> (Vec<u8>, String) 
     let payload = schema.encode_f32(values);
     let hash = payload.content_hash();
     (codec::to_vec(&payload).expect("payload encodes"), hash)
-}
-
-/// A thread that owns one run's accumulator, so folding never blocks the async driver.
-///
-/// Messages are handled in order, which is what keeps the fold order equal to the slot order.
-struct AccumulatorWorker {
-    tx: std::sync::mpsc::Sender<AccMsg>,
-}
-
-enum AccMsg {
-    Reset(usize),
-    Fold(ValidatedUpdate),
-    Merge(ValidatedPartial),
-    Finish(oneshot::Sender<Result<Aggregate, AggregateError>>),
-}
-
-impl AccumulatorWorker {
-    fn spawn(initial: FedAvgAccumulator) -> Self {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("fedavg-accumulator".into())
-            .spawn(move || {
-                let mut acc = Some(initial);
-                while let Ok(msg) = rx.recv() {
-                    match msg {
-                        AccMsg::Reset(n) => acc = Some(FedAvgAccumulator::new(n)),
-                        AccMsg::Fold(update) => {
-                            if let Some(acc) = acc.as_mut() {
-                                acc.add(&update);
-                            }
-                        }
-                        AccMsg::Merge(partial) => {
-                            if let Some(acc) = acc.as_mut() {
-                                acc.merge(&partial);
-                            }
-                        }
-                        AccMsg::Finish(reply) => {
-                            let res = acc
-                                .take()
-                                .map_or(Err(AggregateError::Empty), FedAvgAccumulator::finish);
-                            let _ = reply.send(res);
-                        }
-                    }
-                }
-            })
-            .expect("spawning the accumulator thread");
-        AccumulatorWorker { tx }
-    }
-
-    fn reset(&self, n_params: usize) {
-        let _ = self.tx.send(AccMsg::Reset(n_params));
-    }
-
-    fn fold(&self, update: ValidatedUpdate) {
-        let _ = self.tx.send(AccMsg::Fold(update));
-    }
-
-    fn merge(&self, partial: ValidatedPartial) {
-        let _ = self.tx.send(AccMsg::Merge(partial));
-    }
-
-    fn finish(&self) -> oneshot::Receiver<Result<Aggregate, AggregateError>> {
-        let (tx, rx) = oneshot::channel();
-        let _ = self.tx.send(AccMsg::Finish(tx));
-        rx
-    }
 }

@@ -49,11 +49,18 @@ pub enum UpdateError {
 ///
 /// It keeps the delta as the validated little-endian bytes, shared, so the same buffer is
 /// written to the store and folded into the sum without another copy.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct ValidatedUpdate {
     delta_le: Arc<Vec<u8>>,
     example_count: u64,
     metrics: BTreeMap<String, f64>,
+}
+
+/// Sizes and weights, not the values: updates travel inside traces and logs.
+impl std::fmt::Debug for ValidatedUpdate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} examples, {} bytes", self.example_count, self.delta_le.len())
+    }
 }
 
 impl ValidatedUpdate {
@@ -337,8 +344,16 @@ pub struct PartialSums {
 
 /// Partial sums that passed [`validate_partial`]; the only thing [`FedAvgAccumulator::merge`]
 /// takes.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct ValidatedPartial(PartialSums);
+
+/// Sizes and weights, not the values: these travel inside traces and logs.
+impl std::fmt::Debug for ValidatedPartial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.0;
+        write!(f, "{} updates, weight {}, {} parameters", p.n_updates, p.total_weight, p.hi.len())
+    }
+}
 
 impl ValidatedPartial {
     /// The sums.

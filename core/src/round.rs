@@ -25,8 +25,8 @@
 //!
 //! **Uploads.** An accepted upload gets a *slot* (its arrival order) and an
 //! [`Action::PersistUpdate`]; the device is answered only when the store confirms
-//! ([`Input::UploadPersisted`]).
-//! Persisted updates are folded into the accumulator in slot order ([`Action::FoldUpdate`]),
+//! ([`Input::Persisted`]).
+//! Persisted updates are folded into the accumulator in slot order ([`Action::Fold`]),
 //! which is also the order a restarted coordinator replays them in, so the committed model does
 //! not depend on whether the coordinator restarted.
 //!
@@ -49,401 +49,18 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use serde::{Deserialize, Serialize};
-
-use crate::fedavg::{Aggregate, PooledEvaluation};
+use crate::fedavg::ValidatedUpdate;
 use crate::ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::RoundConfig;
-use crate::tier::{self, TierConfig};
-use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
+use crate::tier::TierConfig;
+use crate::wire::{SecAggInstruction, SecAggUpload};
 
+pub mod protocol;
 pub mod secure;
+mod tiered;
 
+pub use protocol::*;
 use secure::{Record, SecAggRejection, SecureRound};
-
-/// Identifies one pending request between the driver and the machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RequestId(pub u64);
-
-/// Something that happened, fed to [`RunMachine::handle`].
-#[derive(Debug, Clone, PartialEq)]
-pub enum Input {
-    /// An authenticated device of the run's population checked in.
-    CheckIn {
-        /// Request to answer.
-        request: RequestId,
-        /// The device.
-        device: DeviceId,
-    },
-    /// An authenticated device sent an update that passed validation.
-    Upload {
-        /// Request to answer.
-        request: RequestId,
-        /// The device.
-        device: DeviceId,
-        /// Round it uploads to.
-        round_idx: RoundIdx,
-        /// Model version the delta was computed on.
-        model_version: ModelVersion,
-    },
-    /// The store finished (or failed) writing an update or a partial asked for by
-    /// [`Action::PersistUpdate`] or [`Action::PersistPartial`].
-    UploadPersisted {
-        /// The upload's (or partial's) request.
-        request: RequestId,
-        /// Whether the update is durable.
-        ok: bool,
-    },
-    /// The driver durably recorded the outcome of [`Action::CloseRound`].
-    RoundClosed {
-        /// The round.
-        round_idx: RoundIdx,
-        /// Whether a new model version was committed; `false` for a failed round, and for a
-        /// `Commit` the driver could not carry out (the aggregate was not finite).
-        committed: bool,
-    },
-    /// A selected device's secure-aggregation message (secure runs only).
-    SecAgg {
-        /// Request to answer.
-        request: RequestId,
-        /// The device.
-        device: DeviceId,
-        /// Round it is for.
-        round_idx: RoundIdx,
-        /// The message.
-        message: SecAggUpload,
-    },
-    /// A device asks what its secure round needs from it next.
-    SecAggPoll {
-        /// Request to answer.
-        request: RequestId,
-        /// The device.
-        device: DeviceId,
-        /// Round it asks about.
-        round_idx: RoundIdx,
-    },
-    /// The operator stopped the run.
-    Stop,
-    /// The set of live aggregators changed (or the tier's settings did).
-    Aggregators {
-        /// Aggregators that polled recently, in any order.
-        live: Vec<AggregatorId>,
-        /// When runs go through the tier.
-        tier: TierConfig,
-    },
-    /// An aggregator reports the reduced updates of its (or its group's) devices; its sums
-    /// passed validation against the round's schema.
-    Partial {
-        /// Request to answer.
-        request: RequestId,
-        /// Round it reports for.
-        round_idx: RoundIdx,
-        /// Model version its updates were computed on.
-        model_version: ModelVersion,
-        /// The aggregators it speaks for.
-        aggregators: Vec<AggregatorId>,
-        /// The devices whose updates are in the sums.
-        devices: Vec<DeviceId>,
-    },
-}
-
-/// Something the driver must do, drained from [`RunMachine::poll_action`] in order.
-///
-/// Persist actions come before the replies that depend on them: the driver must make each
-/// persist durable before sending any later reply.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Action {
-    /// Persist a newly opened round.
-    OpenRound(RoundOpened),
-    /// Persist that `device` is selected for `round_idx`.
-    PersistSelection {
-        /// The round.
-        round_idx: RoundIdx,
-        /// The device.
-        device: DeviceId,
-        /// The aggregator it uploads to, when the round goes through the tier.
-        aggregator: Option<AggregatorId>,
-    },
-    /// Answer a check-in.
-    ReplyCheckIn {
-        /// Request to answer.
-        request: RequestId,
-        /// The answer.
-        decision: CheckInDecision,
-    },
-    /// Write an update to the store, then feed back [`Input::UploadPersisted`].
-    PersistUpdate {
-        /// The upload's request (the driver holds its payload under this id).
-        request: RequestId,
-        /// The round.
-        round_idx: RoundIdx,
-        /// The device.
-        device: DeviceId,
-        /// Arrival order within the round; replay order after a restart.
-        slot: i64,
-    },
-    /// Answer an upload.
-    ReplyUpload {
-        /// Request to answer.
-        request: RequestId,
-        /// Accepted, or why not.
-        result: Result<(), UploadRejection>,
-    },
-    /// Write an aggregator's partial to the store, then feed back [`Input::UploadPersisted`].
-    PersistPartial {
-        /// The partial's request (the driver holds its sums under this id).
-        request: RequestId,
-        /// The round.
-        round_idx: RoundIdx,
-        /// Arrival order within the round, shared with updates; replay order after a restart.
-        slot: i64,
-    },
-    /// Answer a partial report.
-    ReplyPartial {
-        /// Request to answer.
-        request: RequestId,
-        /// Accepted (durable), or why not.
-        result: Result<(), UploadRejection>,
-    },
-    /// Fold the (persisted) update or partial of `request` into the round's accumulator, and
-    /// drop its payload.
-    FoldUpdate {
-        /// The upload's request.
-        request: RequestId,
-    },
-    /// Drop the payload of `request` without folding it.
-    DropPayload {
-        /// The upload's request.
-        request: RequestId,
-    },
-    /// Aggregate and commit, or record the failure; then feed back [`Input::RoundClosed`].
-    CloseRound(RoundClosing),
-    /// Persist a secure round's record (in the same batch as the transitions around it).
-    PersistSecAgg {
-        /// The round.
-        round_idx: RoundIdx,
-        /// Its position in the round's record log.
-        seq: i64,
-        /// The record.
-        record: Record,
-    },
-    /// Answer a secure-aggregation message.
-    ReplySecAgg {
-        /// Request to answer.
-        request: RequestId,
-        /// Accepted, or why not.
-        result: Result<(), SecAggRejection>,
-    },
-    /// Answer a secure-aggregation poll.
-    ReplySecAggPoll {
-        /// Request to answer.
-        request: RequestId,
-        /// What the device should do.
-        result: Result<SecAggInstruction, SecAggRejection>,
-    },
-    /// The unmasked weighted mean of a secure round; the `CloseRound` that follows commits it.
-    SecureAggregate {
-        /// The round.
-        round_idx: RoundIdx,
-        /// The mean delta (no per-device metrics: they would leak individual information).
-        aggregate: Aggregate,
-        /// The survivors' pooled evaluation of the round's model version, decoded from the
-        /// same sum (none when nobody evaluated); commit it with the round.
-        evaluation: Option<PooledEvaluation>,
-    },
-    /// Persist that the run committed all its rounds.
-    FinishRun,
-    /// Persist that the run was stopped; `open_round`, if any, is recorded as failed.
-    StopRun {
-        /// The round that was open.
-        open_round: Option<RoundIdx>,
-    },
-}
-
-/// A round as opened; persisted as the round's row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RoundOpened {
-    /// Round index within the run.
-    pub round_idx: RoundIdx,
-    /// Model version the round trains on.
-    pub model_version: ModelVersion,
-    /// When it opened.
-    pub opened_at: Millis,
-    /// End of selection.
-    pub selection_deadline: Millis,
-    /// Uploads after this are refused and the round closes.
-    pub reporting_deadline: Millis,
-}
-
-/// The answer to a check-in.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum CheckInDecision {
-    /// Train on `model_version` and upload to `round_idx` before `report_deadline`.
-    Selected {
-        /// The round.
-        round_idx: RoundIdx,
-        /// Model to train on.
-        model_version: ModelVersion,
-        /// Reporting deadline.
-        report_deadline: Millis,
-        /// The device's part in the round's secure aggregation, in secure runs.
-        secure: Option<SecureAggregationTask>,
-        /// The aggregator it uploads to, when the round goes through the tier.
-        aggregator: Option<AggregatorId>,
-    },
-    /// Nothing now; try again after this long.
-    ComeBackLater {
-        /// Milliseconds to wait.
-        after_ms: i64,
-    },
-}
-
-/// Why an upload was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum UploadRejection {
-    /// No such round (yet).
-    UnknownRound,
-    /// The round is closed or closing.
-    RoundClosed,
-    /// The device was not selected for the round.
-    NotSelected,
-    /// The device's update is already in (or on its way into) the round.
-    Duplicate,
-    /// The delta was computed on another model version.
-    StaleModel {
-        /// The round's model version.
-        expected: ModelVersion,
-    },
-    /// The store could not make the update durable; nothing was acknowledged.
-    Unavailable,
-    /// The run aggregates securely: devices send masked inputs, never plain deltas.
-    SecureRun,
-    /// The device was assigned to an aggregator and must upload there.
-    UseAggregator {
-        /// Its aggregator.
-        aggregator: AggregatorId,
-    },
-    /// A partial names a device that is not assigned to any of the aggregators it speaks for,
-    /// or an aggregator with no devices in the round.
-    NotAssigned,
-}
-
-/// What [`Action::CloseRound`] asks the driver to record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RoundClosing {
-    /// The round.
-    pub round_idx: RoundIdx,
-    /// Model version it trained on.
-    pub model_version: ModelVersion,
-    /// Commit or fail.
-    pub outcome: RoundOutcome,
-    /// Devices selected.
-    pub n_selected: u32,
-    /// Durable updates, all folded.
-    pub n_reported: u32,
-    /// Selected devices that did not report.
-    pub n_dropped: u32,
-    /// When the round closed.
-    pub closed_at: Millis,
-}
-
-/// How a round ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "outcome")]
-pub enum RoundOutcome {
-    /// Aggregate the folded updates and commit model version + 1.
-    Commit,
-    /// Too few devices checked in before the selection deadline.
-    TooFewSelected {
-        /// Devices selected.
-        selected: u32,
-        /// Quorum.
-        quorum: u32,
-    },
-    /// Too few durable updates by the reporting deadline.
-    TooFewReports {
-        /// Durable updates.
-        reported: u32,
-        /// Quorum.
-        quorum: u32,
-    },
-    /// Secure aggregation could not produce the sum (too few devices left at a stage, or
-    /// inconsistent unmasking shares); nothing about any device's input was revealed.
-    SecureAggregationFailed {
-        /// The stage that failed.
-        stage: secure::Stage,
-        /// Masked inputs received.
-        survivors: u32,
-    },
-}
-
-impl RoundOutcome {
-    /// A stable snake_case name, for metrics labels.
-    pub fn label(&self) -> &'static str {
-        match self {
-            RoundOutcome::Commit => "committed",
-            RoundOutcome::TooFewSelected { .. } => "too_few_selected",
-            RoundOutcome::TooFewReports { .. } => "too_few_reports",
-            RoundOutcome::SecureAggregationFailed { .. } => "secure_aggregation_failed",
-        }
-    }
-}
-
-/// A run's durable state, from which a restarted coordinator rebuilds its machine.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunSnapshot {
-    /// The run.
-    pub run_id: RunId,
-    /// Its pacing.
-    pub config: RoundConfig,
-    /// Latest committed model version.
-    pub model_version: ModelVersion,
-    /// Rounds committed so far.
-    pub rounds_committed: u32,
-    /// Index the next opened round gets.
-    pub next_round_idx: RoundIdx,
-    /// The round that was open, if any.
-    pub open_round: Option<OpenRoundSnapshot>,
-}
-
-/// An open round's durable state.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OpenRoundSnapshot {
-    /// The round row.
-    pub round: RoundOpened,
-    /// Selected devices.
-    pub selected: Vec<DeviceId>,
-    /// Devices with a durable update, with their slots.
-    pub reported: Vec<(DeviceId, i64)>,
-    /// A secure round's records, in order (empty for plain runs).
-    pub secure_records: Vec<Record>,
-    /// Devices assigned to aggregators.
-    pub assignments: Vec<(DeviceId, AggregatorId)>,
-    /// Durable partials: slot, the aggregators and the devices each covers.
-    pub partials: Vec<StoredPartial>,
-}
-
-/// A durable partial, as a restarted coordinator reads it back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredPartial {
-    /// Its slot (shared with updates).
-    pub slot: i64,
-    /// The aggregators it speaks for.
-    pub aggregators: Vec<AggregatorId>,
-    /// The devices whose updates it sums.
-    pub devices: Vec<DeviceId>,
-}
-
-/// An aggregator's view of its shard of an open round (see [`RunMachine::shard`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardView {
-    /// The round.
-    pub round: RoundOpened,
-    /// Devices assigned to the aggregator.
-    pub assigned: Vec<DeviceId>,
-    /// Whether selection is over.
-    pub selection_over: bool,
-}
 
 /// The round state machine of one run.
 #[derive(Debug)]
@@ -463,20 +80,6 @@ pub struct RunMachine {
     /// Aggregators alive now, sorted.
     live_aggregators: Vec<AggregatorId>,
     actions: VecDeque<Action>,
-}
-
-/// Where a run stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RunStatus {
-    /// Rounds are being run.
-    Running,
-    /// A stop was asked while a round was committing; the run stops after it.
-    Stopping,
-    /// All rounds committed.
-    Finished,
-    /// Stopped by the operator.
-    Stopped,
 }
 
 #[derive(Debug)]
@@ -515,9 +118,20 @@ struct InFlight {
     request: RequestId,
     /// The devices whose update(s) it carries: one for an upload, a shard's for a partial.
     devices: Vec<DeviceId>,
-    /// An aggregator's partial rather than a device's upload.
-    partial: bool,
+    /// What it adds to the sum once durable.
+    contribution: Contribution,
     persisted: bool,
+}
+
+impl InFlight {
+    /// The answer to its sender.
+    fn reply(&self, result: Result<(), UploadRejection>) -> Action {
+        let request = self.request;
+        match self.contribution {
+            Contribution::Partial(_) => Action::ReplyPartial { request, result },
+            Contribution::Update(_) => Action::ReplyUpload { request, result },
+        }
+    }
 }
 
 /// How long a device that cannot be selected is asked to wait, at most and at least.
@@ -718,10 +332,10 @@ impl RunMachine {
         self.now = self.now.max(now);
         match input {
             Input::CheckIn { request, device } => self.on_check_in(request, device),
-            Input::Upload { request, device, round_idx, model_version } => {
-                self.on_upload(request, device, round_idx, model_version)
+            Input::Upload { request, device, round_idx, model_version, update } => {
+                self.on_upload(request, device, round_idx, model_version, update)
             }
-            Input::UploadPersisted { request, ok } => self.on_persisted(request, ok),
+            Input::Persisted { request, ok } => self.on_persisted(request, ok),
             Input::RoundClosed { round_idx, committed } => {
                 self.on_round_closed(round_idx, committed)
             }
@@ -738,8 +352,8 @@ impl RunMachine {
                 self.live_aggregators = live;
                 self.tier = Some(tier);
             }
-            Input::Partial { request, round_idx, model_version, aggregators, devices } => {
-                self.on_partial(request, round_idx, model_version, aggregators, devices)
+            Input::Partial { request, round_idx, report, sums } => {
+                self.on_partial(request, round_idx, report, sums)
             }
         }
         self.check_progress();
@@ -768,35 +382,6 @@ impl RunMachine {
         } else {
             Some(r.opened.reporting_deadline)
         }
-    }
-
-    /// The open round's shard assigned to `aggregator`, if it has devices in it and has not
-    /// reported yet.
-    pub fn shard(&self, aggregator: AggregatorId) -> Option<ShardView> {
-        let r = self.round.as_ref()?;
-        if r.phase != Phase::Open || r.shards_reported.contains(&aggregator) {
-            return None;
-        }
-        let assigned: Vec<DeviceId> =
-            r.assigned.iter().filter(|(_, a)| **a == aggregator).map(|(d, _)| *d).collect();
-        if assigned.is_empty() {
-            return None;
-        }
-        Some(ShardView { round: r.opened, assigned, selection_over: r.selection_ended.is_some() })
-    }
-
-    fn report_grace_ms(&self) -> i64 {
-        self.tier.map_or(0, |t| t.report_grace_ms)
-    }
-
-    /// The aggregator a newly selected device should upload to, if the run goes through the
-    /// tier and an aggregator lives.
-    fn aggregator_for(&self, device: DeviceId) -> Option<AggregatorId> {
-        let tier = self.tier?;
-        if self.config.secure.is_some() || self.config.target_selected <= tier.cohort_threshold {
-            return None;
-        }
-        tier::assign(device, &self.live_aggregators)
     }
 
     /// The next action to execute.
@@ -930,6 +515,7 @@ impl RunMachine {
         device: DeviceId,
         round_idx: RoundIdx,
         model_version: ModelVersion,
+        update: ValidatedUpdate,
     ) {
         let now = self.now;
         let admitted = self.admits_payload(device, round_idx, now, false);
@@ -943,67 +529,20 @@ impl RunMachine {
                 r.next_slot += 1;
                 r.in_flight.insert(
                     slot,
-                    InFlight { request, devices: vec![device], partial: false, persisted: false },
+                    InFlight {
+                        request,
+                        devices: vec![device],
+                        contribution: Contribution::Update(update.clone()),
+                        persisted: false,
+                    },
                 );
-                Ok(Action::PersistUpdate { request, round_idx, device, slot })
+                Ok(Action::PersistUpdate { request, round_idx, device, slot, update })
             }
         };
-        match verdict {
-            Ok(persist) => self.actions.push_back(persist),
-            Err(rejection) => {
-                self.actions.push_back(Action::ReplyUpload { request, result: Err(rejection) });
-                self.actions.push_back(Action::DropPayload { request });
-            }
-        }
-    }
-
-    fn on_partial(
-        &mut self,
-        request: RequestId,
-        round_idx: RoundIdx,
-        model_version: ModelVersion,
-        aggregators: Vec<AggregatorId>,
-        devices: Vec<DeviceId>,
-    ) {
-        let next_round_idx = self.next_round_idx;
-        let verdict = match self.round.as_mut() {
-            None if round_idx < next_round_idx => Err(UploadRejection::RoundClosed),
-            None => Err(UploadRejection::UnknownRound),
-            Some(r) if round_idx < r.opened.round_idx => Err(UploadRejection::RoundClosed),
-            Some(r) if round_idx > r.opened.round_idx => Err(UploadRejection::UnknownRound),
-            // Partials are welcome past the reporting deadline (within the grace): only the
-            // phase closes the round to them.
-            Some(r) if r.phase != Phase::Open => Err(UploadRejection::RoundClosed),
-            Some(r) if model_version != r.opened.model_version => {
-                Err(UploadRejection::StaleModel { expected: r.opened.model_version })
-            }
-            Some(r) if aggregators.iter().any(|a| r.shards_reported.contains(a)) => {
-                Err(UploadRejection::Duplicate)
-            }
-            Some(r)
-                if devices.iter().any(|d| {
-                    !r.assigned.get(d).is_some_and(|a| aggregators.contains(a))
-                        || r.reported.contains(d)
-                }) || aggregators.iter().any(|a| !r.assigned.values().any(|x| x == a)) =>
-            {
-                Err(UploadRejection::NotAssigned)
-            }
-            Some(r) => {
-                let slot = r.next_slot;
-                r.next_slot += 1;
-                r.shards_reported.extend(aggregators.iter().copied());
-                r.in_flight
-                    .insert(slot, InFlight { request, devices, partial: true, persisted: false });
-                Ok(Action::PersistPartial { request, round_idx, slot })
-            }
-        };
-        match verdict {
-            Ok(persist) => self.actions.push_back(persist),
-            Err(rejection) => {
-                self.actions.push_back(Action::ReplyPartial { request, result: Err(rejection) });
-                self.actions.push_back(Action::DropPayload { request });
-            }
-        }
+        self.actions.push_back(match verdict {
+            Ok(persist) => persist,
+            Err(rejection) => Action::ReplyUpload { request, result: Err(rejection) },
+        });
     }
 
     fn on_secagg(
@@ -1073,19 +612,14 @@ impl RunMachine {
         let Some((&slot, _)) = r.in_flight.iter().find(|(_, f)| f.request == request) else {
             return;
         };
-        let is_partial = r.in_flight[&slot].partial;
-        let reply = |result| match is_partial {
-            true => Action::ReplyPartial { request, result },
-            false => Action::ReplyUpload { request, result },
-        };
         if ok {
             let f = r.in_flight.get_mut(&slot).expect("slot just found");
             f.persisted = true;
             r.reported.extend(f.devices.iter().copied());
-            self.actions.push_back(reply(Ok(())));
+            self.actions.push_back(f.reply(Ok(())));
         } else {
             let f = r.in_flight.remove(&slot).expect("slot just found");
-            if is_partial {
+            if matches!(f.contribution, Contribution::Partial(_)) {
                 // Not durable: the aggregator may report again.
                 for d in &f.devices {
                     if let Some(a) = r.assigned.get(d) {
@@ -1093,16 +627,14 @@ impl RunMachine {
                     }
                 }
             }
-            self.actions.push_back(reply(Err(UploadRejection::Unavailable)));
-            self.actions.push_back(Action::DropPayload { request });
+            self.actions.push_back(f.reply(Err(UploadRejection::Unavailable)));
         }
         // Fold in slot order: a persisted update waits behind any earlier one still in flight.
         while let Some(entry) = r.in_flight.first_entry() {
             if !entry.get().persisted {
                 break;
             }
-            let f = entry.remove();
-            self.actions.push_back(Action::FoldUpdate { request: f.request });
+            self.actions.push_back(Action::Fold(entry.remove().contribution));
         }
     }
 
@@ -1142,12 +674,7 @@ impl RunMachine {
         let round = self.round.take();
         if let Some(r) = &round {
             for f in r.in_flight.values() {
-                let result = Err(UploadRejection::RoundClosed);
-                self.actions.push_back(match f.partial {
-                    true => Action::ReplyPartial { request: f.request, result },
-                    false => Action::ReplyUpload { request: f.request, result },
-                });
-                self.actions.push_back(Action::DropPayload { request: f.request });
+                self.actions.push_back(f.reply(Err(UploadRejection::RoundClosed)));
             }
         }
         self.actions.push_back(Action::StopRun { open_round: round.map(|r| r.opened.round_idx) });
@@ -1245,11 +772,6 @@ impl ActiveRound {
     /// Whether an update or partial carrying `device` is on its way into the store.
     fn in_flight_for(&self, device: DeviceId) -> bool {
         self.in_flight.values().any(|f| f.devices.contains(&device))
-    }
-
-    /// Whether an aggregator with devices in this round has not reported its partial yet.
-    fn shards_pending(&self) -> bool {
-        self.assigned.values().any(|a| !self.shards_reported.contains(a))
     }
 
     /// Which round `round_idx` names, relative to this one; `Ok` if it is this open round and

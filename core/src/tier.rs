@@ -247,7 +247,7 @@ fn no_example_cap() -> u64 {
 
 /// `POST /v1/aggregation/runs/{run}/rounds/{round}/partial`: an aggregator's reduced shard.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct PartialReport {
     /// The model version the updates were computed on.
     pub model_version: ModelVersion,
@@ -269,6 +269,20 @@ pub struct PartialReport {
     pub sum_lo: Vec<u8>,
     /// Per metric: example-weighted sum and the weight behind it.
     pub metrics: BTreeMap<String, (f64, u64)>,
+}
+
+/// Everything but the sums' bytes: reports travel inside traces and logs.
+impl std::fmt::Debug for PartialReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartialReport")
+            .field("model_version", &self.model_version)
+            .field("aggregators", &self.aggregators)
+            .field("devices", &self.devices)
+            .field("total_weight", &self.total_weight)
+            .field("sum_bytes", &(self.sum_hi.len() + self.sum_lo.len()))
+            .field("metrics", &self.metrics)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a partial report was refused.

@@ -116,7 +116,7 @@ async fn partial(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    let report = Box::new(report);
+    let (report, sums) = (std::sync::Arc::new(report), std::sync::Arc::new(sums));
     state.driver().call(|reply| Event::Partial { run_id, round_idx, report, sums, reply }).await?;
     Ok(StatusCode::NO_CONTENT)
 }

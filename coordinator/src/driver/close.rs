@@ -1,0 +1,167 @@
+//! Closing a round, off the driver task: aggregate (or take a secure round's unmasked sum),
+//! apply it, encode the new model and commit it with the round's row and pooled evaluation in
+//! one transaction; or record the failure. Store failures are retried until the write lands or
+//! is fenced off.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
+use starling_core::plan::ValidatedPlan;
+use starling_core::round::{RoundClosing, RoundOutcome};
+use starling_core::{Millis, RunId};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{CommittedModel, Internal, encode_model};
+use crate::clock::now_ms;
+use crate::observe::Observer;
+use crate::store::{RoundCommit, SqlStore, StoreError};
+
+/// Aggregates and commits a closed round, retrying the store until it succeeds.
+pub(super) struct CloseTask {
+    pub(super) store: SqlStore,
+    pub(super) observer: Observer,
+    pub(super) opened_at: Millis,
+    pub(super) run_id: RunId,
+    pub(super) closing: RoundClosing,
+    pub(super) finish: oneshot::Receiver<Result<Aggregate, AggregateError>>,
+    /// A secure round's pooled evaluation, committed with the round.
+    pub(super) evaluation: Option<PooledEvaluation>,
+    pub(super) global: Arc<Vec<f32>>,
+    pub(super) plan: Arc<ValidatedPlan>,
+    pub(super) internal: mpsc::UnboundedSender<Internal>,
+}
+
+impl CloseTask {
+    pub(super) async fn run(self) {
+        let CloseTask {
+            store,
+            observer,
+            opened_at,
+            run_id,
+            closing,
+            finish,
+            evaluation,
+            global,
+            plan,
+            internal,
+        } = self;
+        let round_idx = closing.round_idx;
+        let closing_started = std::time::Instant::now();
+        let open_ms = closing.closed_at - opened_at;
+        let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
+        let committed = match (closing.outcome, aggregate) {
+            (RoundOutcome::Commit, Ok(aggregate)) => {
+                let server_lr = plan.plan().server_learning_rate;
+                let prepared = tokio::task::spawn_blocking(move || {
+                    let values = aggregate.apply(&global, server_lr)?;
+                    let (encoded, hash) = encode_model(plan.schema(), &values);
+                    Ok::<_, AggregateError>((values, encoded, hash, aggregate.metrics))
+                })
+                .await
+                .expect("aggregation task panicked");
+                match prepared {
+                    Ok((values, encoded, hash, metrics)) => {
+                        let commit = RoundCommit {
+                            closing,
+                            model: &encoded,
+                            model_hash: &hash,
+                            metrics: &metrics,
+                            evaluation: evaluation.as_ref(),
+                        };
+                        let commit_started = std::time::Instant::now();
+                        if retry_store("commit round", run_id, || {
+                            store.commit_round(run_id, commit.clone(), now_ms())
+                        })
+                        .await
+                        .is_err()
+                        {
+                            let _ = internal.send(Internal::Deposed);
+                            return;
+                        }
+                        observer
+                            .store_latency("commit_round", commit_started.elapsed().as_secs_f64());
+                        observer.round_closed(
+                            run_id,
+                            round_idx,
+                            "committed",
+                            closing.n_dropped,
+                            open_ms,
+                            Some(closing_started.elapsed().as_secs_f64() * 1e3),
+                        );
+                        tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
+                        Some(CommittedModel { values: Arc::new(values), hash })
+                    }
+                    Err(e) => {
+                        tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
+                        if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
+                            .await
+                            .is_err()
+                        {
+                            let _ = internal.send(Internal::Deposed);
+                            return;
+                        }
+                        observer.round_closed(
+                            run_id,
+                            round_idx,
+                            "aggregate_rejected",
+                            closing.n_dropped,
+                            open_ms,
+                            None,
+                        );
+                        None
+                    }
+                }
+            }
+            (outcome, _) => {
+                tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
+                if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
+                    .await
+                    .is_err()
+                {
+                    let _ = internal.send(Internal::Deposed);
+                    return;
+                }
+                observer.round_closed(
+                    run_id,
+                    round_idx,
+                    outcome.label(),
+                    closing.n_dropped,
+                    open_ms,
+                    None,
+                );
+                None
+            }
+        };
+        let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
+    }
+}
+
+/// Another coordinator leads: a write was fenced off.
+#[derive(Debug)]
+struct Deposed;
+
+/// Retries a store write until it succeeds; a conflict means an earlier attempt whose answer
+/// was lost already succeeded. Fails only when the write was fenced off.
+async fn retry_store<F, Fut>(what: &str, run_id: RunId, mut op: F) -> Result<(), Deposed>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Ok(()) | Err(StoreError::Conflict) => return Ok(()),
+            Err(e @ StoreError::Fenced { .. }) => {
+                // The successor recovers the round from the store and closes it itself.
+                tracing::error!(%run_id, error = %e, "{what} fenced off; left to the new leader");
+                return Err(Deposed);
+            }
+            Err(e) => {
+                tracing::error!(%run_id, error = %e, ?backoff, "{what} failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Carrying out the run machines' actions, by the rules of the driver's module doc: a batch's
+//! small transitions in one transaction before any of its replies; payloads written
+//! concurrently off the loop and fed back as [`Internal::Persisted`]; folds in slot order on
+//! the run's accumulator thread; closings spawned once the batch's records are durable.
+
+use std::time::Duration;
+
+use starling_core::RunId;
+use starling_core::codec;
+use starling_core::round::{Action, RequestId, RunStatus};
+use starling_core::wire::{SecAggInstruction, UploadAck};
+use tokio::sync::{mpsc, oneshot};
+
+use super::close::CloseTask;
+use super::{Driver, DriverError, Internal, Responder, RunEntry};
+use crate::clock::now_ms;
+use crate::observe::Observer;
+use crate::store::{SqlStore, StoreError, Transition};
+use crate::tier::AggregatorRegistry;
+
+/// A reply held back until the batch's transitions are durable.
+type Deferred = Box<dyn FnOnce() + Send>;
+
+fn later<T: Send + 'static>(reply: oneshot::Sender<T>, value: T) -> Deferred {
+    Box::new(move || {
+        let _ = reply.send(value);
+    })
+}
+
+/// What one run's drained actions add up to: records to persist together, replies to send
+/// once they are, rounds to close after that.
+#[derive(Default)]
+struct Batch {
+    transitions: Vec<Transition>,
+    replies: Vec<Deferred>,
+    closings: Vec<CloseTask>,
+}
+
+/// The parts of the driver that actions use besides the run itself.
+struct Effects<'a> {
+    store: &'a SqlStore,
+    observer: &'a Observer,
+    internal: &'a mpsc::UnboundedSender<Internal>,
+    tier: Option<&'a AggregatorRegistry>,
+}
+
+impl Driver {
+    /// Drains every machine's actions and executes them.
+    pub(super) async fn execute_actions(&mut self) {
+        let now = now_ms();
+        let effects = Effects {
+            store: &self.store,
+            observer: &self.observer,
+            internal: &self.internal_tx,
+            tier: self.tier.as_ref(),
+        };
+        let mut ended = vec![];
+        for (&run_id, entry) in self.runs.iter_mut() {
+            let mut batch = Batch::default();
+            while let Some(action) = entry.machine.poll_action() {
+                effects.execute(run_id, entry, action, &mut batch);
+            }
+            if !batch.transitions.is_empty() {
+                let started = std::time::Instant::now();
+                if persist_transitions(effects.store, run_id, &batch.transitions, now)
+                    .await
+                    .is_err()
+                {
+                    // A successor leads: nothing of this batch is durable, so nobody hears of
+                    // it, and the driver stops (see `run`).
+                    self.deposed = true;
+                    return;
+                }
+                effects.observer.store_latency("transitions", started.elapsed().as_secs_f64());
+            }
+            for task in batch.closings {
+                tokio::spawn(task.run());
+            }
+            for reply in batch.replies {
+                reply();
+            }
+            let status = entry.machine.status();
+            if status != RunStatus::Running {
+                for stop in entry.stops.drain(..) {
+                    let _ = stop.send(Ok(()));
+                }
+            }
+            if matches!(status, RunStatus::Stopped | RunStatus::Finished) {
+                ended.push(run_id);
+            }
+        }
+        for run_id in ended {
+            if let Some(mut entry) = self.runs.remove(&run_id) {
+                for (_, responder) in entry.responders.drain() {
+                    responder.run_ended(run_id);
+                }
+            }
+        }
+    }
+}
+
+/// Writes a batch's transitions, retrying with backoff until they are durable; `Err` only when
+/// the write was fenced off (another coordinator leads).
+async fn persist_transitions(
+    store: &SqlStore,
+    run_id: RunId,
+    transitions: &[Transition],
+    now: starling_core::Millis,
+) -> Result<(), StoreError> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match store.apply_transitions(run_id, transitions, now).await {
+            Ok(()) => return Ok(()),
+            Err(e @ StoreError::Fenced { .. }) => {
+                tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");
+                return Err(e);
+            }
+            Err(e) => {
+                tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+impl Effects<'_> {
+    fn execute(&self, run_id: RunId, entry: &mut RunEntry, action: Action, batch: &mut Batch) {
+        match action {
+            Action::OpenRound(opened) => {
+                tracing::info!(%run_id, round = %opened.round_idx, model_version = %opened.model_version, "round opened");
+                entry.accumulator.reset(entry.global.len());
+                self.observer.round_opened(run_id, opened.round_idx);
+                batch.transitions.push(Transition::OpenRound(opened));
+            }
+            Action::PersistSelection { round_idx, device, aggregator } => {
+                self.observer.selected();
+                batch.transitions.push(Transition::Select { round_idx, device, aggregator });
+            }
+            Action::ReplyCheckIn { request, decision } => {
+                if let Some(Responder::CheckIn { device, reply }) =
+                    entry.responders.remove(&request)
+                {
+                    let answer = entry.check_in_response(run_id, device, decision, self.tier);
+                    batch.replies.push(later(reply, Ok(answer)));
+                }
+            }
+            Action::PersistUpdate { request, round_idx, device, slot, update } => {
+                let store = self.store.clone();
+                self.persist_in_background((run_id, request), "insert_update", async move {
+                    let metrics =
+                        serde_json::to_string(update.metrics()).expect("metrics serialize");
+                    let res = store
+                        .insert_update(
+                            run_id,
+                            round_idx,
+                            device,
+                            slot,
+                            update.example_count(),
+                            &metrics,
+                            update.delta_le_bytes(),
+                            now_ms(),
+                        )
+                        .await;
+                    if let Err(e) = &res {
+                        tracing::warn!(%run_id, %device, error = %e, "update not persisted");
+                    }
+                    res
+                });
+            }
+            Action::ReplyUpload { request, result } => {
+                if let Some(Responder::Upload { round_idx, reply }) =
+                    entry.responders.remove(&request)
+                {
+                    let res = result.map(|()| UploadAck { run_id, round_idx }).map_err(Into::into);
+                    batch.replies.push(later(reply, res));
+                }
+            }
+            Action::PersistPartial { request, round_idx, slot, report } => {
+                let store = self.store.clone();
+                self.persist_in_background((run_id, request), "insert_partial", async move {
+                    let res = store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
+                    match &res {
+                        Ok(()) => {
+                            tracing::info!(%run_id, round = %round_idx, aggregators = ?report.aggregators, devices = report.devices.len(), "partial persisted")
+                        }
+                        Err(e) => {
+                            tracing::warn!(%run_id, round = %round_idx, error = %e, "partial not persisted")
+                        }
+                    }
+                    res
+                });
+            }
+            Action::ReplyPartial { request, result } => {
+                if let Some(Responder::Partial(reply)) = entry.responders.remove(&request) {
+                    batch.replies.push(later(reply, result.map_err(DriverError::from)));
+                }
+            }
+            Action::Fold(contribution) => entry.accumulator.fold(contribution),
+            Action::PersistSecAgg { round_idx, seq, record } => {
+                let record = codec::to_vec(&record).expect("records encode");
+                batch.transitions.push(Transition::SecAggRecord { round_idx, seq, record });
+            }
+            Action::ReplySecAgg { request, result } => {
+                if let Some(Responder::SecAgg(reply)) = entry.responders.remove(&request) {
+                    batch.replies.push(later(reply, result.map_err(DriverError::SecAgg)));
+                }
+            }
+            Action::ReplySecAggPoll { request, result } => {
+                if let Some(Responder::SecAggPoll(reply)) = entry.responders.remove(&request) {
+                    let res: Result<SecAggInstruction, _> = result.map_err(DriverError::SecAgg);
+                    batch.replies.push(later(reply, res));
+                }
+            }
+            Action::SecureAggregate { round_idx, aggregate, evaluation } => {
+                tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, evaluated = evaluation.is_some(), "secure aggregation unmasked the cohort's sum");
+                entry.secure_aggregate = Some((aggregate, evaluation));
+            }
+            Action::CloseRound(closing) => {
+                let opened_at =
+                    entry.machine.current_round().map_or(closing.closed_at, |r| r.opened_at);
+                let (finish, evaluation) = match entry.secure_aggregate.take() {
+                    Some((aggregate, evaluation)) => {
+                        let (tx, rx) = oneshot::channel();
+                        let _ = tx.send(Ok(aggregate));
+                        (rx, evaluation)
+                    }
+                    None => (entry.accumulator.finish(), None),
+                };
+                // Spawned once this batch's transitions are durable: the commit then follows
+                // the round's last records, which it deletes.
+                batch.closings.push(CloseTask {
+                    store: self.store.clone(),
+                    observer: self.observer.clone(),
+                    opened_at,
+                    run_id,
+                    closing,
+                    finish,
+                    evaluation,
+                    global: entry.global.clone(),
+                    plan: entry.plan.clone(),
+                    internal: self.internal.clone(),
+                });
+            }
+            Action::FinishRun => {
+                tracing::info!(%run_id, "run finished");
+                self.observer.run_state(run_id, "finished");
+                batch.transitions.push(Transition::FinishRun);
+            }
+            Action::StopRun { open_round } => {
+                tracing::info!(%run_id, "run stopped");
+                if let Some(round_idx) = open_round {
+                    self.observer.round_stopped(run_id, round_idx);
+                }
+                self.observer.run_state(run_id, "stopped");
+                batch.transitions.push(Transition::StopRun { open_round });
+            }
+        }
+    }
+
+    /// Runs one durable write of a request's payload (an update, a partial) off the driver
+    /// loop: records its latency under `what`, and tells the loop whether the payload is
+    /// durable (and, when the write was fenced off, that another coordinator leads).
+    fn persist_in_background(
+        &self,
+        (run_id, request): (RunId, RequestId),
+        what: &'static str,
+        write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
+    ) {
+        let (internal, observer) = (self.internal.clone(), self.observer.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let res = write.await;
+            observer.store_latency(what, started.elapsed().as_secs_f64());
+            if matches!(res, Err(StoreError::Fenced { .. })) {
+                let _ = internal.send(Internal::Deposed);
+            }
+            let _ = internal.send(Internal::Persisted { run_id, request, ok: res.is_ok() });
+        });
+    }
+}

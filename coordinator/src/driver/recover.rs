@@ -1,0 +1,144 @@
+//! A starting coordinator rebuilds every running run from the store: latest model, open round,
+//! its selections and secure-aggregation records, and its stored updates and partials
+//! replayed into a fresh accumulator in slot order, so the round commits what it would have
+//! without the restart.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use starling_core::codec;
+use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
+use starling_core::plan::Plan;
+use starling_core::round::secure::Record;
+use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
+use starling_core::tensor::TensorPayload;
+use starling_core::tier::PartialReport;
+use starling_core::{ModelVersion, RoundIdx, RunId};
+use tokio::sync::mpsc;
+
+use super::{Driver, DriverHandle, RunEntry, entropy};
+use crate::clock::now_ms;
+use crate::observe::Observer;
+use crate::store::{SqlStore, StoreError};
+use crate::tier::{AggregatorRegistry, TierSettings};
+
+impl Driver {
+    /// Rebuilds every running run from the store and returns the driver and its handle.
+    pub async fn recover(
+        store: SqlStore,
+        observer: Observer,
+        tier: Option<TierSettings>,
+    ) -> Result<(Driver, DriverHandle), StoreError> {
+        let (tx, rx) = mpsc::channel(4096);
+        let (internal_tx, internal_rx) = mpsc::unbounded_channel();
+        let mut driver = Driver {
+            store,
+            observer,
+            runs: BTreeMap::new(),
+            tier: tier.map(AggregatorRegistry::new),
+            rx,
+            internal_tx,
+            internal_rx,
+            next_request: 0,
+            deposed: false,
+        };
+        for row in driver.store.running_runs().await? {
+            let run_id = RunId(row.id);
+            let plan: Plan = serde_json::from_str(&row.plan_json)
+                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
+            let plan = plan
+                .validate()
+                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
+            let version = ModelVersion(row.model_version);
+            let encoded = driver.store.model(run_id, version).await?.ok_or_else(|| {
+                StoreError::Corrupt(format!("run {run_id} lacks model {version}"))
+            })?;
+            let payload: TensorPayload = codec::decode(&encoded)
+                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
+            let values = plan
+                .schema()
+                .decode_f32(&payload)
+                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
+            let open = driver.store.open_round(run_id).await?;
+            let next_round_idx = driver
+                .store
+                .last_round_idx(run_id)
+                .await?
+                .map_or(RoundIdx(0), |r| RoundIdx(r.0 + 1));
+            let mut acc = FedAvgAccumulator::new(values.len());
+            if let Some(open) = &open {
+                let schema = plan.schema();
+                // Partials and updates share the slot order: merge each partial before the
+                // first update with a later slot.
+                let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
+                    match codec::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
+                        Ok(sums) => Some((slot, sums)),
+                        Err(e) => {
+                            tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
+                            None
+                        }
+                    }
+                }).peekable();
+                let replayed = driver
+                    .store
+                    .for_each_update(run_id, open.round.round_idx, |u| {
+                        while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
+                            acc.merge(&sums);
+                        }
+                        let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
+                        match validate_parts(schema, u.delta, u.example_count as u64, metrics) {
+                            Ok(update) => acc.add(&update),
+                            // Validated before it was stored: only corruption gets here.
+                            Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
+                        }
+                        Ok(())
+                    })
+                    .await?;
+                for (_, sums) in partials {
+                    acc.merge(&sums);
+                }
+                tracing::info!(%run_id, round = %open.round.round_idx, replayed, selected = open.selected.len(), "resuming open round");
+            }
+            let snapshot = RunSnapshot {
+                run_id,
+                config: plan.round_config(),
+                model_version: version,
+                rounds_committed: row.rounds_committed as u32,
+                next_round_idx,
+                open_round: match open {
+                    None => None,
+                    Some(o) => Some(OpenRoundSnapshot {
+                        round: o.round,
+                        selected: o.selected,
+                        reported: o.reported,
+                        secure_records: o
+                            .secure_records
+                            .iter()
+                            .map(|r| codec::decode::<Record>(r))
+                            .collect::<Result<_, _>>()
+                            .map_err(|e| {
+                                StoreError::Corrupt(format!(
+                                    "secure-aggregation record of run {run_id}: {e}"
+                                ))
+                            })?,
+                        assignments: o.assignments,
+                        partials: o.partials,
+                    }),
+                },
+            };
+            let mut machine = RunMachine::restore(snapshot, now_ms(), entropy());
+            if let Some(input) = driver.tier_input() {
+                machine.handle(now_ms(), input);
+            }
+            let entry = RunEntry::new(
+                machine,
+                Arc::new(plan),
+                Arc::new(values),
+                payload.content_hash(),
+                acc,
+            );
+            driver.runs.insert(run_id, entry);
+        }
+        Ok((driver, DriverHandle { tx }))
+    }
+}
