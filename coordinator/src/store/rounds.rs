@@ -1,0 +1,504 @@
+//! Rounds: the small transitions a batch writes together, the open round a restart resumes,
+//! and the commit or failure that closes a round.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use sqlx::FromRow;
+use starling_core::round::{RoundClosing, RoundOpened, StoredPartial};
+use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
+
+use super::runs::set_run_status;
+use super::secure::delete_secagg_records;
+use super::*;
+
+/// A round as stored.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct RoundRow {
+    /// Run id.
+    pub run_id: i64,
+    /// Round index.
+    pub round_idx: i64,
+    /// Model version trained on.
+    pub model_version: i64,
+    /// `open`, `committed` or `failed`.
+    pub state: String,
+    /// Opening time.
+    pub opened_at_ms: i64,
+    /// End of selection.
+    pub selection_deadline_ms: i64,
+    /// Reporting deadline.
+    pub reporting_deadline_ms: i64,
+    /// Closing time, once closed.
+    pub closed_at_ms: Option<i64>,
+    /// Devices selected (live count while open).
+    pub n_selected: Option<i64>,
+    /// Durable updates (live count while open).
+    pub n_reported: Option<i64>,
+    /// Selected devices that did not report.
+    pub n_dropped: Option<i64>,
+    /// The closing outcome, JSON.
+    pub outcome_json: Option<String>,
+    /// Weighted mean of the clients' training metrics, JSON.
+    pub metrics_json: Option<String>,
+}
+
+/// A device selected for a round, as [`SqlStore::round_devices`] reads it back.
+#[derive(Debug, Clone, PartialEq, Eq, FromRow)]
+pub struct RoundDeviceRow {
+    /// Device id.
+    pub device_id: i64,
+    /// When it was selected.
+    pub selected_at_ms: i64,
+    /// Its aggregator, in a tiered round.
+    pub aggregator_id: Option<i64>,
+    /// `update` or `partial` once its contribution is durable; `None` otherwise.
+    pub reported: Option<String>,
+    /// Its upload's example count, for `update`.
+    pub example_count: Option<i64>,
+}
+
+/// A committed round's new model and aggregated metrics.
+#[derive(Debug, Clone)]
+pub struct RoundCommit<'a> {
+    /// The close record.
+    pub closing: RoundClosing,
+    /// The new model, encoded.
+    pub model: &'a [u8],
+    /// Its content hash.
+    pub model_hash: &'a str,
+    /// Aggregated training metrics.
+    pub metrics: &'a BTreeMap<String, f64>,
+    /// A secure round's pooled evaluation of the model it trained on, if any.
+    pub evaluation: Option<&'a starling_core::fedavg::PooledEvaluation>,
+}
+
+/// The columns of a [`RoundRow`], with live selected/reported counts for an open round
+/// (a macro so that queries built on it stay `&'static str`).
+macro_rules! round_select {
+    () => {
+        "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
+                    r.reporting_deadline_ms, r.closed_at_ms,
+                    COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
+                    COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)
+                             + (SELECT CAST(COALESCE(SUM(p.n_devices), 0) AS BIGINT) FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx)) AS n_reported,
+                    r.n_dropped, r.outcome_json, r.metrics_json
+         FROM rounds r"
+    };
+}
+
+/// The state of an open round as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenRoundState {
+    /// The round row.
+    pub round: RoundOpened,
+    /// Selected devices.
+    pub selected: Vec<DeviceId>,
+    /// Devices with a stored update, and their slots, in slot order.
+    pub reported: Vec<(DeviceId, i64)>,
+    /// A secure round's records (CBOR), in seq order.
+    pub secure_records: Vec<Vec<u8>>,
+    /// Devices that upload through an aggregator.
+    pub assignments: Vec<(DeviceId, AggregatorId)>,
+    /// Durable partials (without their sums), in slot order.
+    pub partials: Vec<StoredPartial>,
+}
+
+/// A small durable transition, batched by [`SqlStore::apply_transitions`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// A round opened.
+    OpenRound(RoundOpened),
+    /// A device was selected.
+    Select {
+        /// Round.
+        round_idx: RoundIdx,
+        /// Device.
+        device: DeviceId,
+        /// The aggregator it uploads to, if the round goes through the tier.
+        aggregator: Option<AggregatorId>,
+    },
+    /// A secure round's protocol record (CBOR), at position `seq` of the round's log.
+    SecAggRecord {
+        /// Round.
+        round_idx: RoundIdx,
+        /// Position.
+        seq: i64,
+        /// The encoded record.
+        record: Vec<u8>,
+    },
+    /// The run committed all its rounds.
+    FinishRun,
+    /// The operator stopped the run.
+    StopRun {
+        /// Round that was open, recorded as failed.
+        open_round: Option<RoundIdx>,
+    },
+}
+
+/// Drops a closed round's update deltas and partial sums (the rows stay, as the record of who
+/// took part).
+pub(super) async fn release_payloads(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> StoreResult<()> {
+    for sql in [
+        "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2",
+        "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2",
+    ] {
+        sqlx::query(sql)
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .execute(&mut **tx)
+            .await
+            .map_err(map_err)?;
+    }
+    Ok(())
+}
+
+async fn close_round_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    c: &RoundClosing,
+    state: &str,
+    metrics: Option<&BTreeMap<String, f64>>,
+) -> StoreResult<()> {
+    let outcome_json = serde_json::to_string(&c.outcome).expect("outcome serializes");
+    let metrics_json = metrics.map(|m| serde_json::to_string(m).expect("metrics serialize"));
+    let res = sqlx::query(
+        "UPDATE rounds SET state = $3, closed_at_ms = $4, n_selected = $5, n_reported = $6, n_dropped = $7,
+                outcome_json = $8, metrics_json = $9
+         WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+    )
+    .bind(run_id.0)
+    .bind(c.round_idx.0)
+    .bind(state)
+    .bind(c.closed_at)
+    .bind(i64::from(c.n_selected))
+    .bind(i64::from(c.n_reported))
+    .bind(i64::from(c.n_dropped))
+    .bind(outcome_json)
+    .bind(metrics_json)
+    .execute(&mut **tx)
+    .await
+    .map_err(map_err)?;
+    if res.rows_affected() != 1 {
+        // Closing a round twice (or one that never opened) is a driver bug; refuse loudly.
+        return Err(StoreError::Corrupt(format!(
+            "round {} of run {run_id} is not open",
+            c.round_idx
+        )));
+    }
+    Ok(())
+}
+
+impl SqlStore {
+    /// Executes a batch of small transitions (round openings, selections, run status) in one
+    /// transaction, in order.
+    pub async fn apply_transitions(
+        &self,
+        run_id: RunId,
+        batch: &[Transition],
+        now: Millis,
+    ) -> StoreResult<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        for t in batch {
+            match t {
+                Transition::OpenRound(r) => {
+                    sqlx::query(
+                        "INSERT INTO rounds (run_id, round_idx, model_version, state, opened_at_ms, selection_deadline_ms, reporting_deadline_ms)
+                         VALUES ($1, $2, $3, 'open', $4, $5, $6) ON CONFLICT DO NOTHING",
+                    )
+                    .bind(run_id.0)
+                    .bind(r.round_idx.0)
+                    .bind(r.model_version.0)
+                    .bind(r.opened_at)
+                    .bind(r.selection_deadline)
+                    .bind(r.reporting_deadline)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                }
+                Transition::Select { round_idx, device, aggregator } => {
+                    sqlx::query(
+                        // Idempotent, like the round insert: a retry after a commit whose
+                        // answer was lost must not fail on its own earlier write.
+                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(run_id.0)
+                    .bind(round_idx.0)
+                    .bind(device.0)
+                    .bind(now)
+                    .bind(aggregator.map(|a| i64::from(a.0)))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                }
+                Transition::SecAggRecord { round_idx, seq, record } => {
+                    sqlx::query(
+                        "INSERT INTO secagg_records (run_id, round_idx, seq, record, created_at_ms) VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(run_id.0)
+                    .bind(round_idx.0)
+                    .bind(*seq)
+                    .bind(record.as_slice())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                }
+                Transition::FinishRun => {
+                    set_run_status(&mut tx, run_id, "finished", now).await?;
+                }
+                Transition::StopRun { open_round } => {
+                    if let Some(round_idx) = open_round {
+                        sqlx::query(
+                            "UPDATE rounds SET state = 'failed', closed_at_ms = $3, outcome_json = $4
+                             WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+                        )
+                        .bind(run_id.0)
+                        .bind(round_idx.0)
+                        .bind(now)
+                        .bind(r#"{"outcome":"stopped"}"#)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(map_err)?;
+                        delete_secagg_records(&mut tx, run_id, *round_idx).await?;
+                        release_payloads(&mut tx, run_id, *round_idx).await?;
+                    }
+                    set_run_status(&mut tx, run_id, "stopped", now).await?;
+                }
+            }
+        }
+        tx.commit().await.map_err(map_err)
+    }
+
+    /// The open round of a run, its selections and its durable updates' (device, slot).
+    pub async fn open_round(&self, run_id: RunId) -> StoreResult<Option<OpenRoundState>> {
+        let round: Option<RoundRow> = sqlx::query_as(
+            "SELECT * FROM rounds WHERE run_id = $1 AND state = 'open' ORDER BY round_idx DESC LIMIT 1",
+        )
+        .bind(run_id.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let Some(round) = round else { return Ok(None) };
+        let selected: Vec<(i64,)> =
+            sqlx::query_as("SELECT device_id FROM selections WHERE run_id = $1 AND round_idx = $2 ORDER BY device_id")
+                .bind(run_id.0)
+                .bind(round.round_idx)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+        let reported: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT device_id, slot FROM updates WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let assignments: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT device_id, aggregator_id FROM selections
+             WHERE run_id = $1 AND round_idx = $2 AND aggregator_id IS NOT NULL ORDER BY device_id",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let partials: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT slot, aggregators_json, devices_json FROM partials WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let ids = |json: &str| -> StoreResult<Vec<i64>> {
+            serde_json::from_str(json)
+                .map_err(|e| StoreError::Corrupt(format!("partial id list of run {run_id}: {e}")))
+        };
+        let partials = partials
+            .iter()
+            .map(|(slot, aggregators, devices)| {
+                Ok(StoredPartial {
+                    slot: *slot,
+                    aggregators: ids(aggregators)?
+                        .into_iter()
+                        .map(|a| AggregatorId(a as u32))
+                        .collect(),
+                    devices: ids(devices)?.into_iter().map(DeviceId).collect(),
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        let secure_records: Vec<(Vec<u8>,)> = sqlx::query_as(
+            "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
+        )
+        .bind(run_id.0)
+        .bind(round.round_idx)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(Some(OpenRoundState {
+            round: RoundOpened {
+                round_idx: RoundIdx(round.round_idx),
+                model_version: ModelVersion(round.model_version),
+                opened_at: round.opened_at_ms,
+                selection_deadline: round.selection_deadline_ms,
+                reporting_deadline: round.reporting_deadline_ms,
+            },
+            selected: selected.into_iter().map(|(d,)| DeviceId(d)).collect(),
+            reported: reported.into_iter().map(|(d, s)| (DeviceId(d), s)).collect(),
+            secure_records: secure_records.into_iter().map(|(r,)| r).collect(),
+            assignments: assignments
+                .into_iter()
+                .map(|(d, a)| (DeviceId(d), AggregatorId(a as u32)))
+                .collect(),
+            partials,
+        }))
+    }
+
+    /// Every device selected for a round, by id, with how its contribution reached the round.
+    pub async fn round_devices(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<Vec<RoundDeviceRow>> {
+        let mut rows: Vec<RoundDeviceRow> = sqlx::query_as(
+            "SELECT s.device_id, s.selected_at_ms, s.aggregator_id,
+                    CASE WHEN u.device_id IS NULL THEN NULL ELSE 'update' END AS reported,
+                    u.example_count
+             FROM selections s LEFT JOIN updates u
+               ON u.run_id = s.run_id AND u.round_idx = s.round_idx AND u.device_id = s.device_id
+             WHERE s.run_id = $1 AND s.round_idx = $2 ORDER BY s.device_id",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let partials: Vec<(String,)> = sqlx::query_as(
+            "SELECT devices_json FROM partials WHERE run_id = $1 AND round_idx = $2",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        for (json,) in partials {
+            let devices: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
+                StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
+            })?;
+            for row in rows.iter_mut().filter(|r| devices.contains(&r.device_id)) {
+                row.reported = Some("partial".to_owned());
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Highest round index ever opened for a run.
+    pub async fn last_round_idx(&self, run_id: RunId) -> StoreResult<Option<RoundIdx>> {
+        let row: Option<(i64,)> = sqlx::query_as(
+            "SELECT round_idx FROM rounds WHERE run_id = $1 ORDER BY round_idx DESC LIMIT 1",
+        )
+        .bind(run_id.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(row.map(|(r,)| RoundIdx(r)))
+    }
+
+    /// Commits a round: new model version, round row, run progress, and the round's update
+    /// payloads released (they now live on in the model), in one transaction.
+    pub async fn commit_round(
+        &self,
+        run_id: RunId,
+        commit: RoundCommit<'_>,
+        now: Millis,
+    ) -> StoreResult<()> {
+        let c = commit.closing;
+        let new_version = c.model_version.0 + 1;
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        sqlx::query(
+            "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(run_id.0)
+        .bind(new_version)
+        .bind(commit.model_hash)
+        .bind(commit.model)
+        .bind(c.round_idx.0)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        close_round_row(&mut tx, run_id, &c, "committed", Some(commit.metrics)).await?;
+        sqlx::query(
+            "UPDATE runs SET model_version = $2, rounds_committed = rounds_committed + 1, updated_at_ms = $3 WHERE id = $1",
+        )
+        .bind(run_id.0)
+        .bind(new_version)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        release_payloads(&mut tx, run_id, c.round_idx).await?;
+        delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
+        if let Some(e) = commit.evaluation {
+            let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
+            sqlx::query(
+                "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(run_id.0)
+            .bind(c.model_version.0)
+            .bind(SECURE_EVALUATION_SOURCE)
+            .bind(e.n_devices as i64)
+            .bind(e.example_count as i64)
+            .bind(metrics)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        }
+        tx.commit().await.map_err(map_err)
+    }
+
+    /// Records a failed round. Its updates stay stored but are never folded: a retry is a new
+    /// round with new uploads.
+    pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        close_round_row(&mut tx, run_id, &closing, "failed", None).await?;
+        release_payloads(&mut tx, run_id, closing.round_idx).await?;
+        delete_secagg_records(&mut tx, run_id, closing.round_idx).await?;
+        tx.commit().await.map_err(map_err)
+    }
+
+    /// A run's rounds, oldest first, with live counts for the open one.
+    pub async fn rounds(&self, run_id: RunId) -> StoreResult<Vec<RoundRow>> {
+        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 ORDER BY r.round_idx"))
+            .bind(run_id.0)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
+    /// One round, with live counts if it is open.
+    pub async fn round(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<Option<RoundRow>> {
+        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 AND r.round_idx = $2"))
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+}

@@ -1,0 +1,184 @@
+//! Runs and their committed models.
+
+use serde::Serialize;
+use sqlx::FromRow;
+use starling_core::{Millis, ModelVersion, RunId};
+
+use super::*;
+
+/// A run as stored.
+#[derive(Debug, Clone, FromRow)]
+pub struct RunRow {
+    /// Run id.
+    pub id: i64,
+    /// Display name.
+    pub name: Option<String>,
+    /// Population.
+    pub population: String,
+    /// The submitted plan, JSON.
+    pub plan_json: String,
+    /// `running`, `finished` or `stopped`.
+    pub status: String,
+    /// Latest committed model version.
+    pub model_version: i64,
+    /// Rounds committed.
+    pub rounds_committed: i64,
+    /// Creation time.
+    pub created_at_ms: i64,
+    /// Last transition time.
+    pub updated_at_ms: i64,
+}
+
+/// A model version as stored, without its bytes.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct ModelInfo {
+    /// Model version.
+    pub version: i64,
+    /// Content hash (download path).
+    pub content_hash: String,
+    /// Round that produced it (`None` for version 0).
+    pub round_idx: Option<i64>,
+    /// Commit time.
+    pub created_at_ms: i64,
+}
+
+/// A new run with its initial model.
+#[derive(Debug, Clone)]
+pub struct NewRun<'a> {
+    /// Display name.
+    pub name: Option<&'a str>,
+    /// Population.
+    pub population: &'a str,
+    /// Plan JSON.
+    pub plan_json: &'a str,
+    /// Model version 0, encoded.
+    pub initial_model: &'a [u8],
+    /// Its content hash.
+    pub initial_model_hash: &'a str,
+}
+
+pub(super) async fn set_run_status(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: RunId,
+    status: &str,
+    now: Millis,
+) -> StoreResult<()> {
+    sqlx::query("UPDATE runs SET status = $2, updated_at_ms = $3 WHERE id = $1")
+        .bind(run_id.0)
+        .bind(status)
+        .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_err)?;
+    Ok(())
+}
+
+impl SqlStore {
+    /// Creates a run and its model version 0 in one transaction.
+    pub async fn create_run(&self, run: NewRun<'_>, now: Millis) -> StoreResult<RunId> {
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        let (id,): (i64,) = sqlx::query_as(
+            "INSERT INTO runs (name, population, plan_json, status, model_version, rounds_committed, created_at_ms, updated_at_ms)
+             VALUES ($1, $2, $3, 'running', 0, 0, $4, $4) RETURNING id",
+        )
+        .bind(run.name)
+        .bind(run.population)
+        .bind(run.plan_json)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        sqlx::query(
+            "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, 0, $2, $3, NULL, $4)",
+        )
+        .bind(id)
+        .bind(run.initial_model_hash)
+        .bind(run.initial_model)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(RunId(id))
+    }
+
+    /// One run.
+    pub async fn run(&self, run_id: RunId) -> StoreResult<Option<RunRow>> {
+        sqlx::query_as("SELECT * FROM runs WHERE id = $1")
+            .bind(run_id.0)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
+    /// All runs, newest first.
+    pub async fn runs(&self) -> StoreResult<Vec<RunRow>> {
+        sqlx::query_as("SELECT * FROM runs ORDER BY id DESC")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
+    /// Runs still being driven.
+    pub async fn running_runs(&self) -> StoreResult<Vec<RunRow>> {
+        sqlx::query_as("SELECT * FROM runs WHERE status = 'running' ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
+    /// A model's bytes by version.
+    pub async fn model(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+    ) -> StoreResult<Option<Vec<u8>>> {
+        let row: Option<(Vec<u8>,)> =
+            sqlx::query_as("SELECT data FROM models WHERE run_id = $1 AND version = $2")
+                .bind(run_id.0)
+                .bind(version.0)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(map_err)?;
+        Ok(row.map(|(d,)| d))
+    }
+
+    /// A model's bytes by content hash.
+    pub async fn model_by_hash(&self, content_hash: &str) -> StoreResult<Option<Vec<u8>>> {
+        let row: Option<(Vec<u8>,)> =
+            sqlx::query_as("SELECT data FROM models WHERE content_hash = $1 LIMIT 1")
+                .bind(content_hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(map_err)?;
+        Ok(row.map(|(d,)| d))
+    }
+
+    /// Every model version of a run, oldest first.
+    pub async fn models(&self, run_id: RunId) -> StoreResult<Vec<ModelInfo>> {
+        sqlx::query_as(
+            "SELECT version, content_hash, round_idx, created_at_ms FROM models WHERE run_id = $1 ORDER BY version",
+        )
+        .bind(run_id.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)
+    }
+
+    /// Content hash of one model version.
+    pub async fn model_hash(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+    ) -> StoreResult<Option<String>> {
+        let row: Option<(String,)> =
+            sqlx::query_as("SELECT content_hash FROM models WHERE run_id = $1 AND version = $2")
+                .bind(run_id.0)
+                .bind(version.0)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(map_err)?;
+        Ok(row.map(|(h,)| h))
+    }
+}

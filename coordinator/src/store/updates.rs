@@ -1,0 +1,131 @@
+//! Updates and aggregators' partials: written one by one before they are acknowledged, read
+//! back in slot order when a restarted coordinator replays an open round.
+
+use futures_util::TryStreamExt;
+use sqlx::FromRow;
+use starling_core::codec;
+use starling_core::tier::PartialReport;
+use starling_core::{DeviceId, Millis, RoundIdx, RunId};
+
+use super::*;
+
+/// An update read back for replay.
+#[derive(Debug, Clone, FromRow)]
+pub struct StoredUpdate {
+    /// Device that sent it.
+    pub device_id: i64,
+    /// Arrival slot.
+    pub slot: i64,
+    /// FedAvg weight.
+    pub example_count: i64,
+    /// Local metrics, JSON.
+    pub metrics_json: String,
+    /// Little-endian f32 delta.
+    pub delta: Vec<u8>,
+}
+
+impl SqlStore {
+    /// Writes one update; `Ok` means it is durable and may be acknowledged.
+    #[allow(clippy::too_many_arguments)] // One row's columns; a struct would only rename them.
+    pub async fn insert_update(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        device: DeviceId,
+        slot: i64,
+        example_count: u64,
+        metrics_json: &str,
+        delta: &[u8],
+        now: Millis,
+    ) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        sqlx::query(
+            "INSERT INTO updates (run_id, round_idx, device_id, slot, example_count, metrics_json, delta, received_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .bind(device.0)
+        .bind(slot)
+        .bind(example_count as i64)
+        .bind(metrics_json)
+        .bind(delta)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        tx.commit().await.map_err(map_err)
+    }
+
+    /// Writes one aggregator's partial; `Ok` means it is durable and may be acknowledged.
+    pub async fn insert_partial(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        slot: i64,
+        report: &PartialReport,
+        now: Millis,
+    ) -> StoreResult<()> {
+        let encoded = codec::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        sqlx::query(
+            "INSERT INTO partials (run_id, round_idx, slot, aggregators_json, devices_json, n_devices, total_weight, report, received_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .bind(slot)
+        .bind(ids(report.aggregators.iter().map(|a| i64::from(a.0)).collect()))
+        .bind(ids(report.devices.iter().map(|d| d.0).collect()))
+        .bind(report.devices.len() as i64)
+        .bind(report.total_weight as i64)
+        .bind(encoded)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        tx.commit().await.map_err(map_err)
+    }
+
+    /// A round's stored partial reports (CBOR), by slot; closed rounds hold none.
+    pub async fn partial_reports(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<Vec<(i64, Vec<u8>)>> {
+        sqlx::query_as(
+            "SELECT slot, report FROM partials WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)
+    }
+
+    /// Streams a round's stored updates in slot order to `each`, one at a time, so replay
+    /// needs memory for one update, not the cohort.
+    pub async fn for_each_update(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        mut each: impl FnMut(StoredUpdate) -> StoreResult<()>,
+    ) -> StoreResult<u64> {
+        let mut rows = sqlx::query_as::<_, StoredUpdate>(
+            "SELECT device_id, slot, example_count, metrics_json, delta FROM updates
+             WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch(&self.pool);
+        let mut n = 0;
+        while let Some(row) = rows.try_next().await.map_err(map_err)? {
+            each(row)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
