@@ -9,8 +9,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use starling_aggregator::engine::available_threads;
 use starling_aggregator::gpu::{self, CudaReducer};
-use starling_aggregator::reduce::{CpuReducer, Reducer, available_threads};
+use starling_aggregator::reduce::{CpuReducer, Reducer};
 use starling_core::fedavg::fold_weighted;
 
 fn main() {

@@ -93,7 +93,7 @@ async fn run() -> anyhow::Result<()> {
     if cli.secret.len() < 16 {
         bail!("the aggregator secret must be at least 16 characters");
     }
-    let threads = cli.threads.unwrap_or_else(crate::reduce::available_threads);
+    let threads = cli.threads.unwrap_or_else(crate::engine::available_threads);
     let engine = match cli.engine {
         EngineChoice::Auto => match Engine::detect() {
             Engine::Cpu { .. } => Engine::Cpu { threads },

@@ -11,58 +11,15 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use crate::reduce::{ReduceError, Reducer, Sums};
+pub use crate::error::GpuError;
+use crate::error::ReduceError;
+use crate::reduce::{Reducer, Sums};
 
 const KERNEL_PTX: &str = include_str!("fold_batch.ptx");
-
-/// Why the GPU path is unavailable or failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum GpuError {
-    /// The CUDA driver library (libcuda) is not installed or not on the loader's path.
-    #[error(
-        "no CUDA driver library (libcuda.so) could be loaded: install the NVIDIA driver or use the CPU engine"
-    )]
-    NoDriver,
-    /// The driver loaded but reports no GPU.
-    #[error("the CUDA driver reports no GPU")]
-    NoDevice,
-    /// The NCCL library is not installed or not on the loader's path.
-    #[error(
-        "no NCCL library (libnccl.so) could be loaded: install NCCL or put its directory on LD_LIBRARY_PATH"
-    )]
-    NoNccl,
-    /// A CUDA call failed.
-    #[error("CUDA error: {0}")]
-    Cuda(String),
-    /// An NCCL call failed.
-    #[error("NCCL error: {0}")]
-    Nccl(String),
-    /// An NCCL unique id of the wrong size.
-    #[error("an NCCL unique id is 128 bytes, got {0}")]
-    BadNcclId(usize),
-    /// A collective did not finish by its deadline (a member is gone or stalled); the
-    /// communicator must be dropped (NCCL abort) and the group joined anew.
-    #[error("the NCCL collective did not finish in time")]
-    CollectiveTimeout,
-}
-
-impl From<DriverError> for GpuError {
-    fn from(e: DriverError) -> Self {
-        GpuError::Cuda(format!("{e:?}"))
-    }
-}
-
-impl From<cudarc::nccl::result::NcclError> for GpuError {
-    fn from(e: cudarc::nccl::result::NcclError) -> Self {
-        GpuError::Nccl(format!("{e:?}"))
-    }
-}
 
 /// What [`probe`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,29 +7,14 @@
 //! * [`CpuReducer`]: updates are queued in batches; a batch is reduced tile by tile (a tile of
 //!   sums stays in cache while every update of the batch streams through it), with the
 //!   parameter range split across threads. The inner loop is core's, which LLVM vectorizes.
-//! * [`crate::gpu::CudaReducer`]: batches are copied host-to-device from pinned memory on one
+//! * `gpu::CudaReducer`: batches are copied host-to-device from pinned memory on one
 //!   stream while the previous batch is reduced by a kernel on another.
 
 use std::sync::Arc;
 
 use starling_core::fedavg::fold_weighted;
 
-/// Why a reduction failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ReduceError {
-    /// An update has another length than the shard's model.
-    #[error("update holds {got} bytes, the model {expected}")]
-    Length {
-        /// Bytes a delta of the model has.
-        expected: usize,
-        /// Bytes received.
-        got: usize,
-    },
-    /// The GPU path failed.
-    #[error(transparent)]
-    Gpu(#[from] crate::gpu::GpuError),
-}
+use crate::error::ReduceError;
 
 /// Double-double sums of a shard: high parts, low parts (accumulated rounding errors).
 pub type Sums = (Vec<f64>, Vec<f64>);
@@ -139,53 +124,6 @@ impl Reducer for CpuReducer {
             std::mem::replace(&mut self.lo, vec![0.0; n]),
         ))
     }
-}
-
-/// Which engine an aggregator reduces with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
-    /// The CPU engine on this many threads.
-    Cpu {
-        /// Threads.
-        threads: usize,
-    },
-    /// The CUDA engine on this GPU.
-    Cuda {
-        /// Device ordinal.
-        device: usize,
-    },
-}
-
-impl Engine {
-    /// The CUDA engine on GPU 0 when a CUDA driver and GPU are present, else the CPU engine
-    /// on every core.
-    pub fn detect() -> Engine {
-        match crate::gpu::probe() {
-            Ok(_) => Engine::Cuda { device: 0 },
-            Err(_) => Engine::Cpu { threads: available_threads() },
-        }
-    }
-
-    /// A reducer of this kind for `n_params` parameters.
-    pub fn reducer(&self, n_params: usize) -> Result<Box<dyn Reducer>, ReduceError> {
-        Ok(match *self {
-            Engine::Cpu { threads } => Box::new(CpuReducer::new(n_params, 8, threads)),
-            Engine::Cuda { device } => Box::new(crate::gpu::CudaReducer::new(device, n_params, 8)?),
-        })
-    }
-
-    /// `"cpu"` or `"cuda"`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Engine::Cpu { .. } => "cpu",
-            Engine::Cuda { .. } => "cuda",
-        }
-    }
-}
-
-/// The threads this process may use.
-pub fn available_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, Uplo
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-use crate::reduce::Engine;
+use crate::engine::Engine;
 use crate::shard::ShardAccumulator;
 
 /// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use starling_core::DeviceId;
 use starling_core::fedavg::{MetricsAccumulator, PartialSums, ValidatedUpdate};
 
-use crate::reduce::{ReduceError, Reducer};
+use crate::error::ReduceError;
+use crate::reduce::Reducer;
 
 /// Why a device's update was not taken into the shard.
 #[derive(Debug, thiserror::Error)]

@@ -145,7 +145,10 @@ impl SqlStore {
 
     /// Inside a write transaction of round state: refuses to go on when another coordinator
     /// took the leadership since this store did (see [`Fence`]).
-    pub(super) async fn check_fence(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> StoreResult<()> {
+    pub(super) async fn check_fence(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    ) -> StoreResult<()> {
         let ours = self.fence.epoch.load(Ordering::SeqCst);
         if self.backend != Backend::Postgres || ours == 0 {
             return Ok(());
