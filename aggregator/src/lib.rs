@@ -19,6 +19,7 @@ pub mod error;
 pub mod gpu;
 pub mod group;
 pub mod reduce;
+mod report;
 pub mod service;
 pub mod shard;
 

@@ -32,6 +32,8 @@ use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::engine::Engine;
+use crate::group::{CollectiveOffer, CollectiveTurn, GroupState, HandoffRefusal};
+use crate::report::{Link, send_partial};
 use crate::shard::ShardAccumulator;
 
 /// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
@@ -129,24 +131,11 @@ pub(crate) struct Inner {
     pub(crate) config: AggregatorConfig,
     pub(crate) url: String,
     key: TicketKey,
-    pub(crate) http: reqwest::Client,
+    /// To the coordinator (and, in a group, the leader).
+    pub(crate) link: Link,
     pub(crate) shards: Mutex<HashMap<(RunId, RoundIdx), Shard>>,
     poll_now: Notify,
     pub(crate) group: Option<crate::group::GroupState>,
-}
-
-impl Inner {
-    /// A CBOR request carrying the cluster secret (to the coordinator, or to a group leader).
-    pub(crate) fn cbor_request(
-        &self,
-        method: reqwest::Method,
-        url: &str,
-    ) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, url)
-            .bearer_auth(&self.config.secret)
-            .header(header::CONTENT_TYPE, CBOR_MEDIA_TYPE)
-    }
 }
 
 /// The body, or 413 past `limit` bytes.
@@ -201,8 +190,6 @@ pub(crate) struct Shard {
     received: BTreeSet<DeviceId>,
     queue: Option<mpsc::Sender<(DeviceId, ValidatedUpdate)>>,
     finished: Option<oneshot::Receiver<Reduced>>,
-    /// On a group leader: the members' finished shards of this round, until it reports.
-    pub(crate) inbox: crate::group::Inbox,
 }
 
 /// Starts the service: binds, then serves uploads and polls the coordinator until shut down.
@@ -239,21 +226,28 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
             http = http.tls_certs_only(certs);
         }
     }
-    let http = http.build().map_err(|e| ServiceError::Client(e.to_string()))?;
-    let group = config.group.clone().map(|g| crate::group::GroupState::new(g, &config.engine));
+    let link = Link {
+        http: http.build().map_err(|e| ServiceError::Client(e.to_string()))?,
+        coordinator_url: config.coordinator_url.clone(),
+        secret: config.secret.clone(),
+    };
+    let group = config
+        .group
+        .clone()
+        .map(|g| GroupState::new(g, &config.engine, (config.id, url.clone()), link.clone()));
     let inner = Arc::new(Inner {
         group,
         key: TicketKey::derive(config.secret.as_bytes()),
         config,
         url: url.clone(),
-        http,
+        link,
         shards: Mutex::new(HashMap::new()),
         poll_now: Notify::new(),
     });
     let app = Router::new()
         .route(path::UPLOAD, post(upload))
-        .route(path::GROUP_HANDOFF, post(crate::group::handoff))
-        .route(path::GROUP_COLLECTIVE, post(crate::group::collective))
+        .route(path::GROUP_HANDOFF, post(handoff))
+        .route(path::GROUP_COLLECTIVE, post(collective))
         .route(path::LIVEZ, get(|| async { "ok" }))
         .with_state(inner.clone());
     let shutdown = Arc::new(Notify::new());
@@ -303,10 +297,12 @@ async fn poll_loop(inner: Arc<Inner>) {
             }
             Err(e) => tracing::warn!(error = %e, "polling the coordinator failed; retrying"),
         }
-        crate::group::rendezvous(&inner).await;
-        for (key, finished, task) in due_shards(&inner) {
+        if let Some(group) = &inner.group {
+            group.keep_rendezvous().await;
+        }
+        for (key, finished, task, deadline) in due_shards(&inner) {
             let inner = inner.clone();
-            tokio::spawn(async move { report(&inner, key, task, finished).await });
+            tokio::spawn(async move { report(&inner, key, task, finished, deadline).await });
         }
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
@@ -317,10 +313,9 @@ async fn poll_loop(inner: Arc<Inner>) {
 
 async fn poll_once(inner: &Inner, hello: &AggregatorHello) -> Result<AggregatorWork, String> {
     let body = codec::to_vec(hello).map_err(|e| e.to_string())?;
-    let url =
-        format!("{}{}", inner.config.coordinator_url.trim_end_matches('/'), path::AGGREGATOR_POLL);
     let res = inner
-        .cbor_request(reqwest::Method::POST, &url)
+        .link
+        .cbor_request(reqwest::Method::POST, &inner.link.coordinator(path::AGGREGATOR_POLL))
         .body(body)
         .send()
         .await
@@ -371,7 +366,6 @@ fn track(inner: &Inner, tasks: Vec<ShardTask>) {
                         received: BTreeSet::new(),
                         queue: Some(tx),
                         finished: Some(done_rx),
-                        inbox: crate::group::Inbox::default(),
                     },
                 );
             }
@@ -400,7 +394,8 @@ fn reduce_thread(
     let _ = done.send(res);
 }
 
-type Due = ((RunId, RoundIdx), oneshot::Receiver<Reduced>, ShardTask);
+/// A shard to report: its round, its reduction's result, its task and its deadline.
+type Due = ((RunId, RoundIdx), oneshot::Receiver<Reduced>, ShardTask, Instant);
 
 /// Shards whose deadline passed, or whose assigned devices have all uploaded: their queues
 /// are closed, so their reduction threads finish.
@@ -415,12 +410,15 @@ fn due_shards(inner: &Inner) -> Vec<Due> {
         if shard.queue.is_some() && (now >= shard.deadline || complete) {
             shard.queue = None;
             if let Some(finished) = shard.finished.take() {
-                due.push((*key, finished, shard.task.clone()));
+                due.push((*key, finished, shard.task.clone(), shard.deadline));
             }
         }
     }
     // Forget shards long past their deadline (their reports are done or abandoned).
     shards.retain(|_, s| s.queue.is_some() || now < s.deadline + Duration::from_secs(600));
+    if let Some(group) = &inner.group {
+        group.forget_rounds_but(&shards.keys().copied().collect());
+    }
     due
 }
 
@@ -431,6 +429,7 @@ async fn report(
     (run_id, round_idx): (RunId, RoundIdx),
     task: ShardTask,
     finished: oneshot::Receiver<Reduced>,
+    deadline: Instant,
 ) {
     let own = match finished.await {
         Ok(Ok((devices, sums))) if !devices.is_empty() => Some(PartialReport::new(
@@ -448,79 +447,19 @@ async fn report(
     };
     let key = (run_id, round_idx);
     match (&inner.group, own) {
-        (Some(group), own) if group.is_leader() => group.lead(inner, key, &task, own).await,
+        (Some(group), own) if group.is_leader() => group.lead(key, &task, own, deadline).await,
         (_, None) => {
             tracing::info!(run = %run_id, round = %round_idx, "no device uploaded; nothing to report");
         }
         (Some(group), Some(own)) => {
-            if let Some(own) = group.hand_to_leader(inner, key, own).await {
-                send_partial(inner, key, own).await;
+            if let Some(own) = group.hand_to_leader(key, own, deadline).await {
+                send_partial(&inner.link, key, own).await;
             }
         }
         (None, Some(own)) => {
-            send_partial(inner, key, own).await;
+            send_partial(&inner.link, key, own).await;
         }
     }
-}
-
-/// How the coordinator answered a partial.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Sent {
-    /// Durable there.
-    Accepted,
-    /// Refused for good (closed round, duplicate, invalid): retrying will not help.
-    Refused,
-    /// Not delivered after every retry.
-    GaveUp,
-}
-
-/// Reports one partial to the coordinator, retrying transient failures.
-pub(crate) async fn send_partial(
-    inner: &Inner,
-    (run_id, round_idx): (RunId, RoundIdx),
-    report: PartialReport,
-) -> Sent {
-    let n = report.devices.len();
-    let aggregators = report.aggregators.len();
-    let body = match tokio::task::spawn_blocking(move || codec::to_vec(&report)).await {
-        Ok(Ok(body)) => body,
-        _ => return Sent::GaveUp,
-    };
-    let url = format!(
-        "{}{}",
-        inner.config.coordinator_url.trim_end_matches('/'),
-        path::partial(run_id, round_idx)
-    );
-    let mut backoff = Duration::from_millis(100);
-    for attempt in 1..=8 {
-        let res = inner.cbor_request(reqwest::Method::POST, &url).body(body.clone()).send().await;
-        match res {
-            Ok(r) if r.status().is_success() => {
-                tracing::info!(run = %run_id, round = %round_idx, devices = n, aggregators, "partial reported");
-                return Sent::Accepted;
-            }
-            Ok(r)
-                if r.status() == StatusCode::CONFLICT
-                    || r.status() == StatusCode::UNPROCESSABLE_ENTITY =>
-            {
-                let status = r.status();
-                let why = r.bytes().await.ok().and_then(|b| codec::decode::<ErrorBody>(&b).ok());
-                // A duplicate means an earlier attempt got through.
-                tracing::warn!(run = %run_id, round = %round_idx, %status, why = ?why.map(|w| w.message), "partial refused");
-                return Sent::Refused;
-            }
-            Ok(r) => {
-                tracing::warn!(run = %run_id, round = %round_idx, status = %r.status(), attempt, "reporting the partial failed; retrying")
-            }
-            Err(e) => {
-                tracing::warn!(run = %run_id, round = %round_idx, error = %e, attempt, "reporting the partial failed; retrying")
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
-    }
-    tracing::error!(run = %run_id, round = %round_idx, "gave up reporting the partial; its devices drop out");
-    Sent::GaveUp
 }
 
 /// An error answer in the fleet API's shape, so the SDK reads it like the coordinator's.
@@ -609,6 +548,125 @@ async fn upload(
     Ok(([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], ack).into_response())
 }
 
+/// Room in a handed-off shard beyond its sums (16 bytes a parameter).
+const HANDOFF_ENVELOPE_LIMIT: usize = 4 * 1024 * 1024;
+
+/// A member hands its finished shard to this node, its group's leader: 202 once taken (the
+/// leader now reports it), 409 when the leader already reported the round or has no shard of
+/// it (the member then reports alone).
+async fn handoff(
+    State(inner): State<Arc<Inner>>,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, Refusal> {
+    let key = (RunId(run_id), RoundIdx(round_idx));
+    let (group, ShardRules { schema, model_version, .. }) =
+        as_leader(&inner, &headers, key).await?;
+    let limit = schema.numel() as usize * 16 + HANDOFF_ENVELOPE_LIMIT;
+    let bytes = read_body(body, limit).await?;
+    let report = decode_then(bytes, move |r: PartialReport| {
+        check_report(&r, model_version, |r| r.validate(&schema).map(drop))?;
+        Ok(r)
+    })
+    .await?;
+    group.take_shard(key, report).map_err(handoff_refusal)?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+/// A member on this leader's NCCL communicator offers its shard's metadata; the answer waits
+/// until every member is in (or the leader's wait is over): 200 with the member's
+/// [`CollectiveTurn`] (all-reduce now), or 409 (hand the sums over HTTP, or report alone).
+async fn collective(
+    State(inner): State<Arc<Inner>>,
+    Path((run_id, round_idx)): Path<(i64, i64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Refusal> {
+    let key = (RunId(run_id), RoundIdx(round_idx));
+    let (group, ShardRules { schema, model_version, .. }) =
+        as_leader(&inner, &headers, key).await?;
+    let bytes = read_body(body, HANDOFF_ENVELOPE_LIMIT).await?;
+    let offer = decode_then(bytes, move |o: CollectiveOffer| {
+        check_report(&o.report, model_version, |r| r.validate_metadata(&schema))?;
+        Ok(o)
+    })
+    .await?;
+    let deadline = inner
+        .shards
+        .lock()
+        .expect("shards poisoned")
+        .get(&key)
+        .map_or_else(Instant::now, |s| s.deadline);
+    let seq = group.take_offer(key, offer, deadline).await.map_err(handoff_refusal)?;
+    let body = codec::to_vec(&CollectiveTurn { seq }).unwrap_or_default();
+    Ok(([(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], body).into_response())
+}
+
+/// What both hand-off endpoints check first: this node leads a group, the caller holds the
+/// cluster secret, and the round's shard is here. The group, and what the shard's updates are
+/// checked against.
+async fn as_leader<'a>(
+    inner: &'a Inner,
+    headers: &HeaderMap,
+    (run_id, round_idx): (RunId, RoundIdx),
+) -> Result<(&'a GroupState, ShardRules), Refusal> {
+    let Some(group) = inner.group.as_ref().filter(|g| g.is_leader()) else {
+        return Err(handoff_refusal(HandoffRefusal::NotLeader));
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !same_secret(presented.as_bytes(), inner.config.secret.as_bytes()) {
+        return Err(Refusal(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::Unauthorized,
+            "missing or wrong cluster secret".into(),
+        ));
+    }
+    let rules = shard_for(inner, run_id, round_idx).await.map_err(|_| {
+        Refusal(
+            StatusCode::CONFLICT,
+            ErrorCode::RoundClosed,
+            format!("the leader has no shard of run {run_id} round {round_idx}; report alone"),
+        )
+    })?;
+    Ok((group, rules))
+}
+
+/// The model version and the report's own checks, as the hand-offs answer them.
+fn check_report(
+    report: &PartialReport,
+    model_version: ModelVersion,
+    check: impl FnOnce(&PartialReport) -> Result<(), starling_core::tier::PartialReportError>,
+) -> Result<(), Refusal> {
+    if report.model_version != model_version {
+        return Err(stale_model(model_version));
+    }
+    check(report).map_err(|e| {
+        Refusal(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidField, e.to_string())
+    })
+}
+
+fn handoff_refusal(why: HandoffRefusal) -> Refusal {
+    let (status, code) = match why {
+        HandoffRefusal::NotLeader => (StatusCode::NOT_FOUND, ErrorCode::NotFound),
+        HandoffRefusal::Closed => (StatusCode::CONFLICT, ErrorCode::RoundClosed),
+        HandoffRefusal::Duplicate => (StatusCode::CONFLICT, ErrorCode::DuplicateUpload),
+        HandoffRefusal::NotOnCommunicator | HandoffRefusal::NotByCollective => {
+            (StatusCode::CONFLICT, ErrorCode::Conflict)
+        }
+    };
+    Refusal(status, code, why.to_string())
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn closed() -> Refusal {
     Refusal(
         StatusCode::CONFLICT,
@@ -652,5 +710,18 @@ pub(crate) async fn shard_for(
         }
         inner.poll_now.notify_one();
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"abcdefgh", b"abcdefgh"));
+        assert!(!same_secret(b"abcdefgh", b"abcdefgx"));
+        assert!(!same_secret(b"abcdefgh", b"abcdefg"));
+        assert!(!same_secret(b"", b"x"));
     }
 }
