@@ -1,17 +1,57 @@
-//! One conformance suite, run against every store backend: Postgres (a fresh database per test
-//! through `#[sqlx::test]`) and SQLite (a fresh file per test).
+//! One conformance suite, run against every store backend: each behaviour is a test of its own
+//! on Postgres (a fresh database per test through `#[sqlx::test]`) and on SQLite (a fresh file
+//! per test), in the manner of quickwit's `metastore_test_suite!`.
 
-use starling_core::codec;
 use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
     NewRun, RoundCommit, RoundDeviceRow, SqlStore, StoreError, Transition, redact, with_database,
 };
+use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
 use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
-use starling_core::{AggregatorId, ModelVersion, RoundIdx, RunId};
+use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
+
+/// Runs each named behaviour on both backends: `<behaviour>::postgres` and
+/// `<behaviour>::sqlite`.
+macro_rules! conformance {
+    ($($behaviour:ident),* $(,)?) => {$(
+        mod $behaviour {
+            #[sqlx::test(migrations = false)]
+            async fn postgres(
+                _pool: sqlx::postgres::PgPoolOptions,
+                opts: sqlx::postgres::PgConnectOptions,
+            ) {
+                let store = super::SqlStore::connect(&super::pg_url(&opts), true).await.unwrap();
+                super::$behaviour(store).await;
+            }
+
+            #[tokio::test]
+            async fn sqlite() {
+                let dir = tempfile::tempdir().unwrap();
+                let url = format!("sqlite://{}", dir.path().join("store.db").display());
+                super::$behaviour(super::SqlStore::connect(&url, true).await.unwrap()).await;
+                // Migrating an up-to-date store again is a no-op, not an error.
+                super::SqlStore::connect(&url, true).await.unwrap();
+            }
+        }
+    )*};
+}
+
+conformance!(
+    enrollment_spends_tokens_and_revocation_is_immediate,
+    a_run_starts_with_its_model_version_zero,
+    transitions_are_idempotent_and_the_open_round_comes_back,
+    updates_are_durable_once_and_replay_in_slot_order,
+    partials_are_durable_once_and_count_their_devices,
+    secure_records_come_back_in_order_and_go_with_the_round,
+    a_commit_advances_the_run_and_releases_payloads,
+    a_failed_round_records_its_outcome_once,
+    evaluations_are_one_per_device_and_version,
+    stopping_a_run_fails_its_open_round,
+);
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
 fn pg_url(opts: &PgConnectOptions) -> String {
@@ -30,14 +70,17 @@ fn database_name_is_replaced_and_password_redacted() {
     assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
 }
 
-#[sqlx::test(migrations = false)]
-async fn postgres_conformance(_pool: PgPoolOptions, opts: PgConnectOptions) {
-    conformance(SqlStore::connect(&pg_url(&opts), true).await.unwrap()).await;
+#[tokio::test]
+async fn unsupported_url_is_named() {
+    let err = SqlStore::connect("mysql://u:secret@h/db", true).await.unwrap_err();
+    assert!(matches!(err, StoreError::UnsupportedUrl(_)));
+    assert!(!err.to_string().contains("secret"), "password leaked: {err}");
 }
 
 /// Issue 16: a coordinator whose leadership passed to another could keep writing round state
 /// (for the seconds until it noticed). Taking the lock now moves the leadership epoch on, and
-/// every write of round state of the deposed leader fails without writing anything.
+/// every write of round state of the deposed leader fails without writing anything. (Postgres
+/// only: SQLite is one process per file.)
 #[sqlx::test(migrations = false)]
 async fn postgres_fences_a_deposed_leader(_pool: PgPoolOptions, opts: PgConnectOptions) {
     let url = pg_url(&opts);
@@ -57,9 +100,7 @@ async fn postgres_fences_a_deposed_leader(_pool: PgPoolOptions, opts: PgConnectO
     assert!(deposed.open_round(run).await.unwrap().is_none(), "nothing was written");
     assert!(matches!(deposed.create_run(new_run(), 2).await, Err(StoreError::Fenced { .. })));
     successor.apply_transitions(run, &open, 3).await.unwrap();
-    let update = deposed
-        .insert_update(run, RoundIdx(0), starling_core::DeviceId(1), 0, 1, "{}", &[0; 4], 3)
-        .await;
+    let update = deposed.insert_update(run, RoundIdx(0), DeviceId(1), 0, 1, "{}", &[0; 4], 3).await;
     assert!(matches!(update, Err(StoreError::Fenced { .. })), "{update:?}");
     assert_eq!(successor.running_runs().await.unwrap().len(), 1);
 }
@@ -72,22 +113,6 @@ fn new_run() -> NewRun<'static> {
         initial_model: b"m0",
         initial_model_hash: "h0",
     }
-}
-
-#[tokio::test]
-async fn sqlite_conformance() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("store.db").display());
-    conformance(SqlStore::connect(&url, true).await.unwrap()).await;
-    // Migrating an up-to-date store again is a no-op, not an error.
-    SqlStore::connect(&url, true).await.unwrap();
-}
-
-#[tokio::test]
-async fn unsupported_url_is_named() {
-    let err = SqlStore::connect("mysql://u:secret@h/db", true).await.unwrap_err();
-    assert!(matches!(err, StoreError::UnsupportedUrl(_)));
-    assert!(!err.to_string().contains("secret"), "password leaked: {err}");
 }
 
 fn opened(round: i64, version: i64) -> RoundOpened {
@@ -112,10 +137,70 @@ fn closing(round: i64, version: i64, outcome: RoundOutcome) -> RoundClosing {
     }
 }
 
-async fn conformance(store: SqlStore) {
-    store.ping().await.unwrap();
+fn secagg(seq: i64, bytes: &[u8]) -> Transition {
+    Transition::SecAggRecord { round_idx: RoundIdx(0), seq, record: bytes.to_vec() }
+}
 
-    // Enrollment: a token with one use enrolls one device; expired and unknown tokens do not.
+/// Three enrolled devices.
+async fn devices(store: &SqlStore) -> [DeviceId; 3] {
+    store.create_enrollment_token("many", 0, None, None).await.unwrap();
+    let mut out = [DeviceId(0); 3];
+    for (i, d) in out.iter_mut().enumerate() {
+        *d = store.enroll_device("many", &format!("credential-{i}"), 5).await.unwrap();
+    }
+    out
+}
+
+/// A run whose round 0 is open with the three devices selected, the third through aggregator
+/// 7.
+async fn run_with_open_round(store: &SqlStore) -> (RunId, [DeviceId; 3]) {
+    let [d1, d2, d3] = devices(store).await;
+    let run = store.create_run(new_run(), 100).await.unwrap();
+    let batch = [
+        Transition::OpenRound(opened(0, 0)),
+        Transition::Select { round_idx: RoundIdx(0), device: d1, aggregator: None },
+        Transition::Select { round_idx: RoundIdx(0), device: d2, aggregator: None },
+        Transition::Select {
+            round_idx: RoundIdx(0),
+            device: d3,
+            aggregator: Some(AggregatorId(7)),
+        },
+    ];
+    store.apply_transitions(run, &batch, 1_000).await.unwrap();
+    (run, [d1, d2, d3])
+}
+
+fn partial(device: DeviceId) -> PartialReport {
+    PartialReport {
+        model_version: ModelVersion(0),
+        schema_id: starling_core::tensor::SchemaId([3; 32]),
+        aggregators: vec![AggregatorId(7)],
+        devices: vec![device],
+        total_weight: 12,
+        sum_hi: vec![1; 16],
+        sum_lo: vec![0; 16],
+        metrics: BTreeMap::from([("loss".to_owned(), (6.0, 12))]),
+    }
+}
+
+/// The round of [`run_with_open_round`] with two updates and the aggregator's partial in.
+async fn run_with_reports(store: &SqlStore) -> (RunId, [DeviceId; 3]) {
+    let (run, [d1, d2, d3]) = run_with_open_round(store).await;
+    store
+        .insert_update(run, RoundIdx(0), d2, 1, 3, r#"{"loss":2.0}"#, &[5, 6], 1_500)
+        .await
+        .unwrap();
+    store
+        .insert_update(run, RoundIdx(0), d1, 0, 1, r#"{"loss":1.0}"#, &[1, 2], 1_600)
+        .await
+        .unwrap();
+    store.insert_partial(run, RoundIdx(0), 2, &partial(d3), 1_650).await.unwrap();
+    (run, [d1, d2, d3])
+}
+
+async fn enrollment_spends_tokens_and_revocation_is_immediate(store: SqlStore) {
+    store.ping().await.unwrap();
+    // A token with one use enrolls one device; expired and unknown tokens do not.
     store.create_enrollment_token("tok1", 0, None, Some(1)).await.unwrap();
     store.create_enrollment_token("expired", 0, Some(10), None).await.unwrap();
     let d1 = store.enroll_device("tok1", "cred1", 5).await.unwrap();
@@ -134,7 +219,7 @@ async fn conformance(store: SqlStore) {
     // Revocation: the credential stops working at once, for that device only.
     assert_eq!(store.revoke_device(d2).await.unwrap(), Some(5));
     assert_eq!(store.revoke_device(d2).await.unwrap(), Some(5), "revoking twice is not an error");
-    assert_eq!(store.revoke_device(starling_core::DeviceId(9_999)).await.unwrap(), None);
+    assert_eq!(store.revoke_device(DeviceId(9_999)).await.unwrap(), None);
     assert_eq!(store.device_by_credential("cred2").await.unwrap(), None);
     assert_eq!(store.device_by_credential("cred3").await.unwrap(), Some(d3));
     let listed = store.devices().await.unwrap();
@@ -142,101 +227,49 @@ async fn conformance(store: SqlStore) {
         listed.iter().map(|(d, _, revoked)| (*d, *revoked)).collect::<Vec<_>>(),
         vec![(d1, false), (d2, true), (d3, false)]
     );
+}
 
-    // A run and its model version 0.
-    let run = store
-        .create_run(
-            NewRun {
-                name: Some("r"),
-                population: "p",
-                plan_json: "{}",
-                initial_model: b"m0",
-                initial_model_hash: "h0",
-            },
-            100,
-        )
-        .await
-        .unwrap();
+async fn a_run_starts_with_its_model_version_zero(store: SqlStore) {
+    let run = store.create_run(new_run(), 100).await.unwrap();
     assert_eq!(store.running_runs().await.unwrap().len(), 1);
+    assert_eq!(store.run(run).await.unwrap().unwrap().population, "p");
     assert_eq!(store.model(run, ModelVersion(0)).await.unwrap().as_deref(), Some(&b"m0"[..]));
     assert_eq!(store.model_by_hash("h0").await.unwrap().as_deref(), Some(&b"m0"[..]));
+    assert_eq!(store.model_hash(run, ModelVersion(0)).await.unwrap().as_deref(), Some("h0"));
     assert_eq!(store.open_round(run).await.unwrap(), None);
     assert_eq!(store.last_round_idx(run).await.unwrap(), None);
+    assert!(store.run(RunId(999)).await.unwrap().is_none());
+}
 
-    // Round 0 opens, selects three devices; applying the same batch again changes nothing.
-    let secagg = |seq: i64, bytes: &[u8]| Transition::SecAggRecord {
-        round_idx: RoundIdx(0),
-        seq,
-        record: bytes.to_vec(),
-    };
-    let batch = [
+async fn transitions_are_idempotent_and_the_open_round_comes_back(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    // Applying the same batch again (a retry whose first answer was lost) changes nothing.
+    let again = [
         Transition::OpenRound(opened(0, 0)),
-        secagg(0, b"begin"),
         Transition::Select { round_idx: RoundIdx(0), device: d1, aggregator: None },
-        Transition::Select { round_idx: RoundIdx(0), device: d2, aggregator: None },
-        secagg(1, b"second"),
-        Transition::Select {
-            round_idx: RoundIdx(0),
-            device: d3,
-            aggregator: Some(AggregatorId(7)),
-        },
     ];
-    store.apply_transitions(run, &batch, 1_000).await.unwrap();
-    store.apply_transitions(run, &batch, 1_000).await.unwrap();
-
-    // Updates: durable once inserted, one per device per round, replayed in slot order.
-    store
-        .insert_update(run, RoundIdx(0), d2, 1, 3, r#"{"loss":2.0}"#, &[5, 6], 1_500)
-        .await
-        .unwrap();
-    store
-        .insert_update(run, RoundIdx(0), d1, 0, 1, r#"{"loss":1.0}"#, &[1, 2], 1_600)
-        .await
-        .unwrap();
-    assert!(matches!(
-        store.insert_update(run, RoundIdx(0), d1, 2, 1, "{}", &[9], 1_700).await,
-        Err(StoreError::Conflict)
-    ));
+    store.apply_transitions(run, &again, 1_000).await.unwrap();
     let open = store.open_round(run).await.unwrap().expect("round 0 is open");
     assert_eq!(open.round, opened(0, 0));
     assert_eq!(open.selected, vec![d1, d2, d3]);
-    assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
     assert_eq!(open.assignments, vec![(d3, AggregatorId(7))]);
-    assert!(open.partials.is_empty());
-    // An aggregator's partial: durable with its lists, its sums replayable, one per slot.
-    let partial = PartialReport {
-        model_version: ModelVersion(0),
-        schema_id: starling_core::tensor::SchemaId([3; 32]),
-        aggregators: vec![AggregatorId(7)],
-        devices: vec![d3],
-        total_weight: 12,
-        sum_hi: vec![1; 16],
-        sum_lo: vec![0; 16],
-        metrics: BTreeMap::from([("loss".to_owned(), (6.0, 12))]),
-    };
-    store.insert_partial(run, RoundIdx(0), 2, &partial, 1_650).await.unwrap();
+    assert!(open.reported.is_empty() && open.partials.is_empty());
+    assert_eq!(store.last_round_idx(run).await.unwrap(), Some(RoundIdx(0)));
+    let rounds = store.rounds(run).await.unwrap();
+    assert_eq!(
+        (rounds[0].n_selected, rounds[0].n_reported, rounds[0].state.as_str()),
+        (Some(3), Some(0), "open")
+    );
+}
+
+async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
+    let (run, [d1, d2, _]) = run_with_reports(&store).await;
     assert!(matches!(
-        store.insert_partial(run, RoundIdx(0), 2, &partial, 1_650).await,
+        store.insert_update(run, RoundIdx(0), d1, 3, 1, "{}", &[9], 1_700).await,
         Err(StoreError::Conflict)
     ));
     let open = store.open_round(run).await.unwrap().unwrap();
-    assert_eq!(
-        open.partials,
-        vec![StoredPartial { slot: 2, aggregators: vec![AggregatorId(7)], devices: vec![d3] }]
-    );
-    let reports = store.partial_reports(run, RoundIdx(0)).await.unwrap();
-    assert_eq!(reports.len(), 1);
-    assert_eq!(reports[0].0, 2);
-    assert_eq!(codec::decode::<PartialReport>(&reports[0].1).unwrap(), partial);
-    // Secure-aggregation records come back in seq order, once each.
-    store
-        .apply_transitions(run, &[secagg(3, b"fourth"), secagg(2, b"third")], 1_700)
-        .await
-        .unwrap();
-    assert_eq!(
-        open_records(&store, run).await,
-        vec![b"begin".to_vec(), b"second".to_vec(), b"third".to_vec(), b"fourth".to_vec()]
-    );
+    assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
     let mut replayed = vec![];
     let n = store
         .for_each_update(run, RoundIdx(0), |u| {
@@ -247,21 +280,33 @@ async fn conformance(store: SqlStore) {
         .unwrap();
     assert_eq!(n, 2);
     assert_eq!(replayed, vec![(0, vec![1, 2]), (1, vec![5, 6])]);
-    let rounds = store.rounds(run).await.unwrap();
+}
+
+async fn partials_are_durable_once_and_count_their_devices(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_reports(&store).await;
+    assert!(matches!(
+        store.insert_partial(run, RoundIdx(0), 2, &partial(d3), 1_650).await,
+        Err(StoreError::Conflict)
+    ));
+    let open = store.open_round(run).await.unwrap().unwrap();
     assert_eq!(
-        (rounds[0].n_selected, rounds[0].n_reported, rounds[0].state.as_str()),
-        (Some(3), Some(3), "open"),
-        "the partial's device counts as reported"
+        open.partials,
+        vec![StoredPartial { slot: 2, aggregators: vec![AggregatorId(7)], devices: vec![d3] }]
     );
+    let reports = store.partial_reports(run, RoundIdx(0)).await.unwrap();
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].0, 2);
+    assert_eq!(codec::decode::<PartialReport>(&reports[0].1).unwrap(), partial(d3));
+    let rounds = store.rounds(run).await.unwrap();
+    assert_eq!(rounds[0].n_reported, Some(3), "the partial's device counts as reported");
     // The round's record of devices: each selected one, and how its update arrived.
-    let row =
-        |d: starling_core::DeviceId, agg: Option<i64>, how: &str, n: Option<i64>| RoundDeviceRow {
-            device_id: d.0,
-            selected_at_ms: 1_000,
-            aggregator_id: agg,
-            reported: Some(how.to_owned()),
-            example_count: n,
-        };
+    let row = |d: DeviceId, agg: Option<i64>, how: &str, n: Option<i64>| RoundDeviceRow {
+        device_id: d.0,
+        selected_at_ms: 1_000,
+        aggregator_id: agg,
+        reported: Some(how.to_owned()),
+        example_count: n,
+    };
     assert_eq!(
         store.round_devices(run, RoundIdx(0)).await.unwrap(),
         vec![
@@ -271,8 +316,30 @@ async fn conformance(store: SqlStore) {
         ]
     );
     assert!(store.round_devices(run, RoundIdx(5)).await.unwrap().is_empty());
+}
 
-    // Commit: model v1, round closed with metrics, run advanced, payloads released.
+async fn secure_records_come_back_in_order_and_go_with_the_round(store: SqlStore) {
+    let run = store.create_run(new_run(), 100).await.unwrap();
+    let first = [Transition::OpenRound(opened(0, 0)), secagg(0, b"begin"), secagg(1, b"second")];
+    store.apply_transitions(run, &first, 1_000).await.unwrap();
+    store
+        .apply_transitions(run, &[secagg(3, b"fourth"), secagg(2, b"third")], 1_700)
+        .await
+        .unwrap();
+    store.apply_transitions(run, &[secagg(1, b"second")], 1_700).await.unwrap();
+    let records = store.open_round(run).await.unwrap().unwrap().secure_records;
+    assert_eq!(records, [&b"begin"[..], b"second", b"third", b"fourth"].map(<[u8]>::to_vec));
+    assert_eq!(store.secagg_record_count(run).await.unwrap(), 4);
+    store
+        .fail_round(run, closing(0, 0, RoundOutcome::TooFewReports { reported: 0, quorum: 2 }))
+        .await
+        .unwrap();
+    assert_eq!(store.secagg_record_count(run).await.unwrap(), 0);
+}
+
+async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
+    let (run, [d1, _, _]) = run_with_reports(&store).await;
+    store.apply_transitions(run, &[secagg(0, b"begin")], 1_700).await.unwrap();
     let metrics = BTreeMap::from([("loss".to_owned(), 1.75)]);
     let pooled = PooledEvaluation {
         n_devices: 2,
@@ -294,16 +361,15 @@ async fn conformance(store: SqlStore) {
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
     assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty(), "sums released");
     assert_eq!(store.open_round(run).await.unwrap(), None);
-    // The committed round's protocol records are gone (a reopened round 0 would see none).
-    assert_eq!(count_secagg_records(&store, run).await, 0);
+    assert_eq!(store.secagg_record_count(run).await.unwrap(), 0, "records go with the round");
     let r0 = &store.rounds(run).await.unwrap()[0];
     assert_eq!((r0.state.as_str(), r0.n_reported, r0.n_dropped), ("committed", Some(2), Some(1)));
+    assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"loss":1.75}"#));
     assert_eq!(
         store.round_devices(run, RoundIdx(0)).await.unwrap().len(),
         3,
         "who took part outlives the payloads"
     );
-    assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"loss":1.75}"#));
     // A secure cohort's pooled evaluation of the version the round trained on.
     let pooled_rows = store.aggregate_evaluations(run).await.unwrap();
     assert_eq!(
@@ -321,54 +387,56 @@ async fn conformance(store: SqlStore) {
         models.iter().map(|m| (m.version, m.round_idx)).collect::<Vec<_>>(),
         vec![(0, None), (1, Some(0))]
     );
+}
 
-    // A failed round records its outcome; closing it twice is refused.
-    store.apply_transitions(run, &[Transition::OpenRound(opened(1, 1))], 5_000).await.unwrap();
-    let failed = closing(1, 1, RoundOutcome::TooFewReports { reported: 2, quorum: 3 });
+async fn a_failed_round_records_its_outcome_once(store: SqlStore) {
+    let (run, _) = run_with_reports(&store).await;
+    let failed = closing(0, 0, RoundOutcome::TooFewReports { reported: 2, quorum: 3 });
     store.fail_round(run, failed).await.unwrap();
     assert!(matches!(store.fail_round(run, failed).await, Err(StoreError::Corrupt(_))));
-    let r1 = &store.rounds(run).await.unwrap()[1];
-    assert_eq!(r1.state, "failed");
+    let r0 = &store.rounds(run).await.unwrap()[0];
+    assert_eq!(r0.state, "failed");
     assert_eq!(
-        r1.outcome_json.as_deref(),
+        r0.outcome_json.as_deref(),
         Some(r#"{"outcome":"too_few_reports","reported":2,"quorum":3}"#)
     );
-    assert_eq!(store.last_round_idx(run).await.unwrap(), Some(RoundIdx(1)));
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    let row = store.run(run).await.unwrap().unwrap();
+    assert_eq!((row.model_version, row.rounds_committed, row.status.as_str()), (0, 0, "running"));
+}
 
-    // Evaluations: one per device and model version.
+async fn evaluations_are_one_per_device_and_version(store: SqlStore) {
+    let (run, [d1, d2, _]) = run_with_open_round(&store).await;
     store
-        .insert_evaluation(run, d1, ModelVersion(1), 10, r#"{"accuracy":0.5}"#, 6_000)
+        .insert_evaluation(run, d1, ModelVersion(0), 10, r#"{"accuracy":0.5}"#, 6_000)
+        .await
+        .unwrap();
+    store
+        .insert_evaluation(run, d2, ModelVersion(0), 20, r#"{"accuracy":0.8}"#, 6_000)
         .await
         .unwrap();
     assert!(matches!(
-        store.insert_evaluation(run, d1, ModelVersion(1), 10, "{}", 6_000).await,
+        store.insert_evaluation(run, d1, ModelVersion(0), 10, "{}", 6_000).await,
         Err(StoreError::Conflict)
     ));
-    assert_eq!(store.evaluations(run).await.unwrap().len(), 1);
+    let rows = store.evaluations(run).await.unwrap();
+    assert_eq!(rows.iter().map(|e| e.example_count).collect::<Vec<_>>(), vec![10, 20]);
+}
 
-    // Stopping a run fails its open round (dropping its records) and takes it out of the
-    // running set.
+async fn stopping_a_run_fails_its_open_round(store: SqlStore) {
+    let run = store.create_run(new_run(), 100).await.unwrap();
     let record = Transition::SecAggRecord { round_idx: RoundIdx(2), seq: 0, record: b"x".to_vec() };
     store
-        .apply_transitions(run, &[Transition::OpenRound(opened(2, 1)), record], 7_000)
+        .apply_transitions(run, &[Transition::OpenRound(opened(2, 0)), record], 7_000)
         .await
         .unwrap();
-    assert_eq!(count_secagg_records(&store, run).await, 1);
+    assert_eq!(store.secagg_record_count(run).await.unwrap(), 1);
     store
         .apply_transitions(run, &[Transition::StopRun { open_round: Some(RoundIdx(2)) }], 7_000)
         .await
         .unwrap();
     assert_eq!(store.run(run).await.unwrap().unwrap().status, "stopped");
     assert!(store.running_runs().await.unwrap().is_empty());
-    assert_eq!(store.rounds(run).await.unwrap()[2].state, "failed");
-    assert_eq!(count_secagg_records(&store, run).await, 0);
-    assert!(store.run(RunId(999)).await.unwrap().is_none());
-}
-
-async fn open_records(store: &SqlStore, run: RunId) -> Vec<Vec<u8>> {
-    store.open_round(run).await.unwrap().expect("a round is open").secure_records
-}
-
-async fn count_secagg_records(store: &SqlStore, run: RunId) -> usize {
-    store.secagg_record_count(run).await.unwrap()
+    assert_eq!(store.rounds(run).await.unwrap()[0].state, "failed");
+    assert_eq!(store.secagg_record_count(run).await.unwrap(), 0);
 }
