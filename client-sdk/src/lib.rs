@@ -4,12 +4,14 @@
 //!   flat parameter import/export in the coordinator's schema order.
 //! * [`train`]: local training (SGD or Adam, FedProx) and evaluation.
 //! * [`examples`]: the on-device example store.
-//! * [`data`]: loaders for the shared datasets and federated partitioners.
+//! * `data`: loaders for the shared datasets and federated partitioners.
 //! * [`protocol`]: fleet and admin API clients; [`participant`]: one device's participation
 //!   (check-in → evaluate → train → upload), with saveable state.
-//! * [`simulate`]: many real participants against a coordinator, as the `simulate` command;
-//!   [`cli`]: the `starling-client` command line (`simulate`, and `participate` for one
-//!   Linux/IoT device training on local files).
+//! * `simulate`: many real participants against a coordinator, as the `simulate` command;
+//!   `cli`: the `starling-client` command line (`simulate`, and `participate` for one
+//!   Linux/IoT device training on local files). These and `data` are the `tools` feature (on
+//!   by default): an app embedding the SDK builds without them, and without clap, indicatif
+//!   and flate2.
 //!
 //! Training runs on burn's runtime [`burn::tensor::Device`]; [`backend::select`] picks wgpu
 //! (the default `wgpu` feature) when an adapter exists, and the pure-Rust flex CPU backend
@@ -21,12 +23,15 @@ pub use burn;
 pub use burn::tensor::Device;
 
 pub mod backend;
+#[cfg(feature = "tools")]
 pub mod cli;
+#[cfg(feature = "tools")]
 pub mod data;
 pub mod examples;
 pub mod model;
 pub mod participant;
 pub mod protocol;
 pub mod secure;
+#[cfg(feature = "tools")]
 pub mod simulate;
 pub mod train;

@@ -305,5 +305,6 @@ pub(crate) fn batch_tensors(
     (batch, Tensor::from_data(TensorData::new(y, [b]), device))
 }
 
-#[cfg(test)]
+// The tests train on the shared datasets, which the `tools` feature loads.
+#[cfg(all(test, feature = "tools"))]
 mod tests;

@@ -49,9 +49,7 @@ fn test() -> anyhow::Result<()> {
     step("format", Command::new(&cargo).args(["fmt", "--all", "--", "--check"]))?;
     step(
         "clippy",
-        build_cargo(&cargo).args([
-            "clippy",
-            "--workspace",
+        build_cargo(&cargo).args(["clippy"]).args(WORKSPACE).args([
             "--all-targets",
             "--",
             "-D",
@@ -64,9 +62,9 @@ fn test() -> anyhow::Result<()> {
         .is_ok_and(|o| o.status.success());
     let mut tests = build_cargo(&cargo);
     if nextest {
-        tests.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+        tests.args(["nextest", "run"]).args(WORKSPACE).arg("--no-fail-fast");
     } else {
-        tests.args(["test", "--workspace", "--no-fail-fast"]);
+        tests.args(["test"]).args(WORKSPACE).arg("--no-fail-fast");
     }
     tests.env("DATABASE_URL", &database_url);
     wgpu_env(&mut tests)?;
@@ -77,6 +75,11 @@ fn test() -> anyhow::Result<()> {
     mobile_tests()?;
     Ok(())
 }
+
+/// What every workspace build of both commands builds: all members, and the mobile crate's
+/// bindings generator (its command line is a feature, so that the library apps link has none).
+/// The same everywhere, so one build serves clippy, the tests and the binaries.
+const WORKSPACE: [&str; 3] = ["--workspace", "--features", "starling-mobile/bindgen"];
 
 /// Cargo for the workspace builds of both commands (the same settings, so one build serves
 /// both). Without incremental state: a whole-suite run gains little from it and it was a quarter
@@ -210,7 +213,11 @@ fn dashboard_tests(cargo: &str) -> anyhow::Result<()> {
     // The same targets (and so the same feature set) the test run just built: nothing rebuilds.
     step(
         "build the binaries",
-        build_cargo(cargo).current_dir(&root).args(["build", "-q", "--workspace", "--all-targets"]),
+        build_cargo(cargo)
+            .current_dir(&root)
+            .args(["build", "-q"])
+            .args(WORKSPACE)
+            .arg("--all-targets"),
     )?;
     let target = target_dir(&root).join("debug");
     step(
@@ -270,7 +277,7 @@ fn demo(extra: &[String]) -> anyhow::Result<()> {
     // and rebuilds it).
     step(
         "build",
-        build_cargo(&cargo).current_dir(&root).args(["build", "-q", "--workspace", "--bins"]),
+        build_cargo(&cargo).current_dir(&root).args(["build", "-q"]).args(WORKSPACE).arg("--bins"),
     )?;
     let target = target_dir(&root).join("debug");
     let data = root.join("starling-data").join("demo");

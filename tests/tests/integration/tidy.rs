@@ -58,32 +58,38 @@ fn no_ignored_or_should_panic_tests() {
 /// starling-core is sans-IO: no async runtime, database, HTTP or ML framework in its graph.
 #[test]
 fn core_depends_on_no_io_or_training_crate() {
+    let tree = normal_dependencies("starling-core");
+    assert!(tree.iter().any(|p| p == "ciborium"), "unexpected tree output: {tree:?}");
+    for forbidden in ["tokio", "sqlx", "burn", "axum", "reqwest", "hyper", "mio"] {
+        assert!(!tree.iter().any(|p| p == forbidden), "starling-core depends on {forbidden}");
+    }
+}
+
+/// The library apps link carries no command-line code: clap, indicatif and the dataset loaders'
+/// flate2 stay in the binaries' features (issue 20). (anyhow does reach it: UniFFI's runtime
+/// uses it.)
+#[test]
+fn the_mobile_library_links_no_command_line_code() {
+    let tree = normal_dependencies("starling-mobile");
+    assert!(tree.iter().any(|p| p == "burn"), "unexpected tree output: {tree:?}");
+    for forbidden in ["clap", "indicatif", "flate2"] {
+        assert!(!tree.iter().any(|p| p == forbidden), "starling-mobile links {forbidden}");
+    }
+}
+
+/// The names of `package`'s normal (non-dev, non-build) dependencies, with its default
+/// features only.
+fn normal_dependencies(package: &str) -> Vec<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(repo_root())
-        .args([
-            "tree",
-            "--offline",
-            "-p",
-            "starling-core",
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}",
-        ])
+        .args(["tree", "--offline", "-p", package, "-e", "normal", "--prefix", "none"])
+        .args(["--format", "{p}"])
         .output()
         .expect("running cargo tree");
     assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
     let tree = String::from_utf8(out.stdout).expect("utf-8 tree");
-    assert!(tree.contains("ciborium"), "unexpected tree output: {tree}");
-    for forbidden in ["tokio", "sqlx", "burn", "axum", "reqwest", "hyper", "mio"] {
-        assert!(
-            !tree.lines().any(|l| l.split_whitespace().next() == Some(forbidden)),
-            "starling-core depends on {forbidden}"
-        );
-    }
+    tree.lines().filter_map(|l| l.split_whitespace().next()).map(str::to_owned).collect()
 }
 
 /// Migrations come in reversible pairs, with the same versions for every store dialect.

@@ -1,0 +1,13 @@
+//! Starling's end-to-end tests, in one binary: each area is a module. Every test binary links
+//! burn and wgpu (hundreds of megabytes each), so one binary instead of nine saves most of the
+//! link time and disk a test build costs on CI's two cores.
+
+mod aggregator_tier;
+mod cli;
+mod container;
+mod e2e;
+mod hardening;
+mod production;
+mod sdk;
+mod secure;
+mod tidy;
