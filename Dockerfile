@@ -1,6 +1,6 @@
 # The coordinator's container: a release build of starling-coordinator and the built dashboard
 # on a slim Debian runtime, running as a non-root user. See README "Container".
-# tests/tests/container.rs reads this file and runs the same build and entrypoint against
+# tests/tests/integration/container.rs reads this file and runs the same build and entrypoint against
 # Postgres (this machine has no container engine).
 
 FROM rust:1.95-bookworm AS build
