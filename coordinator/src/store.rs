@@ -34,7 +34,9 @@ mod runs;
 mod secure;
 mod updates;
 
-pub use evaluations::{AggregateEvaluationRow, EvaluationRow, SECURE_EVALUATION_SOURCE};
+pub use evaluations::{
+    AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EvaluationRow, SECURE_EVALUATION_SOURCE,
+};
 use leadership::Fence;
 pub use leadership::{LEADER_APPLICATION_NAME, Leadership};
 pub use rounds::{OpenRoundState, RoundCommit, RoundDeviceRow, RoundRow, Transition};

@@ -117,10 +117,29 @@ pub struct ModelView {
     pub round_idx: Option<i64>,
     /// Commit time.
     pub created_at_ms: i64,
-    /// Evaluation reports received for this version.
+    /// Evaluation reports received for this version (federated: devices' held-out data).
     pub n_evaluations: u64,
     /// Example-weighted means of the evaluation metrics.
     pub evaluation: BTreeMap<String, f64>,
+    /// Central evaluations: the server side's held-out sets, by evaluator.
+    #[serde(default)]
+    pub central: Vec<CentralEvaluation>,
+}
+
+/// A central evaluator's evaluation of one model version on its held-out set
+/// (`POST /v1/admin/runs/{run}/models/{version}/evaluations`, and in [`ModelView::central`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CentralEvaluation {
+    /// The evaluator's name (1..=64 of `A-Z a-z 0-9 . _ -`); a second report under the same
+    /// name replaces the first.
+    pub evaluator: String,
+    /// Held-out examples evaluated.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub example_count: u64,
+    /// Metrics (`accuracy` in [0, 1], `loss` ≥ 0, any other finite within ±1e12).
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// A device selected for a round, and whether its contribution reached the round

@@ -302,5 +302,7 @@ pub fn f32_from_le_bytes(bytes: &[u8]) -> Vec<f32> {
     bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
+pub mod safetensors;
+
 #[cfg(test)]
 mod tests;

@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequest, Path, State};
+use axum::extract::{FromRequest, Path, Query, State};
 use axum::http::StatusCode;
 use base64::Engine;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use starling_core::fedavg::MetricsAccumulator;
 use starling_core::plan::Plan;
 use starling_core::wire::{ErrorBody, ErrorCode};
@@ -18,11 +18,15 @@ use super::{ApiError, AppState, Operator, random_secret, sha256};
 use crate::clock::now_ms;
 use crate::driver::{Event, InitialModel};
 use crate::observe::RoundCounters;
-use crate::store::{ModelInfo, RoundRow, RunRow};
+use crate::store::{CENTRAL_EVALUATION_PREFIX, ModelInfo, RoundRow, RunRow};
 use starling_core::DeviceId;
 use starling_core::admin::{
-    DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView, RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView,
+    RoundView, RunView,
 };
+use starling_core::codec;
+use starling_core::tensor::{TensorPayload, safetensors};
+use starling_core::wire;
 
 /// The admin routes, each with its OpenAPI operation.
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -34,6 +38,8 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(get_round))
         .routes(routes!(list_round_devices))
         .routes(routes!(list_models))
+        .routes(routes!(export_model))
+        .routes(routes!(report_central_evaluation))
         .routes(routes!(stop_run))
         .routes(routes!(list_devices))
         .routes(routes!(revoke_device))
@@ -304,13 +310,25 @@ async fn list_models(
         entry.0 += 1;
         entry.1.add(e.example_count as u64, &metrics);
     }
-    // A secure cohort's evaluation arrives pooled: it counts as its devices' reports.
+    let mut central: BTreeMap<i64, Vec<CentralEvaluation>> = BTreeMap::new();
     for e in state.store().aggregate_evaluations(run_id).await? {
         let metrics: BTreeMap<String, f64> =
             serde_json::from_str(&e.metrics_json).unwrap_or_default();
-        let entry = evals.entry(e.model_version).or_default();
-        entry.0 += e.n_devices as u64;
-        entry.1.add(e.example_count as u64, &metrics);
+        match e.source.strip_prefix(CENTRAL_EVALUATION_PREFIX) {
+            Some(evaluator) => {
+                central.entry(e.model_version).or_default().push(CentralEvaluation {
+                    evaluator: evaluator.to_owned(),
+                    example_count: e.example_count as u64,
+                    metrics,
+                })
+            }
+            // A secure cohort's evaluation arrives pooled: it counts as its devices' reports.
+            None => {
+                let entry = evals.entry(e.model_version).or_default();
+                entry.0 += e.n_devices as u64;
+                entry.1.add(e.example_count as u64, &metrics);
+            }
+        }
     }
     let views = state
         .store()
@@ -326,10 +344,130 @@ async fn list_models(
                 created_at_ms: m.created_at_ms,
                 n_evaluations: n,
                 evaluation: acc.finish(),
+                central: central.remove(&m.version).unwrap_or_default(),
             }
         })
         .collect();
     Ok(AppJson(views))
+}
+
+/// How `GET /v1/admin/runs/{run}/models/{version}` answers.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct ExportQuery {
+    /// `safetensors` (the default; tensors named and shaped as the run's schema, f32) or
+    /// `payload` (the model as devices download it: CBOR, the schema id and the raw bytes).
+    format: Option<String>,
+}
+
+/// A committed model, for the operator: as a safetensors file to load anywhere, or as the raw
+/// payload devices download.
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/models/{version}", tag = "admin", security(("operator" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("version" = i64, Path, description = "model version"), ExportQuery),
+    responses((status = 200, description = "the model: application/octet-stream (safetensors) or application/cbor (payload)", body = Vec<u8>),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 422, description = "unknown format", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn export_model(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path((run_id, version)): Path<(i64, i64)>,
+    Query(query): Query<ExportQuery>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::http::{HeaderValue, header};
+    use axum::response::IntoResponse;
+    let run_id = existing_run(&state, run_id).await?;
+    let format = query.format.as_deref().unwrap_or("safetensors");
+    if !matches!(format, "safetensors" | "payload") {
+        return Err(ApiError::invalid(format!("format {format:?}: use safetensors or payload")));
+    }
+    let encoded = state.store().model(run_id, ModelVersion(version)).await?.ok_or_else(|| {
+        ApiError::not_found(format!("run {run_id} has no model version {version}"))
+    })?;
+    let attachment = |extension: &str| {
+        HeaderValue::from_str(&format!(
+            "attachment; filename=\"run-{run_id}-model-{version}.{extension}\""
+        ))
+        .expect("a plain header value")
+    };
+    if format == "payload" {
+        let headers = [
+            (header::CONTENT_TYPE, HeaderValue::from_static(wire::CBOR_MEDIA_TYPE)),
+            (header::CONTENT_DISPOSITION, attachment("cbor")),
+        ];
+        return Ok((headers, encoded).into_response());
+    }
+    let plan = state.plan(run_id).await?;
+    // Decoding, checking and laying out the file are O(model): off the async threads.
+    let file = tokio::task::spawn_blocking(move || {
+        let payload: TensorPayload = codec::decode(&encoded).map_err(|e| ApiError::internal(&e))?;
+        let schema = plan.schema();
+        if payload.schema_id != schema.schema_id() {
+            return Err(ApiError::internal(&"a stored model does not match its run's schema"));
+        }
+        let metadata = BTreeMap::from([
+            ("format".to_owned(), "pt".to_owned()),
+            ("starling.run".to_owned(), run_id.to_string()),
+            ("starling.model_version".to_owned(), version.to_string()),
+            ("starling.content_hash".to_owned(), payload.content_hash()),
+        ]);
+        Ok(safetensors::to_safetensors(schema, &payload.data, &metadata))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    let headers = [
+        (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
+        (header::CONTENT_DISPOSITION, attachment("safetensors")),
+    ];
+    Ok((headers, file).into_response())
+}
+
+/// A central evaluator reports its evaluation of a committed model on its held-out set
+/// (`starling-client evaluate`); a second report of the same evaluator replaces the first.
+#[utoipa::path(post, path = "/v1/admin/runs/{run_id}/models/{version}/evaluations", tag = "admin", security(("operator" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("version" = i64, Path, description = "model version")),
+    request_body = CentralEvaluation,
+    responses((status = 204, description = "stored"),
+        (status = 400, description = "malformed body", body = ErrorBody),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 422, description = "invalid field, schema or value", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn report_central_evaluation(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path((run_id, version)): Path<(i64, i64)>,
+    AppJson(report): AppJson<CentralEvaluation>,
+) -> Result<StatusCode, ApiError> {
+    let run_id = existing_run(&state, run_id).await?;
+    let name_ok = (1..=64).contains(&report.evaluator.len())
+        && report.evaluator.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !name_ok {
+        return Err(ApiError::invalid("evaluator: 1..=64 of A-Z a-z 0-9 . _ -"));
+    }
+    if report.example_count == 0 || report.example_count > starling_core::fedavg::MAX_EXAMPLE_COUNT
+    {
+        return Err(ApiError::invalid("example_count is outside 1..=2^29"));
+    }
+    starling_core::fedavg::validate_metrics(&report.metrics)?;
+    if state.store().model_hash(run_id, ModelVersion(version)).await?.is_none() {
+        return Err(ApiError::not_found(format!("run {run_id} has no model version {version}")));
+    }
+    let metrics = serde_json::to_string(&report.metrics).map_err(|e| ApiError::internal(&e))?;
+    state
+        .store()
+        .put_central_evaluation(
+            run_id,
+            ModelVersion(version),
+            &report.evaluator,
+            report.example_count,
+            &metrics,
+            now_ms(),
+        )
+        .await?;
+    state.observer().evaluation(run_id, version);
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(post, path = "/v1/admin/runs/{run_id}/stop", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),

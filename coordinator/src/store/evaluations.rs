@@ -20,6 +20,9 @@ pub struct EvaluationRow {
 /// The `source` of a secure round's pooled evaluation in `aggregate_evaluations`.
 pub const SECURE_EVALUATION_SOURCE: &str = "secure_cohort";
 
+/// The prefix of a central evaluator's `source` (`central:<its name>`).
+pub const CENTRAL_EVALUATION_PREFIX: &str = "central:";
+
 /// A pooled evaluation as stored.
 #[derive(Debug, Clone, FromRow)]
 pub struct AggregateEvaluationRow {
@@ -36,6 +39,36 @@ pub struct AggregateEvaluationRow {
 }
 
 impl SqlStore {
+    /// Stores (or replaces) a central evaluator's evaluation of a model version: the server
+    /// side's held-out set, not devices'.
+    pub async fn put_central_evaluation(
+        &self,
+        run_id: RunId,
+        model_version: ModelVersion,
+        evaluator: &str,
+        example_count: u64,
+        metrics_json: &str,
+        now: Millis,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+             VALUES ($1, $2, $3, 0, $4, $5, $6)
+             ON CONFLICT (run_id, model_version, source)
+             DO UPDATE SET example_count = excluded.example_count, metrics_json = excluded.metrics_json,
+                           received_at_ms = excluded.received_at_ms",
+        )
+        .bind(run_id.0)
+        .bind(model_version.0)
+        .bind(format!("{CENTRAL_EVALUATION_PREFIX}{evaluator}"))
+        .bind(example_count as i64)
+        .bind(metrics_json)
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(())
+    }
+
     /// Stores an evaluation report; a second report of one device on one model is a conflict.
     pub async fn insert_evaluation(
         &self,

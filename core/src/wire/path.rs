@@ -43,6 +43,10 @@ pub const ADMIN_ROUND: &str = "/v1/admin/runs/{run_id}/rounds/{round_idx}";
 pub const ADMIN_ROUND_DEVICES: &str = "/v1/admin/runs/{run_id}/rounds/{round_idx}/devices";
 /// `GET`: a run's model versions.
 pub const ADMIN_MODELS: &str = "/v1/admin/runs/{run_id}/models";
+/// `GET`: one committed model, as safetensors or the raw payload.
+pub const ADMIN_MODEL: &str = "/v1/admin/runs/{run_id}/models/{version}";
+/// `POST`: a central evaluator's evaluation of a model version.
+pub const ADMIN_MODEL_EVALUATIONS: &str = "/v1/admin/runs/{run_id}/models/{version}/evaluations";
 /// `POST`: stop a run.
 pub const ADMIN_STOP: &str = "/v1/admin/runs/{run_id}/stop";
 /// `GET`: every enrolled device.
@@ -80,6 +84,8 @@ pub const COORDINATOR: &[&str] = &[
     ADMIN_ROUND,
     ADMIN_ROUND_DEVICES,
     ADMIN_MODELS,
+    ADMIN_MODEL,
+    ADMIN_MODEL_EVALUATIONS,
     ADMIN_STOP,
     ADMIN_DEVICES,
     ADMIN_REVOKE,
@@ -162,6 +168,16 @@ pub fn admin_round_devices(run: RunId, round: RoundIdx) -> String {
 /// [`ADMIN_MODELS`].
 pub fn admin_models(run_id: RunId) -> String {
     run(ADMIN_MODELS, run_id)
+}
+
+/// [`ADMIN_MODEL`].
+pub fn admin_model(run_id: RunId, version: i64) -> String {
+    run(ADMIN_MODEL, run_id).replace("{version}", &version.to_string())
+}
+
+/// [`ADMIN_MODEL_EVALUATIONS`].
+pub fn admin_model_evaluations(run_id: RunId, version: i64) -> String {
+    run(ADMIN_MODEL_EVALUATIONS, run_id).replace("{version}", &version.to_string())
 }
 
 /// [`ADMIN_STOP`].
