@@ -1,5 +1,6 @@
 //! The SDK's command line, for Linux/IoT devices (`participate`: one device training on a local
-//! directory of examples) and for operators (`simulate`: many devices against a coordinator).
+//! directory of examples) and for operators (`simulate`: many devices against a coordinator;
+//! `evaluate`: central evaluation of a run's models).
 //! It lives in the library so that tests run the same code as the binary.
 
 use std::io::Write;
@@ -8,10 +9,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use starling_core::RunId;
 use starling_core::model_spec::InputSpec;
 
 use crate::backend::{self, BackendChoice};
 use crate::data;
+use crate::evaluate::{EvaluatorConfig, evaluate_run};
 use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
 use crate::protocol::TlsSettings;
 use crate::simulate::{Dataset, ModelKind, Pacing, Partition, SimulationConfig, simulate};
@@ -31,6 +34,42 @@ enum Command {
     /// Take part in training as this device: enroll once (the credential is kept in --state),
     /// then check in, train on the local examples and upload, round after round.
     Participate(ParticipateArgs),
+    /// Evaluate every committed model of a run on a held-out set (central evaluation) and
+    /// report the metrics through the admin API, following the run until it ends.
+    Evaluate(EvaluateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct EvaluateArgs {
+    /// Coordinator URL.
+    #[arg(long, env = "STARLING_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Operator token (models are downloaded and evaluations reported through the admin API).
+    #[arg(long, env = "STARLING_OPERATOR_TOKEN", hide_env_values = true)]
+    operator_token: String,
+    /// The run.
+    #[arg(long)]
+    run: i64,
+    /// The held-out set: this dataset's test split.
+    #[arg(long, value_enum)]
+    dataset: Dataset,
+    /// The shared data folder.
+    #[arg(long, env = "STARLING_DATA_DIR", default_value = "../shared/data")]
+    data_dir: PathBuf,
+    /// Seed of the digits' 80/20 split (the simulator's --seed gives the simulator's test set).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The name the evaluations are reported under.
+    #[arg(long, default_value = "central")]
+    name: String,
+    /// Evaluate the models committed so far and stop, rather than follow the run to its end.
+    #[arg(long)]
+    once: bool,
+    /// Where to evaluate: `auto`, `wgpu` or `cpu`.
+    #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
+    backend: BackendChoice,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -186,7 +225,39 @@ pub fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Simulate(args) => run_simulation(&runtime, args),
         Command::Participate(args) => runtime.block_on(participate(args)),
+        Command::Evaluate(args) => runtime.block_on(central_evaluation(args)),
     }
+}
+
+async fn central_evaluation(args: EvaluateArgs) -> anyhow::Result<()> {
+    let config = EvaluatorConfig {
+        url: args.url,
+        operator_token: args.operator_token,
+        tls: args.tls.settings()?,
+        run: RunId(args.run),
+        name: args.name,
+        dataset: args.dataset,
+        data_dir: args.data_dir,
+        seed: args.seed,
+        backend: backend::select(args.backend)?,
+        follow: !args.once,
+    };
+    println!(
+        "evaluating run {} on {:?}'s held-out set as {:?}",
+        config.run, config.dataset, config.name
+    );
+    let evaluated = evaluate_run(config, |version, e| {
+        println!(
+            "model {version}: accuracy {:.2}%, loss {:.4} on {} examples",
+            e.accuracy * 100.0,
+            e.loss,
+            e.examples
+        );
+        let _ = std::io::stdout().flush();
+    })
+    .await?;
+    println!("{evaluated} models evaluated");
+    Ok(())
 }
 
 async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {

@@ -21,7 +21,7 @@ use starling_core::wire::{
 use starling_core::{DeviceId, RoundIdx, RunId};
 
 use starling_core::admin::{
-    DeviceView, EnrollmentToken, ModelView, RoundDeviceView, RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, RoundDeviceView, RoundView, RunView,
 };
 
 /// Why a call failed.
@@ -436,6 +436,40 @@ impl AdminClient {
         self.send(reqwest::Method::GET, &path::admin_models(run), None).await
     }
 
+    /// A committed model as a file: `safetensors`, or `payload` (the CBOR devices download).
+    pub async fn model_file(
+        &self,
+        run: RunId,
+        version: i64,
+        format: &str,
+    ) -> Result<Vec<u8>, ClientError> {
+        let path = format!("{}?format={format}", path::admin_model(run, version));
+        self.send_raw(reqwest::Method::GET, &path, None).await
+    }
+
+    /// A committed model's values, downloaded with the operator's credential.
+    pub async fn model_payload(
+        &self,
+        run: RunId,
+        version: i64,
+    ) -> Result<TensorPayload, ClientError> {
+        let bytes = self.model_file(run, version, "payload").await?;
+        codec::decode(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Reports a central evaluation of a committed model.
+    pub async fn report_central_evaluation(
+        &self,
+        run: RunId,
+        version: i64,
+        evaluation: &CentralEvaluation,
+    ) -> Result<(), ClientError> {
+        let body =
+            serde_json::to_value(evaluation).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let path = path::admin_model_evaluations(run, version);
+        self.send_empty(reqwest::Method::POST, &path, Some(body)).await
+    }
+
     /// Every enrolled device.
     pub async fn devices(&self) -> Result<Vec<DeviceView>, ClientError> {
         self.send(reqwest::Method::GET, path::ADMIN_DEVICES, None).await
@@ -471,6 +505,26 @@ impl AdminClient {
         path: &str,
         body: Option<serde_json::Value>,
     ) -> Result<T, ClientError> {
+        let bytes = self.send_raw(method, path, body).await?;
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Like [`AdminClient::send`] for an answer without a body (204).
+    async fn send_empty(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<(), ClientError> {
+        self.send_raw(method, path, body).await.map(drop)
+    }
+
+    async fn send_raw(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<Vec<u8>, ClientError> {
         let mut req = self
             .http
             .request(method, format!("{}{path}", self.base))
@@ -484,6 +538,6 @@ impl AdminClient {
         if !status.is_success() {
             return Err(api_error(status, &bytes));
         }
-        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+        Ok(bytes.to_vec())
     }
 }

@@ -12,16 +12,17 @@ use std::time::Duration;
 
 use serde::Serialize;
 use starling_core::model_spec::ModelSpec;
-use starling_core::tensor::TensorSchema;
 use starling_core::{DeviceId, RunId};
 
 use crate::backend::Backend;
 use crate::data::{self, DataError, Split};
+use crate::evaluate::CentralEvaluator;
 use crate::examples::Examples;
-use crate::model::{ModelIo, SpecModel};
-use crate::participant::{Outcome, Participant, decode_model};
-use crate::protocol::{AdminClient, ClientError, FleetClient, TlsSettings};
-use crate::train::evaluate;
+use crate::participant::{Outcome, Participant};
+use crate::protocol::{AdminClient, ClientError, TlsSettings};
+
+/// The name the simulator's evaluations of the global model are reported under.
+pub const SIMULATOR_EVALUATOR: &str = "simulator";
 
 /// A real dataset from `shared/data`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -349,7 +350,7 @@ pub async fn simulate(
     {
         return Err(SimulationError::PopulationBusy { population, run: busy.id });
     }
-    let token = admin.enrollment_token(Some(config.clients as i64 + 1)).await?;
+    let token = admin.enrollment_token(Some(config.clients as i64)).await?;
     let pacing = config.pacing;
     let mut plan = serde_json::json!({
         "name": name,
@@ -409,13 +410,17 @@ pub async fn simulate(
         }));
     }
 
-    // Observe: evaluate each committed model on the test set.
-    let mut observer = FleetClient::with_tls(&config.url, &config.tls)?;
-    observer.enroll(&token).await?;
-    let schema: TensorSchema = spec.schema().expect("built-in specs are valid");
-    let io = ModelIo::of_spec(&spec).expect("built-in specs are valid");
-    let device = config.backend.device.clone();
-    let test_set = Arc::new(test_set);
+    // Observe: evaluate each committed model on the test set, and report it as the central
+    // evaluation of the "simulator".
+    let evaluator = CentralEvaluator::new(
+        admin.clone(),
+        run,
+        SIMULATOR_EVALUATOR,
+        spec.clone(),
+        test_set,
+        config.backend.clone(),
+    )
+    .map_err(|e| SimulationError::Participant(e.to_string()))?;
     let mut results: Vec<RoundResult> = vec![];
     let outcome = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -423,19 +428,10 @@ pub async fn simulate(
         let rounds = admin.rounds(run).await?;
         let seen = results.len();
         for m in models.iter().filter(|m| m.version as usize > seen) {
-            let payload = observer.model(&m.content_hash).await?;
-            let values = decode_model(&schema, &payload)
+            let eval = evaluator
+                .evaluate_version(m.version)
+                .await
                 .map_err(|e| SimulationError::Participant(e.to_string()))?;
-            let (spec2, device2, test2) = (spec.clone(), device.clone(), test_set.clone());
-            let eval = tokio::task::spawn_blocking(move || {
-                let model = SpecModel::build(&spec2, &device2)
-                    .and_then(|m| m.load_parameters(&values))
-                    .expect("schema checked");
-                evaluate(&model, io, &test2, &device2)
-            })
-            .await
-            .expect("evaluation task panicked")
-            .map_err(|e| SimulationError::Participant(e.to_string()))?;
             let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
             let result = RoundResult {
                 version: m.version,

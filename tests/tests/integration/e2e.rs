@@ -627,6 +627,15 @@ async fn r21_concurrent_simulations_train_only_their_own_runs() {
                 assert_eq!(reported as i64, round.n_reported, "{record:?}");
             }
         }
+        // The simulator's test-set scores are the run's central evaluations.
+        for (model, result) in
+            c.admin.models(report.run_id).await.unwrap().iter().skip(1).zip(&report.rounds)
+        {
+            let central = &model.central;
+            assert_eq!(central.len(), 1, "{central:?}");
+            assert_eq!(central[0].evaluator, starling_client::simulate::SIMULATOR_EVALUATOR);
+            assert_eq!(central[0].metrics["accuracy"], result.test_accuracy);
+        }
     }
     let plan = c.admin.run(b.run_id).await.unwrap().plan;
     assert_eq!(
