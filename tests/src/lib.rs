@@ -29,6 +29,28 @@ pub fn shared_data() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
 }
 
+/// A Python interpreter with `modules` importable (`STARLING_PYTHON`, else `python3`), or
+/// `None` after saying the test skips; `cargo xtask test` installs them
+/// (`xtask/python-requirements.txt`) and sets `STARLING_REQUIRE_PYTHON_TOOLS`, so that there a
+/// missing module fails the test instead.
+pub fn python_with(modules: &[&str]) -> Option<std::path::PathBuf> {
+    let python: std::path::PathBuf =
+        std::env::var_os("STARLING_PYTHON").unwrap_or_else(|| "python3".into()).into();
+    let imports = format!("import {}", modules.join(", "));
+    let found =
+        Command::new(&python).args(["-c", &imports]).output().is_ok_and(|o| o.status.success());
+    if found {
+        return Some(python);
+    }
+    assert!(
+        std::env::var_os("STARLING_REQUIRE_PYTHON_TOOLS").is_none(),
+        "{} cannot `{imports}`, and STARLING_REQUIRE_PYTHON_TOOLS says it must",
+        python.display()
+    );
+    eprintln!("skipped: {} cannot `{imports}` (cargo xtask test installs them)", python.display());
+    None
+}
+
 /// A fresh SQLite database in a temporary directory (deleted when the guard drops).
 pub fn sqlite_db() -> (tempfile::TempDir, String) {
     let dir = tempfile::tempdir().expect("creating a temp dir");

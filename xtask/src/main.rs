@@ -4,7 +4,9 @@
 //!   makes sure a Postgres is reachable (installing Debian's `postgresql` and starting its
 //!   cluster when there is none), exports `DATABASE_URL`, installs Mesa's software Vulkan
 //!   (`mesa-vulkan-drivers`, so the wgpu training test has an adapter) when missing, then runs
-//!   formatting, clippy and the whole test suite. `.ci/run` calls exactly this.
+//!   formatting, clippy and the whole test suite. The Python packages some tests check against
+//!   (`xtask/python-requirements.txt`) go into a virtual environment beside the build.
+//!   `.ci/run` calls exactly this.
 //!   After the Rust tests it builds the dashboard and runs its browser tests, and generates the
 //!   mobile bindings and runs the Python-bindings tests.
 //! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
@@ -43,6 +45,7 @@ fn test() -> anyhow::Result<()> {
     };
     ensure_software_vulkan()?;
     keep_disk_headroom(&target_dir(&repo_root()?))?;
+    let python = ensure_python_tools(&repo_root()?)?;
     // The container test serves the built dashboard, as the image does.
     build_dashboard(&repo_root()?.join("web-dashboard"))?;
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
@@ -70,6 +73,8 @@ fn test() -> anyhow::Result<()> {
     wgpu_env(&mut tests)?;
     // Lavapipe was installed above: the wgpu training test must find it, not skip.
     tests.env("STARLING_REQUIRE_WGPU", "1");
+    // So were the Python packages: the tests that check against them must not skip either.
+    tests.env("STARLING_PYTHON", &python).env("STARLING_REQUIRE_PYTHON_TOOLS", "1");
     step("tests", &mut tests)?;
     dashboard_tests(&cargo)?;
     mobile_tests()?;
@@ -354,6 +359,33 @@ fn check(name: &str, status: ExitStatus) -> anyhow::Result<()> {
         bail!("{name} failed: {status}");
     }
     Ok(())
+}
+
+/// A virtual environment with `xtask/python-requirements.txt` installed from PyPI (again only
+/// when that file changes); returns its interpreter.
+fn ensure_python_tools(root: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let requirements = root.join("xtask").join("python-requirements.txt");
+    let venv = target_dir(root).join("python-tools");
+    let python = venv.join("bin").join("python");
+    let wanted = std::fs::read_to_string(&requirements).context("reading the requirements")?;
+    let installed = venv.join("installed-requirements.txt");
+    if std::fs::read_to_string(&installed).is_ok_and(|had| had == wanted) && python.exists() {
+        return Ok(python);
+    }
+    let mut create = Command::new("python3");
+    create.args(["-m", "venv", "--clear"]).arg(&venv);
+    if !create.status().is_ok_and(|s| s.success()) {
+        apt_install("python3-venv")?;
+        step("python venv", &mut create)?;
+    }
+    step(
+        "python packages",
+        Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
+            .arg(&requirements),
+    )?;
+    std::fs::write(&installed, wanted).context("recording the installed requirements")?;
+    Ok(python)
 }
 
 /// Makes a local Postgres reachable with a role that may create databases; returns its URL.

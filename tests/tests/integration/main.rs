@@ -7,6 +7,7 @@ mod cli;
 mod container;
 mod e2e;
 mod hardening;
+mod operator;
 mod production;
 mod sdk;
 mod secure;

@@ -1,0 +1,348 @@
+//! `starling`, the operator's command line: runs, models, enrollment tokens and devices through
+//! the admin API, with the operator token from the environment.
+//!
+//! It is a binary of the SDK rather than subcommands of the coordinator: it is an HTTP client of
+//! the admin API and reuses the SDK's [`AdminClient`] (TLS settings included), runs on the
+//! operator's machine rather than the server's, and the coordinator binary stays a server that
+//! needs no operator credential to start. It lives in the library so that tests run the same
+//! code as the binary.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use starling_core::admin::{ModelView, RunView};
+use starling_core::{DeviceId, RunId};
+
+use crate::protocol::AdminClient;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "starling",
+    version,
+    about = "Operate a Starling coordinator through its admin API"
+)]
+struct Cli {
+    /// Coordinator URL.
+    #[arg(long, global = true, env = "STARLING_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Operator token.
+    #[arg(long, global = true, env = "STARLING_OPERATOR_TOKEN", hide_env_values = true)]
+    operator_token: Option<String>,
+    /// PEM CA certificate(s) an `https://` coordinator's certificate must chain to (default:
+    /// the system's trust store).
+    #[arg(long, global = true, env = "STARLING_CA_CERT")]
+    ca_cert: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Training runs.
+    #[command(subcommand)]
+    Runs(RunsCommand),
+    /// Committed models.
+    #[command(subcommand)]
+    Models(ModelsCommand),
+    /// Enrollment tokens.
+    #[command(subcommand)]
+    Tokens(TokensCommand),
+    /// Enrolled devices.
+    #[command(subcommand)]
+    Devices(DevicesCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum RunsCommand {
+    /// Create a run from a plan file (`.toml`, or JSON otherwise) and print its id.
+    Create {
+        /// The plan, with the fields of `POST /v1/admin/runs`.
+        plan: PathBuf,
+    },
+    /// List runs.
+    List {
+        /// Print JSON rather than a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Follow a run until it ends, with a progress bar of its rounds.
+    Watch {
+        /// The run.
+        run: i64,
+        /// Seconds between looks.
+        #[arg(long, default_value_t = 1.0)]
+        interval_secs: f64,
+    },
+    /// Stop a run: its open round is abandoned and no round opens after it.
+    Stop {
+        /// The run.
+        run: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ModelsCommand {
+    /// List a run's committed models with their evaluations.
+    List {
+        /// The run.
+        run: i64,
+        /// Print JSON rather than a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Download a committed model.
+    Export {
+        /// The run.
+        run: i64,
+        /// The model version [default: the latest].
+        #[arg(long)]
+        version: Option<i64>,
+        /// `safetensors` (named f32 tensors) or `payload` (the CBOR payload devices download).
+        #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "payload"])]
+        format: String,
+        /// The file to write.
+        #[arg(long, short)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TokensCommand {
+    /// Issue an enrollment token and print it.
+    Issue {
+        /// Devices that may enroll with it [default: unlimited].
+        #[arg(long)]
+        uses: Option<i64>,
+        /// How long it is valid, in seconds [default: the coordinator's].
+        #[arg(long)]
+        ttl_secs: Option<i64>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DevicesCommand {
+    /// List enrolled devices.
+    List {
+        /// Print JSON rather than a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a device's credential: it can no longer call the fleet API.
+    Revoke {
+        /// The device.
+        device: i64,
+    },
+}
+
+/// The `starling` binary.
+pub fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let token = cli.operator_token.as_deref().context(
+        "an operator token is required: set STARLING_OPERATOR_TOKEN (or pass --operator-token)",
+    )?;
+    let tls = crate::protocol::TlsSettings::from_files(cli.ca_cert.as_deref(), None, None)?;
+    let admin = AdminClient::with_tls(&cli.url, token, &tls)?;
+    let mut out = std::io::stdout().lock();
+    match cli.command {
+        Command::Runs(RunsCommand::Create { plan }) => {
+            let run = admin.create_run(&read_plan(&plan)?).await?;
+            writeln!(out, "{}", run.id)?;
+            eprintln!("created run {} ({}) in population {:?}", run.id, name(&run), run.population);
+        }
+        Command::Runs(RunsCommand::List { json }) => {
+            let runs = admin.runs().await?;
+            if json {
+                serde_json::to_writer_pretty(&mut out, &runs)?;
+                writeln!(out)?;
+            } else {
+                writeln!(
+                    out,
+                    "{:>5}  {:<28}  {:<20}  {:<9}  {:>7}  {:>6}",
+                    "run", "name", "population", "status", "rounds", "model"
+                )?;
+                for r in &runs {
+                    writeln!(
+                        out,
+                        "{:>5}  {:<28}  {:<20}  {:<9}  {:>7}  {:>6}",
+                        r.id,
+                        name(r),
+                        r.population,
+                        r.status,
+                        format!("{}/{}", r.rounds_committed, r.total_rounds),
+                        r.model_version
+                    )?;
+                }
+            }
+        }
+        Command::Runs(RunsCommand::Watch { run, interval_secs }) => {
+            anyhow::ensure!(
+                interval_secs.is_finite() && interval_secs > 0.0,
+                "--interval-secs must be a positive number of seconds"
+            );
+            drop(out);
+            watch(&admin, RunId(run), Duration::from_secs_f64(interval_secs)).await?;
+        }
+        Command::Runs(RunsCommand::Stop { run }) => {
+            let view = admin.stop(RunId(run)).await?;
+            writeln!(out, "run {} {}", view.id, view.status)?;
+        }
+        Command::Models(ModelsCommand::List { run, json }) => {
+            let models = admin.models(RunId(run)).await?;
+            if json {
+                serde_json::to_writer_pretty(&mut out, &models)?;
+                writeln!(out)?;
+            } else {
+                writeln!(
+                    out,
+                    "{:>7}  {:>5}  {:>14}  {:>14}  {:<16}",
+                    "version", "round", "federated acc", "central acc", "hash"
+                )?;
+                for m in &models {
+                    let round = m.round_idx.map_or("-".to_owned(), |r| r.to_string());
+                    writeln!(
+                        out,
+                        "{:>7}  {:>5}  {:>14}  {:>14}  {:<16}",
+                        m.version,
+                        round,
+                        percent(m.evaluation.get("accuracy").copied()),
+                        percent(central_accuracy(m)),
+                        &m.content_hash[..m.content_hash.len().min(16)]
+                    )?;
+                }
+            }
+        }
+        Command::Models(ModelsCommand::Export { run, version, format, out: path }) => {
+            let run = RunId(run);
+            let version = match version {
+                Some(v) => v,
+                None => admin.run(run).await?.model_version,
+            };
+            let bytes = admin.model_file(run, version, &format).await?;
+            std::fs::write(&path, &bytes).with_context(|| format!("writing {}", path.display()))?;
+            writeln!(
+                out,
+                "run {run} model {version}: {} bytes of {format} in {}",
+                bytes.len(),
+                path.display()
+            )?;
+        }
+        Command::Tokens(TokensCommand::Issue { uses, ttl_secs }) => {
+            let token = admin.enrollment_token_with(uses, ttl_secs).await?;
+            writeln!(out, "{}", token.token)?;
+        }
+        Command::Devices(DevicesCommand::List { json }) => {
+            let devices = admin.devices().await?;
+            if json {
+                serde_json::to_writer_pretty(&mut out, &devices)?;
+                writeln!(out)?;
+            } else {
+                writeln!(out, "{:>7}  {:>15}  {:<7}", "device", "enrolled (ms)", "revoked")?;
+                for d in &devices {
+                    writeln!(
+                        out,
+                        "{:>7}  {:>15}  {:<7}",
+                        d.device_id, d.enrolled_at_ms, d.revoked
+                    )?;
+                }
+            }
+        }
+        Command::Devices(DevicesCommand::Revoke { device }) => {
+            let view = admin.revoke_device(DeviceId(device)).await?;
+            writeln!(out, "device {} revoked", view.device_id)?;
+        }
+    }
+    Ok(())
+}
+
+/// A plan file as the JSON the admin API takes: TOML by extension, JSON otherwise.
+fn read_plan(path: &Path) -> anyhow::Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "toml") {
+        let value: toml::Value =
+            toml::from_str(&text).with_context(|| format!("{} is not TOML", path.display()))?;
+        Ok(serde_json::to_value(value)?)
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+    }
+}
+
+/// Follows a run with a progress bar of its committed rounds (a line per change when the
+/// output is not a terminal) until it is no longer running.
+async fn watch(admin: &AdminClient, run: RunId, interval: Duration) -> anyhow::Result<()> {
+    let view = admin.run(run).await?;
+    let bar = indicatif::ProgressBar::new(u64::from(view.total_rounds));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "run {prefix} {bar:30} {pos}/{len} rounds {elapsed} {msg}",
+        )
+        .expect("the template is valid"),
+    );
+    bar.set_prefix(view.id.to_string());
+    let terminal = std::io::stderr().is_terminal();
+    let mut last_line = String::new();
+    let view = loop {
+        let view = admin.run(run).await?;
+        let models = admin.models(run).await?;
+        let latest = models.iter().max_by_key(|m| m.version);
+        let line = format!(
+            "{}: {}/{} rounds, model {}, federated accuracy {}, central accuracy {}",
+            view.status,
+            view.rounds_committed,
+            view.total_rounds,
+            view.model_version,
+            percent(latest.and_then(|m| m.evaluation.get("accuracy").copied())),
+            percent(latest.and_then(central_accuracy)),
+        );
+        bar.set_position(view.rounds_committed.max(0) as u64);
+        if terminal {
+            bar.set_message(line.clone());
+        } else if line != last_line {
+            println!("run {run} {line}");
+            let _ = std::io::stdout().flush();
+        }
+        last_line = line;
+        if view.status != "running" {
+            break view;
+        }
+        tokio::time::sleep(interval).await;
+    };
+    bar.finish_and_clear();
+    if terminal {
+        println!("run {run} {last_line}");
+    }
+    anyhow::ensure!(
+        view.status == "finished",
+        "run {run} ended {} after {} of {} rounds",
+        view.status,
+        view.rounds_committed,
+        view.total_rounds
+    );
+    Ok(())
+}
+
+fn name(run: &RunView) -> &str {
+    run.name.as_deref().unwrap_or("-")
+}
+
+/// The mean of the central evaluators' accuracies of a model, if any reported one.
+fn central_accuracy(model: &ModelView) -> Option<f64> {
+    let accuracies: Vec<f64> =
+        model.central.iter().filter_map(|c| c.metrics.get("accuracy").copied()).collect();
+    (!accuracies.is_empty()).then(|| accuracies.iter().sum::<f64>() / accuracies.len() as f64)
+}
+
+fn percent(value: Option<f64>) -> String {
+    value.map_or("-".to_owned(), |v| format!("{:.2}%", v * 100.0))
+}

@@ -1,0 +1,267 @@
+//! The operator's tools against a live coordinator: the `starling` command line (runs, models,
+//! tokens, devices), `starling-client evaluate` (central evaluation), and a model exported as
+//! safetensors read back by Python's `safetensors`.
+
+use std::path::Path;
+use std::process::Output;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use starling_client::data;
+use starling_client::participant::{Outcome, Participant};
+use starling_client::{Device, examples::Examples};
+use starling_core::RunId;
+use starling_core::tensor::safetensors;
+use starling_tests::{OPERATOR_TOKEN, mlp_plan, python_with, shared_data, sqlite_db};
+
+fn operator_bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_operator_under_test"))
+}
+
+/// `starling ARGS` against `url` with the operator token in the environment, as an operator
+/// runs it.
+async fn starling(url: &str, args: &[&str]) -> Output {
+    tokio::process::Command::new(operator_bin())
+        .args(args)
+        .env("STARLING_URL", url)
+        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
+        .output()
+        .await
+        .expect("running starling")
+}
+
+fn stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Devices training the digits in `population` until `stop`: each its own 150 examples.
+fn devices(
+    url: &str,
+    population: &str,
+    token: &str,
+    digits: &Examples,
+    n: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|k| {
+            let (train, hold) =
+                digits.subset(&(k * 150..k * 150 + 150).collect::<Vec<_>>()).split_holdout(0.2, 1);
+            let mut p = Participant::new(url, population, train, hold, Device::flex().autodiff());
+            let (token, stop) = (token.to_owned(), stop.clone());
+            tokio::spawn(async move {
+                p.enroll(&token).await.unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    match p.participate(Box::new(|_| {})).await {
+                        Ok(Outcome::Uploaded { .. }) => {}
+                        Ok(_) | Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// An operator creates a run from a TOML plan, issues a token for its devices, watches it to
+/// the end while a central evaluator follows it, lists and exports its models (the safetensors
+/// file holds exactly the committed values, as Python's `safetensors` reads them), stops
+/// another run, and revokes a device; a missing token and a bad plan get clear errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r19_an_operator_drives_a_run_from_the_command_line() {
+    let (dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let url = c.url.as_str();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+
+    // Without the operator token the command says where it goes.
+    let out = tokio::process::Command::new(operator_bin())
+        .args(["runs", "list", "--url", url])
+        .env_remove("STARLING_OPERATOR_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("STARLING_OPERATOR_TOKEN"), "{out:?}");
+
+    // A plan file in TOML, as an operator writes one; a broken one is refused with its name.
+    let mut plan = mlp_plan(digits.input(), 2, 3);
+    plan["name"] = "operated".into();
+    plan["population"] = "operated".into();
+    let plan_file = dir.path().join("plan.toml");
+    std::fs::write(&plan_file, toml::to_string(&plan).unwrap()).unwrap();
+    let bad_file = dir.path().join("bad.json");
+    std::fs::write(&bad_file, "{\"cohort_size\": ").unwrap();
+    let bad = starling(url, &["runs", "create", bad_file.to_str().unwrap()]).await;
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad.json is not JSON"), "{bad:?}");
+    let run: i64 = stdout(&starling(url, &["runs", "create", plan_file.to_str().unwrap()]).await)
+        .trim()
+        .parse()
+        .unwrap();
+    let run_arg = run.to_string();
+    let view = c.admin.run(RunId(run)).await.unwrap();
+    assert_eq!((view.name.as_deref(), view.population.as_str()), (Some("operated"), "operated"));
+    assert_eq!(view.total_rounds, 3);
+    let token = stdout(&starling(url, &["tokens", "issue", "--uses", "2"]).await);
+
+    // The run trains while `watch` and a central evaluator follow it to its end.
+    let watch_args = ["runs", "watch", &run_arg, "--interval-secs", "0.2"];
+    let watch = starling(url, &watch_args);
+    let evaluate = tokio::process::Command::new(env!("CARGO_BIN_EXE_client_under_test"))
+        .args(["evaluate", "--url", url, "--run", &run_arg, "--dataset", "digits"])
+        .args(["--backend", "cpu", "--name", "ops-holdout"])
+        .arg("--data-dir")
+        .arg(shared_data())
+        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
+        .output();
+    let stop = Arc::new(AtomicBool::new(false));
+    let fleet = devices(url, "operated", token.trim(), &digits, 2, &stop);
+    let (watch, evaluate) = tokio::join!(watch, evaluate);
+    stop.store(true, Ordering::Relaxed);
+    for d in fleet {
+        d.await.unwrap();
+    }
+    let watched = stdout(&watch);
+    assert!(watched.contains("finished: 3/3 rounds, model 3"), "{watched}");
+    let evaluated = stdout(&evaluate.unwrap());
+    assert!(evaluated.contains("4 models evaluated"), "{evaluated}");
+
+    // Every model carries the central evaluation beside the federated one.
+    let models: Vec<starling_core::admin::ModelView> = serde_json::from_str(&stdout(
+        &starling(url, &["models", "list", &run_arg, "--json"]).await,
+    ))
+    .unwrap();
+    assert_eq!(models.len(), 4);
+    let held_out = digits.split_holdout(0.2, 1).1.len() as u64;
+    for m in &models {
+        let central: Vec<_> = m.central.iter().filter(|e| e.evaluator == "ops-holdout").collect();
+        assert_eq!(central.len(), 1, "model {}: {:?}", m.version, m.central);
+        let accuracy = central[0].metrics["accuracy"];
+        assert!((0.0..=1.0).contains(&accuracy));
+        assert_eq!(central[0].example_count, held_out, "the digits' 20 % test split");
+    }
+    let last = &models[3].central[0].metrics["accuracy"];
+    let first = &models[0].central[0].metrics["accuracy"];
+    assert!(last > first, "central accuracy {first} -> {last}");
+    let table = stdout(&starling(url, &["models", "list", &run_arg]).await);
+    assert!(table.contains("central acc") && table.lines().count() == 5, "{table}");
+
+    // The latest model as safetensors holds exactly the committed values.
+    let file = dir.path().join("model.safetensors");
+    let exported = stdout(
+        &starling(url, &["models", "export", &run_arg, "--out", file.to_str().unwrap()]).await,
+    );
+    assert!(exported.contains("model 3"), "{exported}");
+    let payload = c.admin.model_payload(RunId(run), 3).await.unwrap();
+    let spec: starling_core::model_spec::ModelSpec =
+        serde_json::from_value(plan["model"]["spec"].clone()).unwrap();
+    let schema = spec.schema().unwrap();
+    let values = schema.decode_f32(&payload).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    assert_eq!(safetensors::from_safetensors(&schema, &bytes).unwrap(), payload.data);
+    if let Some(python) = python_with(&["safetensors", "numpy"]) {
+        let script = "import json, sys\n\
+            from safetensors.numpy import load_file\n\
+            tensors = load_file(sys.argv[1])\n\
+            print(json.dumps({k: [list(v.shape), str(v.dtype), v.astype('float64').ravel().tolist()] for k, v in tensors.items()}))";
+        let out = std::process::Command::new(python).args(["-c", script]).arg(&file).output();
+        let loaded: serde_json::Value =
+            serde_json::from_str(&stdout(&out.unwrap())).expect("the script prints JSON");
+        let mut offset = 0;
+        for t in &schema.tensors {
+            let [shape, dtype, data] = loaded[&t.name].as_array().unwrap().as_slice() else {
+                panic!("{} is not in the file: {loaded}", t.name)
+            };
+            assert_eq!(shape, &serde_json::json!(t.shape), "{}", t.name);
+            assert_eq!(dtype, "float32");
+            let n = t.numel() as usize;
+            let read: Vec<f32> =
+                data.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+            assert_eq!(read, values[offset..offset + n], "{}", t.name);
+            offset += n;
+        }
+        assert_eq!(offset, values.len());
+    }
+    let raw = dir.path().join("model.cbor");
+    let version_1 = ["models", "export", &run_arg, "--version", "1", "--format", "payload"];
+    stdout(&starling(url, &[&version_1[..], &["--out", raw.to_str().unwrap()]].concat()).await);
+    let payload_1: starling_core::tensor::TensorPayload =
+        starling_core::codec::decode(&std::fs::read(&raw).unwrap()).unwrap();
+    assert_eq!(payload_1.content_hash(), models[1].content_hash);
+    let missing = starling(url, &["models", "export", &run_arg, "--version", "9"]).await;
+    assert!(!missing.status.success());
+
+    // Lists, stop and revoke.
+    let runs = stdout(&starling(url, &["runs", "list"]).await);
+    assert!(runs.lines().any(|l| l.contains("operated") && l.contains("finished")), "{runs}");
+    let other = c.admin.create_run(&mlp_plan(digits.input(), 1, 5)).await.unwrap().id;
+    let stopped = stdout(&starling(url, &["runs", "stop", &other.to_string()]).await);
+    assert!(stopped.contains(&format!("run {other} stopped")), "{stopped}");
+    assert_eq!(c.admin.run(RunId(other)).await.unwrap().status, "stopped");
+    let devices: Vec<starling_core::admin::DeviceView> =
+        serde_json::from_str(&stdout(&starling(url, &["devices", "list", "--json"]).await))
+            .unwrap();
+    assert_eq!(devices.len(), 2);
+    let victim = devices[0].device_id;
+    stdout(&starling(url, &["devices", "revoke", &victim.to_string()]).await);
+    let after = c.admin.devices().await.unwrap();
+    assert!(after.iter().any(|d| d.device_id == victim && d.revoked));
+    let table = stdout(&starling(url, &["devices", "list"]).await);
+    assert_eq!(table.lines().filter(|l| l.trim_end().ends_with("true")).count(), 1, "{table}");
+    let unknown = starling(url, &["devices", "revoke", "999999"]).await;
+    assert!(!unknown.status.success());
+    c.running.shutdown().await.unwrap();
+}
+
+/// The export and central-evaluation endpoints refuse what they cannot serve or store: an
+/// unknown format, a model that does not exist, an evaluation out of bounds or under a bad
+/// name, and any credential but the operator's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r19_model_export_and_central_evaluations_refuse_bad_requests() {
+    use starling_core::admin::CentralEvaluation;
+    use starling_core::wire::ErrorCode;
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let run = RunId(c.admin.create_run(&mlp_plan(digits.input(), 1, 1)).await.unwrap().id);
+    use starling_tests::api_code as code;
+    assert_eq!(code(c.admin.model_file(run, 0, "onnx").await), Some(ErrorCode::InvalidField));
+    assert_eq!(code(c.admin.model_file(run, 1, "safetensors").await), Some(ErrorCode::NotFound));
+    assert_eq!(code(c.admin.model_file(RunId(77), 0, "payload").await), Some(ErrorCode::NotFound));
+    let good = CentralEvaluation {
+        evaluator: "holdout-1".into(),
+        example_count: 100,
+        metrics: [("accuracy".to_owned(), 0.5)].into(),
+    };
+    let bad = [
+        CentralEvaluation { evaluator: "".into(), ..good.clone() },
+        CentralEvaluation { evaluator: "a b".into(), ..good.clone() },
+        CentralEvaluation { example_count: 0, ..good.clone() },
+        CentralEvaluation { metrics: [("accuracy".to_owned(), 1.5)].into(), ..good.clone() },
+        CentralEvaluation { metrics: [("loss".to_owned(), -1.0)].into(), ..good.clone() },
+    ];
+    for report in &bad {
+        let res = c.admin.report_central_evaluation(run, 0, report).await;
+        assert_eq!(code(res), Some(ErrorCode::InvalidField), "{report:?}");
+    }
+    let res = c.admin.report_central_evaluation(run, 1, &good).await;
+    assert_eq!(code(res), Some(ErrorCode::NotFound));
+    let device = starling_client::protocol::AdminClient::new(&c.url, "not-the-operator-token");
+    let res = device.report_central_evaluation(run, 0, &good).await;
+    assert_eq!(code(res), Some(ErrorCode::Unauthorized));
+    // A second report under one name replaces the first.
+    c.admin.report_central_evaluation(run, 0, &good).await.unwrap();
+    let better = CentralEvaluation { metrics: [("accuracy".to_owned(), 0.75)].into(), ..good };
+    c.admin.report_central_evaluation(run, 0, &better).await.unwrap();
+    let models = c.admin.models(run).await.unwrap();
+    assert_eq!(models[0].central, vec![better]);
+    assert_eq!(models[0].n_evaluations, 0, "central evaluations are not devices' reports");
+    c.running.shutdown().await.unwrap();
+}
