@@ -33,11 +33,22 @@ export interface RoundView {
 
 export interface ModelView {
   version: number;
+  content_hash: string;
   round_idx: number | null;
   created_at_ms: number;
   n_evaluations: number;
   evaluation: Record<string, number>;
+  /** Central evaluations: evaluators' own held-out sets (`starling-client evaluate`, the simulator). */
+  central?: CentralEvaluation[];
 }
+
+export interface CentralEvaluation {
+  evaluator: string;
+  example_count: number;
+  metrics: Record<string, number>;
+}
+
+export type ModelFormat = 'safetensors' | 'payload';
 
 export interface PopulationSample {
   at_ms: number;
@@ -57,11 +68,20 @@ export class Unauthorized extends Error {}
 export class Api {
   constructor(private readonly token: string) {}
 
-  private async get<T>(path: string): Promise<T> {
+  private async fetchOk(path: string): Promise<Response> {
     const res = await fetch(path, { headers: { Authorization: `Bearer ${this.token}` } });
     if (res.status === 401) throw new Unauthorized('the operator token was refused');
     if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
-    return (await res.json()) as T;
+    return res;
+  }
+
+  private async get<T>(path: string): Promise<T> {
+    return (await (await this.fetchOk(path)).json()) as T;
+  }
+
+  /** A committed model as a file (the download needs the operator token, so no plain link). */
+  async modelFile(run: number, version: number, format: ModelFormat): Promise<Blob> {
+    return (await this.fetchOk(`/v1/admin/runs/${run}/models/${version}?format=${format}`)).blob();
   }
 
   runs(): Promise<RunView[]> {

@@ -3,7 +3,7 @@
 import uPlot from 'uplot';
 import 'uplot/dist/uPlot.min.css';
 import './style.css';
-import { Api, LiveEvent, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
+import { Api, LiveEvent, ModelFormat, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
 
 const TOKEN_KEY = 'starling-operator-token';
 const $ = <T extends HTMLElement>(id: string) => document.getElementById(id) as T;
@@ -123,10 +123,20 @@ function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void
   const xs = committed.map((r) => r.round_idx);
   const evalOf = (r: RoundView, key: string) => byVersion.get(r.model_version)?.evaluation[key] ?? null;
   const accuracy = committed.map((r) => evalOf(r, 'accuracy'));
+  const central = committed.map((r) => centralAccuracy(byVersion.get(r.model_version)) ?? null);
   const chart = $('accuracy-chart');
   chart.dataset.points = String(accuracy.filter((a) => a !== null).length);
+  chart.dataset.centralPoints = String(central.filter((a) => a !== null).length);
   chart.dataset.committedRounds = String(committed.length);
-  draw('accuracy-chart', [xs, accuracy], [{ label: 'accuracy', stroke: '#1f77b4', scale: 'acc' }], { acc: { range: [0, 1] } });
+  draw(
+    'accuracy-chart',
+    [xs, accuracy, central],
+    [
+      { label: 'federated accuracy', stroke: '#1f77b4', scale: 'acc' },
+      { label: 'central accuracy', stroke: '#9467bd', scale: 'acc', dash: [6, 4] },
+    ],
+    { acc: { range: [0, 1] } },
+  );
   draw(
     'loss-chart',
     [xs, committed.map((r) => r.metrics?.loss ?? null), committed.map((r) => evalOf(r, 'loss'))],
@@ -136,6 +146,55 @@ function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void
     ],
   );
   renderTimeline(rounds, byVersion);
+  renderModels(run, models);
+}
+
+/** The mean accuracy the central evaluators report for a model. */
+function centralAccuracy(model: ModelView | undefined): number | undefined {
+  const accuracies = (model?.central ?? []).map((c) => c.metrics.accuracy).filter((a) => a !== undefined);
+  return accuracies.length ? accuracies.reduce((a, b) => a + b, 0) / accuracies.length : undefined;
+}
+
+/** Committed models, newest first, each with its evaluations and downloads. */
+function renderModels(run: RunView, models: ModelView[]): void {
+  const body = $('models').querySelector('tbody')!;
+  body.replaceChildren();
+  for (const m of [...models].sort((a, b) => b.version - a.version)) {
+    const row = body.insertRow();
+    row.dataset.version = String(m.version);
+    cell(row, `v${m.version}`);
+    cell(row, m.round_idx === null ? 'initial' : String(m.round_idx));
+    cell(row, pct(m.evaluation.accuracy));
+    cell(row, pct(centralAccuracy(m)));
+    cell(row, (m.central ?? []).map((c) => c.evaluator).join(', ') || '–');
+    const actions = row.insertCell();
+    for (const format of ['safetensors', 'payload'] as ModelFormat[]) {
+      const button = document.createElement('button');
+      button.className = `download-${format}`;
+      button.textContent = format;
+      button.title = `Download model v${m.version} as ${format === 'safetensors' ? 'safetensors' : 'the raw CBOR payload'}`;
+      button.addEventListener('click', () => void download(run.id, m.version, format));
+      actions.append(button);
+    }
+  }
+}
+
+async function download(run: number, version: number, format: ModelFormat): Promise<void> {
+  if (!api) return;
+  try {
+    const blob = await api.modelFile(run, version, format);
+    const url = URL.createObjectURL(blob);
+    const a = document.createElement('a');
+    a.href = url;
+    a.download = `run-${run}-model-${version}.${format === 'safetensors' ? 'safetensors' : 'cbor'}`;
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60_000);
+  } catch (e) {
+    if (e instanceof Unauthorized) showLogin('The operator token is no longer accepted.');
+    else $('live-status').textContent = `download failed: ${e}`;
+  }
 }
 
 function renderSettings(run: RunView): void {

@@ -5,7 +5,7 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, existsSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, existsSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createServer } from 'node:net';
@@ -132,7 +132,35 @@ test('a run trains live: it appears, its curves fill in round by round without a
   assert.equal(await page.locator('#rounds tbody tr.committed').count(), committed.length);
   assert.ok(Number(await page.locator('#population-chart').getAttribute('data-points')) >= 1);
   assert.equal(await page.evaluate(() => window.__sameDocument), true);
+  // The simulator's test-set scores are central evaluations: a second curve beside the
+  // federated one, for every round whose model it evaluated.
+  const models = await admin(`/v1/admin/runs/${run.id}/models`);
+  const centrallyEvaluated = committed.filter((r) => models[r.model_version].central.length > 0).length;
+  assert.ok(centrallyEvaluated >= ROUNDS - 1, `${centrallyEvaluated} rounds with a central evaluation`);
+  await waitFor('the central accuracy curve', async () =>
+    Number(await chart.getAttribute('data-central-points')) === centrallyEvaluated);
+  // The final model's central evaluation arrives after its round: the table shows it live.
+  const finalCentral = page.locator(`#models tbody tr[data-version="${ROUNDS}"] td`).nth(3);
+  const reported = models[ROUNDS].central[0].metrics.accuracy;
+  await waitFor('the final model\'s central accuracy', async () =>
+    (await finalCentral.textContent()) === `${(reported * 100).toFixed(1)}%`);
   await page.screenshot({ path: join(artifacts, 'finished-run.png'), fullPage: true });
+
+  // Every committed model can be downloaded: the file is the model the admin API serves.
+  await page.locator('#models tbody tr').nth(ROUNDS).waitFor();
+  assert.equal(await page.locator('#models tbody tr').count(), ROUNDS + 1);
+  for (const [format, extension] of [['safetensors', 'safetensors'], ['payload', 'cbor']]) {
+    const [download] = await Promise.all([
+      page.waitForEvent('download'),
+      page.click(`#models tbody tr[data-version="${ROUNDS}"] button.download-${format}`),
+    ]);
+    assert.equal(download.suggestedFilename(), `run-${run.id}-model-${ROUNDS}.${extension}`);
+    const saved = readFileSync(await download.path());
+    const served = Buffer.from(await (await fetch(`${base}/v1/admin/runs/${run.id}/models/${ROUNDS}?format=${format}`,
+      { headers: { Authorization: `Bearer ${token}` } })).arrayBuffer());
+    assert.ok(saved.length > 1000, `${format}: ${saved.length} bytes`);
+    assert.ok(saved.equals(served), `${format}: the downloaded file differs from the served model`);
+  }
 
   // Signing out leaves nothing on the page.
   await page.click('#logout');
