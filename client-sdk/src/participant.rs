@@ -9,6 +9,7 @@
 //! declarative spec (a new model needs no app release); a Rust app may bring its own burn module
 //! with [`OwnModule`]. Either way the module's schema must equal the task's before anything runs.
 
+use starling_core::eligibility::DeviceAttributes;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -257,6 +258,7 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     state: ParticipantState,
     cached_model: Option<(String, Arc<Vec<f32>>)>,
     factory: Arc<F>,
+    attributes: DeviceAttributes,
 }
 
 impl Participant<FromPlan> {
@@ -279,6 +281,7 @@ impl Participant<FromPlan> {
             state: ParticipantState::default(),
             cached_model: None,
             factory: Arc::new(FromPlan),
+            attributes: DeviceAttributes::default(),
         }
     }
 }
@@ -296,7 +299,15 @@ impl<F: ModelFactory> Participant<F> {
             state: self.state,
             cached_model: self.cached_model,
             factory: Arc::new(factory),
+            attributes: self.attributes,
         }
+    }
+
+    /// Reports these conditions at every check-in from now on (charging, network, idle, app
+    /// version, free storage): runs whose plan requires some select only devices that say so.
+    /// An app updates them as they change.
+    pub fn set_attributes(&mut self, attributes: DeviceAttributes) {
+        self.attributes = attributes;
     }
 
     /// The same participant verifying the coordinator (and presenting a device certificate)
@@ -349,7 +360,9 @@ impl<F: ModelFactory> Participant<F> {
         };
         report(ParticipantProgress::Phase(Phase::CheckingIn));
         let population = self.population.clone();
-        let task = match retrying(TRIES, || self.fleet.check_in(&population)).await? {
+        let task = match retrying(TRIES, || self.fleet.check_in_with(&population, &self.attributes))
+            .await?
+        {
             CheckInResponse::ComeBackLater { retry_after_secs } => {
                 return Ok(Outcome::ComeBackLater(Duration::from_secs(u64::from(
                     retry_after_secs,

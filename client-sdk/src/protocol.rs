@@ -11,6 +11,7 @@ use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use starling_core::eligibility::DeviceAttributes;
 use starling_core::tensor::TensorPayload;
 use starling_core::tier::{TICKET_HEADER, UploadTarget};
 use starling_core::wire::path;
@@ -217,9 +218,20 @@ impl FleetClient {
         Ok(res)
     }
 
-    /// Checks in.
+    /// Checks in, saying nothing of the device's conditions.
     pub async fn check_in(&self, population: &str) -> Result<CheckInResponse, ClientError> {
-        self.post(path::CHECK_IN, &CheckInRequest { population: population.to_owned() }).await
+        self.check_in_with(population, &DeviceAttributes::default()).await
+    }
+
+    /// Checks in with the device's conditions, for runs that require some.
+    pub async fn check_in_with(
+        &self,
+        population: &str,
+        attributes: &DeviceAttributes,
+    ) -> Result<CheckInResponse, ClientError> {
+        let request =
+            CheckInRequest { population: population.to_owned(), attributes: attributes.clone() };
+        self.post(path::CHECK_IN, &request).await
     }
 
     /// Downloads a model by content hash.

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use starling_core::codec;
+use starling_core::eligibility::DeviceAttributes;
 
 mod accumulator;
 mod close;
@@ -103,6 +104,8 @@ pub enum Event {
         device: DeviceId,
         /// Its population.
         population: String,
+        /// What it says about its conditions.
+        attributes: DeviceAttributes,
         /// Where the answer goes.
         reply: oneshot::Sender<Result<CheckInResponse, DriverError>>,
     },
@@ -434,7 +437,7 @@ impl Driver {
     async fn on_event(&mut self, ev: Event) {
         let now = now_ms();
         match ev {
-            Event::CheckIn { device, population, reply } => {
+            Event::CheckIn { device, population, attributes, reply } => {
                 let request = self.request_id();
                 let candidates: Vec<RunId> = self
                     .runs
@@ -445,19 +448,25 @@ impl Driver {
                     })
                     .map(|(id, _)| *id)
                     .collect();
-                self.observer.device_seen(device.0, now, !candidates.is_empty());
+                let admits = |id: &RunId| self.runs[id].plan.plan().eligibility.admits(&attributes);
+                let wanted = candidates.iter().any(admits);
+                let online = self.observer.device_seen(device.0, now, wanted);
                 let chosen = candidates
                     .iter()
                     .find(|id| self.runs[id].machine.has_task_for(device))
                     .or_else(|| {
-                        candidates.iter().find(|id| self.runs[id].machine.is_selecting(now))
+                        candidates
+                            .iter()
+                            .find(|id| admits(id) && self.runs[id].machine.is_selecting(now))
                     })
+                    .or_else(|| candidates.iter().find(|id| admits(id)))
                     .or(candidates.first());
                 match chosen {
                     Some(run_id) => {
                         let entry = self.runs.get_mut(run_id).expect("candidate exists");
                         entry.responders.insert(request, Responder::CheckIn { device, reply });
-                        entry.machine.handle(now, Input::CheckIn { request, device });
+                        let input = Input::CheckIn { request, device, attributes, online };
+                        entry.machine.handle(now, input);
                     }
                     None => {
                         let _ =

@@ -348,10 +348,13 @@ impl Observer {
         self.inner.metrics.store.get_or_create(&OpLabel { op: op.to_owned() }).observe(seconds);
     }
 
-    /// A device was heard from at `now`; `wanted` when a running run of its population exists.
-    pub fn device_seen(&self, device: i64, now: Millis, wanted: bool) {
+    /// A device was heard from at `now`; `wanted` when a running run of its population would
+    /// select it. Returns how many devices were heard from lately (pace steering's population).
+    pub fn device_seen(&self, device: i64, now: Millis, wanted: bool) -> u32 {
         let mut p = self.inner.population.lock().expect("observer lock");
         p.last_seen.insert(device, (now, wanted));
+        // Since the last sample pruned it: devices seen in the last minute or two.
+        u32::try_from(p.last_seen.len()).unwrap_or(u32::MAX)
     }
 
     /// Takes a population sample at `now`, given how many devices hold unfinished tasks.

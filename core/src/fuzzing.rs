@@ -115,6 +115,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         selection_timeout_ms: 1_000,
         reporting_timeout_ms: 5_000,
         total_rounds: 1,
+        eligibility: Default::default(),
         secure: Some(SecureRoundConfig {
             clip: 1.0,
             max_examples: 10,
@@ -127,7 +128,15 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
     };
     let mut m = RunMachine::start(RunId(1), config, 0, [3; 32]);
     for d in 1..=4 {
-        m.handle(0, Input::CheckIn { request: RequestId(d as u64), device: DeviceId(d) });
+        m.handle(
+            0,
+            Input::CheckIn {
+                request: RequestId(d as u64),
+                device: DeviceId(d),
+                attributes: Default::default(),
+                online: 4,
+            },
+        );
     }
     let round_idx = RoundIdx(0);
     m.handle(1, Input::SecAgg { request: RequestId(9), device: DeviceId(1), round_idx, message });

@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod codec;
+pub mod eligibility;
 pub mod fedavg;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
 use crate::rng::SplitMix64;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
@@ -61,6 +62,10 @@ pub struct Plan {
     /// Absent: plain FedAvg, devices upload their deltas.
     #[serde(default)]
     pub secure_aggregation: Option<SecureAggregationPlan>,
+    /// Conditions a device must report at check-in to be selected (charging, unmetered
+    /// network, idle, app version, free storage); others are told to come back later.
+    #[serde(default, skip_serializing_if = "Eligibility::is_open")]
+    pub eligibility: Eligibility,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -133,7 +138,7 @@ pub struct ValidatedPlan {
 }
 
 /// Round pacing derived from a plan; everything the round state machine needs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoundConfig {
     /// Reports wanted per round.
     pub cohort_size: u32,
@@ -150,6 +155,9 @@ pub struct RoundConfig {
     /// Secure aggregation, when the plan turns it on.
     #[serde(default)]
     pub secure: Option<SecureRoundConfig>,
+    /// What a device must report to be selected.
+    #[serde(default)]
+    pub eligibility: Eligibility,
 }
 
 /// Secure-aggregation parameters of a run, resolved.
@@ -255,6 +263,7 @@ impl Plan {
         if self.rounds == 0 {
             return Err(field("rounds", "must be at least 1"));
         }
+        self.eligibility.check().map_err(|why| field("eligibility", why))?;
         if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
             return Err(field("server_learning_rate", "must be positive and finite"));
         }
@@ -293,6 +302,7 @@ impl Plan {
             reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
             total_rounds: self.rounds,
             secure,
+            eligibility: self.eligibility.clone(),
         };
         Ok(ValidatedPlan { plan: self, schema, rounds })
     }
@@ -371,7 +381,7 @@ impl ValidatedPlan {
 
     /// Round pacing.
     pub fn round_config(&self) -> RoundConfig {
-        self.rounds
+        self.rounds.clone()
     }
 
     /// The most examples one device's update or evaluation weighs.

@@ -138,6 +138,31 @@ impl InFlight {
 const MAX_BACKOFF_MS: i64 = 60_000;
 const MIN_BACKOFF_MS: i64 = 1_000;
 
+/// Pace steering: when a device that was not selected should come back.
+#[derive(Debug, Clone, Copy)]
+struct PaceSteering {
+    target_selected: u32,
+    selection_timeout_ms: i64,
+    /// Devices heard from lately.
+    online: u32,
+}
+
+impl PaceSteering {
+    /// `base_ms` is the earliest the device could be useful (the next round's opening); on top
+    /// of it each device gets its own jitter, spread over a window sized so that about twice
+    /// the selection target of the online population returns per selection window. A large
+    /// population is spread thin (and comes back less often), a small one returns soon, and
+    /// devices that checked in together do not come back together. The jitter comes from
+    /// `seed` (the device, run and time): reproducible, as everything of the machine.
+    fn come_back_after(self, base_ms: i64, seed: u64) -> i64 {
+        let per_window = 2 * i64::from(self.target_selected.max(1));
+        let spread = (i64::from(self.online) * self.selection_timeout_ms / per_window)
+            .clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS);
+        let jitter = (crate::rng::SplitMix64(seed).next_u64() % spread as u64) as i64;
+        (base_ms.max(MIN_BACKOFF_MS) + jitter).min(MAX_BACKOFF_MS)
+    }
+}
+
 impl RunMachine {
     /// A fresh run at model version 0; opens its first round at `now`. `entropy` is 32 bytes
     /// from the OS, from which secure rounds draw their neighbour graphs.
@@ -331,7 +356,9 @@ impl RunMachine {
     pub fn handle(&mut self, now: Millis, input: Input) {
         self.now = self.now.max(now);
         match input {
-            Input::CheckIn { request, device } => self.on_check_in(request, device),
+            Input::CheckIn { request, device, attributes, online } => {
+                self.on_check_in(request, device, &attributes, online)
+            }
             Input::Upload { request, device, round_idx, model_version, update } => {
                 self.on_upload(request, device, round_idx, model_version, update)
             }
@@ -446,12 +473,31 @@ impl RunMachine {
         }
     }
 
-    fn on_check_in(&mut self, request: RequestId, device: DeviceId) {
+    fn on_check_in(
+        &mut self,
+        request: RequestId,
+        device: DeviceId,
+        attributes: &crate::eligibility::DeviceAttributes,
+        online: u32,
+    ) {
         let now = self.now;
         let selecting = self.is_selecting(now);
+        let eligible = self.config.eligibility.admits(attributes);
         let aggregator = self.aggregator_for(device);
+        let steering = PaceSteering {
+            target_selected: self.config.target_selected,
+            selection_timeout_ms: self.config.selection_timeout_ms,
+            online,
+        };
+        let seed = (device.0 as u64).rotate_left(32) ^ (self.run_id.0 as u64) ^ now as u64;
+        let pace = |base_ms: i64| steering.come_back_after(base_ms, seed);
         let decision = match self.round.as_mut() {
             Some(r) if r.has_task_for(device) => r.selected_decision(device),
+            // Its conditions may change (it starts charging, reaches Wi-Fi): about one
+            // selection window later.
+            _ if !eligible => {
+                CheckInDecision::ComeBackLater { after_ms: pace(steering.selection_timeout_ms) }
+            }
             Some(r) if selecting && !r.selected.contains(&device) => {
                 r.selected.insert(device);
                 if let Some(s) = r.secure.as_mut() {
@@ -467,11 +513,11 @@ impl RunMachine {
             // Come back within one selection window (the next round may open as soon as this
             // one has its cohort), or at the deadline if that is sooner.
             Some(r) if r.phase == Phase::Open => CheckInDecision::ComeBackLater {
-                after_ms: (r.opened.reporting_deadline - now)
-                    .min(self.config.selection_timeout_ms)
-                    .clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS),
+                after_ms: pace(
+                    (r.opened.reporting_deadline - now).min(self.config.selection_timeout_ms),
+                ),
             },
-            Some(_) => CheckInDecision::ComeBackLater { after_ms: MIN_BACKOFF_MS },
+            Some(_) => CheckInDecision::ComeBackLater { after_ms: pace(MIN_BACKOFF_MS) },
             None => CheckInDecision::ComeBackLater { after_ms: MAX_BACKOFF_MS },
         };
         self.actions.push_back(Action::ReplyCheckIn { request, decision });
@@ -682,21 +728,22 @@ impl RunMachine {
 
     fn check_progress(&mut self) {
         let now = self.now;
-        let cfg = self.config;
+        let (target_selected, min_quorum, cohort_size) =
+            (self.config.target_selected, self.config.min_quorum, self.config.cohort_size);
         let grace_ms = self.report_grace_ms();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
             let n_selected = r.selected.len();
             let n_reported = r.reported.len();
             let selection_over =
-                n_selected >= cfg.target_selected as usize || now >= r.opened.selection_deadline;
+                n_selected >= target_selected as usize || now >= r.opened.selection_deadline;
             if selection_over && r.selection_ended.is_none() {
                 r.selection_ended = Some(now.min(r.opened.selection_deadline));
             }
-            if now >= r.opened.selection_deadline && n_selected < cfg.min_quorum as usize {
+            if now >= r.opened.selection_deadline && n_selected < min_quorum as usize {
                 r.early_failure = Some(RoundOutcome::TooFewSelected {
                     selected: n_selected as u32,
-                    quorum: cfg.min_quorum,
+                    quorum: min_quorum,
                 });
                 r.phase = Phase::Closing;
             } else if let Some(s) = r.secure.as_mut() {
@@ -723,7 +770,7 @@ impl RunMachine {
                         r.phase = Phase::Closing;
                     }
                 }
-            } else if n_reported >= cfg.cohort_size as usize
+            } else if n_reported >= cohort_size as usize
                 || (selection_over && n_reported == n_selected)
                 || (now >= r.opened.reporting_deadline
                     && (!r.shards_pending() || now >= r.opened.reporting_deadline + grace_ms))
@@ -739,10 +786,8 @@ impl RunMachine {
             let n_reported = r.reported.len() as u32;
             let outcome = match r.early_failure {
                 Some(failure) => failure,
-                None if n_reported >= cfg.min_quorum => RoundOutcome::Commit,
-                None => {
-                    RoundOutcome::TooFewReports { reported: n_reported, quorum: cfg.min_quorum }
-                }
+                None if n_reported >= min_quorum => RoundOutcome::Commit,
+                None => RoundOutcome::TooFewReports { reported: n_reported, quorum: min_quorum },
             };
             r.outcome = Some(outcome);
             self.actions.push_back(Action::CloseRound(RoundClosing {

@@ -129,6 +129,9 @@ pub struct EnrollResponse {
 pub struct CheckInRequest {
     /// Population the device belongs to; runs are scheduled per population.
     pub population: String,
+    /// The device's conditions, for runs whose plan requires some (`eligibility`).
+    #[serde(default)]
+    pub attributes: crate::eligibility::DeviceAttributes,
 }
 
 /// Answer to [`CheckInRequest`].

@@ -149,6 +149,35 @@ pub enum ParticipationOutcome {
     },
 }
 
+/// The device's conditions, reported at every check-in: runs whose plan requires some (say,
+/// charging on Wi-Fi) select only devices that report them. Unreported conditions meet no
+/// requirement.
+#[derive(Debug, Clone, Default, uniffi::Record)]
+pub struct DeviceConditions {
+    /// On external power.
+    pub charging: Option<bool>,
+    /// On an unmetered network (Wi-Fi, Ethernet).
+    pub unmetered_network: Option<bool>,
+    /// Not in use.
+    pub idle: Option<bool>,
+    /// The app's version, dotted numbers (`4.12.1`).
+    pub app_version: Option<String>,
+    /// Free storage, in bytes.
+    pub free_storage_bytes: Option<u64>,
+}
+
+impl From<DeviceConditions> for starling_core::eligibility::DeviceAttributes {
+    fn from(c: DeviceConditions) -> Self {
+        Self {
+            charging: c.charging,
+            unmetered_network: c.unmetered_network,
+            idle: c.idle,
+            app_version: c.app_version,
+            free_storage_bytes: c.free_storage_bytes,
+        }
+    }
+}
+
 /// Where the device stands.
 #[derive(Debug, Clone, uniffi::Record)]
 pub struct DeviceStatus {
@@ -192,6 +221,7 @@ pub struct StarlingDevice {
     activity: Mutex<Activity>,
     listener: Mutex<Option<Arc<dyn ProgressListener>>>,
     tls: Mutex<TlsSettings>,
+    conditions: Mutex<DeviceConditions>,
 }
 
 /// What the device did since it was created; the rest of [`DeviceStatus`] is read from the
@@ -258,6 +288,7 @@ impl StarlingDevice {
             activity: Mutex::default(),
             listener: Mutex::new(None),
             tls: Mutex::default(),
+            conditions: Mutex::default(),
         };
         device.save_state()?;
         Ok(Arc::new(device))
@@ -279,6 +310,12 @@ impl StarlingDevice {
         FleetClient::with_tls(&self.url, &tls).map_err(|e| invalid(e.to_string()))?;
         *lock(&self.tls) = tls;
         Ok(())
+    }
+
+    /// The device's conditions from now on (the app calls this as they change: power,
+    /// network, use).
+    pub fn set_conditions(&self, conditions: DeviceConditions) {
+        *lock(&self.conditions) = conditions;
     }
 
     /// Trades an operator-issued enrollment token for a credential (stored); the device id.
@@ -427,7 +464,7 @@ impl StarlingDevice {
         train_set: Examples,
         holdout: Examples,
     ) -> Result<Participant, StarlingError> {
-        let participant = Participant::new(
+        let mut participant = Participant::new(
             &self.url,
             &self.population,
             train_set,
@@ -436,6 +473,7 @@ impl StarlingDevice {
         )
         .with_tls(&lock(&self.tls))
         .map_err(|e| invalid(e.to_string()))?;
+        participant.set_attributes(lock(&self.conditions).clone().into());
         Ok(participant.restore(lock(&self.state).clone()))
     }
 }

@@ -132,6 +132,7 @@ class MobileBindings(unittest.TestCase):
             "training": {"epochs": 3, "batch_size": 10, "lr": 0.1},
             "cohort_size": 1, "min_quorum": 1, "over_selection": 1.0,
             "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": 4,
+            "eligibility": {"charging": True, "min_app_version": "2.0"},
         })
         token = self.c.admin("POST", "/v1/admin/enrollment-tokens", {"uses": 1})["token"]
         storage = tempfile.mkdtemp()
@@ -146,6 +147,10 @@ class MobileBindings(unittest.TestCase):
         device.add_examples(flat, self.labels[:600])
         listener = Phases()
         device.set_progress_listener(listener)
+        # The plan wants charging devices of app 2.0 or later: until it says so, it waits.
+        self.assertIsInstance(device.participate(), sm.ParticipationOutcome.COME_BACK_LATER)
+        device.set_conditions(sm.DeviceConditions(
+            charging=True, unmetered_network=None, idle=None, app_version="2.3.1", free_storage_bytes=None))
 
         accuracies = []
         while len(accuracies) < 4:

@@ -68,7 +68,10 @@ fn update(value: f32, examples: u64) -> ValidatedUpdate {
 
 async fn check_in(handle: &DriverHandle, device: DeviceId) -> CheckInResponse {
     let population = "default".to_owned();
-    handle.call(|reply| Event::CheckIn { device, population, reply }).await.unwrap()
+    handle
+        .call(|reply| Event::CheckIn { device, population, attributes: Default::default(), reply })
+        .await
+        .unwrap()
 }
 
 async fn upload(

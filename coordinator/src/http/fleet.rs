@@ -135,7 +135,12 @@ async fn check_in(
     let req: CheckInRequest = decode_small(&state, &headers, body).await?;
     let res = state
         .driver()
-        .call(|reply| Event::CheckIn { device, population: req.population, reply })
+        .call(|reply| Event::CheckIn {
+            device,
+            population: req.population,
+            attributes: req.attributes,
+            reply,
+        })
         .await?;
     Ok(Cbor(res))
 }

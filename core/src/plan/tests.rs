@@ -153,3 +153,25 @@ fn r16_plain_runs_cap_example_counts() {
         assert!(matches!(parse(plan.clone()), Err(PlanError::Field { field: "max_examples", .. })));
     }
 }
+
+/// Issue 19: a plan may require device conditions; they reach the round config, a malformed
+/// requirement is refused by name, old plans (without any) still load and require nothing.
+#[test]
+fn r19_eligibility_is_validated_and_reaches_the_rounds() {
+    assert!(parse(plan_json()).unwrap().round_config().eligibility.is_open());
+    let mut plan = plan_json();
+    plan["eligibility"] =
+        serde_json::json!({"charging": true, "unmetered_network": true, "min_app_version": "4.2"});
+    let config = parse(plan).unwrap().round_config();
+    assert!(config.eligibility.charging && config.eligibility.unmetered_network);
+    assert_eq!(config.eligibility.min_app_version.as_deref(), Some("4.2"));
+    let mut plan = plan_json();
+    plan["eligibility"] = serde_json::json!({"min_app_version": "4.x"});
+    let err = parse(plan).unwrap_err().to_string();
+    assert!(err.contains("eligibility") && err.contains("4.x"), "{err}");
+    let mut plan = plan_json();
+    plan["eligibility"] = serde_json::json!({"charing": true});
+    assert!(
+        serde_json::from_value::<Plan>(plan).unwrap_err().to_string().contains("unknown field")
+    );
+}

@@ -25,6 +25,10 @@ pub enum Input {
         request: RequestId,
         /// The device.
         device: DeviceId,
+        /// What it says about its conditions (the plan's eligibility is checked against it).
+        attributes: crate::eligibility::DeviceAttributes,
+        /// Devices heard from lately, an estimate of the population pace steering spreads.
+        online: u32,
     },
     /// An authenticated device sent an update that passed validation.
     Upload {

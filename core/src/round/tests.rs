@@ -51,6 +51,7 @@ fn config() -> RoundConfig {
         selection_timeout_ms: 1_000,
         reporting_timeout_ms: 5_000,
         total_rounds: 2,
+        eligibility: Default::default(),
         secure: None,
     }
 }
@@ -91,7 +92,12 @@ impl Trace {
 
     fn check_in(&mut self, device: i64) {
         let request = self.req();
-        self.input(Input::CheckIn { request, device: DeviceId(device) });
+        self.input(Input::CheckIn {
+            request,
+            device: DeviceId(device),
+            attributes: Default::default(),
+            online: 10,
+        });
     }
 
     /// An upload weighing as many examples as the device's id, so traces show whose update a
@@ -144,17 +150,17 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
     t.closed(0, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(3), device: DeviceId(12) }
+        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12), aggregator: None }
           ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(4), device: DeviceId(13) }
-          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1000 } }
+        t=0 CheckIn { request: RequestId(4), device: DeviceId(13), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1470 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
         t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
@@ -196,7 +202,7 @@ fn bad_uploads_are_refused_without_state_change() {
     });
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(99), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 99 examples, 4 bytes }
@@ -212,12 +218,12 @@ fn bad_uploads_are_refused_without_state_change() {
           Fold(Update(10 examples, 4 bytes))
         t=0 Upload { request: RequestId(6), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(6), result: Err(Duplicate) }
-        t=0 CheckIn { request: RequestId(7), device: DeviceId(10) }
-          ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1000 } }
-        t=0 CheckIn { request: RequestId(8), device: DeviceId(11) }
+        t=0 CheckIn { request: RequestId(7), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1971 } }
+        t=0 CheckIn { request: RequestId(8), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(9), device: DeviceId(11) }
+        t=0 CheckIn { request: RequestId(9), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
@@ -234,7 +240,7 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
     t.persisted(b, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -257,7 +263,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
     t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=1000 timeout (poll_timeout was Some(1000))
@@ -278,10 +284,10 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
     t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11) }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -304,7 +310,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
     t.input(Input::Stop);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10) }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -398,6 +404,95 @@ fn restore_resumes_open_round_and_continues_slots() {
 
 /// Many devices, random-ish latencies and dropouts, a simulated clock: every round ends, and the
 /// run commits exactly `total_rounds` rounds.
+/// Check-ins of `devices` (each with `attributes`) at `now`, with `online` devices heard from
+/// lately: the come-back times of those not selected, and who was selected.
+fn check_ins(
+    m: &mut RunMachine,
+    now: Millis,
+    devices: std::ops::Range<i64>,
+    attributes: &crate::eligibility::DeviceAttributes,
+    online: u32,
+) -> (Vec<i64>, Vec<i64>) {
+    let (mut waits, mut selected) = (vec![], vec![]);
+    for d in devices {
+        let input = Input::CheckIn {
+            request: RequestId(d as u64),
+            device: DeviceId(d),
+            attributes: attributes.clone(),
+            online,
+        };
+        m.handle(now, input);
+        while let Some(a) = m.poll_action() {
+            if let Action::ReplyCheckIn { decision, .. } = a {
+                match decision {
+                    CheckInDecision::ComeBackLater { after_ms } => waits.push(after_ms),
+                    CheckInDecision::Selected { .. } => selected.push(d),
+                }
+            }
+        }
+    }
+    (waits, selected)
+}
+
+/// Pace steering spreads the devices that were not selected: no two of a burst come back
+/// together, none earlier than the round could use them, and a larger population is spread
+/// over a longer window (about twice the selection target per selection window).
+#[test]
+fn r19_pace_steering_spreads_returns_by_population_with_jitter() {
+    let spread_of = |online: u32| {
+        let mut m = RunMachine::start(RunId(1), config(), 0, [0; 32]);
+        let (waits, selected) = check_ins(&mut m, 10, 0..200, &Default::default(), online);
+        assert_eq!(selected.len(), 3, "the target is selected first");
+        let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
+        assert!(distinct.len() > 150, "{} distinct waits of {}", distinct.len(), waits.len());
+        // Selection is over: the earliest use is the selection window (1 s) away.
+        assert!(waits.iter().all(|w| (1_000..=60_000).contains(w)), "{waits:?}");
+        let (min, max) = (waits.iter().min().unwrap(), waits.iter().max().unwrap());
+        max - min
+    };
+    // 200 online, target 3, 1 s windows: spread 200 × 1 s / 6 ≈ 33 s; 2,000: capped at 60 s.
+    let small = spread_of(20);
+    let medium = spread_of(200);
+    let large = spread_of(2_000);
+    assert!(small < 4_000, "20 devices come back within a few seconds: {small}");
+    assert!((25_000..34_000).contains(&medium), "{medium}");
+    assert!(large > medium && large <= 60_000, "{large}");
+}
+
+/// A plan's eligibility: a device that does not report what the plan requires is told to come
+/// back later, even while the round selects; one that does is selected.
+#[test]
+fn r19_devices_that_do_not_qualify_come_back_later() {
+    use crate::eligibility::{DeviceAttributes, Eligibility};
+    let mut cfg = config();
+    cfg.eligibility =
+        Eligibility { charging: true, min_app_version: Some("2.1".into()), ..Default::default() };
+    let mut m = RunMachine::start(RunId(1), cfg, 0, [0; 32]);
+    let on_battery = DeviceAttributes {
+        charging: Some(false),
+        app_version: Some("3.0".into()),
+        ..Default::default()
+    };
+    let old_app = DeviceAttributes {
+        charging: Some(true),
+        app_version: Some("2.0.9".into()),
+        ..Default::default()
+    };
+    let qualified = DeviceAttributes {
+        charging: Some(true),
+        app_version: Some("2.1.0".into()),
+        ..Default::default()
+    };
+    for refused in [DeviceAttributes::default(), on_battery, old_app] {
+        let (waits, selected) = check_ins(&mut m, 10, 0..5, &refused, 10);
+        assert!(selected.is_empty(), "{refused:?}");
+        assert!(waits.iter().all(|w| *w >= 1_000), "{waits:?}");
+        assert!(m.is_selecting(10), "nobody was selected");
+    }
+    let (_, selected) = check_ins(&mut m, 10, 0..5, &qualified, 10);
+    assert_eq!(selected, vec![0, 1, 2]);
+}
+
 #[test]
 fn simulation_never_hangs() {
     let config = RoundConfig {
@@ -407,9 +502,10 @@ fn simulation_never_hangs() {
         selection_timeout_ms: 2_000,
         reporting_timeout_ms: 10_000,
         total_rounds: 5,
+        eligibility: Default::default(),
         secure: None,
     };
-    let mut m = RunMachine::start(RunId(1), config, 0, [0; 32]);
+    let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
     let mut now = 0;
     let mut seed = 1u64;
     let mut rand = move || {
@@ -426,7 +522,15 @@ fn simulation_never_hangs() {
         // 40 devices check in at random; selected ones upload unless they drop (1 in 4).
         let device = DeviceId((rand() % 40) as i64);
         next_request += 1;
-        m.handle(now, Input::CheckIn { request: RequestId(next_request), device });
+        m.handle(
+            now,
+            Input::CheckIn {
+                request: RequestId(next_request),
+                device,
+                attributes: Default::default(),
+                online: 40,
+            },
+        );
         let mut uploads = vec![];
         while let Some(a) = m.poll_action() {
             match a {
@@ -508,6 +612,7 @@ mod secure_rounds {
             selection_timeout_ms: 1_000,
             reporting_timeout_ms: 5_000,
             total_rounds: 1,
+            eligibility: Default::default(),
             secure: Some(SecureRoundConfig {
                 clip: 1.0,
                 max_examples: 100,
@@ -603,7 +708,12 @@ mod secure_rounds {
 
         fn join(&mut self, device: i64) {
             let Action::ReplyCheckIn { decision: CheckInDecision::Selected { secure, .. }, .. } =
-                self.input(|request| Input::CheckIn { request, device: DeviceId(device) })
+                self.input(|request| Input::CheckIn {
+                    request,
+                    device: DeviceId(device),
+                    attributes: Default::default(),
+                    online: 10,
+                })
             else {
                 panic!("device {device} not selected");
             };

@@ -791,8 +791,11 @@ async fn rate_limits_answer_429_and_recover() {
         let http = http.clone();
         let url = format!("{}/v1/check-in", c.url);
         async move {
-            let body =
-                codec::to_vec(&wire::CheckInRequest { population: "default".into() }).unwrap();
+            let body = codec::to_vec(&wire::CheckInRequest {
+                population: "default".into(),
+                attributes: Default::default(),
+            })
+            .unwrap();
             http.post(url)
                 .bearer_auth(credential)
                 .header("content-type", wire::CBOR_MEDIA_TYPE)

@@ -265,3 +265,47 @@ async fn r19_model_export_and_central_evaluations_refuse_bad_requests() {
     assert_eq!(models[0].n_evaluations, 0, "central evaluations are not devices' reports");
     c.running.shutdown().await.unwrap();
 }
+
+/// A plan that requires charging devices on an unmetered network, over real HTTP: a device
+/// that says nothing, or is on battery, is told to come back later while the round selects;
+/// once it reports qualifying conditions it is selected and trains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r19_a_plan_selects_only_devices_that_qualify() {
+    use starling_core::eligibility::DeviceAttributes;
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 1);
+    plan["cohort_size"] = 1.into();
+    plan["min_quorum"] = 1.into();
+    plan["eligibility"] = serde_json::json!({"charging": true, "unmetered_network": true});
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    assert_eq!(c.admin.run(run).await.unwrap().plan["eligibility"]["charging"], true);
+    let token = c.admin.enrollment_token(Some(1)).await.unwrap();
+    let (train, hold) = digits.subset(&(0..200).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    let mut device = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
+    device.enroll(&token).await.unwrap();
+    let on_battery = DeviceAttributes {
+        charging: Some(false),
+        unmetered_network: Some(true),
+        ..Default::default()
+    };
+    for attributes in [DeviceAttributes::default(), on_battery] {
+        device.set_attributes(attributes.clone());
+        let outcome = device.participate(Box::new(|_| {})).await.unwrap();
+        assert!(matches!(outcome, Outcome::ComeBackLater(_)), "{attributes:?}: {outcome:?}");
+    }
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!(rounds[0].n_selected, 0, "nobody qualified yet");
+    device.set_attributes(DeviceAttributes {
+        charging: Some(true),
+        unmetered_network: Some(true),
+        idle: Some(false),
+        app_version: Some("1.0".into()),
+        free_storage_bytes: Some(1 << 30),
+    });
+    let outcome = device.participate(Box::new(|_| {})).await.unwrap();
+    assert!(matches!(outcome, Outcome::Uploaded { .. }), "{outcome:?}");
+    starling_tests::wait_model(&c.admin, run, 1).await.unwrap();
+    c.running.shutdown().await.unwrap();
+}
