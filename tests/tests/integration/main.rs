@@ -5,6 +5,7 @@
 mod aggregator_tier;
 mod cli;
 mod container;
+mod deploy;
 mod e2e;
 mod hardening;
 mod operator;
