@@ -369,6 +369,21 @@ pub fn digits_simulation(
     }
 }
 
+/// A one-round plan for a one-tensor model of `params` f32 values, `cohort` devices selected
+/// and all of them needed, with long deadlines.
+pub fn one_round_plan(params: u64, cohort: u32) -> serde_json::Value {
+    PlanSpec {
+        params,
+        cohort,
+        over_selection: 1.0,
+        quorum: cohort,
+        selection_secs: 30.0,
+        reporting_secs: 60.0,
+        rounds: 1,
+    }
+    .json()
+}
+
 /// A run plan for a one-tensor model of `params` f32 values.
 #[derive(Debug, Clone)]
 pub struct PlanSpec {

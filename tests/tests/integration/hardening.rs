@@ -41,19 +41,6 @@ fn trickled_upload(
     (status, started.elapsed())
 }
 
-fn small_plan(params: u64, cohort: u32) -> serde_json::Value {
-    PlanSpec {
-        params,
-        cohort,
-        over_selection: 1.0,
-        quorum: cohort,
-        selection_secs: 30.0,
-        reporting_secs: 60.0,
-        rounds: 1,
-    }
-    .json()
-}
-
 /// Item 1: devices that were never selected opened uploads with a huge declared length and a
 /// one-byte body, held all 16 upload permits until the body deadline, and the cohort's uploads
 /// waited until the round failed. Now an over-long declaration is refused at once (413), an
@@ -64,7 +51,7 @@ async fn r16_unselected_devices_cannot_hold_the_upload_slots() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 22).await.unwrap();
-    let run = RunId(c.admin.create_run(&small_plan(1000, 2)).await.unwrap().id);
+    let run = RunId(c.admin.create_run(&one_round_plan(1000, 2)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     let tasks = expect_tasks(&devices[..2]).await.unwrap();
     let path = format!("/v1/runs/{run}/rounds/0/updates");
@@ -99,7 +86,7 @@ async fn r16_unselected_devices_cannot_hold_the_upload_slots() {
 
     // One upload at a time per device: of two trickled at once, one is refused at once and
     // the other waits for its body.
-    let run = RunId(c.admin.create_run(&small_plan(1000, 2)).await.unwrap().id);
+    let run = RunId(c.admin.create_run(&one_round_plan(1000, 2)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     expect_tasks(&devices[..2]).await.unwrap();
     let path = format!("/v1/runs/{run}/rounds/0/updates");
@@ -132,15 +119,15 @@ async fn r16_limits_and_protocol_answers() {
     })
     .await
     .unwrap();
-    let huge = small_plan(1 << 31, 1);
+    let huge = one_round_plan(1 << 31, 1);
     let err = c.admin.create_run(&huge).await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::InvalidPlan), "{err}");
     assert!(err.to_string().contains("--max-model-bytes"), "{err}");
-    let err = c.admin.create_run(&small_plan(1001, 1)).await.unwrap_err();
+    let err = c.admin.create_run(&one_round_plan(1001, 1)).await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::InvalidPlan), "{err}");
-    let run = RunId(c.admin.create_run(&small_plan(1000, 1)).await.unwrap().id);
+    let run = RunId(c.admin.create_run(&one_round_plan(1000, 1)).await.unwrap().id);
 
-    let mut typo = small_plan(10, 1);
+    let mut typo = one_round_plan(10, 1);
     typo["model"]["init"] = serde_json::json!({"kind": "zeros", "seed": 3});
     let err = c.admin.create_run(&typo).await.unwrap_err();
     assert!(err.to_string().contains("unknown field"), "{err}");
@@ -180,7 +167,7 @@ async fn r16_one_device_cannot_dominate_a_mean() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
-    let mut plan = small_plan(4, 2);
+    let mut plan = one_round_plan(4, 2);
     plan["max_examples"] = 100.into();
     plan["model"]["init"] = serde_json::json!({"kind": "zeros"});
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
@@ -280,7 +267,7 @@ async fn r16_a_standby_takes_over_and_loses_no_acknowledged_update(
 
     let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
     let mut devices = enroll(&leader.url, &admin, 4).await.unwrap();
-    let run = RunId(admin.create_run(&small_plan(64, 4)).await.unwrap().id);
+    let run = RunId(admin.create_run(&one_round_plan(64, 4)).await.unwrap().id);
     wait_round_open(&admin, run, 0).await.unwrap();
     let tasks = expect_tasks(&devices).await.unwrap();
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await.unwrap();

@@ -17,19 +17,6 @@ fn is_transport<T: std::fmt::Debug>(res: Result<T, ClientError>) -> bool {
     matches!(res, Err(ClientError::Transport(_)))
 }
 
-fn plan(cohort: u32) -> serde_json::Value {
-    PlanSpec {
-        params: 16,
-        cohort,
-        over_selection: 1.0,
-        quorum: cohort,
-        selection_secs: 30.0,
-        reporting_secs: 60.0,
-        rounds: 1,
-    }
-    .json()
-}
-
 /// The SDK speaks TLS to the coordinator end to end (enroll, check in, download, upload) when it
 /// trusts the coordinator's CA, and refuses a coordinator whose certificate chains elsewhere,
 /// before sending anything.
@@ -49,7 +36,7 @@ async fn tls_end_to_end_with_the_sdk_and_a_wrong_ca_is_refused() {
     // A device that trusts the right CA: the whole protocol over TLS.
     let mut device = FleetClient::with_tls(&url, &pki.client_tls("ca.pem", None).unwrap()).unwrap();
     device.enroll(&token).await.unwrap();
-    let run = RunId(c.admin.create_run(&plan(1)).await.unwrap().id);
+    let run = RunId(c.admin.create_run(&one_round_plan(16, 1)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     let task = match device.check_in("default").await.unwrap() {
         CheckInResponse::Task(t) => t,
@@ -167,7 +154,7 @@ async fn every_auth_boundary_holds() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
-    let run = RunId(c.admin.create_run(&plan(1)).await.unwrap().id);
+    let run = RunId(c.admin.create_run(&one_round_plan(16, 1)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     let tasks = futures_util::future::join_all(devices.iter().map(|d| d.check_in("default"))).await;
     let selected = tasks.iter().position(|t| matches!(t, Ok(CheckInResponse::Task(_)))).unwrap();
@@ -183,7 +170,10 @@ async fn every_auth_boundary_holds() {
     // A device credential is not an operator credential, nor the reverse.
     let device_as_admin = AdminClient::new(&c.url, devices[0].credential().unwrap());
     assert_eq!(api_code(device_as_admin.devices().await), Some(ErrorCode::Unauthorized));
-    assert_eq!(api_code(device_as_admin.create_run(&plan(1)).await), Some(ErrorCode::Unauthorized));
+    assert_eq!(
+        api_code(device_as_admin.create_run(&one_round_plan(16, 1)).await),
+        Some(ErrorCode::Unauthorized)
+    );
     assert_eq!(
         api_code(device_as_admin.revoke_device(DeviceId(1)).await),
         Some(ErrorCode::Unauthorized)
