@@ -126,3 +126,25 @@ fn r16_metrics_are_bounded_and_weights_capped() {
     assert_eq!((agg.mean_delta[0], agg.total_weight), (0.0, 200));
     assert_eq!(update(&[1.0], 7).capped(100).example_count(), 7, "below the cap nothing changes");
 }
+
+/// Metrics and partial sums are stored and exchanged as JSON; a device's reported accuracy must
+/// read back as the same f64. serde_json's default float parser may be one ULP off
+/// (0.22562674094707522 read back as 0.2256267409470752), which showed as a central
+/// evaluation differing from what the simulator reported.
+#[test]
+fn r22_metrics_survive_json_bit_for_bit() {
+    let metrics = BTreeMap::from([("accuracy".to_owned(), 0.225_626_740_947_075_22_f64)]);
+    let text = serde_json::to_string(&metrics).unwrap();
+    let back: BTreeMap<String, f64> = serde_json::from_str(&text).unwrap();
+    assert_eq!(back["accuracy"].to_bits(), metrics["accuracy"].to_bits(), "{text}");
+}
+
+proptest! {
+    #[test]
+    fn any_finite_metric_survives_json(bits in any::<u64>()) {
+        let value = f64::from_bits(bits);
+        prop_assume!(value.is_finite());
+        let back: f64 = serde_json::from_str(&serde_json::to_string(&value).unwrap()).unwrap();
+        prop_assert_eq!(back.to_bits(), value.to_bits());
+    }
+}
