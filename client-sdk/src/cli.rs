@@ -309,6 +309,16 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
                     "run {run_id} round {round_idx}: uploaded, training loss {train_loss:.4}{eval}"
                 );
             }
+            Ok(Outcome::Evaluated { run_id, round_idx, evaluation: e }) => {
+                failures = 0;
+                uploads += 1;
+                println!(
+                    "run {run_id} round {round_idx}: evaluated on {} local examples, accuracy {:.2}%, loss {:.4}",
+                    e.examples,
+                    e.accuracy * 100.0,
+                    e.loss
+                );
+            }
             Ok(Outcome::RoundMissed { run_id, round_idx }) => {
                 println!("run {run_id} round {round_idx}: closed before the update arrived");
             }

@@ -61,6 +61,11 @@ enum RunsCommand {
     Create {
         /// The plan, with the fields of `POST /v1/admin/runs`.
         plan: PathBuf,
+        /// Start from a committed model of another run, `RUN:VERSION` (same schema): it
+        /// replaces the plan's `model.init`. With `evaluation_only = true` in the plan, the
+        /// fleet evaluates that model without training it.
+        #[arg(long, value_name = "RUN:VERSION")]
+        init_from: Option<String>,
     },
     /// List runs.
     List {
@@ -155,8 +160,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let admin = AdminClient::with_tls(&cli.url, token, &tls)?;
     let mut out = std::io::stdout().lock();
     match cli.command {
-        Command::Runs(RunsCommand::Create { plan }) => {
-            let run = admin.create_run(&read_plan(&plan)?).await?;
+        Command::Runs(RunsCommand::Create { plan, init_from }) => {
+            let mut plan = read_plan(&plan)?;
+            if let Some(from) = init_from {
+                plan["model"]["init"] = model_init_from(&admin, &from).await?;
+            }
+            let run = admin.create_run(&plan).await?;
             writeln!(out, "{}", run.id)?;
             eprintln!("created run {} ({}) in population {:?}", run.id, name(&run), run.population);
         }
@@ -266,6 +275,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// A plan file as the JSON the admin API takes: TOML by extension, JSON otherwise.
+/// `model.init` holding the values of the committed model `RUN:VERSION`.
+async fn model_init_from(admin: &AdminClient, from: &str) -> anyhow::Result<serde_json::Value> {
+    use base64::Engine as _;
+    let (run, version) = from
+        .split_once(':')
+        .and_then(|(r, v)| Some((r.parse::<i64>().ok()?, v.parse::<i64>().ok()?)))
+        .with_context(|| format!("--init-from {from:?}: expected RUN:VERSION, e.g. 3:10"))?;
+    let payload = admin
+        .model_file(RunId(run), version, "payload")
+        .await
+        .with_context(|| format!("downloading model {version} of run {run}"))?;
+    let payload: starling_core::tensor::TensorPayload = starling_core::codec::decode(&payload)
+        .with_context(|| format!("model {version} of run {run} is not a model payload"))?;
+    let data_base64 = base64::engine::general_purpose::STANDARD.encode(&payload.data);
+    Ok(serde_json::json!({"kind": "parameters", "data_base64": data_base64}))
+}
+
 fn read_plan(path: &Path) -> anyhow::Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;

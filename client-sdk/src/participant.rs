@@ -85,6 +85,16 @@ pub enum Outcome {
         /// The global model's evaluation on local held-out data, when it was evaluated.
         evaluation: Option<Evaluation>,
     },
+    /// An evaluation-only round: the global model was evaluated on local data and the metrics
+    /// acknowledged (durable at the coordinator); nothing was trained.
+    Evaluated {
+        /// Run.
+        run_id: RunId,
+        /// Round.
+        round_idx: RoundIdx,
+        /// The evaluation reported.
+        evaluation: Evaluation,
+    },
     /// The round closed before the update arrived; nothing was lost but this round's work.
     RoundMissed {
         /// Run.
@@ -391,6 +401,9 @@ impl<F: ModelFactory> Participant<F> {
         report(ParticipantProgress::Phase(Phase::Downloading));
         let global = self.global_model(&task).await?;
         report(ParticipantProgress::Phase(Phase::Evaluating));
+        if task.evaluate_only {
+            return self.report_evaluation_round(&task, &global).await;
+        }
         // A secure round's evaluation rides in the masked input (only the cohort's pooled
         // evaluation is revealed); a plain round's is reported once per model version.
         let evaluation = match secure {
@@ -473,6 +486,41 @@ impl<F: ModelFactory> Participant<F> {
         }
     }
 
+    /// An evaluation-only round: evaluate the model on the held-out examples (on all local
+    /// examples when none are held out: nothing trains on them in such a run) and upload the
+    /// metrics, with an empty delta, as the round's report.
+    async fn report_evaluation_round(
+        &self,
+        task: &TaskAssignment,
+        global: &Arc<Vec<f32>>,
+    ) -> Result<Outcome, ParticipantError> {
+        let (run_id, round_idx) = (task.run_id, task.round_idx);
+        let examples =
+            if self.holdout.is_empty() { self.train_set.clone() } else { self.holdout.clone() };
+        let evaluation = self.evaluate_on(task, global, examples).await?;
+        let upload = UploadRequest {
+            model_version: task.model_version,
+            example_count: evaluation.examples,
+            metrics: [
+                ("accuracy".to_owned(), evaluation.accuracy),
+                ("loss".to_owned(), evaluation.loss),
+            ]
+            .into(),
+            delta: TensorSchema { tensors: vec![] }.encode_f32(&[]),
+        };
+        match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
+            Ok(_)
+            | Err(ClientError::Api {
+                body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
+                ..
+            }) => Ok(Outcome::Evaluated { run_id, round_idx, evaluation }),
+            Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
+                Ok(Outcome::RoundMissed { run_id, round_idx })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The task's global model, from the cache when the hash matches.
     async fn global_model(
         &mut self,
@@ -498,16 +546,25 @@ impl<F: ModelFactory> Participant<F> {
         if self.holdout.is_empty() {
             return Ok(None);
         }
-        let (holdout, device, global) = (self.holdout.clone(), self.device.clone(), global.clone());
+        Ok(Some(self.evaluate_on(task, global, self.holdout.clone()).await?))
+    }
+
+    /// Evaluates the task's model on `examples`, off the async threads.
+    async fn evaluate_on(
+        &self,
+        task: &TaskAssignment,
+        global: &Arc<Vec<f32>>,
+        examples: Arc<Examples>,
+    ) -> Result<Evaluation, ParticipantError> {
+        let (device, global) = (self.device.clone(), global.clone());
         let (factory, spec, schema) =
             (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
-        let evaluation = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             let (model, io) = task_model(&*factory, spec.as_ref(), &schema, &device, &global)?;
-            Ok::<_, ParticipantError>(evaluate(&model, io, &holdout, &device)?)
+            Ok::<_, ParticipantError>(evaluate(&model, io, &examples, &device)?)
         })
         .await
-        .expect("evaluation task panicked")?;
-        Ok(Some(evaluation))
+        .expect("evaluation task panicked")
     }
 
     /// Evaluates a model version on the held-out examples and reports it, once per version.

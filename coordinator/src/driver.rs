@@ -231,10 +231,21 @@ enum Internal {
     RoundClosed {
         run_id: RunId,
         round_idx: RoundIdx,
-        committed: Option<CommittedModel>,
+        committed: Closed,
     },
     /// A spawned write was fenced off: another coordinator leads.
     Deposed,
+}
+
+/// How a closed round ended, as its close task reports it.
+#[derive(Debug)]
+enum Closed {
+    /// A new model version.
+    Committed(CommittedModel),
+    /// An evaluation-only round's reports were recorded; the model is unchanged.
+    Evaluated,
+    /// Recorded as failed.
+    Failed,
 }
 
 #[derive(Debug)]
@@ -570,7 +581,7 @@ impl Driver {
         if let Some(input) = self.tier_input() {
             machine.handle(now, input);
         }
-        let acc = FedAvgAccumulator::new(initial.values.len());
+        let acc = FedAvgAccumulator::new(plan.update_len());
         let entry =
             RunEntry::new(machine, Arc::new(plan), Arc::new(initial.values), initial.hash, acc);
         self.runs.insert(run_id, entry);
@@ -590,8 +601,8 @@ impl Driver {
             }
             Internal::RoundClosed { run_id, round_idx, committed } => {
                 if let Some(entry) = self.runs.get_mut(&run_id) {
-                    let was_committed = committed.is_some();
-                    if let Some(model) = committed {
+                    let was_committed = !matches!(committed, Closed::Failed);
+                    if let Closed::Committed(model) = committed {
                         entry.global = model.values;
                         entry.model_hash = model.hash;
                     }
@@ -650,6 +661,7 @@ impl RunEntry {
                 training_config: self.training_config.clone(),
                 report_deadline_ms: report_deadline,
                 secure_aggregation: secure,
+                evaluate_only: self.plan.plan().evaluation_only,
                 upload_to: aggregator
                     .and_then(|a| tier?.target(run_id, round_idx, model_version, device, a)),
             }),

@@ -284,7 +284,10 @@ impl Observer {
             m.aggregation.observe(ms / 1e3);
             phase("aggregation").observe(ms / 1e3);
         }
-        let state = if outcome == "committed" { "committed" } else { "failed" };
+        let state = match outcome {
+            "committed" | "evaluated" => outcome,
+            _ => "failed",
+        };
         self.publish_round(run_id, round_idx, state);
     }
 

@@ -35,7 +35,8 @@ mod secure;
 mod updates;
 
 pub use evaluations::{
-    AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EvaluationRow, SECURE_EVALUATION_SOURCE,
+    AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EVALUATION_ROUND_PREFIX, EvaluationRow,
+    SECURE_EVALUATION_SOURCE,
 };
 use leadership::Fence;
 pub use leadership::{LEADER_APPLICATION_NAME, Leadership};

@@ -49,6 +49,7 @@ conformance!(
     secure_records_come_back_in_order_and_go_with_the_round,
     a_commit_advances_the_run_and_releases_payloads,
     a_failed_round_records_its_outcome_once,
+    r19_an_evaluation_round_records_its_reports_and_keeps_the_model,
     evaluations_are_one_per_device_and_version,
     stopping_a_run_fails_its_open_round,
 );
@@ -386,6 +387,35 @@ async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
     assert_eq!(
         models.iter().map(|m| (m.version, m.round_idx)).collect::<Vec<_>>(),
         vec![(0, None), (1, Some(0))]
+    );
+}
+
+/// An evaluation-only round commits its pooled reports: the round is "evaluated" with their
+/// metrics, the run counts it without a new model version, the reports' rows are released, and
+/// a retried commit (its answer lost) is a conflict, as for a training round.
+async fn r19_an_evaluation_round_records_its_reports_and_keeps_the_model(store: SqlStore) {
+    let (run, _) = run_with_reports(&store).await;
+    let pooled = PooledEvaluation {
+        n_devices: 2,
+        example_count: 40,
+        metrics: BTreeMap::from([("accuracy".to_owned(), 0.75)]),
+    };
+    let evaluated = closing(0, 0, RoundOutcome::Commit);
+    store.commit_evaluation_round(run, evaluated, &pooled, 4_000).await.unwrap();
+    let again = store.commit_evaluation_round(run, evaluated, &pooled, 4_000).await;
+    assert!(matches!(again, Err(StoreError::Conflict)), "{again:?}");
+    let row = store.run(run).await.unwrap().unwrap();
+    assert_eq!((row.model_version, row.rounds_committed), (0, 1));
+    assert_eq!(store.models(run).await.unwrap().len(), 1, "no model version added");
+    let r0 = &store.rounds(run).await.unwrap()[0];
+    assert_eq!(r0.state, "evaluated");
+    assert_eq!(r0.metrics_json.as_deref(), Some(r#"{"accuracy":0.75}"#));
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    assert_eq!(store.open_round(run).await.unwrap(), None);
+    let rows = store.aggregate_evaluations(run).await.unwrap();
+    assert_eq!(
+        rows.iter().map(|e| (e.model_version, e.source.as_str(), e.n_devices)).collect::<Vec<_>>(),
+        vec![(0, "evaluation_round:0", 2)]
     );
 }
 

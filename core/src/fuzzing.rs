@@ -116,6 +116,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         reporting_timeout_ms: 5_000,
         total_rounds: 1,
         eligibility: Default::default(),
+        evaluation_only: false,
         secure: Some(SecureRoundConfig {
             clip: 1.0,
             max_examples: 10,

@@ -66,6 +66,12 @@ pub struct Plan {
     /// network, idle, app version, free storage); others are told to come back later.
     #[serde(default, skip_serializing_if = "Eligibility::is_open")]
     pub eligibility: Eligibility,
+    /// Evaluation-only rounds: selected devices evaluate the model on their own held-out data
+    /// and report metrics, without training; a round closes on its quorum of reports and
+    /// records their example-weighted mean, and no new model version is committed. With
+    /// `model.init` set to a trained model's parameters, this measures it on the fleet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub evaluation_only: bool,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -158,6 +164,9 @@ pub struct RoundConfig {
     /// What a device must report to be selected.
     #[serde(default)]
     pub eligibility: Eligibility,
+    /// Rounds evaluate the current model and commit none (see [`Plan::evaluation_only`]).
+    #[serde(default)]
+    pub evaluation_only: bool,
 }
 
 /// Secure-aggregation parameters of a run, resolved.
@@ -267,6 +276,12 @@ impl Plan {
         if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
             return Err(field("server_learning_rate", "must be positive and finite"));
         }
+        if self.evaluation_only && self.secure_aggregation.is_some() {
+            return Err(field(
+                "evaluation_only",
+                "a secure run pools its evaluations inside the masked sum of training rounds; evaluation-only rounds are plain",
+            ));
+        }
         if let Some(max) = self.max_examples {
             if self.secure_aggregation.is_some() {
                 return Err(field(
@@ -303,6 +318,7 @@ impl Plan {
             total_rounds: self.rounds,
             secure,
             eligibility: self.eligibility.clone(),
+            evaluation_only: self.evaluation_only,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds })
     }
@@ -372,6 +388,21 @@ impl ValidatedPlan {
     /// The model schema.
     pub fn schema(&self) -> &TensorSchema {
         &self.schema
+    }
+
+    /// The schema a device's upload must match: the model's, or none at all in an
+    /// evaluation-only run (its uploads carry metrics and an example count, no delta).
+    pub fn update_schema(&self) -> TensorSchema {
+        if self.plan.evaluation_only {
+            TensorSchema { tensors: vec![] }
+        } else {
+            self.schema.clone()
+        }
+    }
+
+    /// Values in a device's upload: the model's parameters, or none in an evaluation-only run.
+    pub fn update_len(&self) -> usize {
+        if self.plan.evaluation_only { 0 } else { self.schema.numel() as usize }
     }
 
     /// The model spec, if the plan has one.

@@ -46,6 +46,10 @@
 //! [`Input::RoundClosed`]; the machine then opens the next round, or finishes the run once
 //! `total_rounds` rounds have committed. A failed round is simply followed by a fresh one on the
 //! same model version: nothing ever waits on a dead client longer than the deadlines.
+//!
+//! **Evaluation-only runs** go through the same states: their uploads carry metrics and an
+//! example count but no delta (the driver validates them against an empty schema), and a
+//! committed round records the pooled metrics without a new model version.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -693,7 +697,10 @@ impl RunMachine {
         let committed = committed && r.outcome == Some(RoundOutcome::Commit);
         self.round = None;
         if committed {
-            self.model_version = ModelVersion(self.model_version.0 + 1);
+            // An evaluation-only round records its devices' metrics; the model stays.
+            if !self.config.evaluation_only {
+                self.model_version = ModelVersion(self.model_version.0 + 1);
+            }
             self.rounds_committed += 1;
         }
         if self.status == RunStatus::Stopping {

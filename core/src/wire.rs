@@ -177,6 +177,10 @@ pub struct TaskAssignment {
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
     pub secure_aggregation: Option<SecureAggregationTask>,
+    /// Set in an evaluation-only run: evaluate the model on local held-out data and upload
+    /// the metrics and example count with an empty delta (schema of no tensors); don't train.
+    #[serde(default)]
+    pub evaluate_only: bool,
     /// Set when the round goes through the aggregator tier: upload the update there (with
     /// the ticket), not to the coordinator.
     #[serde(default)]

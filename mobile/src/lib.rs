@@ -140,6 +140,16 @@ pub enum ParticipationOutcome {
         /// The global model on held-out examples, when it was evaluated this time.
         evaluation: Option<ModelMetrics>,
     },
+    /// An evaluation-only round: the model was evaluated on local data and the metrics
+    /// acknowledged; nothing was trained.
+    Evaluated {
+        /// Run.
+        run_id: i64,
+        /// Round.
+        round_idx: i64,
+        /// The evaluation reported.
+        evaluation: ModelMetrics,
+    },
     /// The round closed before the update arrived.
     RoundMissed {
         /// Run.
@@ -397,6 +407,14 @@ impl StarlingDevice {
                     round_idx: round_idx.0,
                     train_loss,
                     evaluation: evaluation.map(Into::into),
+                }
+            }
+            Outcome::Evaluated { run_id, round_idx, evaluation } => {
+                activity.last_evaluation = Some(evaluation.into());
+                ParticipationOutcome::Evaluated {
+                    run_id: run_id.0,
+                    round_idx: round_idx.0,
+                    evaluation: evaluation.into(),
                 }
             }
             Outcome::RoundMissed { run_id, round_idx } => {

@@ -119,9 +119,14 @@ function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void
   $('run-title').textContent = `Run #${run.id}${run.name ? ` — ${run.name}` : ''} (${run.status})`;
   renderSettings(run);
   const byVersion = new Map(models.map((m) => [m.version, m]));
-  const committed = rounds.filter((r) => r.state === 'committed').sort((a, b) => a.round_idx - b.round_idx);
+  // An evaluation-only run's rounds are "evaluated": their metrics are the devices' pooled
+  // evaluation of the one model, and nothing trained.
+  const committed = rounds
+    .filter((r) => r.state === 'committed' || r.state === 'evaluated')
+    .sort((a, b) => a.round_idx - b.round_idx);
   const xs = committed.map((r) => r.round_idx);
-  const evalOf = (r: RoundView, key: string) => byVersion.get(r.model_version)?.evaluation[key] ?? null;
+  const evalOf = (r: RoundView, key: string) =>
+    r.state === 'evaluated' ? r.metrics?.[key] ?? null : byVersion.get(r.model_version)?.evaluation[key] ?? null;
   const accuracy = committed.map((r) => evalOf(r, 'accuracy'));
   const central = committed.map((r) => centralAccuracy(byVersion.get(r.model_version)) ?? null);
   const chart = $('accuracy-chart');
@@ -139,7 +144,11 @@ function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void
   );
   draw(
     'loss-chart',
-    [xs, committed.map((r) => r.metrics?.loss ?? null), committed.map((r) => evalOf(r, 'loss'))],
+    [
+      xs,
+      committed.map((r) => (r.state === 'evaluated' ? null : r.metrics?.loss ?? null)),
+      committed.map((r) => evalOf(r, 'loss')),
+    ],
     [
       { label: 'training loss', stroke: '#d62728' },
       { label: 'evaluation loss', stroke: '#2ca02c' },

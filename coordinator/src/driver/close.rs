@@ -12,7 +12,7 @@ use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::{Millis, RunId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{CommittedModel, Internal, encode_model};
+use super::{Closed, CommittedModel, Internal, encode_model};
 use crate::clock::now_ms;
 use crate::observe::Observer;
 use crate::store::{RoundCommit, SqlStore, StoreError};
@@ -51,6 +51,33 @@ impl CloseTask {
         let open_ms = closing.closed_at - opened_at;
         let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
         let committed = match (closing.outcome, aggregate) {
+            (RoundOutcome::Commit, Ok(aggregate)) if plan.plan().evaluation_only => {
+                // The devices' reports pooled; the model stays as it is.
+                let pooled = PooledEvaluation {
+                    n_devices: aggregate.n_updates,
+                    example_count: aggregate.total_weight,
+                    metrics: aggregate.metrics,
+                };
+                if retry_store("commit evaluation round", run_id, || {
+                    store.commit_evaluation_round(run_id, closing, &pooled, now_ms())
+                })
+                .await
+                .is_err()
+                {
+                    let _ = internal.send(Internal::Deposed);
+                    return;
+                }
+                observer.round_closed(
+                    run_id,
+                    round_idx,
+                    "evaluated",
+                    closing.n_dropped,
+                    open_ms,
+                    Some(closing_started.elapsed().as_secs_f64() * 1e3),
+                );
+                tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, metrics = ?pooled.metrics, "evaluation round committed");
+                Closed::Evaluated
+            }
             (RoundOutcome::Commit, Ok(aggregate)) => {
                 let server_lr = plan.plan().server_learning_rate;
                 let prepared = tokio::task::spawn_blocking(move || {
@@ -90,7 +117,7 @@ impl CloseTask {
                             Some(closing_started.elapsed().as_secs_f64() * 1e3),
                         );
                         tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                        Some(CommittedModel { values: Arc::new(values), hash })
+                        Closed::Committed(CommittedModel { values: Arc::new(values), hash })
                     }
                     Err(e) => {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
@@ -109,7 +136,7 @@ impl CloseTask {
                             open_ms,
                             None,
                         );
-                        None
+                        Closed::Failed
                     }
                 }
             }
@@ -130,7 +157,7 @@ impl CloseTask {
                     open_ms,
                     None,
                 );
-                None
+                Closed::Failed
             }
         };
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });

@@ -65,9 +65,9 @@ impl Driver {
                 .last_round_idx(run_id)
                 .await?
                 .map_or(RoundIdx(0), |r| RoundIdx(r.0 + 1));
-            let mut acc = FedAvgAccumulator::new(values.len());
+            let mut acc = FedAvgAccumulator::new(plan.update_len());
             if let Some(open) = &open {
-                let schema = plan.schema();
+                let (schema, update_schema) = (plan.schema(), plan.update_schema());
                 // Partials and updates share the slot order: merge each partial before the
                 // first update with a later slot.
                 let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
@@ -86,7 +86,7 @@ impl Driver {
                             acc.merge(&sums);
                         }
                         let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
-                        match validate_parts(schema, u.delta, u.example_count as u64, metrics) {
+                        match validate_parts(&update_schema, u.delta, u.example_count as u64, metrics) {
                             Ok(update) => acc.add(&update),
                             // Validated before it was stored: only corruption gets here.
                             Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),

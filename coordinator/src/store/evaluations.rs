@@ -20,6 +20,10 @@ pub struct EvaluationRow {
 /// The `source` of a secure round's pooled evaluation in `aggregate_evaluations`.
 pub const SECURE_EVALUATION_SOURCE: &str = "secure_cohort";
 
+/// The prefix of an evaluation-only round's pooled evaluation's `source`
+/// (`evaluation_round:<round>`).
+pub const EVALUATION_ROUND_PREFIX: &str = "evaluation_round:";
+
 /// The prefix of a central evaluator's `source` (`central:<its name>`).
 pub const CENTRAL_EVALUATION_PREFIX: &str = "central:";
 

@@ -472,6 +472,47 @@ impl SqlStore {
         tx.commit().await.map_err(map_err)
     }
 
+    /// Commits a round of an evaluation-only run: the round row (state `evaluated`, the pooled
+    /// metrics), run progress without a new model version, and the pooled evaluation of the
+    /// run's model under the source `evaluation_round:<round>`, in one transaction.
+    pub async fn commit_evaluation_round(
+        &self,
+        run_id: RunId,
+        closing: RoundClosing,
+        pooled: &starling_core::fedavg::PooledEvaluation,
+        now: Millis,
+    ) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        self.check_fence(&mut tx).await?;
+        // First, so that a retry of a commit whose answer was lost is a conflict (as a model
+        // version is for `commit_round`), not a round that is no longer open.
+        sqlx::query(
+            "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(run_id.0)
+        .bind(closing.model_version.0)
+        .bind(format!("{EVALUATION_ROUND_PREFIX}{}", closing.round_idx.0))
+        .bind(pooled.n_devices as i64)
+        .bind(pooled.example_count as i64)
+        .bind(serde_json::to_string(&pooled.metrics).expect("metrics serialize"))
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        close_round_row(&mut tx, run_id, &closing, "evaluated", Some(&pooled.metrics)).await?;
+        sqlx::query(
+            "UPDATE runs SET rounds_committed = rounds_committed + 1, updated_at_ms = $2 WHERE id = $1",
+        )
+        .bind(run_id.0)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+        release_payloads(&mut tx, run_id, closing.round_idx).await?;
+        tx.commit().await.map_err(map_err)
+    }
+
     /// Records a failed round. Its updates stay stored but are never folded: a retry is a new
     /// round with new uploads.
     pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {

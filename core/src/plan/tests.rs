@@ -175,3 +175,20 @@ fn r19_eligibility_is_validated_and_reaches_the_rounds() {
         serde_json::from_value::<Plan>(plan).unwrap_err().to_string().contains("unknown field")
     );
 }
+
+/// Issue 19: `evaluation_only` reaches the rounds, makes uploads delta-free (an empty update
+/// schema, while devices still get the model's), and is refused with secure aggregation.
+#[test]
+fn r19_evaluation_only_plans_upload_no_delta_and_are_plain() {
+    let plain = parse(plan_json()).unwrap();
+    assert!(!plain.round_config().evaluation_only);
+    assert_eq!(plain.update_schema(), *plain.schema());
+    let mut plan = plan_json();
+    plan["evaluation_only"] = true.into();
+    let evaluating = parse(plan.clone()).unwrap();
+    assert!(evaluating.round_config().evaluation_only);
+    assert_eq!(evaluating.update_schema().numel(), 0);
+    assert_eq!(evaluating.schema(), plain.schema());
+    plan["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 1000});
+    assert!(matches!(parse(plan), Err(PlanError::Field { field: "evaluation_only", .. })));
+}

@@ -53,6 +53,7 @@ fn config() -> RoundConfig {
         total_rounds: 2,
         eligibility: Default::default(),
         secure: None,
+        evaluation_only: false,
     }
 }
 
@@ -66,7 +67,11 @@ struct Trace {
 
 impl Trace {
     fn new() -> Self {
-        let m = RunMachine::start(RunId(1), config(), 0, [0; 32]);
+        Self::with(config())
+    }
+
+    fn with(config: RoundConfig) -> Self {
+        let m = RunMachine::start(RunId(1), config, 0, [0; 32]);
         let mut t = Trace { m, now: 0, next_request: 0, lines: vec![] };
         t.drain();
         t
@@ -111,6 +116,20 @@ impl Trace {
             round_idx: RoundIdx(round),
             model_version,
             update: update(device as u64),
+        });
+        request
+    }
+
+    /// An evaluation-only run's upload: metrics and an example count, no delta.
+    fn upload_evaluation(&mut self, device: i64, round: i64) -> RequestId {
+        let request = self.req();
+        let metrics = [("accuracy".to_owned(), 0.5)].into();
+        self.input(Input::Upload {
+            request,
+            device: DeviceId(device),
+            round_idx: RoundIdx(round),
+            model_version: self.m.model_version(),
+            update: validate_parts(&TensorSchema { tensors: vec![] }, vec![], 7, metrics).unwrap(),
         });
         request
     }
@@ -503,6 +522,7 @@ fn simulation_never_hangs() {
         reporting_timeout_ms: 10_000,
         total_rounds: 5,
         eligibility: Default::default(),
+        evaluation_only: false,
         secure: None,
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
@@ -613,6 +633,7 @@ mod secure_rounds {
             reporting_timeout_ms: 5_000,
             total_rounds: 1,
             eligibility: Default::default(),
+            evaluation_only: false,
             secure: Some(SecureRoundConfig {
                 clip: 1.0,
                 max_examples: 100,
@@ -1075,4 +1096,70 @@ fn small_and_secure_runs_stay_off_the_tier() {
     t.check_in(10);
     assert!(t.lines.join("\n").contains("aggregator: None"));
     assert!(t.m.shard(AggregatorId(1)).is_none());
+}
+
+/// An evaluation-only run: devices report metrics with no delta; a round commits its quorum of
+/// reports without moving the model version, counts towards the run's rounds, and the run
+/// finishes on the same version it started with. The tier is never used, even for a cohort
+/// above its threshold.
+#[test]
+fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
+    let mut t = Trace::with(RoundConfig { evaluation_only: true, ..config() });
+    t.input(Input::Aggregators {
+        live: vec![AggregatorId(1)],
+        tier: TierConfig { cohort_threshold: 1, report_grace_ms: 0 },
+    });
+    for round in 0..2 {
+        t.check_in(10);
+        t.check_in(11);
+        let a = t.upload_evaluation(10, round);
+        t.persisted(a, true);
+        let b = t.upload_evaluation(11, round);
+        t.persisted(b, true);
+        t.closed(round, true);
+    }
+    assert_eq!((t.m.model_version(), t.m.rounds_committed()), (ModelVersion(0), 2));
+    assert_eq!(t.m.status(), RunStatus::Finished);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 Aggregators { live: [AggregatorId(1)], tier: TierConfig { cohort_threshold: 1, report_grace_ms: 0 } }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 7 examples, 0 bytes }
+        t=0 Persisted { request: RequestId(3), ok: true }
+          ReplyUpload { request: RequestId(3), result: Ok(()) }
+          Fold(Update(7 examples, 0 bytes))
+        t=0 Upload { request: RequestId(4), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, update: 7 examples, 0 bytes }
+        t=0 Persisted { request: RequestId(4), ok: true }
+          ReplyUpload { request: RequestId(4), result: Ok(()) }
+          Fold(Update(7 examples, 0 bytes))
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+        t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
+          OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(5), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(1), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(5), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(6), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(1), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(6), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 Upload { request: RequestId(7), device: DeviceId(10), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(7), round_idx: RoundIdx(1), device: DeviceId(10), slot: 0, update: 7 examples, 0 bytes }
+        t=0 Persisted { request: RequestId(7), ok: true }
+          ReplyUpload { request: RequestId(7), result: Ok(()) }
+          Fold(Update(7 examples, 0 bytes))
+        t=0 Upload { request: RequestId(8), device: DeviceId(11), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(8), round_idx: RoundIdx(1), device: DeviceId(11), slot: 1, update: 7 examples, 0 bytes }
+        t=0 Persisted { request: RequestId(8), ok: true }
+          ReplyUpload { request: RequestId(8), result: Ok(()) }
+          Fold(Update(7 examples, 0 bytes))
+          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+        t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
+          FinishRun
+    "#]]);
 }

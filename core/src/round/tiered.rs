@@ -31,7 +31,12 @@ impl RunMachine {
     /// tier and an aggregator lives.
     pub(super) fn aggregator_for(&self, device: DeviceId) -> Option<AggregatorId> {
         let tier = self.tier?;
-        if self.config.secure.is_some() || self.config.target_selected <= tier.cohort_threshold {
+        // Secure rounds sum masked vectors, evaluation-only rounds no deltas: neither is for
+        // the tier.
+        if self.config.secure.is_some()
+            || self.config.evaluation_only
+            || self.config.target_selected <= tier.cohort_threshold
+        {
             return None;
         }
         tier::assign(device, &self.live_aggregators)

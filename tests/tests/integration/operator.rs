@@ -309,3 +309,93 @@ async fn r19_a_plan_selects_only_devices_that_qualify() {
     starling_tests::wait_model(&c.admin, run, 1).await.unwrap();
     c.running.shutdown().await.unwrap();
 }
+
+/// Evaluation-only rounds: an operator starts a run from another run's trained model
+/// (`starling runs create --init-from RUN:VERSION`) with `evaluation_only`; devices of another
+/// population evaluate that very model (same content hash) on their own data and train
+/// nothing. Each round records its devices' pooled evaluation ("evaluated"), no model version
+/// is ever added, and the pooled accuracy beats the untrained model's. An upload carrying a
+/// delta is refused, and a malformed `--init-from` is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
+    let (dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let url = c.url.as_str();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let token = c.admin.enrollment_token(None).await.unwrap();
+
+    // A run trains two rounds on one population.
+    let mut train_plan = mlp_plan(digits.input(), 2, 2);
+    train_plan["population"] = "trainers".into();
+    let trained = RunId(c.admin.create_run(&train_plan).await.unwrap().id);
+    let stop = Arc::new(AtomicBool::new(false));
+    let trainers = devices(url, "trainers", &token, &digits, 2, &stop);
+    let trained_hash = starling_tests::wait_model(&c.admin, trained, 2).await.unwrap();
+
+    // The fleet of another population evaluates its version 2, twice over.
+    let mut plan = mlp_plan(digits.input(), 1, 2);
+    plan["population"] = "fleet".into();
+    plan["evaluation_only"] = true.into();
+    let plan_file = dir.path().join("evaluate.json");
+    std::fs::write(&plan_file, plan.to_string()).unwrap();
+    let plan_arg = plan_file.to_str().unwrap();
+    let bad = starling(url, &["runs", "create", plan_arg, "--init-from", "2"]).await;
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("expected RUN:VERSION"), "{bad:?}");
+    let from = format!("{trained}:2");
+    let run: i64 =
+        stdout(&starling(url, &["runs", "create", plan_arg, "--init-from", &from]).await)
+            .trim()
+            .parse()
+            .unwrap();
+    let run = RunId(run);
+    // A device of the fleet is told to evaluate, gets the model's schema for it, and is refused
+    // when it sends a delta; its metrics with an empty delta are its report.
+    let intruder = &starling_tests::enroll(url, &c.admin, 1).await.unwrap()[0];
+    let task = match intruder.check_in("fleet").await.unwrap() {
+        starling_core::wire::CheckInResponse::Task(task) => task,
+        other => panic!("expected a task: {other:?}"),
+    };
+    assert!(task.evaluate_only);
+    let delta = starling_tests::upload_request(&task, &vec![0.0; task.schema.numel() as usize], 10);
+    let refused = intruder.upload(run, task.round_idx, &delta).await;
+    assert_eq!(
+        starling_tests::api_code(refused),
+        Some(starling_core::wire::ErrorCode::SchemaMismatch)
+    );
+    let report = starling_core::wire::UploadRequest {
+        metrics: [("accuracy".to_owned(), 0.5)].into(),
+        delta: starling_core::tensor::TensorSchema { tensors: vec![] }.encode_f32(&[]),
+        ..delta
+    };
+    intruder.upload(run, task.round_idx, &report).await.unwrap();
+    let unseen = digits.subset(&(900..1500).collect::<Vec<_>>());
+    let evaluators = devices(url, "fleet", &token, &unseen, 2, &stop);
+
+    starling_tests::wait_for("the evaluation run to finish", Duration::from_secs(120), || async {
+        Ok((c.admin.run(run).await?.status == "finished").then_some(()))
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for d in trainers.into_iter().chain(evaluators) {
+        d.await.unwrap();
+    }
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!(rounds.len(), 2, "{rounds:?}");
+    for r in &rounds {
+        assert_eq!((r.state.as_str(), r.n_reported, r.model_version), ("evaluated", 2, 0), "{r:?}");
+        let accuracy = r.metrics.as_ref().unwrap()["accuracy"];
+        assert!((0.0..=1.0).contains(&accuracy), "{r:?}");
+    }
+    let view = c.admin.run(run).await.unwrap();
+    assert_eq!((view.rounds_committed, view.model_version), (2, 0));
+    let models = c.admin.models(run).await.unwrap();
+    assert_eq!(models.len(), 1, "an evaluation run commits no model");
+    assert_eq!(models[0].content_hash, trained_hash, "the fleet evaluated the trained model");
+    assert_eq!(models[0].n_evaluations, 4, "two devices in each of two rounds");
+    let fleet_accuracy = models[0].evaluation["accuracy"];
+    let untrained = c.admin.models(trained).await.unwrap()[0].evaluation["accuracy"];
+    assert!(fleet_accuracy > untrained, "trained {fleet_accuracy} vs untrained {untrained}");
+    c.running.shutdown().await.unwrap();
+}

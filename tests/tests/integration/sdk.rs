@@ -172,6 +172,7 @@ async fn an_apps_own_burn_module_trains_federated_and_a_mismatched_one_is_refuse
                     Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
                         tokio::time::sleep(std::time::Duration::from_millis(100)).await
                     }
+                    other @ Outcome::Evaluated { .. } => panic!("a training run: {other:?}"),
                 }
             }
         }));
