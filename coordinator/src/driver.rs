@@ -47,6 +47,7 @@ use starling_core::round::secure::SecAggRejection;
 use starling_core::round::{
     CheckInDecision, Input, RequestId, RunMachine, RunStatus, UploadRejection,
 };
+use starling_core::strategy::OptimizerState;
 use starling_core::tensor::TensorSchema;
 use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask};
 use starling_core::wire::{
@@ -252,6 +253,7 @@ enum Closed {
 struct CommittedModel {
     values: Arc<Vec<f32>>,
     hash: String,
+    optimizer_state: Arc<OptimizerState>,
 }
 
 /// The handle HTTP handlers hold.
@@ -301,6 +303,8 @@ struct RunEntry {
     plan: Arc<ValidatedPlan>,
     global: Arc<Vec<f32>>,
     model_hash: String,
+    /// The server optimizer's state after producing `global`.
+    optimizer_state: Arc<OptimizerState>,
     training_config: String,
     accumulator: AccumulatorWorker,
     /// Who waits for the answer to each request the machine has not answered yet.
@@ -582,8 +586,9 @@ impl Driver {
             machine.handle(now, input);
         }
         let acc = FedAvgAccumulator::new(plan.update_len());
-        let entry =
-            RunEntry::new(machine, Arc::new(plan), Arc::new(initial.values), initial.hash, acc);
+        let state = plan.plan().strategy.optimizer.initial_state(initial.values.len());
+        let values = Arc::new(initial.values);
+        let entry = RunEntry::new(machine, Arc::new(plan), values, initial.hash, state, acc);
         self.runs.insert(run_id, entry);
         self.observer.run_state(run_id, "running");
         tracing::info!(%run_id, "run created");
@@ -605,6 +610,7 @@ impl Driver {
                     if let Closed::Committed(model) = committed {
                         entry.global = model.values;
                         entry.model_hash = model.hash;
+                        entry.optimizer_state = model.optimizer_state;
                     }
                     entry
                         .machine
@@ -621,6 +627,7 @@ impl RunEntry {
         plan: Arc<ValidatedPlan>,
         global: Arc<Vec<f32>>,
         model_hash: String,
+        optimizer_state: OptimizerState,
         acc: FedAvgAccumulator,
     ) -> Self {
         let training_config = plan.training_config_json();
@@ -629,6 +636,7 @@ impl RunEntry {
             plan,
             global,
             model_hash,
+            optimizer_state: Arc::new(optimizer_state),
             training_config,
             accumulator: AccumulatorWorker::spawn(acc),
             responders: HashMap::new(),

@@ -353,12 +353,19 @@ async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
         model_hash: "h1",
         metrics: &metrics,
         evaluation: Some(&pooled),
+        optimizer_state: Some(b"state after 1"),
     };
     store.commit_round(run, commit.clone(), 4_000).await.unwrap();
     assert!(matches!(store.commit_round(run, commit, 4_000).await, Err(StoreError::Conflict)));
     let row = store.run(run).await.unwrap().unwrap();
     assert_eq!((row.model_version, row.rounds_committed), (1, 1));
     assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap().as_deref(), Some("h1"));
+    // The server optimizer's state goes with the model it produced.
+    assert_eq!(
+        store.optimizer_state(run, ModelVersion(1)).await.unwrap().as_deref(),
+        Some(&b"state after 1"[..])
+    );
+    assert_eq!(store.optimizer_state(run, ModelVersion(0)).await.unwrap(), None);
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
     assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty(), "sums released");
     assert_eq!(store.open_round(run).await.unwrap(), None);

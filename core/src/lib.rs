@@ -27,6 +27,7 @@ pub mod plan;
 pub mod rng;
 pub mod round;
 pub mod secagg;
+pub mod strategy;
 pub mod tensor;
 pub mod tier;
 pub mod wire;

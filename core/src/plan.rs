@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
 use crate::rng::SplitMix64;
+use crate::strategy::ServerOptimizer;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
@@ -72,6 +73,19 @@ pub struct Plan {
     /// `model.init` set to a trained model's parameters, this measures it on the fleet.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub evaluation_only: bool,
+    /// How contributions become the next model; absent: FedAvg with `server_learning_rate`.
+    #[serde(default)]
+    pub strategy: Strategy,
+}
+
+/// The plan's `strategy`: the server optimizer applied to each round's mean delta.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Strategy {
+    /// FedAvg (default), FedAvgM, FedAdagrad, FedAdam or FedYogi, with its hyper-parameters.
+    #[serde(default)]
+    pub optimizer: ServerOptimizer,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -275,6 +289,13 @@ impl Plan {
         self.eligibility.check().map_err(|why| field("eligibility", why))?;
         if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
             return Err(field("server_learning_rate", "must be positive and finite"));
+        }
+        self.strategy.optimizer.check().map_err(|why| field("strategy.optimizer", why))?;
+        if self.strategy.optimizer.is_stateful() && self.server_learning_rate != 1.0 {
+            return Err(field(
+                "server_learning_rate",
+                "applies to FedAvg only; set the optimizer's own strategy.optimizer.lr",
+            ));
         }
         if self.evaluation_only && self.secure_aggregation.is_some() {
             return Err(field(

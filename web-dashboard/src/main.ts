@@ -206,12 +206,31 @@ async function download(run: number, version: number, format: ModelFormat): Prom
   }
 }
 
+const OPTIMIZER_NAMES: Record<string, string> = {
+  fed_avg: 'FedAvg',
+  fed_avg_m: 'FedAvgM',
+  fed_adagrad: 'FedAdagrad',
+  fed_adam: 'FedAdam',
+  fed_yogi: 'FedYogi',
+};
+
+/** The plan's server optimizer and its hyper-parameters, in words. */
+function strategyText(plan: Record<string, any>): string {
+  if (plan.evaluation_only) return 'evaluation only: devices evaluate the model, nothing trains';
+  const optimizer = (plan.strategy?.optimizer ?? { kind: 'fed_avg' }) as Record<string, unknown>;
+  const { kind, ...params } = optimizer;
+  if (kind === 'fed_avg' && params.lr === undefined) params.lr = plan.server_learning_rate ?? 1;
+  const name = OPTIMIZER_NAMES[String(kind)] ?? String(kind);
+  const listed = Object.entries(params).map(([k, v]) => `${k} ${v}`).join(', ');
+  return `${name} over the example-weighted mean delta; ${listed}`;
+}
+
 function renderSettings(run: RunView): void {
   const plan = run.plan as Record<string, any>;
   const training = (plan.training ?? {}) as Record<string, unknown>;
   const settings: [string, string][] = [
     ['Population', run.population],
-    ['Strategy', `FedAvg, example-weighted; server learning rate ${plan.server_learning_rate ?? 1}`],
+    ['Strategy', strategyText(plan)],
     ['Local training', Object.entries(training).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(', ') || 'SDK defaults'],
     ['FedProx μ', String(training.fedprox_mu ?? 0)],
     ['Cohort', `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],

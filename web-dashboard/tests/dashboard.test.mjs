@@ -130,6 +130,8 @@ test('a run trains live: it appears, its curves fill in round by round without a
   assert.equal(Number(await chart.getAttribute('data-committed-rounds')), committed.length);
   await page.locator('#runs tbody tr', { hasText: 'finished' }).waitFor();
   assert.equal(await page.locator('#rounds tbody tr.committed').count(), committed.length);
+  // The run's strategy is shown with its hyper-parameters (the simulator's plan: plain FedAvg).
+  assert.match(await page.locator('#run-settings').textContent(), /FedAvg over the example-weighted mean delta; lr 1/);
   assert.ok(Number(await page.locator('#population-chart').getAttribute('data-points')) >= 1);
   assert.equal(await page.evaluate(() => window.__sameDocument), true);
   // The simulator's test-set scores are central evaluations: a second curve beside the

@@ -9,6 +9,7 @@ use std::time::Duration;
 use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
 use starling_core::round::{RoundClosing, RoundOutcome};
+use starling_core::strategy::OptimizerState;
 use starling_core::{Millis, RunId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -28,6 +29,8 @@ pub(super) struct CloseTask {
     /// A secure round's pooled evaluation, committed with the round.
     pub(super) evaluation: Option<PooledEvaluation>,
     pub(super) global: Arc<Vec<f32>>,
+    /// The server optimizer's state after producing `global`.
+    pub(super) optimizer_state: Arc<OptimizerState>,
     pub(super) plan: Arc<ValidatedPlan>,
     pub(super) internal: mpsc::UnboundedSender<Internal>,
 }
@@ -43,6 +46,7 @@ impl CloseTask {
             finish,
             evaluation,
             global,
+            optimizer_state,
             plan,
             internal,
         } = self;
@@ -79,22 +83,37 @@ impl CloseTask {
                 Closed::Evaluated
             }
             (RoundOutcome::Commit, Ok(aggregate)) => {
-                let server_lr = plan.plan().server_learning_rate;
                 let prepared = tokio::task::spawn_blocking(move || {
-                    let values = aggregate.apply(&global, server_lr)?;
+                    let p = plan.plan();
+                    let optimizer = p.strategy.optimizer;
+                    let (values, state) = optimizer.step(
+                        &global,
+                        &aggregate,
+                        &optimizer_state,
+                        p.server_learning_rate,
+                    )?;
                     let (encoded, hash) = encode_model(plan.schema(), &values);
-                    Ok::<_, AggregateError>((values, encoded, hash, aggregate.metrics))
+                    let state_bytes = optimizer.is_stateful().then(|| state.to_bytes());
+                    Ok::<_, AggregateError>((
+                        values,
+                        encoded,
+                        hash,
+                        aggregate.metrics,
+                        state,
+                        state_bytes,
+                    ))
                 })
                 .await
                 .expect("aggregation task panicked");
                 match prepared {
-                    Ok((values, encoded, hash, metrics)) => {
+                    Ok((values, encoded, hash, metrics, state, state_bytes)) => {
                         let commit = RoundCommit {
                             closing,
                             model: &encoded,
                             model_hash: &hash,
                             metrics: &metrics,
                             evaluation: evaluation.as_ref(),
+                            optimizer_state: state_bytes.as_deref(),
                         };
                         let commit_started = std::time::Instant::now();
                         if retry_store("commit round", run_id, || {
@@ -117,7 +136,11 @@ impl CloseTask {
                             Some(closing_started.elapsed().as_secs_f64() * 1e3),
                         );
                         tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                        Closed::Committed(CommittedModel { values: Arc::new(values), hash })
+                        Closed::Committed(CommittedModel {
+                            values: Arc::new(values),
+                            hash,
+                            optimizer_state: Arc::new(state),
+                        })
                     }
                     Err(e) => {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");

@@ -238,6 +238,7 @@ impl Effects<'_> {
                     finish,
                     evaluation,
                     global: entry.global.clone(),
+                    optimizer_state: entry.optimizer_state.clone(),
                     plan: entry.plan.clone(),
                     internal: self.internal.clone(),
                 });

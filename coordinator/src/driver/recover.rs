@@ -11,6 +11,7 @@ use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
 use starling_core::plan::Plan;
 use starling_core::round::secure::Record;
 use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
+use starling_core::strategy::OptimizerState;
 use starling_core::tensor::TensorPayload;
 use starling_core::tier::PartialReport;
 use starling_core::{ModelVersion, RoundIdx, RunId};
@@ -130,11 +131,25 @@ impl Driver {
             if let Some(input) = driver.tier_input() {
                 machine.handle(now_ms(), input);
             }
+            // The optimizer continues from the state stored with the latest model.
+            let optimizer = plan.plan().strategy.optimizer;
+            let state = match driver.store.optimizer_state(run_id, version).await? {
+                _ if !optimizer.is_stateful() => optimizer.initial_state(values.len()),
+                Some(bytes) => OptimizerState::from_bytes(&bytes, &optimizer, values.len())
+                    .map_err(|e| StoreError::Corrupt(format!("run {run_id}: {e}")))?,
+                None if version == ModelVersion(0) => optimizer.initial_state(values.len()),
+                None => {
+                    return Err(StoreError::Corrupt(format!(
+                        "run {run_id} lacks the optimizer state of model {version}"
+                    )));
+                }
+            };
             let entry = RunEntry::new(
                 machine,
                 Arc::new(plan),
                 Arc::new(values),
                 payload.content_hash(),
+                state,
                 acc,
             );
             driver.runs.insert(run_id, entry);

@@ -71,6 +71,8 @@ pub struct RoundCommit<'a> {
     pub metrics: &'a BTreeMap<String, f64>,
     /// A secure round's pooled evaluation of the model it trained on, if any.
     pub evaluation: Option<&'a starling_core::fedavg::PooledEvaluation>,
+    /// A stateful server optimizer's state after producing the new model, if any.
+    pub optimizer_state: Option<&'a [u8]>,
 }
 
 /// The columns of a [`RoundRow`], with live selected/reported counts for an open round
@@ -452,6 +454,22 @@ impl SqlStore {
         .map_err(map_err)?;
         release_payloads(&mut tx, run_id, c.round_idx).await?;
         delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
+        if let Some(state) = commit.optimizer_state {
+            sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
+                .bind(run_id.0)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            sqlx::query(
+                "INSERT INTO optimizer_states (run_id, model_version, data) VALUES ($1, $2, $3)",
+            )
+            .bind(run_id.0)
+            .bind(new_version)
+            .bind(state)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        }
         if let Some(e) = commit.evaluation {
             let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
             sqlx::query(

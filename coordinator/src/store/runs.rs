@@ -166,6 +166,24 @@ impl SqlStore {
         .map_err(map_err)
     }
 
+    /// The server optimizer's state stored with model `version` (see
+    /// [`RoundCommit::optimizer_state`](super::RoundCommit)), if any.
+    pub async fn optimizer_state(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+    ) -> StoreResult<Option<Vec<u8>>> {
+        let row: Option<(Vec<u8>,)> = sqlx::query_as(
+            "SELECT data FROM optimizer_states WHERE run_id = $1 AND model_version = $2",
+        )
+        .bind(run_id.0)
+        .bind(version.0)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(row.map(|(d,)| d))
+    }
+
     /// Content hash of one model version.
     pub async fn model_hash(
         &self,

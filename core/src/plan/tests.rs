@@ -192,3 +192,31 @@ fn r19_evaluation_only_plans_upload_no_delta_and_are_plain() {
     plan["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 1000});
     assert!(matches!(parse(plan), Err(PlanError::Field { field: "evaluation_only", .. })));
 }
+
+/// Issue 17: a plan names its server optimizer under `strategy`; old plans are FedAvg with
+/// their `server_learning_rate`; bad hyper-parameters are refused by name, and a stateful
+/// optimizer does not silently ignore a `server_learning_rate`.
+#[test]
+fn r17_the_strategy_names_a_checked_server_optimizer() {
+    use crate::strategy::{AdaptiveParams, ServerOptimizer};
+    assert_eq!(parse(plan_json()).unwrap().plan().strategy.optimizer, ServerOptimizer::default());
+    let mut plan = plan_json();
+    plan["strategy"] = serde_json::json!({"optimizer": {"kind": "fed_adam", "lr": 0.01}});
+    let adam = parse(plan.clone()).unwrap().plan().strategy.optimizer;
+    assert_eq!(
+        adam,
+        ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.01, beta1: 0.9, beta2: 0.99, tau: 1e-3 })
+    );
+    plan["server_learning_rate"] = 0.5.into();
+    assert!(matches!(
+        parse(plan.clone()),
+        Err(PlanError::Field { field: "server_learning_rate", .. })
+    ));
+    plan["server_learning_rate"] = 1.0.into();
+    plan["strategy"]["optimizer"]["beta1"] = 1.5.into();
+    let err = parse(plan.clone()).unwrap_err().to_string();
+    assert!(err.contains("strategy.optimizer") && err.contains("beta1"), "{err}");
+    plan["strategy"] = serde_json::json!({"optimizer": {"kind": "fed_sgd"}});
+    let err = serde_json::from_value::<Plan>(plan).unwrap_err().to_string();
+    assert!(err.contains("fed_sgd"), "{err}");
+}

@@ -12,4 +12,5 @@ mod operator;
 mod production;
 mod sdk;
 mod secure;
+mod strategy;
 mod tidy;

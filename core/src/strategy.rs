@@ -1,0 +1,294 @@
+//! Server optimizers: how a round's mean delta becomes the next model (Reddi et al.,
+//! "Adaptive Federated Optimization", ICLR 2021, Algorithm 2; Hsu et al. 2019 for momentum).
+//!
+//! Pure functions of (global model, aggregate, optimizer state): the driver persists the state
+//! with the model it produced, in the commit's transaction, and hands it back after a restart,
+//! so a restarted run commits the same models as an uninterrupted one.
+//!
+//! With `Δ` the example-weighted mean delta of round `t`, `η` the server learning rate:
+//!
+//! | optimizer    | state update                                                  | step                           |
+//! |--------------|---------------------------------------------------------------|--------------------------------|
+//! | `fed_avg`    | –                                                             | `x += η Δ`                      |
+//! | `fed_avg_m`  | `m = β m + Δ`                                                 | `x += η m`                      |
+//! | `fed_adagrad`| `m = β₁ m + (1-β₁) Δ`, `v = v + Δ²`                            | `x += η m / (√v + τ)`           |
+//! | `fed_adam`   | `m = β₁ m + (1-β₁) Δ`, `v = β₂ v + (1-β₂) Δ²`                   | `x += η m / (√v + τ)`           |
+//! | `fed_yogi`   | `m = β₁ m + (1-β₁) Δ`, `v = v - (1-β₂) Δ² sign(v - Δ²)`         | `x += η m / (√v + τ)`           |
+//!
+//! As in the paper, `m` starts at 0 and `v` at `τ²`, with no bias correction. Arithmetic is
+//! in f64 per coordinate; model and state are rounded to f32 once per step (the state as kept
+//! is exactly the state persisted).
+
+use serde::{Deserialize, Serialize};
+
+use crate::fedavg::{Aggregate, AggregateError};
+
+/// The plan's `strategy.optimizer`: how the server applies a round's mean delta.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum ServerOptimizer {
+    /// `x += lr · Δ`; `lr` defaults to the plan's `server_learning_rate`.
+    FedAvg {
+        /// Server learning rate.
+        #[serde(default)]
+        lr: Option<f64>,
+    },
+    /// Server momentum: `m = momentum · m + Δ`, `x += lr · m`.
+    FedAvgM {
+        /// Server learning rate.
+        lr: f64,
+        /// Momentum β in [0, 1).
+        #[serde(default = "default_momentum")]
+        momentum: f64,
+    },
+    /// Adagrad on the server.
+    FedAdagrad(AdaptiveParams),
+    /// Adam on the server.
+    FedAdam(AdaptiveParams),
+    /// Yogi on the server.
+    FedYogi(AdaptiveParams),
+}
+
+/// Hyper-parameters of the adaptive optimizers (paper defaults: β₁ 0.9, β₂ 0.99, τ 1e-3).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveParams {
+    /// Server learning rate η.
+    pub lr: f64,
+    /// First-moment decay β₁ in [0, 1).
+    #[serde(default = "default_beta1")]
+    pub beta1: f64,
+    /// Second-moment decay β₂ in [0, 1) (unused by Adagrad).
+    #[serde(default = "default_beta2")]
+    pub beta2: f64,
+    /// Adaptivity τ > 0: the smallest denominator, and `v`'s start (τ²).
+    #[serde(default = "default_tau")]
+    pub tau: f64,
+}
+
+fn default_momentum() -> f64 {
+    0.9
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.99
+}
+fn default_tau() -> f64 {
+    1e-3
+}
+
+impl Default for ServerOptimizer {
+    fn default() -> Self {
+        ServerOptimizer::FedAvg { lr: None }
+    }
+}
+
+/// An optimizer's state after some steps: empty for FedAvg, `m` for FedAvgM, `m` and `v` for
+/// the adaptive ones. O(model).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OptimizerState {
+    /// Steps taken.
+    pub steps: u64,
+    /// First moment (momentum), one per parameter; empty when unused.
+    pub m: Vec<f32>,
+    /// Second moment, one per parameter; empty when unused.
+    pub v: Vec<f32>,
+}
+
+/// Why stored optimizer state could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("optimizer state: {0}")]
+pub struct StateError(String);
+
+impl ServerOptimizer {
+    /// Checks the hyper-parameters; the message names the bad one.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |name: &str, x: f64| {
+            if x.is_finite() && x > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{name} must be positive and finite"))
+            }
+        };
+        let decay = |name: &str, x: f64| {
+            if (0.0..1.0).contains(&x) { Ok(()) } else { Err(format!("{name} must be in [0, 1)")) }
+        };
+        match *self {
+            ServerOptimizer::FedAvg { lr } => lr.map_or(Ok(()), |lr| positive("lr", lr)),
+            ServerOptimizer::FedAvgM { lr, momentum } => {
+                positive("lr", lr)?;
+                decay("momentum", momentum)
+            }
+            ServerOptimizer::FedAdagrad(p)
+            | ServerOptimizer::FedAdam(p)
+            | ServerOptimizer::FedYogi(p) => {
+                positive("lr", p.lr)?;
+                positive("tau", p.tau)?;
+                decay("beta1", p.beta1)?;
+                decay("beta2", p.beta2)
+            }
+        }
+    }
+
+    /// A stable snake_case name, for the run view and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ServerOptimizer::FedAvg { .. } => "fed_avg",
+            ServerOptimizer::FedAvgM { .. } => "fed_avg_m",
+            ServerOptimizer::FedAdagrad(_) => "fed_adagrad",
+            ServerOptimizer::FedAdam(_) => "fed_adam",
+            ServerOptimizer::FedYogi(_) => "fed_yogi",
+        }
+    }
+
+    /// Whether the optimizer keeps state between rounds (and so must persist it).
+    pub fn is_stateful(&self) -> bool {
+        !matches!(self, ServerOptimizer::FedAvg { .. })
+    }
+
+    /// The state before the first step, for a model of `n` parameters.
+    pub fn initial_state(&self, n: usize) -> OptimizerState {
+        match *self {
+            ServerOptimizer::FedAvg { .. } => OptimizerState::default(),
+            ServerOptimizer::FedAvgM { .. } => {
+                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![] }
+            }
+            ServerOptimizer::FedAdagrad(p)
+            | ServerOptimizer::FedAdam(p)
+            | ServerOptimizer::FedYogi(p) => {
+                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![(p.tau * p.tau) as f32; n] }
+            }
+        }
+    }
+
+    /// One server step: the next model and the next state. `fallback_lr` is the plan's
+    /// `server_learning_rate`, used by FedAvg without its own `lr`. Refuses (changing nothing)
+    /// when the aggregate or state belong to another model size, or the result is not finite.
+    pub fn step(
+        &self,
+        global: &[f32],
+        aggregate: &Aggregate,
+        state: &OptimizerState,
+        fallback_lr: f64,
+    ) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
+        let n = global.len();
+        assert_eq!(aggregate.mean_delta.len(), n, "aggregate of another schema");
+        let expected = self.initial_state(n);
+        assert!(
+            state.m.len() == expected.m.len() && state.v.len() == expected.v.len(),
+            "optimizer state of another model or optimizer"
+        );
+        let mut next =
+            OptimizerState { steps: state.steps + 1, m: state.m.clone(), v: state.v.clone() };
+        let mut model = Vec::with_capacity(n);
+        for (i, (&x, &d)) in global.iter().zip(&aggregate.mean_delta).enumerate() {
+            let x = f64::from(x);
+            let new = match *self {
+                ServerOptimizer::FedAvg { lr } => x + lr.unwrap_or(fallback_lr) * d,
+                ServerOptimizer::FedAvgM { lr, momentum } => {
+                    let m = momentum * f64::from(state.m[i]) + d;
+                    next.m[i] = m as f32;
+                    x + lr * m
+                }
+                ServerOptimizer::FedAdagrad(p)
+                | ServerOptimizer::FedAdam(p)
+                | ServerOptimizer::FedYogi(p) => {
+                    let m = p.beta1 * f64::from(state.m[i]) + (1.0 - p.beta1) * d;
+                    let v0 = f64::from(state.v[i]);
+                    let d2 = d * d;
+                    let v = match self {
+                        ServerOptimizer::FedAdagrad(_) => v0 + d2,
+                        ServerOptimizer::FedAdam(_) => p.beta2 * v0 + (1.0 - p.beta2) * d2,
+                        _ => {
+                            let sign = match v0.partial_cmp(&d2) {
+                                Some(std::cmp::Ordering::Greater) => 1.0,
+                                Some(std::cmp::Ordering::Less) => -1.0,
+                                _ => 0.0,
+                            };
+                            v0 - (1.0 - p.beta2) * d2 * sign
+                        }
+                    };
+                    next.m[i] = m as f32;
+                    next.v[i] = v as f32;
+                    x + p.lr * m / (v.sqrt() + p.tau)
+                }
+            };
+            model.push(new as f32);
+        }
+        if let Some(i) = model.iter().position(|v| !v.is_finite()) {
+            return Err(AggregateError::NonFinite(i));
+        }
+        if let Some(i) = next.m.iter().chain(&next.v).position(|v| !v.is_finite()) {
+            return Err(AggregateError::NonFinite(i % n.max(1)));
+        }
+        Ok((model, next))
+    }
+}
+
+impl OptimizerState {
+    /// The state as stored: steps (u64), then `m` and `v` as little-endian f32, each prefixed
+    /// by its length (u64). Empty for a stateless optimizer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(24 + 4 * (self.m.len() + self.v.len()));
+        out.extend_from_slice(&self.steps.to_le_bytes());
+        for part in [&self.m, &self.v] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        out
+    }
+
+    /// Reads [`OptimizerState::to_bytes`] back, checking it is `optimizer`'s state for `n`
+    /// parameters.
+    pub fn from_bytes(
+        bytes: &[u8],
+        optimizer: &ServerOptimizer,
+        n: usize,
+    ) -> Result<Self, StateError> {
+        let expected = optimizer.initial_state(n);
+        let mut rest = bytes;
+        let steps = read_u64(&mut rest, "steps")?;
+        let m_len = read_u64(&mut rest, "m")? as usize;
+        if m_len != expected.m.len() {
+            return Err(StateError(format!("m has {m_len} values, expected {}", expected.m.len())));
+        }
+        let m = read_f32s(&mut rest, m_len)?;
+        let v_len = read_u64(&mut rest, "v")? as usize;
+        if v_len != expected.v.len() {
+            return Err(StateError(format!("v has {v_len} values, expected {}", expected.v.len())));
+        }
+        let v = read_f32s(&mut rest, v_len)?;
+        if !rest.is_empty() {
+            return Err(StateError(format!("{} trailing bytes", rest.len())));
+        }
+        if m.iter().chain(&v).any(|x| !x.is_finite()) {
+            return Err(StateError("holds a non-finite value".into()));
+        }
+        Ok(OptimizerState { steps, m, v })
+    }
+}
+
+fn read_u64(rest: &mut &[u8], what: &str) -> Result<u64, StateError> {
+    let (head, tail) = rest
+        .split_first_chunk::<8>()
+        .ok_or_else(|| StateError(format!("truncated before {what}")))?;
+    *rest = tail;
+    Ok(u64::from_le_bytes(*head))
+}
+
+fn read_f32s(rest: &mut &[u8], n: usize) -> Result<Vec<f32>, StateError> {
+    let bytes = n.checked_mul(4).ok_or_else(|| StateError("length overflows".into()))?;
+    if rest.len() < bytes {
+        return Err(StateError("truncated".into()));
+    }
+    let (head, tail) = rest.split_at(bytes);
+    *rest = tail;
+    Ok(head.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+}
+
+#[cfg(test)]
+mod tests;

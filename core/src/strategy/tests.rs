@@ -1,0 +1,153 @@
+//! Each server optimizer against values worked out by hand (two steps on two parameters, all
+//! state values exact in f32), the state's byte form, and a restart between steps.
+
+use std::collections::BTreeMap;
+
+use super::*;
+
+const X0: [f32; 2] = [1.0, -2.0];
+const D1: [f64; 2] = [0.5, -0.5];
+const D2: [f64; 2] = [1.5, 0.5];
+const ADAPTIVE: AdaptiveParams = AdaptiveParams { lr: 1.0, beta1: 0.5, beta2: 0.75, tau: 0.5 };
+
+fn aggregate(delta: [f64; 2]) -> Aggregate {
+    Aggregate {
+        mean_delta: delta.to_vec(),
+        total_weight: 10,
+        n_updates: 2,
+        metrics: BTreeMap::new(),
+    }
+}
+
+/// Two steps, D1 then D2, from X0 and the initial state: both models and the final state.
+fn two_steps(opt: ServerOptimizer) -> (Vec<f32>, Vec<f32>, OptimizerState) {
+    let s0 = opt.initial_state(2);
+    let (x1, s1) = opt.step(&X0, &aggregate(D1), &s0, 0.5).unwrap();
+    let (x2, s2) = opt.step(&x1, &aggregate(D2), &s1, 0.5).unwrap();
+    (x1, x2, s2)
+}
+
+/// `x + step`, in f64 and rounded once, as the optimizer does.
+fn moved(x: f32, step: f64) -> f32 {
+    (f64::from(x) + step) as f32
+}
+
+#[test]
+fn fed_avg_uses_the_plans_rate_unless_it_has_its_own() {
+    // x1 = x0 + 0.5·D1 = [1.25, -2.25]; x2 = x1 + 0.5·D2 = [2.0, -2.0].
+    let (x1, x2, s) = two_steps(ServerOptimizer::FedAvg { lr: None });
+    assert_eq!((x1, x2), (vec![1.25, -2.25], vec![2.0, -2.0]));
+    assert_eq!(s, OptimizerState { steps: 2, m: vec![], v: vec![] });
+    let (x1, _, _) = two_steps(ServerOptimizer::FedAvg { lr: Some(1.0) });
+    assert_eq!(x1, vec![1.5, -2.5]);
+}
+
+#[test]
+fn fed_avg_m_accumulates_momentum() {
+    // m1 = D1 = [0.5, -0.5], x1 = [1.25, -2.25];
+    // m2 = 0.5·m1 + D2 = [1.75, 0.25], x2 = x1 + 0.5·m2 = [2.125, -2.125].
+    let (x1, x2, s) = two_steps(ServerOptimizer::FedAvgM { lr: 0.5, momentum: 0.5 });
+    assert_eq!((x1, x2), (vec![1.25, -2.25], vec![2.125, -2.125]));
+    assert_eq!(s.m, vec![1.75, 0.25]);
+}
+
+#[test]
+fn fed_adagrad_sums_squared_deltas() {
+    // v starts at τ² = 0.25. Step 1: m = 0.5·D1 = [0.25, -0.25], v = 0.25 + 0.25 = [0.5, 0.5].
+    // Step 2: m = 0.5·m + 0.5·D2 = [0.875, 0.125], v = [0.5 + 2.25, 0.5 + 0.25] = [2.75, 0.75].
+    let (x1, x2, s) = two_steps(ServerOptimizer::FedAdagrad(ADAPTIVE));
+    let r = 0.5f64.sqrt() + 0.5;
+    assert_eq!(x1, vec![moved(1.0, 0.25 / r), moved(-2.0, -0.25 / r)]);
+    assert_eq!(
+        x2,
+        vec![
+            moved(x1[0], 0.875 / (2.75f64.sqrt() + 0.5)),
+            moved(x1[1], 0.125 / (0.75f64.sqrt() + 0.5))
+        ]
+    );
+    assert_eq!((s.m, s.v), (vec![0.875, 0.125], vec![2.75, 0.75]));
+}
+
+#[test]
+fn fed_adam_decays_both_moments() {
+    // Step 1: m = [0.25, -0.25], v = 0.75·0.25 + 0.25·0.25 = [0.25, 0.25]: x1 = x0 ± 0.25/1.
+    // Step 2: m = [0.875, 0.125], v = [0.1875 + 0.5625, 0.1875 + 0.0625] = [0.75, 0.25].
+    let (x1, x2, s) = two_steps(ServerOptimizer::FedAdam(ADAPTIVE));
+    assert_eq!(x1, vec![1.25, -2.25]);
+    assert_eq!(x2, vec![moved(1.25, 0.875 / (0.75f64.sqrt() + 0.5)), -2.125]);
+    assert_eq!((s.m, s.v), (vec![0.875, 0.125], vec![0.75, 0.25]));
+}
+
+#[test]
+fn fed_yogi_moves_v_by_the_sign_of_its_gap() {
+    // Step 1: v = τ² = 0.25 = D1², the sign is 0: v stays 0.25 (x1 as Adam's).
+    // Step 2: D2² = [2.25, 0.25]; v − D2² < 0 for the first, so v = 0.25 + 0.25·2.25 = 0.8125
+    // (Adam: 0.75); the second's gap is 0 again.
+    let (x1, x2, s) = two_steps(ServerOptimizer::FedYogi(ADAPTIVE));
+    assert_eq!(x1, vec![1.25, -2.25]);
+    assert_eq!(x2, vec![moved(1.25, 0.875 / (0.8125f64.sqrt() + 0.5)), -2.125]);
+    assert_eq!(s.v, vec![0.8125, 0.25]);
+    // v above Δ² shrinks: from v = 0.8125 a zero delta leaves Δ² = 0 and v unchanged (the
+    // step is (1−β₂)·0); a delta of 0.5 (Δ² = 0.25 < v) takes 0.25·0.25 off.
+    let opt = ServerOptimizer::FedYogi(ADAPTIVE);
+    let (_, s3) = opt.step(&x2, &aggregate([0.5, 0.0]), &s, 1.0).unwrap();
+    assert_eq!(s3.v, vec![0.8125 - 0.0625, 0.25]);
+}
+
+#[test]
+fn a_restart_between_steps_gives_the_same_models() {
+    for opt in [
+        ServerOptimizer::FedAvgM { lr: 0.5, momentum: 0.9 },
+        ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.1, beta1: 0.9, beta2: 0.99, tau: 1e-3 }),
+        ServerOptimizer::FedYogi(AdaptiveParams { lr: 0.1, beta1: 0.9, beta2: 0.99, tau: 1e-3 }),
+    ] {
+        let (_, straight, s2) = two_steps(opt);
+        let (x1, s1) = opt.step(&X0, &aggregate(D1), &opt.initial_state(2), 1.0).unwrap();
+        let restored = OptimizerState::from_bytes(&s1.to_bytes(), &opt, 2).unwrap();
+        assert_eq!(restored, s1);
+        let (resumed, s2b) = opt.step(&x1, &aggregate(D2), &restored, 1.0).unwrap();
+        assert_eq!((resumed, s2b), (straight, s2), "{}", opt.name());
+    }
+}
+
+#[test]
+fn stored_state_of_another_shape_or_corrupt_is_refused() {
+    let adam = ServerOptimizer::FedAdam(ADAPTIVE);
+    let bytes = adam.initial_state(2).to_bytes();
+    assert!(OptimizerState::from_bytes(&bytes, &adam, 3).is_err(), "another model size");
+    let momentum = ServerOptimizer::FedAvgM { lr: 1.0, momentum: 0.5 };
+    assert!(OptimizerState::from_bytes(&bytes, &momentum, 2).is_err(), "another optimizer");
+    assert!(OptimizerState::from_bytes(&bytes[..bytes.len() - 1], &adam, 2).is_err());
+    let mut trailing = bytes.clone();
+    trailing.push(0);
+    assert!(OptimizerState::from_bytes(&trailing, &adam, 2).is_err());
+    let mut nan = adam.initial_state(2);
+    nan.v[1] = f32::NAN;
+    assert!(OptimizerState::from_bytes(&nan.to_bytes(), &adam, 2).is_err());
+}
+
+#[test]
+fn hyper_parameters_are_checked_by_name() {
+    let bad = [
+        (ServerOptimizer::FedAvg { lr: Some(0.0) }, "lr"),
+        (ServerOptimizer::FedAvgM { lr: 1.0, momentum: 1.0 }, "momentum"),
+        (ServerOptimizer::FedAdam(AdaptiveParams { tau: 0.0, ..ADAPTIVE }), "tau"),
+        (ServerOptimizer::FedYogi(AdaptiveParams { beta2: -0.1, ..ADAPTIVE }), "beta2"),
+        (ServerOptimizer::FedAdagrad(AdaptiveParams { lr: f64::NAN, ..ADAPTIVE }), "lr"),
+    ];
+    for (opt, name) in bad {
+        let err = opt.check().unwrap_err();
+        assert!(err.starts_with(name), "{opt:?}: {err}");
+    }
+    assert!(ServerOptimizer::FedAdam(ADAPTIVE).check().is_ok());
+    let parsed: ServerOptimizer =
+        serde_json::from_str(r#"{"kind": "fed_yogi", "lr": 0.01}"#).unwrap();
+    assert_eq!(
+        parsed,
+        ServerOptimizer::FedYogi(AdaptiveParams { lr: 0.01, beta1: 0.9, beta2: 0.99, tau: 1e-3 })
+    );
+    assert!(
+        serde_json::from_str::<ServerOptimizer>(r#"{"kind": "fed_adam", "lr": 1, "eps": 1}"#)
+            .is_err()
+    );
+}
