@@ -86,11 +86,7 @@ pub fn central_report(name: &str, evaluation: &Evaluation) -> CentralEvaluation 
     CentralEvaluation {
         evaluator: name.to_owned(),
         example_count: evaluation.examples,
-        metrics: [
-            ("accuracy".to_owned(), evaluation.accuracy),
-            ("loss".to_owned(), evaluation.loss),
-        ]
-        .into(),
+        metrics: evaluation.metrics(),
     }
 }
 

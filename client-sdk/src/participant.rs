@@ -501,11 +501,7 @@ impl<F: ModelFactory> Participant<F> {
         let upload = UploadRequest {
             model_version: task.model_version,
             example_count: evaluation.examples,
-            metrics: [
-                ("accuracy".to_owned(), evaluation.accuracy),
-                ("loss".to_owned(), evaluation.loss),
-            ]
-            .into(),
+            metrics: evaluation.metrics(),
             delta: TensorSchema { tensors: vec![] }.encode_f32(&[]),
         };
         match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
@@ -580,11 +576,7 @@ impl<F: ModelFactory> Participant<F> {
         let report = EvaluationReport {
             model_version: task.model_version,
             example_count: evaluation.examples,
-            metrics: [
-                ("accuracy".to_owned(), evaluation.accuracy),
-                ("loss".to_owned(), evaluation.loss),
-            ]
-            .into(),
+            metrics: evaluation.metrics(),
         };
         match retrying(TRIES, || self.fleet.evaluate(task.run_id, &report)).await {
             Ok(()) => {}

@@ -165,6 +165,13 @@ pub struct Evaluation {
     pub examples: u64,
 }
 
+impl Evaluation {
+    /// The metrics as reported to the coordinator: `accuracy` and `loss`.
+    pub fn metrics(&self) -> std::collections::BTreeMap<String, f64> {
+        [("accuracy".to_owned(), self.accuracy), ("loss".to_owned(), self.loss)].into()
+    }
+}
+
 /// Trains `model` (on an autodiff `device`) on `examples`, which must fit `io`.
 pub fn train<M: Classifier>(
     model: M,

@@ -54,7 +54,9 @@ impl CloseTask {
         let closing_started = std::time::Instant::now();
         let open_ms = closing.closed_at - opened_at;
         let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
-        let committed = match (closing.outcome, aggregate) {
+        // Each arm writes the round's end (retried until it lands or is fenced off) and says
+        // how it ended; what follows the write is the same for all.
+        let (written, label, committed) = match (closing.outcome, aggregate) {
             (RoundOutcome::Commit, Ok(aggregate)) if plan.plan().evaluation_only => {
                 // The devices' reports pooled; the model stays as it is.
                 let pooled = PooledEvaluation {
@@ -62,25 +64,14 @@ impl CloseTask {
                     example_count: aggregate.total_weight,
                     metrics: aggregate.metrics,
                 };
-                if retry_store("commit evaluation round", run_id, || {
+                let written = retry_store("commit evaluation round", run_id, || {
                     store.commit_evaluation_round(run_id, closing, &pooled, now_ms())
                 })
-                .await
-                .is_err()
-                {
-                    let _ = internal.send(Internal::Deposed);
-                    return;
+                .await;
+                if written.is_ok() {
+                    tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, metrics = ?pooled.metrics, "evaluation round committed");
                 }
-                observer.round_closed(
-                    run_id,
-                    round_idx,
-                    "evaluated",
-                    closing.n_dropped,
-                    open_ms,
-                    Some(closing_started.elapsed().as_secs_f64() * 1e3),
-                );
-                tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, metrics = ?pooled.metrics, "evaluation round committed");
-                Closed::Evaluated
+                (written, "evaluated", Closed::Evaluated)
             }
             (RoundOutcome::Commit, Ok(aggregate)) => {
                 let prepared = tokio::task::spawn_blocking(move || {
@@ -116,73 +107,46 @@ impl CloseTask {
                             optimizer_state: state_bytes.as_deref(),
                         };
                         let commit_started = std::time::Instant::now();
-                        if retry_store("commit round", run_id, || {
+                        let written = retry_store("commit round", run_id, || {
                             store.commit_round(run_id, commit.clone(), now_ms())
                         })
-                        .await
-                        .is_err()
-                        {
-                            let _ = internal.send(Internal::Deposed);
-                            return;
+                        .await;
+                        if written.is_ok() {
+                            let seconds = commit_started.elapsed().as_secs_f64();
+                            observer.store_latency("commit_round", seconds);
+                            tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
                         }
-                        observer
-                            .store_latency("commit_round", commit_started.elapsed().as_secs_f64());
-                        observer.round_closed(
-                            run_id,
-                            round_idx,
-                            "committed",
-                            closing.n_dropped,
-                            open_ms,
-                            Some(closing_started.elapsed().as_secs_f64() * 1e3),
-                        );
-                        tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                        Closed::Committed(CommittedModel {
+                        let model = CommittedModel {
                             values: Arc::new(values),
                             hash,
                             optimizer_state: Arc::new(state),
-                        })
+                        };
+                        (written, "committed", Closed::Committed(model))
                     }
                     Err(e) => {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
-                        if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
-                            .await
-                            .is_err()
-                        {
-                            let _ = internal.send(Internal::Deposed);
-                            return;
-                        }
-                        observer.round_closed(
-                            run_id,
-                            round_idx,
-                            "aggregate_rejected",
-                            closing.n_dropped,
-                            open_ms,
-                            None,
-                        );
-                        Closed::Failed
+                        let written =
+                            retry_store("fail round", run_id, || store.fail_round(run_id, closing))
+                                .await;
+                        (written, "aggregate_rejected", Closed::Failed)
                     }
                 }
             }
             (outcome, _) => {
                 tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
-                if retry_store("fail round", run_id, || store.fail_round(run_id, closing))
-                    .await
-                    .is_err()
-                {
-                    let _ = internal.send(Internal::Deposed);
-                    return;
-                }
-                observer.round_closed(
-                    run_id,
-                    round_idx,
-                    outcome.label(),
-                    closing.n_dropped,
-                    open_ms,
-                    None,
-                );
-                Closed::Failed
+                let written =
+                    retry_store("fail round", run_id, || store.fail_round(run_id, closing)).await;
+                (written, outcome.label(), Closed::Failed)
             }
         };
+        if written.is_err() {
+            let _ = internal.send(Internal::Deposed);
+            return;
+        }
+        // Aggregation time is recorded for the rounds that produced something.
+        let aggregation_ms = (!matches!(committed, Closed::Failed))
+            .then(|| closing_started.elapsed().as_secs_f64() * 1e3);
+        observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
     }
 }
