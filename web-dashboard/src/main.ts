@@ -219,7 +219,7 @@ function strategyText(plan: Record<string, any>): string {
   if (plan.evaluation_only) return 'evaluation only: devices evaluate the model, nothing trains';
   const optimizer = (plan.strategy?.optimizer ?? { kind: 'fed_avg' }) as Record<string, unknown>;
   const { kind, ...params } = optimizer;
-  if (kind === 'fed_avg' && params.lr === undefined) params.lr = plan.server_learning_rate ?? 1;
+  if (kind === 'fed_avg' && params.lr == null) params.lr = plan.server_learning_rate ?? 1;
   const name = OPTIMIZER_NAMES[String(kind)] ?? String(kind);
   const listed = Object.entries(params).map(([k, v]) => `${k} ${v}`).join(', ');
   return `${name} over the example-weighted mean delta; ${listed}`;
