@@ -108,6 +108,9 @@ impl SecureSession {
         };
         let task = self.task;
         let q = task.quantizer();
+        // A differentially private round bounds each device's contribution before masking.
+        let clipped = task.clip_norm.map(|bound| starling_core::robust::clip_to_norm(delta, bound));
+        let delta = clipped.as_deref().unwrap_or(delta);
         let mut input = secagg::encode_weighted(&q, delta, example_count, task.max_examples);
         if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
             secagg::append_evaluation(&q, &mut input, evaluation, task.max_examples);

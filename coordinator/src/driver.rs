@@ -585,10 +585,11 @@ impl Driver {
         if let Some(input) = self.tier_input() {
             machine.handle(now, input);
         }
-        let acc = FedAvgAccumulator::new(plan.update_len());
-        let state = plan.plan().strategy.optimizer.initial_state(initial.values.len());
+        let state = plan.plan().strategy.initial_state(initial.values.len());
+        let acc = plan.accumulator(&state);
         let values = Arc::new(initial.values);
         let entry = RunEntry::new(machine, Arc::new(plan), values, initial.hash, state, acc);
+        entry.report_privacy(run_id, &self.observer);
         self.runs.insert(run_id, entry);
         self.observer.run_state(run_id, "running");
         tracing::info!(%run_id, "run created");
@@ -615,6 +616,7 @@ impl Driver {
                     entry
                         .machine
                         .handle(now, Input::RoundClosed { round_idx, committed: was_committed });
+                    entry.report_privacy(run_id, &self.observer);
                 }
             }
         }
@@ -622,6 +624,14 @@ impl Driver {
 }
 
 impl RunEntry {
+    /// Publishes the ε a DP run has spent over its committed rounds.
+    fn report_privacy(&self, run_id: RunId, observer: &Observer) {
+        if let Some(privacy) = self.plan.privacy() {
+            let rounds = u64::from(self.machine.rounds_committed());
+            observer.privacy_spent(run_id, privacy.epsilon_after(rounds));
+        }
+    }
+
     fn new(
         machine: RunMachine,
         plan: Arc<ValidatedPlan>,

@@ -102,6 +102,11 @@ struct OpLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RunLabel {
+    run: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: String,
 }
@@ -126,6 +131,7 @@ struct Metrics {
     phases: HistogramFamily<PhaseLabel>,
     store: HistogramFamily<OpLabel>,
     devices: Family<StateLabel, Gauge>,
+    epsilon: Family<RunLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl Metrics {
@@ -141,6 +147,7 @@ impl Metrics {
             phases: Family::new_with_constructor(seconds_histogram),
             store: Family::new_with_constructor(seconds_histogram),
             devices: Family::default(),
+            epsilon: Family::default(),
             registry: Registry::with_prefix("starling"),
         };
         let mut m = m;
@@ -178,6 +185,11 @@ impl Metrics {
             "devices",
             "Devices online, eligible and participating (latest sample)",
             m.devices.clone(),
+        );
+        registry.register(
+            "privacy_epsilon",
+            "ε spent by each differentially private run at its plan's δ, after its committed rounds",
+            m.epsilon.clone(),
         );
         m
     }
@@ -344,6 +356,12 @@ impl Observer {
     /// An evaluation report for `version` arrived.
     pub fn evaluation(&self, run_id: RunId, version: i64) {
         self.publish(LiveEvent::Evaluation { run_id: run_id.0, version });
+    }
+
+    /// A differentially private run has spent `epsilon` (at its plan's δ).
+    pub fn privacy_spent(&self, run_id: RunId, epsilon: f64) {
+        let label = RunLabel { run: run_id.0.to_string() };
+        self.inner.metrics.epsilon.get_or_create(&label).set(epsilon);
     }
 
     /// A store operation took `seconds`.

@@ -66,6 +66,52 @@ pub struct RunView {
     pub updated_at_ms: i64,
     /// The plan.
     pub plan: serde_json::Value,
+    /// What a differentially private run has spent; absent for other runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<PrivacyView>,
+}
+
+/// A differentially private run's guarantee so far.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyView {
+    /// ε spent at `delta` over the committed rounds (RDP accountant, Poisson-subsampled
+    /// Gaussian).
+    pub epsilon: f64,
+    /// The plan's δ.
+    pub delta: f64,
+    /// The plan's ε budget, if any.
+    pub epsilon_budget: Option<f64>,
+    /// Rounds the run may commit within its budget (the plan's rounds without one).
+    pub rounds_allowed: u32,
+    /// Sampling rate q accounted: devices selected per round over the population.
+    pub sampling_rate: f64,
+    /// Noise multiplier z accounted.
+    pub noise_multiplier: f64,
+    /// Where updates are clipped and noise is added.
+    pub mechanism: String,
+}
+
+impl PrivacyView {
+    /// The view of `privacy` after `rounds_committed` rounds; `secure` when devices clip and the
+    /// noise goes onto the unmasked sum.
+    pub fn new(privacy: &crate::privacy::Privacy, rounds_committed: u64, secure: bool) -> Self {
+        PrivacyView {
+            epsilon: privacy.epsilon_after(rounds_committed),
+            delta: privacy.plan.delta,
+            epsilon_budget: privacy.plan.epsilon_budget,
+            rounds_allowed: privacy.rounds_allowed,
+            sampling_rate: privacy.sampling_rate,
+            noise_multiplier: privacy.plan.noise_multiplier,
+            mechanism: if secure {
+                "devices clip; central Gaussian noise on the unmasked secure sum".into()
+            } else if privacy.plan.adaptive_clipping.is_some() {
+                "coordinator clips (adaptive clip norm); central Gaussian noise on the sum".into()
+            } else {
+                "coordinator clips; central Gaussian noise on the sum".into()
+            },
+        }
+    }
 }
 
 /// A round as the admin API shows it.

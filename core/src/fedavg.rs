@@ -160,6 +160,18 @@ pub struct FedAvgAccumulator {
     total_weight: u64,
     n_updates: u64,
     metrics: MetricsAccumulator,
+    bound: Option<NormBound>,
+    n_within_bound: u64,
+}
+
+/// Each update scaled to L2 norm ≤ `max_norm` before it is folded (norm bounding, DP
+/// clipping); `unweighted` updates count once each instead of by their example counts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormBound {
+    /// The bound.
+    pub max_norm: f64,
+    /// Whether every update weighs 1 (DP: one device moves the sum by at most the bound).
+    pub unweighted: bool,
 }
 
 /// The weighted mean of a round's updates.
@@ -171,6 +183,8 @@ pub struct Aggregate {
     pub total_weight: u64,
     /// Number of updates folded in.
     pub n_updates: u64,
+    /// Updates whose norm was within the accumulator's bound (all of them without one).
+    pub n_within_bound: u64,
     /// Example-weighted means of the local metrics.
     pub metrics: BTreeMap<String, f64>,
 }
@@ -198,6 +212,9 @@ pub enum AggregateError {
     /// The new model would hold a non-finite value (the deltas overflowed f32).
     #[error("the aggregated model is not finite at flat index {0}")]
     NonFinite(usize),
+    /// A robust aggregator could not combine the round's updates.
+    #[error("robust aggregation: {0}")]
+    Robust(String),
 }
 
 impl FedAvgAccumulator {
@@ -209,7 +226,15 @@ impl FedAvgAccumulator {
             total_weight: 0,
             n_updates: 0,
             metrics: MetricsAccumulator::default(),
+            bound: None,
+            n_within_bound: 0,
         }
+    }
+
+    /// The same accumulator scaling each update to norm ≤ `bound.max_norm` as it folds it.
+    pub fn bounded(mut self, bound: Option<NormBound>) -> Self {
+        self.bound = bound;
+        self
     }
 
     /// Folds one update in.
@@ -223,8 +248,18 @@ impl FedAvgAccumulator {
             self.hi.len() * 4,
             "update validated against another schema"
         );
-        fold_weighted(&mut self.hi, &mut self.lo, update.example_count, &update.delta_le);
-        self.total_weight += update.example_count;
+        let (weight, scale) = match self.bound {
+            None => (update.example_count, 1.0),
+            Some(NormBound { max_norm, unweighted }) => {
+                let norm = update.delta_values().map(|v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+                let weight = if unweighted { 1 } else { update.example_count };
+                (weight, crate::robust::norm_scale(norm, max_norm))
+            }
+        };
+        self.n_within_bound += u64::from(scale == 1.0);
+        // With no bound this is exact: w × d needs no rounding (see MAX_EXAMPLE_COUNT).
+        fold_scaled(&mut self.hi, &mut self.lo, weight as f64 * scale, &update.delta_le);
+        self.total_weight += weight;
         self.n_updates += 1;
         self.metrics.add(update.example_count, &update.metrics);
     }
@@ -236,9 +271,11 @@ impl FedAvgAccumulator {
     pub fn merge(&mut self, partial: &ValidatedPartial) {
         let p = &partial.0;
         assert_eq!(p.hi.len(), self.hi.len(), "partial validated against another schema");
+        assert!(self.bound.is_none(), "a bounded run's updates never go through the tier");
         merge_sums(&mut self.hi, &mut self.lo, &p.hi, &p.lo);
         self.total_weight += p.total_weight;
         self.n_updates += p.n_updates;
+        self.n_within_bound += p.n_updates;
         self.metrics.merge(&p.metrics);
     }
 
@@ -260,8 +297,10 @@ impl FedAvgAccumulator {
             hi: p.hi,
             lo: p.lo,
             total_weight: p.total_weight,
+            n_within_bound: p.n_updates,
             n_updates: p.n_updates,
             metrics: MetricsAccumulator { sums: p.metrics },
+            bound: None,
         }
     }
 
@@ -281,6 +320,7 @@ impl FedAvgAccumulator {
             mean_delta,
             total_weight: self.total_weight,
             n_updates: self.n_updates,
+            n_within_bound: self.n_within_bound,
             metrics: self.metrics.finish(),
         })
     }
@@ -295,11 +335,19 @@ impl FedAvgAccumulator {
 /// # Panics
 /// If the lengths disagree.
 pub fn fold_weighted(hi: &mut [f64], lo: &mut [f64], weight: u64, delta_le: &[u8]) {
+    // w * d is exact (see MAX_EXAMPLE_COUNT), so this is the scaled fold with no rounding.
+    fold_scaled(hi, lo, weight as f64, delta_le);
+}
+
+/// Adds `scale × delta` into `hi + lo` like [`fold_weighted`]; the products are rounded once
+/// (a norm-bounding scale is not an integer), the additions stay exact.
+///
+/// # Panics
+/// If the lengths disagree.
+pub fn fold_scaled(hi: &mut [f64], lo: &mut [f64], scale: f64, delta_le: &[u8]) {
     assert!(hi.len() == lo.len() && delta_le.len() == hi.len() * 4, "length mismatch");
-    let w = weight as f64;
     for ((hi, lo), d) in hi.iter_mut().zip(lo.iter_mut()).zip(delta_le.chunks_exact(4)) {
-        // w * d is exact (see MAX_EXAMPLE_COUNT); TwoSum keeps the rounding error of the add.
-        let x = w * f64::from(f32::from_le_bytes([d[0], d[1], d[2], d[3]]));
+        let x = scale * f64::from(f32::from_le_bytes([d[0], d[1], d[2], d[3]]));
         let s = *hi + x;
         let bp = s - *hi;
         let err = (*hi - (s - bp)) + (x - bp);

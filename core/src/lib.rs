@@ -13,6 +13,8 @@
 //! * [`round`]: the round state machine (selection, reporting, closing, commit).
 //! * [`secagg`]: SecAgg+ secure aggregation, client and server state machines.
 //! * [`tier`]: the aggregator tier: device assignment, upload tickets, partial aggregates.
+//! * [`strategy`], [`robust`], [`privacy`]: server optimizers, robust aggregation, differential
+//!   privacy and its accountant.
 //! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
@@ -24,7 +26,9 @@ pub mod fuzzing;
 pub mod ids;
 pub mod model_spec;
 pub mod plan;
+pub mod privacy;
 pub mod rng;
+pub mod robust;
 pub mod round;
 pub mod secagg;
 pub mod strategy;

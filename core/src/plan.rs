@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
+use crate::privacy::Privacy;
 use crate::rng::SplitMix64;
-use crate::strategy::ServerOptimizer;
+pub use crate::strategy::Strategy;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
@@ -76,16 +77,6 @@ pub struct Plan {
     /// How contributions become the next model; absent: FedAvg with `server_learning_rate`.
     #[serde(default)]
     pub strategy: Strategy,
-}
-
-/// The plan's `strategy`: the server optimizer applied to each round's mean delta.
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Strategy {
-    /// FedAvg (default), FedAvgM, FedAdagrad, FedAdam or FedYogi, with its hyper-parameters.
-    #[serde(default)]
-    pub optimizer: ServerOptimizer,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -155,6 +146,7 @@ pub struct ValidatedPlan {
     plan: Plan,
     schema: TensorSchema,
     rounds: RoundConfig,
+    privacy: Option<Privacy>,
 }
 
 /// Round pacing derived from a plan; everything the round state machine needs.
@@ -181,6 +173,10 @@ pub struct RoundConfig {
     /// Rounds evaluate the current model and commit none (see [`Plan::evaluation_only`]).
     #[serde(default)]
     pub evaluation_only: bool,
+    /// Updates come to the coordinator one by one, never through the aggregator tier (the
+    /// strategy bounds, clips or order-ranks each one).
+    #[serde(default)]
+    pub each_update_direct: bool,
 }
 
 /// Secure-aggregation parameters of a run, resolved.
@@ -202,6 +198,9 @@ pub struct SecureRoundConfig {
     pub vector_len: usize,
     /// Deadline of each short stage.
     pub stage_timeout_ms: i64,
+    /// With differential privacy: the L2 norm devices clip their delta to before masking.
+    #[serde(default)]
+    pub clip_norm: Option<f64>,
 }
 
 impl SecureRoundConfig {
@@ -297,6 +296,57 @@ impl Plan {
                 "applies to FedAvg only; set the optimizer's own strategy.optimizer.lr",
             ));
         }
+        let strategy = &self.strategy;
+        strategy.aggregation.check(quorum).map_err(|why| field("strategy.aggregation", why))?;
+        if let Some(bound) = strategy.norm_bound
+            && !(bound.is_finite() && bound > 0.0 && bound <= 1e9)
+        {
+            return Err(field("strategy.norm_bound", "must be in (0, 1e9]"));
+        }
+        if self.evaluation_only
+            && (strategy.needs_each_update() || strategy.optimizer.is_stateful())
+        {
+            return Err(field(
+                "strategy",
+                "an evaluation-only run trains nothing: it takes no optimizer, aggregation, norm bound or privacy",
+            ));
+        }
+        if self.secure_aggregation.is_some() {
+            if strategy.aggregation.is_order_statistic() {
+                return Err(field(
+                    "strategy.aggregation",
+                    "order statistics need each device's update, and secure aggregation reveals only the sum; use the mean or drop secure_aggregation",
+                ));
+            }
+            if strategy.norm_bound.is_some() {
+                return Err(field(
+                    "strategy.norm_bound",
+                    "the coordinator cannot bound a masked update; with secure aggregation use differential_privacy.clip_norm, which devices apply before masking",
+                ));
+            }
+        }
+        if let Some(dp) = &strategy.differential_privacy {
+            if strategy.aggregation.is_order_statistic() || strategy.norm_bound.is_some() {
+                return Err(field(
+                    "strategy.differential_privacy",
+                    "DP-FedAvg clips each update to clip_norm and takes the mean; it does not combine with a robust aggregation or a separate norm_bound",
+                ));
+            }
+            if let Some(secure) = &self.secure_aggregation {
+                if secure.max_examples != 1 {
+                    return Err(field(
+                        "secure_aggregation.max_examples",
+                        "must be 1 with differential privacy: every update weighs the same, so one device moves the sum by at most clip_norm",
+                    ));
+                }
+                if dp.adaptive_clipping.is_some() {
+                    return Err(field(
+                        "strategy.differential_privacy.adaptive_clipping",
+                        "needs each device's clipping outcome, which secure aggregation hides; use a fixed clip_norm",
+                    ));
+                }
+            }
+        }
         if self.evaluation_only && self.secure_aggregation.is_some() {
             return Err(field(
                 "evaluation_only",
@@ -328,7 +378,16 @@ impl Plan {
             .max(self.cohort_size);
         let secure = match &self.secure_aggregation {
             None => None,
-            Some(s) => Some(s.resolve(target_selected, schema.numel() as usize)?),
+            Some(s) => Some(SecureRoundConfig {
+                clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
+                ..s.resolve(target_selected, schema.numel() as usize)?
+            }),
+        };
+        let privacy = match &self.strategy.differential_privacy {
+            None => None,
+            Some(dp) => Some(dp.resolve(target_selected, self.rounds).map_err(|(name, why)| {
+                field("strategy.differential_privacy", format!("{name}: {why}"))
+            })?),
         };
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
@@ -336,12 +395,13 @@ impl Plan {
             min_quorum: quorum,
             selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
             reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
-            total_rounds: self.rounds,
+            total_rounds: privacy.map_or(self.rounds, |p| p.rounds_allowed),
             secure,
             eligibility: self.eligibility.clone(),
             evaluation_only: self.evaluation_only,
+            each_update_direct: self.strategy.needs_each_update(),
         };
-        Ok(ValidatedPlan { plan: self, schema, rounds })
+        Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
     }
 }
 
@@ -396,6 +456,7 @@ impl SecureAggregationPlan {
             n_params,
             vector_len,
             stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
+            clip_norm: None,
         })
     }
 }
@@ -404,6 +465,22 @@ impl ValidatedPlan {
     /// The plan as submitted (with defaults filled in by serde).
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// The run's differential privacy, resolved (sampling rate, noise, rounds the ε budget
+    /// allows); `None` without.
+    pub fn privacy(&self) -> Option<&Privacy> {
+        self.privacy.as_ref()
+    }
+
+    /// A round's empty accumulator: folding updates of [`Self::update_len`] values, bounding
+    /// each as the strategy says (with `state`'s clip norm for DP).
+    pub fn accumulator(
+        &self,
+        state: &crate::strategy::OptimizerState,
+    ) -> crate::fedavg::FedAvgAccumulator {
+        crate::fedavg::FedAvgAccumulator::new(self.update_len())
+            .bounded(self.plan.strategy.accumulator_bound(state))
     }
 
     /// The model schema.

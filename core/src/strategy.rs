@@ -21,7 +21,71 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::fedavg::{Aggregate, AggregateError};
+use crate::fedavg::{Aggregate, AggregateError, NormBound};
+use crate::privacy::DifferentialPrivacy;
+use crate::robust::Aggregation;
+
+/// The plan's `strategy`: how a round's contributions become the next model — how updates are
+/// combined (with an optional norm bound, or differential privacy), then the server optimizer.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Strategy {
+    /// FedAvg (default), FedAvgM, FedAdagrad, FedAdam or FedYogi, with its hyper-parameters.
+    #[serde(default)]
+    pub optimizer: ServerOptimizer,
+    /// How the round's updates are combined: the weighted mean (default) or a robust order
+    /// statistic (coordinate-wise median, trimmed mean, Krum / Multi-Krum).
+    #[serde(default, skip_serializing_if = "Aggregation::is_mean")]
+    pub aggregation: Aggregation,
+    /// Scale each update to at most this L2 norm before combining it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_bound: Option<f64>,
+    /// DP-FedAvg: clip, noise, account (see [`crate::privacy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub differential_privacy: Option<DifferentialPrivacy>,
+}
+
+impl Strategy {
+    /// The server's state before the first round, for a model of `n` parameters.
+    pub fn initial_state(&self, n: usize) -> OptimizerState {
+        OptimizerState {
+            clip_norm: self.differential_privacy.map(|dp| dp.clip_norm),
+            ..self.optimizer.initial_state(n)
+        }
+    }
+
+    /// Whether the server keeps state between rounds (and so must persist it): a stateful
+    /// optimizer, or an adaptive clip norm.
+    pub fn is_stateful(&self) -> bool {
+        self.optimizer.is_stateful()
+            || self.differential_privacy.is_some_and(|dp| dp.adaptive_clipping.is_some())
+    }
+
+    /// Whether updates must reach the coordinator one by one (bounded, clipped or combined by
+    /// an order statistic), never summed by the aggregator tier first.
+    pub fn needs_each_update(&self) -> bool {
+        self.aggregation.is_order_statistic()
+            || self.norm_bound.is_some()
+            || self.differential_privacy.is_some()
+    }
+
+    /// The bound the streaming accumulator applies to each update, given the state's clip
+    /// norm: DP's (unweighted), or the norm bound of a mean. Order statistics apply theirs
+    /// when they combine.
+    pub fn accumulator_bound(&self, state: &OptimizerState) -> Option<NormBound> {
+        if self.differential_privacy.is_some() {
+            let max_norm = state.clip_norm.expect("a DP run's state holds its clip norm");
+            return Some(NormBound { max_norm, unweighted: true });
+        }
+        match (self.aggregation, self.norm_bound) {
+            (Aggregation::Mean {}, Some(max_norm)) => {
+                Some(NormBound { max_norm, unweighted: false })
+            }
+            _ => None,
+        }
+    }
+}
 
 /// The plan's `strategy.optimizer`: how the server applies a round's mean delta.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -97,6 +161,8 @@ pub struct OptimizerState {
     pub m: Vec<f32>,
     /// Second moment, one per parameter; empty when unused.
     pub v: Vec<f32>,
+    /// A DP run's clip norm for the next round (it moves with adaptive clipping).
+    pub clip_norm: Option<f64>,
 }
 
 /// Why stored optimizer state could not be read.
@@ -155,12 +221,13 @@ impl ServerOptimizer {
         match *self {
             ServerOptimizer::FedAvg { .. } => OptimizerState::default(),
             ServerOptimizer::FedAvgM { .. } => {
-                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![] }
+                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![], clip_norm: None }
             }
             ServerOptimizer::FedAdagrad(p)
             | ServerOptimizer::FedAdam(p)
             | ServerOptimizer::FedYogi(p) => {
-                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![(p.tau * p.tau) as f32; n] }
+                let v = vec![(p.tau * p.tau) as f32; n];
+                OptimizerState { steps: 0, m: vec![0.0; n], v, clip_norm: None }
             }
         }
     }
@@ -182,8 +249,12 @@ impl ServerOptimizer {
             state.m.len() == expected.m.len() && state.v.len() == expected.v.len(),
             "optimizer state of another model or optimizer"
         );
-        let mut next =
-            OptimizerState { steps: state.steps + 1, m: state.m.clone(), v: state.v.clone() };
+        let mut next = OptimizerState {
+            steps: state.steps + 1,
+            m: state.m.clone(),
+            v: state.v.clone(),
+            clip_norm: state.clip_norm,
+        };
         let mut model = Vec::with_capacity(n);
         for (i, (&x, &d)) in global.iter().zip(&aggregate.mean_delta).enumerate() {
             let x = f64::from(x);
@@ -231,25 +302,24 @@ impl ServerOptimizer {
 
 impl OptimizerState {
     /// The state as stored: steps (u64), then `m` and `v` as little-endian f32, each prefixed
-    /// by its length (u64). Empty for a stateless optimizer.
+    /// by its length (u64), then a DP run's clip norm (f64).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(24 + 4 * (self.m.len() + self.v.len()));
+        let mut out = Vec::with_capacity(32 + 4 * (self.m.len() + self.v.len()));
         out.extend_from_slice(&self.steps.to_le_bytes());
         for part in [&self.m, &self.v] {
             out.extend_from_slice(&(part.len() as u64).to_le_bytes());
             out.extend(part.iter().flat_map(|v| v.to_le_bytes()));
         }
+        if let Some(clip) = self.clip_norm {
+            out.extend_from_slice(&clip.to_le_bytes());
+        }
         out
     }
 
-    /// Reads [`OptimizerState::to_bytes`] back, checking it is `optimizer`'s state for `n`
+    /// Reads [`OptimizerState::to_bytes`] back, checking it is `strategy`'s state for `n`
     /// parameters.
-    pub fn from_bytes(
-        bytes: &[u8],
-        optimizer: &ServerOptimizer,
-        n: usize,
-    ) -> Result<Self, StateError> {
-        let expected = optimizer.initial_state(n);
+    pub fn from_bytes(bytes: &[u8], strategy: &Strategy, n: usize) -> Result<Self, StateError> {
+        let expected = strategy.initial_state(n);
         let mut rest = bytes;
         let steps = read_u64(&mut rest, "steps")?;
         let m_len = read_u64(&mut rest, "m")? as usize;
@@ -262,13 +332,23 @@ impl OptimizerState {
             return Err(StateError(format!("v has {v_len} values, expected {}", expected.v.len())));
         }
         let v = read_f32s(&mut rest, v_len)?;
+        let clip_norm = match expected.clip_norm {
+            None => None,
+            Some(_) => {
+                let clip = f64::from_bits(read_u64(&mut rest, "clip norm")?);
+                if !(clip.is_finite() && clip > 0.0) {
+                    return Err(StateError(format!("clip norm {clip} is not positive")));
+                }
+                Some(clip)
+            }
+        };
         if !rest.is_empty() {
             return Err(StateError(format!("{} trailing bytes", rest.len())));
         }
         if m.iter().chain(&v).any(|x| !x.is_finite()) {
             return Err(StateError("holds a non-finite value".into()));
         }
-        Ok(OptimizerState { steps, m, v })
+        Ok(OptimizerState { steps, m, v, clip_norm })
     }
 }
 

@@ -198,6 +198,10 @@ pub struct SecureAggregationTask {
     pub clip: f64,
     /// Example counts above this weigh as much as this.
     pub max_examples: u64,
+    /// With differential privacy: scale the delta to at most this L2 norm before anything
+    /// else (the coordinator noises the unmasked sum for it).
+    #[serde(default)]
+    pub clip_norm: Option<f64>,
 }
 
 impl SecureAggregationTask {

@@ -13,7 +13,7 @@ pub(super) struct AccumulatorWorker {
 }
 
 enum Message {
-    Reset(usize),
+    Reset(FedAvgAccumulator),
     Fold(Contribution),
     Finish(oneshot::Sender<Result<Aggregate, AggregateError>>),
 }
@@ -28,7 +28,7 @@ impl AccumulatorWorker {
                 let mut acc = Some(initial);
                 while let Ok(message) = rx.recv() {
                     match message {
-                        Message::Reset(n) => acc = Some(FedAvgAccumulator::new(n)),
+                        Message::Reset(fresh) => acc = Some(fresh),
                         Message::Fold(contribution) => {
                             if let Some(acc) = acc.as_mut() {
                                 match &contribution {
@@ -50,9 +50,9 @@ impl AccumulatorWorker {
         AccumulatorWorker { tx }
     }
 
-    /// Starts a new round's sum of `n_params` parameters.
-    pub(super) fn reset(&self, n_params: usize) {
-        let _ = self.tx.send(Message::Reset(n_params));
+    /// Starts a new round's sum in `fresh` (empty, bounded as the run's strategy says).
+    pub(super) fn reset(&self, fresh: FedAvgAccumulator) {
+        let _ = self.tx.send(Message::Reset(fresh));
     }
 
     /// Folds a durable update or partial in.

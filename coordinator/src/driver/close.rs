@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
+use starling_core::privacy::Gaussian;
+use starling_core::robust::combine;
 use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::strategy::OptimizerState;
-use starling_core::{Millis, RunId};
+use starling_core::{Millis, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Closed, CommittedModel, Internal, encode_model};
@@ -74,25 +76,25 @@ impl CloseTask {
                 (written, "evaluated", Closed::Evaluated)
             }
             (RoundOutcome::Commit, Ok(aggregate)) => {
+                let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
                 let prepared = tokio::task::spawn_blocking(move || {
-                    let p = plan.plan();
-                    let optimizer = p.strategy.optimizer;
-                    let (values, state) = optimizer.step(
+                    let metrics = aggregate.metrics.clone();
+                    let (values, state) = next_model(
+                        &NextModel {
+                            store: reader,
+                            handle,
+                            run_id,
+                            closing: &closing,
+                            plan: &plan,
+                        },
                         &global,
-                        &aggregate,
+                        aggregate,
                         &optimizer_state,
-                        p.server_learning_rate,
                     )?;
                     let (encoded, hash) = encode_model(plan.schema(), &values);
-                    let state_bytes = optimizer.is_stateful().then(|| state.to_bytes());
-                    Ok::<_, AggregateError>((
-                        values,
-                        encoded,
-                        hash,
-                        aggregate.metrics,
-                        state,
-                        state_bytes,
-                    ))
+                    let stateful = plan.plan().strategy.is_stateful();
+                    let state_bytes = stateful.then(|| state.to_bytes());
+                    Ok::<_, AggregateError>((values, encoded, hash, metrics, state, state_bytes))
                 })
                 .await
                 .expect("aggregation task panicked");
@@ -149,6 +151,86 @@ impl CloseTask {
         observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
     }
+}
+
+/// What [`next_model`] reads besides the round's aggregate.
+struct NextModel<'a> {
+    store: SqlStore,
+    handle: tokio::runtime::Handle,
+    run_id: RunId,
+    closing: &'a RoundClosing,
+    plan: &'a ValidatedPlan,
+}
+
+/// Tiles of robust aggregation hold about this many bytes (12 per value per update: the f32
+/// read and its scaled f64), whatever the cohort: memory is O(cohort × tile).
+const ROBUST_TILE_BYTES: usize = 48 << 20;
+
+/// The next model and server state from a round's aggregate, on a blocking thread: an order
+/// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
+/// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
+/// server optimizer steps.
+fn next_model(
+    ctx: &NextModel<'_>,
+    global: &[f32],
+    mut aggregate: Aggregate,
+    state: &OptimizerState,
+) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
+    let p = ctx.plan.plan();
+    let strategy = &p.strategy;
+    if strategy.aggregation.is_order_statistic() {
+        let n = aggregate.n_updates as usize;
+        let tile_len = (ROBUST_TILE_BYTES / 12 / n.max(1)).max(1024);
+        let round_idx = ctx.closing.round_idx;
+        let combined = combine(
+            &strategy.aggregation,
+            n,
+            global.len(),
+            tile_len,
+            strategy.norm_bound,
+            |start, len| read_tile_retrying(ctx, round_idx, start, len),
+        )
+        .map_err(|e| AggregateError::Robust(e.to_string()))?;
+        tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
+        aggregate.mean_delta = combined.delta;
+    }
+    let mut clip_norm = state.clip_norm;
+    if let (Some(privacy), Some(clip)) = (ctx.plan.privacy(), state.clip_norm) {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).expect("the OS random source failed");
+        let mut noise = Gaussian::new(seed);
+        privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
+        let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
+        clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
+    }
+    let (values, mut next) =
+        strategy.optimizer.step(global, &aggregate, state, p.server_learning_rate)?;
+    next.clip_norm = clip_norm;
+    Ok((values, next))
+}
+
+/// One tile of the round's stored updates; a store error is retried a few times before the
+/// round gives up (its updates stay stored, and are released with the failed round).
+fn read_tile_retrying(
+    ctx: &NextModel<'_>,
+    round_idx: RoundIdx,
+    start: usize,
+    len: usize,
+) -> Result<Vec<Vec<f32>>, StoreError> {
+    let mut backoff = Duration::from_millis(50);
+    for attempt in 1.. {
+        let read = ctx.store.update_tile(ctx.run_id, round_idx, start, len);
+        match ctx.handle.block_on(read) {
+            Ok(rows) => return Ok(rows),
+            Err(e) if attempt < 6 => {
+                tracing::warn!(run_id = %ctx.run_id, error = %e, ?backoff, "reading a tile failed; retrying");
+                std::thread::sleep(backoff);
+                backoff *= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("the loop returns")
 }
 
 /// Another coordinator leads: a write was fenced off.

@@ -129,7 +129,7 @@ impl Effects<'_> {
         match action {
             Action::OpenRound(opened) => {
                 tracing::info!(%run_id, round = %opened.round_idx, model_version = %opened.model_version, "round opened");
-                entry.accumulator.reset(entry.plan.update_len());
+                entry.accumulator.reset(entry.plan.accumulator(&entry.optimizer_state));
                 self.observer.round_opened(run_id, opened.round_idx);
                 batch.transitions.push(Transition::OpenRound(opened));
             }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use starling_core::codec;
-use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
+use starling_core::fedavg::validate_parts;
 use starling_core::plan::Plan;
 use starling_core::round::secure::Record;
 use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
@@ -66,7 +66,21 @@ impl Driver {
                 .last_round_idx(run_id)
                 .await?
                 .map_or(RoundIdx(0), |r| RoundIdx(r.0 + 1));
-            let mut acc = FedAvgAccumulator::new(plan.update_len());
+            // The server continues from the state stored with the latest model (optimizer
+            // moments, a DP run's clip norm).
+            let strategy = &plan.plan().strategy;
+            let state = match driver.store.optimizer_state(run_id, version).await? {
+                _ if !strategy.is_stateful() => strategy.initial_state(values.len()),
+                Some(bytes) => OptimizerState::from_bytes(&bytes, strategy, values.len())
+                    .map_err(|e| StoreError::Corrupt(format!("run {run_id}: {e}")))?,
+                None if version == ModelVersion(0) => strategy.initial_state(values.len()),
+                None => {
+                    return Err(StoreError::Corrupt(format!(
+                        "run {run_id} lacks the optimizer state of model {version}"
+                    )));
+                }
+            };
+            let mut acc = plan.accumulator(&state);
             if let Some(open) = &open {
                 let (schema, update_schema) = (plan.schema(), plan.update_schema());
                 // Partials and updates share the slot order: merge each partial before the
@@ -131,19 +145,6 @@ impl Driver {
             if let Some(input) = driver.tier_input() {
                 machine.handle(now_ms(), input);
             }
-            // The optimizer continues from the state stored with the latest model.
-            let optimizer = plan.plan().strategy.optimizer;
-            let state = match driver.store.optimizer_state(run_id, version).await? {
-                _ if !optimizer.is_stateful() => optimizer.initial_state(values.len()),
-                Some(bytes) => OptimizerState::from_bytes(&bytes, &optimizer, values.len())
-                    .map_err(|e| StoreError::Corrupt(format!("run {run_id}: {e}")))?,
-                None if version == ModelVersion(0) => optimizer.initial_state(values.len()),
-                None => {
-                    return Err(StoreError::Corrupt(format!(
-                        "run {run_id} lacks the optimizer state of model {version}"
-                    )));
-                }
-            };
             let entry = RunEntry::new(
                 machine,
                 Arc::new(plan),
@@ -152,6 +153,7 @@ impl Driver {
                 state,
                 acc,
             );
+            entry.report_privacy(run_id, &driver.observer);
             driver.runs.insert(run_id, entry);
         }
         Ok((driver, DriverHandle { tx }))

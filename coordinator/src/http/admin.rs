@@ -21,8 +21,8 @@ use crate::observe::RoundCounters;
 use crate::store::{CENTRAL_EVALUATION_PREFIX, ModelInfo, RoundRow, RunRow};
 use starling_core::DeviceId;
 use starling_core::admin::{
-    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView,
-    RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, PrivacyView,
+    RoundDeviceView, RoundView, RunView,
 };
 use starling_core::codec;
 use starling_core::tensor::{TensorPayload, safetensors};
@@ -94,7 +94,18 @@ async fn create_enrollment_token(
 async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
     let plan: serde_json::Value =
         serde_json::from_str(&row.plan_json).map_err(|e| ApiError::internal(&e))?;
-    let total_rounds = plan.get("rounds").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
+    // Rounds the run may commit, and its privacy so far, follow from the validated plan (a
+    // DP budget may allow fewer rounds than planned).
+    let validated =
+        serde_json::from_value::<Plan>(plan.clone()).ok().and_then(|p| p.validate().ok());
+    let total_rounds = match &validated {
+        Some(v) => v.round_config().total_rounds,
+        None => plan.get("rounds").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+    };
+    let privacy = validated.as_ref().and_then(|v| {
+        let secure = v.plan().secure_aggregation.is_some();
+        v.privacy().map(|p| PrivacyView::new(p, row.rounds_committed.max(0) as u64, secure))
+    });
     let model_hash =
         state.store().model_hash(RunId(row.id), ModelVersion(row.model_version)).await?;
     Ok(RunView {
@@ -109,6 +120,7 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
         created_at_ms: row.created_at_ms,
         updated_at_ms: row.updated_at_ms,
         plan,
+        privacy,
     })
 }
 

@@ -128,4 +128,46 @@ impl SqlStore {
         }
         Ok(n)
     }
+
+    /// Values `start..start + len` of every stored update of a round, one row per update in slot
+    /// order: what robust aggregation reads at close, one tile at a time, so the coordinator
+    /// never holds the cohort's full updates.
+    pub async fn update_tile(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        start: usize,
+        len: usize,
+    ) -> StoreResult<Vec<Vec<f32>>> {
+        let (from, bytes) = (start * 4 + 1, len * 4);
+        let (Ok(from), Ok(bytes)) = (i32::try_from(from), i32::try_from(bytes)) else {
+            return Err(StoreError::Corrupt(format!("tile {start}+{len} is beyond 2 GiB")));
+        };
+        let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
+            "SELECT substr(delta, CAST($3 AS INTEGER), CAST($4 AS INTEGER)) FROM updates
+             WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .bind(from)
+        .bind(bytes)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        rows.into_iter()
+            .map(|(tile,)| {
+                if tile.len() != len * 4 {
+                    return Err(StoreError::Corrupt(format!(
+                        "an update of round {round_idx} holds {} bytes at {start}, expected {}",
+                        tile.len(),
+                        len * 4
+                    )));
+                }
+                Ok(tile
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect())
+            })
+            .collect()
+    }
 }

@@ -288,6 +288,7 @@ impl SecureRound {
             index: *self.indices.get(&device)?,
             clip: self.settings.clip,
             max_examples: self.settings.max_examples,
+            clip_norm: self.settings.clip_norm,
         })
     }
 
@@ -524,6 +525,7 @@ impl SecureRound {
             mean_delta,
             total_weight: (weight * self.settings.max_examples as f64).round() as u64,
             n_updates: u64::from(count),
+            n_within_bound: u64::from(count),
             metrics: BTreeMap::new(),
         }));
         Ok(())

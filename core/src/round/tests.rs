@@ -54,6 +54,7 @@ fn config() -> RoundConfig {
         eligibility: Default::default(),
         secure: None,
         evaluation_only: false,
+        each_update_direct: false,
     }
 }
 
@@ -523,6 +524,7 @@ fn simulation_never_hangs() {
         total_rounds: 5,
         eligibility: Default::default(),
         evaluation_only: false,
+        each_update_direct: false,
         secure: None,
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
@@ -634,7 +636,9 @@ mod secure_rounds {
             total_rounds: 1,
             eligibility: Default::default(),
             evaluation_only: false,
+            each_update_direct: false,
             secure: Some(SecureRoundConfig {
+                clip_norm: None,
                 clip: 1.0,
                 max_examples: 100,
                 // Each device loses at most 3 of its 8 neighbours below: 5 shares remain.

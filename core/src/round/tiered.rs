@@ -31,10 +31,11 @@ impl RunMachine {
     /// tier and an aggregator lives.
     pub(super) fn aggregator_for(&self, device: DeviceId) -> Option<AggregatorId> {
         let tier = self.tier?;
-        // Secure rounds sum masked vectors, evaluation-only rounds no deltas: neither is for
-        // the tier.
+        // Secure rounds sum masked vectors, evaluation-only rounds no deltas, and a strategy
+        // that bounds or ranks each update needs them one by one: none is for the tier.
         if self.config.secure.is_some()
             || self.config.evaluation_only
+            || self.config.each_update_direct
             || self.config.target_selected <= tier.cohort_threshold
         {
             return None;

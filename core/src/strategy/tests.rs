@@ -15,6 +15,7 @@ fn aggregate(delta: [f64; 2]) -> Aggregate {
         mean_delta: delta.to_vec(),
         total_weight: 10,
         n_updates: 2,
+        n_within_bound: 2,
         metrics: BTreeMap::new(),
     }
 }
@@ -27,6 +28,10 @@ fn two_steps(opt: ServerOptimizer) -> (Vec<f32>, Vec<f32>, OptimizerState) {
     (x1, x2, s2)
 }
 
+fn strategy(optimizer: ServerOptimizer) -> Strategy {
+    Strategy { optimizer, ..Strategy::default() }
+}
+
 /// `x + step`, in f64 and rounded once, as the optimizer does.
 fn moved(x: f32, step: f64) -> f32 {
     (f64::from(x) + step) as f32
@@ -37,7 +42,7 @@ fn fed_avg_uses_the_plans_rate_unless_it_has_its_own() {
     // x1 = x0 + 0.5·D1 = [1.25, -2.25]; x2 = x1 + 0.5·D2 = [2.0, -2.0].
     let (x1, x2, s) = two_steps(ServerOptimizer::FedAvg { lr: None });
     assert_eq!((x1, x2), (vec![1.25, -2.25], vec![2.0, -2.0]));
-    assert_eq!(s, OptimizerState { steps: 2, m: vec![], v: vec![] });
+    assert_eq!(s, OptimizerState { steps: 2, m: vec![], v: vec![], clip_norm: None });
     let (x1, _, _) = two_steps(ServerOptimizer::FedAvg { lr: Some(1.0) });
     assert_eq!(x1, vec![1.5, -2.5]);
 }
@@ -103,7 +108,7 @@ fn a_restart_between_steps_gives_the_same_models() {
     ] {
         let (_, straight, s2) = two_steps(opt);
         let (x1, s1) = opt.step(&X0, &aggregate(D1), &opt.initial_state(2), 1.0).unwrap();
-        let restored = OptimizerState::from_bytes(&s1.to_bytes(), &opt, 2).unwrap();
+        let restored = OptimizerState::from_bytes(&s1.to_bytes(), &strategy(opt), 2).unwrap();
         assert_eq!(restored, s1);
         let (resumed, s2b) = opt.step(&x1, &aggregate(D2), &restored, 1.0).unwrap();
         assert_eq!((resumed, s2b), (straight, s2), "{}", opt.name());
@@ -112,10 +117,10 @@ fn a_restart_between_steps_gives_the_same_models() {
 
 #[test]
 fn stored_state_of_another_shape_or_corrupt_is_refused() {
-    let adam = ServerOptimizer::FedAdam(ADAPTIVE);
+    let adam = strategy(ServerOptimizer::FedAdam(ADAPTIVE));
     let bytes = adam.initial_state(2).to_bytes();
     assert!(OptimizerState::from_bytes(&bytes, &adam, 3).is_err(), "another model size");
-    let momentum = ServerOptimizer::FedAvgM { lr: 1.0, momentum: 0.5 };
+    let momentum = strategy(ServerOptimizer::FedAvgM { lr: 1.0, momentum: 0.5 });
     assert!(OptimizerState::from_bytes(&bytes, &momentum, 2).is_err(), "another optimizer");
     assert!(OptimizerState::from_bytes(&bytes[..bytes.len() - 1], &adam, 2).is_err());
     let mut trailing = bytes.clone();
@@ -150,4 +155,60 @@ fn hyper_parameters_are_checked_by_name() {
         serde_json::from_str::<ServerOptimizer>(r#"{"kind": "fed_adam", "lr": 1, "eps": 1}"#)
             .is_err()
     );
+}
+
+#[test]
+fn a_dp_runs_clip_norm_travels_with_the_state() {
+    let dp = crate::privacy::DifferentialPrivacy {
+        noise_multiplier: 1.0,
+        clip_norm: 0.75,
+        population: 100,
+        delta: 1e-5,
+        epsilon_budget: None,
+        adaptive_clipping: Some(crate::privacy::AdaptiveClipping {
+            target_quantile: 0.5,
+            learning_rate: 0.2,
+            count_stddev: None,
+        }),
+    };
+    let with_dp =
+        Strategy { differential_privacy: Some(dp), ..strategy(ServerOptimizer::FedAdam(ADAPTIVE)) };
+    assert!(with_dp.is_stateful() && with_dp.needs_each_update());
+    let mut state = with_dp.initial_state(2);
+    assert_eq!(state.clip_norm, Some(0.75));
+    state.clip_norm = Some(0.6125);
+    let bytes = state.to_bytes();
+    assert_eq!(OptimizerState::from_bytes(&bytes, &with_dp, 2).unwrap(), state);
+    // The same bytes read for a run without DP have 8 bytes too many; a stored state of a run
+    // without DP lacks the clip norm.
+    let adam = strategy(ServerOptimizer::FedAdam(ADAPTIVE));
+    assert!(OptimizerState::from_bytes(&bytes, &adam, 2).is_err());
+    assert!(OptimizerState::from_bytes(&adam.initial_state(2).to_bytes(), &with_dp, 2).is_err());
+    let mut bad = state.clone();
+    bad.clip_norm = Some(-1.0);
+    assert!(OptimizerState::from_bytes(&bad.to_bytes(), &with_dp, 2).is_err());
+    // Plain FedAvg with fixed clipping keeps no state; the clip norm comes from the plan.
+    let fixed = Strategy {
+        differential_privacy: Some(crate::privacy::DifferentialPrivacy {
+            adaptive_clipping: None,
+            ..dp
+        }),
+        ..Strategy::default()
+    };
+    assert!(!fixed.is_stateful());
+    assert_eq!(
+        fixed.accumulator_bound(&fixed.initial_state(2)),
+        Some(NormBound { max_norm: 0.75, unweighted: true })
+    );
+    let bounded = Strategy { norm_bound: Some(3.0), ..Strategy::default() };
+    assert_eq!(
+        bounded.accumulator_bound(&bounded.initial_state(2)),
+        Some(NormBound { max_norm: 3.0, unweighted: false })
+    );
+    let median = Strategy {
+        norm_bound: Some(3.0),
+        aggregation: Aggregation::CoordinateMedian {},
+        ..Strategy::default()
+    };
+    assert_eq!(median.accumulator_bound(&median.initial_state(2)), None);
 }

@@ -9,6 +9,7 @@ mod deploy;
 mod e2e;
 mod hardening;
 mod operator;
+mod privacy;
 mod production;
 mod sdk;
 mod secure;

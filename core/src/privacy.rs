@@ -1,0 +1,398 @@
+//! Differential privacy for federated rounds: DP-FedAvg (McMahan et al., "Learning
+//! Differentially Private Recurrent Language Models", 2018) with adaptive clipping (Andrew et
+//! al., "Differentially Private Learning with Adaptive Clipping", 2021), and the accountant that
+//! says what ε a run has spent.
+//!
+//! **Mechanism (central DP, trusted coordinator).** Each update is clipped to L2 norm `C` and
+//! counts once (unweighted, so one device changes the sum by at most `C`); the coordinator adds
+//! Gaussian noise `N(0, (z_Δ·C)²)` to every coordinate of the sum and divides by the number of
+//! updates. The noised mean is all that leaves the round: the server optimizer only
+//! post-processes it. With adaptive clipping, the share of updates within `C` is released with
+//! noise `N(0, σ_b²)` too and moves `C` geometrically toward the plan's target quantile;
+//! the two releases together are accounted as one Gaussian mechanism with noise multiplier
+//! `z = (z_Δ⁻² + (2σ_b)⁻²)^(-1/2)` (Andrew et al., Theorem 1), so the plan's `noise_multiplier`
+//! is `z` and the update noise is derived from it.
+//!
+//! **Accounting.** Each round is the Poisson-subsampled Gaussian mechanism with sampling rate
+//! `q = devices selected per round / population` and noise multiplier `z`; rounds compose in
+//! Rényi DP (Mironov, Talwar and Zhang 2019, computed exactly as Google's `dp-accounting`
+//! `RdpAccountant` does, over the same orders), and ε at the plan's δ follows Canonne, Kamath and
+//! Steinke (2020). The guarantee assumes every device of the population is equally likely to be
+//! selected, which the random cohort draw approximates; `population` is the operator's
+//! statement of how many devices that is. Only committed rounds release anything: a failed
+//! round's noised sum is never stored or served.
+//!
+//! **With SecAgg** the coordinator only sees the masked sum, so devices clip to `C` themselves
+//! before masking, every update weighs 1 (`secure_aggregation.max_examples = 1`), and the
+//! coordinator adds the same central noise to the unmasked sum before anything else reads it
+//! (documented central noise after unmasking — not distributed noise: a coordinator that
+//! deviated from the protocol could read the un-noised sum). Adaptive clipping needs each
+//! device's clip bit in the clear and is refused with SecAgg.
+
+use chacha20::cipher::{KeyIvInit, StreamCipher};
+use serde::{Deserialize, Serialize};
+
+/// The plan's `strategy.differential_privacy`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DifferentialPrivacy {
+    /// The mechanism's noise multiplier z (noise standard deviation over the clip norm),
+    /// covering the update noise and, with adaptive clipping, the clip-count noise.
+    pub noise_multiplier: f64,
+    /// The L2 bound each update is clipped to; with adaptive clipping, where it starts.
+    pub clip_norm: f64,
+    /// How many devices could be selected (the population the cohort is drawn from): the
+    /// sampling rate is the devices selected per round over this.
+    pub population: u64,
+    /// δ of the (ε, δ) guarantee; well below 1/population.
+    pub delta: f64,
+    /// Stop the run before a round would take ε above this.
+    #[serde(default)]
+    pub epsilon_budget: Option<f64>,
+    /// Move the clip norm toward a quantile of the update norms.
+    #[serde(default)]
+    pub adaptive_clipping: Option<AdaptiveClipping>,
+}
+
+/// Adaptive clipping's parameters (Andrew et al. 2021; their defaults).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveClipping {
+    /// The share of updates that should fall within the clip norm, γ in [0, 1].
+    #[serde(default = "default_quantile")]
+    pub target_quantile: f64,
+    /// Geometric step size η_C.
+    #[serde(default = "default_clip_lr")]
+    pub learning_rate: f64,
+    /// Noise on the count of clipped updates, σ_b; default: devices selected per round / 20.
+    #[serde(default)]
+    pub count_stddev: Option<f64>,
+}
+
+fn default_quantile() -> f64 {
+    0.5
+}
+fn default_clip_lr() -> f64 {
+    0.2
+}
+
+/// A plan's privacy settings, resolved against its cohort and checked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Privacy {
+    /// The plan's settings.
+    pub plan: DifferentialPrivacy,
+    /// Sampling rate q.
+    pub sampling_rate: f64,
+    /// Noise multiplier of the update sum, z_Δ (= z without adaptive clipping).
+    pub update_noise_multiplier: f64,
+    /// σ_b, with adaptive clipping.
+    pub count_stddev: Option<f64>,
+    /// Rounds the run may commit: the plan's, or fewer where the ε budget runs out.
+    pub rounds_allowed: u32,
+}
+
+impl DifferentialPrivacy {
+    /// Checks the settings for a run selecting `selected` devices per round over `rounds`
+    /// rounds, and resolves the derived quantities. The message names the bad field.
+    pub fn resolve(&self, selected: u32, rounds: u32) -> Result<Privacy, (&'static str, String)> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !(positive(self.noise_multiplier) && self.noise_multiplier <= 1e4) {
+            return Err(("noise_multiplier", "must be in (0, 1e4]".into()));
+        }
+        if !(positive(self.clip_norm) && self.clip_norm <= 1e6) {
+            return Err(("clip_norm", "must be in (0, 1e6]".into()));
+        }
+        if self.population < u64::from(selected) {
+            return Err((
+                "population",
+                format!("must be at least the {selected} devices selected per round"),
+            ));
+        }
+        if !(self.delta > 0.0 && self.delta < 1.0) {
+            return Err(("delta", "must be in (0, 1)".into()));
+        }
+        let sampling_rate = f64::from(selected) / self.population as f64;
+        let (update_noise_multiplier, count_stddev) = match self.adaptive_clipping {
+            None => (self.noise_multiplier, None),
+            Some(a) => {
+                if !(0.0..=1.0).contains(&a.target_quantile) {
+                    return Err(("adaptive_clipping.target_quantile", "must be in [0, 1]".into()));
+                }
+                if !(positive(a.learning_rate) && a.learning_rate <= 10.0) {
+                    return Err(("adaptive_clipping.learning_rate", "must be in (0, 10]".into()));
+                }
+                let sigma_b = a.count_stddev.unwrap_or(f64::from(selected) / 20.0);
+                if !positive(sigma_b) {
+                    return Err(("adaptive_clipping.count_stddev", "must be positive".into()));
+                }
+                // z⁻² = z_Δ⁻² + (2σ_b)⁻²: the count's noise spends part of the budget.
+                let rest = self.noise_multiplier.powi(-2) - (2.0 * sigma_b).powi(-2);
+                if rest <= 0.0 {
+                    return Err((
+                        "adaptive_clipping.count_stddev",
+                        format!(
+                            "{sigma_b} leaves no budget for the update noise: it must exceed \
+                             noise_multiplier / 2 = {}",
+                            self.noise_multiplier / 2.0
+                        ),
+                    ));
+                }
+                (rest.powf(-0.5), Some(sigma_b))
+            }
+        };
+        let accountant = RdpAccountant::new(sampling_rate, self.noise_multiplier);
+        let rounds_allowed = match self.epsilon_budget {
+            None => rounds,
+            Some(budget) => {
+                if !positive(budget) {
+                    return Err(("epsilon_budget", "must be positive".into()));
+                }
+                let allowed = accountant.steps_within(budget, self.delta, rounds);
+                if allowed == 0 {
+                    return Err((
+                        "epsilon_budget",
+                        format!(
+                            "one round already spends ε = {:.3} at δ = {}; raise the budget or \
+                             the noise",
+                            accountant.epsilon(1, self.delta),
+                            self.delta
+                        ),
+                    ));
+                }
+                allowed
+            }
+        };
+        Ok(Privacy {
+            plan: *self,
+            sampling_rate,
+            update_noise_multiplier,
+            count_stddev,
+            rounds_allowed,
+        })
+    }
+}
+
+impl Privacy {
+    /// ε spent at the plan's δ after `rounds` committed rounds.
+    pub fn epsilon_after(&self, rounds: u64) -> f64 {
+        RdpAccountant::new(self.sampling_rate, self.plan.noise_multiplier)
+            .epsilon(rounds, self.plan.delta)
+    }
+
+    /// Adds the round's noise to the mean of `n_updates` clipped updates:
+    /// `N(0, (z_Δ·C)²) / n` per coordinate (noise on the sum, divided like the sum).
+    pub fn noise_mean(
+        &self,
+        mean: &mut [f64],
+        n_updates: u64,
+        clip_norm: f64,
+        noise: &mut Gaussian,
+    ) {
+        let sd = self.update_noise_multiplier * clip_norm / n_updates.max(1) as f64;
+        for v in mean {
+            *v += sd * noise.sample();
+        }
+    }
+
+    /// The clip norm for the next round (adaptive clipping): `C·exp(−η(b̃ − γ))` where `b̃` is the
+    /// noised share of the round's `n_updates` that were within `C`. Without adaptive
+    /// clipping, `C` is unchanged.
+    pub fn next_clip_norm(
+        &self,
+        clip_norm: f64,
+        within: u64,
+        n_updates: u64,
+        noise: &mut Gaussian,
+    ) -> f64 {
+        let (Some(a), Some(sigma_b)) = (self.plan.adaptive_clipping, self.count_stddev) else {
+            return clip_norm;
+        };
+        let share = (within as f64 + sigma_b * noise.sample()) / n_updates.max(1) as f64;
+        (clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9)
+    }
+}
+
+/// Standard normal draws from the ChaCha20 keystream under a 32-byte seed (the coordinator
+/// seeds it from the OS generator each round; tests seed it by hand), by Box–Muller.
+pub struct Gaussian {
+    stream: chacha20::ChaCha20,
+    spare: Option<f64>,
+}
+
+impl Gaussian {
+    /// A stream under `seed`.
+    pub fn new(seed: [u8; 32]) -> Self {
+        Gaussian { stream: chacha20::ChaCha20::new(&seed.into(), &[0u8; 12].into()), spare: None }
+    }
+
+    /// A uniform draw from (0, 1].
+    fn unit(&mut self) -> f64 {
+        let mut b = [0u8; 8];
+        self.stream.apply_keystream(&mut b);
+        ((u64::from_le_bytes(b) >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// One draw from N(0, 1).
+    pub fn sample(&mut self) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let r = (-2.0 * self.unit().ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * self.unit();
+        self.spare = Some(r * theta.sin());
+        r * theta.cos()
+    }
+}
+
+/// The Rényi orders of `dp-accounting`'s `RdpAccountant` (its `DEFAULT_RDP_ORDERS`).
+pub fn rdp_orders() -> Vec<f64> {
+    let mut orders: Vec<f64> = (1..100).map(|x| 1.0 + f64::from(x) / 10.0).collect();
+    orders.extend((11..64).map(f64::from));
+    orders.extend([128.0, 256.0, 512.0, 1024.0]);
+    orders
+}
+
+/// RDP accountant for repeated Poisson-subsampled Gaussian mechanisms of one (q, z).
+#[derive(Debug, Clone)]
+pub struct RdpAccountant {
+    orders: Vec<f64>,
+    /// RDP of one step at each order.
+    per_step: Vec<f64>,
+}
+
+impl RdpAccountant {
+    /// The accountant of a mechanism with sampling rate `q` and noise multiplier `z`.
+    pub fn new(q: f64, z: f64) -> Self {
+        let orders = rdp_orders();
+        let per_step = orders.iter().map(|&a| rdp_subsampled_gaussian(q, z, a)).collect();
+        RdpAccountant { orders, per_step }
+    }
+
+    /// ε after `steps` steps at `delta`.
+    pub fn epsilon(&self, steps: u64, delta: f64) -> f64 {
+        let rdp: Vec<f64> = self.per_step.iter().map(|r| r * steps as f64).collect();
+        epsilon_from_rdp(&self.orders, &rdp, delta)
+    }
+
+    /// The most steps, up to `max`, whose ε stays within `budget` (ε grows with steps).
+    pub fn steps_within(&self, budget: f64, delta: f64, max: u32) -> u32 {
+        let (mut lo, mut hi) = (0u32, max);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.epsilon(u64::from(mid), delta) <= budget {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+}
+
+/// ε at `delta` from RDP values at `orders` (Canonne, Kamath and Steinke 2020, Proposition 12,
+/// as `dp-accounting` computes it).
+pub fn epsilon_from_rdp(orders: &[f64], rdp: &[f64], delta: f64) -> f64 {
+    let best = orders
+        .iter()
+        .zip(rdp)
+        .map(|(&a, &r)| {
+            if delta * delta + (-r).exp_m1() > 0.0 {
+                0.0
+            } else if a > 1.01 {
+                r + (-1.0 / a).ln_1p() - (delta * a).ln() / (a - 1.0)
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(f64::INFINITY, f64::min);
+    best.max(0.0)
+}
+
+/// RDP at order `alpha` of one Poisson-subsampled Gaussian mechanism (Mironov, Talwar and
+/// Zhang 2019): integer orders by the binomial expansion, fractional ones by the two-sided
+/// series.
+pub fn rdp_subsampled_gaussian(q: f64, z: f64, alpha: f64) -> f64 {
+    if q == 0.0 {
+        return 0.0;
+    }
+    if z == 0.0 || alpha.is_infinite() {
+        return f64::INFINITY;
+    }
+    if q == 1.0 {
+        return alpha / (2.0 * z * z);
+    }
+    let log_a = if alpha.fract() == 0.0 { log_a_int(q, z, alpha) } else { log_a_frac(q, z, alpha) };
+    log_a / (alpha - 1.0)
+}
+
+fn log_a_int(q: f64, z: f64, alpha: f64) -> f64 {
+    let log1mq = (-q).ln_1p();
+    let mut log_a = f64::NEG_INFINITY;
+    for i in 0..=alpha as u64 {
+        let i = i as f64;
+        let log_coef = log_comb(alpha, i) + i * q.ln() + (alpha - i) * log1mq;
+        log_a = log_add(log_a, log_coef + (i * i - i) / (2.0 * z * z));
+    }
+    log_a
+}
+
+fn log_a_frac(q: f64, z: f64, alpha: f64) -> f64 {
+    // Mironov, Talwar and Zhang 2019, Sec. 3.3: the integrals over (−∞, z0] and [z0, ∞) as
+    // series; like dp-accounting, each term's binomial enters by its magnitude (an upper bound
+    // on A), and the series stops once both parts shrink and are 30 nats below the total.
+    let (mut log_a0, mut log_a1) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+    let z0 = z * z * (1.0 / q - 1.0).ln() + 0.5;
+    let log1mq = (-q).ln_1p();
+    let (mut last_s0, mut last_s1) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+    for i in 0..MAX_FRACTIONAL_TERMS {
+        let fi = f64::from(i);
+        let log_coef = log_comb(alpha, fi);
+        let j = alpha - fi;
+        let log_t0 = log_coef + fi * q.ln() + j * log1mq;
+        let log_t1 = log_coef + j * q.ln() + fi * log1mq;
+        let log_e0 = 0.5f64.ln() + log_erfc((fi - z0) / (std::f64::consts::SQRT_2 * z));
+        let log_e1 = 0.5f64.ln() + log_erfc((z0 - j) / (std::f64::consts::SQRT_2 * z));
+        let log_s0 = log_t0 + (fi * fi - fi) / (2.0 * z * z) + log_e0;
+        let log_s1 = log_t1 + (j * j - j) / (2.0 * z * z) + log_e1;
+        log_a0 = log_add(log_a0, log_s0);
+        log_a1 = log_add(log_a1, log_s1);
+        let total = log_add(log_a0, log_a1);
+        if log_s0 < last_s0 && log_s1 < last_s1 && log_s0.max(log_s1) < total - 30.0 {
+            return total;
+        }
+        (last_s0, last_s1) = (log_s0, log_s1);
+    }
+    // Not converged: the order is left out of the minimum, as dp-accounting does.
+    f64::INFINITY
+}
+
+/// Terms of the fractional-order series before an order is given up on.
+const MAX_FRACTIONAL_TERMS: u32 = 1000;
+
+/// ln|C(n, k)| for real n, k (through ln|Γ|).
+fn log_comb(n: f64, k: f64) -> f64 {
+    libm::lgamma(n + 1.0) - libm::lgamma(k + 1.0) - libm::lgamma(n - k + 1.0)
+}
+
+/// ln(e^a + e^b).
+fn log_add(a: f64, b: f64) -> f64 {
+    let (hi, lo) = if a >= b { (a, b) } else { (b, a) };
+    if lo == f64::NEG_INFINITY { hi } else { hi + (lo - hi).exp().ln_1p() }
+}
+
+/// ln(erfc(x)), accurate in the far tail where erfc underflows.
+fn log_erfc(x: f64) -> f64 {
+    if x < 20.0 {
+        libm::erfc(x).ln()
+    } else {
+        // erfc(x) = e^{−x²}/(x√π) · (1 − 1/(2x²) + 3/(4x⁴) − 15/(8x⁶) + …)
+        let x2 = x * x;
+        let series = 1.0 - 1.0 / (2.0 * x2) + 3.0 / (4.0 * x2 * x2) - 15.0 / (8.0 * x2 * x2 * x2);
+        -x2 - x.ln() - 0.5 * std::f64::consts::PI.ln() + series.ln()
+    }
+}
+
+#[cfg(test)]
+mod tests;

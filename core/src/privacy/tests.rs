@@ -1,0 +1,159 @@
+//! The accountant's closed forms and invariants, the mechanism's noise and clip-norm updates.
+//! (The accountant is checked against Google's `dp-accounting` by the integration suite.)
+
+use super::*;
+
+fn dp(z: f64) -> DifferentialPrivacy {
+    DifferentialPrivacy {
+        noise_multiplier: z,
+        clip_norm: 1.0,
+        population: 1000,
+        delta: 1e-5,
+        epsilon_budget: None,
+        adaptive_clipping: None,
+    }
+}
+
+#[test]
+fn without_subsampling_rdp_is_the_gaussian_mechanisms() {
+    // RDP of the Gaussian mechanism: α / (2z²), at integer and fractional orders.
+    for alpha in [1.5, 2.0, 7.3, 32.0] {
+        assert_eq!(rdp_subsampled_gaussian(1.0, 2.0, alpha), alpha / 8.0);
+    }
+    assert_eq!(rdp_subsampled_gaussian(0.0, 2.0, 4.0), 0.0);
+}
+
+#[test]
+fn order_two_matches_its_closed_form() {
+    // For α = 2: A = (1−q)² + 2q(1−q) + q²·e^{1/z²} = 1 + q²(e^{1/z²} − 1).
+    let (q, z) = (0.05f64, 1.3f64);
+    let want = (1.0 + q * q * ((1.0 / (z * z)).exp() - 1.0)).ln();
+    let got = rdp_subsampled_gaussian(q, z, 2.0);
+    assert!((got - want).abs() < 1e-15, "{got} vs {want}");
+}
+
+#[test]
+fn fractional_orders_sit_between_their_integer_neighbours() {
+    // RDP is non-decreasing in α.
+    let (q, z) = (0.01, 1.1);
+    let mut last = 0.0;
+    for alpha in rdp_orders() {
+        let r = rdp_subsampled_gaussian(q, z, alpha);
+        assert!(r.is_finite() && r >= last - 1e-12, "α = {alpha}: {r} after {last}");
+        last = r;
+    }
+}
+
+#[test]
+fn epsilon_follows_the_conversion_and_grows_with_rounds() {
+    // q = 1: ε = min_α α·T/(2z²) + ln(1 − 1/α) − ln(δα)/(α − 1).
+    let acc = RdpAccountant::new(1.0, 5.0);
+    let want = rdp_orders()
+        .into_iter()
+        .filter(|&a| a > 1.01)
+        .map(|a| a * 3.0 / 50.0 + (-1.0 / a).ln_1p() - (1e-5 * a).ln() / (a - 1.0))
+        .fold(f64::INFINITY, f64::min);
+    assert!((acc.epsilon(3, 1e-5) - want).abs() < 1e-12);
+    let acc = RdpAccountant::new(0.01, 1.0);
+    let eps: Vec<f64> = [1, 10, 100, 1000].iter().map(|&t| acc.epsilon(t, 1e-5)).collect();
+    assert!(eps.windows(2).all(|w| w[0] < w[1]), "{eps:?}");
+    assert_eq!(acc.epsilon(0, 1e-5), 0.0);
+}
+
+#[test]
+fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
+    let plan = DifferentialPrivacy { epsilon_budget: Some(2.0), ..dp(1.0) };
+    let p = plan.resolve(10, 5000).unwrap();
+    let acc = RdpAccountant::new(0.01, 1.0);
+    assert!(p.rounds_allowed < 5000);
+    assert!(acc.epsilon(u64::from(p.rounds_allowed), 1e-5) <= 2.0);
+    assert!(acc.epsilon(u64::from(p.rounds_allowed) + 1, 1e-5) > 2.0);
+    assert_eq!(
+        p.epsilon_after(u64::from(p.rounds_allowed)),
+        acc.epsilon(u64::from(p.rounds_allowed), 1e-5)
+    );
+    // A budget the plan's rounds stay within leaves them alone.
+    assert_eq!(
+        DifferentialPrivacy { epsilon_budget: Some(1e6), ..dp(1.0) }
+            .resolve(10, 50)
+            .unwrap()
+            .rounds_allowed,
+        50
+    );
+    let (field, why) =
+        DifferentialPrivacy { epsilon_budget: Some(0.001), ..dp(0.5) }.resolve(100, 5).unwrap_err();
+    assert_eq!(field, "epsilon_budget");
+    assert!(why.contains("one round already spends"), "{why}");
+}
+
+#[test]
+fn settings_are_checked_by_name() {
+    let bad = |p: DifferentialPrivacy, selected| p.resolve(selected, 10).unwrap_err().0;
+    assert_eq!(bad(dp(0.0), 10), "noise_multiplier");
+    assert_eq!(bad(DifferentialPrivacy { clip_norm: -1.0, ..dp(1.0) }, 10), "clip_norm");
+    assert_eq!(bad(DifferentialPrivacy { population: 5, ..dp(1.0) }, 10), "population");
+    assert_eq!(bad(DifferentialPrivacy { delta: 0.0, ..dp(1.0) }, 10), "delta");
+    let adaptive =
+        |sd| AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: sd };
+    // σ_b defaults to 10/20 = 0.5: 2σ_b = 1 = z leaves nothing for the update noise.
+    assert_eq!(
+        bad(DifferentialPrivacy { adaptive_clipping: Some(adaptive(None)), ..dp(1.0) }, 10),
+        "adaptive_clipping.count_stddev"
+    );
+}
+
+#[test]
+fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
+    let adaptive =
+        AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(2.0) };
+    let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1.0) }
+        .resolve(40, 10)
+        .unwrap();
+    // z_Δ = (1 − 1/16)^(-1/2).
+    assert!((p.update_noise_multiplier - (15.0f64 / 16.0).powf(-0.5)).abs() < 1e-12);
+    assert_eq!(p.count_stddev, Some(2.0));
+    // The default σ_b is selected / 20.
+    let p = DifferentialPrivacy {
+        adaptive_clipping: Some(AdaptiveClipping { count_stddev: None, ..adaptive }),
+        ..dp(1.0)
+    }
+    .resolve(40, 10)
+    .unwrap();
+    assert_eq!(p.count_stddev, Some(2.0));
+}
+
+#[test]
+fn the_clip_norm_moves_toward_the_target_quantile() {
+    // With no count noise to speak of, C' = C·exp(−η(b − γ)) exactly.
+    let adaptive =
+        AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(1e-9) };
+    let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1e-10) }
+        .resolve(10, 10)
+        .unwrap();
+    let mut g = Gaussian::new([1; 32]);
+    // All within: shrink by e^{-0.1}; none within: grow by e^{0.1}; at the quantile: stay.
+    assert!((p.next_clip_norm(2.0, 10, 10, &mut g) - 2.0 * (-0.1f64).exp()).abs() < 1e-9);
+    assert!((p.next_clip_norm(2.0, 0, 10, &mut g) - 2.0 * 0.1f64.exp()).abs() < 1e-9);
+    assert!((p.next_clip_norm(2.0, 5, 10, &mut g) - 2.0).abs() < 1e-9);
+    // Without adaptive clipping the norm stays.
+    assert_eq!(dp(1.0).resolve(10, 10).unwrap().next_clip_norm(2.0, 0, 10, &mut g), 2.0);
+}
+
+#[test]
+fn the_noise_is_standard_normal_scaled_to_the_mean() {
+    let mut g = Gaussian::new([7; 32]);
+    let draws: Vec<f64> = (0..200_000).map(|_| g.sample()).collect();
+    let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+    let var = draws.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / draws.len() as f64;
+    assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "mean {mean}, var {var}");
+    // The same seed gives the same noise; noise on the mean of 4 updates with C = 2, z = 1.5
+    // has standard deviation 1.5·2/4.
+    let p = dp(1.5).resolve(10, 10).unwrap();
+    let mut a = vec![0.0; 100_000];
+    p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]));
+    let mut b = vec![0.0; 100_000];
+    p.noise_mean(&mut b, 4, 2.0, &mut Gaussian::new([3; 32]));
+    assert_eq!(a, b);
+    let sd = (a.iter().map(|x| x * x).sum::<f64>() / a.len() as f64).sqrt();
+    assert!((sd - 0.75).abs() < 0.01, "{sd}");
+}

@@ -1,0 +1,336 @@
+//! Robust aggregation: combining a round's updates so that a few broken or malicious devices
+//! cannot steer the model — L2 norm bounding, coordinate-wise median and trimmed mean, Krum and
+//! Multi-Krum (Blanchard et al. 2017; Yin et al. 2018; Sun et al. 2019 for norm bounding).
+//!
+//! Norm bounding alone streams: each update is scaled to norm ≤ B as it is folded
+//! ([`crate::fedavg::FedAvgAccumulator::bounded`]). Order statistics need every update at once,
+//! coordinate by coordinate, so [`combine`] reads them back one *tile* (a range of coordinates of
+//! every update) at a time through a caller-supplied reader — the coordinator reads tiles from
+//! its store — and memory stays O(cohort × tile), never O(cohort × model).
+//!
+//! These aggregators are unweighted, as in the papers: each update counts once, whatever its
+//! example count (a device cannot buy influence by claiming a large dataset).
+
+use serde::{Deserialize, Serialize};
+
+/// The plan's `strategy.aggregation`: how a round's updates become one delta.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum Aggregation {
+    /// The example-weighted mean (FedAvg). Streams; works with SecAgg and the aggregator tier.
+    Mean {},
+    /// The median of each coordinate (the mean of the two middle values for an even count).
+    CoordinateMedian {},
+    /// Each coordinate's mean after dropping its `⌊trim_fraction · n⌋` largest and smallest
+    /// values.
+    TrimmedMean {
+        /// Fraction trimmed from each end, in [0, 0.5).
+        trim_fraction: f64,
+    },
+    /// Krum (`select` = 1) or Multi-Krum: score each update by the summed squared distances to
+    /// its `n − byzantine − 2` nearest others, and average the `select` best-scored.
+    Krum {
+        /// Malicious updates tolerated, f; rounds need at least 2f + 3 reports.
+        byzantine: u32,
+        /// Updates averaged (m); default 1 (Krum).
+        #[serde(default = "one")]
+        select: u32,
+    },
+}
+
+impl Default for Aggregation {
+    fn default() -> Self {
+        Aggregation::Mean {}
+    }
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Why robust aggregation failed: the reader's error, or rows that do not fit together.
+#[derive(Debug, thiserror::Error)]
+pub enum RobustError<E> {
+    /// Reading a tile failed.
+    #[error("reading updates: {0}")]
+    Read(E),
+    /// A tile had another shape than asked for (the updates changed under the reader).
+    #[error("tile at {start}: {why}")]
+    Tile {
+        /// First coordinate of the tile.
+        start: usize,
+        /// What was wrong.
+        why: String,
+    },
+    /// Too few updates for the aggregator.
+    #[error("{0}")]
+    TooFew(String),
+}
+
+/// What [`combine`] produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Combined {
+    /// The combined delta, in f64.
+    pub delta: Vec<f64>,
+    /// Updates whose norm was above the bound (and were scaled down).
+    pub n_scaled: u64,
+    /// For Krum: the updates averaged, by position in slot order.
+    pub selected: Option<Vec<usize>>,
+}
+
+impl Aggregation {
+    /// A stable snake_case name, for views and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Aggregation::Mean {} => "mean",
+            Aggregation::CoordinateMedian {} => "coordinate_median",
+            Aggregation::TrimmedMean { .. } => "trimmed_mean",
+            Aggregation::Krum { .. } => "krum",
+        }
+    }
+
+    /// Whether this is the default weighted mean.
+    pub fn is_mean(&self) -> bool {
+        matches!(self, Aggregation::Mean {})
+    }
+
+    /// Whether the aggregator needs every update at close (an order statistic), rather than a
+    /// running sum.
+    pub fn is_order_statistic(&self) -> bool {
+        !self.is_mean()
+    }
+
+    /// Checks the parameters against the fewest reports a round may close with.
+    pub fn check(&self, min_quorum: u32) -> Result<(), String> {
+        match *self {
+            Aggregation::Mean {} | Aggregation::CoordinateMedian {} => Ok(()),
+            Aggregation::TrimmedMean { trim_fraction } => {
+                if (0.0..0.5).contains(&trim_fraction) {
+                    Ok(())
+                } else {
+                    Err("trim_fraction must be in [0, 0.5)".into())
+                }
+            }
+            Aggregation::Krum { byzantine, select } => {
+                let needed = 2 * u64::from(byzantine) + 3;
+                if u64::from(min_quorum) < needed {
+                    return Err(format!(
+                        "Krum tolerating {byzantine} byzantine updates needs rounds of at least \
+                         {needed} reports; raise min_quorum to {needed}"
+                    ));
+                }
+                if select == 0 || u64::from(select) > u64::from(min_quorum - byzantine) {
+                    return Err(format!(
+                        "select must be in 1..={} (min_quorum − byzantine)",
+                        min_quorum - byzantine
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The factor that brings an update of L2 norm `norm` within `bound`: 1 if it already is.
+pub fn norm_scale(norm: f64, bound: f64) -> f64 {
+    if norm > bound { bound / norm } else { 1.0 }
+}
+
+/// `values` scaled to L2 norm ≤ `bound` (unchanged when within): what a device does to its
+/// delta before masking it in a differentially private secure round.
+pub fn clip_to_norm(values: &[f32], bound: f64) -> Vec<f32> {
+    let norm = values.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
+    let scale = norm_scale(norm, bound);
+    values.iter().map(|&v| (f64::from(v) * scale) as f32).collect()
+}
+
+/// Combines `n_updates` updates of `n_params` values with an order-statistic `aggregation`,
+/// each first scaled to L2 norm ≤ `norm_bound` when given.
+///
+/// `read_tile(start, len)` returns every update's values at coordinates `start..start + len`,
+/// one row per update, always in the same order. Tiles are `tile_len` coordinates long; the
+/// updates are read once for the norms (with a bound), once for the combination, and once more
+/// for Krum's average.
+pub fn combine<E>(
+    aggregation: &Aggregation,
+    n_updates: usize,
+    n_params: usize,
+    tile_len: usize,
+    norm_bound: Option<f64>,
+    mut read_tile: impl FnMut(usize, usize) -> Result<Vec<Vec<f32>>, E>,
+) -> Result<Combined, RobustError<E>> {
+    assert!(aggregation.is_order_statistic(), "the mean streams through the accumulator");
+    if n_updates == 0 {
+        return Err(RobustError::TooFew("no updates".into()));
+    }
+    let tile_len = tile_len.max(1);
+    let mut read = |start: usize, len: usize| -> Result<Vec<Vec<f32>>, RobustError<E>> {
+        let rows = read_tile(start, len).map_err(RobustError::Read)?;
+        if rows.len() != n_updates || rows.iter().any(|r| r.len() != len) {
+            return Err(RobustError::Tile {
+                start,
+                why: format!("expected {n_updates} rows of {len} values"),
+            });
+        }
+        Ok(rows)
+    };
+    let tiles = (0..n_params).step_by(tile_len).map(|s| (s, tile_len.min(n_params - s)));
+
+    // Pass 1 (with a bound): each update's norm, from its squared values tile by tile.
+    let mut scales = vec![1.0; n_updates];
+    let mut n_scaled = 0;
+    if let Some(bound) = norm_bound {
+        let mut squares = vec![0.0f64; n_updates];
+        for (start, len) in tiles.clone() {
+            for (sq, row) in squares.iter_mut().zip(read(start, len)?) {
+                *sq += row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+            }
+        }
+        for (scale, sq) in scales.iter_mut().zip(squares) {
+            *scale = norm_scale(sq.sqrt(), bound);
+            n_scaled += u64::from(*scale < 1.0);
+        }
+    }
+    let scaled = |rows: Vec<Vec<f32>>| -> Vec<Vec<f64>> {
+        rows.into_iter()
+            .zip(&scales)
+            .map(|(row, &s)| row.into_iter().map(|v| f64::from(v) * s).collect())
+            .collect()
+    };
+
+    let mut delta = Vec::with_capacity(n_params);
+    let selected = match *aggregation {
+        Aggregation::Mean {} => unreachable!("checked above"),
+        Aggregation::CoordinateMedian {} | Aggregation::TrimmedMean { .. } => {
+            let trim = match *aggregation {
+                Aggregation::TrimmedMean { trim_fraction } => {
+                    (trim_fraction * n_updates as f64).floor() as usize
+                }
+                _ => 0,
+            };
+            let mut column = vec![0.0f64; n_updates];
+            for (start, len) in tiles {
+                let rows = scaled(read(start, len)?);
+                for j in 0..len {
+                    for (c, row) in column.iter_mut().zip(&rows) {
+                        *c = row[j];
+                    }
+                    delta.push(match aggregation {
+                        Aggregation::CoordinateMedian {} => median(&mut column),
+                        _ => trimmed_mean(&mut column, trim),
+                    });
+                }
+            }
+            None
+        }
+        Aggregation::Krum { byzantine, select } => {
+            let f = byzantine as usize;
+            if n_updates < 2 * f + 3 {
+                return Err(RobustError::TooFew(format!(
+                    "Krum with {f} byzantine needs {} updates, the round has {n_updates}",
+                    2 * f + 3
+                )));
+            }
+            let mut distances = PairwiseDistances::new(n_updates);
+            for (start, len) in tiles.clone() {
+                distances.add_tile(&scaled(read(start, len)?));
+            }
+            let chosen = distances.krum(f, (select as usize).min(n_updates - f));
+            // Pass 3: the unweighted mean of the chosen updates.
+            for (start, len) in tiles {
+                let rows = scaled(read(start, len)?);
+                let mut sums = vec![0.0f64; len];
+                for &i in &chosen {
+                    for (sum, v) in sums.iter_mut().zip(&rows[i]) {
+                        *sum += v;
+                    }
+                }
+                delta.extend(sums.into_iter().map(|sum| sum / chosen.len() as f64));
+            }
+            Some(chosen)
+        }
+    };
+    Ok(Combined { delta, n_scaled, selected })
+}
+
+/// The median of `values` (reordered in place): the middle one, or the mean of the two middle
+/// ones.
+pub fn median(values: &mut [f64]) -> f64 {
+    let n = values.len();
+    assert!(n > 0, "median of nothing");
+    let (_, &mut upper, _) = values.select_nth_unstable_by(n / 2, f64::total_cmp);
+    if n % 2 == 1 {
+        upper
+    } else {
+        // The largest of the lower half.
+        let lower = values[..n / 2].iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (lower + upper) / 2.0
+    }
+}
+
+/// The mean of `values` (sorted in place) without its `trim` smallest and `trim` largest.
+pub fn trimmed_mean(values: &mut [f64], trim: usize) -> f64 {
+    assert!(2 * trim < values.len(), "trimming everything");
+    values.sort_unstable_by(f64::total_cmp);
+    let kept = &values[trim..values.len() - trim];
+    kept.iter().sum::<f64>() / kept.len() as f64
+}
+
+/// Squared L2 distances between every pair of updates, summed tile by tile: O(n²) memory.
+#[derive(Debug, Clone)]
+pub struct PairwiseDistances {
+    n: usize,
+    d2: Vec<f64>,
+}
+
+impl PairwiseDistances {
+    /// No coordinates seen yet.
+    pub fn new(n: usize) -> Self {
+        PairwiseDistances { n, d2: vec![0.0; n * n] }
+    }
+
+    /// Adds one tile's contribution (`rows[i]`: update i over the tile).
+    pub fn add_tile(&mut self, rows: &[Vec<f64>]) {
+        assert_eq!(rows.len(), self.n, "a tile has one row per update");
+        for i in 0..self.n {
+            for j in i + 1..self.n {
+                let d: f64 = rows[i].iter().zip(&rows[j]).map(|(a, b)| (a - b) * (a - b)).sum();
+                self.d2[i * self.n + j] += d;
+                self.d2[j * self.n + i] += d;
+            }
+        }
+    }
+
+    /// The squared distance between updates `i` and `j`.
+    pub fn get(&self, i: usize, j: usize) -> f64 {
+        self.d2[i * self.n + j]
+    }
+
+    /// Krum's scores: for each update, the sum of its `n − f − 2` smallest squared distances to
+    /// the others.
+    pub fn krum_scores(&self, f: usize) -> Vec<f64> {
+        let nearest = self.n.saturating_sub(f + 2).max(1);
+        (0..self.n)
+            .map(|i| {
+                let mut row: Vec<f64> =
+                    (0..self.n).filter(|&j| j != i).map(|j| self.get(i, j)).collect();
+                row.sort_unstable_by(f64::total_cmp);
+                row.iter().take(nearest).sum()
+            })
+            .collect()
+    }
+
+    /// The `m` updates with the lowest Krum scores (ties: the earlier slot), in slot order.
+    pub fn krum(&self, f: usize, m: usize) -> Vec<usize> {
+        let scores = self.krum_scores(f);
+        let mut order: Vec<usize> = (0..self.n).collect();
+        order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(a.cmp(&b)));
+        let mut chosen: Vec<usize> = order.into_iter().take(m.max(1)).collect();
+        chosen.sort_unstable();
+        chosen
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,136 @@
+//! Each aggregator against values worked by hand, and the tiling against one big tile.
+
+use super::*;
+
+/// A reader over in-memory updates that counts its reads.
+fn reader(
+    updates: &[Vec<f32>],
+) -> impl FnMut(usize, usize) -> Result<Vec<Vec<f32>>, std::convert::Infallible> + '_ {
+    move |start, len| Ok(updates.iter().map(|u| u[start..start + len].to_vec()).collect())
+}
+
+fn run(
+    aggregation: Aggregation,
+    updates: &[Vec<f32>],
+    tile: usize,
+    bound: Option<f64>,
+) -> Combined {
+    combine(&aggregation, updates.len(), updates[0].len(), tile, bound, reader(updates)).unwrap()
+}
+
+#[test]
+fn the_median_takes_the_middle_or_the_mean_of_the_two_middles() {
+    assert_eq!(median(&mut [3.0, -1.0, 7.0]), 3.0);
+    assert_eq!(median(&mut [4.0, 1.0, 100.0, 2.0]), 3.0);
+    assert_eq!(median(&mut [5.0]), 5.0);
+}
+
+#[test]
+fn coordinate_median_ignores_an_outlier_per_coordinate() {
+    let updates = vec![
+        vec![1.0, 10.0, -2.0],
+        vec![2.0, 20.0, -1.0],
+        vec![1000.0, -1000.0, 0.0], // attacker
+        vec![3.0, 30.0, 1.0],
+    ];
+    // Columns sorted: [1,2,3,1000] → 2.5; [-1000,10,20,30] → 15; [-2,-1,0,1] → -0.5.
+    let c = run(Aggregation::CoordinateMedian {}, &updates, 2, None);
+    assert_eq!(c.delta, vec![2.5, 15.0, -0.5]);
+    assert_eq!(c.n_scaled, 0);
+    assert_eq!(c.selected, None);
+}
+
+#[test]
+fn trimmed_mean_drops_the_extremes_of_each_coordinate() {
+    let updates: Vec<Vec<f32>> =
+        vec![vec![1.0, 0.0], vec![2.0, 0.0], vec![3.0, 9.0], vec![4.0, 0.0], vec![-50.0, 3.0]];
+    // trim ⌊0.2·5⌋ = 1 each side: [-50,1,2,3,4] → mean(1,2,3) = 2; [0,0,0,3,9] → 1.
+    let c = run(Aggregation::TrimmedMean { trim_fraction: 0.2 }, &updates, 1, None);
+    assert_eq!(c.delta, vec![2.0, 1.0]);
+    // trim ⌊0.1·5⌋ = 0: the plain mean.
+    let c = run(Aggregation::TrimmedMean { trim_fraction: 0.1 }, &updates, 5, None);
+    assert_eq!(c.delta, vec![-8.0, 2.4]);
+}
+
+#[test]
+fn krum_picks_the_update_closest_to_its_neighbours() {
+    // Five updates on a line; f = 1 → each scored by its n − f − 2 = 2 nearest.
+    let updates: Vec<Vec<f32>> =
+        vec![vec![0.0, 0.0], vec![1.0, 0.0], vec![2.0, 0.0], vec![3.0, 0.0], vec![100.0, 0.0]];
+    // Squared distances from 0: 1,4,9 → 5; from 1: 1,1 → 2; from 2: 1,1 → 2; from 3: 1,4 → 5;
+    // from 100: 97²+98² → huge. Lowest: 1 and 2 (tie, earlier slot first).
+    let mut d = PairwiseDistances::new(5);
+    d.add_tile(
+        &updates.iter().map(|u| u.iter().map(|&v| f64::from(v)).collect()).collect::<Vec<_>>(),
+    );
+    assert_eq!(d.krum_scores(1), vec![5.0, 2.0, 2.0, 5.0, 97.0 * 97.0 + 98.0 * 98.0]);
+    let c = run(Aggregation::Krum { byzantine: 1, select: 1 }, &updates, 1, None);
+    assert_eq!(c.selected, Some(vec![1]));
+    assert_eq!(c.delta, vec![1.0, 0.0]);
+    // Multi-Krum with m = 3 averages 1, 2 and then 0 (score 5, earlier than 3).
+    let c = run(Aggregation::Krum { byzantine: 1, select: 3 }, &updates, 2, None);
+    assert_eq!(c.selected, Some(vec![0, 1, 2]));
+    assert_eq!(c.delta, vec![1.0, 0.0]);
+}
+
+#[test]
+fn krum_refuses_a_round_too_small_for_its_byzantine_count() {
+    let updates = vec![vec![0.0f32]; 4];
+    let err =
+        combine(&Aggregation::Krum { byzantine: 1, select: 1 }, 4, 1, 8, None, reader(&updates))
+            .unwrap_err();
+    assert!(err.to_string().contains("needs 5 updates"), "{err}");
+    assert!(
+        Aggregation::Krum { byzantine: 1, select: 1 }
+            .check(4)
+            .unwrap_err()
+            .contains("min_quorum to 5")
+    );
+    assert!(Aggregation::Krum { byzantine: 1, select: 5 }.check(5).is_err());
+    assert!(Aggregation::Krum { byzantine: 1, select: 4 }.check(5).is_ok());
+    assert!(Aggregation::TrimmedMean { trim_fraction: 0.5 }.check(5).is_err());
+}
+
+#[test]
+fn norm_bounding_scales_long_updates_before_the_order_statistic() {
+    // Norms: 5 (3,4) → scaled by 1/5 to (0.6, 0.8) with bound 1; (0.6, 0) and (0, 0.5) within.
+    let updates: Vec<Vec<f32>> = vec![vec![3.0, 4.0], vec![0.6, 0.0], vec![0.0, 0.5]];
+    let c = run(Aggregation::CoordinateMedian {}, &updates, 1, Some(1.0));
+    assert_eq!(c.n_scaled, 1);
+    let expected = [0.6, 0.5];
+    for (got, want) in c.delta.iter().zip(expected) {
+        assert!((got - want).abs() < 1e-7, "{got} vs {want}");
+    }
+    assert_eq!(norm_scale(5.0, 1.0), 0.2);
+    assert_eq!(norm_scale(0.5, 1.0), 1.0);
+}
+
+#[test]
+fn tiles_of_any_length_give_the_same_result() {
+    let mut rng = crate::rng::SplitMix64(7);
+    let updates: Vec<Vec<f32>> =
+        (0..9).map(|_| (0..37).map(|_| rng.unit() as f32 * 2.0 - 1.0).collect()).collect();
+    for aggregation in [
+        Aggregation::CoordinateMedian {},
+        Aggregation::TrimmedMean { trim_fraction: 0.25 },
+        Aggregation::Krum { byzantine: 2, select: 3 },
+    ] {
+        let whole = run(aggregation, &updates, 37, Some(1.5));
+        for tile in [1, 5, 36, 100] {
+            let tiled = run(aggregation, &updates, tile, Some(1.5));
+            assert_eq!(tiled.selected, whole.selected, "{aggregation:?} tile {tile}");
+            for (a, b) in tiled.delta.iter().zip(&whole.delta) {
+                assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{aggregation:?} tile {tile}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_reader_returning_the_wrong_shape_is_an_error_not_a_panic() {
+    let err = combine(&Aggregation::CoordinateMedian {}, 2, 4, 2, None, |_, _| {
+        Ok::<_, std::convert::Infallible>(vec![vec![0.0f32; 2]])
+    })
+    .unwrap_err();
+    assert!(matches!(err, RobustError::Tile { start: 0, .. }), "{err}");
+}
