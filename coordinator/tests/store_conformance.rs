@@ -52,6 +52,7 @@ conformance!(
     r19_an_evaluation_round_records_its_reports_and_keeps_the_model,
     evaluations_are_one_per_device_and_version,
     stopping_a_run_fails_its_open_round,
+    r17_update_tiles_are_slices_of_every_update_in_slot_order,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -281,6 +282,30 @@ async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
         .unwrap();
     assert_eq!(n, 2);
     assert_eq!(replayed, vec![(0, vec![1, 2]), (1, vec![5, 6])]);
+}
+
+/// Robust aggregation reads a round's updates back a range of values at a time.
+async fn r17_update_tiles_are_slices_of_every_update_in_slot_order(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    let values = |k: f32| (0..7).map(|j| k * 10.0 + j as f32).collect::<Vec<f32>>();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // Written out of slot order; read back in it.
+    for (device, slot, k) in [(d3, 2, 3.0), (d1, 0, 1.0), (d2, 1, 2.0)] {
+        store
+            .insert_update(run, RoundIdx(0), device, slot, 1, "{}", &bytes(&values(k)), 1_500)
+            .await
+            .unwrap();
+    }
+    let tile = store.update_tile(run, RoundIdx(0), 2, 4).await.unwrap();
+    assert_eq!(
+        tile,
+        vec![values(1.0)[2..6].to_vec(), values(2.0)[2..6].to_vec(), values(3.0)[2..6].to_vec()]
+    );
+    let last = store.update_tile(run, RoundIdx(0), 6, 1).await.unwrap();
+    assert_eq!(last, vec![vec![16.0], vec![26.0], vec![36.0]]);
+    // Past the end: the store says the updates are not what was asked for.
+    assert!(matches!(store.update_tile(run, RoundIdx(0), 6, 2).await, Err(StoreError::Corrupt(_))));
+    assert_eq!(store.update_tile(run, RoundIdx(1), 0, 2).await.unwrap(), Vec::<Vec<f32>>::new());
 }
 
 async fn partials_are_durable_once_and_count_their_devices(store: SqlStore) {

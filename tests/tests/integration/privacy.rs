@@ -4,7 +4,9 @@
 use std::process::Command;
 
 use starling_core::privacy::RdpAccountant;
-use starling_tests::python_with;
+use starling_core::tensor::{DType, TensorSchema, TensorSpec};
+use starling_core::{RoundIdx, RunId};
+use starling_tests::*;
 
 /// The grid: sampling rate, noise multiplier, steps, δ.
 const GRID: &[(f64, f64, u64, f64)] = &[
@@ -61,4 +63,122 @@ fn r17_the_accountant_agrees_with_google_dp_accounting() {
         worst = worst.max(rel);
     }
     eprintln!("worst relative difference {worst:.2e}");
+}
+
+/// A DP-FedAvg run over HTTP: each update is clipped and counts once, the committed model is the
+/// clipped mean plus Gaussian noise of the stated scale, ε after each round is the accountant's
+/// (run view and /metrics), and the run stops when one more round would pass its ε budget. A
+/// budget no round fits is refused with the figure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r17_a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
+    const N: usize = 5;
+    const PARAMS: usize = 2_000;
+    let (z, clip, population, delta_dp) = (1.0, 0.5, 50u64, 1e-5);
+    let accountant = RdpAccountant::new(N as f64 / population as f64, z);
+    // Room for two rounds, not three.
+    let budget = (accountant.epsilon(2, delta_dp) + accountant.epsilon(3, delta_dp)) / 2.0;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, N).await.unwrap();
+    let spec = PlanSpec {
+        params: PARAMS as u64,
+        cohort: N as u32,
+        over_selection: 1.0,
+        quorum: N as u32,
+        selection_secs: 30.0,
+        reporting_secs: 60.0,
+        rounds: 5,
+    };
+    let mut plan = spec.json();
+    let dp = serde_json::json!({
+        "noise_multiplier": z, "clip_norm": clip, "population": population, "delta": delta_dp,
+        "epsilon_budget": budget,
+    });
+    plan["strategy"] = serde_json::json!({"differential_privacy": dp});
+    let created = c.admin.create_run(&plan).await.unwrap();
+    let run = RunId(created.id);
+    assert_eq!(created.total_rounds, 2, "the budget allows two of the five rounds");
+    let privacy = created.privacy.expect("a DP run shows its privacy");
+    assert_eq!((privacy.epsilon, privacy.rounds_allowed), (0.0, 2));
+    assert_eq!(privacy.sampling_rate, 0.1);
+
+    let schema = TensorSchema {
+        tensors: vec![TensorSpec {
+            name: "w".into(),
+            shape: vec![PARAMS as u64],
+            dtype: DType::F32,
+        }],
+    };
+    let mut hash = c.admin.models(run).await.unwrap()[0].content_hash.clone();
+    for round in 0..2i64 {
+        let global = model_values(&devices[0], &hash, &schema).await.unwrap();
+        wait_round_open(&c.admin, run, round).await.unwrap();
+        let tasks = expect_tasks(&devices).await.unwrap();
+        let uploads: Vec<Vec<f32>> = (0..N).map(|i| delta(i, round, PARAMS)).collect();
+        for ((d, t), (i, u)) in devices.iter().zip(&tasks).zip(uploads.iter().enumerate()) {
+            // Weights differ, but DP counts every update once.
+            d.upload(run, RoundIdx(round), &upload_request(t, u, weight(i))).await.unwrap();
+        }
+        hash = wait_model(&c.admin, run, round + 1).await.unwrap();
+        let got = model_values(&devices[0], &hash, &schema).await.unwrap();
+        // The unweighted mean of the updates clipped to `clip`; what is left is the noise.
+        let clipped: Vec<Vec<f32>> =
+            uploads.iter().map(|u| starling_core::robust::clip_to_norm(u, clip)).collect();
+        let noise: Vec<f64> = (0..PARAMS)
+            .map(|j| {
+                let mean = clipped.iter().map(|u| f64::from(u[j])).sum::<f64>() / N as f64;
+                f64::from(got[j]) - f64::from(global[j]) - mean
+            })
+            .collect();
+        let mean = noise.iter().sum::<f64>() / PARAMS as f64;
+        let sd = (noise.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / PARAMS as f64).sqrt();
+        let want = z * clip / N as f64;
+        assert!((sd / want - 1.0).abs() < 0.1, "round {round}: noise sd {sd}, stated {want}");
+        assert!(
+            mean.abs() < 4.0 * want / (PARAMS as f64).sqrt(),
+            "round {round}: noise mean {mean}"
+        );
+        let view = c.admin.run(run).await.unwrap();
+        if view.rounds_committed == round + 1 {
+            let eps = view.privacy.unwrap().epsilon;
+            let expected = accountant.epsilon(round as u64 + 1, delta_dp);
+            assert!(
+                (eps - expected).abs() <= 1e-12 * expected,
+                "round {round}: ε {eps} vs {expected}"
+            );
+        }
+    }
+    let view =
+        wait_for("the budget to end the run", std::time::Duration::from_secs(30), || async {
+            let view = c.admin.run(run).await?;
+            Ok((view.status == "finished").then_some(view))
+        })
+        .await
+        .unwrap();
+    assert_eq!(view.rounds_committed, 2);
+    let spent = view.privacy.unwrap();
+    assert!(spent.epsilon <= budget && spent.epsilon == accountant.epsilon(2, delta_dp));
+    let metrics = reqwest::Client::new()
+        .get(format!("{}/metrics", c.url))
+        .bearer_auth(starling_tests::OPERATOR_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = format!("starling_privacy_epsilon{{run=\"{}\"}} ", run.0);
+    let exported: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .unwrap_or_else(|| panic!("no {line} in /metrics"))
+        .parse()
+        .unwrap();
+    assert_eq!(exported, spent.epsilon);
+
+    // A budget that not even one round fits is refused, naming what one round costs.
+    plan["strategy"]["differential_privacy"]["epsilon_budget"] = 0.01.into();
+    let err = c.admin.create_run(&plan).await.unwrap_err().to_string();
+    assert!(err.contains("epsilon_budget") && err.contains("one round already spends"), "{err}");
+    c.running.shutdown().await.unwrap();
 }

@@ -1,11 +1,16 @@
-//! Server optimizers end to end (issue 17): a run with FedAdam whose coordinator is SIGKILLed
-//! between rounds commits, to the bit, the models of the uninterrupted sequence of optimizer
-//! steps, because the optimizer's state is committed with each model and restored on start.
+//! Strategies end to end (issue 17): a run with FedAdam whose coordinator is SIGKILLed between
+//! rounds commits, to the bit, the models of the uninterrupted sequence of optimizer steps,
+//! because the optimizer's state is committed with each model and restored on start; robust
+//! aggregators, reading the round's updates back from the store tile by tile, commit exactly
+//! their combination of the uploads and leave an attacker's update out.
 
 use std::path::Path;
 
 use starling_client::protocol::{AdminClient, FleetClient};
+use std::time::Duration;
+
 use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
+use starling_core::robust::{Aggregation, combine};
 use starling_core::strategy::{AdaptiveParams, ServerOptimizer};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 use starling_core::{RoundIdx, RunId};
@@ -95,4 +100,90 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
     }
     assert!(plain != model);
     drop(child);
+}
+
+/// Five devices, the last one an attacker sending its delta sign-flipped and 100× larger; each
+/// robust aggregator commits `global + combine(uploads)` to the bit, and stays within the
+/// honest updates' range where the plain mean is dragged away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r17_robust_aggregators_commit_their_combination_and_leave_the_attacker_out() {
+    const N: usize = 5;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, N).await.unwrap();
+    let spec = PlanSpec {
+        params: PARAMS as u64,
+        cohort: N as u32,
+        over_selection: 1.0,
+        quorum: N as u32,
+        selection_secs: 30.0,
+        reporting_secs: 60.0,
+        rounds: 1,
+    };
+    let schema = TensorSchema {
+        tensors: vec![TensorSpec {
+            name: "w".into(),
+            shape: vec![PARAMS as u64],
+            dtype: DType::F32,
+        }],
+    };
+    let honest: Vec<Vec<f32>> = (0..N - 1).map(|i| delta(i, 0, PARAMS)).collect();
+    let attack: Vec<f32> = delta(N - 1, 0, PARAMS).iter().map(|v| -100.0 * v).collect();
+    let honest_reach = honest.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (aggregation, norm_bound) in [
+        (Aggregation::CoordinateMedian {}, Some(20.0)),
+        (Aggregation::TrimmedMean { trim_fraction: 0.2 }, None),
+        (Aggregation::Krum { byzantine: 1, select: 2 }, None),
+    ] {
+        let mut plan = spec.json();
+        plan["strategy"] =
+            serde_json::json!({"aggregation": aggregation, "norm_bound": norm_bound});
+        let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+        let view = c.admin.run(run).await.unwrap();
+        assert_eq!(view.plan["strategy"]["aggregation"]["kind"], aggregation.name());
+        let initial = c.admin.models(run).await.unwrap()[0].content_hash.clone();
+        let global = model_values(&devices[0], &initial, &schema).await.unwrap();
+        wait_round_open(&c.admin, run, 0).await.unwrap();
+        let tasks = expect_tasks(&devices).await.unwrap();
+        // One at a time, so the slot order is the devices' order.
+        let uploads: Vec<Vec<f32>> = honest.iter().cloned().chain([attack.clone()]).collect();
+        for ((d, t), (i, u)) in devices.iter().zip(&tasks).zip(uploads.iter().enumerate()) {
+            d.upload(run, RoundIdx(0), &upload_request(t, u, weight(i))).await.unwrap();
+        }
+        let hash = wait_model(&c.admin, run, 1).await.unwrap();
+        let got = model_values(&devices[0], &hash, &schema).await.unwrap();
+        let read = |start: usize, len: usize| {
+            Ok::<_, std::convert::Infallible>(
+                uploads.iter().map(|u| u[start..start + len].to_vec()).collect(),
+            )
+        };
+        let combined = combine(&aggregation, N, PARAMS, 7, norm_bound, read).unwrap();
+        let want: Vec<f32> =
+            global.iter().zip(&combined.delta).map(|(&g, &d)| (f64::from(g) + d) as f32).collect();
+        assert!(
+            got == want,
+            "{}: the committed model is not global + the combination",
+            aggregation.name()
+        );
+        if let Some(selected) = &combined.selected {
+            assert!(!selected.contains(&(N - 1)), "Krum chose the attacker: {selected:?}");
+        }
+        let moved = got.iter().zip(&global).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            moved <= honest_reach + 1e-6,
+            "{}: moved {moved}, honest reach {honest_reach}",
+            aggregation.name()
+        );
+        wait_for("the run to finish", Duration::from_secs(30), || async {
+            Ok((c.admin.run(run).await?.status == "finished").then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+    // The plain mean on the same uploads is dragged far outside the honest range.
+    let contributions: Vec<(Vec<f32>, u64)> =
+        honest.iter().cloned().chain([attack]).enumerate().map(|(i, u)| (u, weight(i))).collect();
+    let mean = fedavg_expected(&vec![0.0; PARAMS], &contributions);
+    assert!(mean.iter().any(|v| v.abs() > 10.0 * honest_reach));
+    c.running.shutdown().await.unwrap();
 }

@@ -1,0 +1,3 @@
+-- Kept in step with the Postgres migrations: SQLite reads blob slices (substr) with no storage
+-- setting to change.
+SELECT 1;
