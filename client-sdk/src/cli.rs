@@ -205,6 +205,13 @@ struct SimulateArgs {
     /// Fraction of each device's examples held out for federated evaluation (0: train on all).
     #[arg(long, default_value_t = 0.1)]
     holdout: f64,
+    /// The plan's strategy as JSON, or @FILE: server optimizer, robust aggregation, differential
+    /// privacy, e.g. '{"optimizer": {"kind": "fed_adam", "lr": 0.01}}' [default: FedAvg].
+    #[arg(long)]
+    strategy: Option<String>,
+    /// How each round's cohort is drawn: `random` or `first_come`.
+    #[arg(long, default_value = "random", value_parser = parse_selection)]
+    selection: starling_core::plan::SelectionPolicy,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -349,6 +356,11 @@ fn parse_input(text: &str) -> anyhow::Result<InputSpec> {
     }
 }
 
+fn parse_selection(text: &str) -> Result<starling_core::plan::SelectionPolicy, String> {
+    serde_json::from_value(serde_json::Value::String(text.to_owned()))
+        .map_err(|_| format!("{text:?} is not a selection policy: random or first_come"))
+}
+
 fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyhow::Result<()> {
     let config = SimulationConfig {
         url: args.url,
@@ -374,6 +386,18 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             reporting_timeout_secs: args.reporting_timeout_secs,
         },
         holdout: args.holdout,
+        strategy: match &args.strategy {
+            None => serde_json::Value::Null,
+            Some(text) => {
+                let text = match text.strip_prefix('@') {
+                    Some(path) => std::fs::read_to_string(path)
+                        .with_context(|| format!("reading the strategy from {path}"))?,
+                    None => text.clone(),
+                };
+                serde_json::from_str(&text).context("--strategy is not JSON")?
+            }
+        },
+        selection: args.selection,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

@@ -121,6 +121,11 @@ pub struct SimulationConfig {
     /// Fraction of each device's examples held out to evaluate the global model on (the
     /// federated evaluation); the rest is trained on. 0 trains on everything.
     pub holdout: f64,
+    /// The plan's `strategy` (server optimizer, robust aggregation, differential privacy);
+    /// `null`: FedAvg.
+    pub strategy: serde_json::Value,
+    /// How each round's cohort is drawn from the devices checking in.
+    pub selection: starling_core::plan::SelectionPolicy,
 }
 
 /// A simulated run's round pacing: the plan fields a simulation sets.
@@ -363,7 +368,11 @@ pub async fn simulate(
         "selection_timeout_secs": pacing.selection_timeout_secs,
         "reporting_timeout_secs": pacing.reporting_timeout_secs,
         "rounds": config.rounds,
+        "selection": config.selection,
     });
+    if !config.strategy.is_null() {
+        plan["strategy"] = config.strategy.clone();
+    }
     if config.secure {
         // Deltas of these models stay well inside ±1 (weighted by examples / max_examples).
         plan["secure_aggregation"] = serde_json::json!({

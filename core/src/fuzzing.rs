@@ -118,6 +118,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         eligibility: Default::default(),
         evaluation_only: false,
         each_update_direct: false,
+        selection: crate::plan::SelectionPolicy::FirstCome,
         secure: Some(SecureRoundConfig {
             clip: 1.0,
             max_examples: 10,

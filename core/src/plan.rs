@@ -77,6 +77,10 @@ pub struct Plan {
     /// How contributions become the next model; absent: FedAvg with `server_learning_rate`.
     #[serde(default)]
     pub strategy: Strategy,
+    /// How each round's cohort is drawn from the devices checking in: `random` (default) or
+    /// `first_come`.
+    #[serde(default)]
+    pub selection: SelectionPolicy,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -177,6 +181,30 @@ pub struct RoundConfig {
     /// strategy bounds, clips or order-ranks each one).
     #[serde(default)]
     pub each_update_direct: bool,
+    /// How the cohort is drawn from the devices that check in.
+    #[serde(default = "SelectionPolicy::first_come")]
+    pub selection: SelectionPolicy,
+}
+
+/// How a round's cohort is drawn from the devices that check in during selection.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SelectionPolicy {
+    /// Uniformly at random (selection sampling over the devices online), so that fast or
+    /// always-connected devices are not favoured; the default.
+    #[default]
+    Random,
+    /// The first devices to check in, until the target: fastest, but it favours the devices
+    /// that check in first.
+    FirstCome,
+}
+
+impl SelectionPolicy {
+    /// For configurations stored before the policy existed: they selected first come.
+    fn first_come() -> Self {
+        SelectionPolicy::FirstCome
+    }
 }
 
 /// Secure-aggregation parameters of a run, resolved.
@@ -400,6 +428,7 @@ impl Plan {
             eligibility: self.eligibility.clone(),
             evaluation_only: self.evaluation_only,
             each_update_direct: self.strategy.needs_each_update(),
+            selection: self.selection,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
     }

@@ -108,6 +108,47 @@ struct ActiveRound {
     assigned: BTreeMap<DeviceId, AggregatorId>,
     /// Aggregators whose partial is durable or on its way.
     shards_reported: BTreeSet<AggregatorId>,
+    /// Devices the selection lottery has considered this round.
+    considered: BTreeSet<DeviceId>,
+    /// The lottery's draws (seeded from the driver's entropy and the round).
+    lottery: crate::rng::SplitMix64,
+}
+
+/// The selection lottery's generator for one round.
+fn lottery_for(entropy: &[u8; 32], round_idx: RoundIdx) -> crate::rng::SplitMix64 {
+    let seed = u64::from_le_bytes(entropy[..8].try_into().expect("8 bytes"));
+    let mut rng = crate::rng::SplitMix64(seed ^ round_idx.0 as u64);
+    rng.next_u64();
+    rng
+}
+
+impl ActiveRound {
+    /// Whether an eligible, unselected `device` checking in during selection is selected.
+    ///
+    /// `first_come` selects everyone until the target. `random` is selection sampling (Knuth's
+    /// Algorithm S): with `online` devices around and `remaining` places, a device not yet
+    /// considered is selected with probability `remaining / (online − considered)`, which draws
+    /// a uniformly random cohort from the devices that check in, in whatever order they come
+    /// (exactly so when each checks in once and `online` is right). In the second half of the
+    /// selection window, and once every online device was considered, the cohort is filled
+    /// with whoever checks in, so an overestimated `online` delays a round, never stalls it.
+    fn wins_draw(
+        &mut self,
+        device: DeviceId,
+        online: u32,
+        config: &RoundConfig,
+        now: Millis,
+    ) -> bool {
+        if config.selection == crate::plan::SelectionPolicy::FirstCome {
+            return true;
+        }
+        let remaining = config.target_selected.saturating_sub(self.selected.len() as u32);
+        let late = now - self.opened.opened_at >= config.selection_timeout_ms / 2;
+        self.considered.insert(device);
+        // This device and those not considered yet; never fewer than the places left.
+        let unseen = online.saturating_sub(self.considered.len() as u32 - 1).max(remaining);
+        late || self.lottery.unit() * f64::from(unseen) < f64::from(remaining)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +279,8 @@ impl RunMachine {
                     secure_seq: 0,
                     assigned: open.assignments.into_iter().collect(),
                     shards_reported,
+                    considered: BTreeSet::new(),
+                    lottery: lottery_for(&m.entropy, open.round.round_idx),
                 };
                 m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
                 m.restore_secure(&mut round, open.secure_records);
@@ -431,6 +474,8 @@ impl RunMachine {
         };
         self.next_round_idx = RoundIdx(self.next_round_idx.0 + 1);
         let mut round = ActiveRound {
+            lottery: lottery_for(&self.entropy, opened.round_idx),
+            considered: BTreeSet::new(),
             opened,
             phase: Phase::Open,
             selected: BTreeSet::new(),
@@ -495,12 +540,25 @@ impl RunMachine {
         };
         let seed = (device.0 as u64).rotate_left(32) ^ (self.run_id.0 as u64) ^ now as u64;
         let pace = |base_ms: i64| steering.come_back_after(base_ms, seed);
+        // The lottery draws only for an eligible device that could be selected now.
+        let config = &self.config;
+        let wins_draw = match self.round.as_mut() {
+            Some(r) if selecting && eligible && !r.has_task_for(device) => {
+                r.selected.contains(&device) || r.wins_draw(device, online, config, now)
+            }
+            _ => true,
+        };
         let decision = match self.round.as_mut() {
             Some(r) if r.has_task_for(device) => r.selected_decision(device),
             // Its conditions may change (it starts charging, reaches Wi-Fi): about one
             // selection window later.
             _ if !eligible => {
                 CheckInDecision::ComeBackLater { after_ms: pace(steering.selection_timeout_ms) }
+            }
+            // Random selection: a device that loses the draw comes back for a later round (or
+            // for the fill, late in the window).
+            Some(r) if selecting && !r.selected.contains(&device) && !wins_draw => {
+                CheckInDecision::ComeBackLater { after_ms: pace(steering.selection_timeout_ms / 2) }
             }
             Some(r) if selecting && !r.selected.contains(&device) => {
                 r.selected.insert(device);

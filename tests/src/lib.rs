@@ -366,6 +366,8 @@ pub fn digits_simulation(
         population: None,
         pacing: Default::default(),
         holdout: 0.1,
+        strategy: serde_json::Value::Null,
+        selection: Default::default(),
     }
 }
 

@@ -55,6 +55,7 @@ fn config() -> RoundConfig {
         secure: None,
         evaluation_only: false,
         each_update_direct: false,
+        selection: crate::plan::SelectionPolicy::FirstCome,
     }
 }
 
@@ -525,6 +526,7 @@ fn simulation_never_hangs() {
         eligibility: Default::default(),
         evaluation_only: false,
         each_update_direct: false,
+        selection: crate::plan::SelectionPolicy::FirstCome,
         secure: None,
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
@@ -637,6 +639,7 @@ mod secure_rounds {
             eligibility: Default::default(),
             evaluation_only: false,
             each_update_direct: false,
+            selection: crate::plan::SelectionPolicy::FirstCome,
             secure: Some(SecureRoundConfig {
                 clip_norm: None,
                 clip: 1.0,
@@ -1166,4 +1169,82 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
         t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
           FinishRun
     "#]]);
+}
+
+/// The devices `1..=online` check in once each, in order, within the first half of the
+/// selection window; returns those selected.
+fn selected_by_lottery(
+    entropy: [u8; 32],
+    online: u32,
+    policy: crate::plan::SelectionPolicy,
+) -> Vec<i64> {
+    let config = RoundConfig { target_selected: 3, selection: policy, ..config() };
+    let mut m = RunMachine::start(RunId(1), config, 0, entropy);
+    while m.poll_action().is_some() {}
+    let mut selected = vec![];
+    for d in 1..=i64::from(online) {
+        let input = Input::CheckIn {
+            request: RequestId(d as u64),
+            device: DeviceId(d),
+            attributes: Default::default(),
+            online,
+        };
+        m.handle(10, input);
+        while let Some(action) = m.poll_action() {
+            if let Action::ReplyCheckIn { decision: CheckInDecision::Selected { .. }, .. } = action
+            {
+                selected.push(d);
+            }
+        }
+    }
+    selected
+}
+
+#[test]
+fn r17_random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
+    use crate::plan::SelectionPolicy;
+    // First come: the first three to check in.
+    assert_eq!(selected_by_lottery([0; 32], 10, SelectionPolicy::FirstCome), vec![1, 2, 3]);
+    // Random: always exactly three of the ten (selection sampling fills its places), and each
+    // device equally likely whatever its place in the arrival order: 3/10 of 4 000 draws is
+    // 1 200 ± 4σ (σ ≈ 29).
+    let mut counts = [0u32; 11];
+    for trial in 0..4_000u32 {
+        let mut entropy = [0u8; 32];
+        entropy[..4].copy_from_slice(&trial.to_le_bytes());
+        let cohort = selected_by_lottery(entropy, 10, SelectionPolicy::Random);
+        assert_eq!(cohort.len(), 3, "trial {trial}: {cohort:?}");
+        for d in cohort {
+            counts[d as usize] += 1;
+        }
+    }
+    for (d, &n) in counts.iter().enumerate().skip(1) {
+        assert!((1_084..=1_316).contains(&n), "device {d} selected {n} times of 4 000");
+    }
+    // An overestimated population leaves places open in the first half of the window; late in
+    // the window whoever checks in fills them.
+    let config = RoundConfig { target_selected: 3, selection: SelectionPolicy::Random, ..config() };
+    let mut m = RunMachine::start(RunId(1), config, 0, [9; 32]);
+    while m.poll_action().is_some() {}
+    let check_in = |m: &mut RunMachine, d: i64, at: Millis| {
+        let input = Input::CheckIn {
+            request: RequestId(d as u64),
+            device: DeviceId(d),
+            attributes: Default::default(),
+            online: 1_000_000,
+        };
+        m.handle(at, input);
+        let mut selected = false;
+        while let Some(action) = m.poll_action() {
+            selected |= matches!(
+                action,
+                Action::ReplyCheckIn { decision: CheckInDecision::Selected { .. }, .. }
+            );
+        }
+        selected
+    };
+    let early = (1..=3).filter(|&d| check_in(&mut m, d, 10)).count();
+    assert!(early < 3, "three of a million drawn early");
+    let late: Vec<bool> = (4..=6).map(|d| check_in(&mut m, d, 600)).collect();
+    assert_eq!(late.iter().filter(|s| **s).count(), 3 - early);
 }
