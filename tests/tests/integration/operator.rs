@@ -336,6 +336,9 @@ async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     let mut plan = mlp_plan(digits.input(), 1, 2);
     plan["population"] = "fleet".into();
     plan["evaluation_only"] = true.into();
+    // The intruder below must be selected the moment it checks in; a random draw over the
+    // devices online (the trainers count too) might send it away.
+    plan["selection"] = "first_come".into();
     let plan_file = dir.path().join("evaluate.json");
     std::fs::write(&plan_file, plan.to_string()).unwrap();
     let plan_arg = plan_file.to_str().unwrap();
