@@ -12,6 +12,16 @@ export interface RunView {
   total_rounds: number;
   created_at_ms: number;
   plan: Record<string, unknown>;
+  /** A differentially private run's ε so far (absent for other runs). */
+  privacy?: {
+    epsilon: number;
+    delta: number;
+    epsilon_budget: number | null;
+    rounds_allowed: number;
+    sampling_rate: number;
+    noise_multiplier: number;
+    mechanism: string;
+  };
 }
 
 export interface RoundView {

@@ -222,7 +222,31 @@ function strategyText(plan: Record<string, any>): string {
   if (kind === 'fed_avg' && params.lr == null) params.lr = plan.server_learning_rate ?? 1;
   const name = OPTIMIZER_NAMES[String(kind)] ?? String(kind);
   const listed = Object.entries(params).map(([k, v]) => `${k} ${v}`).join(', ');
-  return `${name} over the example-weighted mean delta; ${listed}`;
+  const aggregation = (plan.strategy?.aggregation ?? { kind: 'mean' }) as Record<string, unknown>;
+  const { kind: how, ...aggParams } = aggregation;
+  let over =
+    how === 'mean'
+      ? plan.strategy?.differential_privacy
+        ? 'the unweighted mean of clipped updates'
+        : 'the example-weighted mean delta'
+      : `${String(how).replace(/_/g, ' ')} (${JSON.stringify(aggParams)})`;
+  if (plan.strategy?.norm_bound != null) over += `, each update bounded to norm ${plan.strategy.norm_bound}`;
+  return `${name} over ${over}; ${listed}`;
+}
+
+function privacyText(run: RunView): string {
+  const plan = run.plan as Record<string, any>;
+  const secure = plan.secure_aggregation
+    ? `secure aggregation: ${JSON.stringify(plan.secure_aggregation)}`
+    : 'secure aggregation off: the coordinator sees each update (examples never leave devices)';
+  const p = run.privacy;
+  if (!p) return secure;
+  const budget = p.epsilon_budget == null ? 'no budget' : `budget ${p.epsilon_budget}`;
+  return (
+    `differential privacy: ε = ${p.epsilon.toFixed(3)} at δ = ${p.delta} (${budget}, ` +
+    `${p.rounds_allowed} rounds allowed; q = ${p.sampling_rate}, z = ${p.noise_multiplier}; ` +
+    `${p.mechanism}); ${secure}`
+  );
 }
 
 function renderSettings(run: RunView): void {
@@ -235,12 +259,7 @@ function renderSettings(run: RunView): void {
     ['FedProx μ', String(training.fedprox_mu ?? 0)],
     ['Cohort', `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
     ['Deadlines', `selection ${plan.selection_timeout_secs} s, reporting ${plan.reporting_timeout_secs} s`],
-    [
-      'Privacy',
-      plan.secure_aggregation
-        ? `secure aggregation: ${JSON.stringify(plan.secure_aggregation)}`
-        : 'secure aggregation off: the coordinator sees each update (examples never leave devices)',
-    ],
+    ['Privacy', privacyText(run)],
   ];
   const dl = $('run-settings');
   dl.replaceChildren();
