@@ -406,6 +406,32 @@ pub struct PlanSpec {
 }
 
 impl PlanSpec {
+    /// `devices` devices of a one-tensor model of `params` values, every one selected and
+    /// needed each round, with long deadlines.
+    pub fn all_of(devices: usize, params: usize, rounds: u32) -> Self {
+        PlanSpec {
+            params: params as u64,
+            cohort: devices as u32,
+            over_selection: 1.0,
+            quorum: devices as u32,
+            selection_secs: 30.0,
+            reporting_secs: 60.0,
+            rounds,
+        }
+    }
+
+    /// The schema of [`PlanSpec::json`]'s model: one f32 tensor `w` of `params` values.
+    pub fn schema(&self) -> starling_core::tensor::TensorSchema {
+        use starling_core::tensor::{DType, TensorSchema, TensorSpec};
+        TensorSchema {
+            tensors: vec![TensorSpec {
+                name: "w".into(),
+                shape: vec![self.params],
+                dtype: DType::F32,
+            }],
+        }
+    }
+
     /// The plan as the admin API takes it.
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({

@@ -4,7 +4,6 @@
 use std::process::Command;
 
 use starling_core::privacy::RdpAccountant;
-use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
 
@@ -80,15 +79,7 @@ async fn r17_a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_bud
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, N).await.unwrap();
-    let spec = PlanSpec {
-        params: PARAMS as u64,
-        cohort: N as u32,
-        over_selection: 1.0,
-        quorum: N as u32,
-        selection_secs: 30.0,
-        reporting_secs: 60.0,
-        rounds: 5,
-    };
+    let spec = PlanSpec::all_of(N, PARAMS, 5);
     let mut plan = spec.json();
     let dp = serde_json::json!({
         "noise_multiplier": z, "clip_norm": clip, "population": population, "delta": delta_dp,
@@ -102,13 +93,7 @@ async fn r17_a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_bud
     assert_eq!((privacy.epsilon, privacy.rounds_allowed), (0.0, 2));
     assert_eq!(privacy.sampling_rate, 0.1);
 
-    let schema = TensorSchema {
-        tensors: vec![TensorSpec {
-            name: "w".into(),
-            shape: vec![PARAMS as u64],
-            dtype: DType::F32,
-        }],
-    };
+    let schema = spec.schema();
     let mut hash = c.admin.models(run).await.unwrap()[0].content_hash.clone();
     for round in 0..2i64 {
         let global = model_values(&devices[0], &hash, &schema).await.unwrap();

@@ -12,7 +12,6 @@ use std::time::Duration;
 use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
 use starling_core::robust::{Aggregation, combine};
 use starling_core::strategy::{AdaptiveParams, ServerOptimizer};
-use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
 
@@ -67,13 +66,7 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
     hashes.push(one_round(&admin, &devices, run, 2).await);
 
     // The same steps, uninterrupted, on the same updates.
-    let schema = TensorSchema {
-        tensors: vec![TensorSpec {
-            name: "w".into(),
-            shape: vec![PARAMS as u64],
-            dtype: DType::F32,
-        }],
-    };
+    let schema = spec.schema();
     let mut model = model_values(&devices[0], &initial, &schema).await.unwrap();
     let mut state = optimizer.initial_state(PARAMS);
     for (round, hash) in hashes.iter().enumerate() {
@@ -111,22 +104,8 @@ async fn r17_robust_aggregators_commit_their_combination_and_leave_the_attacker_
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, N).await.unwrap();
-    let spec = PlanSpec {
-        params: PARAMS as u64,
-        cohort: N as u32,
-        over_selection: 1.0,
-        quorum: N as u32,
-        selection_secs: 30.0,
-        reporting_secs: 60.0,
-        rounds: 1,
-    };
-    let schema = TensorSchema {
-        tensors: vec![TensorSpec {
-            name: "w".into(),
-            shape: vec![PARAMS as u64],
-            dtype: DType::F32,
-        }],
-    };
+    let spec = PlanSpec::all_of(N, PARAMS, 1);
+    let schema = spec.schema();
     let honest: Vec<Vec<f32>> = (0..N - 1).map(|i| delta(i, 0, PARAMS)).collect();
     let attack: Vec<f32> = delta(N - 1, 0, PARAMS).iter().map(|v| -100.0 * v).collect();
     let honest_reach = honest.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
