@@ -1171,6 +1171,33 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
     "#]]);
 }
 
+/// A machine whose rounds select 3 devices under `policy`, past its first round's opening.
+fn lottery_machine(entropy: [u8; 32], policy: crate::plan::SelectionPolicy) -> RunMachine {
+    let config = RoundConfig { target_selected: 3, selection: policy, ..config() };
+    let mut m = RunMachine::start(RunId(1), config, 0, entropy);
+    while m.poll_action().is_some() {}
+    m
+}
+
+/// Device `d` checks in at `at` with `online` devices around; whether it was selected.
+fn lottery_check_in(m: &mut RunMachine, d: i64, at: Millis, online: u32) -> bool {
+    let input = Input::CheckIn {
+        request: RequestId(d as u64),
+        device: DeviceId(d),
+        attributes: Default::default(),
+        online,
+    };
+    m.handle(at, input);
+    let mut selected = false;
+    while let Some(action) = m.poll_action() {
+        selected |= matches!(
+            action,
+            Action::ReplyCheckIn { decision: CheckInDecision::Selected { .. }, .. }
+        );
+    }
+    selected
+}
+
 /// The devices `1..=online` check in once each, in order, within the first half of the
 /// selection window; returns those selected.
 fn selected_by_lottery(
@@ -1178,26 +1205,8 @@ fn selected_by_lottery(
     online: u32,
     policy: crate::plan::SelectionPolicy,
 ) -> Vec<i64> {
-    let config = RoundConfig { target_selected: 3, selection: policy, ..config() };
-    let mut m = RunMachine::start(RunId(1), config, 0, entropy);
-    while m.poll_action().is_some() {}
-    let mut selected = vec![];
-    for d in 1..=i64::from(online) {
-        let input = Input::CheckIn {
-            request: RequestId(d as u64),
-            device: DeviceId(d),
-            attributes: Default::default(),
-            online,
-        };
-        m.handle(10, input);
-        while let Some(action) = m.poll_action() {
-            if let Action::ReplyCheckIn { decision: CheckInDecision::Selected { .. }, .. } = action
-            {
-                selected.push(d);
-            }
-        }
-    }
-    selected
+    let mut m = lottery_machine(entropy, policy);
+    (1..=i64::from(online)).filter(|&d| lottery_check_in(&mut m, d, 10, online)).collect()
 }
 
 #[test]
@@ -1223,26 +1232,8 @@ fn r17_random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
     }
     // An overestimated population leaves places open in the first half of the window; late in
     // the window whoever checks in fills them.
-    let config = RoundConfig { target_selected: 3, selection: SelectionPolicy::Random, ..config() };
-    let mut m = RunMachine::start(RunId(1), config, 0, [9; 32]);
-    while m.poll_action().is_some() {}
-    let check_in = |m: &mut RunMachine, d: i64, at: Millis| {
-        let input = Input::CheckIn {
-            request: RequestId(d as u64),
-            device: DeviceId(d),
-            attributes: Default::default(),
-            online: 1_000_000,
-        };
-        m.handle(at, input);
-        let mut selected = false;
-        while let Some(action) = m.poll_action() {
-            selected |= matches!(
-                action,
-                Action::ReplyCheckIn { decision: CheckInDecision::Selected { .. }, .. }
-            );
-        }
-        selected
-    };
+    let mut m = lottery_machine([9; 32], SelectionPolicy::Random);
+    let check_in = |m: &mut RunMachine, d: i64, at: Millis| lottery_check_in(m, d, at, 1_000_000);
     let early = (1..=3).filter(|&d| check_in(&mut m, d, 10)).count();
     assert!(early < 3, "three of a million drawn early");
     let late: Vec<bool> = (4..=6).map(|d| check_in(&mut m, d, 600)).collect();
