@@ -291,6 +291,24 @@ impl RdpAccountant {
     }
 }
 
+/// The smallest noise multiplier (to 0.1 %) whose mechanism, sampling `q` for `steps` steps,
+/// spends at most `epsilon` at `delta`: how an operator (or a benchmark) sizes `z` for a
+/// target privacy budget. Bisection over the accountant, since ε falls as `z` grows. `None`
+/// when even `z` = 1e4, the largest a plan accepts, spends more.
+pub fn noise_multiplier_for(q: f64, steps: u64, delta: f64, epsilon: f64) -> Option<f64> {
+    const MAX_Z: f64 = 1e4;
+    let spends = |z: f64| RdpAccountant::new(q, z).epsilon(steps, delta);
+    if spends(MAX_Z) > epsilon {
+        return None;
+    }
+    let (mut lo, mut hi) = (1e-3, MAX_Z);
+    while hi / lo > 1.001 {
+        let mid = (lo * hi).sqrt();
+        if spends(mid) <= epsilon { hi = mid } else { lo = mid }
+    }
+    Some(hi)
+}
+
 /// ε at `delta` from RDP values at `orders` (Canonne, Kamath and Steinke 2020, Proposition 12,
 /// as `dp-accounting` computes it).
 pub fn epsilon_from_rdp(orders: &[f64], rdp: &[f64], delta: f64) -> f64 {

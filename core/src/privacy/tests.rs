@@ -157,3 +157,17 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     let sd = (a.iter().map(|x| x * x).sum::<f64>() / a.len() as f64).sqrt();
     assert!((sd - 0.75).abs() < 0.01, "{sd}");
 }
+
+#[test]
+fn the_noise_multiplier_for_a_budget_is_the_smallest_that_fits_it() {
+    for (q, steps, eps) in [(0.1, 100, 1.0), (0.1, 100, 8.0), (0.01, 1000, 2.0), (1.0, 1, 4.0)] {
+        let z = noise_multiplier_for(q, steps, 1e-5, eps).unwrap();
+        let acc = |z: f64| RdpAccountant::new(q, z).epsilon(steps, 1e-5);
+        assert!(acc(z) <= eps, "q {q}: z {z} spends {} > {eps}", acc(z));
+        assert!(acc(z / 1.002) > eps, "q {q}: a smaller z than {z} also fits {eps}");
+    }
+    // More budget, less noise; no multiplier a plan accepts buys an absurd budget.
+    let z = |eps| noise_multiplier_for(0.1, 100, 1e-5, eps).unwrap();
+    assert!(z(1.0) > z(4.0) && z(4.0) > z(8.0));
+    assert_eq!(noise_multiplier_for(1.0, 1_000_000, 1e-10, 1e-9), None);
+}
