@@ -17,7 +17,9 @@ use crate::data;
 use crate::evaluate::{EvaluatorConfig, evaluate_run};
 use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
 use crate::protocol::TlsSettings;
-use crate::simulate::{Dataset, ModelKind, Pacing, Partition, SimulationConfig, simulate};
+use crate::simulate::{
+    Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, simulate,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "starling-client", version, about = "Starling client SDK tools")]
@@ -212,6 +214,13 @@ struct SimulateArgs {
     /// How each round's cohort is drawn: `random` or `first_come`.
     #[arg(long, default_value = "random", value_parser = parse_selection)]
     selection: starling_core::plan::SelectionPolicy,
+    /// Make some devices poison their updates: `scale:FACTOR` (a boosted delta) or
+    /// `sign_flip[:FACTOR]` (a reversed one), for measuring robust aggregation.
+    #[arg(long)]
+    attack: Option<Attack>,
+    /// Share of the devices that attack, with --attack.
+    #[arg(long, default_value_t = 0.1, requires = "attack")]
+    attackers: f64,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -398,6 +407,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             }
         },
         selection: args.selection,
+        poisoning: args.attack.map(|attack| Poisoning { fraction: args.attackers, attack }),
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

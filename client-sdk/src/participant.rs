@@ -281,7 +281,13 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     cached_model: Option<(String, Arc<Vec<f32>>)>,
     factory: Arc<F>,
     attributes: DeviceAttributes,
+    /// What a simulated poisoning device does to its honest delta before uploading (see
+    /// `simulate::Attack`); never set outside the simulator.
+    tamper: Option<Tamper>,
 }
+
+/// A change to a trained delta before upload: how the simulator makes a device misbehave.
+pub(crate) type Tamper = Arc<dyn Fn(&mut [f32]) + Send + Sync>;
 
 impl Participant<FromPlan> {
     /// A participant for the coordinator at `url`, training on `train_set`, evaluating on
@@ -304,6 +310,7 @@ impl Participant<FromPlan> {
             cached_model: None,
             factory: Arc::new(FromPlan),
             attributes: DeviceAttributes::default(),
+            tamper: None,
         }
     }
 }
@@ -322,7 +329,17 @@ impl<F: ModelFactory> Participant<F> {
             cached_model: self.cached_model,
             factory: Arc::new(factory),
             attributes: self.attributes,
+            tamper: self.tamper,
         }
+    }
+
+    /// The same participant changing every trained delta with `tamper` before it uploads it:
+    /// a poisoning device, for simulations that measure robust aggregation. Crate-private so
+    /// that no app can ship one.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
+    pub(crate) fn tampering(mut self, tamper: Tamper) -> Self {
+        self.tamper = Some(tamper);
+        self
     }
 
     /// Reports these conditions at every check-in from now on (charging, network, idle, app
@@ -431,13 +448,17 @@ impl<F: ModelFactory> Participant<F> {
             (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
         let trained_from = global.clone();
         let step = report.clone();
+        let tamper = self.tamper.clone();
         let (delta, trained) = tokio::task::spawn_blocking(move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let (model, io) =
                 task_model(&*factory, spec.as_ref(), &schema, &device, &trained_from)?;
             let (model, report) = train(model, io, &train_set, &config, &device, &mut on_step)?;
-            let delta: Vec<f32> =
+            let mut delta: Vec<f32> =
                 parameters_of(&model).iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
+            if let Some(tamper) = tamper {
+                tamper(&mut delta);
+            }
             Ok::<_, ParticipantError>((delta, report))
         })
         .await

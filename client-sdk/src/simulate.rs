@@ -70,6 +70,70 @@ impl std::str::FromStr for Partition {
     }
 }
 
+/// What a poisoning device does to its honest delta before it uploads it (Byzantine clients
+/// in the robust-aggregation literature).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Attack {
+    /// The delta multiplied by this factor: a boosted update that drags a mean its way.
+    Scale(f32),
+    /// The delta reversed and multiplied by this factor: the update pushes training back.
+    SignFlip(f32),
+}
+
+impl Attack {
+    /// The factor the attack multiplies the honest delta by.
+    pub fn factor(&self) -> f32 {
+        match *self {
+            Attack::Scale(f) => f,
+            Attack::SignFlip(f) => -f,
+        }
+    }
+
+    /// The poisoned delta, in place.
+    pub fn apply(&self, delta: &mut [f32]) {
+        let factor = self.factor();
+        delta.iter_mut().for_each(|d| *d *= factor);
+    }
+}
+
+impl std::str::FromStr for Attack {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let expected = || format!("{s:?}: expected scale:FACTOR or sign_flip[:FACTOR]");
+        let (kind, factor) = match s.split_once(':') {
+            Some(split) => split,
+            None if s == "sign_flip" => (s, "1"),
+            None => return Err(expected()),
+        };
+        let factor: f32 = factor.parse().map_err(|e| format!("attack factor {factor:?}: {e}"))?;
+        if !factor.is_finite() || factor <= 0.0 {
+            return Err(format!("attack factor must be positive and finite, not {factor}"));
+        }
+        match kind {
+            "scale" => Ok(Attack::Scale(factor)),
+            "sign_flip" => Ok(Attack::SignFlip(factor)),
+            _ => Err(expected()),
+        }
+    }
+}
+
+/// Which simulated devices poison their updates, and how.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Poisoning {
+    /// Share of the simulated devices that attack (rounded to the nearest device; the first
+    /// clients of the partition, whose data is as random as any other's).
+    pub fraction: f64,
+    /// What each of them does.
+    pub attack: Attack,
+}
+
+impl Poisoning {
+    /// How many of `clients` devices attack.
+    pub fn attackers(&self, clients: usize) -> usize {
+        ((self.fraction * clients as f64).round() as usize).min(clients)
+    }
+}
+
 /// A named model for the image datasets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ModelKind {
@@ -126,6 +190,8 @@ pub struct SimulationConfig {
     pub strategy: serde_json::Value,
     /// How each round's cohort is drawn from the devices checking in.
     pub selection: starling_core::plan::SelectionPolicy,
+    /// Devices that poison their updates (`None`: every device is honest).
+    pub poisoning: Option<Poisoning>,
 }
 
 /// A simulated run's round pacing: the plan fields a simulation sets.
@@ -329,6 +395,13 @@ pub async fn simulate(
             config.holdout
         )));
     }
+    if let Some(p) = config.poisoning.filter(|p| !(0.0..=1.0).contains(&p.fraction)) {
+        return Err(SimulationError::Invalid(format!(
+            "the attacking fraction must be in [0, 1], not {}",
+            p.fraction
+        )));
+    }
+    let attackers = config.poisoning.map_or(0, |p| p.attackers(config.clients));
     let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
         config.dataset,
         &config.data_dir,
@@ -398,6 +471,9 @@ pub async fn simulate(
             config.backend.training_device(),
         )
         .with_tls(&config.tls)?;
+        if let Some(p) = config.poisoning.filter(|_| i < attackers) {
+            participant = participant.tampering(Arc::new(move |delta| p.attack.apply(delta)));
+        }
         let (token, stop) = (token.clone(), stop.clone());
         let enrolled = enrolled.clone();
         tasks.push(tokio::spawn(async move {
@@ -484,3 +560,6 @@ fn hex_suffix() -> Result<String, String> {
     getrandom::fill(&mut bytes).map_err(|e| format!("the OS random source failed: {e}"))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
+
+#[cfg(test)]
+mod tests;

@@ -368,6 +368,7 @@ pub fn digits_simulation(
         holdout: 0.1,
         strategy: serde_json::Value::Null,
         selection: Default::default(),
+        poisoning: None,
     }
 }
 
