@@ -6,6 +6,7 @@
 //! a bug in the decoder.
 
 use crate::codec;
+use crate::compression::Compression;
 use crate::fedavg::validate_update;
 use crate::plan::Plan;
 use crate::tensor::{DType, TensorPayload, TensorSchema, TensorSpec};
@@ -42,14 +43,27 @@ pub fn fleet_message(data: &[u8]) {
     }
 }
 
-/// Tensor payloads and schemas: CBOR-framed, and the raw little-endian body a model or delta
-/// is stored as.
+/// Tensor payloads and schemas: CBOR-framed, the raw little-endian body a model or delta is
+/// stored as, and a delta in every compressed encoding.
 pub fn tensor_payload(data: &[u8]) {
     let schema = round_schema();
     if let Ok(payload) = codec::decode::<TensorPayload>(data) {
         let _ = schema.decode_f32(&payload);
     }
     let _ = schema.decode_f32_bytes(data);
+    // Compressed deltas, as every encoding a plan may choose decodes them.
+    for compression in [
+        Compression::F32,
+        Compression::F16,
+        Compression::Bf16,
+        Compression::Int8 { block: 4 },
+        Compression::TopK { fraction: 0.5 },
+    ] {
+        if let Ok(delta) = compression.validate(schema.numel() as usize, data.to_vec()) {
+            let _ = delta.norm_squared();
+            assert_eq!(delta.to_f32().len() as u64, schema.numel());
+        }
+    }
     if let Ok(other) = codec::decode::<TensorSchema>(data)
         && other.validate().is_ok()
     {

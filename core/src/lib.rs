@@ -19,6 +19,7 @@
 
 pub mod admin;
 pub mod codec;
+pub mod compression;
 pub mod eligibility;
 pub mod fedavg;
 #[doc(hidden)]

@@ -1,0 +1,417 @@
+//! Update compression: how a device encodes its delta for upload, and how the coordinator
+//! checks and folds what arrives without first expanding it to a full f32 copy.
+//!
+//! | `kind`   | bytes for n values                    | lossy how                                        |
+//! |----------|---------------------------------------|--------------------------------------------------|
+//! | `f32`    | 4n                                    | not                                              |
+//! | `f16`    | 2n                                    | rounded to nearest (IEEE binary16; ±65504 max)   |
+//! | `bf16`   | 2n                                    | rounded to nearest (f32's range, 8-bit mantissa) |
+//! | `int8`   | n + 4⌈n/block⌉ (scales first)         | per-block scale max\|x\|/127, stochastic rounding |
+//! | `top_k`  | 4 + 8k (k, indices, values)           | only the k largest magnitudes; error feedback    |
+//!
+//! Int8's stochastic rounding is unbiased (E[decoded] = x), so a cohort's mean carries no
+//! systematic quantization error. Top-k keeps what it drops on the device
+//! ([`ErrorFeedback`]) and adds it to the next round's delta (Stich et al. 2018, Karimireddy
+//! et al. 2019), so nothing a device learned is lost, only delayed.
+//!
+//! Every encoded delta from outside goes through [`Compression::validate`] (exact length,
+//! finite values and scales, top-k indices strictly increasing and in range), which makes the
+//! only [`CompressedDelta`]; the fold ([`CompressedDelta::for_each`]) then cannot fail.
+
+use serde::{Deserialize, Serialize};
+
+use crate::rng::SplitMix64;
+
+/// The plan's `compression`: the encoding devices upload their deltas in.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum Compression {
+    /// Uncompressed little-endian f32 (the default).
+    #[default]
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 8-bit integers with one f32 scale per block of `block` values, stochastically rounded.
+    Int8 {
+        /// Values per scale.
+        #[serde(default = "default_block")]
+        block: u32,
+    },
+    /// The `fraction` of values with the largest magnitudes, with client-side error feedback.
+    TopK {
+        /// Share of the values kept, in (0, 1].
+        fraction: f64,
+    },
+}
+
+fn default_block() -> u32 {
+    256
+}
+
+/// Largest int8 block: one scale per 2^20 values is already no overhead.
+pub const MAX_INT8_BLOCK: u32 = 1 << 20;
+
+/// Why a compression setting or an encoded delta was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompressionError {
+    /// The plan's setting is out of range.
+    #[error("compression: {0}")]
+    Setting(String),
+    /// The encoded delta has the wrong length for the model.
+    #[error("{kind} delta has {got} bytes, {expected} expected for {n} values")]
+    Length {
+        /// The encoding.
+        kind: &'static str,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes received.
+        got: u64,
+        /// Values in the model.
+        n: u64,
+    },
+    /// A value or scale is NaN or infinite.
+    #[error("{kind} delta: value {index} is not finite")]
+    NonFinite {
+        /// The encoding.
+        kind: &'static str,
+        /// Index of the value (of the scale, for an int8 scale).
+        index: u64,
+    },
+    /// A top-k index is out of range or not after the one before it.
+    #[error("top_k delta: index {index} at position {position} is out of order or range")]
+    BadIndex {
+        /// Position in the index list.
+        position: u64,
+        /// The index.
+        index: u32,
+    },
+    /// An int8 value is −128 (the codes are symmetric, −127..=127).
+    #[error("int8 delta: value {index} is -128, outside -127..=127")]
+    Int8Range {
+        /// Index of the value.
+        index: u64,
+    },
+}
+
+/// An encoded delta that passed [`Compression::validate`] for a model of `n` values.
+#[derive(Clone, PartialEq)]
+pub struct CompressedDelta {
+    compression: Compression,
+    n: usize,
+    bytes: std::sync::Arc<Vec<u8>>,
+}
+
+impl std::fmt::Debug for CompressedDelta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} delta of {} values, {} bytes",
+            self.compression.name(),
+            self.n,
+            self.bytes.len()
+        )
+    }
+}
+
+impl Compression {
+    /// A stable snake_case name, for views, logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Compression::F32 => "f32",
+            Compression::F16 => "f16",
+            Compression::Bf16 => "bf16",
+            Compression::Int8 { .. } => "int8",
+            Compression::TopK { .. } => "top_k",
+        }
+    }
+
+    /// Checks the setting; the message names the bad field.
+    pub fn check(&self) -> Result<(), CompressionError> {
+        match *self {
+            Compression::Int8 { block } if block == 0 || block > MAX_INT8_BLOCK => Err(
+                CompressionError::Setting(format!("int8 block must be in 1..={MAX_INT8_BLOCK}")),
+            ),
+            Compression::TopK { fraction } if !(fraction > 0.0 && fraction <= 1.0) => {
+                Err(CompressionError::Setting("top_k fraction must be in (0, 1]".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Values a top-k delta of a model of `n` values keeps (at least one).
+    pub fn top_k_count(fraction: f64, n: usize) -> usize {
+        ((fraction * n as f64).ceil() as usize).clamp(1.min(n), n)
+    }
+
+    /// The exact byte length of an encoded delta of `n` values, for the fixed-size encodings,
+    /// and the largest one for top-k: what an upload's body limit must allow.
+    pub fn max_encoded_len(&self, n: usize) -> u64 {
+        let n = n as u64;
+        match *self {
+            Compression::F32 => 4 * n,
+            Compression::F16 | Compression::Bf16 => 2 * n,
+            Compression::Int8 { block } => n + 4 * n.div_ceil(u64::from(block.max(1))),
+            Compression::TopK { fraction } => {
+                4 + 8 * Self::top_k_count(fraction, n as usize) as u64
+            }
+        }
+    }
+
+    /// Encodes `delta`. Int8 draws its stochastic rounding from `rng`; top-k adds the
+    /// device's `feedback` residual first and keeps what it drops there (other encodings
+    /// leave `feedback` alone).
+    pub fn encode(
+        &self,
+        delta: &[f32],
+        rng: &mut SplitMix64,
+        feedback: &mut ErrorFeedback,
+    ) -> Vec<u8> {
+        match *self {
+            Compression::F32 => crate::tensor::f32_to_le_bytes(delta),
+            // Saturated: a value beyond f16's range would otherwise become an infinity that
+            // validation refuses.
+            Compression::F16 => delta
+                .iter()
+                .flat_map(|&v| {
+                    let v = v.clamp(-half::f16::MAX.to_f32(), half::f16::MAX.to_f32());
+                    half::f16::from_f32(v).to_le_bytes()
+                })
+                .collect(),
+            Compression::Bf16 => {
+                delta.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect()
+            }
+            Compression::Int8 { block } => encode_int8(delta, block as usize, rng),
+            Compression::TopK { fraction } => {
+                encode_top_k(delta, Self::top_k_count(fraction, delta.len()), feedback)
+            }
+        }
+    }
+
+    /// Checks an encoded delta of a model of `n` values: exact length, finite values and
+    /// scales, top-k indices strictly increasing below `n`.
+    pub fn validate(&self, n: usize, bytes: Vec<u8>) -> Result<CompressedDelta, CompressionError> {
+        let kind = self.name();
+        let length = |expected: u64| {
+            if bytes.len() as u64 == expected {
+                Ok(())
+            } else {
+                Err(CompressionError::Length {
+                    kind,
+                    expected,
+                    got: bytes.len() as u64,
+                    n: n as u64,
+                })
+            }
+        };
+        let non_finite = |index: usize| CompressionError::NonFinite { kind, index: index as u64 };
+        match *self {
+            Compression::F32 => {
+                length(self.max_encoded_len(n))?;
+                if let Some(i) = f32s(&bytes).position(|v| !v.is_finite()) {
+                    return Err(non_finite(i));
+                }
+            }
+            Compression::F16 => {
+                length(self.max_encoded_len(n))?;
+                if let Some(i) = bytes
+                    .chunks_exact(2)
+                    .position(|c| !half::f16::from_le_bytes([c[0], c[1]]).is_finite())
+                {
+                    return Err(non_finite(i));
+                }
+            }
+            Compression::Bf16 => {
+                length(self.max_encoded_len(n))?;
+                if let Some(i) = bytes
+                    .chunks_exact(2)
+                    .position(|c| !half::bf16::from_le_bytes([c[0], c[1]]).is_finite())
+                {
+                    return Err(non_finite(i));
+                }
+            }
+            Compression::Int8 { block } => {
+                length(self.max_encoded_len(n))?;
+                let (scales, values) = bytes.split_at(4 * n.div_ceil(block as usize));
+                if let Some(i) = f32s(scales).position(|s| !(s.is_finite() && s >= 0.0)) {
+                    return Err(non_finite(i));
+                }
+                if let Some(i) = values.iter().position(|&b| b == 0x80) {
+                    return Err(CompressionError::Int8Range { index: i as u64 });
+                }
+            }
+            Compression::TopK { fraction } => {
+                let k = bytes
+                    .get(..4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                    .ok_or(CompressionError::Length {
+                        kind,
+                        expected: 4,
+                        got: bytes.len() as u64,
+                        n: n as u64,
+                    })?;
+                if k > Self::top_k_count(fraction, n) {
+                    return Err(CompressionError::Length {
+                        kind,
+                        expected: self.max_encoded_len(n),
+                        got: 4 + 8 * k as u64,
+                        n: n as u64,
+                    });
+                }
+                length(4 + 8 * k as u64)?;
+                let (indices, values) = bytes[4..].split_at(4 * k);
+                let mut next = 0u64;
+                for (position, index) in u32s(indices).enumerate() {
+                    if u64::from(index) < next || index as usize >= n {
+                        return Err(CompressionError::BadIndex {
+                            position: position as u64,
+                            index,
+                        });
+                    }
+                    next = u64::from(index) + 1;
+                }
+                if let Some(i) = f32s(values).position(|v| !v.is_finite()) {
+                    return Err(non_finite(i));
+                }
+            }
+        }
+        Ok(CompressedDelta { compression: *self, n, bytes: std::sync::Arc::new(bytes) })
+    }
+}
+
+impl CompressedDelta {
+    /// The encoding.
+    pub fn compression(&self) -> Compression {
+        self.compression
+    }
+
+    /// Values in the model.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether the model has no values.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The encoded bytes, as validated (what the store keeps).
+    pub fn bytes(&self) -> &std::sync::Arc<Vec<u8>> {
+        &self.bytes
+    }
+
+    /// Calls `f(index, value)` for every value the encoding carries, in index order: all `n`
+    /// for the dense encodings, the kept ones for top-k (the rest are zero). Decoding one
+    /// value at a time, so a fold never holds an f32 copy of the delta.
+    pub fn for_each(&self, mut f: impl FnMut(usize, f32)) {
+        let bytes = &self.bytes[..];
+        match self.compression {
+            Compression::F32 => f32s(bytes).enumerate().for_each(|(i, v)| f(i, v)),
+            Compression::F16 => bytes
+                .chunks_exact(2)
+                .enumerate()
+                .for_each(|(i, c)| f(i, half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
+            Compression::Bf16 => bytes
+                .chunks_exact(2)
+                .enumerate()
+                .for_each(|(i, c)| f(i, half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+            Compression::Int8 { block } => {
+                let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block as usize));
+                for (b, scale) in f32s(scales).enumerate() {
+                    let start = b * block as usize;
+                    let end = (start + block as usize).min(self.n);
+                    for (i, &q) in values[start..end].iter().enumerate() {
+                        f(start + i, f32::from(q as i8) * scale);
+                    }
+                }
+            }
+            Compression::TopK { .. } => {
+                let k = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+                let (indices, values) = bytes[4..].split_at(4 * k);
+                u32s(indices).zip(f32s(values)).for_each(|(i, v)| f(i as usize, v));
+            }
+        }
+    }
+
+    /// The delta as f32 values (zeros where top-k dropped a value).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.n];
+        self.for_each(|i, v| out[i] = v);
+        out
+    }
+
+    /// The delta's squared L2 norm, in f64.
+    pub fn norm_squared(&self) -> f64 {
+        let mut sum = 0.0;
+        self.for_each(|_, v| sum += f64::from(v).powi(2));
+        sum
+    }
+}
+
+/// What top-k compression has not yet sent, kept on the device between rounds (O(model)); it
+/// starts empty and takes the model's length on first use.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ErrorFeedback {
+    /// Residual per parameter.
+    pub residual: Vec<f32>,
+}
+
+fn encode_int8(delta: &[f32], block: usize, rng: &mut SplitMix64) -> Vec<u8> {
+    let blocks = delta.len().div_ceil(block.max(1));
+    let mut out = Vec::with_capacity(4 * blocks + delta.len());
+    let scales: Vec<f32> = delta
+        .chunks(block.max(1))
+        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
+        .collect();
+    scales.iter().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
+    for (chunk, &scale) in delta.chunks(block.max(1)).zip(&scales) {
+        for &v in chunk {
+            let q = if scale > 0.0 {
+                // floor(x/s + u), u uniform in [0, 1): rounds up with probability frac(x/s).
+                (f64::from(v) / f64::from(scale) + rng.unit()).floor().clamp(-127.0, 127.0)
+            } else {
+                0.0
+            };
+            out.push(q as i8 as u8);
+        }
+    }
+    out
+}
+
+fn encode_top_k(delta: &[f32], k: usize, feedback: &mut ErrorFeedback) -> Vec<u8> {
+    if feedback.residual.len() != delta.len() {
+        feedback.residual = vec![0.0; delta.len()];
+    }
+    let corrected: Vec<f32> = delta.iter().zip(&feedback.residual).map(|(d, e)| d + e).collect();
+    let mut order: Vec<u32> = (0..delta.len() as u32).collect();
+    if k < order.len() {
+        order.select_nth_unstable_by(k, |&a, &b| {
+            corrected[b as usize].abs().total_cmp(&corrected[a as usize].abs())
+        });
+        order.truncate(k);
+    }
+    order.sort_unstable();
+    feedback.residual.clone_from(&corrected);
+    let mut out = Vec::with_capacity(4 + 8 * order.len());
+    out.extend_from_slice(&(order.len() as u32).to_le_bytes());
+    order.iter().for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
+    for &i in &order {
+        out.extend_from_slice(&corrected[i as usize].to_le_bytes());
+        feedback.residual[i as usize] = 0.0;
+    }
+    out
+}
+
+fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+fn u32s(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,165 @@
+//! Each encoding against hand-worked bytes and values, the validation of hostile bytes, and
+//! the statistical promises: int8 is unbiased, top-k with error feedback loses nothing.
+
+use super::*;
+use proptest::prelude::*;
+
+fn round_trip(c: Compression, delta: &[f32]) -> Vec<f32> {
+    let bytes = c.encode(delta, &mut SplitMix64(7), &mut ErrorFeedback::default());
+    assert_eq!(bytes.len() as u64, c.max_encoded_len(delta.len()), "{c:?}");
+    c.validate(delta.len(), bytes).unwrap().to_f32()
+}
+
+#[test]
+fn dense_encodings_round_to_their_precision() {
+    let delta = [1.0f32, -0.5, 0.1, 3.0e-5, 70000.0];
+    assert_eq!(round_trip(Compression::F32, &delta), delta);
+    // f16: 0.1 → 0.099975586, 3e-5 is subnormal, 70000 saturates at 65504.
+    assert_eq!(
+        round_trip(Compression::F16, &delta),
+        [1.0, -0.5, 0.099975586, 2.9981136e-5, 65504.0]
+    );
+    // bf16 keeps 8 significant bits and f32's range.
+    assert_eq!(
+        round_trip(Compression::Bf16, &delta),
+        [1.0, -0.5, 0.100_097_656, 3.0040741e-5, 70144.0]
+    );
+    let bytes =
+        Compression::F16.encode(&[1.0, -2.0], &mut SplitMix64(0), &mut ErrorFeedback::default());
+    assert_eq!(bytes, [0x00, 0x3c, 0x00, 0xc0]);
+}
+
+#[test]
+fn int8_scales_each_block_by_its_largest_magnitude() {
+    let c = Compression::Int8 { block: 2 };
+    // Blocks [127, -63.5] and [0.5, 0]: scales 1 and 0.5/127; 127 and 0.5 are exact codes.
+    let bytes =
+        c.encode(&[127.0, -63.5, 0.5, 0.0], &mut SplitMix64(1), &mut ErrorFeedback::default());
+    assert_eq!(&bytes[..4], &1.0f32.to_le_bytes());
+    assert_eq!(bytes[8], 127);
+    assert_eq!(bytes[10], 127);
+    assert_eq!(bytes[11], 0);
+    assert!(bytes[9] as i8 == -63 || bytes[9] as i8 == -64, "{}", bytes[9] as i8);
+    let decoded = c.validate(4, bytes).unwrap().to_f32();
+    assert_eq!(decoded[0], 127.0);
+    assert!((decoded[2] - 0.5).abs() < 1e-6);
+}
+
+#[test]
+fn int8_stochastic_rounding_is_unbiased() {
+    let c = Compression::Int8 { block: 4 };
+    // 0.3 of a step between codes: nearest rounding would always give 0.
+    let delta = [127.0f32, 0.3, -0.3, 10.3];
+    let mut rng = SplitMix64(42);
+    let trials = 20_000;
+    let mut sums = [0.0f64; 4];
+    for _ in 0..trials {
+        let bytes = c.encode(&delta, &mut rng, &mut ErrorFeedback::default());
+        c.validate(4, bytes).unwrap().for_each(|i, v| sums[i] += f64::from(v));
+    }
+    for (sum, want) in sums.iter().zip(delta) {
+        let mean = sum / f64::from(trials);
+        // A Bernoulli(0.3) step of 1 has sd 0.46; 4σ over 20 000 trials is 0.013.
+        assert!((mean - f64::from(want)).abs() < 0.013, "{mean} vs {want}");
+    }
+}
+
+#[test]
+fn top_k_sends_the_largest_and_feeds_back_the_rest() {
+    let c = Compression::TopK { fraction: 0.5 };
+    let mut feedback = ErrorFeedback::default();
+    let mut rng = SplitMix64(0);
+    let bytes = c.encode(&[0.1, -3.0, 2.0, 0.5], &mut rng, &mut feedback);
+    let mut want = 2u32.to_le_bytes().to_vec();
+    [1u32, 2].iter().for_each(|i| want.extend_from_slice(&i.to_le_bytes()));
+    [-3.0f32, 2.0].iter().for_each(|v| want.extend_from_slice(&v.to_le_bytes()));
+    assert_eq!(bytes, want);
+    assert_eq!(feedback.residual, [0.1, 0.0, 0.0, 0.5]);
+    // Next round the residual rides along: 0.5 + 0.6 wins over 1.0.
+    let bytes = c.encode(&[0.0, 0.0, 1.0, 0.6], &mut rng, &mut feedback);
+    assert_eq!(c.validate(4, bytes).unwrap().to_f32(), [0.0, 0.0, 1.0, 1.1]);
+    assert_eq!(feedback.residual, [0.1, 0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn hostile_bytes_are_refused_by_name() {
+    let n = 4;
+    let err = |c: Compression, bytes: Vec<u8>| c.validate(n, bytes).unwrap_err().to_string();
+    assert_eq!(err(Compression::F16, vec![0; 7]), "f16 delta has 7 bytes, 8 expected for 4 values");
+    let mut inf = vec![0u8; 8];
+    inf[5] = 0x7c;
+    assert_eq!(err(Compression::F16, inf), "f16 delta: value 2 is not finite");
+    let int8 = Compression::Int8 { block: 256 };
+    let mut bytes = f32::NAN.to_le_bytes().to_vec();
+    bytes.extend([0, 0, 0, 0]);
+    assert_eq!(err(int8, bytes), "int8 delta: value 0 is not finite");
+    let mut bytes = 1.0f32.to_le_bytes().to_vec();
+    bytes.extend([0, 0x80, 0, 0]);
+    assert_eq!(err(int8, bytes), "int8 delta: value 1 is -128, outside -127..=127");
+    let top = Compression::TopK { fraction: 0.5 };
+    let sparse = |k: u32, idx: &[u32]| {
+        let mut b = k.to_le_bytes().to_vec();
+        idx.iter().for_each(|i| b.extend_from_slice(&i.to_le_bytes()));
+        idx.iter().for_each(|_| b.extend_from_slice(&1.0f32.to_le_bytes()));
+        b
+    };
+    assert!(err(top, sparse(2, &[2, 1])).contains("out of order"));
+    assert!(err(top, sparse(2, &[1, 1])).contains("out of order"));
+    assert!(err(top, sparse(1, &[4])).contains("out of order or range"));
+    assert!(err(top, sparse(3, &[0, 1, 2])).contains("bytes"), "more than k values");
+    assert!(err(top, vec![1, 0]).contains("bytes"));
+    assert!(top.validate(n, sparse(0, &[])).unwrap().to_f32().iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn settings_are_checked() {
+    assert!(Compression::Int8 { block: 0 }.check().is_err());
+    assert!(Compression::TopK { fraction: 0.0 }.check().is_err());
+    assert!(Compression::TopK { fraction: f64::NAN }.check().is_err());
+    assert!(Compression::TopK { fraction: 1.0 }.check().is_ok());
+    let parsed: Compression = serde_json::from_str(r#"{"kind": "int8"}"#).unwrap();
+    assert_eq!(parsed, Compression::Int8 { block: 256 });
+    assert!(serde_json::from_str::<Compression>(r#"{"kind": "int8", "bits": 4}"#).is_err());
+}
+
+proptest! {
+    /// Whatever the bytes, validation either refuses them or yields a delta whose fold visits
+    /// only in-range indices, in order, with finite values.
+    #[test]
+    fn validated_deltas_fold_safely(
+        kind in 0usize..5,
+        n in 0usize..40,
+        bytes in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        let c = [Compression::F32, Compression::F16, Compression::Bf16,
+            Compression::Int8 { block: 3 }, Compression::TopK { fraction: 0.3 }][kind];
+        if let Ok(delta) = c.validate(n, bytes) {
+            let mut last = None;
+            delta.for_each(|i, v| {
+                assert!(i < n && last.is_none_or(|l| l < i) && v.is_finite());
+                last = Some(i);
+            });
+        }
+    }
+
+    /// Top-k with error feedback: over any rounds, what was sent plus what is still held back
+    /// equals everything the device computed.
+    #[test]
+    fn top_k_error_feedback_loses_nothing(
+        rounds in proptest::collection::vec(proptest::collection::vec(-1e3f32..1e3, 8), 1..6),
+    ) {
+        let c = Compression::TopK { fraction: 0.25 };
+        let mut feedback = ErrorFeedback::default();
+        let mut sent = [0.0f64; 8];
+        let mut computed = [0.0f64; 8];
+        for delta in &rounds {
+            let bytes = c.encode(delta, &mut SplitMix64(0), &mut feedback);
+            c.validate(8, bytes).unwrap().for_each(|i, v| sent[i] += f64::from(v));
+            delta.iter().enumerate().for_each(|(i, &d)| computed[i] += f64::from(d));
+        }
+        for i in 0..8 {
+            let total = sent[i] + f64::from(feedback.residual[i]);
+            prop_assert!((total - computed[i]).abs() <= 1e-3 * (1.0 + computed[i].abs()), "{i}: {total} vs {}", computed[i]);
+        }
+    }
+}
