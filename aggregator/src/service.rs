@@ -11,6 +11,7 @@
 //! if quorum holds). The partial is durable once the coordinator answers 204.
 
 use starling_core::codec;
+use starling_core::compression::Compression;
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -511,19 +512,22 @@ async fn upload(
         if req.model_version != model_version {
             return Err(stale_model(model_version));
         }
-        validate_update(&schema, req).map(|u| u.capped(max_examples)).map_err(|e| {
-            let code = match &e {
-                starling_core::fedavg::UpdateError::Tensor(
-                    starling_core::tensor::TensorError::SchemaMismatch { .. },
-                ) => ErrorCode::SchemaMismatch,
-                starling_core::fedavg::UpdateError::Tensor(
-                    starling_core::tensor::TensorError::NonFinite { .. },
-                ) => ErrorCode::NonFiniteValue,
-                starling_core::fedavg::UpdateError::Tensor(_) => ErrorCode::ShapeMismatch,
-                _ => ErrorCode::InvalidField,
-            };
-            Refusal(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
-        })
+        // The tier reduces f32 only: a compressed run's devices never upload here.
+        validate_update(&schema, Compression::F32, req).map(|u| u.capped(max_examples)).map_err(
+            |e| {
+                let code = match &e {
+                    starling_core::fedavg::UpdateError::Tensor(
+                        starling_core::tensor::TensorError::SchemaMismatch { .. },
+                    ) => ErrorCode::SchemaMismatch,
+                    starling_core::fedavg::UpdateError::Tensor(
+                        starling_core::tensor::TensorError::NonFinite { .. },
+                    ) => ErrorCode::NonFiniteValue,
+                    starling_core::fedavg::UpdateError::Tensor(_) => ErrorCode::ShapeMismatch,
+                    _ => ErrorCode::InvalidField,
+                };
+                Refusal(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
+            },
+        )
     })
     .await?;
     let queue = {

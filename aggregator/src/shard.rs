@@ -61,7 +61,7 @@ impl ShardAccumulator {
         if self.devices.contains(&device) {
             return Err(ShardError::Duplicate(device));
         }
-        self.reducer.push(update.example_count(), update.delta_le_bytes().clone())?;
+        self.reducer.push(update.example_count(), update.delta_bytes().clone())?;
         self.devices.insert(device);
         self.total_weight += update.example_count();
         self.metrics.add(update.example_count(), update.metrics());

@@ -218,6 +218,10 @@ struct SimulateArgs {
     /// `sign_flip[:FACTOR]` (a reversed one), for measuring robust aggregation.
     #[arg(long)]
     attack: Option<Attack>,
+    /// The encoding devices upload their deltas in: f32, f16, bf16, int8[:BLOCK] or
+    /// top_k:FRACTION.
+    #[arg(long, default_value = "f32")]
+    compression: starling_core::compression::Compression,
     /// Share of the devices that attack, with --attack.
     #[arg(long, default_value_t = 0.1, requires = "attack")]
     attackers: f64,
@@ -408,6 +412,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         },
         selection: args.selection,
         poisoning: args.attack.map(|attack| Poisoning { fraction: args.attackers, attack }),
+        compression: args.compression,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

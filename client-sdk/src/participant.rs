@@ -16,8 +16,10 @@ use std::time::Duration;
 
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
+use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::model_spec::ModelSpec;
-use starling_core::tensor::TensorSchema;
+use starling_core::rng::SplitMix64;
+use starling_core::tensor::{TensorPayload, TensorSchema};
 use starling_core::wire::{
     CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest,
 };
@@ -239,6 +241,10 @@ pub struct ParticipantState {
     pub credential: Option<String>,
     /// The last model version evaluated, so it is reported once.
     pub last_evaluated: Option<(RunId, ModelVersion)>,
+    /// What top-k compression has not sent yet, for the run it was computed in: added to
+    /// that run's next delta (error feedback), dropped when another run's task comes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_feedback: Option<(RunId, ErrorFeedback)>,
 }
 
 impl ParticipantState {
@@ -449,7 +455,15 @@ impl<F: ModelFactory> Participant<F> {
         let trained_from = global.clone();
         let step = report.clone();
         let tamper = self.tamper.clone();
-        let (delta, trained) = tokio::task::spawn_blocking(move || {
+        let compression = task.compression;
+        let mut feedback = match &self.state.error_feedback {
+            Some((run, feedback)) if *run == run_id => feedback.clone(),
+            _ => ErrorFeedback::default(),
+        };
+        // Int8's stochastic rounding draws from the round's own seed, so a device never
+        // repeats its rounding pattern.
+        let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
+        let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let (model, io) =
                 task_model(&*factory, spec.as_ref(), &schema, &device, &trained_from)?;
@@ -459,7 +473,8 @@ impl<F: ModelFactory> Participant<F> {
             if let Some(tamper) = tamper {
                 tamper(&mut delta);
             }
-            Ok::<_, ParticipantError>((delta, report))
+            let encoded = compression.encode(&delta, &mut rounding, &mut feedback);
+            Ok::<_, ParticipantError>((delta, encoded, feedback, report))
         })
         .await
         .expect("training task panicked")?;
@@ -490,7 +505,7 @@ impl<F: ModelFactory> Participant<F> {
             model_version: task.model_version,
             example_count: trained.examples,
             metrics: [("loss".to_owned(), trained.loss)].into(),
-            delta: task.schema.encode_f32(&delta),
+            delta: TensorPayload { schema_id: task.schema.schema_id(), data: encoded },
         };
         let sent = retrying(TRIES, || async {
             match &task.upload_to {
@@ -507,7 +522,13 @@ impl<F: ModelFactory> Participant<F> {
             | Err(ClientError::Api {
                 body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
                 ..
-            }) => Ok(Outcome::Uploaded { run_id, round_idx, train_loss: trained.loss, evaluation }),
+            }) => {
+                // Only what reached the coordinator leaves the residual.
+                if matches!(compression, Compression::TopK { .. }) {
+                    self.state.error_feedback = Some((run_id, feedback));
+                }
+                Ok(Outcome::Uploaded { run_id, round_idx, train_loss: trained.loss, evaluation })
+            }
             Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }

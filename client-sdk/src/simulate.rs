@@ -192,6 +192,8 @@ pub struct SimulationConfig {
     pub selection: starling_core::plan::SelectionPolicy,
     /// Devices that poison their updates (`None`: every device is honest).
     pub poisoning: Option<Poisoning>,
+    /// The encoding devices upload their deltas in (the plan's `compression`).
+    pub compression: starling_core::compression::Compression,
 }
 
 /// A simulated run's round pacing: the plan fields a simulation sets.
@@ -442,6 +444,7 @@ pub async fn simulate(
         "reporting_timeout_secs": pacing.reporting_timeout_secs,
         "rounds": config.rounds,
         "selection": config.selection,
+        "compression": config.compression,
     });
     if !config.strategy.is_null() {
         plan["strategy"] = config.strategy.clone();

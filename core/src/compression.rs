@@ -97,6 +97,29 @@ pub enum CompressionError {
     },
 }
 
+/// The command-line form: `f32`, `f16`, `bf16`, `int8[:BLOCK]` or `top_k:FRACTION`.
+impl std::str::FromStr for Compression {
+    type Err = CompressionError;
+    fn from_str(s: &str) -> Result<Self, CompressionError> {
+        let bad = |why: String| CompressionError::Setting(format!("{s:?}: {why}"));
+        let parsed = match s.split_once(':') {
+            None if s == "f32" => Compression::F32,
+            None if s == "f16" => Compression::F16,
+            None if s == "bf16" => Compression::Bf16,
+            None if s == "int8" => Compression::Int8 { block: default_block() },
+            Some(("int8", block)) => {
+                Compression::Int8 { block: block.parse().map_err(|e| bad(format!("block: {e}")))? }
+            }
+            Some(("top_k", fraction)) => Compression::TopK {
+                fraction: fraction.parse().map_err(|e| bad(format!("fraction: {e}")))?,
+            },
+            _ => return Err(bad("expected f32, f16, bf16, int8[:BLOCK] or top_k:FRACTION".into())),
+        };
+        parsed.check()?;
+        Ok(parsed)
+    }
+}
+
 /// An encoded delta that passed [`Compression::validate`] for a model of `n` values.
 #[derive(Clone, PartialEq)]
 pub struct CompressedDelta {
@@ -127,6 +150,11 @@ impl Compression {
             Compression::Int8 { .. } => "int8",
             Compression::TopK { .. } => "top_k",
         }
+    }
+
+    /// Whether this is the default, uncompressed f32.
+    pub fn is_f32(&self) -> bool {
+        matches!(self, Compression::F32)
     }
 
     /// Checks the setting; the message names the bad field.
@@ -283,6 +311,19 @@ impl Compression {
 }
 
 impl CompressedDelta {
+    /// An f32 delta whose bytes the caller already checked (length and finite values) against
+    /// the schema, which names the tensor of a bad value ([`TensorSchema::check_f32_bytes`]).
+    ///
+    /// [`TensorSchema::check_f32_bytes`]: crate::tensor::TensorSchema::check_f32_bytes
+    pub(crate) fn checked_f32(bytes: Vec<u8>) -> Self {
+        debug_assert_eq!(bytes.len() % 4, 0);
+        CompressedDelta {
+            compression: Compression::F32,
+            n: bytes.len() / 4,
+            bytes: std::sync::Arc::new(bytes),
+        }
+    }
+
     /// The encoding.
     pub fn compression(&self) -> Compression {
         self.compression

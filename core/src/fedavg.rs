@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::compression::{CompressedDelta, Compression, CompressionError};
 use crate::tensor::{TensorError, TensorSchema};
 use crate::wire::UploadRequest;
 
@@ -32,6 +33,9 @@ pub enum UpdateError {
     /// The delta does not fit the round's schema.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+    /// The delta is not a valid encoding in the run's compression.
+    #[error(transparent)]
+    Compression(#[from] CompressionError),
     /// The example count is zero or above [`MAX_EXAMPLE_COUNT`].
     #[error("example_count {0} is outside 1..={MAX_EXAMPLE_COUNT}")]
     ExampleCount(u64),
@@ -47,11 +51,12 @@ pub enum UpdateError {
 
 /// An update that passed validation; the only thing [`FedAvgAccumulator::add`] takes.
 ///
-/// It keeps the delta as the validated little-endian bytes, shared, so the same buffer is
-/// written to the store and folded into the sum without another copy.
+/// It keeps the delta as the validated bytes in the run's encoding (little-endian f32 unless
+/// the plan compresses), shared, so the same buffer is written to the store and folded into the
+/// sum without another copy.
 #[derive(Clone, PartialEq)]
 pub struct ValidatedUpdate {
-    delta_le: Arc<Vec<u8>>,
+    delta: CompressedDelta,
     example_count: u64,
     metrics: BTreeMap<String, f64>,
 }
@@ -59,19 +64,24 @@ pub struct ValidatedUpdate {
 /// Sizes and weights, not the values: updates travel inside traces and logs.
 impl std::fmt::Debug for ValidatedUpdate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} examples, {} bytes", self.example_count, self.delta_le.len())
+        write!(f, "{} examples, {} bytes", self.example_count, self.delta.bytes().len())?;
+        match self.delta.compression() {
+            Compression::F32 => Ok(()),
+            other => write!(f, " of {}", other.name()),
+        }
     }
 }
 
 impl ValidatedUpdate {
-    /// The parameter delta as little-endian f32 bytes, flat, in schema order.
-    pub fn delta_le_bytes(&self) -> &Arc<Vec<u8>> {
-        &self.delta_le
+    /// The parameter delta's bytes in the run's encoding (flat little-endian f32 in schema
+    /// order when uncompressed): what the store keeps and the aggregator tier reduces.
+    pub fn delta_bytes(&self) -> &Arc<Vec<u8>> {
+        self.delta.bytes()
     }
 
-    /// The parameter delta's values.
-    pub fn delta_values(&self) -> impl ExactSizeIterator<Item = f32> + '_ {
-        self.delta_le.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+    /// The parameter delta, validated.
+    pub fn delta(&self) -> &CompressedDelta {
+        &self.delta
     }
 
     /// The FedAvg weight.
@@ -92,22 +102,25 @@ impl ValidatedUpdate {
     }
 }
 
-/// Checks an upload against the round's schema.
+/// Checks an upload against the round's schema and the run's compression (the encoding the
+/// task told the device to upload in).
 pub fn validate_update(
     schema: &TensorSchema,
+    compression: Compression,
     upload: UploadRequest,
 ) -> Result<ValidatedUpdate, UpdateError> {
     let expected = schema.schema_id();
     if upload.delta.schema_id != expected {
         return Err(TensorError::SchemaMismatch { expected, got: upload.delta.schema_id }.into());
     }
-    validate_parts(schema, upload.delta.data, upload.example_count, upload.metrics)
+    validate_parts(schema, compression, upload.delta.data, upload.example_count, upload.metrics)
 }
 
 /// Checks an update given as its parts; used for uploads and for replaying stored updates.
 pub fn validate_parts(
     schema: &TensorSchema,
-    delta_le: Vec<u8>,
+    compression: Compression,
+    delta: Vec<u8>,
     example_count: u64,
     metrics: BTreeMap<String, f64>,
 ) -> Result<ValidatedUpdate, UpdateError> {
@@ -115,8 +128,15 @@ pub fn validate_parts(
         return Err(UpdateError::ExampleCount(example_count));
     }
     validate_metrics(&metrics)?;
-    schema.check_f32_bytes(&delta_le)?;
-    Ok(ValidatedUpdate { delta_le: Arc::new(delta_le), example_count, metrics })
+    let delta = match compression {
+        // The schema's own check names the tensor that holds a bad value.
+        Compression::F32 => {
+            schema.check_f32_bytes(&delta)?;
+            CompressedDelta::checked_f32(delta)
+        }
+        other => other.validate(schema.numel() as usize, delta)?,
+    };
+    Ok(ValidatedUpdate { delta, example_count, metrics })
 }
 
 /// Largest magnitude of any reported metric: enough for any honest loss or count, small enough
@@ -243,22 +263,28 @@ impl FedAvgAccumulator {
     /// If the update has another length than the accumulator: validation against the same
     /// schema makes that a bug.
     pub fn add(&mut self, update: &ValidatedUpdate) {
-        assert_eq!(
-            update.delta_le.len(),
-            self.hi.len() * 4,
-            "update validated against another schema"
-        );
+        assert_eq!(update.delta.len(), self.hi.len(), "update validated against another schema");
         let (weight, scale) = match self.bound {
             None => (update.example_count, 1.0),
             Some(NormBound { max_norm, unweighted }) => {
-                let norm = update.delta_values().map(|v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+                let norm = update.delta.norm_squared().sqrt();
                 let weight = if unweighted { 1 } else { update.example_count };
                 (weight, crate::robust::norm_scale(norm, max_norm))
             }
         };
         self.n_within_bound += u64::from(scale == 1.0);
         // With no bound this is exact: w × d needs no rounding (see MAX_EXAMPLE_COUNT).
-        fold_scaled(&mut self.hi, &mut self.lo, weight as f64 * scale, &update.delta_le);
+        let factor = weight as f64 * scale;
+        match update.delta.compression() {
+            Compression::F32 => {
+                fold_scaled(&mut self.hi, &mut self.lo, factor, update.delta_bytes())
+            }
+            // Decoded one value at a time into the same TwoSum as the f32 fold; top-k visits
+            // only the values it kept.
+            _ => update.delta.for_each(|i, v| {
+                two_sum_into(&mut self.hi[i], &mut self.lo[i], factor * f64::from(v))
+            }),
+        }
         self.total_weight += weight;
         self.n_updates += 1;
         self.metrics.add(update.example_count, &update.metrics);
@@ -347,13 +373,19 @@ pub fn fold_weighted(hi: &mut [f64], lo: &mut [f64], weight: u64, delta_le: &[u8
 pub fn fold_scaled(hi: &mut [f64], lo: &mut [f64], scale: f64, delta_le: &[u8]) {
     assert!(hi.len() == lo.len() && delta_le.len() == hi.len() * 4, "length mismatch");
     for ((hi, lo), d) in hi.iter_mut().zip(lo.iter_mut()).zip(delta_le.chunks_exact(4)) {
-        let x = scale * f64::from(f32::from_le_bytes([d[0], d[1], d[2], d[3]]));
-        let s = *hi + x;
-        let bp = s - *hi;
-        let err = (*hi - (s - bp)) + (x - bp);
-        *hi = s;
-        *lo += err;
+        two_sum_into(hi, lo, scale * f64::from(f32::from_le_bytes([d[0], d[1], d[2], d[3]])));
     }
+}
+
+/// Adds `x` into the double-double `hi + lo` (TwoSum: the rounding error of `hi + x` goes
+/// into `lo`).
+#[inline]
+fn two_sum_into(hi: &mut f64, lo: &mut f64, x: f64) {
+    let s = *hi + x;
+    let bp = s - *hi;
+    let err = (*hi - (s - bp)) + (x - bp);
+    *hi = s;
+    *lo += err;
 }
 
 /// Adds the double-double sums `other_hi + other_lo` into `hi + lo` (TwoSum on the high parts).

@@ -39,7 +39,7 @@ pub fn fleet_message(data: &[u8]) {
     if let Ok(upload) = codec::decode::<UploadRequest>(data) {
         let again = codec::to_vec(&upload).expect("a decoded upload encodes");
         assert_eq!(codec::decode::<UploadRequest>(&again).ok().as_ref(), Some(&upload));
-        let _ = validate_update(&round_schema(), upload);
+        let _ = validate_update(&round_schema(), Compression::F32, upload);
     }
 }
 

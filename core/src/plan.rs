@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
 use crate::privacy::Privacy;
@@ -81,6 +82,10 @@ pub struct Plan {
     /// `first_come`.
     #[serde(default)]
     pub selection: SelectionPolicy,
+    /// How devices encode their deltas for upload: `f32` (default), `f16`, `bf16`, `int8`
+    /// (per-block scale, stochastic rounding) or `top_k` (with error feedback on the device).
+    #[serde(default, skip_serializing_if = "Compression::is_f32")]
+    pub compression: Compression,
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -375,6 +380,21 @@ impl Plan {
                 }
             }
         }
+        if !self.compression.is_f32() {
+            self.compression.check().map_err(|e| field("compression", e.to_string()))?;
+            let refused = if self.secure_aggregation.is_some() {
+                Some("secure aggregation masks f32 values quantized to its own ring")
+            } else if strategy.aggregation.is_order_statistic() {
+                Some("order statistics read the stored updates back as f32 tiles")
+            } else if self.evaluation_only {
+                Some("an evaluation-only run uploads no delta")
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                return Err(field("compression", format!("must be f32 here: {why}")));
+            }
+        }
         if self.evaluation_only && self.secure_aggregation.is_some() {
             return Err(field(
                 "evaluation_only",
@@ -427,7 +447,8 @@ impl Plan {
             secure,
             eligibility: self.eligibility.clone(),
             evaluation_only: self.evaluation_only,
-            each_update_direct: self.strategy.needs_each_update(),
+            // The aggregator tier reduces f32 deltas only.
+            each_update_direct: self.strategy.needs_each_update() || !self.compression.is_f32(),
             selection: self.selection,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
@@ -530,6 +551,18 @@ impl ValidatedPlan {
     /// Values in a device's upload: the model's parameters, or none in an evaluation-only run.
     pub fn update_len(&self) -> usize {
         if self.plan.evaluation_only { 0 } else { self.schema.numel() as usize }
+    }
+
+    /// The encoding devices upload their deltas in.
+    pub fn compression(&self) -> Compression {
+        self.plan.compression
+    }
+
+    /// The most bytes a device's delta may take in the run's encoding (top-k of a large share
+    /// takes more than f32: an index beside each value): what the upload's body limit allows.
+    pub fn max_delta_bytes(&self) -> u64 {
+        let update_len = self.update_len();
+        self.update_schema().byte_len().max(self.compression().max_encoded_len(update_len))
     }
 
     /// The model spec, if the plan has one.

@@ -185,6 +185,9 @@ pub struct TaskAssignment {
     /// the ticket), not to the coordinator.
     #[serde(default)]
     pub upload_to: Option<crate::tier::UploadTarget>,
+    /// The encoding to upload the delta in (the plan's `compression`); absent: f32.
+    #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
+    pub compression: crate::compression::Compression,
 }
 
 /// What a device needs to take part in a secure-aggregation round.

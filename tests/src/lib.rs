@@ -369,6 +369,7 @@ pub fn digits_simulation(
         strategy: serde_json::Value::Null,
         selection: Default::default(),
         poisoning: None,
+        compression: Default::default(),
     }
 }
 

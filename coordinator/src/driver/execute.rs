@@ -158,7 +158,7 @@ impl Effects<'_> {
                             slot,
                             update.example_count(),
                             &metrics,
-                            update.delta_le_bytes(),
+                            update.delta_bytes(),
                             now_ms(),
                         )
                         .await;

@@ -101,7 +101,7 @@ impl Driver {
                             acc.merge(&sums);
                         }
                         let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
-                        match validate_parts(&update_schema, u.delta, u.example_count as u64, metrics) {
+                        match validate_parts(&update_schema, plan.compression(), u.delta, u.example_count as u64, metrics) {
                             Ok(update) => acc.add(&update),
                             // Validated before it was stored: only corruption gets here.
                             Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use starling_core::codec;
+use starling_core::compression::Compression;
 use starling_core::fedavg::{ValidatedUpdate, validate_parts};
 use starling_core::plan::Plan;
 use starling_core::round::UploadRejection;
@@ -63,7 +64,7 @@ fn update(value: f32, examples: u64) -> ValidatedUpdate {
         }],
     };
     let bytes = starling_core::tensor::f32_to_le_bytes(&[value; PARAMS]);
-    validate_parts(&schema, bytes, examples, BTreeMap::new()).unwrap()
+    validate_parts(&schema, Compression::F32, bytes, examples, BTreeMap::new()).unwrap()
 }
 
 async fn check_in(handle: &DriverHandle, device: DeviceId) -> CheckInResponse {

@@ -10,6 +10,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use starling_core::codec;
+use starling_core::compression::CompressionError;
 use starling_core::fedavg::UpdateError;
 use starling_core::round::UploadRejection;
 use starling_core::round::secure::SecAggRejection;
@@ -208,7 +209,11 @@ impl From<UpdateError> for ApiError {
         let code = match &e {
             UpdateError::Tensor(TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
             UpdateError::Tensor(TensorError::ShapeMismatch { .. }) => ErrorCode::ShapeMismatch,
-            UpdateError::Tensor(TensorError::NonFinite { .. }) => ErrorCode::NonFiniteValue,
+            UpdateError::Tensor(TensorError::NonFinite { .. })
+            | UpdateError::Compression(CompressionError::NonFinite { .. }) => {
+                ErrorCode::NonFiniteValue
+            }
+            UpdateError::Compression(CompressionError::Length { .. }) => ErrorCode::ShapeMismatch,
             _ => ErrorCode::InvalidField,
         };
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())

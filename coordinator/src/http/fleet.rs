@@ -235,7 +235,7 @@ async fn accept_upload(
     check_content_type(headers)?;
     let plan = state.plan(run_id).await?;
     let update_schema = plan.update_schema();
-    let limit = update_schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
+    let limit = plan.max_delta_bytes() as usize + UPLOAD_ENVELOPE_LIMIT;
     let _slot = state.admit_upload(headers, limit, (device, run_id, round_idx), false).await?;
     let started = std::time::Instant::now();
     let bytes = state.read_body(body, limit).await?;
@@ -246,7 +246,8 @@ async fn accept_upload(
         let req: UploadRequest =
             codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let model_version = req.model_version;
-        let update = validate_update(&update_schema, req)?.capped(plan.max_examples());
+        let update =
+            validate_update(&update_schema, plan.compression(), req)?.capped(plan.max_examples());
         Ok::<_, ApiError>((model_version, update))
     })
     .await

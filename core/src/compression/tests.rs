@@ -113,6 +113,13 @@ fn hostile_bytes_are_refused_by_name() {
 
 #[test]
 fn settings_are_checked() {
+    assert_eq!("int8".parse(), Ok(Compression::Int8 { block: 256 }));
+    assert_eq!("int8:64".parse(), Ok(Compression::Int8 { block: 64 }));
+    assert_eq!("top_k:0.1".parse(), Ok(Compression::TopK { fraction: 0.1 }));
+    assert_eq!("bf16".parse(), Ok(Compression::Bf16));
+    for bad in ["top_k", "top_k:2", "int8:0", "int4", "f16:1"] {
+        assert!(bad.parse::<Compression>().is_err(), "{bad}");
+    }
     assert!(Compression::Int8 { block: 0 }.check().is_err());
     assert!(Compression::TopK { fraction: 0.0 }.check().is_err());
     assert!(Compression::TopK { fraction: f64::NAN }.check().is_err());

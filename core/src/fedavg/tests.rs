@@ -16,7 +16,8 @@ fn schema(n: u64) -> TensorSchema {
 fn update(values: &[f32], count: u64) -> ValidatedUpdate {
     let s = schema(values.len() as u64);
     let bytes = crate::tensor::f32_to_le_bytes(values);
-    validate_parts(&s, bytes, count, BTreeMap::from([("loss".to_owned(), 1.0)])).unwrap()
+    validate_parts(&s, Compression::F32, bytes, count, BTreeMap::from([("loss".to_owned(), 1.0)]))
+        .unwrap()
 }
 
 #[test]
@@ -25,24 +26,30 @@ fn validation_rejects_each_bad_field() {
     let ok = crate::tensor::f32_to_le_bytes(&[1.0, 2.0]);
     let no_metrics = BTreeMap::new();
     assert_eq!(
-        validate_parts(&s, ok.clone(), 0, no_metrics.clone()),
+        validate_parts(&s, Compression::F32, ok.clone(), 0, no_metrics.clone()),
         Err(UpdateError::ExampleCount(0))
     );
     assert!(matches!(
-        validate_parts(&s, ok.clone(), 1, BTreeMap::from([("loss".to_owned(), f64::INFINITY)])),
+        validate_parts(
+            &s,
+            Compression::F32,
+            ok.clone(),
+            1,
+            BTreeMap::from([("loss".to_owned(), f64::INFINITY)])
+        ),
         Err(UpdateError::Metric { why: "value is not finite", .. })
     ));
     assert!(matches!(
-        validate_parts(&s, ok[..4].to_vec(), 1, no_metrics.clone()),
+        validate_parts(&s, Compression::F32, ok[..4].to_vec(), 1, no_metrics.clone()),
         Err(UpdateError::Tensor(TensorError::ShapeMismatch { .. }))
     ));
     let mut inf = ok.clone();
     inf[4..].copy_from_slice(&f32::NEG_INFINITY.to_le_bytes());
     assert!(matches!(
-        validate_parts(&s, inf, 1, no_metrics.clone()),
+        validate_parts(&s, Compression::F32, inf, 1, no_metrics.clone()),
         Err(UpdateError::Tensor(TensorError::NonFinite { index: 1, .. }))
     ));
-    assert!(validate_parts(&s, ok, 1, no_metrics).is_ok());
+    assert!(validate_parts(&s, Compression::F32, ok, 1, no_metrics).is_ok());
 }
 
 #[test]
@@ -113,12 +120,15 @@ fn r16_metrics_are_bounded_and_weights_capped() {
     {
         let metrics = BTreeMap::from([(name.to_owned(), value)]);
         assert!(
-            matches!(validate_parts(&s, ok.clone(), 1, metrics), Err(UpdateError::Metric { .. })),
+            matches!(
+                validate_parts(&s, Compression::F32, ok.clone(), 1, metrics),
+                Err(UpdateError::Metric { .. })
+            ),
             "{name} = {value}"
         );
     }
     let fine = BTreeMap::from([("accuracy".to_owned(), 0.5), ("loss".to_owned(), 3.0)]);
-    assert!(validate_parts(&s, ok.clone(), 1, fine).is_ok());
+    assert!(validate_parts(&s, Compression::F32, ok.clone(), 1, fine).is_ok());
     let mut acc = FedAvgAccumulator::new(1);
     acc.add(&update(&[1.0], MAX_EXAMPLE_COUNT).capped(100));
     acc.add(&update(&[-1.0], 100).capped(100));
@@ -146,5 +156,46 @@ proptest! {
         prop_assume!(value.is_finite());
         let back: f64 = serde_json::from_str(&serde_json::to_string(&value).unwrap()).unwrap();
         prop_assert_eq!(back.to_bits(), value.to_bits());
+    }
+}
+
+/// Issue 18: a compressed update folds exactly like the f32 update of its decoded values, so
+/// compression changes what a device sends, never how the sum is made.
+#[test]
+fn r18_compressed_updates_fold_as_their_decoded_values() {
+    let n = 300;
+    let s = schema(n as u64);
+    let values: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+    for compression in [
+        Compression::F16,
+        Compression::Bf16,
+        Compression::Int8 { block: 64 },
+        Compression::TopK { fraction: 0.1 },
+    ] {
+        let bytes = compression.encode(
+            &values,
+            &mut crate::rng::SplitMix64(3),
+            &mut crate::compression::ErrorFeedback::default(),
+        );
+        let compressed = validate_parts(&s, compression, bytes, 5, BTreeMap::new()).unwrap();
+        let decoded = compressed.delta().to_f32();
+        let plain = update(&decoded, 5);
+        for bound in [None, Some(NormBound { max_norm: 10.0, unweighted: false })] {
+            let (mut a, mut b) = (
+                FedAvgAccumulator::new(n).bounded(bound),
+                FedAvgAccumulator::new(n).bounded(bound),
+            );
+            a.add(&compressed);
+            a.add(&update(&values, 2));
+            b.add(&plain);
+            b.add(&update(&values, 2));
+            let (a, b) = (a.finish().unwrap(), b.finish().unwrap());
+            assert_eq!(a.mean_delta, b.mean_delta, "{compression:?} {bound:?}");
+            assert_eq!(a.n_within_bound, b.n_within_bound);
+        }
+        // The wrong encoding for the run is refused by length, not misread.
+        let f32_bytes = crate::tensor::f32_to_le_bytes(&values);
+        let err = validate_parts(&s, compression, f32_bytes, 5, BTreeMap::new()).unwrap_err();
+        assert!(matches!(err, UpdateError::Compression(_)), "{compression:?}: {err}");
     }
 }

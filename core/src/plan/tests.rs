@@ -291,3 +291,34 @@ fn r17_robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan()
     );
     assert!(serde_json::from_value::<Plan>(v).is_err());
 }
+
+#[test]
+fn r18_compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
+    let with = |key: &str, value: serde_json::Value| {
+        let mut v = plan_json();
+        v[key] = value;
+        v
+    };
+    let refused = |v: serde_json::Value| parse(v).unwrap_err().to_string();
+    // Old plans are f32, and so are their tasks.
+    let plain = parse(plan_json()).unwrap();
+    assert_eq!(plain.compression(), Compression::F32);
+    assert_eq!(plain.max_delta_bytes(), 16 * 4);
+    assert!(serde_json::to_value(plain.plan()).unwrap().get("compression").is_none());
+    let int8 = parse(with("compression", serde_json::json!({"kind": "int8", "block": 8}))).unwrap();
+    assert_eq!(int8.compression(), Compression::Int8 { block: 8 });
+    // The tier reduces f32: a compressed run's updates come to the coordinator.
+    assert!(int8.round_config().each_update_direct);
+    // Top-k of every value sends an index beside each: the body limit makes room.
+    let dense_top_k =
+        parse(with("compression", serde_json::json!({"kind": "top_k", "fraction": 1.0})));
+    assert_eq!(dense_top_k.unwrap().max_delta_bytes(), 4 + 16 * 8);
+    let err = refused(with("compression", serde_json::json!({"kind": "top_k", "fraction": 0.0})));
+    assert!(err.contains("compression") && err.contains("fraction"), "{err}");
+    let mut secure = with("compression", serde_json::json!({"kind": "f16"}));
+    secure["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 10});
+    assert!(refused(secure).contains("secure aggregation"));
+    let mut median = with("compression", serde_json::json!({"kind": "bf16"}));
+    median["strategy"] = serde_json::json!({"aggregation": {"kind": "coordinate_median"}});
+    assert!(refused(median).contains("order statistics"));
+}

@@ -6,6 +6,7 @@ use expect_test::{Expect, expect};
 use std::sync::Arc;
 
 use super::*;
+use crate::compression::Compression;
 use crate::fedavg::{Aggregate, ValidatedPartial, ValidatedUpdate, validate_parts};
 use crate::tensor::{DType, TensorSchema, TensorSpec};
 use crate::tier::PartialReport;
@@ -18,7 +19,8 @@ fn one_parameter() -> TensorSchema {
 
 /// A one-parameter update weighing `examples`.
 fn update(examples: u64) -> ValidatedUpdate {
-    validate_parts(&one_parameter(), vec![0; 4], examples, Default::default()).unwrap()
+    validate_parts(&one_parameter(), Compression::F32, vec![0; 4], examples, Default::default())
+        .unwrap()
 }
 
 /// An aggregator's partial for one-parameter updates of `devices`, weighing 100 examples each
@@ -131,7 +133,14 @@ impl Trace {
             device: DeviceId(device),
             round_idx: RoundIdx(round),
             model_version: self.m.model_version(),
-            update: validate_parts(&TensorSchema { tensors: vec![] }, vec![], 7, metrics).unwrap(),
+            update: validate_parts(
+                &TensorSchema { tensors: vec![] },
+                Compression::F32,
+                vec![],
+                7,
+                metrics,
+            )
+            .unwrap(),
         });
         request
     }

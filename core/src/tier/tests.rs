@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
+use crate::compression::Compression;
 use crate::fedavg::{FedAvgAccumulator, validate_parts};
 use crate::rng::SplitMix64;
 use crate::tensor::{DType, TensorSpec};
@@ -76,6 +77,7 @@ fn partials_merge_to_the_single_node_result_bit_for_bit() {
             metrics.insert("loss".to_string(), rng.unit());
             validate_parts(
                 &schema,
+                Compression::F32,
                 crate::tensor::f32_to_le_bytes(&delta),
                 1 + (i * 37 % 500) as u64,
                 metrics,
@@ -124,7 +126,7 @@ fn partials_merge_to_the_single_node_result_bit_for_bit() {
 fn bad_partials_are_refused_with_the_reason() {
     let schema = schema(4);
     let mut acc = FedAvgAccumulator::new(4);
-    acc.add(&validate_parts(&schema, vec![0; 16], 3, BTreeMap::new()).unwrap());
+    acc.add(&validate_parts(&schema, Compression::F32, vec![0; 16], 3, BTreeMap::new()).unwrap());
     let good = PartialReport::new(
         ModelVersion(0),
         schema.schema_id(),
@@ -180,7 +182,9 @@ fn three_shard_reports() -> (TensorSchema, FedAvgAccumulator, Vec<PartialReport>
         let delta: Vec<f32> = (0..n).map(|_| (rng.unit() as f32 - 0.5) * 1e-2).collect();
         let metrics = BTreeMap::from([("loss".to_string(), rng.unit())]);
         let bytes = crate::tensor::f32_to_le_bytes(&delta);
-        let u = validate_parts(&schema, bytes, 1 + (i * 53 % 400) as u64, metrics).unwrap();
+        let u =
+            validate_parts(&schema, Compression::F32, bytes, 1 + (i * 53 % 400) as u64, metrics)
+                .unwrap();
         single.add(&u);
         shards[i % 3].add(&u);
     }

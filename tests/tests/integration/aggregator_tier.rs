@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use starling_client::protocol::FleetClient;
 use starling_coordinator::tier::TierSettings;
+use starling_core::compression::Compression;
 use starling_core::fedavg::{FedAvgAccumulator, validate_update};
 use starling_core::rng::SplitMix64;
 use starling_core::tier::{AggregatorHello, TICKET_HEADER};
@@ -144,7 +145,7 @@ async fn aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
 fn single_node_model(global: &[f32], task: &TaskAssignment, updates: &[UploadRequest]) -> Vec<f32> {
     let mut acc = FedAvgAccumulator::new(global.len());
     for u in updates {
-        acc.add(&validate_update(&task.schema, u.clone()).unwrap());
+        acc.add(&validate_update(&task.schema, Compression::F32, u.clone()).unwrap());
     }
     acc.finish().unwrap().apply(global, 1.0).unwrap()
 }

@@ -4,6 +4,7 @@
 
 mod aggregator_tier;
 mod cli;
+mod compression;
 mod container;
 mod deploy;
 mod e2e;

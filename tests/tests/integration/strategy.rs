@@ -9,6 +9,7 @@ use std::path::Path;
 use starling_client::protocol::{AdminClient, FleetClient};
 use std::time::Duration;
 
+use starling_core::compression::Compression;
 use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
 use starling_core::robust::{Aggregation, combine};
 use starling_core::strategy::{AdaptiveParams, ServerOptimizer};
@@ -74,7 +75,7 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
         for i in 0..DEVICES {
             let bytes = starling_core::tensor::f32_to_le_bytes(&delta(i, round as i64, PARAMS));
             let metrics = [("loss".to_owned(), 1.0 / weight(i) as f64)].into();
-            acc.add(&validate_parts(&schema, bytes, weight(i), metrics).unwrap());
+            acc.add(&validate_parts(&schema, Compression::F32, bytes, weight(i), metrics).unwrap());
         }
         (model, state) = optimizer.step(&model, &acc.finish().unwrap(), &state, 1.0).unwrap();
         let got = model_values(&devices[0], hash, &schema).await.unwrap();
@@ -87,7 +88,10 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
         let mut acc = FedAvgAccumulator::new(PARAMS);
         for i in 0..DEVICES {
             let bytes = starling_core::tensor::f32_to_le_bytes(&delta(i, round, PARAMS));
-            acc.add(&validate_parts(&schema, bytes, weight(i), Default::default()).unwrap());
+            acc.add(
+                &validate_parts(&schema, Compression::F32, bytes, weight(i), Default::default())
+                    .unwrap(),
+            );
         }
         plain = fed_avg.step(&plain, &acc.finish().unwrap(), &Default::default(), 1.0).unwrap().0;
     }
