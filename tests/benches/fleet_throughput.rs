@@ -2,7 +2,9 @@
 //! coordinator process; reports rounds/s, updates/s, upload MB/s and the coordinator's peak RSS.
 //!
 //! Run with `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput`
-//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`.
+//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`,
+//! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
+//! compressed deltas; the MB/round column is what they send.
 //! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
 //! (`VmHWM`) is that configuration's alone.
 
@@ -16,6 +18,9 @@ use futures_util::stream;
 use sqlx::Connection;
 use starling_client::protocol::{AdminClient, FleetClient};
 use starling_core::RunId;
+use starling_core::compression::{Compression, ErrorFeedback};
+use starling_core::rng::SplitMix64;
+use starling_core::tensor::TensorPayload;
 use starling_core::wire::{CBOR_MEDIA_TYPE, UploadRequest};
 use starling_tests::{
     ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr, wait_model,
@@ -32,6 +37,8 @@ struct Config {
 }
 
 struct Measured {
+    /// Bytes of one device's upload body.
+    body_bytes: usize,
     round_secs: f64,
     upload_secs: f64,
     peak_rss_mib: f64,
@@ -44,26 +51,45 @@ fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     };
-    let wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let compression: Compression = match args.iter().position(|a| a == "--compression") {
+        None => Compression::F32,
+        Some(i) => {
+            let value = args.get(i + 1).context("--compression needs a value")?.parse()?;
+            args.drain(i..i + 2);
+            value
+        }
+    };
+    let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
         .into_iter()
         .map(|(devices, params, rounds)| Config { devices, params, rounds })
         .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    println!("compression: {}", serde_json::to_string(&compression)?);
     println!(
-        "{:>6} {:>9} {:>6} {:>9} {:>10} {:>12} {:>10} {:>13}",
-        "N", "P", "rounds", "rounds/s", "updates/s", "upload MB/s", "e2e upd/s", "peak RSS MiB"
+        "{:>6} {:>9} {:>6} {:>9} {:>9} {:>10} {:>12} {:>10} {:>13}",
+        "N",
+        "P",
+        "rounds",
+        "MB/round",
+        "rounds/s",
+        "updates/s",
+        "upload MB/s",
+        "e2e upd/s",
+        "peak RSS MiB"
     );
     for c in configs {
-        let m = runtime.block_on(bench(&base_url, &c))?;
-        let bytes_per_round = (c.devices * c.params * 4) as f64;
+        let m = runtime.block_on(bench(&base_url, &c, compression))?;
+        let bytes_per_round = (c.devices * m.body_bytes) as f64;
         let rounds = c.rounds as f64;
         println!(
-            "{:>6} {:>9} {:>6} {:>9.2} {:>10.1} {:>12.1} {:>10.1} {:>13.1}",
+            "{:>6} {:>9} {:>6} {:>9.1} {:>9.2} {:>10.1} {:>12.1} {:>10.1} {:>13.1}",
             c.devices,
             c.params,
             c.rounds,
+            bytes_per_round / 1e6,
             rounds / m.round_secs,
             rounds * c.devices as f64 / m.upload_secs,
             rounds * bytes_per_round / m.upload_secs / 1e6,
@@ -74,7 +100,7 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(base_url: &str, c: &Config) -> anyhow::Result<Measured> {
+async fn bench(base_url: &str, c: &Config, compression: Compression) -> anyhow::Result<Measured> {
     // Built from numbers only, so safe to splice into DDL (which takes no bind parameters).
     let db = format!("starling_bench_{}_{}", std::process::id(), c.devices);
     let mut admin_conn =
@@ -92,7 +118,7 @@ async fn bench(base_url: &str, c: &Config) -> anyhow::Result<Measured> {
     let log = std::env::var_os("STARLING_BENCH_LOG")
         .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
     let child = ChildCoordinator::spawn(bin, &url, free_addr(), &log).await?;
-    let res = drive(&child, c).await;
+    let res = drive(&child, c, compression).await;
     drop(child);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
         .execute(&mut admin_conn)
@@ -100,7 +126,11 @@ async fn bench(base_url: &str, c: &Config) -> anyhow::Result<Measured> {
     res
 }
 
-async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured> {
+async fn drive(
+    child: &ChildCoordinator,
+    c: &Config,
+    compression: Compression,
+) -> anyhow::Result<Measured> {
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let devices = enroll(&child.url, &admin, c.devices).await?;
     let spec = PlanSpec {
@@ -112,9 +142,12 @@ async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured>
         reporting_secs: 600.0,
         rounds: c.rounds as u32,
     };
-    let run = RunId(admin.create_run(&spec.json()).await?.id);
+    let mut plan = spec.json();
+    plan["compression"] = serde_json::to_value(compression)?;
+    let run = RunId(admin.create_run(&plan).await?.id);
     let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
-    let (mut round_secs, mut upload_secs) = (0.0, 0.0);
+    let (mut round_secs, mut upload_secs, mut body_bytes) = (0.0, 0.0, 0);
+    let mut feedback = ErrorFeedback::default();
     for round in 0..c.rounds {
         wait_round_open(&admin, run, round).await?;
         let started = Instant::now();
@@ -135,8 +168,12 @@ async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured>
             model_version: tasks[0].model_version,
             example_count: 32,
             metrics: [("loss".to_owned(), 0.5)].into(),
-            delta: tasks[0].schema.encode_f32(&delta),
+            delta: TensorPayload {
+                schema_id: tasks[0].schema.schema_id(),
+                data: compression.encode(&delta, &mut SplitMix64(round as u64), &mut feedback),
+            },
         })?;
+        body_bytes = body.len();
         let path = format!("/v1/runs/{run}/rounds/{round}/updates");
         let upload_started = Instant::now();
         let results: Vec<_> = stream::iter(&devices)
@@ -155,7 +192,7 @@ async fn drive(child: &ChildCoordinator, c: &Config) -> anyhow::Result<Measured>
         round_secs += started.elapsed().as_secs_f64();
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    Ok(Measured { round_secs, upload_secs, peak_rss_mib: peak_rss_mib(child.pid())? })
+    Ok(Measured { body_bytes, round_secs, upload_secs, peak_rss_mib: peak_rss_mib(child.pid())? })
 }
 
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {

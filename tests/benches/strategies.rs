@@ -1,13 +1,16 @@
 //! The learning algorithms' evidence (issue 17): server optimizers, robust aggregators under
-//! attack, and DP-FedAvg at fixed privacy budgets, each a whole simulation of real SDK devices
+//! attack, and DP-FedAvg at fixed privacy budgets; and update compression's cost in accuracy
+//! (issue 18). Each is a whole simulation of real SDK devices
 //! training the FedAvg paper's 2NN on MNIST against an in-process coordinator (fresh SQLite
 //! store) over real HTTP. The setting is the paper's pathological non-IID one: 100 clients of
 //! two label-sorted shards each, 10 per round, E = 1, B = 10, local SGD at lr 0.1.
 //!
-//! Run with `cargo bench -p starling-tests --bench strategies -- [optimizers] [attacks]
-//! [privacy] [--rounds N] [--only NAME]` (default: all three experiments, 100 rounds each).
-//! Every configuration prints one row: rounds to 90 % and 95 % test accuracy (`-` when not
-//! reached), the best accuracy and the mean of the last five rounds, and seconds per round.
+//! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
+//! [attacks] [privacy] [compression] [--rounds N] [--only NAME]` (default: every experiment,
+//! 100 rounds each; the dev profile optimizes burn and every other dependency, and spares the
+//! release build of burn that takes 20 minutes here). Every configuration prints one row:
+//! rounds to 90 % and 95 % test accuracy (`-` when not reached), the best and the final
+//! accuracy and the mean of the last five rounds, and seconds per round.
 //! `STARLING_BENCH_OUT=curves.jsonl` appends each configuration's whole accuracy curve.
 
 use std::io::Write;
@@ -17,6 +20,7 @@ use anyhow::Context;
 use starling_client::simulate::{
     Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, simulate,
 };
+use starling_core::compression::Compression;
 use starling_core::privacy::noise_multiplier_for;
 use starling_tests::{digits_simulation, sqlite_db, start_in_process_with};
 
@@ -29,7 +33,7 @@ const DELTA: f64 = 1e-5;
 const CLIP_NORM: f64 = 1.0;
 
 /// The experiments, in the order they run.
-const EXPERIMENTS: [&str; 3] = ["optimizers", "attacks", "privacy"];
+const EXPERIMENTS: [&str; 4] = ["optimizers", "attacks", "privacy", "compression"];
 
 /// One simulation to run.
 struct Case {
@@ -39,6 +43,8 @@ struct Case {
     poisoning: Option<Poisoning>,
     /// Devices selected per round over the cohort (DP accounts for exactly the cohort).
     over_selection: f64,
+    /// The encoding devices upload in.
+    compression: Compression,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,8 +65,8 @@ fn main() -> anyhow::Result<()> {
         "MNIST 2NN, shards:2, {CLIENTS} clients, {COHORT} per round, E=1, B=10, lr 0.1, {rounds} rounds"
     );
     println!(
-        "{:<11} {:<34} {:>6} {:>6} {:>7} {:>8} {:>8}",
-        "experiment", "configuration", "to 90%", "to 95%", "best", "last 5", "s/round"
+        "{:<11} {:<34} {:>6} {:>6} {:>7} {:>7} {:>8} {:>8}",
+        "experiment", "configuration", "to 90%", "to 95%", "best", "final", "last 5", "s/round"
     );
     for case in cases {
         let started = Instant::now();
@@ -75,12 +81,13 @@ fn main() -> anyhow::Result<()> {
         let tail = &curve[curve.len().saturating_sub(5)..];
         let last = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
         println!(
-            "{:<11} {:<34} {:>6} {:>6} {:>7.4} {:>8.4} {:>8.2}",
+            "{:<11} {:<34} {:>6} {:>6} {:>7.4} {:>7.4} {:>8.4} {:>8.2}",
             case.experiment,
             case.name,
             reached(0.90),
             reached(0.95),
             best,
+            curve.last().copied().unwrap_or(0.0),
             last,
             secs_per_round
         );
@@ -107,6 +114,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         strategy,
         poisoning,
         over_selection: 1.3,
+        compression: Compression::F32,
     };
     let optimizer = |o: serde_json::Value| serde_json::json!({ "optimizer": o });
     let aggregation = |a: serde_json::Value| serde_json::json!({ "aggregation": a });
@@ -183,7 +191,15 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 }
             })
             .collect(),
-        _ => unreachable!("experiments are filtered to the three names"),
+        // FedAvg uploading in each encoding; top-k devices keep what they did not send.
+        "compression" => ["f32", "f16", "bf16", "int8", "top_k:0.1", "top_k:0.01"]
+            .into_iter()
+            .map(|name| Case {
+                compression: name.parse().expect("the encodings parse"),
+                ..case(name, serde_json::Value::Null, None)
+            })
+            .collect(),
+        _ => unreachable!("experiments are filtered to the known names"),
     }
 }
 
@@ -202,6 +218,7 @@ async fn run(case: &Case, rounds: u32) -> anyhow::Result<Vec<f64>> {
         holdout: 0.0,
         strategy: case.strategy.clone(),
         poisoning: case.poisoning,
+        compression: case.compression,
         pacing: Pacing {
             over_selection: case.over_selection,
             min_quorum: Some(COHORT * 8 / 10),

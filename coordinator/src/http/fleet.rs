@@ -189,7 +189,7 @@ async fn model(
 
 #[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/updates", tag = "fleet", security(("device" = [])),
     params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
-    request_body(content = UploadRequest, content_type = "application/cbor", description = "at most the model's size plus 64 KiB"),
+    request_body(content = UploadRequest, content_type = "application/cbor", description = "at most the delta's size in the run's encoding (f32: the model's size) plus 64 KiB"),
     responses(
         (status = 200, description = "acknowledged: durably stored, never lost", body = UploadAck, content_type = "application/cbor"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
