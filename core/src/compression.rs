@@ -237,26 +237,11 @@ impl Compression {
         };
         let non_finite = |index: usize| CompressionError::NonFinite { kind, index: index as u64 };
         match *self {
-            Compression::F32 => {
+            Compression::F32 | Compression::F16 | Compression::Bf16 => {
                 length(self.max_encoded_len(n))?;
-                if let Some(i) = f32s(&bytes).position(|v| !v.is_finite()) {
-                    return Err(non_finite(i));
-                }
-            }
-            Compression::F16 => {
-                length(self.max_encoded_len(n))?;
-                if let Some(i) = bytes
-                    .chunks_exact(2)
-                    .position(|c| !half::f16::from_le_bytes([c[0], c[1]]).is_finite())
-                {
-                    return Err(non_finite(i));
-                }
-            }
-            Compression::Bf16 => {
-                length(self.max_encoded_len(n))?;
-                if let Some(i) = bytes
-                    .chunks_exact(2)
-                    .position(|c| !half::bf16::from_le_bytes([c[0], c[1]]).is_finite())
+                let width = self.dense_width();
+                if let Some(i) =
+                    bytes.chunks_exact(width).position(|c| !self.dense_value(c).is_finite())
                 {
                     return Err(non_finite(i));
                 }
@@ -350,15 +335,10 @@ impl CompressedDelta {
     pub fn for_each(&self, mut f: impl FnMut(usize, f32)) {
         let bytes = &self.bytes[..];
         match self.compression {
-            Compression::F32 => f32s(bytes).enumerate().for_each(|(i, v)| f(i, v)),
-            Compression::F16 => bytes
-                .chunks_exact(2)
-                .enumerate()
-                .for_each(|(i, c)| f(i, half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
-            Compression::Bf16 => bytes
-                .chunks_exact(2)
-                .enumerate()
-                .for_each(|(i, c)| f(i, half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+            Compression::F32 | Compression::F16 | Compression::Bf16 => {
+                let (kind, width) = (self.compression, self.compression.dense_width());
+                bytes.chunks_exact(width).enumerate().for_each(|(i, c)| f(i, kind.dense_value(c)))
+            }
             Compression::Int8 { block } => {
                 let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block as usize));
                 for (b, scale) in f32s(scales).enumerate() {
@@ -398,6 +378,25 @@ impl CompressedDelta {
 pub struct ErrorFeedback {
     /// Residual per parameter.
     pub residual: Vec<f32>,
+}
+
+impl Compression {
+    /// Bytes per value of a dense float encoding (f32, f16, bf16).
+    fn dense_width(self) -> usize {
+        if self.is_f32() { 4 } else { 2 }
+    }
+
+    /// One value of a dense float encoding from its `dense_width` little-endian bytes.
+    fn dense_value(self, c: &[u8]) -> f32 {
+        match self {
+            Compression::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            Compression::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            Compression::Bf16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+            Compression::Int8 { .. } | Compression::TopK { .. } => {
+                unreachable!("only the dense float encodings decode value by value")
+            }
+        }
+    }
 }
 
 fn encode_int8(delta: &[f32], block: usize, rng: &mut SplitMix64) -> Vec<u8> {
