@@ -11,8 +11,8 @@
 //! with the rounds it committed (`done` < rounds): a run whose rounds keep failing never ends.
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
-//! [attacks] [privacy] [compression] [--rounds N] [--only NAME]` (default: every experiment,
-//! 100 rounds each; the dev profile optimizes burn and every other dependency, and spares the
+//! [attacks] [privacy] [compression] [--rounds N] [--only NAME] [--partition iid]` (default:
+//! every experiment, 100 rounds each, on `shards:2`; the dev profile optimizes burn and every other dependency, and spares the
 //! release build of burn that takes 20 minutes here). Every configuration prints one row:
 //! rounds to 90 % and 95 % test accuracy (`-` when not reached), the best and the final
 //! accuracy and the mean of the last five rounds, and seconds per round.
@@ -70,6 +70,9 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rounds: u32 = flag(&args, "--rounds").map_or(Ok(100), |r| r.parse())?;
     let only = flag(&args, "--only");
+    let partition: Partition = flag(&args, "--partition")
+        .map_or(Ok(Partition::Shards(2)), |p| p.parse())
+        .map_err(anyhow::Error::msg)?;
     let named: Vec<&str> =
         EXPERIMENTS.into_iter().filter(|e| args.iter().any(|a| a == e)).collect();
     let experiments = if named.is_empty() { EXPERIMENTS.to_vec() } else { named };
@@ -80,7 +83,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let out = std::env::var_os("STARLING_BENCH_OUT");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    println!("MNIST 2NN, shards:2, E=1, B=10, lr 0.1, {rounds} rounds");
+    println!("MNIST 2NN, {partition:?}, E=1, B=10, lr 0.1, {rounds} rounds");
     println!(
         "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>7} {:>7} {:>8} {:>8}",
         "experiment",
@@ -97,7 +100,7 @@ fn main() -> anyhow::Result<()> {
     for case in cases {
         let started = Instant::now();
         let Measured { curve, finished } = runtime
-            .block_on(run(&case, rounds))
+            .block_on(run(&case, partition, rounds))
             .with_context(|| format!("{} {}", case.experiment, case.name))?;
         let secs_per_round = started.elapsed().as_secs_f64() / curve.len().max(1) as f64;
         let reached = |target: f64| {
@@ -206,24 +209,29 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
             }
             all
         }
-        // z sized so that the whole run spends exactly the budget (q = cohort / clients).
-        "privacy" => [1.0, 4.0, 8.0]
-            .into_iter()
-            .map(|epsilon| {
-                let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
-                let z = noise_multiplier_for(q, u64::from(rounds), DELTA, epsilon)
-                    .expect("these budgets are reachable");
-                let dp = serde_json::json!({"differential_privacy": {
+        // z sized so that the whole run spends exactly the budget (q = cohort / clients); the
+        // first case is the same fleet without DP, the mark each budget is read against.
+        "privacy" => std::iter::once(Case {
+            over_selection: 1.0,
+            clients: DP_CLIENTS,
+            cohort: DP_COHORT,
+            ..case("no dp", serde_json::Value::Null, None)
+        })
+        .chain([1.0, 4.0, 8.0].into_iter().map(|epsilon| {
+            let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
+            let z = noise_multiplier_for(q, u64::from(rounds), DELTA, epsilon)
+                .expect("these budgets are reachable");
+            let dp = serde_json::json!({"differential_privacy": {
                     "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
                     "delta": DELTA}});
-                Case {
-                    over_selection: 1.0,
-                    clients: DP_CLIENTS,
-                    cohort: DP_COHORT,
-                    ..case(&format!("dp ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
-                }
-            })
-            .collect(),
+            Case {
+                over_selection: 1.0,
+                clients: DP_CLIENTS,
+                cohort: DP_COHORT,
+                ..case(&format!("dp ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
+            }
+        }))
+        .collect(),
         // FedAvg uploading in each encoding; top-k devices keep what they did not send.
         "compression" => ["f32", "f16", "bf16", "int8", "top_k:0.1", "top_k:0.01"]
             .into_iter()
@@ -238,7 +246,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
 
 /// Runs one case: its test accuracy after each committed round, until the run ends or its time
 /// budget runs out.
-async fn run(case: &Case, rounds: u32) -> anyhow::Result<Measured> {
+async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<Measured> {
     let (_dir, db) = sqlite_db();
     // A simulated fleet checks in far more often than a real one: no per-device rate limit.
     let limits =
@@ -247,7 +255,7 @@ async fn run(case: &Case, rounds: u32) -> anyhow::Result<Measured> {
     let config = SimulationConfig {
         dataset: Dataset::Mnist,
         model: ModelKind::Mlp,
-        partition: Partition::Shards(2),
+        partition,
         training: serde_json::json!({"epochs": 1, "batch_size": 10, "lr": 0.1}),
         holdout: 0.0,
         strategy: case.strategy.clone(),
