@@ -287,6 +287,53 @@ impl Drop for ChildCoordinator {
     }
 }
 
+/// A coordinator process that a crash-recovery test SIGKILLs and starts again on the same
+/// address and store, logging to one file in a temporary directory.
+pub struct RestartableCoordinator {
+    bin: std::path::PathBuf,
+    database_url: String,
+    listen: SocketAddr,
+    logs: tempfile::TempDir,
+    child: ChildCoordinator,
+    /// An operator client for it (the address outlives restarts).
+    pub admin: AdminClient,
+}
+
+impl RestartableCoordinator {
+    /// Spawns `bin serve` on `database_url` and a free loopback port.
+    pub async fn spawn(bin: &Path, database_url: &str) -> anyhow::Result<Self> {
+        let (logs, listen) = (tempfile::tempdir()?, free_addr());
+        let log = logs.path().join("coordinator.log");
+        let child = ChildCoordinator::spawn(bin, database_url, listen, &log).await?;
+        let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
+        let database_url = database_url.to_owned();
+        Ok(RestartableCoordinator { bin: bin.to_owned(), database_url, listen, logs, child, admin })
+    }
+
+    /// Its base URL.
+    pub fn url(&self) -> &str {
+        &self.child.url
+    }
+
+    /// The log every incarnation writes to.
+    pub fn log(&self) -> std::path::PathBuf {
+        self.logs.path().join("coordinator.log")
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill()
+    }
+
+    /// Starts it again, on the same address and store, and waits until it answers.
+    pub async fn respawn(&mut self) -> anyhow::Result<()> {
+        self.child =
+            ChildCoordinator::spawn(&self.bin, &self.database_url, self.listen, &self.log())
+                .await?;
+        Ok(())
+    }
+}
+
 /// A plain reqwest client for raw requests in tests (ring installed as rustls's provider first,
 /// as the SDK does; without it reqwest panics).
 pub fn http_client() -> reqwest::Client {

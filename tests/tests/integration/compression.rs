@@ -5,7 +5,6 @@
 
 use std::path::Path;
 
-use starling_client::protocol::AdminClient;
 use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
 use starling_core::rng::SplitMix64;
@@ -23,12 +22,9 @@ async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean(
     for compression in [Compression::Int8 { block: 64 }, Compression::TopK { fraction: 0.05 }] {
         let (_dir, db) = sqlite_db();
         let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-        let logs = tempfile::tempdir().unwrap();
-        let log = logs.path().join("coordinator.log");
-        let listen = free_addr();
-        let mut child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
-        let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
-        let devices = enroll(&child.url, &admin, DEVICES).await.unwrap();
+        let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+        let admin = coordinator.admin.clone();
+        let devices = enroll(coordinator.url(), &admin, DEVICES).await.unwrap();
         let spec = PlanSpec::all_of(DEVICES, PARAMS, 1);
         let schema = spec.schema();
         let mut plan = spec.json();
@@ -62,8 +58,8 @@ async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean(
             device.upload(run, RoundIdx(0), &upload(i)).await.unwrap();
         }
         // SIGKILL with two acknowledged compressed updates stored and the round open.
-        child.kill().unwrap();
-        child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
+        coordinator.kill().unwrap();
+        coordinator.respawn().await.unwrap();
         devices[DEVICES - 1].upload(run, RoundIdx(0), &upload(DEVICES - 1)).await.unwrap();
         let committed = wait_model(&admin, run, 1).await.unwrap();
 
@@ -79,7 +75,6 @@ async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean(
             fed_avg.step(&global, &acc.finish().unwrap(), &Default::default(), 1.0).unwrap();
         let got = model_values(&devices[0], &committed, &schema).await.unwrap();
         assert!(got == want, "{compression:?}: the committed model is not the decoded mean");
-        drop(child);
     }
 }
 

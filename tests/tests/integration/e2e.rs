@@ -391,12 +391,9 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
 async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Result<()> {
     const PARAMS: usize = 100_000;
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir()?;
-    let log = logs.path().join("coordinator.log");
-    let listen = free_addr();
-    let mut child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
-    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
-    let devices = enroll(&child.url, &admin, 24).await?;
+    let mut coordinator = RestartableCoordinator::spawn(bin, db).await?;
+    let admin = coordinator.admin.clone();
+    let devices = enroll(coordinator.url(), &admin, 24).await?;
     let spec = PlanSpec {
         params: PARAMS as u64,
         cohort: 20,
@@ -430,7 +427,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
             n_acked += 1;
         }
     }
-    child.kill()?;
+    coordinator.kill()?;
     let mut acked = vec![];
     let mut unacked = vec![];
     for h in in_flight {
@@ -443,7 +440,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
         unacked.len()
     );
 
-    let child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+    coordinator.respawn().await?;
     // Acknowledged updates survived: resending one is a duplicate.
     for &i in &acked {
         let res = devices[i]
@@ -502,7 +499,7 @@ async fn sigkill_mid_round_loses_no_acknowledged_update(db: &str) -> anyhow::Res
         let got = model_values(&devices[0], hash, &schema).await?;
         assert!(got == expected, "model version {} differs from the exact mean", round + 1);
     }
-    drop(child);
+    drop(coordinator);
 
     // An uninterrupted run, on a fresh embedded store, fed the same updates, commits the same models.
     let (_dir, fresh) = sqlite_db();

@@ -6,7 +6,7 @@ use starling_core::codec;
 use std::path::Path;
 
 use futures_util::future::join_all;
-use starling_client::protocol::{AdminClient, FleetClient};
+use starling_client::protocol::FleetClient;
 use starling_client::secure::{SecureError, SecureSession};
 use starling_coordinator::store::SqlStore;
 use starling_core::round::secure::Record;
@@ -211,12 +211,9 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
 async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
     const N: usize = 10;
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir()?;
-    let log = logs.path().join("coordinator.log");
-    let listen = free_addr();
-    let mut child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
-    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
-    let devices = enroll(&child.url, &admin, N).await?;
+    let mut coordinator = RestartableCoordinator::spawn(bin, db).await?;
+    let admin = coordinator.admin.clone();
+    let devices = enroll(coordinator.url(), &admin, N).await?;
     let run = RunId(admin.create_run(&secure_plan(N as u32, 8, 30.0, None)).await?.id);
     wait_round_open(&admin, run, 0).await?;
     let tasks = expect_tasks(&devices).await?;
@@ -229,9 +226,9 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
         s.send_masked(&devices[i], ModelVersion(0), &delta(i, 0, PARAMS), weight(i), None).await?;
     }
 
-    child.kill()?;
-    let log_text = std::fs::read_to_string(&log)?;
-    let child = ChildCoordinator::spawn(bin, db, listen, &log).await?;
+    coordinator.kill()?;
+    let log_text = std::fs::read_to_string(coordinator.log())?;
+    coordinator.respawn().await?;
 
     for (j, s) in second.iter_mut().enumerate() {
         let i = N / 2 + j;
@@ -245,7 +242,7 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
     let round = &admin.rounds(run).await?[0];
     assert_eq!((round.n_reported, round.n_dropped), (10, Some(0)));
     assert!(!log_text.contains("panicked"), "the first process panicked:\n{log_text}");
-    drop(child);
+    drop(coordinator);
     Ok(())
 }
 

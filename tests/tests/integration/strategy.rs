@@ -36,12 +36,9 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
         ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.05, beta1: 0.9, beta2: 0.99, tau: 1e-3 });
     let (_dir, db) = sqlite_db();
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let log = logs.path().join("coordinator.log");
-    let listen = free_addr();
-    let mut child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
-    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
-    let devices = enroll(&child.url, &admin, DEVICES).await.unwrap();
+    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+    let admin = coordinator.admin.clone();
+    let devices = enroll(coordinator.url(), &admin, DEVICES).await.unwrap();
     let spec = PlanSpec {
         params: PARAMS as u64,
         cohort: DEVICES as u32,
@@ -62,8 +59,8 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
     }
     // SIGKILL with the third round open: the moments after model 2 are only in the store.
     wait_round_open(&admin, run, 2).await.unwrap();
-    child.kill().unwrap();
-    let child = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
+    coordinator.kill().unwrap();
+    coordinator.respawn().await.unwrap();
     hashes.push(one_round(&admin, &devices, run, 2).await);
 
     // The same steps, uninterrupted, on the same updates.
@@ -96,7 +93,7 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
         plain = fed_avg.step(&plain, &acc.finish().unwrap(), &Default::default(), 1.0).unwrap().0;
     }
     assert!(plain != model);
-    drop(child);
+    drop(coordinator);
 }
 
 /// Five devices, the last one an attacker sending its delta sign-flipped and 100× larger; each
