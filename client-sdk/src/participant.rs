@@ -463,6 +463,8 @@ impl<F: ModelFactory> Participant<F> {
         // Int8's stochastic rounding draws from the round's own seed, so a device never
         // repeats its rounding pattern.
         let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
+        // A secure round masks the f32 delta itself: nothing to encode.
+        let plain = secure.is_none();
         let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let (model, io) =
@@ -473,7 +475,7 @@ impl<F: ModelFactory> Participant<F> {
             if let Some(tamper) = tamper {
                 tamper(&mut delta);
             }
-            let encoded = compression.encode(&delta, &mut rounding, &mut feedback);
+            let encoded = plain.then(|| compression.encode(&delta, &mut rounding, &mut feedback));
             Ok::<_, ParticipantError>((delta, encoded, feedback, report))
         })
         .await
@@ -505,7 +507,10 @@ impl<F: ModelFactory> Participant<F> {
             model_version: task.model_version,
             example_count: trained.examples,
             metrics: [("loss".to_owned(), trained.loss)].into(),
-            delta: TensorPayload { schema_id: task.schema.schema_id(), data: encoded },
+            delta: TensorPayload {
+                schema_id: task.schema.schema_id(),
+                data: encoded.expect("a plain round encodes its delta"),
+            },
         };
         let sent = retrying(TRIES, || async {
             match &task.upload_to {
