@@ -222,6 +222,8 @@ impl Compression {
     /// Checks an encoded delta of a model of `n` values: exact length, finite values and
     /// scales, top-k indices strictly increasing below `n`.
     pub fn validate(&self, n: usize, bytes: Vec<u8>) -> Result<CompressedDelta, CompressionError> {
+        // A setting that never went through a plan (an int8 block of 0) is refused, not divided by.
+        self.check()?;
         let kind = self.name();
         let length = |expected: u64| {
             if bytes.len() as u64 == expected {

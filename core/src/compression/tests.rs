@@ -109,6 +109,8 @@ fn hostile_bytes_are_refused_by_name() {
     assert!(err(top, sparse(3, &[0, 1, 2])).contains("bytes"), "more than k values");
     assert!(err(top, vec![1, 0]).contains("bytes"));
     assert!(top.validate(n, sparse(0, &[])).unwrap().to_f32().iter().all(|&v| v == 0.0));
+    // An unchecked setting is refused rather than trusted.
+    assert!(err(Compression::Int8 { block: 0 }, vec![0; 4]).contains("block"));
 }
 
 #[test]
