@@ -427,7 +427,9 @@ fn encode_top_k(delta: &[f32], k: usize, feedback: &mut ErrorFeedback) -> Vec<u8
     if feedback.residual.len() != delta.len() {
         feedback.residual = vec![0.0; delta.len()];
     }
-    let corrected: Vec<f32> = delta.iter().zip(&feedback.residual).map(|(d, e)| d + e).collect();
+    // The residual becomes this round's corrected delta; what is sent leaves it below.
+    let corrected = &mut feedback.residual;
+    corrected.iter_mut().zip(delta).for_each(|(e, d)| *e += d);
     let mut order: Vec<u32> = (0..delta.len() as u32).collect();
     if k < order.len() {
         order.select_nth_unstable_by(k, |&a, &b| {
@@ -436,13 +438,12 @@ fn encode_top_k(delta: &[f32], k: usize, feedback: &mut ErrorFeedback) -> Vec<u8
         order.truncate(k);
     }
     order.sort_unstable();
-    feedback.residual.clone_from(&corrected);
     let mut out = Vec::with_capacity(4 + 8 * order.len());
     out.extend_from_slice(&(order.len() as u32).to_le_bytes());
     order.iter().for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
     for &i in &order {
         out.extend_from_slice(&corrected[i as usize].to_le_bytes());
-        feedback.residual[i as usize] = 0.0;
+        corrected[i as usize] = 0.0;
     }
     out
 }
