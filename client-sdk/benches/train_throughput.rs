@@ -1,11 +1,20 @@
 //! Local training throughput (examples/s) of the MNIST 2NN (784-200-200-10) and the FedAvg
 //! paper's CNN on real MNIST images, on the CPU backend and on wgpu when an adapter exists.
 //!
+//! The CPU rows end with the ceiling this machine puts on them: the flex backend's matrix
+//! multiply measured at 1024³, and what that rate allows for each model's arithmetic (forward
+//! and backward multiply-adds per training example, counted from the spec). A model whose
+//! examples/s sit far below its ceiling loses time outside the multiplies; one near it can
+//! only go faster on a faster multiply (or a GPU).
+//!
 //! Run with `cargo bench -p starling-client --bench train_throughput` (add `--profile dev` to
 //! reuse the test build: dependencies, burn included, are optimized there too).
 
 use std::path::PathBuf;
 use std::time::Instant;
+
+use burn::tensor::{Device, Distribution, Tensor};
+use starling_core::model_spec::{Activation, LayerSpec, ModelSpec};
 
 use starling_client::backend::{self, BackendChoice};
 use starling_client::data::{Split, mnist};
@@ -34,6 +43,7 @@ fn main() {
         }
         Err(e) => println!("wgpu skipped: {e}"),
     }
+    let mut cpu_rates = Vec::new();
     for backend in &backends {
         for (kind, n, batch) in [
             (ModelKind::Mlp, 4000, 10),
@@ -58,6 +68,9 @@ fn main() {
             let started = Instant::now();
             let (_, report) = train(model, io, &subset, &config, &device, &mut |_| {}).unwrap();
             let secs = started.elapsed().as_secs_f64();
+            if backend.name() == "cpu" {
+                cpu_rates.push((kind, batch, report.examples as f64 / secs, training_flops(&spec)));
+            }
             println!(
                 "{:<8} {:<6} {:>6} {:>8} {:>12.0}",
                 backend.name(),
@@ -68,4 +81,54 @@ fn main() {
             );
         }
     }
+    let gemm = gemm_flops_per_second(&Device::flex(), 1024);
+    println!("cpu (flex) matrix multiply at 1024³: {:.1} GFLOP/s", gemm / 1e9);
+    for (kind, batch, rate, flops) in cpu_rates {
+        println!(
+            "cpu {:<4} B={batch:<3} {:>6.1} MFLOP per training example → at most {:>6.0} examples/s at that rate; measured {rate:.0} ({:.0} % of it)",
+            format!("{kind:?}").to_lowercase(),
+            flops / 1e6,
+            gemm / flops,
+            100.0 * rate * flops / gemm,
+        );
+    }
+}
+
+/// Multiply-add FLOPs of one training example: the forward pass of every linear and
+/// convolution layer, twice that for the backward pass (gradients of weights and inputs),
+/// less the first layer's input gradient, which training never computes. Elementwise layers,
+/// pooling, the loss and the optimizer step are left out: they are the time a model loses
+/// outside the multiplies.
+fn training_flops(spec: &ModelSpec) -> f64 {
+    let inputs = spec.layer_inputs().expect("built-in specs are valid");
+    let mut forward = Vec::new();
+    for (layer, input) in spec.layers.iter().zip(&inputs) {
+        let flops = match (*layer, *input) {
+            (LayerSpec::Linear { out }, Activation::Flat(f)) => 2 * f * out,
+            (LayerSpec::Linear { out }, Activation::Sequence(s, f)) => 2 * s * f * out,
+            (LayerSpec::Conv2d { out_channels, kernel, padding }, Activation::Image(c, h, w)) => {
+                let (ho, wo) = (h + 2 * padding + 1 - kernel, w + 2 * padding + 1 - kernel);
+                2 * out_channels * c * kernel * kernel * ho * wo
+            }
+            _ => 0,
+        };
+        forward.push(flops as f64);
+    }
+    let first = forward.iter().copied().find(|&f| f > 0.0).unwrap_or(0.0);
+    3.0 * forward.iter().sum::<f64>() - first
+}
+
+/// The flex backend's f32 matrix multiply of two `n`×`n` matrices, in FLOP/s (best of five).
+fn gemm_flops_per_second(device: &Device, n: usize) -> f64 {
+    let a = Tensor::<2>::random([n, n], Distribution::Normal(0.0, 1.0), device);
+    let b = Tensor::<2>::random([n, n], Distribution::Normal(0.0, 1.0), device);
+    let _ = a.clone().matmul(b.clone()).into_data();
+    let best = (0..5)
+        .map(|_| {
+            let started = Instant::now();
+            let _ = a.clone().matmul(b.clone()).into_data();
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    2.0 * (n * n * n) as f64 / best
 }
