@@ -39,11 +39,9 @@ mod recover;
 #[cfg(test)]
 mod tests;
 
-use starling_core::fedavg::{
-    Aggregate, FedAvgAccumulator, PooledEvaluation, ValidatedPartial, ValidatedUpdate,
-};
+use starling_core::fedavg::{FedAvgAccumulator, ValidatedPartial, ValidatedUpdate};
 use starling_core::plan::ValidatedPlan;
-use starling_core::round::secure::SecAggRejection;
+use starling_core::round::secure::{SecAggRejection, SecureSum};
 use starling_core::round::{
     CheckInDecision, Input, RequestId, RunMachine, RunStatus, UploadRejection,
 };
@@ -309,8 +307,9 @@ struct RunEntry {
     accumulator: AccumulatorWorker,
     /// Who waits for the answer to each request the machine has not answered yet.
     responders: HashMap<RequestId, Responder>,
-    /// A secure round's unmasked mean and pooled evaluation, waiting for its `CloseRound`.
-    secure_aggregate: Option<(Aggregate, Option<PooledEvaluation>)>,
+    /// A secure round's checked unmasking, waiting for its `CloseRound` (which unmasks it on a
+    /// blocking thread).
+    secure_aggregate: Option<SecureSum>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
 }
 

@@ -98,7 +98,8 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
         server_time += t.elapsed();
     }
     let t = Instant::now();
-    let (sum, survivors) = server.finish().unwrap();
+    let unmasking = server.finish().unwrap();
+    let (sum, survivors) = (unmasking.sum(), unmasking.survivors().clone());
     server_time += t.elapsed();
     let expected: Vec<u32> = input.iter().map(|v| v.wrapping_mul(survivors.len() as u32)).collect();
     assert_eq!(sum, expected, "the unmasked sum is the plaintext sum");

@@ -819,12 +819,11 @@ impl RunMachine {
                 r.reported.retain(|d| counted.contains(d));
                 match s.outcome() {
                     None => {}
-                    Some(Ok(aggregate)) => {
-                        self.actions.push_back(Action::SecureAggregate {
-                            round_idx: r.opened.round_idx,
-                            aggregate: aggregate.clone(),
-                            evaluation: s.evaluation().cloned(),
-                        });
+                    Some(Ok(())) => {
+                        if let Some(sum) = s.take_sum() {
+                            let round_idx = r.opened.round_idx;
+                            self.actions.push_back(Action::SecureAggregate { round_idx, sum });
+                        }
                         r.phase = Phase::Closing;
                     }
                     Some(Err(failure)) => {

@@ -37,7 +37,7 @@ pub use quantize::{
     EVALUATION_ENTRIES, EvaluationInput, Quantizer, SECURE_LOSS_CAP, append_evaluation,
     decode_evaluation, decode_weighted_mean, encode_weighted,
 };
-pub use server::Server;
+pub use server::{Server, Unmasking};
 pub use shamir::Share;
 
 /// A cohort member's index, 1-based: also its Shamir evaluation point.

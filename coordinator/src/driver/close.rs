@@ -1,5 +1,5 @@
-//! Closing a round, off the driver task: aggregate (or take a secure round's unmasked sum),
-//! apply it, encode the new model and commit it with the round's row and pooled evaluation in
+//! Closing a round, off the driver task: aggregate (or unmask a secure round's sum, on a
+//! blocking thread), apply it, encode the new model and commit it with the round's row and pooled evaluation in
 //! one transaction; or record the failure. Store failures are retried until the write lands or
 //! is fenced off.
 
@@ -10,6 +10,7 @@ use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
 use starling_core::privacy::Gaussian;
 use starling_core::robust::combine;
+use starling_core::round::secure::SecureSum;
 use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::strategy::OptimizerState;
 use starling_core::{Millis, RoundIdx, RunId};
@@ -27,9 +28,7 @@ pub(super) struct CloseTask {
     pub(super) opened_at: Millis,
     pub(super) run_id: RunId,
     pub(super) closing: RoundClosing,
-    pub(super) finish: oneshot::Receiver<Result<Aggregate, AggregateError>>,
-    /// A secure round's pooled evaluation, committed with the round.
-    pub(super) evaluation: Option<PooledEvaluation>,
+    pub(super) finish: Finish,
     pub(super) global: Arc<Vec<f32>>,
     /// The server optimizer's state after producing `global`.
     pub(super) optimizer_state: Arc<OptimizerState>,
@@ -46,7 +45,6 @@ impl CloseTask {
             run_id,
             closing,
             finish,
-            evaluation,
             global,
             optimizer_state,
             plan,
@@ -55,7 +53,8 @@ impl CloseTask {
         let round_idx = closing.round_idx;
         let closing_started = std::time::Instant::now();
         let open_ms = closing.closed_at - opened_at;
-        let aggregate = finish.await.unwrap_or(Err(AggregateError::Empty));
+        let (aggregate, evaluation) =
+            finish.aggregate(matches!(closing.outcome, RoundOutcome::Commit)).await;
         // Each arm writes the round's end (retried until it lands or is fenced off) and says
         // how it ended; what follows the write is the same for all.
         let (written, label, committed) = match (closing.outcome, aggregate) {
@@ -150,6 +149,34 @@ impl CloseTask {
             .then(|| closing_started.elapsed().as_secs_f64() * 1e3);
         observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
+    }
+}
+
+/// Where a closed round's aggregate comes from.
+pub(super) enum Finish {
+    /// The run's accumulator thread, folding the round's updates.
+    Accumulated(oneshot::Receiver<Result<Aggregate, AggregateError>>),
+    /// A secure round's checked unmasking.
+    Unmask(SecureSum),
+}
+
+impl Finish {
+    /// The round's aggregate, and a secure round's pooled evaluation (committed with it). A
+    /// secure sum is unmasked on a blocking thread (model-sized work: n vectors added, a
+    /// keystream expanded per mask), and only when the round commits.
+    async fn aggregate(
+        self,
+        commits: bool,
+    ) -> (Result<Aggregate, AggregateError>, Option<PooledEvaluation>) {
+        match self {
+            Finish::Accumulated(rx) => (rx.await.unwrap_or(Err(AggregateError::Empty)), None),
+            Finish::Unmask(_) if !commits => (Err(AggregateError::Empty), None),
+            Finish::Unmask(sum) => match tokio::task::spawn_blocking(move || sum.finish()).await {
+                Ok(Ok((aggregate, evaluation))) => (Ok(aggregate), evaluation),
+                Ok(Err(e)) => (Err(e), None),
+                Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
+            },
+        }
     }
 }
 

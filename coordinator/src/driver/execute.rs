@@ -11,7 +11,7 @@ use starling_core::round::{Action, RequestId, RunStatus};
 use starling_core::wire::{SecAggInstruction, UploadAck};
 use tokio::sync::{mpsc, oneshot};
 
-use super::close::CloseTask;
+use super::close::{CloseTask, Finish};
 use super::{Driver, DriverError, Internal, Responder, RunEntry};
 use crate::clock::now_ms;
 use crate::observe::Observer;
@@ -212,20 +212,16 @@ impl Effects<'_> {
                     batch.replies.push(later(reply, res));
                 }
             }
-            Action::SecureAggregate { round_idx, aggregate, evaluation } => {
-                tracing::info!(%run_id, round = %round_idx, survivors = aggregate.n_updates, evaluated = evaluation.is_some(), "secure aggregation unmasked the cohort's sum");
-                entry.secure_aggregate = Some((aggregate, evaluation));
+            Action::SecureAggregate { round_idx, sum } => {
+                tracing::info!(%run_id, round = %round_idx, survivors = sum.survivors(), "secure aggregation rebuilt the secrets of the cohort's sum");
+                entry.secure_aggregate = Some(sum);
             }
             Action::CloseRound(closing) => {
                 let opened_at =
                     entry.machine.current_round().map_or(closing.closed_at, |r| r.opened_at);
-                let (finish, evaluation) = match entry.secure_aggregate.take() {
-                    Some((aggregate, evaluation)) => {
-                        let (tx, rx) = oneshot::channel();
-                        let _ = tx.send(Ok(aggregate));
-                        (rx, evaluation)
-                    }
-                    None => (entry.accumulator.finish(), None),
+                let finish = match entry.secure_aggregate.take() {
+                    Some(sum) => Finish::Unmask(sum),
+                    None => Finish::Accumulated(entry.accumulator.finish()),
                 };
                 // Spawned once this batch's transitions are durable: the commit then follows
                 // the round's last records, which it deletes.
@@ -236,7 +232,6 @@ impl Effects<'_> {
                     run_id,
                     closing,
                     finish,
-                    evaluation,
                     global: entry.global.clone(),
                     optimizer_state: entry.optimizer_state.clone(),
                     plan: entry.plan.clone(),

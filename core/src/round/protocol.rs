@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::secure::{self, Record, SecAggRejection};
-use crate::fedavg::{Aggregate, PooledEvaluation, ValidatedPartial, ValidatedUpdate};
+use crate::fedavg::{ValidatedPartial, ValidatedUpdate};
 use crate::ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::RoundConfig;
 use crate::tier::{PartialReport, TierConfig};
@@ -210,15 +210,15 @@ pub enum Action {
         /// What the device should do.
         result: Result<SecAggInstruction, SecAggRejection>,
     },
-    /// The unmasked weighted mean of a secure round; the `CloseRound` that follows commits it.
+    /// A secure round ended with a sum; the `CloseRound` that follows commits it. The driver
+    /// unmasks it ([`SecureSum::finish`](super::secure::SecureSum::finish): the mean delta, no
+    /// per-device metrics, and the survivors' pooled evaluation of the round's model version)
+    /// off its task, since that is model-sized work.
     SecureAggregate {
         /// The round.
         round_idx: RoundIdx,
-        /// The mean delta (no per-device metrics: they would leak individual information).
-        aggregate: Aggregate,
-        /// The survivors' pooled evaluation of the round's model version, decoded from the
-        /// same sum (none when nobody evaluated); commit it with the round.
-        evaluation: Option<PooledEvaluation>,
+        /// The checked unmasking.
+        sum: super::secure::SecureSum,
     },
     /// Persist that the run committed all its rounds.
     FinishRun,

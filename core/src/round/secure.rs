@@ -15,12 +15,13 @@
 //! * Unmasking: `stage_timeout` after MaskedInputCollection closed.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::UploadRejection;
-use crate::fedavg::{Aggregate, PooledEvaluation};
+use crate::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::SecureRoundConfig;
 use crate::secagg::{
@@ -134,10 +135,9 @@ pub(super) struct SecureRound {
     neighbours: BTreeMap<ClientIdx, NeighbourKeys>,
     mask_requests: BTreeMap<ClientIdx, MaskRequest>,
     unmask_request: Option<UnmaskRequest>,
-    outcome: Option<Result<Aggregate, SecureFailure>>,
-    /// The cohort's pooled evaluation of the round's model, decoded with the sum (when the
-    /// vectors carry evaluations and anyone evaluated).
-    evaluation: Option<PooledEvaluation>,
+    outcome: Option<Result<(), SecureFailure>>,
+    /// The checked unmasking of a round that ended with a sum, until the machine hands it on.
+    sum: Option<SecureSum>,
     /// Records to persist, drained by the machine.
     outbox: Vec<Record>,
 }
@@ -204,7 +204,7 @@ impl SecureRound {
             mask_requests: BTreeMap::new(),
             unmask_request: None,
             outcome: None,
-            evaluation: None,
+            sum: None,
             outbox: vec![Record::Begin { config, graph_seed }],
         })
     }
@@ -245,13 +245,14 @@ impl SecureRound {
     }
 
     /// Whether the round has ended (with a sum or a failure).
-    pub fn outcome(&self) -> Option<&Result<Aggregate, SecureFailure>> {
+    pub fn outcome(&self) -> Option<&Result<(), SecureFailure>> {
         self.outcome.as_ref()
     }
 
-    /// The survivors' pooled evaluation of the round's model, once the sum is in.
-    pub fn evaluation(&self) -> Option<&PooledEvaluation> {
-        self.evaluation.as_ref()
+    /// The unmasking of a round that ended with a sum, once (the machine hands it to the
+    /// driver, which does the model-sized work off its task).
+    pub fn take_sum(&mut self) -> Option<SecureSum> {
+        self.sum.take()
     }
 
     /// Devices whose masked input is in.
@@ -501,17 +502,51 @@ impl SecureRound {
         }
     }
 
+    /// Rebuilds and checks every secret the sum needs; the sum itself is left to
+    /// [`SecureSum::finish`].
     fn finish(&mut self) -> Result<(), SecAggError> {
-        let (sum, survivors) = self.server.finish()?;
-        let count = survivors.len() as u32;
-        let q = Quantizer::for_cohort(self.settings.clip, self.config.n);
+        let unmasking = self.server.finish()?;
+        self.sum = Some(SecureSum {
+            unmasking: Arc::new(unmasking),
+            settings: self.settings,
+            cohort: self.config.n,
+        });
+        self.outcome = Some(Ok(()));
+        Ok(())
+    }
+}
+
+/// A secure round that ended with a sum: the survivors' masked inputs and the masks to remove,
+/// checked, and how to decode the result. What is left is model-sized work (adding n vectors,
+/// expanding one keystream per mask, decoding), which [`SecureSum::finish`] does wherever the
+/// driver runs it: never on the task that drives every run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SecureSum {
+    unmasking: Arc<secagg::Unmasking>,
+    settings: SecureRoundConfig,
+    /// The round's cohort (the quantizer's headroom is sized for it).
+    cohort: u32,
+}
+
+impl SecureSum {
+    /// Devices whose inputs are in the sum.
+    pub fn survivors(&self) -> u32 {
+        self.unmasking.survivors().len() as u32
+    }
+
+    /// The survivors' weighted mean delta and, when the vectors carry evaluations and anyone
+    /// evaluated, their pooled evaluation of the round's model.
+    pub fn finish(&self) -> Result<(Aggregate, Option<PooledEvaluation>), AggregateError> {
+        let sum = self.unmasking.sum();
+        let count = self.survivors();
+        let q = Quantizer::for_cohort(self.settings.clip, self.cohort);
         let (model_part, evaluation) = if self.settings.carries_evaluation(sum.len()) {
             sum.split_at(self.settings.n_params + 1)
         } else {
             (&sum[..], &[][..])
         };
         let max_examples = self.settings.max_examples;
-        self.evaluation = secagg::decode_evaluation(&q, evaluation, count, max_examples).map(
+        let evaluation = secagg::decode_evaluation(&q, evaluation, count, max_examples).map(
             |(examples, accuracy, loss)| PooledEvaluation {
                 n_devices: u64::from(count),
                 example_count: examples.round() as u64,
@@ -519,16 +554,16 @@ impl SecureRound {
             },
         );
         let mean_delta = secagg::decode_weighted_mean(&q, model_part, count)
-            .ok_or_else(|| SecAggError::Config("the survivors' total weight is zero".into()))?;
+            .ok_or(AggregateError::ZeroWeight)?;
         let weight = q.dequantize_sum(*model_part.last().expect("len ≥ 1"), count) / q.clip;
-        self.outcome = Some(Ok(Aggregate {
+        let aggregate = Aggregate {
             mean_delta,
             total_weight: (weight * self.settings.max_examples as f64).round() as u64,
             n_updates: u64::from(count),
             n_within_bound: u64::from(count),
             metrics: BTreeMap::new(),
-        }));
-        Ok(())
+        };
+        Ok((aggregate, evaluation))
     }
 }
 

@@ -674,6 +674,8 @@ mod secure_rounds {
         records: Vec<Record>,
         replies: BTreeMap<RequestId, Action>,
         aggregate: Option<Aggregate>,
+        /// The unmasking the machine handed over, as it was handed over.
+        sum: Option<secure::SecureSum>,
         closing: Option<RoundClosing>,
         /// A device that seals a share that does not open to its first neighbour.
         garble: Option<i64>,
@@ -699,6 +701,7 @@ mod secure_rounds {
                 records: vec![],
                 replies: BTreeMap::new(),
                 aggregate: None,
+                sum: None,
                 closing: None,
                 garble: None,
             };
@@ -722,7 +725,10 @@ mod secure_rounds {
                     | Action::ReplySecAggPoll { request, .. } => {
                         self.replies.insert(request, a);
                     }
-                    Action::SecureAggregate { aggregate, .. } => self.aggregate = Some(aggregate),
+                    Action::SecureAggregate { sum, .. } => {
+                        self.aggregate = Some(sum.finish().expect("the sum decodes").0);
+                        self.sum = Some(sum);
+                    }
                     Action::CloseRound(c) => self.closing = Some(c),
                     _ => {}
                 }
@@ -855,6 +861,13 @@ mod secure_rounds {
     }
 
     fn run(restart_after_share: bool) -> (Aggregate, RoundClosing) {
+        let mut f = run_fleet(restart_after_share);
+        let closing = f.closing.expect("the round closed");
+        (f.aggregate.take().unwrap_or_else(|| panic!("no aggregate: {closing:?}")), closing)
+    }
+
+    /// Ten devices; two drop while training, one before unmasking.
+    fn run_fleet(restart_after_share: bool) -> Fleet {
         let mut f = Fleet::new();
         for d in 1..=10 {
             f.join(d);
@@ -889,8 +902,21 @@ mod secure_rounds {
         assert!(matches!(f.poll(9), SecAggInstruction::Excluded { .. }));
         assert!(f.aggregate.is_none());
         f.advance(6_000);
-        let closing = f.closing.expect("the round closed");
-        (f.aggregate.unwrap_or_else(|| panic!("no aggregate: {closing:?}")), closing)
+        f
+    }
+
+    /// Issue 18: the machine rebuilds the sum's secrets and stops there. The model-sized work
+    /// of unmasking (n vectors added, a keystream expanded per mask, the mean decoded) is a
+    /// `SecureSum` the driver finishes on a blocking thread, so no run waits for it; finishing
+    /// it there gives the same bits as anywhere.
+    #[test]
+    fn r18_the_machine_hands_unmasking_to_the_driver_to_finish_elsewhere() {
+        let mut f = run_fleet(false);
+        let sum = f.sum.take().expect("the machine handed over the unmasking");
+        assert_eq!(sum.survivors(), 8);
+        let here = sum.finish().expect("the sum decodes");
+        let elsewhere = std::thread::spawn(move || sum.finish()).join().expect("no panic");
+        assert_eq!(elsewhere, Ok(here));
     }
 
     #[test]

@@ -238,9 +238,12 @@ impl Server {
         Ok(())
     }
 
-    /// Ends Unmasking: the sum of the survivors' inputs, and who they are. Fails cleanly when
-    /// some secret has fewer than `t` shares or a rebuilt key does not match its public key.
-    pub fn finish(&mut self) -> Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError> {
+    /// Ends Unmasking: every secret the sum needs, rebuilt and checked, with the survivors'
+    /// masked inputs. Fails cleanly when some secret has fewer than `t` shares or a rebuilt key
+    /// does not match its public key. The model-sized work, adding the vectors and removing the
+    /// masks, is [`Unmasking::sum`]'s, which cannot fail: a caller runs it where it costs
+    /// nobody (the coordinator: off its driver task).
+    pub fn finish(&mut self) -> Result<Unmasking, SecAggError> {
         self.expect(ServerStage::Unmask, "the end of Unmasking")?;
         self.at_least("Unmasking", self.responses.len())?;
         self.stage = ServerStage::Done;
@@ -253,12 +256,7 @@ impl Server {
                     .take(t)
                     .collect()
             };
-        let mut sum = vec![0u32; self.config.len];
-        for y in self.masked.values() {
-            for (s, v) in sum.iter_mut().zip(y) {
-                *s = s.wrapping_add(*v);
-            }
-        }
+        let mut masks = Vec::new();
         for &j in &self.survivors {
             let shares = gather(&|r| r.seed_shares.get(&j).copied());
             if shares.len() < t {
@@ -272,7 +270,7 @@ impl Server {
                 client: j,
                 why: "seed shares are inconsistent".into(),
             })?;
-            Keystream::new(&seed, 3).mask(&mut sum, false);
+            masks.push(MaskRemoval { seed, stream: 3, add: false });
         }
         for &j in self.shared.difference(&self.survivors) {
             let shares = gather(&|r| r.key_shares.get(&j).copied());
@@ -306,9 +304,65 @@ impl Server {
                     &self.config.session,
                 );
                 // Survivor i added the pairwise mask if i < j and subtracted it otherwise.
-                Keystream::new(&seed, 4).mask(&mut sum, i > j);
+                masks.push(MaskRemoval { seed, stream: 4, add: i > j });
             }
         }
-        Ok((sum, self.survivors.clone()))
+        Ok(Unmasking {
+            len: self.config.len,
+            masked: std::mem::take(&mut self.masked).into_values().collect(),
+            masks,
+            survivors: self.survivors.clone(),
+        })
+    }
+}
+
+/// One keystream the sum of masked inputs still carries, and which way to take it out.
+#[derive(Clone, PartialEq, Eq)]
+struct MaskRemoval {
+    seed: [u8; 32],
+    stream: u8,
+    add: bool,
+}
+
+/// A finished round's survivors' masked inputs and the keystreams that remove their masks:
+/// everything the sum needs, checked by [`Server::finish`].
+#[derive(Clone, PartialEq, Eq)]
+pub struct Unmasking {
+    len: usize,
+    masked: Vec<Vec<u32>>,
+    masks: Vec<MaskRemoval>,
+    survivors: BTreeSet<ClientIdx>,
+}
+
+impl Unmasking {
+    /// The clients whose inputs are in the sum.
+    pub fn survivors(&self) -> &BTreeSet<ClientIdx> {
+        &self.survivors
+    }
+
+    /// The sum of the survivors' inputs in the ring: n masked vectors added and one keystream
+    /// expanded per mask, so O(n × len) work and one vector of memory.
+    pub fn sum(&self) -> Vec<u32> {
+        let mut sum = vec![0u32; self.len];
+        for y in &self.masked {
+            for (s, v) in sum.iter_mut().zip(y) {
+                *s = s.wrapping_add(*v);
+            }
+        }
+        for m in &self.masks {
+            Keystream::new(&m.seed, m.stream).mask(&mut sum, m.add);
+        }
+        sum
+    }
+}
+
+impl std::fmt::Debug for Unmasking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Seeds are secrets and the vectors model-sized: counts only.
+        f.debug_struct("Unmasking")
+            .field("len", &self.len)
+            .field("survivors", &self.survivors)
+            .field("masks", &self.masks.len())
+            .finish_non_exhaustive()
     }
 }

@@ -82,7 +82,7 @@ fn run(config: &Config, seed: u64, script: &Script) -> (Outcome, BTreeMap<Client
             let response = clients.get_mut(&i).unwrap().unmask(request.clone())?;
             server.receive_unmask(i, response)?;
         }
-        server.finish()
+        server.finish().map(|unmasking| (unmasking.sum(), unmasking.survivors().clone()))
     })();
     (result, inputs)
 }
