@@ -23,6 +23,12 @@ fn randomness<const N: usize>(seed: u64) -> [u8; N] {
 struct Figures {
     client: Duration,
     server: Duration,
+    /// Of `server`: rebuilding the secrets (`Server::finish`), the part the coordinator's
+    /// driver task runs.
+    secrets: Duration,
+    /// Of `server`: adding the vectors and removing the masks (`Unmasking::sum`), which the
+    /// coordinator runs on a blocking thread.
+    unmask: Duration,
     sent: usize,
     received: usize,
     survivors: usize,
@@ -99,13 +105,18 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
     }
     let t = Instant::now();
     let unmasking = server.finish().unwrap();
+    let secrets = t.elapsed();
+    let t = Instant::now();
     let (sum, survivors) = (unmasking.sum(), unmasking.survivors().clone());
-    server_time += t.elapsed();
+    let unmask = t.elapsed();
+    server_time += secrets + unmask;
     let expected: Vec<u32> = input.iter().map(|v| v.wrapping_mul(survivors.len() as u32)).collect();
     assert_eq!(sum, expected, "the unmasked sum is the plaintext sum");
     Figures {
         client: client_time / n,
         server: server_time,
+        secrets,
+        unmask,
         sent: sent / n as usize,
         received: received / n as usize,
         survivors: survivors.len(),
@@ -120,20 +131,22 @@ fn main() {
         &[(50, 100_000, 0.0), (500, 100_000, 0.0), (500, 100_000, 0.1), (1000, 100_000, 0.0)]
     };
     println!(
-        "| n | m | dropout | k | t | survivors | client time | server time | client sends | client receives |"
+        "| n | m | dropout | k | t | survivors | client time | server time | of which secrets / unmasking | client sends | client receives |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &(n, m, dropout) in cases {
         let config = Config::with_defaults([1; 16], n, m);
         let f = round(n, m, dropout);
         println!(
-            "| {n} | {m} | {:.0}% | {} | {} | {} | {:.1} ms | {:.2} s | {:.1} KiB | {:.1} KiB |",
+            "| {n} | {m} | {:.0}% | {} | {} | {} | {:.1} ms | {:.2} s | {:.1} ms / {:.1} ms | {:.1} KiB | {:.1} KiB |",
             dropout * 100.0,
             config.k,
             config.t,
             f.survivors,
             f.client.as_secs_f64() * 1e3,
             f.server.as_secs_f64(),
+            f.secrets.as_secs_f64() * 1e3,
+            f.unmask.as_secs_f64() * 1e3,
             f.sent as f64 / 1024.0,
             f.received as f64 / 1024.0,
         );
