@@ -225,6 +225,15 @@ struct SimulateArgs {
     /// Share of the devices that attack, with --attack.
     #[arg(long, default_value_t = 0.1, requires = "attack")]
     attackers: f64,
+    /// Aggregate asynchronously (FedBuff): `CONCURRENCY:MAX_STALENESS[:EXPONENT]` devices train
+    /// at once, updates up to MAX_STALENESS versions behind count, weighted (1 + s)^-EXPONENT
+    /// (0.5 by default), and a model is committed every --cohort updates.
+    #[arg(long, value_parser = parse_asynchronous)]
+    asynchronous: Option<starling_core::plan::AsynchronousPlan>,
+    /// Make a share of the devices slow: `FRACTION:FACTOR`, e.g. 0.2:5 (a fifth of them take
+    /// five times as long to train).
+    #[arg(long)]
+    slow: Option<crate::simulate::Slowdown>,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -369,6 +378,25 @@ fn parse_input(text: &str) -> anyhow::Result<InputSpec> {
     }
 }
 
+fn parse_asynchronous(text: &str) -> Result<starling_core::plan::AsynchronousPlan, String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let number = |i: usize| -> Result<u32, String> {
+        parts[i].parse().map_err(|e| format!("{:?} in {text:?}: {e}", parts[i]))
+    };
+    if !(2..=3).contains(&parts.len()) {
+        return Err(format!("{text:?} is not CONCURRENCY:MAX_STALENESS[:EXPONENT]"));
+    }
+    let staleness_exponent = match parts.get(2) {
+        None => 0.5,
+        Some(e) => e.parse().map_err(|err| format!("exponent {e:?}: {err}"))?,
+    };
+    Ok(starling_core::plan::AsynchronousPlan {
+        concurrency: number(0)?,
+        max_staleness: number(1)?,
+        staleness_exponent,
+    })
+}
+
 fn parse_selection(text: &str) -> Result<starling_core::plan::SelectionPolicy, String> {
     serde_json::from_value(serde_json::Value::String(text.to_owned()))
         .map_err(|_| format!("{text:?} is not a selection policy: random or first_come"))
@@ -413,6 +441,8 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         selection: args.selection,
         poisoning: args.attack.map(|attack| Poisoning { fraction: args.attackers, attack }),
         compression: args.compression,
+        asynchronous: args.asynchronous,
+        slowdown: args.slow,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

@@ -290,6 +290,9 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     /// What a simulated poisoning device does to its honest delta before uploading (see
     /// `simulate::Attack`); never set outside the simulator.
     tamper: Option<Tamper>,
+    /// A simulated slow device: after training it waits this many times its training time
+    /// more (see `simulate::Slowdown`); never set outside the simulator.
+    slowdown: Option<f64>,
 }
 
 /// A change to a trained delta before upload: how the simulator makes a device misbehave.
@@ -317,6 +320,7 @@ impl Participant<FromPlan> {
             factory: Arc::new(FromPlan),
             attributes: DeviceAttributes::default(),
             tamper: None,
+            slowdown: None,
         }
     }
 }
@@ -336,6 +340,7 @@ impl<F: ModelFactory> Participant<F> {
             factory: Arc::new(factory),
             attributes: self.attributes,
             tamper: self.tamper,
+            slowdown: self.slowdown,
         }
     }
 
@@ -345,6 +350,15 @@ impl<F: ModelFactory> Participant<F> {
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub(crate) fn tampering(mut self, tamper: Tamper) -> Self {
         self.tamper = Some(tamper);
+        self
+    }
+
+    /// The same participant taking `factor` times as long to train (it trains, then waits
+    /// `factor − 1` times the training time): a slow device in a simulation of a fleet's
+    /// heterogeneity, without spending the CPU the other simulated devices share.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
+    pub(crate) fn slowed(mut self, factor: f64) -> Self {
+        self.slowdown = Some(factor);
         self
     }
 
@@ -465,6 +479,7 @@ impl<F: ModelFactory> Participant<F> {
         let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
         // A secure round masks the f32 delta itself: nothing to encode.
         let plain = secure.is_none();
+        let training_started = std::time::Instant::now();
         let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let (model, io) =
@@ -480,6 +495,9 @@ impl<F: ModelFactory> Participant<F> {
         })
         .await
         .expect("training task panicked")?;
+        if let Some(factor) = self.slowdown {
+            tokio::time::sleep(training_started.elapsed().mul_f64(factor - 1.0)).await;
+        }
         report(ParticipantProgress::Phase(Phase::Uploading));
         if let Some(session) = secure.as_mut() {
             let sent = async {

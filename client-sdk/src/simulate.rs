@@ -194,6 +194,46 @@ pub struct SimulationConfig {
     pub poisoning: Option<Poisoning>,
     /// The encoding devices upload their deltas in (the plan's `compression`).
     pub compression: starling_core::compression::Compression,
+    /// Asynchronous buffered aggregation (the plan's `asynchronous`; `None`: rounds).
+    pub asynchronous: Option<starling_core::plan::AsynchronousPlan>,
+    /// Devices that train slower than the rest (`None`: all alike).
+    pub slowdown: Option<Slowdown>,
+}
+
+/// A fleet's heterogeneity: a share of the devices takes `factor` times as long to train.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slowdown {
+    /// Share of the simulated devices that are slow (rounded to whole devices; the last ones,
+    /// so that attackers, the first, are not also the slow ones).
+    pub fraction: f64,
+    /// How many times as long they take.
+    pub factor: f64,
+}
+
+impl std::str::FromStr for Slowdown {
+    type Err = String;
+
+    /// `FRACTION:FACTOR`, e.g. `0.2:5`: a fifth of the devices five times slower.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (fraction, factor) =
+            text.split_once(':').ok_or_else(|| format!("{text:?} is not FRACTION:FACTOR"))?;
+        let fraction: f64 = fraction.parse().map_err(|e| format!("fraction {fraction:?}: {e}"))?;
+        let factor: f64 = factor.parse().map_err(|e| format!("factor {factor:?}: {e}"))?;
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(format!("the slow fraction must be in [0, 1], not {fraction}"));
+        }
+        if !(factor.is_finite() && (1.0..=1000.0).contains(&factor)) {
+            return Err(format!("the slowdown factor must be in [1, 1000], not {factor}"));
+        }
+        Ok(Slowdown { fraction, factor })
+    }
+}
+
+impl Slowdown {
+    /// How many of `clients` devices are slow.
+    pub fn slow_devices(&self, clients: usize) -> usize {
+        (self.fraction * clients as f64).round() as usize
+    }
 }
 
 /// A simulated run's round pacing: the plan fields a simulation sets.
@@ -404,6 +444,7 @@ pub async fn simulate(
         )));
     }
     let attackers = config.poisoning.map_or(0, |p| p.attackers(config.clients));
+    let slow_devices = |s: &Slowdown| s.slow_devices(config.clients);
     let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
         config.dataset,
         &config.data_dir,
@@ -449,6 +490,9 @@ pub async fn simulate(
     if !config.strategy.is_null() {
         plan["strategy"] = config.strategy.clone();
     }
+    if let Some(a) = &config.asynchronous {
+        plan["asynchronous"] = serde_json::to_value(a).expect("settings serialize");
+    }
     if config.secure {
         // Deltas of these models stay well inside ±1 (weighted by examples / max_examples).
         plan["secure_aggregation"] = serde_json::json!({
@@ -476,6 +520,9 @@ pub async fn simulate(
         .with_tls(&config.tls)?;
         if let Some(p) = config.poisoning.filter(|_| i < attackers) {
             participant = participant.tampering(Arc::new(move |delta| p.attack.apply(delta)));
+        }
+        if let Some(slow) = config.slowdown.filter(|s| i >= config.clients - slow_devices(s)) {
+            participant = participant.slowed(slow.factor);
         }
         let (token, stop) = (token.clone(), stop.clone());
         let enrolled = enrolled.clone();

@@ -102,7 +102,8 @@ async fn postgres_fences_a_deposed_leader(_pool: PgPoolOptions, opts: PgConnectO
     assert!(deposed.open_round(run).await.unwrap().is_none(), "nothing was written");
     assert!(matches!(deposed.create_run(new_run(), 2).await, Err(StoreError::Fenced { .. })));
     successor.apply_transitions(run, &open, 3).await.unwrap();
-    let update = deposed.insert_update(run, RoundIdx(0), DeviceId(1), 0, 1, "{}", &[0; 4], 3).await;
+    let update =
+        deposed.insert_update(run, RoundIdx(0), DeviceId(1), 0, 0, 1, "{}", &[0; 4], 3).await;
     assert!(matches!(update, Err(StoreError::Fenced { .. })), "{update:?}");
     assert_eq!(successor.running_runs().await.unwrap().len(), 1);
 }
@@ -189,11 +190,11 @@ fn partial(device: DeviceId) -> PartialReport {
 async fn run_with_reports(store: &SqlStore) -> (RunId, [DeviceId; 3]) {
     let (run, [d1, d2, d3]) = run_with_open_round(store).await;
     store
-        .insert_update(run, RoundIdx(0), d2, 1, 3, r#"{"loss":2.0}"#, &[5, 6], 1_500)
+        .insert_update(run, RoundIdx(0), d2, 1, 2, 3, r#"{"loss":2.0}"#, &[5, 6], 1_500)
         .await
         .unwrap();
     store
-        .insert_update(run, RoundIdx(0), d1, 0, 1, r#"{"loss":1.0}"#, &[1, 2], 1_600)
+        .insert_update(run, RoundIdx(0), d1, 0, 0, 1, r#"{"loss":1.0}"#, &[1, 2], 1_600)
         .await
         .unwrap();
     store.insert_partial(run, RoundIdx(0), 2, &partial(d3), 1_650).await.unwrap();
@@ -267,7 +268,7 @@ async fn transitions_are_idempotent_and_the_open_round_comes_back(store: SqlStor
 async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
     let (run, [d1, d2, _]) = run_with_reports(&store).await;
     assert!(matches!(
-        store.insert_update(run, RoundIdx(0), d1, 3, 1, "{}", &[9], 1_700).await,
+        store.insert_update(run, RoundIdx(0), d1, 3, 0, 1, "{}", &[9], 1_700).await,
         Err(StoreError::Conflict)
     ));
     let open = store.open_round(run).await.unwrap().unwrap();
@@ -275,13 +276,15 @@ async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
     let mut replayed = vec![];
     let n = store
         .for_each_update(run, RoundIdx(0), |u| {
-            replayed.push((u.slot, u.delta));
+            replayed.push((u.slot, u.staleness, u.delta));
             Ok(())
         })
         .await
         .unwrap();
     assert_eq!(n, 2);
-    assert_eq!(replayed, vec![(0, vec![1, 2]), (1, vec![5, 6])]);
+    // An asynchronous run's staleness comes back with its update (a restart folds it with
+    // the same discount).
+    assert_eq!(replayed, vec![(0, 0, vec![1, 2]), (1, 2, vec![5, 6])]);
 }
 
 /// Robust aggregation reads a round's updates back a range of values at a time.
@@ -292,7 +295,7 @@ async fn r17_update_tiles_are_slices_of_every_update_in_slot_order(store: SqlSto
     // Written out of slot order; read back in it.
     for (device, slot, k) in [(d3, 2, 3.0), (d1, 0, 1.0), (d2, 1, 2.0)] {
         store
-            .insert_update(run, RoundIdx(0), device, slot, 1, "{}", &bytes(&values(k)), 1_500)
+            .insert_update(run, RoundIdx(0), device, slot, 0, 1, "{}", &bytes(&values(k)), 1_500)
             .await
             .unwrap();
     }

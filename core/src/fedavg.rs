@@ -266,6 +266,17 @@ impl FedAvgAccumulator {
     /// If the update has another length than the accumulator: validation against the same
     /// schema makes that a bug.
     pub fn add(&mut self, update: &ValidatedUpdate) {
+        self.add_scaled(update, 1.0);
+    }
+
+    /// Folds one update in with its delta scaled by `discount` (an asynchronous run's staleness
+    /// weight, in (0, 1]), its weight in the mean's denominator not: the mean becomes
+    /// `Σ nᵢ·sᵢ·Δᵢ / Σ nᵢ`, FedBuff's `1/K Σ s(τᵢ)·Δᵢ` weighted by examples. A `discount`
+    /// of 1 folds exactly like [`add`](Self::add).
+    ///
+    /// # Panics
+    /// As [`add`](Self::add).
+    pub fn add_scaled(&mut self, update: &ValidatedUpdate, discount: f64) {
         assert_eq!(update.delta.len(), self.hi.len(), "update validated against another schema");
         let (weight, scale) = match self.bound {
             None => (update.example_count, 1.0),
@@ -276,8 +287,9 @@ impl FedAvgAccumulator {
             }
         };
         self.n_within_bound += u64::from(scale == 1.0);
-        // With no bound this is exact: w × d needs no rounding (see MAX_EXAMPLE_COUNT).
-        let factor = weight as f64 * scale;
+        // With no bound and no discount this is exact: w × d needs no rounding (see
+        // MAX_EXAMPLE_COUNT); × 1.0 changes no bits.
+        let factor = weight as f64 * scale * discount;
         match update.delta.compression() {
             Compression::F32 => {
                 fold_scaled(&mut self.hi, &mut self.lo, factor, update.delta_bytes())

@@ -86,6 +86,38 @@ pub struct Plan {
     /// (per-block scale, stochastic rounding) or `top_k` (with error feedback on the device).
     #[serde(default, skip_serializing_if = "Compression::is_f32")]
     pub compression: Compression,
+    /// Asynchronous buffered aggregation (FedBuff, Nguyen et al. 2022) instead of synchronous
+    /// rounds: up to `concurrency` devices train at once, each on the model current when it
+    /// was selected; the coordinator accepts an update up to `max_staleness` versions behind,
+    /// scales it by `(1 + staleness)^-staleness_exponent`, and commits every `cohort_size`
+    /// updates. Absent: synchronous rounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<AsynchronousPlan>,
+}
+
+/// The plan's asynchronous (FedBuff) settings.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AsynchronousPlan {
+    /// Devices training at once (selected, not yet reported or expired).
+    pub concurrency: u32,
+    /// Versions an update may be behind the current model and still count.
+    pub max_staleness: u32,
+    /// `a` in the staleness weight `(1 + s)^-a`; 0.5 (FedBuff's choice) by default.
+    #[serde(default = "default_staleness_exponent")]
+    pub staleness_exponent: f64,
+}
+
+fn default_staleness_exponent() -> f64 {
+    0.5
+}
+
+impl AsynchronousPlan {
+    /// The weight of an update `staleness` versions behind, relative to a fresh one.
+    pub fn staleness_scale(&self, staleness: u32) -> f64 {
+        libm::pow(1.0 + f64::from(staleness), -self.staleness_exponent)
+    }
 }
 
 /// The plan's secure-aggregation switch and parameters.
@@ -189,6 +221,10 @@ pub struct RoundConfig {
     /// How the cohort is drawn from the devices that check in.
     #[serde(default = "SelectionPolicy::first_come")]
     pub selection: SelectionPolicy,
+    /// FedBuff: a "round" is one buffer of `cohort_size` updates, `target_selected` is the
+    /// concurrency, and devices selected in earlier rounds may still report.
+    #[serde(default)]
+    pub asynchronous: Option<AsynchronousPlan>,
 }
 
 /// How a round's cohort is drawn from the devices that check in during selection.
@@ -395,6 +431,34 @@ impl Plan {
                 return Err(field("compression", format!("must be f32 here: {why}")));
             }
         }
+        if let Some(a) = &self.asynchronous {
+            if a.concurrency < self.cohort_size || a.concurrency > MAX_COHORT * 10 {
+                return Err(field(
+                    "asynchronous.concurrency",
+                    format!("must be in cohort_size..={}", MAX_COHORT * 10),
+                ));
+            }
+            if a.max_staleness > 1000 {
+                return Err(field("asynchronous.max_staleness", "must be at most 1000"));
+            }
+            if !(a.staleness_exponent.is_finite() && (0.0..=4.0).contains(&a.staleness_exponent)) {
+                return Err(field("asynchronous.staleness_exponent", "must be in 0..=4"));
+            }
+            let refused = if self.secure_aggregation.is_some() {
+                Some("secure aggregation sums one round's cohort")
+            } else if self.evaluation_only {
+                Some("an evaluation-only run commits no model versions to be stale against")
+            } else if strategy.needs_each_update() {
+                Some(
+                    "norm bounds, robust aggregation and DP-FedAvg weigh each update their own way",
+                )
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                return Err(field("asynchronous", format!("not with this plan: {why}")));
+            }
+        }
         if self.evaluation_only && self.secure_aggregation.is_some() {
             return Err(field(
                 "evaluation_only",
@@ -422,8 +486,11 @@ impl Plan {
                 return Err(field("model.init.data_base64", "length does not match the schema"));
             }
         }
-        let target_selected = ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
-            .max(self.cohort_size);
+        let target_selected = match &self.asynchronous {
+            Some(a) => a.concurrency,
+            None => ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
+                .max(self.cohort_size),
+        };
         let secure = match &self.secure_aggregation {
             None => None,
             Some(s) => Some(SecureRoundConfig {
@@ -448,8 +515,12 @@ impl Plan {
             eligibility: self.eligibility.clone(),
             evaluation_only: self.evaluation_only,
             // The aggregator tier reduces f32 deltas only.
-            each_update_direct: self.strategy.needs_each_update() || !self.compression.is_f32(),
+            // FedBuff weighs each update by its staleness.
+            each_update_direct: self.strategy.needs_each_update()
+                || !self.compression.is_f32()
+                || self.asynchronous.is_some(),
             selection: self.selection,
+            asynchronous: self.asynchronous,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
     }

@@ -83,7 +83,21 @@ pub struct RunMachine {
     tier: Option<TierConfig>,
     /// Aggregators alive now, sorted.
     live_aggregators: Vec<AggregatorId>,
+    /// Asynchronous runs: devices still training on an earlier round's model, which may report
+    /// into the open round while at most `max_staleness` versions behind.
+    carried: BTreeMap<DeviceId, Carried>,
     actions: VecDeque<Action>,
+}
+
+/// An asynchronous run's device training on an earlier round's model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Carried {
+    /// The round that selected it (its upload names this round).
+    round_idx: RoundIdx,
+    /// The model it trains on.
+    model_version: ModelVersion,
+    /// Its task's reporting deadline.
+    deadline: Millis,
 }
 
 #[derive(Debug)]
@@ -112,6 +126,8 @@ struct ActiveRound {
     considered: BTreeSet<DeviceId>,
     /// The lottery's draws (seeded from the driver's entropy and the round).
     lottery: crate::rng::SplitMix64,
+    /// When each device was selected (an asynchronous run's task deadlines run from there).
+    selected_at: BTreeMap<DeviceId, Millis>,
 }
 
 /// The selection lottery's generator for one round.
@@ -139,7 +155,10 @@ impl ActiveRound {
         config: &RoundConfig,
         now: Millis,
     ) -> bool {
-        if config.selection == crate::plan::SelectionPolicy::FirstCome {
+        // An asynchronous run selects whoever comes while there is room.
+        if config.selection == crate::plan::SelectionPolicy::FirstCome
+            || config.asynchronous.is_some()
+        {
             return true;
         }
         let remaining = config.target_selected.saturating_sub(self.selected.len() as u32);
@@ -174,7 +193,9 @@ impl InFlight {
         let request = self.request;
         match self.contribution {
             Contribution::Partial(_) => Action::ReplyPartial { request, result },
-            Contribution::Update(_) => Action::ReplyUpload { request, result },
+            Contribution::Update(_) | Contribution::Stale { .. } => {
+                Action::ReplyUpload { request, result }
+            }
         }
     }
 }
@@ -243,6 +264,7 @@ impl RunMachine {
             entropy,
             tier: None,
             live_aggregators: vec![],
+            carried: BTreeMap::new(),
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
@@ -265,6 +287,9 @@ impl RunMachine {
                     reported.extend(p.devices);
                     shards_reported.extend(p.aggregators);
                 }
+                // Selection times are not stored: a restart gives the open round's tasks a full
+                // reporting timeout from now.
+                let selected_at = open.selected.iter().map(|&d| (d, now)).collect();
                 let mut round = ActiveRound {
                     opened: open.round,
                     phase: Phase::Open,
@@ -281,6 +306,7 @@ impl RunMachine {
                     shards_reported,
                     considered: BTreeSet::new(),
                     lottery: lottery_for(&m.entropy, open.round.round_idx),
+                    selected_at,
                 };
                 m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
                 m.restore_secure(&mut round, open.secure_records);
@@ -375,11 +401,32 @@ impl RunMachine {
 
     /// Whether a check-in at `now` could be selected (the driver uses this to pick among runs).
     pub fn is_selecting(&self, now: Millis) -> bool {
+        if let Some(a) = &self.config.asynchronous {
+            let open = self
+                .round
+                .as_ref()
+                .is_some_and(|r| r.phase == Phase::Open && now < r.opened.reporting_deadline);
+            return open && self.training(now) < a.concurrency as usize;
+        }
         self.round.as_ref().is_some_and(|r| {
             r.phase == Phase::Open
                 && r.selected.len() < self.config.target_selected as usize
                 && now < r.opened.selection_deadline
         })
+    }
+
+    /// An asynchronous run's devices training now: selected in the open round or carried from
+    /// an earlier one, task not expired, no update durable or in flight.
+    fn training(&self, now: Millis) -> usize {
+        let Some(r) = self.round.as_ref() else { return 0 };
+        let fresh =
+            r.selected.iter().filter(|d| !r.reported.contains(d) && !r.in_flight_for(**d)).count();
+        let carried = self
+            .carried
+            .iter()
+            .filter(|(d, c)| now < c.deadline && !r.reported.contains(d) && !r.in_flight_for(**d))
+            .count();
+        fresh + carried
     }
 
     /// Devices holding an unfinished task in the open round (selected, no update yet).
@@ -465,12 +512,17 @@ impl RunMachine {
 
     fn open_round(&mut self) {
         let now = self.now;
+        let reporting_deadline = now + self.config.reporting_timeout_ms;
         let opened = RoundOpened {
             round_idx: self.next_round_idx,
             model_version: self.model_version,
             opened_at: now,
-            selection_deadline: now + self.config.selection_timeout_ms,
-            reporting_deadline: now + self.config.reporting_timeout_ms,
+            // An asynchronous run selects for as long as its buffer is open.
+            selection_deadline: match self.config.asynchronous {
+                Some(_) => reporting_deadline,
+                None => now + self.config.selection_timeout_ms,
+            },
+            reporting_deadline,
         };
         self.next_round_idx = RoundIdx(self.next_round_idx.0 + 1);
         let mut round = ActiveRound {
@@ -489,6 +541,7 @@ impl RunMachine {
             secure_seq: 0,
             assigned: BTreeMap::new(),
             shards_reported: BTreeSet::new(),
+            selected_at: BTreeMap::new(),
         };
         self.actions.push_back(Action::OpenRound(opened));
         if self.config.secure.is_some() {
@@ -530,6 +583,14 @@ impl RunMachine {
         online: u32,
     ) {
         let now = self.now;
+        if self.config.asynchronous.is_some()
+            && self.carried.contains_key(&device)
+            && !self.round.as_ref().is_some_and(|r| r.in_flight_for(device))
+        {
+            // A carried device checking in again gave up its task (or lost it): it may take a
+            // fresh one on the current model, and its old one no longer counts.
+            self.carried.remove(&device);
+        }
         let selecting = self.is_selecting(now);
         let eligible = self.config.eligibility.admits(attributes);
         let aggregator = self.aggregator_for(device);
@@ -562,6 +623,7 @@ impl RunMachine {
             }
             Some(r) if selecting && !r.selected.contains(&device) => {
                 r.selected.insert(device);
+                r.selected_at.insert(device, now);
                 if let Some(s) = r.secure.as_mut() {
                     s.select(device);
                 }
@@ -602,6 +664,31 @@ impl RunMachine {
             None => return Err(UploadRejection::UnknownRound),
             Some(r) => r,
         };
+        if self.config.asynchronous.is_some() {
+            if let Some(c) = self.carried.get(&device).filter(|c| c.round_idx == round_idx) {
+                return if now >= c.deadline {
+                    Err(UploadRejection::RoundClosed)
+                } else if r.phase != Phase::Open {
+                    // The next buffer opens as soon as this one is committed.
+                    Err(UploadRejection::Unavailable)
+                } else if r.reported.contains(&device) || r.in_flight_for(device) {
+                    Err(UploadRejection::Duplicate)
+                } else {
+                    Ok(())
+                };
+            }
+            if round_idx < r.opened.round_idx
+                && (r.reported.contains(&device) || r.in_flight_for(device))
+            {
+                // A carried device's update is in (its answer may have been lost).
+                return Err(UploadRejection::Duplicate);
+            }
+            if round_idx == r.opened.round_idx && r.phase != Phase::Open && r.has_open_task(device)
+            {
+                // Its task carries over into the next buffer, which opens after this commit.
+                return Err(UploadRejection::Unavailable);
+            }
+        }
         // A secure round's later stages run past the reporting deadline.
         r.admits(device, round_idx, (!secure).then_some(now))?;
         if secure {
@@ -627,24 +714,36 @@ impl RunMachine {
     ) {
         let now = self.now;
         let admitted = self.admits_payload(device, round_idx, now, false);
+        // An asynchronous run's device carried from an earlier round trained on that round's
+        // model; it is folded into the open round, discounted by how far behind it is.
+        let carried = self.carried.get(&device).filter(|c| c.round_idx == round_idx).copied();
+        let asynchronous = self.config.asynchronous;
         let verdict = match admitted.map(|()| self.round.as_mut().expect("an admitting round")) {
             Err(rejection) => Err(rejection),
-            Ok(r) if model_version != r.opened.model_version => {
-                Err(UploadRejection::StaleModel { expected: r.opened.model_version })
+            Ok(r)
+                if model_version != carried.map_or(r.opened.model_version, |c| c.model_version) =>
+            {
+                let expected = carried.map_or(r.opened.model_version, |c| c.model_version);
+                Err(UploadRejection::StaleModel { expected })
             }
             Ok(r) => {
                 let slot = r.next_slot;
                 r.next_slot += 1;
+                let staleness = (r.opened.model_version.0 - model_version.0) as u32;
+                let contribution = match asynchronous {
+                    Some(a) if staleness > 0 => Contribution::Stale {
+                        update: update.clone(),
+                        staleness,
+                        discount: a.staleness_scale(staleness),
+                    },
+                    _ => Contribution::Update(update.clone()),
+                };
                 r.in_flight.insert(
                     slot,
-                    InFlight {
-                        request,
-                        devices: vec![device],
-                        contribution: Contribution::Update(update.clone()),
-                        persisted: false,
-                    },
+                    InFlight { request, devices: vec![device], contribution, persisted: false },
                 );
-                Ok(Action::PersistUpdate { request, round_idx, device, slot, update })
+                let round_idx = r.opened.round_idx;
+                Ok(Action::PersistUpdate { request, round_idx, device, slot, staleness, update })
             }
         };
         self.actions.push_back(match verdict {
@@ -724,6 +823,9 @@ impl RunMachine {
             let f = r.in_flight.get_mut(&slot).expect("slot just found");
             f.persisted = true;
             r.reported.extend(f.devices.iter().copied());
+            for d in &f.devices {
+                self.carried.remove(d);
+            }
             self.actions.push_back(f.reply(Ok(())));
         } else {
             let f = r.in_flight.remove(&slot).expect("slot just found");
@@ -753,6 +855,19 @@ impl RunMachine {
         }
         debug_assert!(!committed || r.outcome == Some(RoundOutcome::Commit));
         let committed = committed && r.outcome == Some(RoundOutcome::Commit);
+        if self.config.asynchronous.is_some() {
+            // Devices still training on this round's model carry over to the next buffers.
+            let timeout = self.config.reporting_timeout_ms;
+            for &d in r.selected.iter().filter(|d| !r.reported.contains(d)) {
+                let selected_at = r.selected_at.get(&d).copied().unwrap_or(r.opened.opened_at);
+                let c = Carried {
+                    round_idx: r.opened.round_idx,
+                    model_version: r.opened.model_version,
+                    deadline: selected_at + timeout,
+                };
+                self.carried.insert(d, c);
+            }
+        }
         self.round = None;
         if committed {
             // An evaluation-only round records its devices' metrics; the model stays.
@@ -760,6 +875,12 @@ impl RunMachine {
                 self.model_version = ModelVersion(self.model_version.0 + 1);
             }
             self.rounds_committed += 1;
+        }
+        if let Some(a) = self.config.asynchronous {
+            let (now, version) = (self.now, self.model_version.0);
+            self.carried.retain(|_, c| {
+                now < c.deadline && version - c.model_version.0 <= i64::from(a.max_staleness)
+            });
         }
         if self.status == RunStatus::Stopping {
             self.status = RunStatus::Stopped;
@@ -795,6 +916,7 @@ impl RunMachine {
         let now = self.now;
         let (target_selected, min_quorum, cohort_size) =
             (self.config.target_selected, self.config.min_quorum, self.config.cohort_size);
+        let asynchronous = self.config.asynchronous.is_some();
         let grace_ms = self.report_grace_ms();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
@@ -805,7 +927,13 @@ impl RunMachine {
             if selection_over && r.selection_ended.is_none() {
                 r.selection_ended = Some(now.min(r.opened.selection_deadline));
             }
-            if now >= r.opened.selection_deadline && n_selected < min_quorum as usize {
+            if asynchronous {
+                // One buffer: it commits at `cohort_size` durable updates, or at its deadline
+                // with what it has (at least the quorum).
+                if n_reported >= cohort_size as usize || now >= r.opened.reporting_deadline {
+                    r.phase = Phase::Closing;
+                }
+            } else if now >= r.opened.selection_deadline && n_selected < min_quorum as usize {
                 r.early_failure = Some(RoundOutcome::TooFewSelected {
                     selected: n_selected as u32,
                     quorum: min_quorum,
@@ -860,7 +988,8 @@ impl RunMachine {
                 outcome,
                 n_selected,
                 n_reported,
-                n_dropped: n_selected - n_reported,
+                // In an asynchronous run, devices of earlier rounds report too.
+                n_dropped: r.selected.iter().filter(|d| !r.reported.contains(d)).count() as u32,
                 closed_at: now,
             }));
         }
@@ -905,6 +1034,14 @@ impl ActiveRound {
         } else {
             Ok(())
         }
+    }
+
+    /// Whether `device` was selected here and has no update durable or in flight (whatever
+    /// the phase).
+    fn has_open_task(&self, device: DeviceId) -> bool {
+        self.selected.contains(&device)
+            && !self.reported.contains(&device)
+            && !self.in_flight_for(device)
     }
 
     fn has_task_for(&self, device: DeviceId) -> bool {

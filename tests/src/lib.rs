@@ -417,6 +417,8 @@ pub fn digits_simulation(
         selection: Default::default(),
         poisoning: None,
         compression: Default::default(),
+        asynchronous: None,
+        slowdown: None,
     }
 }
 

@@ -33,6 +33,9 @@ impl AccumulatorWorker {
                             if let Some(acc) = acc.as_mut() {
                                 match &contribution {
                                     Contribution::Update(update) => acc.add(update),
+                                    Contribution::Stale { update, discount, .. } => {
+                                        acc.add_scaled(update, *discount)
+                                    }
                                     Contribution::Partial(sums) => acc.merge(sums),
                                 }
                             }

@@ -145,7 +145,7 @@ impl Effects<'_> {
                     batch.replies.push(later(reply, Ok(answer)));
                 }
             }
-            Action::PersistUpdate { request, round_idx, device, slot, update } => {
+            Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
                 self.persist_in_background((run_id, request), "insert_update", async move {
                     let metrics =
@@ -156,6 +156,7 @@ impl Effects<'_> {
                             round_idx,
                             device,
                             slot,
+                            staleness,
                             update.example_count(),
                             &metrics,
                             update.delta_bytes(),

@@ -102,7 +102,14 @@ impl Driver {
                         }
                         let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
                         match validate_parts(&update_schema, plan.compression(), u.delta, u.example_count as u64, metrics) {
-                            Ok(update) => acc.add(&update),
+                            // An asynchronous run's stale update, with the discount it was folded
+                            // with before the restart.
+                            Ok(update) => match plan.plan().asynchronous {
+                                Some(a) if u.staleness > 0 => {
+                                    acc.add_scaled(&update, a.staleness_scale(u.staleness as u32))
+                                }
+                                _ => acc.add(&update),
+                            },
                             // Validated before it was stored: only corruption gets here.
                             Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
                         }

@@ -20,8 +20,10 @@ pub struct StoredUpdate {
     pub example_count: i64,
     /// Local metrics, JSON.
     pub metrics_json: String,
-    /// Little-endian f32 delta.
+    /// The delta, as the device encoded it.
     pub delta: Vec<u8>,
+    /// Versions behind its round's model it was trained on (asynchronous runs).
+    pub staleness: i64,
 }
 
 impl SqlStore {
@@ -33,6 +35,7 @@ impl SqlStore {
         round_idx: RoundIdx,
         device: DeviceId,
         slot: i64,
+        staleness: u32,
         example_count: u64,
         metrics_json: &str,
         delta: &[u8],
@@ -41,13 +44,14 @@ impl SqlStore {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
         self.check_fence(&mut tx).await?;
         sqlx::query(
-            "INSERT INTO updates (run_id, round_idx, device_id, slot, example_count, metrics_json, delta, received_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            "INSERT INTO updates (run_id, round_idx, device_id, slot, staleness, example_count, metrics_json, delta, received_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(run_id.0)
         .bind(round_idx.0)
         .bind(device.0)
         .bind(slot)
+        .bind(i64::from(staleness))
         .bind(example_count as i64)
         .bind(metrics_json)
         .bind(delta)
@@ -115,7 +119,7 @@ impl SqlStore {
         mut each: impl FnMut(StoredUpdate) -> StoreResult<()>,
     ) -> StoreResult<u64> {
         let mut rows = sqlx::query_as::<_, StoredUpdate>(
-            "SELECT device_id, slot, example_count, metrics_json, delta FROM updates
+            "SELECT device_id, slot, example_count, metrics_json, delta, staleness FROM updates
              WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
         )
         .bind(run_id.0)

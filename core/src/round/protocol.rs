@@ -108,6 +108,16 @@ pub enum Input {
 pub enum Contribution {
     /// A device's validated update.
     Update(ValidatedUpdate),
+    /// An asynchronous run's update trained on a model `staleness` versions behind, folded
+    /// scaled by `discount` ([`AsynchronousPlan::staleness_scale`](crate::plan::AsynchronousPlan::staleness_scale)).
+    Stale {
+        /// The update.
+        update: ValidatedUpdate,
+        /// Versions behind the round's model.
+        staleness: u32,
+        /// Its weight relative to a fresh update.
+        discount: f64,
+    },
     /// An aggregator's validated sums.
     Partial(Arc<ValidatedPartial>),
 }
@@ -116,6 +126,9 @@ impl std::fmt::Debug for Contribution {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Contribution::Update(u) => write!(f, "Update({u:?})"),
+            Contribution::Stale { update, staleness, discount } => {
+                write!(f, "Stale({update:?}, staleness {staleness}, × {discount})")
+            }
             Contribution::Partial(p) => write!(f, "Partial({p:?})"),
         }
     }
@@ -155,6 +168,9 @@ pub enum Action {
         device: DeviceId,
         /// Arrival order within the round; replay order after a restart.
         slot: i64,
+        /// Versions behind the round's model it was trained on (0 but in asynchronous runs);
+        /// a restart folds it with the same discount.
+        staleness: u32,
         /// What to write.
         update: ValidatedUpdate,
     },

@@ -58,6 +58,7 @@ fn config() -> RoundConfig {
         evaluation_only: false,
         each_update_direct: false,
         selection: crate::plan::SelectionPolicy::FirstCome,
+        asynchronous: None,
     }
 }
 
@@ -192,9 +193,9 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
         t=0 CheckIn { request: RequestId(4), device: DeviceId(13), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1470 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
         t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
-          PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, update: 11 examples, 4 bytes }
+          PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 11 examples, 4 bytes }
         t=0 Persisted { request: RequestId(6), ok: true }
           ReplyUpload { request: RequestId(6), result: Ok(()) }
         t=0 Persisted { request: RequestId(5), ok: true }
@@ -240,7 +241,7 @@ fn bad_uploads_are_refused_without_state_change() {
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(7), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(3), result: Err(UnknownRound) }
         t=0 Upload { request: RequestId(4), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(5), result: Err(Duplicate) }
         t=0 Persisted { request: RequestId(4), ok: true }
@@ -274,11 +275,11 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
         t=0 Persisted { request: RequestId(2), ok: false }
           ReplyUpload { request: RequestId(2), result: Err(Unavailable) }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 1, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 1, staleness: 0, update: 10 examples, 4 bytes }
         t=0 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
           Fold(Update(10 examples, 4 bytes))
@@ -321,7 +322,7 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
         t=5000 timeout (poll_timeout was Some(1000))
         t=5000 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
@@ -344,7 +345,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
-          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
         t=0 Stop
           ReplyUpload { request: RequestId(2), result: Err(RoundClosed) }
           StopRun { open_round: Some(RoundIdx(0)) }
@@ -536,6 +537,7 @@ fn simulation_never_hangs() {
         evaluation_only: false,
         each_update_direct: false,
         selection: crate::plan::SelectionPolicy::FirstCome,
+        asynchronous: None,
         secure: None,
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
@@ -649,6 +651,7 @@ mod secure_rounds {
             evaluation_only: false,
             each_update_direct: false,
             selection: crate::plan::SelectionPolicy::FirstCome,
+            asynchronous: None,
             secure: Some(SecureRoundConfig {
                 clip_norm: None,
                 clip: 1.0,
@@ -1172,12 +1175,12 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
-          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 7 examples, 0 bytes }
         t=0 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
           Fold(Update(7 examples, 0 bytes))
         t=0 Upload { request: RequestId(4), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
-          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 7 examples, 0 bytes }
         t=0 Persisted { request: RequestId(4), ok: true }
           ReplyUpload { request: RequestId(4), result: Ok(()) }
           Fold(Update(7 examples, 0 bytes))
@@ -1191,12 +1194,12 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
           PersistSelection { round_idx: RoundIdx(1), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(6), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(7), device: DeviceId(10), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
-          PersistUpdate { request: RequestId(7), round_idx: RoundIdx(1), device: DeviceId(10), slot: 0, update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(7), round_idx: RoundIdx(1), device: DeviceId(10), slot: 0, staleness: 0, update: 7 examples, 0 bytes }
         t=0 Persisted { request: RequestId(7), ok: true }
           ReplyUpload { request: RequestId(7), result: Ok(()) }
           Fold(Update(7 examples, 0 bytes))
         t=0 Upload { request: RequestId(8), device: DeviceId(11), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
-          PersistUpdate { request: RequestId(8), round_idx: RoundIdx(1), device: DeviceId(11), slot: 1, update: 7 examples, 0 bytes }
+          PersistUpdate { request: RequestId(8), round_idx: RoundIdx(1), device: DeviceId(11), slot: 1, staleness: 0, update: 7 examples, 0 bytes }
         t=0 Persisted { request: RequestId(8), ok: true }
           ReplyUpload { request: RequestId(8), result: Ok(()) }
           Fold(Update(7 examples, 0 bytes))
@@ -1273,4 +1276,137 @@ fn r17_random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
     assert!(early < 3, "three of a million drawn early");
     let late: Vec<bool> = (4..=6).map(|d| check_in(&mut m, d, 600)).collect();
     assert_eq!(late.iter().filter(|s| **s).count(), 3 - early);
+}
+
+/// Issue 18: FedBuff. Three devices train at once; a buffer commits every two durable
+/// updates; an update one version behind is folded discounted by (1 + 1)^-0.5, one two
+/// versions behind (over `max_staleness`) is refused; a device whose task outlives its
+/// buffer is told to retry while the buffer commits, then carried into the next.
+#[test]
+fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
+    let config = RoundConfig {
+        cohort_size: 2,
+        target_selected: 3,
+        min_quorum: 1,
+        total_rounds: 4,
+        asynchronous: Some(crate::plan::AsynchronousPlan {
+            concurrency: 3,
+            max_staleness: 1,
+            staleness_exponent: 0.5,
+        }),
+        ..config()
+    };
+    let mut t = Trace::with(config);
+    // Buffer 0 (model 0): three train at once, a fourth waits.
+    for d in [10, 11, 12, 15] {
+        t.check_in(d);
+    }
+    let (a, b) = (t.upload(10, 0), t.upload(11, 0));
+    t.persisted(a, true);
+    t.persisted(b, true);
+    t.upload(12, 0); // the buffer is committing: retry
+    t.closed(0, true);
+    // Buffer 1 (model 1): device 12 still trains on model 0; two places are free.
+    for d in [13, 14, 15] {
+        t.check_in(d);
+    }
+    let request = t.req();
+    t.input(Input::Upload {
+        request,
+        device: DeviceId(12),
+        round_idx: RoundIdx(0),
+        model_version: ModelVersion(0),
+        update: update(12),
+    });
+    t.persisted(request, true);
+    let c = t.upload(13, 1);
+    t.persisted(c, true);
+    t.closed(1, true);
+    // Buffer 2 (model 2): device 14 (model 1) is one version behind, and then two.
+    for d in [15, 16] {
+        t.check_in(d);
+    }
+    let (d, e) = (t.upload(15, 2), t.upload(16, 2));
+    t.persisted(d, true);
+    t.persisted(e, true);
+    t.closed(2, true);
+    let request = t.req();
+    t.input(Input::Upload {
+        request,
+        device: DeviceId(14),
+        round_idx: RoundIdx(1),
+        model_version: ModelVersion(1),
+        update: update(14),
+    });
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12), aggregator: None }
+          ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(4), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1183 } }
+        t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+        t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
+          PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 11 examples, 4 bytes }
+        t=0 Persisted { request: RequestId(5), ok: true }
+          ReplyUpload { request: RequestId(5), result: Ok(()) }
+          Fold(Update(10 examples, 4 bytes))
+        t=0 Persisted { request: RequestId(6), ok: true }
+          ReplyUpload { request: RequestId(6), result: Ok(()) }
+          Fold(Update(11 examples, 4 bytes))
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 1, closed_at: 0 })
+        t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
+          ReplyUpload { request: RequestId(7), result: Err(Unavailable) }
+        t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
+          OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(1), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(8), device: DeviceId(13), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(1), device: DeviceId(13), aggregator: None }
+          ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(1), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(9), device: DeviceId(14), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(1), device: DeviceId(14), aggregator: None }
+          ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(1), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(10), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          ReplyCheckIn { request: RequestId(10), decision: ComeBackLater { after_ms: 1183 } }
+        t=0 Upload { request: RequestId(11), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
+          PersistUpdate { request: RequestId(11), round_idx: RoundIdx(1), device: DeviceId(12), slot: 0, staleness: 1, update: 12 examples, 4 bytes }
+        t=0 Persisted { request: RequestId(11), ok: true }
+          ReplyUpload { request: RequestId(11), result: Ok(()) }
+          Fold(Stale(12 examples, 4 bytes, staleness 1, × 0.7071067811865475))
+        t=0 Upload { request: RequestId(12), device: DeviceId(13), round_idx: RoundIdx(1), model_version: ModelVersion(1), update: 13 examples, 4 bytes }
+          PersistUpdate { request: RequestId(12), round_idx: RoundIdx(1), device: DeviceId(13), slot: 1, staleness: 0, update: 13 examples, 4 bytes }
+        t=0 Persisted { request: RequestId(12), ok: true }
+          ReplyUpload { request: RequestId(12), result: Ok(()) }
+          Fold(Update(13 examples, 4 bytes))
+          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 1, closed_at: 0 })
+        t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
+          OpenRound(RoundOpened { round_idx: RoundIdx(2), model_version: ModelVersion(2), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(13), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(2), device: DeviceId(15), aggregator: None }
+          ReplyCheckIn { request: RequestId(13), decision: Selected { round_idx: RoundIdx(2), model_version: ModelVersion(2), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(14), device: DeviceId(16), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(2), device: DeviceId(16), aggregator: None }
+          ReplyCheckIn { request: RequestId(14), decision: Selected { round_idx: RoundIdx(2), model_version: ModelVersion(2), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 Upload { request: RequestId(15), device: DeviceId(15), round_idx: RoundIdx(2), model_version: ModelVersion(2), update: 15 examples, 4 bytes }
+          PersistUpdate { request: RequestId(15), round_idx: RoundIdx(2), device: DeviceId(15), slot: 0, staleness: 0, update: 15 examples, 4 bytes }
+        t=0 Upload { request: RequestId(16), device: DeviceId(16), round_idx: RoundIdx(2), model_version: ModelVersion(2), update: 16 examples, 4 bytes }
+          PersistUpdate { request: RequestId(16), round_idx: RoundIdx(2), device: DeviceId(16), slot: 1, staleness: 0, update: 16 examples, 4 bytes }
+        t=0 Persisted { request: RequestId(15), ok: true }
+          ReplyUpload { request: RequestId(15), result: Ok(()) }
+          Fold(Update(15 examples, 4 bytes))
+        t=0 Persisted { request: RequestId(16), ok: true }
+          ReplyUpload { request: RequestId(16), result: Ok(()) }
+          Fold(Update(16 examples, 4 bytes))
+          CloseRound(RoundClosing { round_idx: RoundIdx(2), model_version: ModelVersion(2), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+        t=0 RoundClosed { round_idx: RoundIdx(2), committed: true }
+          OpenRound(RoundOpened { round_idx: RoundIdx(3), model_version: ModelVersion(3), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
+        t=0 Upload { request: RequestId(17), device: DeviceId(14), round_idx: RoundIdx(1), model_version: ModelVersion(1), update: 14 examples, 4 bytes }
+          ReplyUpload { request: RequestId(17), result: Err(RoundClosed) }
+    "#]]);
 }

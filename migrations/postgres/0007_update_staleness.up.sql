@@ -1,0 +1,3 @@
+-- Asynchronous (FedBuff) runs fold an update trained on an older model with a discount that
+-- depends on how many versions behind it is; a restart replays it with the same discount.
+ALTER TABLE updates ADD COLUMN staleness BIGINT NOT NULL DEFAULT 0;

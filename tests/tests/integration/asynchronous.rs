@@ -1,0 +1,86 @@
+//! Asynchronous buffered aggregation (FedBuff, issue 18) end to end: a device still training
+//! on an older model reports into a later buffer, its acknowledged update survives a SIGKILL,
+//! and the buffer commits, to the bit, the staleness-weighted mean; real SDK devices, a fifth
+//! of them five times slower, train a model through buffers.
+
+use std::path::Path;
+
+use starling_core::fedavg::FedAvgAccumulator;
+use starling_core::plan::AsynchronousPlan;
+use starling_core::strategy::ServerOptimizer;
+use starling_core::wire::{CheckInResponse, ErrorCode};
+use starling_core::{RoundIdx, RunId};
+use starling_tests::*;
+
+const PARAMS: usize = 1_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_stale_update_survives_a_restart_and_commits_discounted() {
+    let (_dir, db) = sqlite_db();
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+    let admin = coordinator.admin.clone();
+    let devices = enroll(coordinator.url(), &admin, 4).await.unwrap();
+    let spec = PlanSpec { cohort: 2, quorum: 1, ..PlanSpec::all_of(2, PARAMS, 2) };
+    let schema = spec.schema();
+    let mut plan = spec.json();
+    let fedbuff = AsynchronousPlan { concurrency: 3, max_staleness: 2, staleness_exponent: 0.5 };
+    plan["asynchronous"] = serde_json::to_value(fedbuff).unwrap();
+    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    wait_round_open(&admin, run, 0).await.unwrap();
+
+    // Buffer 0: three devices train at once; a fourth is turned away while they do.
+    let tasks = expect_tasks(&devices[..3]).await.unwrap();
+    assert!(matches!(
+        devices[3].check_in("default").await.unwrap(),
+        CheckInResponse::ComeBackLater { .. }
+    ));
+    for i in 0..2 {
+        let upload = upload_request(&tasks[i], &delta(i, 0, PARAMS), weight(i));
+        devices[i].upload(run, RoundIdx(0), &upload).await.unwrap();
+    }
+    let v1 = wait_model(&admin, run, 1).await.unwrap();
+    wait_round_open(&admin, run, 1).await.unwrap();
+
+    // Buffer 1 (model 1): device 3 gets a place; device 2 reports its model-0 update.
+    let fresh = expect_task(&devices[3]).await.unwrap();
+    assert_eq!((fresh.round_idx, fresh.model_version.0), (RoundIdx(1), 1));
+    let stale = upload_request(&tasks[2], &delta(2, 0, PARAMS), weight(2));
+    devices[2].upload(run, RoundIdx(0), &stale).await.unwrap();
+    let again = devices[2].upload(run, RoundIdx(0), &stale).await;
+    assert_eq!(api_code(again), Some(ErrorCode::DuplicateUpload));
+
+    // SIGKILL with the stale update acknowledged and the buffer open.
+    coordinator.kill().unwrap();
+    coordinator.respawn().await.unwrap();
+    let upload = upload_request(&fresh, &delta(3, 1, PARAMS), weight(3));
+    devices[3].upload(run, RoundIdx(1), &upload).await.unwrap();
+    let v2 = wait_model(&admin, run, 2).await.unwrap();
+
+    let global = model_values(&devices[0], &v1, &schema).await.unwrap();
+    let mut acc = FedAvgAccumulator::new(PARAMS);
+    let update = |i: usize, round: i64| {
+        let request = upload_request(&tasks[0], &delta(i, round, PARAMS), weight(i));
+        starling_core::fedavg::validate_parts(
+            &schema,
+            Default::default(),
+            request.delta.data,
+            weight(i),
+            request.metrics,
+        )
+        .unwrap()
+    };
+    acc.add_scaled(&update(2, 0), fedbuff.staleness_scale(1));
+    acc.add(&update(3, 1));
+    let fed_avg = ServerOptimizer::default();
+    let (want, _) =
+        fed_avg.step(&global, &acc.finish().unwrap(), &Default::default(), 1.0).unwrap();
+    let got = model_values(&devices[0], &v2, &schema).await.unwrap();
+    assert!(got == want, "the committed model is not the staleness-weighted mean");
+    let rounds = admin.rounds(run).await.unwrap();
+    assert_eq!(
+        (rounds[1].n_selected, rounds[1].n_reported),
+        (1, 2),
+        "one report came from buffer 0"
+    );
+}
