@@ -50,6 +50,16 @@
 //! **Evaluation-only runs** go through the same states: their uploads carry metrics and an
 //! example count but no delta (the driver validates them against an empty schema), and a
 //! committed round records the pooled metrics without a new model version.
+//!
+//! **Asynchronous runs (FedBuff)** go through the same states too: a round is one buffer.
+//! It selects whoever checks in while fewer than `concurrency` devices train (its own
+//! unreported devices plus the *carried* ones), closes at `cohort_size` durable updates or at
+//! its deadline, and when it closes its unreported devices are carried into the next buffers
+//! with the model they train on. A carried device's upload (naming its own round) is folded
+//! into the open buffer discounted by its staleness, while it is at most `max_staleness`
+//! versions behind and its task's deadline has not passed; during a commit it is told to
+//! retry (`Unavailable`). Carried devices live in memory only: after a restart they check in
+//! again.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 

@@ -1,5 +1,6 @@
 //! The learning algorithms' evidence (issue 17): server optimizers, robust aggregators under
 //! attack, and DP-FedAvg at fixed privacy budgets; and update compression's cost in accuracy
+//! and synchronous rounds against asynchronous FedBuff buffers on a fleet with slow devices
 //! (issue 18). Each is a whole simulation of real SDK devices
 //! training the FedAvg paper's 2NN on MNIST against an in-process coordinator (fresh SQLite
 //! store) over real HTTP. The setting is the paper's pathological non-IID one: 100 clients of
@@ -11,11 +12,12 @@
 //! with the rounds it committed (`done` < rounds): a run whose rounds keep failing never ends.
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
-//! [attacks] [privacy] [compression] [--rounds N] [--only NAME] [--partition iid]` (default:
+//! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only NAME] [--partition iid]` (default:
 //! every experiment, 100 rounds each, on `shards:2`; the dev profile optimizes burn and every other dependency, and spares the
 //! release build of burn that takes 20 minutes here). Every configuration prints one row:
-//! rounds to 90 % and 95 % test accuracy (`-` when not reached), the best and the final
-//! accuracy and the mean of the last five rounds, and seconds per round.
+//! rounds to 90 % and 95 % test accuracy (`-` when not reached) and the wall-clock seconds
+//! from the run's creation to 95 %, the best and the final accuracy and the mean of the last
+//! five rounds, and seconds per round (a FedBuff buffer counts as a round).
 //! `STARLING_BENCH_OUT=curves.jsonl` appends each configuration's whole accuracy curve.
 
 use std::io::Write;
@@ -23,9 +25,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use starling_client::simulate::{
-    Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, simulate,
+    Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, Slowdown, simulate,
 };
 use starling_core::compression::Compression;
+use starling_core::plan::AsynchronousPlan;
 use starling_core::privacy::noise_multiplier_for;
 use starling_tests::{digits_simulation, sqlite_db, start_in_process_with};
 
@@ -41,7 +44,10 @@ const DELTA: f64 = 1e-5;
 const CLIP_NORM: f64 = 1.0;
 
 /// The experiments, in the order they run.
-const EXPERIMENTS: [&str; 4] = ["optimizers", "attacks", "privacy", "compression"];
+const EXPERIMENTS: [&str; 5] = ["optimizers", "attacks", "privacy", "compression", "asynchrony"];
+
+/// The asynchrony experiment's fleet: a fifth of the devices take five times as long.
+const SLOW: Slowdown = Slowdown { fraction: 0.2, factor: 5.0 };
 
 /// One simulation to run.
 struct Case {
@@ -56,12 +62,18 @@ struct Case {
     /// Simulated devices, and reports per round.
     clients: usize,
     cohort: u32,
+    /// FedBuff instead of rounds.
+    asynchronous: Option<AsynchronousPlan>,
+    /// Slow devices.
+    slowdown: Option<Slowdown>,
 }
 
 /// What a case measured.
 struct Measured {
     /// Test accuracy after each committed round.
     curve: Vec<f64>,
+    /// Seconds from the start of the simulation to each committed round's evaluation.
+    seconds: Vec<f64>,
     /// Whether the run committed every round within its time budget.
     finished: bool,
 }
@@ -85,13 +97,14 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     println!("MNIST 2NN, {partition:?}, E=1, B=10, lr 0.1, {rounds} rounds");
     println!(
-        "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>7} {:>7} {:>8} {:>8}",
+        "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>8} {:>7} {:>7} {:>8} {:>8}",
         "experiment",
         "configuration",
         "clients",
         "done",
         "to 90%",
         "to 95%",
+        "s to 95%",
         "best",
         "final",
         "last 5",
@@ -99,24 +112,29 @@ fn main() -> anyhow::Result<()> {
     );
     for case in cases {
         let started = Instant::now();
-        let Measured { curve, finished } = runtime
+        let Measured { curve, seconds, finished } = runtime
             .block_on(run(&case, partition, rounds))
             .with_context(|| format!("{} {}", case.experiment, case.name))?;
         let secs_per_round = started.elapsed().as_secs_f64() / curve.len().max(1) as f64;
         let reached = |target: f64| {
             curve.iter().position(|&a| a >= target).map_or("-".to_owned(), |i| (i + 1).to_string())
         };
+        let seconds_to_95 = curve
+            .iter()
+            .position(|&a| a >= 0.95)
+            .map_or("-".to_owned(), |i| format!("{:.0}", seconds[i]));
         let best = curve.iter().copied().fold(0.0, f64::max);
         let tail = &curve[curve.len().saturating_sub(5)..];
         let last = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
         println!(
-            "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>7.4} {:>7.4} {:>8.4} {:>8.2}",
+            "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>8} {:>7.4} {:>7.4} {:>8.4} {:>8.2}",
             case.experiment,
             case.name,
             format!("{}/{}", case.cohort, case.clients),
             format!("{}{}", curve.len(), if finished { "" } else { "!" }),
             reached(0.90),
             reached(0.95),
+            seconds_to_95,
             best,
             curve.last().copied().unwrap_or(0.0),
             last,
@@ -125,7 +143,7 @@ fn main() -> anyhow::Result<()> {
         if let Some(path) = &out {
             let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
             let line = serde_json::json!({"experiment": case.experiment, "name": case.name,
-                "strategy": case.strategy, "accuracy": curve, "finished": finished,
+                "strategy": case.strategy, "accuracy": curve, "seconds": seconds, "finished": finished,
                 "secs_per_round": secs_per_round});
             writeln!(file, "{line}")?;
         }
@@ -149,6 +167,8 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         compression: Compression::F32,
         clients: CLIENTS,
         cohort: COHORT,
+        asynchronous: None,
+        slowdown: None,
     };
     let optimizer = |o: serde_json::Value| serde_json::json!({ "optimizer": o });
     let aggregation = |a: serde_json::Value| serde_json::json!({ "aggregation": a });
@@ -240,6 +260,41 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 ..case(name, serde_json::Value::Null, None)
             })
             .collect(),
+        // A fifth of the fleet five times slower: rounds of ten (over-selecting 1.3) against
+        // FedBuff buffers of ten with as many devices training at once, and with more.
+        "asynchrony" => {
+            let fedbuff = |concurrency: u32| AsynchronousPlan {
+                concurrency,
+                max_staleness: 4,
+                staleness_exponent: 0.5,
+            };
+            vec![
+                Case {
+                    slowdown: Some(SLOW),
+                    ..case("sync, 20% ×5 slow", serde_json::Value::Null, None)
+                },
+                Case {
+                    slowdown: Some(SLOW),
+                    over_selection: 1.0,
+                    ..case("sync no over-selection, 20% ×5 slow", serde_json::Value::Null, None)
+                },
+                Case {
+                    slowdown: Some(SLOW),
+                    asynchronous: Some(fedbuff(10)),
+                    ..case("fedbuff C=10 τ≤4, 20% ×5 slow", serde_json::Value::Null, None)
+                },
+                Case {
+                    slowdown: Some(SLOW),
+                    asynchronous: Some(fedbuff(13)),
+                    ..case("fedbuff C=13 τ≤4, 20% ×5 slow", serde_json::Value::Null, None)
+                },
+                Case {
+                    slowdown: Some(SLOW),
+                    asynchronous: Some(fedbuff(30)),
+                    ..case("fedbuff C=30 τ≤4, 20% ×5 slow", serde_json::Value::Null, None)
+                },
+            ]
+        }
         _ => unreachable!("experiments are filtered to the known names"),
     }
 }
@@ -261,6 +316,8 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
         strategy: case.strategy.clone(),
         poisoning: case.poisoning,
         compression: case.compression,
+        asynchronous: case.asynchronous,
+        slowdown: case.slowdown,
         pacing: Pacing {
             over_selection: case.over_selection,
             min_quorum: Some(case.cohort * 8 / 10),
@@ -272,13 +329,16 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
     let curve = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
     let seen = curve.clone();
     let budget = Duration::from_secs(10 * u64::from(rounds) + 60);
-    let simulation =
-        simulate(config, move |r| seen.lock().expect("no panic holds it").push(r.test_accuracy));
+    let started = Instant::now();
+    let simulation = simulate(config, move |r| {
+        let elapsed = started.elapsed().as_secs_f64();
+        seen.lock().expect("no panic holds it").push((r.test_accuracy, elapsed))
+    });
     let finished = match tokio::time::timeout(budget, simulation).await {
         Ok(report) => report.map(|_| true)?,
         Err(_elapsed) => false,
     };
     c.running.shutdown().await?;
-    let curve = curve.lock().expect("no panic holds it").clone();
-    Ok(Measured { curve, finished })
+    let (curve, seconds) = curve.lock().expect("no panic holds it").iter().copied().unzip();
+    Ok(Measured { curve, seconds, finished })
 }

@@ -1,4 +1,4 @@
-//! The simulator's pure parts: attack parsing and arithmetic, the attacker count.
+//! The simulator's pure parts: attack and slowdown parsing and arithmetic, the attacker and slow-device counts.
 
 use super::*;
 
@@ -27,4 +27,22 @@ fn the_attacking_share_rounds_to_whole_devices() {
     assert_eq!(p(0.1).attackers(24), 2);
     assert_eq!(p(0.0).attackers(100), 0);
     assert_eq!(p(1.0).attackers(7), 7);
+}
+
+#[test]
+fn slowdowns_parse_and_pick_whole_devices() {
+    let slow: Slowdown = "0.2:5".parse().unwrap();
+    assert_eq!(slow, Slowdown { fraction: 0.2, factor: 5.0 });
+    assert_eq!(slow.slow_devices(100), 20);
+    assert_eq!(slow.slow_devices(3), 1);
+    for bad in ["0.2", "1.5:2", "0.2:0.5", "x:2", "0.2:nan"] {
+        let err = bad.parse::<Slowdown>().unwrap_err();
+        assert!(
+            err.contains("FRACTION:FACTOR")
+                || err.contains("must be")
+                || err.contains("fraction")
+                || err.contains("factor"),
+            "{bad}: {err}"
+        );
+    }
 }

@@ -322,3 +322,40 @@ fn r18_compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
     median["strategy"] = serde_json::json!({"aggregation": {"kind": "coordinate_median"}});
     assert!(refused(median).contains("order statistics"));
 }
+
+#[test]
+fn r18_asynchronous_runs_select_by_concurrency_and_refuse_what_weighs_updates_otherwise() {
+    let with = |value: serde_json::Value| {
+        let mut v = plan_json();
+        v["asynchronous"] = value;
+        v
+    };
+    let refused = |v: serde_json::Value| parse(v).unwrap_err().to_string();
+    let cohort = plan_json()["cohort_size"].as_u64().unwrap() as u32;
+    // Synchronous by default, and old plans say nothing of it.
+    let plain = parse(plan_json()).unwrap();
+    assert_eq!(plain.round_config().asynchronous, None);
+    assert!(serde_json::to_value(plain.plan()).unwrap().get("asynchronous").is_none());
+    let fedbuff = parse(with(serde_json::json!({"concurrency": cohort * 3, "max_staleness": 4})))
+        .unwrap()
+        .round_config();
+    let a = fedbuff.asynchronous.expect("asynchronous");
+    assert_eq!((a.concurrency, a.max_staleness, a.staleness_exponent), (cohort * 3, 4, 0.5));
+    assert_eq!(fedbuff.target_selected, cohort * 3, "concurrency, not over-selection");
+    assert!(fedbuff.each_update_direct, "each update is weighed by its staleness");
+    assert_eq!(a.staleness_scale(0), 1.0);
+    assert_eq!(a.staleness_scale(3), 0.5);
+    let err = refused(with(serde_json::json!({"concurrency": cohort - 1, "max_staleness": 4})));
+    assert!(err.contains("asynchronous.concurrency"), "{err}");
+    let exponent =
+        serde_json::json!({"concurrency": cohort, "max_staleness": 1, "staleness_exponent": -1});
+    assert!(refused(with(exponent)).contains("staleness_exponent"));
+    let unknown = serde_json::json!({"concurrency": cohort, "max_staleness": 1, "buffer": 3});
+    assert!(serde_json::from_value::<Plan>(with(unknown)).is_err(), "unknown fields are refused");
+    let mut secure = with(serde_json::json!({"concurrency": cohort, "max_staleness": 1}));
+    secure["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 10});
+    assert!(refused(secure).contains("asynchronous"));
+    let mut median = with(serde_json::json!({"concurrency": cohort, "max_staleness": 1}));
+    median["strategy"] = serde_json::json!({"aggregation": {"kind": "coordinate_median"}});
+    assert!(refused(median).contains("asynchronous"));
+}

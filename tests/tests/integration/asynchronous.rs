@@ -84,3 +84,39 @@ async fn r18_a_stale_update_survives_a_restart_and_commits_discounted() {
         "one report came from buffer 0"
     );
 }
+
+/// Real SDK devices on the digits, a fifth of them five times slower: the fast ones keep the
+/// buffers filling, the slow ones' updates arrive a version or more late and still count, and
+/// the model learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_devices_train_through_fedbuff_with_slow_devices() {
+    use starling_client::simulate::{SimulationConfig, Slowdown, simulate};
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let config = SimulationConfig {
+        asynchronous: Some(AsynchronousPlan {
+            concurrency: 6,
+            max_staleness: 4,
+            staleness_exponent: 0.5,
+        }),
+        slowdown: Some(Slowdown { fraction: 0.2, factor: 5.0 }),
+        ..digits_simulation(&c.url, 10, 4, 8, 17)
+    };
+    let report = simulate(config, |r| {
+        eprintln!(
+            "model {}: test accuracy {:.3}, {} updates",
+            r.version, r.test_accuracy, r.reported
+        )
+    })
+    .await
+    .unwrap();
+    let accuracy: Vec<f64> = report.rounds.iter().map(|r| r.test_accuracy).collect();
+    assert_eq!(accuracy.len(), 8);
+    assert!(accuracy[7] >= 0.85, "accuracy curve {accuracy:?}");
+    // Some buffer took an update from a device selected for an earlier one.
+    let rounds = c.admin.rounds(report.run_id).await.unwrap();
+    let late: i64 =
+        rounds.iter().map(|r| r.n_reported - (r.n_selected - r.n_dropped.unwrap_or(0))).sum();
+    assert!(late > 0, "no update crossed a buffer: {rounds:?}");
+    c.running.shutdown().await.unwrap();
+}
