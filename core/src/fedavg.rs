@@ -235,6 +235,9 @@ pub enum AggregateError {
     /// A robust aggregator could not combine the round's updates.
     #[error("robust aggregation: {0}")]
     Robust(String),
+    /// A secure round's sum could not be unmasked.
+    #[error("secure aggregation: {0}")]
+    Secure(String),
     /// A secure round's unmasked sum weighs nothing, so it has no mean.
     #[error("the secure sum's total weight is zero")]
     ZeroWeight,

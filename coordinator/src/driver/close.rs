@@ -3,17 +3,19 @@
 //! one transaction; or record the failure. Store failures are retried until the write lands or
 //! is fenced off.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
 use starling_core::privacy::Gaussian;
 use starling_core::robust::combine;
-use starling_core::round::secure::SecureSum;
+use starling_core::round::secure::{Record, SecureSum};
 use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::strategy::OptimizerState;
-use starling_core::{Millis, RoundIdx, RunId};
+use starling_core::{DeviceId, Millis, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Closed, CommittedModel, Internal, encode_model};
@@ -53,8 +55,8 @@ impl CloseTask {
         let round_idx = closing.round_idx;
         let closing_started = std::time::Instant::now();
         let open_ms = closing.closed_at - opened_at;
-        let (aggregate, evaluation) =
-            finish.aggregate(matches!(closing.outcome, RoundOutcome::Commit)).await;
+        let commits = matches!(closing.outcome, RoundOutcome::Commit);
+        let (aggregate, evaluation) = finish.aggregate(commits, &store, run_id, round_idx).await;
         // Each arm writes the round's end (retried until it lands or is fenced off) and says
         // how it ended; what follows the write is the same for all.
         let (written, label, committed) = match (closing.outcome, aggregate) {
@@ -167,17 +169,50 @@ impl Finish {
     async fn aggregate(
         self,
         commits: bool,
+        store: &SqlStore,
+        run_id: RunId,
+        round_idx: RoundIdx,
     ) -> (Result<Aggregate, AggregateError>, Option<PooledEvaluation>) {
         match self {
             Finish::Accumulated(rx) => (rx.await.unwrap_or(Err(AggregateError::Empty)), None),
             Finish::Unmask(_) if !commits => (Err(AggregateError::Empty), None),
-            Finish::Unmask(sum) => match tokio::task::spawn_blocking(move || sum.finish()).await {
-                Ok(Ok((aggregate, evaluation))) => (Ok(aggregate), evaluation),
-                Ok(Err(e)) => (Err(e), None),
-                Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
-            },
+            Finish::Unmask(sum) => {
+                let withdrawn = match withdrawn_inputs(&sum, store, run_id, round_idx).await {
+                    Ok(w) => w,
+                    Err(e) => return (Err(AggregateError::Secure(e.to_string())), None),
+                };
+                match tokio::task::spawn_blocking(move || sum.finish(&withdrawn)).await {
+                    Ok(Ok((aggregate, evaluation))) => (Ok(aggregate), evaluation),
+                    Ok(Err(e)) => (Err(e), None),
+                    Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
+                }
+            }
         }
     }
+}
+
+/// The masked vectors a secure round must take back out of its running sum (devices a
+/// neighbour could not open shares from), read from the round's records; none in an honest
+/// round, which reads nothing.
+async fn withdrawn_inputs(
+    sum: &SecureSum,
+    store: &SqlStore,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> Result<BTreeMap<DeviceId, Vec<u32>>, StoreError> {
+    let mut withdrawn = BTreeMap::new();
+    if sum.withdrawn_devices().next().is_none() {
+        return Ok(withdrawn);
+    }
+    store
+        .for_each_secagg_record(run_id, round_idx, |bytes| match codec::decode::<Record>(&bytes) {
+            Ok(record) => withdrawn.extend(sum.withdrawn_input(&record)),
+            Err(e) => {
+                tracing::error!(%run_id, round = %round_idx, error = %e, "a stored secure-aggregation record does not decode")
+            }
+        })
+        .await?;
+    Ok(withdrawn)
 }
 
 /// What [`next_model`] reads besides the round's aggregate.

@@ -1,6 +1,7 @@
 //! A secure round's protocol records: deleted when the round closes, and audited by the tests
 //! for anything that is not masked.
 
+use futures_util::TryStreamExt;
 use starling_core::{RoundIdx, RunId};
 
 use super::*;
@@ -22,6 +23,27 @@ pub(super) async fn delete_secagg_records(
 }
 
 impl SqlStore {
+    /// Streams a round's protocol records in order to `each`, one at a time: how a secure
+    /// round's close reads back the masked inputs to take out of its running sum, without
+    /// holding the cohort's.
+    pub async fn for_each_secagg_record(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        mut each: impl FnMut(Vec<u8>),
+    ) -> StoreResult<()> {
+        let mut rows = sqlx::query_as::<_, (Vec<u8>,)>(
+            "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
+        )
+        .bind(run_id.0)
+        .bind(round_idx.0)
+        .fetch(&self.pool);
+        while let Some((record,)) = rows.try_next().await.map_err(map_err)? {
+            each(record);
+        }
+        Ok(())
+    }
+
     /// How many secure-aggregation records a run holds (closed rounds hold none).
     pub async fn secagg_record_count(&self, run_id: RunId) -> StoreResult<usize> {
         let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM secagg_records WHERE run_id = $1")

@@ -355,11 +355,7 @@ impl SecureRound {
                         ),
                     })
                 } else {
-                    let y = masked
-                        .chunks_exact(4)
-                        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                        .collect();
-                    self.server.receive_masked(idx, y, rejected_shares)
+                    self.server.receive_masked(idx, ring_elements(&masked), rejected_shares)
                 }
             }
             SecAggUpload::Unmask(response) => self.server.receive_unmask(idx, response),
@@ -506,8 +502,11 @@ impl SecureRound {
     /// [`SecureSum::finish`].
     fn finish(&mut self) -> Result<(), SecAggError> {
         let unmasking = self.server.finish()?;
+        let withdrawn =
+            unmasking.withdrawn().iter().map(|&i| (self.devices[i as usize - 1], i)).collect();
         self.sum = Some(SecureSum {
             unmasking: Arc::new(unmasking),
+            withdrawn,
             settings: self.settings,
             cohort: self.config.n,
         });
@@ -516,13 +515,20 @@ impl SecureRound {
     }
 }
 
-/// A secure round that ended with a sum: the survivors' masked inputs and the masks to remove,
-/// checked, and how to decode the result. What is left is model-sized work (adding n vectors,
-/// expanding one keystream per mask, decoding), which [`SecureSum::finish`] does wherever the
-/// driver runs it: never on the task that drives every run.
+/// A masked input's little-endian bytes as ring elements.
+fn ring_elements(bytes: &[u8]) -> Vec<u32> {
+    bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()
+}
+
+/// A secure round that ended with a sum: the running sum of masked inputs and the masks to
+/// remove, checked, and how to decode the result. What is left is model-sized work (expanding
+/// one keystream per mask, decoding), which [`SecureSum::finish`] does wherever the driver
+/// runs it: never on the task that drives every run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SecureSum {
     unmasking: Arc<secagg::Unmasking>,
+    /// Devices whose masked input must come back out of the running sum, with their indices.
+    withdrawn: BTreeMap<DeviceId, ClientIdx>,
     settings: SecureRoundConfig,
     /// The round's cohort (the quantizer's headroom is sized for it).
     cohort: u32,
@@ -534,10 +540,38 @@ impl SecureSum {
         self.unmasking.survivors().len() as u32
     }
 
+    /// Devices whose masked input is in the running sum but not in the result: a neighbour
+    /// could not open their shares. [`SecureSum::finish`] needs their masked vectors back,
+    /// which the round's records hold ([`SecureSum::withdrawn_input`]); honest rounds have none.
+    pub fn withdrawn_devices(&self) -> impl Iterator<Item = DeviceId> + '_ {
+        self.withdrawn.keys().copied()
+    }
+
+    /// The masked vector in `record`, when it is a withdrawn device's masked input.
+    pub fn withdrawn_input(&self, record: &Record) -> Option<(DeviceId, Vec<u32>)> {
+        match record {
+            Record::Message { device, message: SecAggUpload::MaskedInput { masked, .. } }
+                if self.withdrawn.contains_key(device) =>
+            {
+                Some((*device, ring_elements(masked)))
+            }
+            _ => None,
+        }
+    }
+
     /// The survivors' weighted mean delta and, when the vectors carry evaluations and anyone
-    /// evaluated, their pooled evaluation of the round's model.
-    pub fn finish(&self) -> Result<(Aggregate, Option<PooledEvaluation>), AggregateError> {
-        let sum = self.unmasking.sum();
+    /// evaluated, their pooled evaluation of the round's model. `withdrawn` holds the masked
+    /// vector of each of [`SecureSum::withdrawn_devices`].
+    pub fn finish(
+        &self,
+        withdrawn: &BTreeMap<DeviceId, Vec<u32>>,
+    ) -> Result<(Aggregate, Option<PooledEvaluation>), AggregateError> {
+        let by_index: BTreeMap<ClientIdx, DeviceId> =
+            self.withdrawn.iter().map(|(&d, &i)| (i, d)).collect();
+        let sum = self
+            .unmasking
+            .sum(|i| withdrawn.get(by_index.get(&i)?).cloned())
+            .map_err(|e| AggregateError::Secure(e.to_string()))?;
         let count = self.survivors();
         let q = Quantizer::for_cohort(self.settings.clip, self.cohort);
         let (model_part, evaluation) = if self.settings.carries_evaluation(sum.len()) {

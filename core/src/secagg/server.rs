@@ -1,5 +1,6 @@
-//! The server's side of a round: it relays sealed shares, collects masked inputs, leaves out
-//! clients a neighbour could not open shares from, and rebuilds only what the sum needs.
+//! The server's side of a round: it relays sealed shares, adds masked inputs into one running
+//! sum in the ring (memory of one vector, whatever the cohort), leaves out clients a neighbour
+//! could not open shares from, and rebuilds only what the sum needs.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,8 +19,8 @@ enum ServerStage {
     Done,
 }
 
-/// The server's side of a round: it relays sealed shares, collects masked inputs, and rebuilds
-/// only what the unmasked sum needs. It never holds an unmasked input.
+/// The server's side of a round: it relays sealed shares, sums masked inputs as they come,
+/// and rebuilds only what the unmasked sum needs. It never holds an unmasked input.
 pub struct Server {
     config: Config,
     graph_seed: [u8; 32],
@@ -28,7 +29,13 @@ pub struct Server {
     graph: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
     sealed: BTreeMap<ClientIdx, Vec<SealedShares>>,
     shared: BTreeSet<ClientIdx>,
-    masked: BTreeMap<ClientIdx, Vec<u32>>,
+    /// Who sent a masked input.
+    masked: BTreeSet<ClientIdx>,
+    /// The running sum of every masked input received, in the ring (empty until the first).
+    sum: Vec<u32>,
+    /// Clients whose masked input is in `sum` but must come out (a neighbour could not open
+    /// their shares): the caller of [`Unmasking::sum`] hands their vectors back.
+    withdrawn: BTreeSet<ClientIdx>,
     /// For each masked input, the neighbours its sender could not open shares from (and so
     /// added no pairwise mask with).
     rejections: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
@@ -49,7 +56,9 @@ impl Server {
             graph: BTreeMap::new(),
             sealed: BTreeMap::new(),
             shared: BTreeSet::new(),
-            masked: BTreeMap::new(),
+            masked: BTreeSet::new(),
+            sum: Vec::new(),
+            withdrawn: BTreeSet::new(),
             rejections: BTreeMap::new(),
             survivors: BTreeSet::new(),
             responses: BTreeMap::new(),
@@ -171,7 +180,7 @@ impl Server {
     ) -> Result<(), SecAggError> {
         self.expect(ServerStage::Collect, "MaskedInputCollection")?;
         if !self.shared.contains(&client)
-            || self.masked.contains_key(&client)
+            || self.masked.contains(&client)
             || y.len() != self.config.len
         {
             return Err(self.bad(client, "unexpected masked input or wrong length"));
@@ -179,7 +188,14 @@ impl Server {
         if !rejected.iter().all(|j| self.graph[&client].contains(j) && self.shared.contains(j)) {
             return Err(self.bad(client, "rejects shares from clients that sent it none"));
         }
-        self.masked.insert(client, y);
+        if self.sum.is_empty() {
+            self.sum = y;
+        } else {
+            for (s, v) in self.sum.iter_mut().zip(&y) {
+                *s = s.wrapping_add(*v);
+            }
+        }
+        self.masked.insert(client);
         self.rejections.insert(client, rejected);
         Ok(())
     }
@@ -197,12 +213,14 @@ impl Server {
         self.expect(ServerStage::Collect, "the end of MaskedInputCollection")?;
         let accused = self.accused();
         for &j in &accused {
-            self.masked.remove(&j);
+            if self.masked.remove(&j) {
+                self.withdrawn.insert(j);
+            }
             self.rejections.remove(&j);
             self.excluded.insert(j);
         }
         self.at_least("MaskedInputCollection", self.masked.len())?;
-        self.survivors = self.masked.keys().copied().collect();
+        self.survivors = self.masked.clone();
         self.stage = ServerStage::Unmask;
         Ok(UnmaskRequest { survivors: self.survivors.clone() })
     }
@@ -307,9 +325,11 @@ impl Server {
                 masks.push(MaskRemoval { seed, stream: 4, add: i > j });
             }
         }
+        let mut sum = std::mem::take(&mut self.sum);
+        sum.resize(self.config.len, 0);
         Ok(Unmasking {
-            len: self.config.len,
-            masked: std::mem::take(&mut self.masked).into_values().collect(),
+            sum,
+            withdrawn: self.withdrawn.clone(),
             masks,
             survivors: self.survivors.clone(),
         })
@@ -324,12 +344,14 @@ struct MaskRemoval {
     add: bool,
 }
 
-/// A finished round's survivors' masked inputs and the keystreams that remove their masks:
-/// everything the sum needs, checked by [`Server::finish`].
+/// A finished round's running sum of masked inputs and the keystreams that remove their
+/// masks: everything the sum needs, checked by [`Server::finish`].
 #[derive(Clone, PartialEq, Eq)]
 pub struct Unmasking {
-    len: usize,
-    masked: Vec<Vec<u32>>,
+    /// Every masked input received, summed.
+    sum: Vec<u32>,
+    /// Clients whose input is in `sum` but must come out.
+    withdrawn: BTreeSet<ClientIdx>,
     masks: Vec<MaskRemoval>,
     survivors: BTreeSet<ClientIdx>,
 }
@@ -340,19 +362,37 @@ impl Unmasking {
         &self.survivors
     }
 
-    /// The sum of the survivors' inputs in the ring: n masked vectors added and one keystream
-    /// expanded per mask, so O(n × len) work and one vector of memory.
-    pub fn sum(&self) -> Vec<u32> {
-        let mut sum = vec![0u32; self.len];
-        for y in &self.masked {
-            for (s, v) in sum.iter_mut().zip(y) {
-                *s = s.wrapping_add(*v);
+    /// Clients whose masked input the running sum holds but the result must not: those a
+    /// neighbour could not open shares from (a malicious or broken sender). [`Unmasking::sum`]
+    /// needs each one's masked vector back; honest rounds have none.
+    pub fn withdrawn(&self) -> &BTreeSet<ClientIdx> {
+        &self.withdrawn
+    }
+
+    /// The sum of the survivors' inputs in the ring: the withdrawn clients' masked vectors
+    /// (`withdrawn_input`, which answers for each of [`Unmasking::withdrawn`]) taken out of the
+    /// running sum, then one keystream expanded per mask: O(masks × len) work and one vector
+    /// of memory. Fails if a withdrawn vector is missing or of the wrong length.
+    pub fn sum(
+        &self,
+        mut withdrawn_input: impl FnMut(ClientIdx) -> Option<Vec<u32>>,
+    ) -> Result<Vec<u32>, SecAggError> {
+        let mut sum = self.sum.clone();
+        for &j in &self.withdrawn {
+            let y = withdrawn_input(j).filter(|y| y.len() == sum.len()).ok_or_else(|| {
+                SecAggError::BadMessage {
+                    client: j,
+                    why: "its masked input, to take out of the sum, is missing".into(),
+                }
+            })?;
+            for (s, v) in sum.iter_mut().zip(&y) {
+                *s = s.wrapping_sub(*v);
             }
         }
         for m in &self.masks {
             Keystream::new(&m.seed, m.stream).mask(&mut sum, m.add);
         }
-        sum
+        Ok(sum)
     }
 }
 
@@ -360,7 +400,8 @@ impl std::fmt::Debug for Unmasking {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Seeds are secrets and the vectors model-sized: counts only.
         f.debug_struct("Unmasking")
-            .field("len", &self.len)
+            .field("len", &self.sum.len())
+            .field("withdrawn", &self.withdrawn)
             .field("survivors", &self.survivors)
             .field("masks", &self.masks.len())
             .finish_non_exhaustive()

@@ -66,12 +66,16 @@ fn run(config: &Config, seed: u64, script: &Script) -> (Outcome, BTreeMap<Client
             }
             let _ = server.receive_shares(i, sealed);
         }
+        // What each client sent, as the coordinator's store keeps it: the running sum needs a
+        // withdrawn client's vector back.
+        let mut sent = BTreeMap::new();
         for (i, request) in server.close_share_keys()? {
             if script.after_share.contains(&i) {
                 continue;
             }
             let client = clients.get_mut(&i).unwrap();
             let y = client.masked_input(request, &inputs[&i])?;
+            sent.insert(i, y.clone());
             server.receive_masked(i, y, client.rejected().clone())?;
         }
         let request = server.close_masked()?;
@@ -82,7 +86,8 @@ fn run(config: &Config, seed: u64, script: &Script) -> (Outcome, BTreeMap<Client
             let response = clients.get_mut(&i).unwrap().unmask(request.clone())?;
             server.receive_unmask(i, response)?;
         }
-        server.finish().map(|unmasking| (unmasking.sum(), unmasking.survivors().clone()))
+        let unmasking = server.finish()?;
+        Ok((unmasking.sum(|j| sent.get(&j).cloned())?, unmasking.survivors().clone()))
     })();
     (result, inputs)
 }

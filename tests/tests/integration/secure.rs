@@ -350,3 +350,98 @@ async fn federated_digits_train_through_secure_aggregation() {
     assert!(rounds.iter().filter(|r| r.state == "committed").count() == 6);
     c.running.shutdown().await.unwrap();
 }
+
+/// Waits (at the pace the coordinator asks for) until `device` is told something other than
+/// to wait.
+async fn next_instruction(
+    device: &FleetClient,
+    run: RunId,
+    round: starling_core::RoundIdx,
+) -> anyhow::Result<SecAggInstruction> {
+    loop {
+        match device.secagg_instruction(run, round).await? {
+            SecAggInstruction::Wait { retry_after_ms } => {
+                tokio::time::sleep(std::time::Duration::from_millis(retry_after_ms.into())).await
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+/// Issue 18: the coordinator adds masked inputs into one running sum as they arrive. A device
+/// whose sealed share its neighbour cannot open is in that sum when the neighbour reports it,
+/// so at commit its masked vector is read back from the round's records and taken out; the
+/// round commits the others' mean. Every device here runs core's protocol client itself, so
+/// that one can garble a share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum()
+-> anyhow::Result<()> {
+    const N: usize = 5;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await?;
+    let devices = enroll(&c.url, &c.admin, N).await?;
+    let run = RunId(c.admin.create_run(&secure_plan(N as u32, 3, 30.0, None)).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let round = tasks[0].round_idx;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let secure: Vec<_> = tasks.iter().map(|t| t.secure_aggregation.unwrap()).collect();
+    let mut clients = vec![];
+    for (i, s) in secure.iter().enumerate() {
+        // Test-only randomness, distinct per device and per secret.
+        let randomness = std::array::from_fn(|j| (j as u8).wrapping_mul(7) ^ (i as u8 * 31 + 1));
+        let (client, keys) = secagg::Client::new(s.index, s.config, randomness)?;
+        devices[i].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(keys)).await?;
+        clients.push(client);
+    }
+    for i in 0..N {
+        let SecAggInstruction::ShareKeys(keys) = next_instruction(&devices[i], run, round).await?
+        else {
+            anyhow::bail!("device {i} was not asked to share keys");
+        };
+        let mut sealed = clients[i].share_keys(keys)?;
+        if i == 0 {
+            sealed[0].ciphertext[0] ^= 0xff;
+        }
+        devices[i].secagg_send(run, round, &SecAggUpload::ShareKeys(sealed)).await?;
+    }
+    for i in 0..N {
+        let SecAggInstruction::MaskedInput(request) =
+            next_instruction(&devices[i], run, round).await?
+        else {
+            anyhow::bail!("device {i} was not asked for its masked input");
+        };
+        let (q, cap) = (secure[i].quantizer(), secure[i].max_examples);
+        let mut input = secagg::encode_weighted(&q, &delta(i, 0, PARAMS), weight(i), cap);
+        if secure[i].config.len == input.len() + secagg::EVALUATION_ENTRIES {
+            secagg::append_evaluation(&q, &mut input, None, cap);
+        }
+        let masked = clients[i].masked_input(request, &input)?;
+        let upload = SecAggUpload::MaskedInput {
+            model_version: ModelVersion(0),
+            masked: masked.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            rejected_shares: clients[i].rejected().clone(),
+        };
+        devices[i].secagg_send(run, round, &upload).await?;
+    }
+    let told = next_instruction(&devices[0], run, round).await?;
+    assert!(
+        matches!(&told, SecAggInstruction::Excluded { reason } if reason.contains("could not open")),
+        "{told:?}"
+    );
+    for i in 1..N {
+        let SecAggInstruction::Unmask(request) = next_instruction(&devices[i], run, round).await?
+        else {
+            anyhow::bail!("device {i} was not asked to unmask");
+        };
+        let response = clients[i].unmask(request)?;
+        devices[i].secagg_send(run, round, &SecAggUpload::Unmask(response)).await?;
+    }
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_close(&committed, &expected_model(&global, &[1, 2, 3, 4]), 2e-6);
+    let round = &c.admin.rounds(run).await?[0];
+    assert_eq!(round.n_reported, 4);
+    c.running.shutdown().await?;
+    Ok(())
+}
