@@ -5,10 +5,12 @@
 //! schema, finiteness) and send an [`Event`] with a reply channel.
 //! The driver owns the [`RunMachine`]s, and executes their actions with these rules:
 //!
-//! * Small transitions (round opened, device selected, run finished/stopped) produced while
-//!   handling one batch of events go to the store in one transaction, before any reply of that
-//!   batch is sent. A store failure is retried with backoff; replies wait (handlers time out
-//!   with 503), so memory never runs ahead of the store in what devices are told.
+//! * Transitions (round opened, device selected, a secure round's records, run
+//!   finished/stopped) produced while handling one batch of events go to the run's ordered
+//!   writer (`writer`), a task that puts them in the store in one transaction before it sends
+//!   any reply of that batch. A store failure is retried with backoff; replies wait (handlers
+//!   time out with 503), so memory never runs ahead of the store in what devices are told, and
+//!   a run's slow write (a masked input is model-sized) holds up that run's answers only.
 //! * Payloads (updates, partials) travel inside the machine's inputs and actions, shared, never
 //!   parked here: they are written by spawned tasks, concurrently, and come back as
 //!   [`Internal::Persisted`]; only then is the sender acknowledged.
@@ -38,6 +40,8 @@ mod execute;
 mod recover;
 #[cfg(test)]
 mod tests;
+mod writer;
+use writer::RunWriter;
 
 use starling_core::fedavg::{FedAvgAccumulator, ValidatedPartial, ValidatedUpdate};
 use starling_core::plan::ValidatedPlan;
@@ -305,6 +309,8 @@ struct RunEntry {
     optimizer_state: Arc<OptimizerState>,
     training_config: String,
     accumulator: AccumulatorWorker,
+    /// Writes the run's batches in order, off the driver task.
+    writer: RunWriter,
     /// Who waits for the answer to each request the machine has not answered yet.
     responders: HashMap<RequestId, Responder>,
     /// A secure round's checked unmasking, waiting for its `CloseRound` (which unmasks it on a
@@ -390,6 +396,16 @@ impl Driver {
             }
         }
         tracing::info!("driver stopped");
+    }
+
+    /// A writer task for `run_id`'s batches.
+    fn writer_for(&self, run_id: RunId) -> RunWriter {
+        RunWriter::spawn(
+            run_id,
+            self.store.clone(),
+            self.observer.clone(),
+            self.internal_tx.clone(),
+        )
     }
 
     /// What the run machines must hear about the tier now; `None` without a tier.
@@ -587,7 +603,9 @@ impl Driver {
         let state = plan.plan().strategy.initial_state(initial.values.len());
         let acc = plan.accumulator(&state);
         let values = Arc::new(initial.values);
-        let entry = RunEntry::new(machine, Arc::new(plan), values, initial.hash, state, acc);
+        let writer = self.writer_for(run_id);
+        let entry =
+            RunEntry::new(machine, Arc::new(plan), values, initial.hash, state, acc, writer);
         entry.report_privacy(run_id, &self.observer);
         self.runs.insert(run_id, entry);
         self.observer.run_state(run_id, "running");
@@ -638,6 +656,7 @@ impl RunEntry {
         model_hash: String,
         optimizer_state: OptimizerState,
         acc: FedAvgAccumulator,
+        writer: RunWriter,
     ) -> Self {
         let training_config = plan.training_config_json();
         RunEntry {
@@ -648,6 +667,7 @@ impl RunEntry {
             optimizer_state: Arc::new(optimizer_state),
             training_config,
             accumulator: AccumulatorWorker::spawn(acc),
+            writer,
             responders: HashMap::new(),
             secure_aggregate: None,
             stops: vec![],

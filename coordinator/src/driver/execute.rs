@@ -1,9 +1,8 @@
 //! Carrying out the run machines' actions, by the rules of the driver's module doc: a batch's
-//! small transitions in one transaction before any of its replies; payloads written
-//! concurrently off the loop and fed back as [`Internal::Persisted`]; folds in slot order on
-//! the run's accumulator thread; closings spawned once the batch's records are durable.
-
-use std::time::Duration;
+//! transitions handed to the run's ordered writer, which makes them durable in one transaction
+//! before any of the batch's replies; payloads written concurrently off the loop and fed back
+//! as [`Internal::Persisted`]; folds in slot order on the run's accumulator thread; closings
+//! spawned once the batch's records are durable.
 
 use starling_core::RunId;
 use starling_core::codec;
@@ -12,28 +11,17 @@ use starling_core::wire::{SecAggInstruction, UploadAck};
 use tokio::sync::{mpsc, oneshot};
 
 use super::close::{CloseTask, Finish};
+use super::writer::{Batch, Deferred};
 use super::{Driver, DriverError, Internal, Responder, RunEntry};
 use crate::clock::now_ms;
 use crate::observe::Observer;
 use crate::store::{SqlStore, StoreError, Transition};
 use crate::tier::AggregatorRegistry;
 
-/// A reply held back until the batch's transitions are durable.
-type Deferred = Box<dyn FnOnce() + Send>;
-
 fn later<T: Send + 'static>(reply: oneshot::Sender<T>, value: T) -> Deferred {
     Box::new(move || {
         let _ = reply.send(value);
     })
-}
-
-/// What one run's drained actions add up to: records to persist together, replies to send
-/// once they are, rounds to close after that.
-#[derive(Default)]
-struct Batch {
-    transitions: Vec<Transition>,
-    replies: Vec<Deferred>,
-    closings: Vec<CloseTask>,
 }
 
 /// The parts of the driver that actions use besides the run itself.
@@ -60,30 +48,15 @@ impl Driver {
             while let Some(action) = entry.machine.poll_action() {
                 effects.execute(run_id, entry, action, &mut batch);
             }
-            if !batch.transitions.is_empty() {
-                let started = std::time::Instant::now();
-                if persist_transitions(effects.store, run_id, &batch.transitions, now)
-                    .await
-                    .is_err()
-                {
-                    // A successor leads: nothing of this batch is durable, so nobody hears of
-                    // it, and the driver stops (see `run`).
-                    self.deposed = true;
-                    return;
-                }
-                effects.observer.store_latency("transitions", started.elapsed().as_secs_f64());
-            }
-            for task in batch.closings {
-                tokio::spawn(task.run());
-            }
-            for reply in batch.replies {
-                reply();
-            }
             let status = entry.machine.status();
             if status != RunStatus::Running {
+                // Answered once the run's last transitions are durable.
                 for stop in entry.stops.drain(..) {
-                    let _ = stop.send(Ok(()));
+                    batch.replies.push(later(stop, Ok(())));
                 }
+            }
+            if !batch.is_empty() {
+                entry.writer.write(batch, now).await;
             }
             if matches!(status, RunStatus::Stopped | RunStatus::Finished) {
                 ended.push(run_id);
@@ -94,31 +67,6 @@ impl Driver {
                 for (_, responder) in entry.responders.drain() {
                     responder.run_ended(run_id);
                 }
-            }
-        }
-    }
-}
-
-/// Writes a batch's transitions, retrying with backoff until they are durable; `Err` only when
-/// the write was fenced off (another coordinator leads).
-async fn persist_transitions(
-    store: &SqlStore,
-    run_id: RunId,
-    transitions: &[Transition],
-    now: starling_core::Millis,
-) -> Result<(), StoreError> {
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match store.apply_transitions(run_id, transitions, now).await {
-            Ok(()) => return Ok(()),
-            Err(e @ StoreError::Fenced { .. }) => {
-                tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");
-                return Err(e);
-            }
-            Err(e) => {
-                tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }

@@ -159,6 +159,7 @@ impl Driver {
                 payload.content_hash(),
                 state,
                 acc,
+                driver.writer_for(run_id),
             );
             entry.report_privacy(run_id, &driver.observer);
             driver.runs.insert(run_id, entry);

@@ -1,0 +1,107 @@
+//! One ordered writer per run, off the driver task: a batch's transitions (round opened,
+//! devices selected, a secure round's records with their model-sized masked inputs, run
+//! finished) are made durable in order, then the batch's replies are sent and its closings
+//! spawned. The driver only decides and queues; a slow write delays that run's answers, not
+//! every run's.
+
+use std::time::Duration;
+
+use starling_core::{Millis, RunId};
+use tokio::sync::mpsc;
+
+use super::Internal;
+use super::close::CloseTask;
+use crate::observe::Observer;
+use crate::store::{SqlStore, StoreError, Transition};
+
+/// A reply held back until the batch's transitions are durable.
+pub(super) type Deferred = Box<dyn FnOnce() + Send>;
+
+/// What one batch of a run's actions adds up to: transitions to persist together, replies to
+/// send once they are, rounds to close after that.
+#[derive(Default)]
+pub(super) struct Batch {
+    pub(super) transitions: Vec<Transition>,
+    pub(super) replies: Vec<Deferred>,
+    pub(super) closings: Vec<CloseTask>,
+}
+
+impl Batch {
+    pub(super) fn is_empty(&self) -> bool {
+        self.transitions.is_empty() && self.replies.is_empty() && self.closings.is_empty()
+    }
+}
+
+/// Batches a run's writer may hold before the driver waits for it (backpressure when the
+/// store falls behind, instead of unbounded memory of queued masked inputs).
+const QUEUED_BATCHES: usize = 64;
+
+/// A run's writer task.
+pub(super) struct RunWriter {
+    tx: mpsc::Sender<(Batch, Millis)>,
+}
+
+impl RunWriter {
+    /// Starts the writer of `run_id`; it ends when the run's entry (and so this) is dropped
+    /// and its queue is written, or when a write is fenced off (then it tells the driver).
+    pub(super) fn spawn(
+        run_id: RunId,
+        store: SqlStore,
+        observer: Observer,
+        internal: mpsc::UnboundedSender<Internal>,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::channel::<(Batch, Millis)>(QUEUED_BATCHES);
+        tokio::spawn(async move {
+            while let Some((batch, now)) = rx.recv().await {
+                if !batch.transitions.is_empty() {
+                    let started = std::time::Instant::now();
+                    if persist_transitions(&store, run_id, &batch.transitions, now).await.is_err() {
+                        // A successor leads: nothing of this batch (or any later one) is
+                        // durable, so nobody hears of it, and the driver stops.
+                        let _ = internal.send(Internal::Deposed);
+                        return;
+                    }
+                    observer.store_latency("transitions", started.elapsed().as_secs_f64());
+                }
+                for task in batch.closings {
+                    tokio::spawn(task.run());
+                }
+                for reply in batch.replies {
+                    reply();
+                }
+            }
+        });
+        RunWriter { tx }
+    }
+
+    /// Queues `batch`, waiting only when the writer is [`QUEUED_BATCHES`] behind.
+    pub(super) async fn write(&self, batch: Batch, now: Millis) {
+        // The writer only stops after a fence, and then the driver stops too.
+        let _ = self.tx.send((batch, now)).await;
+    }
+}
+
+/// Writes a batch's transitions, retrying with backoff until they are durable; `Err` only when
+/// the write was fenced off (another coordinator leads).
+async fn persist_transitions(
+    store: &SqlStore,
+    run_id: RunId,
+    transitions: &[Transition],
+    now: Millis,
+) -> Result<(), StoreError> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match store.apply_transitions(run_id, transitions, now).await {
+            Ok(()) => return Ok(()),
+            Err(e @ StoreError::Fenced { .. }) => {
+                tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");
+                return Err(e);
+            }
+            Err(e) => {
+                tracing::error!(%run_id, error = %e, ?backoff, "persisting round transitions failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
