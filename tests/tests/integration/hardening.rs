@@ -6,8 +6,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
+use sqlx::Connection;
 use starling_client::protocol::{FleetClient, TlsSettings};
-use starling_core::wire::{ErrorBody, ErrorCode, EvaluationReport};
+use starling_core::wire::{CheckInResponse, ErrorBody, ErrorCode, EvaluationReport};
 use starling_core::{ModelVersion, RoundIdx, RunId};
 use starling_tests::*;
 
@@ -315,4 +316,48 @@ async fn r16_a_standby_takes_over_and_loses_no_acknowledged_update(
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await.unwrap();
     let contributions: Vec<_> = (0..4).map(|i| (delta(i, 0, 64), weight(i))).collect();
     assert_eq!(committed, fedavg_expected(&global, &contributions));
+}
+
+/// Issue 18: a run whose store writes are stuck (here a row lock held by another session on
+/// its open round, which its next selection must wait for) holds up only its own answers. The
+/// driver hands each run's transitions to that run's writer instead of awaiting them, so a
+/// device of another run is still selected at once; the stuck run's device gets its task when
+/// the lock goes.
+#[sqlx::test(migrations = false)]
+async fn r18_a_run_stuck_on_a_write_does_not_hold_up_another_run(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let url = pg_url(&opts);
+    let c = start_in_process(&url).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let mut runs = vec![];
+    for population in ["stuck", "free"] {
+        let mut plan = PlanSpec::all_of(1, 10, 1).json();
+        plan["population"] = population.into();
+        let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+        wait_round_open(&c.admin, run, 0).await.unwrap();
+        runs.push(run);
+    }
+    let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query("SELECT * FROM rounds WHERE run_id = $1 FOR UPDATE")
+        .bind(runs[0].0)
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let stuck = {
+        let device = devices[0].clone();
+        tokio::spawn(async move { device.check_in("stuck").await })
+    };
+    // Give the stuck selection time to reach the store and wait on the lock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let free = tokio::time::timeout(Duration::from_secs(5), devices[1].check_in("free")).await;
+    let free = free.expect("the other run's check-in waited for the stuck run's write");
+    assert!(matches!(free, Ok(CheckInResponse::Task(_))), "{free:?}");
+    assert!(!stuck.is_finished(), "the stuck run's selection was answered before it was durable");
+    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    let stuck = tokio::time::timeout(Duration::from_secs(10), stuck).await.unwrap().unwrap();
+    assert!(matches!(stuck, Ok(CheckInResponse::Task(_))), "{stuck:?}");
+    c.running.shutdown().await.unwrap();
 }
