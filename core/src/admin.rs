@@ -136,8 +136,13 @@ pub struct RoundView {
     pub n_selected: i64,
     /// Durable updates.
     pub n_reported: i64,
-    /// Selected but not reported (once closed).
+    /// Selected but not reported (once closed). In an asynchronous run these devices may
+    /// still report into a later buffer.
     pub n_dropped: Option<i64>,
+    /// Durable updates trained on an earlier model than this round's (asynchronous runs; 0
+    /// otherwise).
+    #[serde(default)]
+    pub n_stale: i64,
     /// How it ended.
     pub outcome: Option<serde_json::Value>,
     /// Example-weighted mean of the clients' training metrics.

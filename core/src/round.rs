@@ -631,7 +631,14 @@ impl RunMachine {
             Some(r) if selecting && !r.selected.contains(&device) && !wins_draw => {
                 CheckInDecision::ComeBackLater { after_ms: pace(steering.selection_timeout_ms / 2) }
             }
-            Some(r) if selecting && !r.selected.contains(&device) => {
+            // One update per device and round: in an asynchronous run a device that reported
+            // into this buffer from an earlier one waits for the next.
+            Some(r)
+                if selecting
+                    && !r.selected.contains(&device)
+                    && !r.reported.contains(&device)
+                    && !r.in_flight_for(device) =>
+            {
                 r.selected.insert(device);
                 r.selected_at.insert(device, now);
                 if let Some(s) = r.secure.as_mut() {

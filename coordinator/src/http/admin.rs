@@ -218,6 +218,7 @@ fn round_view(r: RoundRow, counters: Option<&RoundCounters>) -> RoundView {
             n_selected: r.n_selected.unwrap_or(0),
             n_reported: r.n_reported.unwrap_or(0),
             n_dropped: r.n_dropped,
+            n_stale: r.n_stale,
             outcome: r.outcome_json.and_then(|j| serde_json::from_str(&j).ok()),
             metrics: r.metrics_json.and_then(|j| serde_json::from_str(&j).ok()),
         }

@@ -37,6 +37,8 @@ pub struct RoundRow {
     pub n_reported: Option<i64>,
     /// Selected devices that did not report.
     pub n_dropped: Option<i64>,
+    /// Updates trained on an earlier model (asynchronous runs).
+    pub n_stale: i64,
     /// The closing outcome, JSON.
     pub outcome_json: Option<String>,
     /// Weighted mean of the clients' training metrics, JSON.
@@ -84,7 +86,9 @@ macro_rules! round_select {
                     COALESCE(r.n_selected, (SELECT COUNT(*) FROM selections s WHERE s.run_id = r.run_id AND s.round_idx = r.round_idx)) AS n_selected,
                     COALESCE(r.n_reported, (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx)
                              + (SELECT CAST(COALESCE(SUM(p.n_devices), 0) AS BIGINT) FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx)) AS n_reported,
-                    r.n_dropped, r.outcome_json, r.metrics_json
+                    r.n_dropped,
+                    (SELECT COUNT(*) FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx AND u.staleness > 0) AS n_stale,
+                    r.outcome_json, r.metrics_json
          FROM rounds r"
     };
 }
@@ -284,9 +288,10 @@ impl SqlStore {
 
     /// The open round of a run, its selections and its durable updates' (device, slot).
     pub async fn open_round(&self, run_id: RunId) -> StoreResult<Option<OpenRoundState>> {
-        let round: Option<RoundRow> = sqlx::query_as(
-            "SELECT * FROM rounds WHERE run_id = $1 AND state = 'open' ORDER BY round_idx DESC LIMIT 1",
-        )
+        let round: Option<RoundRow> = sqlx::query_as(concat!(
+            round_select!(),
+            " WHERE r.run_id = $1 AND r.state = 'open' ORDER BY r.round_idx DESC LIMIT 1"
+        ))
         .bind(run_id.0)
         .fetch_optional(&self.pool)
         .await

@@ -1415,3 +1415,46 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           ReplyUpload { request: RequestId(17), result: Err(RoundClosed) }
     "#]]);
 }
+
+/// Issue 18, found in CI: a device whose update reached a buffer from an earlier one was
+/// selected again in the same buffer, and its next upload was refused as a duplicate (which
+/// the SDK takes as delivered: a trained update lost). It now waits for the next buffer.
+#[test]
+fn r18_a_device_that_reported_late_waits_for_the_next_buffer() {
+    let config = RoundConfig {
+        cohort_size: 2,
+        target_selected: 3,
+        min_quorum: 1,
+        asynchronous: Some(crate::plan::AsynchronousPlan {
+            concurrency: 3,
+            max_staleness: 2,
+            staleness_exponent: 0.5,
+        }),
+        ..config()
+    };
+    let mut t = Trace::with(config);
+    for d in [10, 11, 12] {
+        t.check_in(d);
+    }
+    let (a, b) = (t.upload(10, 0), t.upload(11, 0));
+    t.persisted(a, true);
+    t.persisted(b, true);
+    t.closed(0, true);
+    let request = t.req();
+    t.input(Input::Upload {
+        request,
+        device: DeviceId(12),
+        round_idx: RoundIdx(0),
+        model_version: ModelVersion(0),
+        update: update(12),
+    });
+    t.persisted(request, true);
+    t.check_in(12);
+    let answer = t.lines.last().unwrap();
+    assert!(answer.contains("ComeBackLater"), "{answer}");
+    assert!(
+        !t.lines
+            .iter()
+            .any(|l| l.contains("PersistSelection { round_idx: RoundIdx(1), device: DeviceId(12)"))
+    );
+}

@@ -335,6 +335,8 @@ async fn r18_a_run_stuck_on_a_write_does_not_hold_up_another_run(
     for population in ["stuck", "free"] {
         let mut plan = PlanSpec::all_of(1, 10, 1).json();
         plan["population"] = population.into();
+        // Every device that checks in is selected (a random draw could pace it instead).
+        plan["selection"] = "first_come".into();
         let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
         wait_round_open(&c.admin, run, 0).await.unwrap();
         runs.push(run);
