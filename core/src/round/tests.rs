@@ -125,6 +125,20 @@ impl Trace {
         request
     }
 
+    /// An upload trained on `model_version` (a late device's in an asynchronous run, or a
+    /// stale one).
+    fn upload_trained_on(&mut self, device: i64, round: i64, model_version: i64) -> RequestId {
+        let request = self.req();
+        self.input(Input::Upload {
+            request,
+            device: DeviceId(device),
+            round_idx: RoundIdx(round),
+            model_version: ModelVersion(model_version),
+            update: update(device as u64),
+        });
+        request
+    }
+
     /// An evaluation-only run's upload: metrics and an example count, no delta.
     fn upload_evaluation(&mut self, device: i64, round: i64) -> RequestId {
         let request = self.req();
@@ -223,14 +237,7 @@ fn bad_uploads_are_refused_without_state_change() {
     t.check_in(10); // already reported: paced, not handed the task again
     t.check_in(11);
     t.check_in(11); // repeated check-in before uploading: same task, nothing persisted again
-    let request = t.req();
-    t.input(Input::Upload {
-        request,
-        device: DeviceId(10),
-        round_idx: RoundIdx(0),
-        model_version: ModelVersion(3),
-        update: update(10),
-    });
+    t.upload_trained_on(10, 0, 3);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -1315,14 +1322,7 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
     for d in [13, 14, 15] {
         t.check_in(d);
     }
-    let request = t.req();
-    t.input(Input::Upload {
-        request,
-        device: DeviceId(12),
-        round_idx: RoundIdx(0),
-        model_version: ModelVersion(0),
-        update: update(12),
-    });
+    let request = t.upload_trained_on(12, 0, 0);
     t.persisted(request, true);
     let c = t.upload(13, 1);
     t.persisted(c, true);
@@ -1335,14 +1335,7 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
     t.persisted(d, true);
     t.persisted(e, true);
     t.closed(2, true);
-    let request = t.req();
-    t.input(Input::Upload {
-        request,
-        device: DeviceId(14),
-        round_idx: RoundIdx(1),
-        model_version: ModelVersion(1),
-        update: update(14),
-    });
+    t.upload_trained_on(14, 1, 1);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -1440,14 +1433,7 @@ fn r18_a_device_that_reported_late_waits_for_the_next_buffer() {
     t.persisted(a, true);
     t.persisted(b, true);
     t.closed(0, true);
-    let request = t.req();
-    t.input(Input::Upload {
-        request,
-        device: DeviceId(12),
-        round_idx: RoundIdx(0),
-        model_version: ModelVersion(0),
-        update: update(12),
-    });
+    let request = t.upload_trained_on(12, 0, 0);
     t.persisted(request, true);
     t.check_in(12);
     let answer = t.lines.last().unwrap();

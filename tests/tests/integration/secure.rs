@@ -293,15 +293,11 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
         rejected_shares: Default::default(),
     };
     // Wait (at the pace the coordinator asks for) until the stage is MaskedInput, then send it.
-    loop {
-        match devices[4].secagg_instruction(run, round).await? {
-            SecAggInstruction::MaskedInput(_) => break,
-            SecAggInstruction::Wait { retry_after_ms } => {
-                tokio::time::sleep(std::time::Duration::from_millis(retry_after_ms.into())).await
-            }
-            other => anyhow::bail!("device 4 was told {other:?}"),
-        }
-    }
+    let told = next_instruction(&devices[4], run, round).await?;
+    anyhow::ensure!(
+        matches!(told, SecAggInstruction::MaskedInput(_)),
+        "device 4 was told {told:?}"
+    );
     assert_eq!(
         api_code(devices[4].secagg_send(run, round, &short).await),
         Some(ErrorCode::InvalidField)
