@@ -10,7 +10,7 @@ use starling_coordinator::store::{
 };
 use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
-use starling_core::round::{RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
+use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 
@@ -53,6 +53,7 @@ conformance!(
     evaluations_are_one_per_device_and_version,
     stopping_a_run_fails_its_open_round,
     r17_update_tiles_are_slices_of_every_update_in_slot_order,
+    r18_carried_tasks_are_the_selected_devices_not_heard_from_since,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -504,4 +505,31 @@ async fn stopping_a_run_fails_its_open_round(store: SqlStore) {
     assert!(store.running_runs().await.unwrap().is_empty());
     assert_eq!(store.rounds(run).await.unwrap()[0].state, "failed");
     assert_eq!(store.secagg_record_count(run).await.unwrap(), 0);
+}
+
+/// An asynchronous run's devices still training on a closed round's model: selected there,
+/// no update since, not selected again, and the round's model no older than asked.
+async fn r18_carried_tasks_are_the_selected_devices_not_heard_from_since(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    store.insert_update(run, RoundIdx(0), d1, 0, 0, 1, "{}", &[1, 2], 1_500).await.unwrap();
+    // Nothing is carried out of the open round itself.
+    assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![]);
+    let failed = closing(0, 0, RoundOutcome::TooFewReports { reported: 1, quorum: 2 });
+    store.fail_round(run, failed).await.unwrap();
+    let next = [
+        Transition::OpenRound(opened(1, 0)),
+        Transition::Select { round_idx: RoundIdx(1), device: d3, aggregator: None },
+    ];
+    store.apply_transitions(run, &next, 4_500).await.unwrap();
+    let d2_task = CarriedTask {
+        device: d2,
+        round_idx: RoundIdx(0),
+        model_version: ModelVersion(0),
+        selected_at: 1_000,
+    };
+    assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![d2_task]);
+    assert_eq!(store.carried_tasks(run, ModelVersion(1)).await.unwrap(), vec![], "too old");
+    // Its late update lands in the open round: it is carried no more.
+    store.insert_update(run, RoundIdx(1), d2, 0, 1, 1, "{}", &[3, 4], 4_600).await.unwrap();
+    assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![]);
 }

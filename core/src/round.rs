@@ -58,8 +58,8 @@
 //! with the model they train on. A carried device's upload (naming its own round) is folded
 //! into the open buffer discounted by its staleness, while it is at most `max_staleness`
 //! versions behind and its task's deadline has not passed; during a commit it is told to
-//! retry (`Unavailable`). Carried devices live in memory only: after a restart they check in
-//! again.
+//! retry (`Unavailable`). A restarted coordinator carries them again from the store
+//! ([`RunSnapshot::carried`]).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -251,6 +251,7 @@ impl RunMachine {
                 rounds_committed: 0,
                 next_round_idx: RoundIdx(0),
                 open_round: None,
+                carried: vec![],
             },
             now,
             entropy,
@@ -280,6 +281,21 @@ impl RunMachine {
         if m.rounds_committed >= m.config.total_rounds {
             m.status = RunStatus::Finished;
             return m;
+        }
+        if let Some(a) = m.config.asynchronous {
+            let timeout = m.config.reporting_timeout_ms;
+            for t in snapshot.carried {
+                let deadline = t.selected_at + timeout;
+                let staleness = m.model_version.0 - t.model_version.0;
+                if now < deadline && (0..=i64::from(a.max_staleness)).contains(&staleness) {
+                    let c = Carried {
+                        round_idx: t.round_idx,
+                        model_version: t.model_version,
+                        deadline,
+                    };
+                    m.carried.insert(t.device, c);
+                }
+            }
         }
         match snapshot.open_round {
             Some(open) => {

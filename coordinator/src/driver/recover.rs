@@ -121,7 +121,16 @@ impl Driver {
                 }
                 tracing::info!(%run_id, round = %open.round.round_idx, replayed, selected = open.selected.len(), "resuming open round");
             }
+            // An asynchronous run's devices still training on an earlier buffer's model.
+            let carried = match plan.plan().asynchronous {
+                None => vec![],
+                Some(a) => {
+                    let oldest = ModelVersion(version.0 - i64::from(a.max_staleness));
+                    driver.store.carried_tasks(run_id, oldest).await?
+                }
+            };
             let snapshot = RunSnapshot {
+                carried,
                 run_id,
                 config: plan.round_config(),
                 model_version: version,

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use sqlx::FromRow;
-use starling_core::round::{RoundClosing, RoundOpened, StoredPartial};
+use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, StoredPartial};
 use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
 use super::runs::set_run_status;
@@ -554,6 +554,41 @@ impl SqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(map_err)
+    }
+
+    /// An asynchronous run's devices selected for a closed round on model `oldest` or later
+    /// that have neither reported (in that round or a later one) nor been selected again: what
+    /// a restarted coordinator carries into the open buffer (the machine drops those past their
+    /// deadline).
+    pub async fn carried_tasks(
+        &self,
+        run_id: RunId,
+        oldest: ModelVersion,
+    ) -> StoreResult<Vec<CarriedTask>> {
+        let rows: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT s.device_id, s.round_idx, r.model_version, s.selected_at_ms
+             FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
+             WHERE s.run_id = $1 AND r.state <> 'open' AND r.model_version >= $2
+               AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.run_id = s.run_id
+                               AND u.device_id = s.device_id AND u.round_idx >= s.round_idx)
+               AND NOT EXISTS (SELECT 1 FROM selections later WHERE later.run_id = s.run_id
+                               AND later.device_id = s.device_id AND later.round_idx > s.round_idx)
+             ORDER BY s.round_idx, s.device_id",
+        )
+        .bind(run_id.0)
+        .bind(oldest.0)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
+        Ok(rows
+            .into_iter()
+            .map(|(device, round_idx, model_version, selected_at)| CarriedTask {
+                device: DeviceId(device),
+                round_idx: RoundIdx(round_idx),
+                model_version: ModelVersion(model_version),
+                selected_at,
+            })
+            .collect())
     }
 
     /// One round, with live counts if it is open.

@@ -389,6 +389,23 @@ pub struct RunSnapshot {
     pub next_round_idx: RoundIdx,
     /// The round that was open, if any.
     pub open_round: Option<OpenRoundSnapshot>,
+    /// Asynchronous runs: devices selected for an earlier round that have neither reported
+    /// nor been selected again; those still within `max_staleness` and their deadline carry on.
+    pub carried: Vec<CarriedTask>,
+}
+
+/// An asynchronous run's device selected for a closed round and not heard from since, as the
+/// store remembers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CarriedTask {
+    /// The device.
+    pub device: DeviceId,
+    /// The round that selected it.
+    pub round_idx: RoundIdx,
+    /// That round's model, which it trains on.
+    pub model_version: ModelVersion,
+    /// When it was selected.
+    pub selected_at: Millis,
 }
 
 /// An open round's durable state.

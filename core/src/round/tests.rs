@@ -384,6 +384,7 @@ fn restore_resumes_open_round_and_continues_slots() {
         model_version: ModelVersion(0),
         rounds_committed: 0,
         next_round_idx: RoundIdx(1),
+        carried: vec![],
         open_round: Some(OpenRoundSnapshot {
             round: RoundOpened {
                 round_idx: RoundIdx(0),
@@ -850,6 +851,7 @@ mod secure_rounds {
                 model_version: ModelVersion(0),
                 rounds_committed: 0,
                 next_round_idx: RoundIdx(1),
+                carried: vec![],
                 open_round: Some(OpenRoundSnapshot {
                     round: self.m.current_round().unwrap(),
                     selected,
@@ -1120,6 +1122,7 @@ fn a_restored_tiered_round_keeps_its_assignments_and_partials() {
         model_version: ModelVersion(0),
         rounds_committed: 0,
         next_round_idx: RoundIdx(1),
+        carried: vec![],
         open_round: Some(OpenRoundSnapshot {
             round: t.m.current_round().unwrap(),
             selected: (10..16).map(DeviceId).collect(),

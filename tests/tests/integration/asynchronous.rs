@@ -1,7 +1,7 @@
 //! Asynchronous buffered aggregation (FedBuff, issue 18) end to end: a device still training
-//! on an older model reports into a later buffer, its acknowledged update survives a SIGKILL,
-//! and the buffer commits, to the bit, the staleness-weighted mean; real SDK devices, a fifth
-//! of them five times slower, train a model through buffers.
+//! on an older model across a SIGKILL reports into a later buffer, its acknowledged update
+//! survives another, and the buffer commits, to the bit, the staleness-weighted mean; real SDK
+//! devices, a fifth of them five times slower, train a model through buffers.
 
 use std::path::Path;
 
@@ -45,6 +45,10 @@ async fn r18_a_stale_update_survives_a_restart_and_commits_discounted() {
     // Buffer 1 (model 1): device 3 gets a place; device 2 reports its model-0 update.
     let fresh = expect_task(&devices[3]).await.unwrap();
     assert_eq!((fresh.round_idx, fresh.model_version.0), (RoundIdx(1), 1));
+    // SIGKILL while device 2 still trains on model 0: the restarted coordinator finds it in
+    // the store and carries it again.
+    coordinator.kill().unwrap();
+    coordinator.respawn().await.unwrap();
     let stale = upload_request(&tasks[2], &delta(2, 0, PARAMS), weight(2));
     devices[2].upload(run, RoundIdx(0), &stale).await.unwrap();
     let again = devices[2].upload(run, RoundIdx(0), &stale).await;
