@@ -609,6 +609,8 @@ impl RunMachine {
         online: u32,
     ) {
         let now = self.now;
+        // An asynchronous run's task is due a reporting timeout after its own selection.
+        let task_ms = self.config.asynchronous.map(|_| self.config.reporting_timeout_ms);
         if self.config.asynchronous.is_some()
             && self.carried.contains_key(&device)
             && !self.round.as_ref().is_some_and(|r| r.in_flight_for(device))
@@ -636,7 +638,7 @@ impl RunMachine {
             _ => true,
         };
         let decision = match self.round.as_mut() {
-            Some(r) if r.has_task_for(device) => r.selected_decision(device),
+            Some(r) if r.has_task_for(device) => r.selected_decision(device, task_ms),
             // Its conditions may change (it starts charging, reaches Wi-Fi): about one
             // selection window later.
             _ if !eligible => {
@@ -665,7 +667,7 @@ impl RunMachine {
                 }
                 let round_idx = r.opened.round_idx;
                 self.actions.push_back(Action::PersistSelection { round_idx, device, aggregator });
-                r.selected_decision(device)
+                r.selected_decision(device, task_ms)
             }
             // Come back within one selection window (the next round may open as soon as this
             // one has its cohort), or at the deadline if that is sooner.
@@ -950,6 +952,7 @@ impl RunMachine {
         let (target_selected, min_quorum, cohort_size) =
             (self.config.target_selected, self.config.min_quorum, self.config.cohort_size);
         let asynchronous = self.config.asynchronous.is_some();
+        let task_ms = self.config.reporting_timeout_ms;
         let grace_ms = self.report_grace_ms();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
@@ -1021,8 +1024,16 @@ impl RunMachine {
                 outcome,
                 n_selected,
                 n_reported,
-                // In an asynchronous run, devices of earlier rounds report too.
-                n_dropped: r.selected.iter().filter(|d| !r.reported.contains(d)).count() as u32,
+                // In an asynchronous run, devices of earlier rounds report too, and a device
+                // still within its task's deadline is carried into the next buffer, not dropped.
+                n_dropped: r
+                    .selected
+                    .iter()
+                    .filter(|d| !r.reported.contains(d))
+                    .filter(|d| {
+                        !asynchronous || r.selected_at.get(d).is_none_or(|at| at + task_ms <= now)
+                    })
+                    .count() as u32,
                 closed_at: now,
             }));
         }
@@ -1030,11 +1041,17 @@ impl RunMachine {
 }
 
 impl ActiveRound {
-    fn selected_decision(&self, device: DeviceId) -> CheckInDecision {
+    /// The task `device` holds. With `task_ms` (an asynchronous run's reporting timeout) its
+    /// deadline runs from its own selection, not the round's opening.
+    fn selected_decision(&self, device: DeviceId, task_ms: Option<i64>) -> CheckInDecision {
+        let report_deadline = match (task_ms, self.selected_at.get(&device)) {
+            (Some(timeout), Some(&at)) => at + timeout,
+            _ => self.opened.reporting_deadline,
+        };
         CheckInDecision::Selected {
             round_idx: self.opened.round_idx,
             model_version: self.opened.model_version,
-            report_deadline: self.opened.reporting_deadline,
+            report_deadline,
             secure: self.secure.as_ref().and_then(|s| s.task(device)),
             aggregator: self.assigned.get(&device).copied(),
         }

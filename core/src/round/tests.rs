@@ -1362,7 +1362,7 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
         t=0 Persisted { request: RequestId(6), ok: true }
           ReplyUpload { request: RequestId(6), result: Ok(()) }
           Fold(Update(11 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 1, closed_at: 0 })
+          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 0, closed_at: 0 })
         t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
           ReplyUpload { request: RequestId(7), result: Err(Unavailable) }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
@@ -1385,7 +1385,7 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
         t=0 Persisted { request: RequestId(12), ok: true }
           ReplyUpload { request: RequestId(12), result: Ok(()) }
           Fold(Update(13 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 1, closed_at: 0 })
+          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
         t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(2), model_version: ModelVersion(2), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(13), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -1445,5 +1445,13 @@ fn r18_a_device_that_reported_late_waits_for_the_next_buffer() {
         !t.lines
             .iter()
             .any(|l| l.contains("PersistSelection { round_idx: RoundIdx(1), device: DeviceId(12)"))
+    );
+    // A task's deadline runs from its own selection: a second into the buffer, a second later.
+    t.now = 1_000;
+    t.check_in(13);
+    let task = t.lines.last().unwrap();
+    assert!(
+        task.contains("round_idx: RoundIdx(1)") && task.contains("report_deadline: 6000"),
+        "{task}"
     );
 }
