@@ -751,14 +751,13 @@ impl RunMachine {
         let admitted = self.admits_payload(device, round_idx, now, false);
         // An asynchronous run's device carried from an earlier round trained on that round's
         // model; it is folded into the open round, discounted by how far behind it is.
-        let carried = self.carried.get(&device).filter(|c| c.round_idx == round_idx).copied();
+        let carried_on = self.carried.get(&device).filter(|c| c.round_idx == round_idx);
+        let carried_on = carried_on.map(|c| c.model_version);
         let asynchronous = self.config.asynchronous;
         let verdict = match admitted.map(|()| self.round.as_mut().expect("an admitting round")) {
             Err(rejection) => Err(rejection),
-            Ok(r)
-                if model_version != carried.map_or(r.opened.model_version, |c| c.model_version) =>
-            {
-                let expected = carried.map_or(r.opened.model_version, |c| c.model_version);
+            Ok(r) if model_version != carried_on.unwrap_or(r.opened.model_version) => {
+                let expected = carried_on.unwrap_or(r.opened.model_version);
                 Err(UploadRejection::StaleModel { expected })
             }
             Ok(r) => {
