@@ -1,7 +1,7 @@
 //! Closing a round, off the driver task: aggregate (or unmask a secure round's sum, on a
-//! blocking thread), apply it, encode the new model and commit it with the round's row and pooled evaluation in
-//! one transaction; or record the failure. Store failures are retried until the write lands or
-//! is fenced off.
+//! blocking thread), apply it, encode the new model and commit it with the round's row and
+//! pooled evaluation in one transaction; or record the failure. Store failures are retried
+//! until the write lands or is fenced off.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -164,8 +164,8 @@ pub(super) enum Finish {
 
 impl Finish {
     /// The round's aggregate, and a secure round's pooled evaluation (committed with it). A
-    /// secure sum is unmasked on a blocking thread (model-sized work: n vectors added, a
-    /// keystream expanded per mask), and only when the round commits.
+    /// secure sum is unmasked on a blocking thread (model-sized work: withdrawn devices'
+    /// vectors taken out, a keystream expanded per mask), and only when the round commits.
     async fn aggregate(
         self,
         commits: bool,
