@@ -1,4 +1,5 @@
-//! The simulator's pure parts: attack and slowdown parsing and arithmetic, the attacker and slow-device counts.
+//! The simulator's pure parts: attack and slowdown parsing and arithmetic, the attacker and
+//! slow-device counts.
 
 use super::*;
 
