@@ -506,3 +506,19 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn asynchronous_settings_parse_with_a_default_exponent_and_name_what_is_wrong() {
+        let a = parse_asynchronous("20:4").unwrap();
+        assert_eq!((a.concurrency, a.max_staleness, a.staleness_exponent), (20, 4, 0.5));
+        assert_eq!(parse_asynchronous("13:2:1").unwrap().staleness_exponent, 1.0);
+        for bad in ["20", "20:4:0.5:1", "x:4", "20:-1", "20:4:y"] {
+            let err = parse_asynchronous(bad).unwrap_err();
+            assert!(err.contains(bad) || err.contains("exponent"), "{bad}: {err}");
+        }
+    }
+}
