@@ -2,8 +2,11 @@
 //!
 //! Two backends: Postgres (production, several coordinators may share it) and SQLite (the
 //! embedded zero-setup default).
-//! They share one SQL text through sqlx's `Any` driver; what differs per backend (migrations,
-//! durability settings, the leadership lock) is in [`Backend`]-specific code paths.
+//! They share one SQL text, run through each backend's native sqlx driver (not `Any`, which
+//! copies every blob twice on bind and again on read): [`on_pool!`] expands a method's body
+//! once per backend, and [`WriteTx`] gives both backends' transactions the shared steps of a
+//! write. What differs per backend (migrations, durability settings, the leadership lock) is
+//! in [`Backend`]-specific code paths.
 //! Both pass the same conformance suite (`coordinator/tests/store_conformance.rs`).
 //!
 //! One file per aggregate: `devices` (tokens, enrollment, revocation), `runs` (runs and their
@@ -18,13 +21,15 @@
 //! * Errors are mapped once, in [`map_err`]: a unique violation is [`StoreError::Conflict`],
 //!   everything else that is not the caller's fault is [`StoreError::Unavailable`].
 
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sqlx::any::AnyPoolOptions;
-use sqlx::{AnyPool, Connection, Executor};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{PgPool, SqlitePool};
 
 mod devices;
 mod evaluations;
@@ -42,6 +47,8 @@ use leadership::Fence;
 pub use leadership::{LEADER_APPLICATION_NAME, Leadership};
 pub use rounds::{OpenRoundState, RoundCommit, RoundDeviceRow, RoundRow, Transition};
 pub use runs::{ModelInfo, NewRun, RunRow};
+use starling_core::round::RoundClosing;
+use starling_core::{Millis, RoundIdx, RunId};
 pub use updates::StoredUpdate;
 
 /// Which database a store runs on.
@@ -115,49 +122,70 @@ pub fn with_database(url: &str, database: &str) -> String {
     }
 }
 
+/// A connection pool of the store's backend, through its native driver.
+#[derive(Debug, Clone)]
+enum Pool {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+/// Runs `$body` with `$pool` bound to the store's native pool: the body is expanded once per
+/// backend, so its queries bind and decode through that backend's own types.
+macro_rules! on_pool {
+    ($store:expr, |$pool:ident| $body:expr) => {
+        match &$store.pool {
+            $crate::store::Pool::Postgres($pool) => $body,
+            $crate::store::Pool::Sqlite($pool) => $body,
+        }
+    };
+}
+use on_pool;
+
 /// The coordinator's store.
 #[derive(Debug, Clone)]
 pub struct SqlStore {
-    pool: AnyPool,
+    pool: Pool,
     backend: Backend,
-    url: String,
     fence: Arc<Fence>,
 }
 
 impl SqlStore {
     /// Connects, creating the SQLite file if needed, and (if `migrate`) applies migrations.
     pub async fn connect(url: &str, migrate: bool) -> StoreResult<Self> {
-        sqlx::any::install_default_drivers();
-        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Backend::Postgres
+        let pool = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options = PgConnectOptions::from_str(url).map_err(map_err)?;
+            Pool::Postgres(
+                PgPoolOptions::new()
+                    .max_connections(16)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                    .map_err(map_err)?,
+            )
         } else if url.starts_with("sqlite:") {
-            Backend::Sqlite
+            let options = SqliteConnectOptions::from_str(url)
+                .map_err(map_err)?
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Full)
+                .foreign_keys(true)
+                .busy_timeout(Duration::from_secs(10));
+            Pool::Sqlite(
+                SqlitePoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                    .map_err(map_err)?,
+            )
         } else {
             return Err(StoreError::UnsupportedUrl(redact(url)));
         };
-        if backend == Backend::Sqlite {
-            // Create the file (and set WAL, which is persistent) through the native driver.
-            let opts = sqlx::sqlite::SqliteConnectOptions::from_str(url)
-                .map_err(map_err)?
-                .create_if_missing(true)
-                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
-            let conn = sqlx::SqliteConnection::connect_with(&opts).await.map_err(map_err)?;
-            conn.close().await.map_err(map_err)?;
-        }
-        let options = AnyPoolOptions::new()
-            .max_connections(if backend == Backend::Sqlite { 4 } else { 16 })
-            .acquire_timeout(Duration::from_secs(10))
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    if backend == Backend::Sqlite {
-                        conn.execute("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 10000;")
-                            .await?;
-                    }
-                    Ok(())
-                })
-            });
-        let pool = options.connect(url).await.map_err(map_err)?;
-        let store = SqlStore { pool, backend, url: url.to_owned(), fence: Arc::default() };
+        let backend = match pool {
+            Pool::Postgres(_) => Backend::Postgres,
+            Pool::Sqlite(_) => Backend::Sqlite,
+        };
+        let store = SqlStore { pool, backend, fence: Arc::default() };
         if migrate {
             store.migrate().await?;
         }
@@ -166,15 +194,9 @@ impl SqlStore {
 
     /// Applies pending migrations for this backend.
     pub async fn migrate(&self) -> StoreResult<()> {
-        match self.backend {
-            Backend::Postgres => {
-                let mut conn = sqlx::PgConnection::connect(&self.url).await.map_err(map_err)?;
-                sqlx::migrate!("../migrations/postgres").run(&mut conn).await?;
-            }
-            Backend::Sqlite => {
-                let mut conn = sqlx::SqliteConnection::connect(&self.url).await.map_err(map_err)?;
-                sqlx::migrate!("../migrations/sqlite").run(&mut conn).await?;
-            }
+        match &self.pool {
+            Pool::Postgres(pool) => sqlx::migrate!("../migrations/postgres").run(pool).await?,
+            Pool::Sqlite(pool) => sqlx::migrate!("../migrations/sqlite").run(pool).await?,
         }
         Ok(())
     }
@@ -186,10 +208,151 @@ impl SqlStore {
 
     /// Checks that the database answers.
     pub async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(map_err)?;
-        Ok(())
+        on_pool!(self, |pool| sqlx::query("SELECT 1")
+            .execute(pool)
+            .await
+            .map(drop)
+            .map_err(map_err))
     }
 }
+
+/// The steps several write transactions share, on either backend's transaction.
+trait WriteTx {
+    /// Refuses to go on when another coordinator took the leadership since this store did
+    /// (see [`Fence`]); Postgres only.
+    async fn check_fence(&mut self, fence: &Fence) -> StoreResult<()>;
+    /// Sets a run's status.
+    async fn set_run_status(&mut self, run_id: RunId, status: &str, now: Millis)
+    -> StoreResult<()>;
+    /// Drops a closed round's update deltas and partial sums (the rows stay, as the record of
+    /// who took part).
+    async fn release_payloads(&mut self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<()>;
+    /// Drops a closed round's protocol records, masked inputs included: the sum is committed
+    /// or the round failed, so they are of no further use.
+    async fn delete_secagg_records(
+        &mut self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<()>;
+    /// Closes the open round's row as `state`; a round that is not open is refused.
+    async fn close_round_row(
+        &mut self,
+        run_id: RunId,
+        closing: &RoundClosing,
+        state: &str,
+        metrics: Option<&BTreeMap<String, f64>>,
+    ) -> StoreResult<()>;
+}
+
+/// [`WriteTx`] for one backend's transaction, from one text.
+macro_rules! impl_write_tx {
+    ($database:ty, $fence:item) => {
+        impl WriteTx for sqlx::Transaction<'_, $database> {
+            $fence
+
+            async fn set_run_status(
+                &mut self,
+                run_id: RunId,
+                status: &str,
+                now: Millis,
+            ) -> StoreResult<()> {
+                sqlx::query("UPDATE runs SET status = $2, updated_at_ms = $3 WHERE id = $1")
+                    .bind(run_id.0)
+                    .bind(status)
+                    .bind(now)
+                    .execute(&mut **self)
+                    .await
+                    .map_err(map_err)?;
+                Ok(())
+            }
+
+            async fn release_payloads(
+                &mut self,
+                run_id: RunId,
+                round_idx: RoundIdx,
+            ) -> StoreResult<()> {
+                for sql in [
+                    "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2",
+                    "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2",
+                ] {
+                    sqlx::query(sql)
+                        .bind(run_id.0)
+                        .bind(round_idx.0)
+                        .execute(&mut **self)
+                        .await
+                        .map_err(map_err)?;
+                }
+                Ok(())
+            }
+
+            async fn delete_secagg_records(
+                &mut self,
+                run_id: RunId,
+                round_idx: RoundIdx,
+            ) -> StoreResult<()> {
+                sqlx::query("DELETE FROM secagg_records WHERE run_id = $1 AND round_idx = $2")
+                    .bind(run_id.0)
+                    .bind(round_idx.0)
+                    .execute(&mut **self)
+                    .await
+                    .map_err(map_err)?;
+                Ok(())
+            }
+
+            async fn close_round_row(
+                &mut self,
+                run_id: RunId,
+                c: &RoundClosing,
+                state: &str,
+                metrics: Option<&BTreeMap<String, f64>>,
+            ) -> StoreResult<()> {
+                let outcome_json = serde_json::to_string(&c.outcome).expect("outcome serializes");
+                let metrics_json =
+                    metrics.map(|m| serde_json::to_string(m).expect("metrics serialize"));
+                let res = sqlx::query(
+                    "UPDATE rounds SET state = $3, closed_at_ms = $4, n_selected = $5, n_reported = $6, n_dropped = $7,
+                            outcome_json = $8, metrics_json = $9
+                     WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+                )
+                .bind(run_id.0)
+                .bind(c.round_idx.0)
+                .bind(state)
+                .bind(c.closed_at)
+                .bind(i64::from(c.n_selected))
+                .bind(i64::from(c.n_reported))
+                .bind(i64::from(c.n_dropped))
+                .bind(outcome_json)
+                .bind(metrics_json)
+                .execute(&mut **self)
+                .await
+                .map_err(map_err)?;
+                if res.rows_affected() != 1 {
+                    // Closing a round twice (or one that never opened) is a driver bug; refuse
+                    // loudly.
+                    return Err(StoreError::Corrupt(format!(
+                        "round {} of run {run_id} is not open",
+                        c.round_idx
+                    )));
+                }
+                Ok(())
+            }
+        }
+    };
+}
+
+impl_write_tx!(
+    sqlx::Postgres,
+    async fn check_fence(&mut self, fence: &Fence) -> StoreResult<()> {
+        fence.check(self).await
+    }
+);
+impl_write_tx!(
+    sqlx::Sqlite,
+    async fn check_fence(&mut self, _fence: &Fence) -> StoreResult<()> {
+        // One process owns a SQLite file: there is no other leader to fence out.
+        Ok(())
+    }
+);
 
 /// A database URL with any password replaced, for logs and errors.
 pub fn redact(url: &str) -> String {

@@ -13,17 +13,19 @@ impl SqlStore {
         expires_at: Option<Millis>,
         uses: Option<i64>,
     ) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO enrollment_tokens (token_hash, created_at_ms, expires_at_ms, uses_left) VALUES ($1, $2, $3, $4)",
-        )
-        .bind(token_hash)
-        .bind(now)
-        .bind(expires_at)
-        .bind(uses)
-        .execute(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(())
+        on_pool!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO enrollment_tokens (token_hash, created_at_ms, expires_at_ms, uses_left) VALUES ($1, $2, $3, $4)",
+            )
+            .bind(token_hash)
+            .bind(now)
+            .bind(expires_at)
+            .bind(uses)
+            .execute(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(())
+        })
     }
 
     /// Spends one use of an enrollment token and registers a device with `credential_hash`.
@@ -33,30 +35,32 @@ impl SqlStore {
         credential_hash: &str,
         now: Millis,
     ) -> StoreResult<DeviceId> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        let spent = sqlx::query(
-            "UPDATE enrollment_tokens SET uses_left = uses_left - 1
-             WHERE token_hash = $1 AND (expires_at_ms IS NULL OR expires_at_ms > $2)
-               AND (uses_left IS NULL OR uses_left > 0)",
-        )
-        .bind(token_hash)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        if spent.rows_affected() != 1 {
-            return Err(StoreError::InvalidToken);
-        }
-        let (id,): (i64,) = sqlx::query_as(
-            "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked) VALUES ($1, $2, FALSE) RETURNING id",
-        )
-        .bind(credential_hash)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        tx.commit().await.map_err(map_err)?;
-        Ok(DeviceId(id))
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            let spent = sqlx::query(
+                "UPDATE enrollment_tokens SET uses_left = uses_left - 1
+                 WHERE token_hash = $1 AND (expires_at_ms IS NULL OR expires_at_ms > $2)
+                   AND (uses_left IS NULL OR uses_left > 0)",
+            )
+            .bind(token_hash)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            if spent.rows_affected() != 1 {
+                return Err(StoreError::InvalidToken);
+            }
+            let (id,): (i64,) = sqlx::query_as(
+                "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked) VALUES ($1, $2, FALSE) RETURNING id",
+            )
+            .bind(credential_hash)
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)?;
+            Ok(DeviceId(id))
+        })
     }
 
     /// The device holding this credential, unless unknown or revoked.
@@ -64,37 +68,42 @@ impl SqlStore {
         &self,
         credential_hash: &str,
     ) -> StoreResult<Option<DeviceId>> {
-        let row: Option<(i64,)> =
-            sqlx::query_as("SELECT id FROM devices WHERE credential_hash = $1 AND revoked = FALSE")
-                .bind(credential_hash)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(map_err)?;
-        Ok(row.map(|(id,)| DeviceId(id)))
+        on_pool!(self, |pool| {
+            let row: Option<(i64,)> = sqlx::query_as(
+                "SELECT id FROM devices WHERE credential_hash = $1 AND revoked = FALSE",
+            )
+            .bind(credential_hash)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.map(|(id,)| DeviceId(id)))
+        })
     }
 
     /// Revokes a device's credential for good; when it enrolled, or `None` when no such
     /// device exists. Revoking twice is not an error.
     pub async fn revoke_device(&self, device: DeviceId) -> StoreResult<Option<Millis>> {
-        let row: Option<(i64,)> = sqlx::query_as(
-            "UPDATE devices SET revoked = TRUE WHERE id = $1 RETURNING enrolled_at_ms",
-        )
-        .bind(device.0)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(row.map(|(enrolled_at,)| enrolled_at))
+        on_pool!(self, |pool| {
+            let row: Option<(i64,)> = sqlx::query_as(
+                "UPDATE devices SET revoked = TRUE WHERE id = $1 RETURNING enrolled_at_ms",
+            )
+            .bind(device.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.map(|(enrolled_at,)| enrolled_at))
+        })
     }
 
     /// Every enrolled device, by id: (id, enrolled at, revoked).
     pub async fn devices(&self) -> StoreResult<Vec<(DeviceId, Millis, bool)>> {
-        // The flag as an integer: the Any driver decodes booleans differently per database.
-        let rows: Vec<(i64, i64, i64)> = sqlx::query_as(
-            "SELECT id, enrolled_at_ms, CAST(CASE WHEN revoked THEN 1 ELSE 0 END AS BIGINT) FROM devices ORDER BY id",
-        )
-                .fetch_all(&self.pool)
-                .await
-                .map_err(map_err)?;
-        Ok(rows.into_iter().map(|(id, at, revoked)| (DeviceId(id), at, revoked != 0)).collect())
+        on_pool!(self, |pool| {
+            let rows: Vec<(i64, i64, bool)> =
+                sqlx::query_as("SELECT id, enrolled_at_ms, revoked FROM devices ORDER BY id")
+                    .fetch_all(pool)
+                    .await
+                    .map_err(map_err)?;
+            Ok(rows.into_iter().map(|(id, at, revoked)| (DeviceId(id), at, revoked)).collect())
+        })
     }
 }

@@ -54,23 +54,25 @@ impl SqlStore {
         metrics_json: &str,
         now: Millis,
     ) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
-             VALUES ($1, $2, $3, 0, $4, $5, $6)
-             ON CONFLICT (run_id, model_version, source)
-             DO UPDATE SET example_count = excluded.example_count, metrics_json = excluded.metrics_json,
-                           received_at_ms = excluded.received_at_ms",
-        )
-        .bind(run_id.0)
-        .bind(model_version.0)
-        .bind(format!("{CENTRAL_EVALUATION_PREFIX}{evaluator}"))
-        .bind(example_count as i64)
-        .bind(metrics_json)
-        .bind(now)
-        .execute(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(())
+        on_pool!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+                 VALUES ($1, $2, $3, 0, $4, $5, $6)
+                 ON CONFLICT (run_id, model_version, source)
+                 DO UPDATE SET example_count = excluded.example_count, metrics_json = excluded.metrics_json,
+                               received_at_ms = excluded.received_at_ms",
+            )
+            .bind(run_id.0)
+            .bind(model_version.0)
+            .bind(format!("{CENTRAL_EVALUATION_PREFIX}{evaluator}"))
+            .bind(example_count as i64)
+            .bind(metrics_json)
+            .bind(now)
+            .execute(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(())
+        })
     }
 
     /// Stores an evaluation report; a second report of one device on one model is a conflict.
@@ -83,20 +85,22 @@ impl SqlStore {
         metrics_json: &str,
         now: Millis,
     ) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO evaluations (run_id, model_version, device_id, example_count, metrics_json, received_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(run_id.0)
-        .bind(model_version.0)
-        .bind(device.0)
-        .bind(example_count as i64)
-        .bind(metrics_json)
-        .bind(now)
-        .execute(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(())
+        on_pool!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO evaluations (run_id, model_version, device_id, example_count, metrics_json, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(run_id.0)
+            .bind(model_version.0)
+            .bind(device.0)
+            .bind(example_count as i64)
+            .bind(metrics_json)
+            .bind(now)
+            .execute(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(())
+        })
     }
 
     /// A run's pooled evaluations (a secure round's cohort), by model version.
@@ -104,14 +108,16 @@ impl SqlStore {
         &self,
         run_id: RunId,
     ) -> StoreResult<Vec<AggregateEvaluationRow>> {
-        sqlx::query_as(
-            "SELECT model_version, source, n_devices, example_count, metrics_json FROM aggregate_evaluations
-             WHERE run_id = $1 ORDER BY model_version, source",
-        )
-        .bind(run_id.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT model_version, source, n_devices, example_count, metrics_json FROM aggregate_evaluations
+                 WHERE run_id = $1 ORDER BY model_version, source",
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
     }
 
     /// Whether `device` was selected for a round of `run_id` that trained `version`: the
@@ -122,27 +128,31 @@ impl SqlStore {
         device: DeviceId,
         version: ModelVersion,
     ) -> StoreResult<bool> {
-        let row: Option<(i64,)> = sqlx::query_as(
-            "SELECT s.round_idx FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
-             WHERE s.run_id = $1 AND s.device_id = $2 AND r.model_version = $3 LIMIT 1",
-        )
-        .bind(run_id.0)
-        .bind(device.0)
-        .bind(version.0)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(row.is_some())
+        on_pool!(self, |pool| {
+            let row: Option<(i64,)> = sqlx::query_as(
+                "SELECT s.round_idx FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
+                 WHERE s.run_id = $1 AND s.device_id = $2 AND r.model_version = $3 LIMIT 1",
+            )
+            .bind(run_id.0)
+            .bind(device.0)
+            .bind(version.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.is_some())
+        })
     }
 
     /// All evaluation reports of a run.
     pub async fn evaluations(&self, run_id: RunId) -> StoreResult<Vec<EvaluationRow>> {
-        sqlx::query_as(
-            "SELECT model_version, example_count, metrics_json FROM evaluations WHERE run_id = $1 ORDER BY model_version",
-        )
-        .bind(run_id.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT model_version, example_count, metrics_json FROM evaluations WHERE run_id = $1 ORDER BY model_version",
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
     }
 }

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
+use sqlx::Connection;
+
 use super::*;
 
 /// The leadership epoch this store writes under, shared by its clones.
@@ -99,11 +101,10 @@ impl SqlStore {
 
     async fn lock_leadership(&self, wait: bool) -> StoreResult<Option<Leadership>> {
         let fence = self.fence.clone();
-        match self.backend {
-            Backend::Sqlite => Ok(Some(Leadership { conn: None, fence })),
-            Backend::Postgres => {
-                let options: sqlx::postgres::PgConnectOptions =
-                    self.url.parse().map_err(map_err)?;
+        match &self.pool {
+            Pool::Sqlite(_) => Ok(Some(Leadership { conn: None, fence })),
+            Pool::Postgres(pool) => {
+                let options = (*pool.connect_options()).clone();
                 let mut conn = sqlx::PgConnection::connect_with(
                     &options.application_name(LEADER_APPLICATION_NAME),
                 )
@@ -142,15 +143,17 @@ impl SqlStore {
             }
         }
     }
+}
 
+impl Fence {
     /// Inside a write transaction of round state: refuses to go on when another coordinator
-    /// took the leadership since this store did (see [`Fence`]).
-    pub(super) async fn check_fence(
+    /// took the leadership since this store did.
+    pub(super) async fn check(
         &self,
-        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     ) -> StoreResult<()> {
-        let ours = self.fence.epoch.load(Ordering::SeqCst);
-        if self.backend != Backend::Postgres || ours == 0 {
+        let ours = self.epoch.load(Ordering::SeqCst);
+        if ours == 0 {
             return Ok(());
         }
         let (current,): (i64,) =
@@ -161,14 +164,14 @@ impl SqlStore {
         if current == ours {
             return Ok(());
         }
-        if !self.fence.deposed.swap(true, Ordering::SeqCst) {
+        if !self.deposed.swap(true, Ordering::SeqCst) {
             tracing::error!(
                 ours,
                 current,
                 "another coordinator took the leadership; refusing to write"
             );
         }
-        self.fence.wake.notify_waiters();
+        self.wake.notify_waiters();
         Err(StoreError::Fenced { ours, current })
     }
 }

@@ -8,8 +8,6 @@ use sqlx::FromRow;
 use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, StoredPartial};
 use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
-use super::runs::set_run_status;
-use super::secure::delete_secagg_records;
 use super::*;
 
 /// A round as stored.
@@ -142,63 +140,6 @@ pub enum Transition {
     },
 }
 
-/// Drops a closed round's update deltas and partial sums (the rows stay, as the record of who
-/// took part).
-pub(super) async fn release_payloads(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: RunId,
-    round_idx: RoundIdx,
-) -> StoreResult<()> {
-    for sql in [
-        "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2",
-        "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2",
-    ] {
-        sqlx::query(sql)
-            .bind(run_id.0)
-            .bind(round_idx.0)
-            .execute(&mut **tx)
-            .await
-            .map_err(map_err)?;
-    }
-    Ok(())
-}
-
-async fn close_round_row(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: RunId,
-    c: &RoundClosing,
-    state: &str,
-    metrics: Option<&BTreeMap<String, f64>>,
-) -> StoreResult<()> {
-    let outcome_json = serde_json::to_string(&c.outcome).expect("outcome serializes");
-    let metrics_json = metrics.map(|m| serde_json::to_string(m).expect("metrics serialize"));
-    let res = sqlx::query(
-        "UPDATE rounds SET state = $3, closed_at_ms = $4, n_selected = $5, n_reported = $6, n_dropped = $7,
-                outcome_json = $8, metrics_json = $9
-         WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
-    )
-    .bind(run_id.0)
-    .bind(c.round_idx.0)
-    .bind(state)
-    .bind(c.closed_at)
-    .bind(i64::from(c.n_selected))
-    .bind(i64::from(c.n_reported))
-    .bind(i64::from(c.n_dropped))
-    .bind(outcome_json)
-    .bind(metrics_json)
-    .execute(&mut **tx)
-    .await
-    .map_err(map_err)?;
-    if res.rows_affected() != 1 {
-        // Closing a round twice (or one that never opened) is a driver bug; refuse loudly.
-        return Err(StoreError::Corrupt(format!(
-            "round {} of run {run_id} is not open",
-            c.round_idx
-        )));
-    }
-    Ok(())
-}
-
 impl SqlStore {
     /// Executes a batch of small transitions (round openings, selections, run status) in one
     /// transaction, in order.
@@ -208,169 +149,174 @@ impl SqlStore {
         batch: &[Transition],
         now: Millis,
     ) -> StoreResult<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        for t in batch {
-            match t {
-                Transition::OpenRound(r) => {
-                    sqlx::query(
-                        "INSERT INTO rounds (run_id, round_idx, model_version, state, opened_at_ms, selection_deadline_ms, reporting_deadline_ms)
-                         VALUES ($1, $2, $3, 'open', $4, $5, $6) ON CONFLICT DO NOTHING",
-                    )
-                    .bind(run_id.0)
-                    .bind(r.round_idx.0)
-                    .bind(r.model_version.0)
-                    .bind(r.opened_at)
-                    .bind(r.selection_deadline)
-                    .bind(r.reporting_deadline)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                }
-                Transition::Select { round_idx, device, aggregator } => {
-                    sqlx::query(
-                        // Idempotent, like the round insert: a retry after a commit whose
-                        // answer was lost must not fail on its own earlier write.
-                        "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) VALUES ($1, $2, $3, $4, $5)
-                         ON CONFLICT DO NOTHING",
-                    )
-                    .bind(run_id.0)
-                    .bind(round_idx.0)
-                    .bind(device.0)
-                    .bind(now)
-                    .bind(aggregator.map(|a| i64::from(a.0)))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                }
-                Transition::SecAggRecord { round_idx, seq, record } => {
-                    sqlx::query(
-                        "INSERT INTO secagg_records (run_id, round_idx, seq, record, created_at_ms) VALUES ($1, $2, $3, $4, $5)
-                         ON CONFLICT DO NOTHING",
-                    )
-                    .bind(run_id.0)
-                    .bind(round_idx.0)
-                    .bind(*seq)
-                    .bind(record.as_slice())
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                }
-                Transition::FinishRun => {
-                    set_run_status(&mut tx, run_id, "finished", now).await?;
-                }
-                Transition::StopRun { open_round } => {
-                    if let Some(round_idx) = open_round {
+        on_pool!(self, |pool| {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            for t in batch {
+                match t {
+                    Transition::OpenRound(r) => {
                         sqlx::query(
-                            "UPDATE rounds SET state = 'failed', closed_at_ms = $3, outcome_json = $4
-                             WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+                            "INSERT INTO rounds (run_id, round_idx, model_version, state, opened_at_ms, selection_deadline_ms, reporting_deadline_ms)
+                             VALUES ($1, $2, $3, 'open', $4, $5, $6) ON CONFLICT DO NOTHING",
                         )
                         .bind(run_id.0)
-                        .bind(round_idx.0)
-                        .bind(now)
-                        .bind(r#"{"outcome":"stopped"}"#)
+                        .bind(r.round_idx.0)
+                        .bind(r.model_version.0)
+                        .bind(r.opened_at)
+                        .bind(r.selection_deadline)
+                        .bind(r.reporting_deadline)
                         .execute(&mut *tx)
                         .await
                         .map_err(map_err)?;
-                        delete_secagg_records(&mut tx, run_id, *round_idx).await?;
-                        release_payloads(&mut tx, run_id, *round_idx).await?;
                     }
-                    set_run_status(&mut tx, run_id, "stopped", now).await?;
+                    Transition::Select { round_idx, device, aggregator } => {
+                        sqlx::query(
+                            // Idempotent, like the round insert: a retry after a commit whose
+                            // answer was lost must not fail on its own earlier write.
+                            "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) VALUES ($1, $2, $3, $4, $5)
+                             ON CONFLICT DO NOTHING",
+                        )
+                        .bind(run_id.0)
+                        .bind(round_idx.0)
+                        .bind(device.0)
+                        .bind(now)
+                        .bind(aggregator.map(|a| i64::from(a.0)))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(map_err)?;
+                    }
+                    Transition::SecAggRecord { round_idx, seq, record } => {
+                        sqlx::query(
+                            "INSERT INTO secagg_records (run_id, round_idx, seq, record, created_at_ms) VALUES ($1, $2, $3, $4, $5)
+                             ON CONFLICT DO NOTHING",
+                        )
+                        .bind(run_id.0)
+                        .bind(round_idx.0)
+                        .bind(*seq)
+                        .bind(record.as_slice())
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(map_err)?;
+                    }
+                    Transition::FinishRun => {
+                        tx.set_run_status(run_id, "finished", now).await?;
+                    }
+                    Transition::StopRun { open_round } => {
+                        if let Some(round_idx) = open_round {
+                            sqlx::query(
+                                "UPDATE rounds SET state = 'failed', closed_at_ms = $3, outcome_json = $4
+                                 WHERE run_id = $1 AND round_idx = $2 AND state = 'open'",
+                            )
+                            .bind(run_id.0)
+                            .bind(round_idx.0)
+                            .bind(now)
+                            .bind(r#"{"outcome":"stopped"}"#)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(map_err)?;
+                            tx.delete_secagg_records(run_id, *round_idx).await?;
+                            tx.release_payloads(run_id, *round_idx).await?;
+                        }
+                        tx.set_run_status(run_id, "stopped", now).await?;
+                    }
                 }
             }
-        }
-        tx.commit().await.map_err(map_err)
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// The open round of a run, its selections and its durable updates' (device, slot).
     pub async fn open_round(&self, run_id: RunId) -> StoreResult<Option<OpenRoundState>> {
-        let round: Option<RoundRow> = sqlx::query_as(concat!(
-            round_select!(),
-            " WHERE r.run_id = $1 AND r.state = 'open' ORDER BY r.round_idx DESC LIMIT 1"
-        ))
-        .bind(run_id.0)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(map_err)?;
-        let Some(round) = round else { return Ok(None) };
-        let selected: Vec<(i64,)> =
-            sqlx::query_as("SELECT device_id FROM selections WHERE run_id = $1 AND round_idx = $2 ORDER BY device_id")
-                .bind(run_id.0)
-                .bind(round.round_idx)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(map_err)?;
-        let reported: Vec<(i64, i64)> = sqlx::query_as(
-            "SELECT device_id, slot FROM updates WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
-        )
-        .bind(run_id.0)
-        .bind(round.round_idx)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        let assignments: Vec<(i64, i64)> = sqlx::query_as(
-            "SELECT device_id, aggregator_id FROM selections
-             WHERE run_id = $1 AND round_idx = $2 AND aggregator_id IS NOT NULL ORDER BY device_id",
-        )
-        .bind(run_id.0)
-        .bind(round.round_idx)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        let partials: Vec<(i64, String, String)> = sqlx::query_as(
-            "SELECT slot, aggregators_json, devices_json FROM partials WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
-        )
-        .bind(run_id.0)
-        .bind(round.round_idx)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        let ids = |json: &str| -> StoreResult<Vec<i64>> {
-            serde_json::from_str(json)
-                .map_err(|e| StoreError::Corrupt(format!("partial id list of run {run_id}: {e}")))
-        };
-        let partials = partials
-            .iter()
-            .map(|(slot, aggregators, devices)| {
-                Ok(StoredPartial {
-                    slot: *slot,
-                    aggregators: ids(aggregators)?
-                        .into_iter()
-                        .map(|a| AggregatorId(a as u32))
-                        .collect(),
-                    devices: ids(devices)?.into_iter().map(DeviceId).collect(),
+        on_pool!(self, |pool| {
+            let round: Option<RoundRow> = sqlx::query_as(concat!(
+                round_select!(),
+                " WHERE r.run_id = $1 AND r.state = 'open' ORDER BY r.round_idx DESC LIMIT 1"
+            ))
+            .bind(run_id.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            let Some(round) = round else { return Ok(None) };
+            let selected: Vec<(i64,)> =
+                sqlx::query_as("SELECT device_id FROM selections WHERE run_id = $1 AND round_idx = $2 ORDER BY device_id")
+                    .bind(run_id.0)
+                    .bind(round.round_idx)
+                    .fetch_all(pool)
+                    .await
+                    .map_err(map_err)?;
+            let reported: Vec<(i64, i64)> = sqlx::query_as(
+                "SELECT device_id, slot FROM updates WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round.round_idx)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            let assignments: Vec<(i64, i64)> = sqlx::query_as(
+                "SELECT device_id, aggregator_id FROM selections
+                 WHERE run_id = $1 AND round_idx = $2 AND aggregator_id IS NOT NULL ORDER BY device_id",
+            )
+            .bind(run_id.0)
+            .bind(round.round_idx)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            let partials: Vec<(i64, String, String)> = sqlx::query_as(
+                "SELECT slot, aggregators_json, devices_json FROM partials WHERE run_id = $1 AND round_idx = $2 ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round.round_idx)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            let ids = |json: &str| -> StoreResult<Vec<i64>> {
+                serde_json::from_str(json).map_err(|e| {
+                    StoreError::Corrupt(format!("partial id list of run {run_id}: {e}"))
                 })
-            })
-            .collect::<StoreResult<Vec<_>>>()?;
-        let secure_records: Vec<(Vec<u8>,)> = sqlx::query_as(
-            "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
-        )
-        .bind(run_id.0)
-        .bind(round.round_idx)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(Some(OpenRoundState {
-            round: RoundOpened {
-                round_idx: RoundIdx(round.round_idx),
-                model_version: ModelVersion(round.model_version),
-                opened_at: round.opened_at_ms,
-                selection_deadline: round.selection_deadline_ms,
-                reporting_deadline: round.reporting_deadline_ms,
-            },
-            selected: selected.into_iter().map(|(d,)| DeviceId(d)).collect(),
-            reported: reported.into_iter().map(|(d, s)| (DeviceId(d), s)).collect(),
-            secure_records: secure_records.into_iter().map(|(r,)| r).collect(),
-            assignments: assignments
-                .into_iter()
-                .map(|(d, a)| (DeviceId(d), AggregatorId(a as u32)))
-                .collect(),
-            partials,
-        }))
+            };
+            let partials = partials
+                .iter()
+                .map(|(slot, aggregators, devices)| {
+                    Ok(StoredPartial {
+                        slot: *slot,
+                        aggregators: ids(aggregators)?
+                            .into_iter()
+                            .map(|a| AggregatorId(a as u32))
+                            .collect(),
+                        devices: ids(devices)?.into_iter().map(DeviceId).collect(),
+                    })
+                })
+                .collect::<StoreResult<Vec<_>>>()?;
+            let secure_records: Vec<(Vec<u8>,)> = sqlx::query_as(
+                "SELECT record FROM secagg_records WHERE run_id = $1 AND round_idx = $2 ORDER BY seq",
+            )
+            .bind(run_id.0)
+            .bind(round.round_idx)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(Some(OpenRoundState {
+                round: RoundOpened {
+                    round_idx: RoundIdx(round.round_idx),
+                    model_version: ModelVersion(round.model_version),
+                    opened_at: round.opened_at_ms,
+                    selection_deadline: round.selection_deadline_ms,
+                    reporting_deadline: round.reporting_deadline_ms,
+                },
+                selected: selected.into_iter().map(|(d,)| DeviceId(d)).collect(),
+                reported: reported.into_iter().map(|(d, s)| (DeviceId(d), s)).collect(),
+                secure_records: secure_records.into_iter().map(|(r,)| r).collect(),
+                assignments: assignments
+                    .into_iter()
+                    .map(|(d, a)| (DeviceId(d), AggregatorId(a as u32)))
+                    .collect(),
+                partials,
+            }))
+        })
     }
 
     /// Every device selected for a round, by id, with how its contribution reached the round.
@@ -379,48 +325,52 @@ impl SqlStore {
         run_id: RunId,
         round_idx: RoundIdx,
     ) -> StoreResult<Vec<RoundDeviceRow>> {
-        let mut rows: Vec<RoundDeviceRow> = sqlx::query_as(
-            "SELECT s.device_id, s.selected_at_ms, s.aggregator_id,
-                    CASE WHEN u.device_id IS NULL THEN NULL ELSE 'update' END AS reported,
-                    u.example_count
-             FROM selections s LEFT JOIN updates u
-               ON u.run_id = s.run_id AND u.round_idx = s.round_idx AND u.device_id = s.device_id
-             WHERE s.run_id = $1 AND s.round_idx = $2 ORDER BY s.device_id",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        let partials: Vec<(String,)> = sqlx::query_as(
-            "SELECT devices_json FROM partials WHERE run_id = $1 AND round_idx = $2",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        for (json,) in partials {
-            let devices: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
-                StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
-            })?;
-            for row in rows.iter_mut().filter(|r| devices.contains(&r.device_id)) {
-                row.reported = Some("partial".to_owned());
+        on_pool!(self, |pool| {
+            let mut rows: Vec<RoundDeviceRow> = sqlx::query_as(
+                "SELECT s.device_id, s.selected_at_ms, s.aggregator_id,
+                        CASE WHEN u.device_id IS NULL THEN NULL ELSE 'update' END AS reported,
+                        u.example_count
+                 FROM selections s LEFT JOIN updates u
+                   ON u.run_id = s.run_id AND u.round_idx = s.round_idx AND u.device_id = s.device_id
+                 WHERE s.run_id = $1 AND s.round_idx = $2 ORDER BY s.device_id",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            let partials: Vec<(String,)> = sqlx::query_as(
+                "SELECT devices_json FROM partials WHERE run_id = $1 AND round_idx = $2",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            for (json,) in partials {
+                let devices: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
+                    StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
+                })?;
+                for row in rows.iter_mut().filter(|r| devices.contains(&r.device_id)) {
+                    row.reported = Some("partial".to_owned());
+                }
             }
-        }
-        Ok(rows)
+            Ok(rows)
+        })
     }
 
     /// Highest round index ever opened for a run.
     pub async fn last_round_idx(&self, run_id: RunId) -> StoreResult<Option<RoundIdx>> {
-        let row: Option<(i64,)> = sqlx::query_as(
-            "SELECT round_idx FROM rounds WHERE run_id = $1 ORDER BY round_idx DESC LIMIT 1",
-        )
-        .bind(run_id.0)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(row.map(|(r,)| RoundIdx(r)))
+        on_pool!(self, |pool| {
+            let row: Option<(i64,)> = sqlx::query_as(
+                "SELECT round_idx FROM rounds WHERE run_id = $1 ORDER BY round_idx DESC LIMIT 1",
+            )
+            .bind(run_id.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.map(|(r,)| RoundIdx(r)))
+        })
     }
 
     /// Commits a round: new model version, round row, run progress, and the round's update
@@ -431,68 +381,70 @@ impl SqlStore {
         commit: RoundCommit<'_>,
         now: Millis,
     ) -> StoreResult<()> {
-        let c = commit.closing;
-        let new_version = c.model_version.0 + 1;
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        sqlx::query(
-            "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(run_id.0)
-        .bind(new_version)
-        .bind(commit.model_hash)
-        .bind(commit.model)
-        .bind(c.round_idx.0)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        close_round_row(&mut tx, run_id, &c, "committed", Some(commit.metrics)).await?;
-        sqlx::query(
-            "UPDATE runs SET model_version = $2, rounds_committed = rounds_committed + 1, updated_at_ms = $3 WHERE id = $1",
-        )
-        .bind(run_id.0)
-        .bind(new_version)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        release_payloads(&mut tx, run_id, c.round_idx).await?;
-        delete_secagg_records(&mut tx, run_id, c.round_idx).await?;
-        if let Some(state) = commit.optimizer_state {
-            sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
-                .bind(run_id.0)
-                .execute(&mut *tx)
-                .await
-                .map_err(map_err)?;
+        on_pool!(self, |pool| {
+            let c = commit.closing;
+            let new_version = c.model_version.0 + 1;
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
             sqlx::query(
-                "INSERT INTO optimizer_states (run_id, model_version, data) VALUES ($1, $2, $3)",
+                "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
             )
             .bind(run_id.0)
             .bind(new_version)
-            .bind(state)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        }
-        if let Some(e) = commit.evaluation {
-            let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
-            sqlx::query(
-                "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(run_id.0)
-            .bind(c.model_version.0)
-            .bind(SECURE_EVALUATION_SOURCE)
-            .bind(e.n_devices as i64)
-            .bind(e.example_count as i64)
-            .bind(metrics)
+            .bind(commit.model_hash)
+            .bind(commit.model)
+            .bind(c.round_idx.0)
             .bind(now)
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
-        }
-        tx.commit().await.map_err(map_err)
+            tx.close_round_row(run_id, &c, "committed", Some(commit.metrics)).await?;
+            sqlx::query(
+                "UPDATE runs SET model_version = $2, rounds_committed = rounds_committed + 1, updated_at_ms = $3 WHERE id = $1",
+            )
+            .bind(run_id.0)
+            .bind(new_version)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.release_payloads(run_id, c.round_idx).await?;
+            tx.delete_secagg_records(run_id, c.round_idx).await?;
+            if let Some(state) = commit.optimizer_state {
+                sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
+                    .bind(run_id.0)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                sqlx::query(
+                    "INSERT INTO optimizer_states (run_id, model_version, data) VALUES ($1, $2, $3)",
+                )
+                .bind(run_id.0)
+                .bind(new_version)
+                .bind(state)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            }
+            if let Some(e) = commit.evaluation {
+                let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
+                sqlx::query(
+                    "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                )
+                .bind(run_id.0)
+                .bind(c.model_version.0)
+                .bind(SECURE_EVALUATION_SOURCE)
+                .bind(e.n_devices as i64)
+                .bind(e.example_count as i64)
+                .bind(metrics)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            }
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// Commits a round of an evaluation-only run: the round row (state `evaluated`, the pooled
@@ -505,55 +457,61 @@ impl SqlStore {
         pooled: &starling_core::fedavg::PooledEvaluation,
         now: Millis,
     ) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        // First, so that a retry of a commit whose answer was lost is a conflict (as a model
-        // version is for `commit_round`), not a round that is no longer open.
-        sqlx::query(
-            "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(run_id.0)
-        .bind(closing.model_version.0)
-        .bind(format!("{EVALUATION_ROUND_PREFIX}{}", closing.round_idx.0))
-        .bind(pooled.n_devices as i64)
-        .bind(pooled.example_count as i64)
-        .bind(serde_json::to_string(&pooled.metrics).expect("metrics serialize"))
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        close_round_row(&mut tx, run_id, &closing, "evaluated", Some(&pooled.metrics)).await?;
-        sqlx::query(
-            "UPDATE runs SET rounds_committed = rounds_committed + 1, updated_at_ms = $2 WHERE id = $1",
-        )
-        .bind(run_id.0)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        release_payloads(&mut tx, run_id, closing.round_idx).await?;
-        tx.commit().await.map_err(map_err)
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            // First, so that a retry of a commit whose answer was lost is a conflict (as a model
+            // version is for `commit_round`), not a round that is no longer open.
+            sqlx::query(
+                "INSERT INTO aggregate_evaluations (run_id, model_version, source, n_devices, example_count, metrics_json, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(run_id.0)
+            .bind(closing.model_version.0)
+            .bind(format!("{EVALUATION_ROUND_PREFIX}{}", closing.round_idx.0))
+            .bind(pooled.n_devices as i64)
+            .bind(pooled.example_count as i64)
+            .bind(serde_json::to_string(&pooled.metrics).expect("metrics serialize"))
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.close_round_row(run_id, &closing, "evaluated", Some(&pooled.metrics)).await?;
+            sqlx::query(
+                "UPDATE runs SET rounds_committed = rounds_committed + 1, updated_at_ms = $2 WHERE id = $1",
+            )
+            .bind(run_id.0)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.release_payloads(run_id, closing.round_idx).await?;
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// Records a failed round. Its updates stay stored but are never folded: a retry is a new
     /// round with new uploads.
     pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        close_round_row(&mut tx, run_id, &closing, "failed", None).await?;
-        release_payloads(&mut tx, run_id, closing.round_idx).await?;
-        delete_secagg_records(&mut tx, run_id, closing.round_idx).await?;
-        tx.commit().await.map_err(map_err)
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            tx.close_round_row(run_id, &closing, "failed", None).await?;
+            tx.release_payloads(run_id, closing.round_idx).await?;
+            tx.delete_secagg_records(run_id, closing.round_idx).await?;
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// A run's rounds, oldest first, with live counts for the open one.
     pub async fn rounds(&self, run_id: RunId) -> StoreResult<Vec<RoundRow>> {
-        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 ORDER BY r.round_idx"))
-            .bind(run_id.0)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 ORDER BY r.round_idx"))
+                .bind(run_id.0)
+                .fetch_all(pool)
+                .await
+                .map_err(map_err)
+        })
     }
 
     /// An asynchronous run's devices selected for a closed round on model `oldest` or later
@@ -565,39 +523,43 @@ impl SqlStore {
         run_id: RunId,
         oldest: ModelVersion,
     ) -> StoreResult<Vec<CarriedTask>> {
-        let rows: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT s.device_id, s.round_idx, r.model_version, s.selected_at_ms
-             FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
-             WHERE s.run_id = $1 AND r.state <> 'open' AND r.model_version >= $2
-               AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.run_id = s.run_id
-                               AND u.device_id = s.device_id AND u.round_idx >= s.round_idx)
-               AND NOT EXISTS (SELECT 1 FROM selections later WHERE later.run_id = s.run_id
-                               AND later.device_id = s.device_id AND later.round_idx > s.round_idx)
-             ORDER BY s.round_idx, s.device_id",
-        )
-        .bind(run_id.0)
-        .bind(oldest.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(rows
-            .into_iter()
-            .map(|(device, round_idx, model_version, selected_at)| CarriedTask {
-                device: DeviceId(device),
-                round_idx: RoundIdx(round_idx),
-                model_version: ModelVersion(model_version),
-                selected_at,
-            })
-            .collect())
+        on_pool!(self, |pool| {
+            let rows: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+                "SELECT s.device_id, s.round_idx, r.model_version, s.selected_at_ms
+                 FROM selections s JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
+                 WHERE s.run_id = $1 AND r.state <> 'open' AND r.model_version >= $2
+                   AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.run_id = s.run_id
+                                   AND u.device_id = s.device_id AND u.round_idx >= s.round_idx)
+                   AND NOT EXISTS (SELECT 1 FROM selections later WHERE later.run_id = s.run_id
+                                   AND later.device_id = s.device_id AND later.round_idx > s.round_idx)
+                 ORDER BY s.round_idx, s.device_id",
+            )
+            .bind(run_id.0)
+            .bind(oldest.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(rows
+                .into_iter()
+                .map(|(device, round_idx, model_version, selected_at)| CarriedTask {
+                    device: DeviceId(device),
+                    round_idx: RoundIdx(round_idx),
+                    model_version: ModelVersion(model_version),
+                    selected_at,
+                })
+                .collect())
+        })
     }
 
     /// One round, with live counts if it is open.
     pub async fn round(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<Option<RoundRow>> {
-        sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 AND r.round_idx = $2"))
-            .bind(run_id.0)
-            .bind(round_idx.0)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(concat!(round_select!(), " WHERE r.run_id = $1 AND r.round_idx = $2"))
+                .bind(run_id.0)
+                .bind(round_idx.0)
+                .fetch_optional(pool)
+                .await
+                .map_err(map_err)
+        })
     }
 }

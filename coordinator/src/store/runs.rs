@@ -57,75 +57,67 @@ pub struct NewRun<'a> {
     pub initial_model_hash: &'a str,
 }
 
-pub(super) async fn set_run_status(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: RunId,
-    status: &str,
-    now: Millis,
-) -> StoreResult<()> {
-    sqlx::query("UPDATE runs SET status = $2, updated_at_ms = $3 WHERE id = $1")
-        .bind(run_id.0)
-        .bind(status)
-        .bind(now)
-        .execute(&mut **tx)
-        .await
-        .map_err(map_err)?;
-    Ok(())
-}
-
 impl SqlStore {
     /// Creates a run and its model version 0 in one transaction.
     pub async fn create_run(&self, run: NewRun<'_>, now: Millis) -> StoreResult<RunId> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        let (id,): (i64,) = sqlx::query_as(
-            "INSERT INTO runs (name, population, plan_json, status, model_version, rounds_committed, created_at_ms, updated_at_ms)
-             VALUES ($1, $2, $3, 'running', 0, 0, $4, $4) RETURNING id",
-        )
-        .bind(run.name)
-        .bind(run.population)
-        .bind(run.plan_json)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        sqlx::query(
-            "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, 0, $2, $3, NULL, $4)",
-        )
-        .bind(id)
-        .bind(run.initial_model_hash)
-        .bind(run.initial_model)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        tx.commit().await.map_err(map_err)?;
-        Ok(RunId(id))
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            let (id,): (i64,) = sqlx::query_as(
+                "INSERT INTO runs (name, population, plan_json, status, model_version, rounds_committed, created_at_ms, updated_at_ms)
+                 VALUES ($1, $2, $3, 'running', 0, 0, $4, $4) RETURNING id",
+            )
+            .bind(run.name)
+            .bind(run.population)
+            .bind(run.plan_json)
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            sqlx::query(
+                "INSERT INTO models (run_id, version, content_hash, data, round_idx, created_at_ms) VALUES ($1, 0, $2, $3, NULL, $4)",
+            )
+            .bind(id)
+            .bind(run.initial_model_hash)
+            .bind(run.initial_model)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)?;
+            Ok(RunId(id))
+        })
     }
 
     /// One run.
     pub async fn run(&self, run_id: RunId) -> StoreResult<Option<RunRow>> {
-        sqlx::query_as("SELECT * FROM runs WHERE id = $1")
-            .bind(run_id.0)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as("SELECT * FROM runs WHERE id = $1")
+                .bind(run_id.0)
+                .fetch_optional(pool)
+                .await
+                .map_err(map_err)
+        })
     }
 
     /// All runs, newest first.
     pub async fn runs(&self) -> StoreResult<Vec<RunRow>> {
-        sqlx::query_as("SELECT * FROM runs ORDER BY id DESC")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as("SELECT * FROM runs ORDER BY id DESC")
+                .fetch_all(pool)
+                .await
+                .map_err(map_err)
+        })
     }
 
     /// Runs still being driven.
     pub async fn running_runs(&self) -> StoreResult<Vec<RunRow>> {
-        sqlx::query_as("SELECT * FROM runs WHERE status = 'running' ORDER BY id")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as("SELECT * FROM runs WHERE status = 'running' ORDER BY id")
+                .fetch_all(pool)
+                .await
+                .map_err(map_err)
+        })
     }
 
     /// A model's bytes by version.
@@ -134,36 +126,42 @@ impl SqlStore {
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<Vec<u8>>> {
-        let row: Option<(Vec<u8>,)> =
-            sqlx::query_as("SELECT data FROM models WHERE run_id = $1 AND version = $2")
-                .bind(run_id.0)
-                .bind(version.0)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(map_err)?;
-        Ok(row.map(|(d,)| d))
+        on_pool!(self, |pool| {
+            let row: Option<(Vec<u8>,)> =
+                sqlx::query_as("SELECT data FROM models WHERE run_id = $1 AND version = $2")
+                    .bind(run_id.0)
+                    .bind(version.0)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(map_err)?;
+            Ok(row.map(|(d,)| d))
+        })
     }
 
     /// A model's bytes by content hash.
     pub async fn model_by_hash(&self, content_hash: &str) -> StoreResult<Option<Vec<u8>>> {
-        let row: Option<(Vec<u8>,)> =
-            sqlx::query_as("SELECT data FROM models WHERE content_hash = $1 LIMIT 1")
-                .bind(content_hash)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(map_err)?;
-        Ok(row.map(|(d,)| d))
+        on_pool!(self, |pool| {
+            let row: Option<(Vec<u8>,)> =
+                sqlx::query_as("SELECT data FROM models WHERE content_hash = $1 LIMIT 1")
+                    .bind(content_hash)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(map_err)?;
+            Ok(row.map(|(d,)| d))
+        })
     }
 
     /// Every model version of a run, oldest first.
     pub async fn models(&self, run_id: RunId) -> StoreResult<Vec<ModelInfo>> {
-        sqlx::query_as(
-            "SELECT version, content_hash, round_idx, created_at_ms FROM models WHERE run_id = $1 ORDER BY version",
-        )
-        .bind(run_id.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT version, content_hash, round_idx, created_at_ms FROM models WHERE run_id = $1 ORDER BY version",
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
     }
 
     /// The server optimizer's state stored with model `version` (see
@@ -173,15 +171,17 @@ impl SqlStore {
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<Vec<u8>>> {
-        let row: Option<(Vec<u8>,)> = sqlx::query_as(
-            "SELECT data FROM optimizer_states WHERE run_id = $1 AND model_version = $2",
-        )
-        .bind(run_id.0)
-        .bind(version.0)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(map_err)?;
-        Ok(row.map(|(d,)| d))
+        on_pool!(self, |pool| {
+            let row: Option<(Vec<u8>,)> = sqlx::query_as(
+                "SELECT data FROM optimizer_states WHERE run_id = $1 AND model_version = $2",
+            )
+            .bind(run_id.0)
+            .bind(version.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.map(|(d,)| d))
+        })
     }
 
     /// Content hash of one model version.
@@ -190,13 +190,16 @@ impl SqlStore {
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<String>> {
-        let row: Option<(String,)> =
-            sqlx::query_as("SELECT content_hash FROM models WHERE run_id = $1 AND version = $2")
-                .bind(run_id.0)
-                .bind(version.0)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(map_err)?;
-        Ok(row.map(|(h,)| h))
+        on_pool!(self, |pool| {
+            let row: Option<(String,)> = sqlx::query_as(
+                "SELECT content_hash FROM models WHERE run_id = $1 AND version = $2",
+            )
+            .bind(run_id.0)
+            .bind(version.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(row.map(|(h,)| h))
+        })
     }
 }

@@ -41,25 +41,27 @@ impl SqlStore {
         delta: &[u8],
         now: Millis,
     ) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        sqlx::query(
-            "INSERT INTO updates (run_id, round_idx, device_id, slot, staleness, example_count, metrics_json, delta, received_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .bind(device.0)
-        .bind(slot)
-        .bind(i64::from(staleness))
-        .bind(example_count as i64)
-        .bind(metrics_json)
-        .bind(delta)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        tx.commit().await.map_err(map_err)
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            sqlx::query(
+                "INSERT INTO updates (run_id, round_idx, device_id, slot, staleness, example_count, metrics_json, delta, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .bind(device.0)
+            .bind(slot)
+            .bind(i64::from(staleness))
+            .bind(example_count as i64)
+            .bind(metrics_json)
+            .bind(delta)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// Writes one aggregator's partial; `Ok` means it is durable and may be acknowledged.
@@ -71,27 +73,29 @@ impl SqlStore {
         report: &PartialReport,
         now: Millis,
     ) -> StoreResult<()> {
-        let encoded = codec::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        self.check_fence(&mut tx).await?;
-        sqlx::query(
-            "INSERT INTO partials (run_id, round_idx, slot, aggregators_json, devices_json, n_devices, total_weight, report, received_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .bind(slot)
-        .bind(ids(report.aggregators.iter().map(|a| i64::from(a.0)).collect()))
-        .bind(ids(report.devices.iter().map(|d| d.0).collect()))
-        .bind(report.devices.len() as i64)
-        .bind(report.total_weight as i64)
-        .bind(encoded)
-        .bind(now)
-        .execute(&mut *tx)
-        .await
-        .map_err(map_err)?;
-        tx.commit().await.map_err(map_err)
+        on_pool!(self, |pool| {
+            let encoded = codec::to_vec(report).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            let ids = |v: Vec<i64>| serde_json::to_string(&v).expect("ids serialize");
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            sqlx::query(
+                "INSERT INTO partials (run_id, round_idx, slot, aggregators_json, devices_json, n_devices, total_weight, report, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .bind(slot)
+            .bind(ids(report.aggregators.iter().map(|a| i64::from(a.0)).collect()))
+            .bind(ids(report.devices.iter().map(|d| d.0).collect()))
+            .bind(report.devices.len() as i64)
+            .bind(report.total_weight as i64)
+            .bind(encoded)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)
+        })
     }
 
     /// A round's stored partial reports (CBOR), by slot; closed rounds hold none.
@@ -100,14 +104,16 @@ impl SqlStore {
         run_id: RunId,
         round_idx: RoundIdx,
     ) -> StoreResult<Vec<(i64, Vec<u8>)>> {
-        sqlx::query_as(
-            "SELECT slot, report FROM partials WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL ORDER BY slot",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT slot, report FROM partials WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
     }
 
     /// Streams a round's stored updates in slot order to `each`, one at a time, so replay
@@ -118,19 +124,21 @@ impl SqlStore {
         round_idx: RoundIdx,
         mut each: impl FnMut(StoredUpdate) -> StoreResult<()>,
     ) -> StoreResult<u64> {
-        let mut rows = sqlx::query_as::<_, StoredUpdate>(
-            "SELECT device_id, slot, example_count, metrics_json, delta, staleness FROM updates
-             WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .fetch(&self.pool);
-        let mut n = 0;
-        while let Some(row) = rows.try_next().await.map_err(map_err)? {
-            each(row)?;
-            n += 1;
-        }
-        Ok(n)
+        on_pool!(self, |pool| {
+            let mut rows = sqlx::query_as::<_, StoredUpdate>(
+                "SELECT device_id, slot, example_count, metrics_json, delta, staleness FROM updates
+                 WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch(pool);
+            let mut n = 0;
+            while let Some(row) = rows.try_next().await.map_err(map_err)? {
+                each(row)?;
+                n += 1;
+            }
+            Ok(n)
+        })
     }
 
     /// Values `start..start + len` of every stored update of a round, one row per update in slot
@@ -143,35 +151,37 @@ impl SqlStore {
         start: usize,
         len: usize,
     ) -> StoreResult<Vec<Vec<f32>>> {
-        let (from, bytes) = (start * 4 + 1, len * 4);
-        let (Ok(from), Ok(bytes)) = (i32::try_from(from), i32::try_from(bytes)) else {
-            return Err(StoreError::Corrupt(format!("tile {start}+{len} is beyond 2 GiB")));
-        };
-        let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
-            "SELECT substr(delta, CAST($3 AS INTEGER), CAST($4 AS INTEGER)) FROM updates
-             WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
-        )
-        .bind(run_id.0)
-        .bind(round_idx.0)
-        .bind(from)
-        .bind(bytes)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(map_err)?;
-        rows.into_iter()
-            .map(|(tile,)| {
-                if tile.len() != len * 4 {
-                    return Err(StoreError::Corrupt(format!(
-                        "an update of round {round_idx} holds {} bytes at {start}, expected {}",
-                        tile.len(),
-                        len * 4
-                    )));
-                }
-                Ok(tile
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect())
-            })
-            .collect()
+        on_pool!(self, |pool| {
+            let (from, bytes) = (start * 4 + 1, len * 4);
+            let (Ok(from), Ok(bytes)) = (i32::try_from(from), i32::try_from(bytes)) else {
+                return Err(StoreError::Corrupt(format!("tile {start}+{len} is beyond 2 GiB")));
+            };
+            let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
+                "SELECT substr(delta, CAST($3 AS INTEGER), CAST($4 AS INTEGER)) FROM updates
+                 WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .bind(from)
+            .bind(bytes)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            rows.into_iter()
+                .map(|(tile,)| {
+                    if tile.len() != len * 4 {
+                        return Err(StoreError::Corrupt(format!(
+                            "an update of round {round_idx} holds {} bytes at {start}, expected {}",
+                            tile.len(),
+                            len * 4
+                        )));
+                    }
+                    Ok(tile
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect())
+                })
+                .collect()
+        })
     }
 }
