@@ -41,6 +41,12 @@ struct Measured {
     body_bytes: usize,
     round_secs: f64,
     upload_secs: f64,
+    /// Seconds over all rounds from opening to every task handed out.
+    check_in_secs: f64,
+    /// Seconds over all rounds of every device downloading the model.
+    download_secs: f64,
+    /// Seconds over all rounds from the last upload's acknowledgement to the new model.
+    commit_secs: f64,
     peak_rss_mib: f64,
 }
 
@@ -96,6 +102,15 @@ fn main() -> anyhow::Result<()> {
             rounds * c.devices as f64 / m.round_secs,
             m.peak_rss_mib,
         );
+        let ms = |secs: f64| secs / rounds * 1e3;
+        println!(
+            "{:>6} ms per round: check-in {:.0}, model download {:.0}, upload {:.0}, commit {:.0}",
+            "",
+            ms(m.check_in_secs),
+            ms(m.download_secs),
+            ms(m.upload_secs),
+            ms(m.commit_secs),
+        );
     }
     Ok(())
 }
@@ -147,6 +162,7 @@ async fn drive(
     let run = RunId(admin.create_run(&plan).await?.id);
     let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
     let (mut round_secs, mut upload_secs, mut body_bytes) = (0.0, 0.0, 0);
+    let (mut check_in_secs, mut download_secs, mut commit_secs) = (0.0, 0.0, 0.0);
     let mut feedback = ErrorFeedback::default();
     for round in 0..c.rounds {
         wait_round_open(&admin, run, round).await?;
@@ -154,6 +170,8 @@ async fn drive(
         let tasks: Vec<_> =
             stream::iter(&devices).map(expect_task).buffer_unordered(CONCURRENCY).collect().await;
         let tasks = tasks.into_iter().collect::<Result<Vec<_>, _>>()?;
+        check_in_secs += started.elapsed().as_secs_f64();
+        let download_started = Instant::now();
         // Every device downloads the model, as real devices would (all share one hash).
         let models: Vec<_> = stream::iter(&devices)
             .map(|d| d.model(&tasks[0].model_hash))
@@ -163,6 +181,7 @@ async fn drive(
         for m in models {
             m?;
         }
+        download_secs += download_started.elapsed().as_secs_f64();
         // Encoding is the devices' work, not the coordinator's: done before the clock starts.
         let body = codec::to_vec(&UploadRequest {
             model_version: tasks[0].model_version,
@@ -188,11 +207,21 @@ async fn drive(
             }
         }
         upload_secs += upload_started.elapsed().as_secs_f64();
+        let commit_started = Instant::now();
         wait_model(&admin, run, round + 1).await?;
+        commit_secs += commit_started.elapsed().as_secs_f64();
         round_secs += started.elapsed().as_secs_f64();
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    Ok(Measured { body_bytes, round_secs, upload_secs, peak_rss_mib: peak_rss_mib(child.pid())? })
+    Ok(Measured {
+        body_bytes,
+        round_secs,
+        upload_secs,
+        check_in_secs,
+        download_secs,
+        commit_secs,
+        peak_rss_mib: peak_rss_mib(child.pid())?,
+    })
 }
 
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
