@@ -35,6 +35,8 @@ export interface RoundView {
   n_selected: number;
   n_reported: number;
   n_dropped: number | null;
+  /** Updates trained on an earlier model (asynchronous runs). */
+  n_stale: number;
   outcome: unknown;
   metrics: Record<string, number> | null;
   n_rejected?: number;

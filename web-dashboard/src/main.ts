@@ -249,6 +249,14 @@ function privacyText(run: RunView): string {
   );
 }
 
+// A FedBuff run's rounds are buffers: each commits K updates, some trained on earlier models.
+function modeText(plan: Record<string, any>): string {
+  const a = plan.asynchronous as { concurrency: number; max_staleness: number; staleness_exponent?: number } | undefined;
+  if (!a) return 'synchronous rounds';
+  return `asynchronous (FedBuff): ${a.concurrency} devices training at once, updates up to ${a.max_staleness} versions stale, ` +
+    `weighted (1 + staleness)^-${a.staleness_exponent ?? 0.5}`;
+}
+
 function renderSettings(run: RunView): void {
   const plan = run.plan as Record<string, any>;
   const training = (plan.training ?? {}) as Record<string, unknown>;
@@ -257,7 +265,10 @@ function renderSettings(run: RunView): void {
     ['Strategy', strategyText(plan)],
     ['Local training', Object.entries(training).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(', ') || 'SDK defaults'],
     ['FedProx μ', String(training.fedprox_mu ?? 0)],
-    ['Cohort', `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
+    ['Mode', modeText(plan)],
+    ['Cohort', plan.asynchronous
+      ? `${plan.cohort_size} updates per buffer`
+      : `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
     ['Deadlines', `selection ${plan.selection_timeout_secs} s, reporting ${plan.reporting_timeout_secs} s`],
     ['Privacy', privacyText(run)],
   ];
@@ -290,6 +301,7 @@ function renderTimeline(rounds: RoundView[], byVersion: Map<number, ModelView>):
     cell(row, r.state === 'committed' && produced && r.closed_at_ms !== null ? seconds(produced.created_at_ms - r.closed_at_ms) : '–');
     cell(row, String(r.n_selected));
     cell(row, String(r.n_reported));
+    cell(row, String(r.n_stale));
     cell(row, r.n_dropped === null ? '–' : String(r.n_dropped));
     cell(row, r.n_rejected === undefined ? '–' : String(r.n_rejected));
     cell(row, bytes(r.upload_bytes));

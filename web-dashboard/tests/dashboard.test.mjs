@@ -170,3 +170,36 @@ test('a run trains live: it appears, its curves fill in round by round without a
   assert.equal(await page.locator('#app').isVisible(), false);
   await page.close();
 });
+
+test('an asynchronous run shows its mode and each buffer\'s stale updates', async () => {
+  const buffers = 8;
+  const simulate = spawn(
+    clientBin,
+    ['simulate', '--url', base, '--clients', '10', '--cohort', '4', '--rounds', String(buffers),
+      '--dataset', 'digits', '--data-dir', join(root, 'client-sdk', 'data'), '--backend', 'cpu',
+      '--asynchronous', '6:4', '--slow', '0.2:5', '--seed', '17'],
+    { env: { ...process.env, STARLING_OPERATOR_TOKEN: token }, stdio: 'inherit' },
+  );
+  assert.equal(await new Promise((ok) => simulate.on('exit', ok)), 0, 'the simulation failed');
+  const [run] = await admin('/v1/admin/runs');
+  assert.deepEqual(run.plan.asynchronous, { concurrency: 6, max_staleness: 4, staleness_exponent: 0.5 });
+  const rounds = await admin(`/v1/admin/runs/${run.id}/rounds`);
+  const stale = rounds.reduce((n, r) => n + r.n_stale, 0);
+  assert.ok(stale > 0, `no update crossed a buffer: ${JSON.stringify(rounds)}`);
+
+  // A fresh page shows the newest run: this one.
+  const page = await browser.newPage();
+  await page.goto(`${base}/dashboard/`);
+  await page.fill('#token', token);
+  await page.click('#login-button');
+  await page.locator('#rounds tbody tr').nth(rounds.length - 1).waitFor();
+  assert.match(await page.locator('#run-settings').textContent(),
+    /asynchronous \(FedBuff\): 6 devices training at once, updates up to 4 versions stale, weighted \(1 \+ staleness\)\^-0\.5/);
+  assert.match(await page.locator('#run-settings').textContent(), /4 updates per buffer/);
+  // The Stale column holds each buffer's count, newest first, as the admin API reports them.
+  const staleColumn = await page.locator('#rounds tbody tr td:nth-child(8)').allTextContents();
+  const expected = [...rounds].sort((a, b) => b.round_idx - a.round_idx).map((r) => String(r.n_stale));
+  assert.deepEqual(staleColumn, expected);
+  await page.screenshot({ path: join(artifacts, 'asynchronous-run.png'), fullPage: true });
+  await page.close();
+});
