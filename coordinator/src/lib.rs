@@ -171,6 +171,15 @@ async fn lead(
         Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
     tracing::info!(epoch, "leading: runs recovered, driver started");
     tokio::spawn(driver.run());
+    // Payloads of rounds committed just before a stop were not released yet.
+    let sweeper = store.clone();
+    tokio::spawn(async move {
+        match sweeper.release_closed_payloads().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(rounds = n, "released closed rounds' payloads"),
+            Err(e) => tracing::warn!(error = %e, "releasing closed rounds' payloads failed"),
+        }
+    });
     let state = http::AppState::new(
         handle,
         store,

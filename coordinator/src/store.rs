@@ -225,7 +225,7 @@ trait WriteTx {
     async fn set_run_status(&mut self, run_id: RunId, status: &str, now: Millis)
     -> StoreResult<()>;
     /// Drops a closed round's update deltas and partial sums (the rows stay, as the record of
-    /// who took part).
+    /// who took part); does nothing to a round that is open.
     async fn release_payloads(&mut self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<()>;
     /// Drops a closed round's protocol records, masked inputs included: the sum is committed
     /// or the round failed, so they are of no further use.
@@ -271,9 +271,12 @@ macro_rules! impl_write_tx {
                 run_id: RunId,
                 round_idx: RoundIdx,
             ) -> StoreResult<()> {
+                // Guarded: an open round's payloads are never dropped.
                 for sql in [
-                    "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2",
-                    "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2",
+                    "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM rounds r WHERE r.run_id = $1 AND r.round_idx = $2 AND r.state <> 'open')",
+                    "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM rounds r WHERE r.run_id = $1 AND r.round_idx = $2 AND r.state <> 'open')",
                 ] {
                     sqlx::query(sql)
                         .bind(run_id.0)

@@ -54,6 +54,7 @@ conformance!(
     stopping_a_run_fails_its_open_round,
     r17_update_tiles_are_slices_of_every_update_in_slot_order,
     r18_carried_tasks_are_the_selected_devices_not_heard_from_since,
+    r18_payloads_are_released_only_once_their_round_closed,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -395,6 +396,10 @@ async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
         Some(&b"state after 1"[..])
     );
     assert_eq!(store.optimizer_state(run, ModelVersion(0)).await.unwrap(), None);
+    // The payloads go after the commit, in a transaction of their own.
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 2);
+    store.release_payloads(run, RoundIdx(0)).await.unwrap();
+    store.release_payloads(run, RoundIdx(0)).await.unwrap();
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
     assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty(), "sums released");
     assert_eq!(store.open_round(run).await.unwrap(), None);
@@ -532,4 +537,36 @@ async fn r18_carried_tasks_are_the_selected_devices_not_heard_from_since(store: 
     // Its late update lands in the open round: it is carried no more.
     store.insert_update(run, RoundIdx(1), d2, 0, 1, 1, "{}", &[3, 4], 4_600).await.unwrap();
     assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![]);
+}
+
+/// A commit leaves its round's payloads to a later release (or to the sweep at start, for a
+/// coordinator stopped in between); an open round's are never released.
+async fn r18_payloads_are_released_only_once_their_round_closed(store: SqlStore) {
+    let (run, [d1, _, _]) = run_with_reports(&store).await;
+    assert!(matches!(store.release_payloads(run, RoundIdx(0)).await, Err(StoreError::Corrupt(_))));
+    assert!(matches!(store.release_payloads(run, RoundIdx(7)).await, Err(StoreError::Corrupt(_))));
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "the open round keeps its");
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 2);
+    let metrics = BTreeMap::new();
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model: b"m1",
+        model_hash: "h1",
+        metrics: &metrics,
+        evaluation: None,
+        optimizer_state: None,
+    };
+    store.commit_round(run, commit, 4_000).await.unwrap();
+    // The next round opens and takes an update before the sweep: that one stays.
+    let select = Transition::Select { round_idx: RoundIdx(1), device: d1, aggregator: None };
+    store
+        .apply_transitions(run, &[Transition::OpenRound(opened(1, 1)), select], 4_100)
+        .await
+        .unwrap();
+    store.insert_update(run, RoundIdx(1), d1, 0, 0, 4, "{}", &[9], 4_200).await.unwrap();
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 1);
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty());
+    assert_eq!(store.for_each_update(run, RoundIdx(1), |_| Ok(())).await.unwrap(), 1);
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "nothing left to release");
 }

@@ -47,6 +47,12 @@ struct Measured {
     download_secs: f64,
     /// Seconds over all rounds from the last upload's acknowledgement to the new model.
     commit_secs: f64,
+    /// The coordinator's own clock over all rounds: closing to the start of the commit's
+    /// transaction (the new model's `created_at`): folding what is left, encoding, hashing.
+    server_commit_secs: f64,
+    /// Seconds over all rounds of the commit's transaction (new model row, round row, payloads
+    /// released), from the coordinator's `store_seconds` histogram.
+    commit_write_secs: f64,
     peak_rss_mib: f64,
 }
 
@@ -104,12 +110,15 @@ fn main() -> anyhow::Result<()> {
         );
         let ms = |secs: f64| secs / rounds * 1e3;
         println!(
-            "{:>6} ms per round: check-in {:.0}, model download {:.0}, upload {:.0}, commit {:.0}",
+            "{:>6} ms per round: check-in {:.0}, model download {:.0}, upload {:.0}, commit {:.0} \
+             (coordinator: closing to the commit's start {:.0}, the commit's transaction {:.0})",
             "",
             ms(m.check_in_secs),
             ms(m.download_secs),
             ms(m.upload_secs),
             ms(m.commit_secs),
+            ms(m.server_commit_secs),
+            ms(m.commit_write_secs),
         );
     }
     Ok(())
@@ -213,6 +222,16 @@ async fn drive(
         round_secs += started.elapsed().as_secs_f64();
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
+    let models = admin.models(run).await?;
+    let server_commit_ms: i64 = admin
+        .rounds(run)
+        .await?
+        .iter()
+        .filter_map(|r| {
+            let model = models.iter().find(|m| m.version == r.model_version + 1)?;
+            Some(model.created_at_ms - r.closed_at_ms?)
+        })
+        .sum();
     Ok(Measured {
         body_bytes,
         round_secs,
@@ -220,8 +239,27 @@ async fn drive(
         check_in_secs,
         download_secs,
         commit_secs,
+        server_commit_secs: server_commit_ms as f64 / 1e3,
+        commit_write_secs: store_seconds(&child.url, "commit_round").await?,
         peak_rss_mib: peak_rss_mib(child.pid())?,
     })
+}
+
+/// The sum of the coordinator's `store_seconds` histogram for one operation.
+async fn store_seconds(url: &str, op: &str) -> anyhow::Result<f64> {
+    let metrics = starling_tests::http_client()
+        .get(format!("{url}/metrics"))
+        .bearer_auth(OPERATOR_TOKEN)
+        .send()
+        .await?
+        .text()
+        .await?;
+    let label = format!("op=\"{op}\"");
+    metrics
+        .lines()
+        .find(|l| l.contains("store_seconds_sum") && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .with_context(|| format!("no store_seconds_sum for {op} in /metrics"))
 }
 
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {

@@ -117,6 +117,22 @@ impl CloseTask {
                         if written.is_ok() {
                             let seconds = commit_started.elapsed().as_secs_f64();
                             observer.store_latency("commit_round", seconds);
+                            // Off the round's path: the next round does not wait for the
+                            // cohort's deltas to be dropped (the next start's sweep releases
+                            // them if this does not land).
+                            let (releaser, observer) = (store.clone(), observer.clone());
+                            tokio::spawn(async move {
+                                let started = std::time::Instant::now();
+                                match releaser.release_payloads(run_id, round_idx).await {
+                                    Ok(()) => observer.store_latency(
+                                        "release_payloads",
+                                        started.elapsed().as_secs_f64(),
+                                    ),
+                                    Err(e) => {
+                                        tracing::warn!(%run_id, round = %round_idx, error = %e, "releasing a committed round's payloads failed; the next start releases them")
+                                    }
+                                }
+                            });
                             tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
                         }
                         let model = CommittedModel {

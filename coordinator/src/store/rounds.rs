@@ -373,8 +373,10 @@ impl SqlStore {
         })
     }
 
-    /// Commits a round: new model version, round row, run progress, and the round's update
-    /// payloads released (they now live on in the model), in one transaction.
+    /// Commits a round: new model version, round row and run progress, in one transaction.
+    /// The round's update payloads are left for [`SqlStore::release_payloads`] after it: they
+    /// live on in the model, and dropping a large cohort's deltas (a TOAST chunk per 2 KB on
+    /// Postgres) took most of the commit's transaction.
     pub async fn commit_round(
         &self,
         run_id: RunId,
@@ -408,7 +410,6 @@ impl SqlStore {
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
-            tx.release_payloads(run_id, c.round_idx).await?;
             tx.delete_secagg_records(run_id, c.round_idx).await?;
             if let Some(state) = commit.optimizer_state {
                 sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
@@ -445,6 +446,59 @@ impl SqlStore {
             }
             tx.commit().await.map_err(map_err)
         })
+    }
+
+    /// Drops a closed round's update deltas and partial sums (the rows stay, as the record of
+    /// who took part): after [`SqlStore::commit_round`], off the round's path. Refuses a round
+    /// that is still open; releasing twice is not an error.
+    pub async fn release_payloads(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<()> {
+        on_pool!(self, |pool| {
+            // The write first: on SQLite a transaction that reads and then writes fails at
+            // once (not after the busy timeout) when another write landed in between.
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.release_payloads(run_id, round_idx).await?;
+            let state: Option<(String,)> =
+                sqlx::query_as("SELECT state FROM rounds WHERE run_id = $1 AND round_idx = $2")
+                    .bind(run_id.0)
+                    .bind(round_idx.0)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+            match state {
+                None => {
+                    return Err(StoreError::Corrupt(format!(
+                        "run {run_id} has no round {round_idx}"
+                    )));
+                }
+                Some((state,)) if state == "open" => {
+                    return Err(StoreError::Corrupt(format!(
+                        "round {round_idx} of run {run_id} is open: its payloads are not released"
+                    )));
+                }
+                Some(_) => {}
+            }
+            tx.commit().await.map_err(map_err)
+        })
+    }
+
+    /// Releases the payloads every closed round still holds (those a coordinator committed but
+    /// stopped before releasing); returns how many rounds it released. Run at start.
+    pub async fn release_closed_payloads(&self) -> StoreResult<usize> {
+        let rounds: Vec<(i64, i64)> = on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT r.run_id, r.round_idx FROM rounds r WHERE r.state <> 'open'
+                   AND (EXISTS (SELECT 1 FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx AND u.delta IS NOT NULL)
+                        OR EXISTS (SELECT 1 FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx AND p.report IS NOT NULL))
+                 ORDER BY r.run_id, r.round_idx",
+            )
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })?;
+        for &(run_id, round_idx) in &rounds {
+            self.release_payloads(RunId(run_id), RoundIdx(round_idx)).await?;
+        }
+        Ok(rounds.len())
     }
 
     /// Commits a round of an evaluation-only run: the round row (state `evaluated`, the pooled

@@ -6,6 +6,7 @@
 use starling_core::codec;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use reqwest::StatusCode;
@@ -109,6 +110,11 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
     );
     // A finished run hands out no more tasks.
     assert!(matches!(devices[0].check_in("default").await?, CheckInResponse::ComeBackLater { .. }));
+    // The committed rounds' deltas are dropped after their commits, off the rounds' path.
+    let store = starling_coordinator::store::SqlStore::connect(db, false).await?;
+    let released = || async { Ok(store.stored_payloads(run).await?.is_empty().then_some(())) };
+    wait_for("the committed rounds' deltas to be released", Duration::from_secs(10), released)
+        .await?;
     c.running.shutdown().await?;
     Ok(())
 }
