@@ -222,6 +222,10 @@ struct SimulateArgs {
     /// top_k:FRACTION.
     #[arg(long, default_value = "f32")]
     compression: starling_core::compression::Compression,
+    /// The encoding devices download the model in: f32, f16, bf16 or int8[:BLOCK] (rounded to
+    /// nearest; the coordinator keeps the model in full precision).
+    #[arg(long, default_value = "f32")]
+    model_download: starling_core::compression::Compression,
     /// Share of the devices that attack, with --attack.
     #[arg(long, default_value_t = 0.1, requires = "attack")]
     attackers: f64,
@@ -441,6 +445,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         selection: args.selection,
         poisoning: args.attack.map(|attack| Poisoning { fraction: args.attackers, attack }),
         compression: args.compression,
+        model_download: args.model_download,
         asynchronous: args.asynchronous,
         slowdown: args.slow,
     };

@@ -606,8 +606,9 @@ impl<F: ModelFactory> Participant<F> {
         {
             return Ok(values.clone());
         }
-        let payload = retrying(TRIES, || self.fleet.model(&task.model_hash)).await?;
-        let values = Arc::new(decode_model(&task.schema, &payload)?);
+        let payload =
+            retrying(TRIES, || self.fleet.model_in(&task.model_hash, task.model_download)).await?;
+        let values = Arc::new(decode_model_in(&task.schema, payload, task.model_download)?);
         self.cached_model = Some((task.model_hash.clone(), values.clone()));
         Ok(values)
     }
@@ -696,6 +697,27 @@ pub fn decode_model(
     schema
         .decode_f32(payload)
         .map_err(|e| ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}"))))
+}
+
+/// Decodes a global model downloaded in `compression` (a task's `model_download`): checked
+/// like an uploaded delta in that encoding (schema, exact length, finite values and scales),
+/// then expanded to the f32 values training starts from.
+pub fn decode_model_in(
+    schema: &TensorSchema,
+    payload: starling_core::tensor::TensorPayload,
+    compression: starling_core::compression::Compression,
+) -> Result<Vec<f32>, ParticipantError> {
+    if compression.is_f32() {
+        return decode_model(schema, &payload);
+    }
+    let bad =
+        |e: String| ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}")));
+    if payload.schema_id != schema.schema_id() {
+        return Err(bad(format!("schema {} is not the task's", payload.schema_id)));
+    }
+    let n = usize::try_from(schema.byte_len() / 4).map_err(|e| bad(e.to_string()))?;
+    let decoded = compression.validate(n, payload.data).map_err(|e| bad(e.to_string()))?;
+    Ok(decoded.to_f32())
 }
 
 #[cfg(test)]

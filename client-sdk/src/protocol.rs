@@ -244,6 +244,23 @@ impl FleetClient {
         decode_answer(status, &res.bytes().await?)
     }
 
+    /// Downloads a model in a task's download encoding (`model_download`), still encoded:
+    /// the payload's data is the model's values in `compression` ([`Self::model`] for f32).
+    pub async fn model_in(
+        &self,
+        hash: &str,
+        compression: starling_core::compression::Compression,
+    ) -> Result<TensorPayload, ClientError> {
+        if compression.is_f32() {
+            return self.model(hash).await;
+        }
+        // `f16`, `bf16` or `int8:BLOCK`: nothing in them needs escaping in a query.
+        let url = format!("{}{}?compression={compression}", self.base, path::model(hash));
+        let res = self.authed(self.http.get(url)).send().await?;
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
+    }
+
     /// Uploads an update.
     pub async fn upload(
         &self,

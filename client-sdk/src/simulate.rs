@@ -194,6 +194,8 @@ pub struct SimulationConfig {
     pub poisoning: Option<Poisoning>,
     /// The encoding devices upload their deltas in (the plan's `compression`).
     pub compression: starling_core::compression::Compression,
+    /// The encoding devices download the model in (the plan's `model_download`).
+    pub model_download: starling_core::compression::Compression,
     /// Asynchronous buffered aggregation (the plan's `asynchronous`; `None`: rounds).
     pub asynchronous: Option<starling_core::plan::AsynchronousPlan>,
     /// Devices that train slower than the rest (`None`: all alike).
@@ -486,6 +488,7 @@ pub async fn simulate(
         "rounds": config.rounds,
         "selection": config.selection,
         "compression": config.compression,
+        "model_download": config.model_download,
     });
     if !config.strategy.is_null() {
         plan["strategy"] = config.strategy.clone();

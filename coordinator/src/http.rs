@@ -31,7 +31,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use starling_core::compression::Compression;
 use starling_core::plan::{Plan, ValidatedPlan};
+use starling_core::tensor::TensorPayload;
 use starling_core::wire::{self, CBOR_MEDIA_TYPE};
 use starling_core::{DeviceId, RunId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -57,6 +59,9 @@ struct Inner {
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     models: Mutex<VecDeque<(String, Bytes)>>,
+    /// Held while a model missing from `models` is read or encoded: a cohort asking at once
+    /// waits for one read and one encoding instead of each doing its own.
+    model_loading: tokio::sync::Mutex<()>,
     uploads: Arc<Semaphore>,
     /// Devices with an upload in progress: one at a time each, so no device holds more than
     /// one of the upload permits.
@@ -157,8 +162,9 @@ impl Drop for DeviceUpload {
 /// memory is bounded by this, not by the number of devices.
 pub const MAX_CONCURRENT_UPLOADS: usize = 16;
 
-/// Encoded models kept in memory: a round's whole cohort downloads the same one.
-const MODEL_CACHE_ENTRIES: usize = 4;
+/// Encoded models kept in memory (f32 and download encodings): a round's whole cohort
+/// downloads the same one.
+const MODEL_CACHE_ENTRIES: usize = 8;
 
 impl AppState {
     /// State over a running driver and its store.
@@ -178,6 +184,7 @@ impl AppState {
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
                 models: Mutex::new(VecDeque::new()),
+                model_loading: tokio::sync::Mutex::new(()),
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
@@ -310,30 +317,66 @@ impl AppState {
             .expect("the upload semaphore is never closed")
     }
 
-    /// An encoded model by content hash. Content-addressed bytes never change, so a cached
-    /// copy is always right; the cache only spares the store the cohort's repeated reads.
-    async fn model_bytes(&self, hash: &str) -> Result<Option<Bytes>, ApiError> {
-        let cached = self
-            .inner
-            .models
-            .lock()
-            .expect("model cache poisoned")
-            .iter()
-            .find(|(h, _)| h == hash)
-            .map(|(_, b)| b.clone());
-        if cached.is_some() {
-            return Ok(cached);
+    /// The model with content hash `hash` as devices download it: the stored payload for f32;
+    /// for another `compression` (the plan's `model_download`) a payload of the same schema
+    /// whose data is the model's values encoded by [`Compression::encode_model`]. Content-
+    /// addressed bytes never change and the encoding is deterministic, so a cached copy is
+    /// always right; the cache spares the store the cohort's repeated reads.
+    async fn model_bytes_in(
+        &self,
+        hash: &str,
+        compression: Compression,
+    ) -> Result<Option<Bytes>, ApiError> {
+        let key = if compression.is_f32() {
+            hash.to_owned()
+        } else {
+            format!("{hash}?compression={compression}")
+        };
+        if let Some(cached) = self.cached_model(&key) {
+            return Ok(Some(cached));
         }
-        let Some(bytes) = self.store().model_by_hash(hash).await? else { return Ok(None) };
-        let bytes = Bytes::from(bytes);
+        let _loading = self.inner.model_loading.lock().await;
+        if let Some(cached) = self.cached_model(&key) {
+            return Ok(Some(cached));
+        }
+        let model = match self.cached_model(hash) {
+            Some(model) => model,
+            None => {
+                let Some(bytes) = self.store().model_by_hash(hash).await? else {
+                    return Ok(None);
+                };
+                self.cache_model(hash, Bytes::from(bytes))
+            }
+        };
+        if compression.is_f32() {
+            return Ok(Some(model));
+        }
+        let encoded = tokio::task::spawn_blocking(move || {
+            let payload: TensorPayload = codec::decode(&model)?;
+            let values = starling_core::tensor::f32_from_le_bytes(&payload.data);
+            let data = compression.encode_model(&values);
+            codec::to_vec(&TensorPayload { schema_id: payload.schema_id, data })
+        })
+        .await
+        .expect("model encoding panicked")
+        .map_err(|e| ApiError::internal(&e))?;
+        Ok(Some(self.cache_model(&key, Bytes::from(encoded))))
+    }
+
+    fn cached_model(&self, key: &str) -> Option<Bytes> {
+        let models = self.inner.models.lock().expect("model cache poisoned");
+        models.iter().find(|(k, _)| k == key).map(|(_, b)| b.clone())
+    }
+
+    fn cache_model(&self, key: &str, bytes: Bytes) -> Bytes {
         let mut models = self.inner.models.lock().expect("model cache poisoned");
-        if !models.iter().any(|(h, _)| h == hash) {
+        if !models.iter().any(|(k, _)| k == key) {
             if models.len() == MODEL_CACHE_ENTRIES {
                 models.pop_front();
             }
-            models.push_back((hash.to_owned(), bytes.clone()));
+            models.push_back((key.to_owned(), bytes.clone()));
         }
-        Ok(Some(bytes))
+        bytes
     }
 
     /// A run's validated plan; plans never change, so they are cached after the first read.

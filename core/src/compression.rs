@@ -120,6 +120,18 @@ impl std::str::FromStr for Compression {
     }
 }
 
+/// The command-line form [`FromStr`](std::str::FromStr) reads, also the model download's
+/// `compression` query parameter.
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Compression::Int8 { block } => write!(f, "int8:{block}"),
+            Compression::TopK { fraction } => write!(f, "top_k:{fraction}"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
 /// An encoded delta that passed [`Compression::validate`] for a model of `n` values.
 #[derive(Clone, PartialEq)]
 pub struct CompressedDelta {
@@ -212,10 +224,32 @@ impl Compression {
             Compression::Bf16 => {
                 delta.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect()
             }
-            Compression::Int8 { block } => encode_int8(delta, block as usize, rng),
+            Compression::Int8 { block } => encode_int8(delta, block as usize, || rng.unit()),
             Compression::TopK { fraction } => {
                 encode_top_k(delta, Self::top_k_count(fraction, delta.len()), feedback)
             }
+        }
+    }
+
+    /// Checks the setting as the encoding a model is downloaded in (the plan's
+    /// `model_download`): a model is sent whole, so top-k is refused.
+    pub fn check_model(&self) -> Result<(), CompressionError> {
+        if let Compression::TopK { .. } = self {
+            return Err(CompressionError::Setting(
+                "a model is downloaded whole: f32, f16, bf16 or int8, not top_k".into(),
+            ));
+        }
+        self.check()
+    }
+
+    /// Encodes a model's values for download. Deterministic, so that every device gets the
+    /// same bytes under one content hash: int8 rounds to nearest (half stochastic rounding's
+    /// worst-case error; a model is not averaged over a cohort, so unbiasedness buys nothing).
+    /// Call only with a setting [`Compression::check_model`] accepts.
+    pub fn encode_model(&self, values: &[f32]) -> Vec<u8> {
+        match *self {
+            Compression::Int8 { block } => encode_int8(values, block as usize, || 0.5),
+            _ => self.encode(values, &mut SplitMix64(0), &mut ErrorFeedback::default()),
         }
     }
 
@@ -401,7 +435,9 @@ impl Compression {
     }
 }
 
-fn encode_int8(delta: &[f32], block: usize, rng: &mut SplitMix64) -> Vec<u8> {
+/// Int8 with `offset()` added before flooring: uniform in [0, 1) rounds stochastically, 0.5
+/// to nearest.
+fn encode_int8(delta: &[f32], block: usize, mut offset: impl FnMut() -> f64) -> Vec<u8> {
     let blocks = delta.len().div_ceil(block.max(1));
     let mut out = Vec::with_capacity(4 * blocks + delta.len());
     let scales: Vec<f32> = delta
@@ -413,7 +449,7 @@ fn encode_int8(delta: &[f32], block: usize, rng: &mut SplitMix64) -> Vec<u8> {
         for &v in chunk {
             let q = if scale > 0.0 {
                 // floor(x/s + u), u uniform in [0, 1): rounds up with probability frac(x/s).
-                (f64::from(v) / f64::from(scale) + rng.unit()).floor().clamp(-127.0, 127.0)
+                (f64::from(v) / f64::from(scale) + offset()).floor().clamp(-127.0, 127.0)
             } else {
                 0.0
             };

@@ -86,6 +86,13 @@ pub struct Plan {
     /// (per-block scale, stochastic rounding) or `top_k` (with error feedback on the device).
     #[serde(default, skip_serializing_if = "Compression::is_f32")]
     pub compression: Compression,
+    /// The encoding devices download the model in: `f32` (default), `f16`, `bf16` or `int8`
+    /// (per-block scale, rounded to nearest). Devices train from the model as decoded and
+    /// send their deltas against it; the coordinator keeps and updates the model in full
+    /// precision, so the rounding never accumulates. Devices' evaluations are of the model as
+    /// they received it.
+    #[serde(default, skip_serializing_if = "Compression::is_f32")]
+    pub model_download: Compression,
     /// Asynchronous buffered aggregation (FedBuff, Nguyen et al. 2022) instead of synchronous
     /// rounds: up to `concurrency` devices train at once, each on the model current when it
     /// was selected; the coordinator accepts an update up to `max_staleness` versions behind,
@@ -431,6 +438,17 @@ impl Plan {
                 return Err(field("compression", format!("must be f32 here: {why}")));
             }
         }
+        if !self.model_download.is_f32() {
+            self.model_download
+                .check_model()
+                .map_err(|e| field("model_download", e.to_string()))?;
+            if self.evaluation_only {
+                return Err(field(
+                    "model_download",
+                    "must be f32 in an evaluation-only run: it evaluates the model itself",
+                ));
+            }
+        }
         if let Some(a) = &self.asynchronous {
             if a.concurrency < self.cohort_size || a.concurrency > MAX_COHORT * 10 {
                 return Err(field(
@@ -627,6 +645,11 @@ impl ValidatedPlan {
     /// The encoding devices upload their deltas in.
     pub fn compression(&self) -> Compression {
         self.plan.compression
+    }
+
+    /// The encoding devices download the model in (the plan's `model_download`).
+    pub fn model_download(&self) -> Compression {
+        self.plan.model_download
     }
 
     /// The most bytes a device's delta may take in the run's encoding (top-k of a large share

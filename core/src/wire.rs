@@ -188,6 +188,11 @@ pub struct TaskAssignment {
     /// The encoding to upload the delta in (the plan's `compression`); absent: f32.
     #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
     pub compression: crate::compression::Compression,
+    /// The encoding to download the model in (the plan's `model_download`): `GET
+    /// /v1/models/{model_hash}?compression={it}`; absent: f32, the plain download. Train from
+    /// the decoded values and send the delta against them.
+    #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
+    pub model_download: crate::compression::Compression,
 }
 
 /// What a device needs to take part in a secure-aggregation round.

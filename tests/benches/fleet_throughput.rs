@@ -4,7 +4,8 @@
 //! Run with `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput`
 //! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`,
 //! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
-//! compressed deltas; the MB/round column is what they send.
+//! compressed deltas (the MB/round column is what they send), `--model-download int8` (or
+//! `f16`, `bf16`) download the model compressed.
 //! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
 //! (`VmHWM`) is that configuration's alone.
 
@@ -64,14 +65,9 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     };
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let compression: Compression = match args.iter().position(|a| a == "--compression") {
-        None => Compression::F32,
-        Some(i) => {
-            let value = args.get(i + 1).context("--compression needs a value")?.parse()?;
-            args.drain(i..i + 2);
-            value
-        }
-    };
+    let compression = take_encoding(&mut args, "--compression")?;
+    let model_download = take_encoding(&mut args, "--model-download")?;
+    model_download.check_model()?;
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
         .into_iter()
@@ -79,7 +75,7 @@ fn main() -> anyhow::Result<()> {
         .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    println!("compression: {}", serde_json::to_string(&compression)?);
+    println!("compression: {compression}, model download: {model_download}");
     println!(
         "{:>6} {:>9} {:>6} {:>9} {:>9} {:>10} {:>12} {:>10} {:>13}",
         "N",
@@ -93,7 +89,7 @@ fn main() -> anyhow::Result<()> {
         "peak RSS MiB"
     );
     for c in configs {
-        let m = runtime.block_on(bench(&base_url, &c, compression))?;
+        let m = runtime.block_on(bench(&base_url, &c, compression, model_download))?;
         let bytes_per_round = (c.devices * m.body_bytes) as f64;
         let rounds = c.rounds as f64;
         println!(
@@ -124,7 +120,12 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(base_url: &str, c: &Config, compression: Compression) -> anyhow::Result<Measured> {
+async fn bench(
+    base_url: &str,
+    c: &Config,
+    compression: Compression,
+    model_download: Compression,
+) -> anyhow::Result<Measured> {
     // Built from numbers only, so safe to splice into DDL (which takes no bind parameters).
     let db = format!("starling_bench_{}_{}", std::process::id(), c.devices);
     let mut admin_conn =
@@ -142,7 +143,7 @@ async fn bench(base_url: &str, c: &Config, compression: Compression) -> anyhow::
     let log = std::env::var_os("STARLING_BENCH_LOG")
         .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
     let child = ChildCoordinator::spawn(bin, &url, free_addr(), &log).await?;
-    let res = drive(&child, c, compression).await;
+    let res = drive(&child, c, compression, model_download).await;
     drop(child);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
         .execute(&mut admin_conn)
@@ -154,6 +155,7 @@ async fn drive(
     child: &ChildCoordinator,
     c: &Config,
     compression: Compression,
+    model_download: Compression,
 ) -> anyhow::Result<Measured> {
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let devices = enroll(&child.url, &admin, c.devices).await?;
@@ -168,6 +170,7 @@ async fn drive(
     };
     let mut plan = spec.json();
     plan["compression"] = serde_json::to_value(compression)?;
+    plan["model_download"] = serde_json::to_value(model_download)?;
     let run = RunId(admin.create_run(&plan).await?.id);
     let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
     let (mut round_secs, mut upload_secs, mut body_bytes) = (0.0, 0.0, 0);
@@ -183,7 +186,7 @@ async fn drive(
         let download_started = Instant::now();
         // Every device downloads the model, as real devices would (all share one hash).
         let models: Vec<_> = stream::iter(&devices)
-            .map(|d| d.model(&tasks[0].model_hash))
+            .map(|d| d.model_in(&tasks[0].model_hash, model_download))
             .buffer_unordered(CONCURRENCY)
             .collect()
             .await;
@@ -243,6 +246,14 @@ async fn drive(
         commit_write_secs: store_seconds(&child.url, "commit_round").await?,
         peak_rss_mib: peak_rss_mib(child.pid())?,
     })
+}
+
+/// `--NAME ENCODING` taken out of the arguments (f32 when absent).
+fn take_encoding(args: &mut Vec<String>, name: &str) -> anyhow::Result<Compression> {
+    let Some(i) = args.iter().position(|a| a == name) else { return Ok(Compression::F32) };
+    let value = args.get(i + 1).with_context(|| format!("{name} needs a value"))?.parse()?;
+    args.drain(i..i + 2);
+    Ok(value)
 }
 
 /// The sum of the coordinator's `store_seconds` histogram for one operation.

@@ -59,6 +59,8 @@ struct Case {
     over_selection: f64,
     /// The encoding devices upload in.
     compression: Compression,
+    /// The encoding devices download the model in.
+    model_download: Compression,
     /// Simulated devices, and reports per round.
     clients: usize,
     cohort: u32,
@@ -165,6 +167,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         poisoning,
         over_selection: 1.3,
         compression: Compression::F32,
+        model_download: Compression::F32,
         clients: CLIENTS,
         cohort: COHORT,
         asynchronous: None,
@@ -252,13 +255,21 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
             }
         }))
         .collect(),
-        // FedAvg uploading in each encoding; top-k devices keep what they did not send.
+        // FedAvg uploading in each encoding; top-k devices keep what they did not send. Then
+        // the model downloaded compressed too (`down:` the download encoding).
         "compression" => ["f32", "f16", "bf16", "int8", "top_k:0.1", "top_k:0.01"]
             .into_iter()
             .map(|name| Case {
                 compression: name.parse().expect("the encodings parse"),
                 ..case(name, serde_json::Value::Null, None)
             })
+            .chain([("f32", "f16"), ("int8", "f16"), ("int8", "int8")].into_iter().map(
+                |(up, down)| Case {
+                    compression: up.parse().expect("the encodings parse"),
+                    model_download: down.parse().expect("the encodings parse"),
+                    ..case(&format!("{up}, down: {down}"), serde_json::Value::Null, None)
+                },
+            ))
             .collect(),
         // A fifth of the fleet five times slower: rounds of ten (over-selecting 1.3) against
         // FedBuff buffers of ten with as many devices training at once, and with more.
@@ -316,6 +327,7 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
         strategy: case.strategy.clone(),
         poisoning: case.poisoning,
         compression: case.compression,
+        model_download: case.model_download,
         asynchronous: case.asynchronous,
         slowdown: case.slowdown,
         pacing: Pacing {

@@ -417,6 +417,7 @@ pub fn digits_simulation(
         selection: Default::default(),
         poisoning: None,
         compression: Default::default(),
+        model_download: Default::default(),
         asynchronous: None,
         slowdown: None,
     }

@@ -4,11 +4,12 @@
 //! and validated before the driver or the store sees it.
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use starling_core::codec;
+use starling_core::compression::Compression;
 use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update};
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{
@@ -145,14 +146,24 @@ async fn check_in(
     Ok(Cbor(res))
 }
 
+/// The model download's query: the encoding a task's `model_download` names.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct ModelQuery {
+    /// `f16`, `bf16` or `int8:BLOCK` (the task's `model_download`); absent: f32.
+    compression: Option<String>,
+}
+
 /// Content-addressed model download: immutable, so cacheable forever, with `ETag` revalidation.
+/// `?compression=` serves it in a task's download encoding (deterministic, so as immutable).
 #[utoipa::path(get, path = "/v1/models/{hash}", tag = "fleet", security(("device" = [])),
-    params(("hash" = String, Path, description = "the model's content hash, 64 hex digits")),
+    params(("hash" = String, Path, description = "the model's content hash, 64 hex digits"), ModelQuery),
     responses(
         (status = 200, description = "the encoded model (cacheable forever)", body = TensorPayload, content_type = "application/cbor"),
         (status = 304, description = "unchanged (If-None-Match)"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 422, description = "not a model download encoding", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
         (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
     ))]
@@ -160,12 +171,26 @@ async fn model(
     State(state): State<AppState>,
     _device: DeviceAuth,
     Path(hash): Path<String>,
+    Query(query): Query<ModelQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(ApiError::not_found("model hashes are 64 hex digits"));
     }
-    let etag = format!("\"{hash}\"");
+    let compression: Compression = match &query.compression {
+        None => Compression::F32,
+        Some(text) => {
+            let parsed: Compression =
+                text.parse().map_err(|e| ApiError::invalid(format!("compression: {e}")))?;
+            parsed.check_model().map_err(|e| ApiError::invalid(format!("compression: {e}")))?;
+            parsed
+        }
+    };
+    let etag = if compression.is_f32() {
+        format!("\"{hash}\"")
+    } else {
+        format!("\"{hash}.{compression}\"")
+    };
     let matches = headers
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
@@ -177,7 +202,7 @@ async fn model(
     // Looked up first even for a conditional request: "not modified" is only true of a model
     // that exists.
     let bytes = state
-        .model_bytes(&hash)
+        .model_bytes_in(&hash, compression)
         .await?
         .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
     if matches {

@@ -131,6 +131,37 @@ fn settings_are_checked() {
     assert!(serde_json::from_str::<Compression>(r#"{"kind": "int8", "bits": 4}"#).is_err());
 }
 
+/// A model is encoded for download the same way every time (one content hash, every device
+/// the same bytes); int8 rounds to nearest, so no value is off by more than half a step.
+#[test]
+fn r18_a_model_encodes_deterministically_and_int8_rounds_to_nearest() {
+    let values: Vec<f32> = (0..1000).map(|i| ((i * 37 % 201) as f32 - 100.0) * 1e-3).collect();
+    for c in [Compression::F16, Compression::Bf16, Compression::Int8 { block: 64 }] {
+        assert_eq!(c.encode_model(&values), c.encode_model(&values), "{c:?}");
+        c.check_model().unwrap();
+    }
+    let c = Compression::Int8 { block: 64 };
+    let decoded = c.validate(values.len(), c.encode_model(&values)).unwrap().to_f32();
+    for (block, (v, d)) in values.chunks(64).zip(decoded.chunks(64)).enumerate() {
+        let step = v.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 127.0;
+        for (x, y) in v.iter().zip(d) {
+            assert!((x - y).abs() <= step / 2.0 * 1.0001, "block {block}: {x} became {y}");
+        }
+    }
+    assert_eq!(Compression::F32.encode_model(&values), crate::tensor::f32_to_le_bytes(&values));
+}
+
+#[test]
+fn r18_top_k_is_not_a_model_encoding_and_settings_print_as_they_parse() {
+    let err = Compression::TopK { fraction: 0.1 }.check_model().unwrap_err();
+    assert!(err.to_string().contains("not top_k"), "{err}");
+    assert!(Compression::Int8 { block: 0 }.check_model().is_err());
+    for text in ["f32", "f16", "bf16", "int8:256", "int8:7", "top_k:0.01"] {
+        let parsed: Compression = text.parse().unwrap();
+        assert_eq!(parsed.to_string(), text);
+    }
+}
+
 proptest! {
     /// Whatever the bytes, validation either refuses them or yields a delta whose fold visits
     /// only in-range indices, in order, with finite values.

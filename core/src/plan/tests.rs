@@ -359,3 +359,27 @@ fn r18_asynchronous_runs_select_by_concurrency_and_refuse_what_weighs_updates_ot
     median["strategy"] = serde_json::json!({"aggregation": {"kind": "coordinate_median"}});
     assert!(refused(median).contains("asynchronous"));
 }
+
+#[test]
+fn r18_a_model_downloads_in_a_whole_encoding_and_evaluation_runs_get_it_plain() {
+    let with = |value: serde_json::Value| {
+        let mut v = plan_json();
+        v["model_download"] = value;
+        v
+    };
+    let refused = |v: serde_json::Value| parse(v).unwrap_err().to_string();
+    // Old plans download f32 and say nothing of it.
+    let plain = parse(plan_json()).unwrap();
+    assert_eq!(plain.model_download(), Compression::F32);
+    assert!(serde_json::to_value(plain.plan()).unwrap().get("model_download").is_none());
+    let int8 = parse(with(serde_json::json!({"kind": "int8", "block": 64}))).unwrap();
+    assert_eq!(int8.model_download(), Compression::Int8 { block: 64 });
+    assert_eq!(int8.compression(), Compression::F32, "uploads keep their own encoding");
+    let err = refused(with(serde_json::json!({"kind": "top_k", "fraction": 0.5})));
+    assert!(err.contains("model_download") && err.contains("top_k"), "{err}");
+    let err = refused(with(serde_json::json!({"kind": "int8", "block": 0})));
+    assert!(err.contains("model_download") && err.contains("block"), "{err}");
+    let mut evaluation = with(serde_json::json!({"kind": "f16"}));
+    evaluation["evaluation_only"] = serde_json::json!(true);
+    assert!(refused(evaluation).contains("evaluation-only"));
+}

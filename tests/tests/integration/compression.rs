@@ -101,3 +101,104 @@ async fn r18_devices_train_through_compressed_uploads() {
     }
     c.running.shutdown().await.unwrap();
 }
+
+/// A model downloaded compressed: the task names the encoding; the coordinator serves the
+/// model's values encoded the same way to every device, under an `ETag` of their own, and
+/// refuses top-k; the commit is the full-precision model plus the mean delta, never the
+/// rounded model the devices started from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_model_downloads_compressed_and_the_commit_keeps_full_precision() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let spec = PlanSpec::all_of(2, PARAMS, 2);
+    let schema = spec.schema();
+    let mut plan = spec.json();
+    let int8 = Compression::Int8 { block: 64 };
+    plan["model_download"] = serde_json::to_value(int8).unwrap();
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let contributions: Vec<(Vec<f32>, u64)> =
+        (0..2).map(|i| (delta(i, 0, PARAMS), weight(i))).collect();
+    // Round 0 moves the model off its all-zero start, which int8 would carry exactly.
+    for (i, d) in devices.iter().enumerate() {
+        let task = expect_task(d).await.unwrap();
+        let (values, examples) = &contributions[i];
+        d.upload(run, RoundIdx(0), &upload_request(&task, values, *examples)).await.unwrap();
+    }
+    wait_model(&c.admin, run, 1).await.unwrap();
+    let tasks = [expect_task(&devices[0]).await.unwrap(), expect_task(&devices[1]).await.unwrap()];
+    assert!(tasks.iter().all(|t| t.round_idx == RoundIdx(1)));
+    assert!(tasks.iter().all(|t| t.model_download == int8 && t.compression == Compression::F32));
+    let global = model_values(&devices[0], &tasks[0].model_hash, &schema).await.unwrap();
+    let payload = devices[0].model_in(&tasks[0].model_hash, int8).await.unwrap();
+    assert_eq!(payload.schema_id, schema.schema_id());
+    assert_eq!(payload.data, int8.encode_model(&global), "the model's values, int8 to nearest");
+    assert_eq!(devices[1].model_in(&tasks[0].model_hash, int8).await.unwrap(), payload);
+    let decoded =
+        starling_client::participant::decode_model_in(&schema, payload.clone(), int8).unwrap();
+    assert!(decoded != global, "int8 rounds the model");
+
+    let url = format!("{}/v1/models/{}", c.url, tasks[0].model_hash);
+    let get = |query: &str, etag: Option<String>| {
+        let mut req = http_client()
+            .get(format!("{url}{query}"))
+            .bearer_auth(devices[0].credential().unwrap().to_owned());
+        if let Some(etag) = etag {
+            req = req.header("If-None-Match", etag);
+        }
+        req.send()
+    };
+    let res = get("?compression=int8:64", None).await.unwrap();
+    let etag = res.headers()["etag"].to_str().unwrap().to_owned();
+    assert_eq!(etag, format!("\"{}.int8:64\"", tasks[0].model_hash));
+    assert_eq!(res.bytes().await.unwrap(), starling_core::codec::to_vec(&payload).unwrap());
+    let res = get("?compression=int8:64", Some(etag)).await.unwrap();
+    assert_eq!(res.status(), reqwest::StatusCode::NOT_MODIFIED);
+    let res = get("", Some(format!("\"{}.int8:64\"", tasks[0].model_hash))).await.unwrap();
+    assert_eq!(res.status(), reqwest::StatusCode::OK, "the f32 model is another entity");
+    for bad in ["?compression=top_k:0.1", "?compression=int4", "?compression=int8:0"] {
+        let res = get(bad, None).await.unwrap();
+        assert_eq!(res.status(), reqwest::StatusCode::UNPROCESSABLE_ENTITY, "{bad}");
+        let body: starling_core::wire::ErrorBody =
+            starling_core::codec::decode(&res.bytes().await.unwrap()).unwrap();
+        assert!(body.message.contains("compression"), "{bad}: {}", body.message);
+    }
+
+    let contributions: Vec<(Vec<f32>, u64)> =
+        (0..2).map(|i| (delta(i, 1, PARAMS), weight(i))).collect();
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        let (values, examples) = &contributions[i];
+        d.upload(run, RoundIdx(1), &upload_request(t, values, *examples)).await.unwrap();
+    }
+    let committed = wait_model(&c.admin, run, 2).await.unwrap();
+    let got = model_values(&devices[0], &committed, &schema).await.unwrap();
+    assert!(got == fedavg_expected(&global, &contributions), "not the full model plus the mean");
+    c.running.shutdown().await.unwrap();
+}
+
+/// Real SDK devices on the digits, downloading the model in int8 and uploading int8 deltas,
+/// train as well as f32 does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_devices_train_from_an_int8_model_download() {
+    use starling_client::simulate::{SimulationConfig, simulate};
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let int8 = Compression::Int8 { block: 256 };
+    let config = SimulationConfig {
+        compression: int8,
+        model_download: int8,
+        ..digits_simulation(&c.url, 8, 6, 5, 13)
+    };
+    let accuracy: Vec<f64> = simulate(config, |r| {
+        eprintln!("model {}: test accuracy {:.3}", r.version, r.test_accuracy)
+    })
+    .await
+    .unwrap()
+    .rounds
+    .iter()
+    .map(|r| r.test_accuracy)
+    .collect();
+    assert_eq!(accuracy.len(), 5);
+    assert!(accuracy[4] >= 0.85, "accuracy curve {accuracy:?}");
+    c.running.shutdown().await.unwrap();
+}
