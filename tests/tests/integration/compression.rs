@@ -1,7 +1,9 @@
 //! Compressed updates end to end (issue 18): the coordinator stores a device's delta in the
 //! encoding it arrived in, replays it after a SIGKILL and commits, to the bit, the mean of the
-//! decoded deltas; a delta in another encoding than the run's is refused by name; and real SDK
-//! devices training with int8 or top-k (with error feedback) reach the accuracy of f32.
+//! decoded deltas; a delta in another encoding than the run's is refused by name; a model
+//! downloaded compressed is the model's values encoded for every device alike, while the commit
+//! keeps full precision; and real SDK devices training with int8 or top-k (with error
+//! feedback), or int8 both ways, reach the accuracy of f32.
 
 use std::path::Path;
 
@@ -79,16 +81,29 @@ async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean(
 }
 
 /// Real SDK devices on the digits: int8 and top-k 10 % (whose devices keep what they did not
-/// send and add it to the next round) train as well as f32 does.
+/// send and add it to the next round) train as well as f32 does, and so does int8 both ways
+/// (the model downloaded in int8 too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r18_devices_train_through_compressed_uploads() {
     use starling_client::simulate::{SimulationConfig, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
-    for compression in [Compression::Int8 { block: 256 }, Compression::TopK { fraction: 0.1 }] {
-        let config = SimulationConfig { compression, ..digits_simulation(&c.url, 8, 6, 5, 13) };
+    let int8 = Compression::Int8 { block: 256 };
+    for (compression, model_download) in [
+        (int8, Compression::F32),
+        (Compression::TopK { fraction: 0.1 }, Compression::F32),
+        (int8, int8),
+    ] {
+        let config = SimulationConfig {
+            compression,
+            model_download,
+            ..digits_simulation(&c.url, 8, 6, 5, 13)
+        };
         let accuracy: Vec<f64> = simulate(config, |r| {
-            eprintln!("{compression:?} model {}: test accuracy {:.3}", r.version, r.test_accuracy)
+            eprintln!(
+                "{compression} / {model_download} model {}: {:.3}",
+                r.version, r.test_accuracy
+            )
         })
         .await
         .unwrap()
@@ -97,7 +112,7 @@ async fn r18_devices_train_through_compressed_uploads() {
         .map(|r| r.test_accuracy)
         .collect();
         assert_eq!(accuracy.len(), 5);
-        assert!(accuracy[4] >= 0.85, "{compression:?}: accuracy curve {accuracy:?}");
+        assert!(accuracy[4] >= 0.85, "{compression} / {model_download}: accuracy {accuracy:?}");
     }
     c.running.shutdown().await.unwrap();
 }
@@ -173,32 +188,5 @@ async fn r18_a_model_downloads_compressed_and_the_commit_keeps_full_precision() 
     let committed = wait_model(&c.admin, run, 2).await.unwrap();
     let got = model_values(&devices[0], &committed, &schema).await.unwrap();
     assert!(got == fedavg_expected(&global, &contributions), "not the full model plus the mean");
-    c.running.shutdown().await.unwrap();
-}
-
-/// Real SDK devices on the digits, downloading the model in int8 and uploading int8 deltas,
-/// train as well as f32 does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_devices_train_from_an_int8_model_download() {
-    use starling_client::simulate::{SimulationConfig, simulate};
-    let (_dir, db) = sqlite_db();
-    let c = start_in_process(&db).await.unwrap();
-    let int8 = Compression::Int8 { block: 256 };
-    let config = SimulationConfig {
-        compression: int8,
-        model_download: int8,
-        ..digits_simulation(&c.url, 8, 6, 5, 13)
-    };
-    let accuracy: Vec<f64> = simulate(config, |r| {
-        eprintln!("model {}: test accuracy {:.3}", r.version, r.test_accuracy)
-    })
-    .await
-    .unwrap()
-    .rounds
-    .iter()
-    .map(|r| r.test_accuracy)
-    .collect();
-    assert_eq!(accuracy.len(), 5);
-    assert!(accuracy[4] >= 0.85, "accuracy curve {accuracy:?}");
     c.running.shutdown().await.unwrap();
 }
