@@ -249,6 +249,14 @@ function privacyText(run: RunView): string {
   );
 }
 
+// A plan's `compression` or `model_download` (absent: f32).
+function encodingText(c: { kind: string; block?: number; fraction?: number } | undefined): string {
+  if (!c) return 'f32';
+  if (c.kind === 'int8') return `int8 (block ${c.block ?? 256})`;
+  if (c.kind === 'top_k') return `top-k ${(100 * (c.fraction ?? 0)).toFixed(1)} %`;
+  return c.kind;
+}
+
 // A FedBuff run's rounds are buffers: each commits K updates, some trained on earlier models.
 function modeText(plan: Record<string, any>): string {
   const a = plan.asynchronous as { concurrency: number; max_staleness: number; staleness_exponent?: number } | undefined;
@@ -266,6 +274,7 @@ function renderSettings(run: RunView): void {
     ['Local training', Object.entries(training).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(', ') || 'SDK defaults'],
     ['FedProx μ', String(training.fedprox_mu ?? 0)],
     ['Mode', modeText(plan)],
+    ['Encoding', `uploads ${encodingText(plan.compression)}, model downloaded in ${encodingText(plan.model_download)}`],
     ['Cohort', plan.asynchronous
       ? `${plan.cohort_size} updates per buffer`
       : `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
