@@ -694,9 +694,12 @@ pub fn decode_model(
     schema: &TensorSchema,
     payload: &starling_core::tensor::TensorPayload,
 ) -> Result<Vec<f32>, ParticipantError> {
-    schema
-        .decode_f32(payload)
-        .map_err(|e| ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}"))))
+    schema.decode_f32(payload).map_err(global_model_error)
+}
+
+/// A global model that does not decode, as the participant reports it.
+fn global_model_error(e: impl std::fmt::Display) -> ParticipantError {
+    ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}")))
 }
 
 /// Decodes a global model downloaded in `compression` (a task's `model_download`): checked
@@ -710,13 +713,11 @@ pub fn decode_model_in(
     if compression.is_f32() {
         return decode_model(schema, &payload);
     }
-    let bad =
-        |e: String| ParticipantError::Protocol(ClientError::Decode(format!("global model: {e}")));
     if payload.schema_id != schema.schema_id() {
-        return Err(bad(format!("schema {} is not the task's", payload.schema_id)));
+        return Err(global_model_error(format!("schema {} is not the task's", payload.schema_id)));
     }
-    let n = usize::try_from(schema.byte_len() / 4).map_err(|e| bad(e.to_string()))?;
-    let decoded = compression.validate(n, payload.data).map_err(|e| bad(e.to_string()))?;
+    let n = usize::try_from(schema.byte_len() / 4).map_err(global_model_error)?;
+    let decoded = compression.validate(n, payload.data).map_err(global_model_error)?;
     Ok(decoded.to_f32())
 }
 

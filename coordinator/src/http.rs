@@ -162,6 +162,12 @@ impl Drop for DeviceUpload {
 /// memory is bounded by this, not by the number of devices.
 pub const MAX_CONCURRENT_UPLOADS: usize = 16;
 
+/// What names a model as served in `compression`: its content hash for f32, else the hash and
+/// the encoding (`HASH.int8:256`). The model cache's key, and the download's `ETag` quoted.
+pub(crate) fn model_download_id(hash: &str, compression: Compression) -> String {
+    if compression.is_f32() { hash.to_owned() } else { format!("{hash}.{compression}") }
+}
+
 /// Encoded models kept in memory (f32 and download encodings): a round's whole cohort
 /// downloads the same one.
 const MODEL_CACHE_ENTRIES: usize = 8;
@@ -327,11 +333,7 @@ impl AppState {
         hash: &str,
         compression: Compression,
     ) -> Result<Option<Bytes>, ApiError> {
-        let key = if compression.is_f32() {
-            hash.to_owned()
-        } else {
-            format!("{hash}?compression={compression}")
-        };
+        let key = model_download_id(hash, compression);
         if let Some(cached) = self.cached_model(&key) {
             return Ok(Some(cached));
         }

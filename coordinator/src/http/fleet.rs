@@ -20,7 +20,9 @@ use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
+use super::{
+    ApiError, AppState, Cbor, DeviceAuth, FleetConnection, model_download_id, random_secret, sha256,
+};
 use crate::clock::now_ms;
 use crate::driver::Event;
 
@@ -177,20 +179,14 @@ async fn model(
     if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(ApiError::not_found("model hashes are 64 hex digits"));
     }
-    let compression: Compression = match &query.compression {
+    let compression = match &query.compression {
         None => Compression::F32,
-        Some(text) => {
-            let parsed: Compression =
-                text.parse().map_err(|e| ApiError::invalid(format!("compression: {e}")))?;
-            parsed.check_model().map_err(|e| ApiError::invalid(format!("compression: {e}")))?;
-            parsed
-        }
+        Some(text) => text
+            .parse::<Compression>()
+            .and_then(|c| c.check_model().map(|()| c))
+            .map_err(|e| ApiError::invalid(format!("compression: {e}")))?,
     };
-    let etag = if compression.is_f32() {
-        format!("\"{hash}\"")
-    } else {
-        format!("\"{hash}.{compression}\"")
-    };
+    let etag = format!("\"{}\"", model_download_id(&hash, compression));
     let matches = headers
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
