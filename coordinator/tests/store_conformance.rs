@@ -55,6 +55,7 @@ conformance!(
     r17_update_tiles_are_slices_of_every_update_in_slot_order,
     r18_carried_tasks_are_the_selected_devices_not_heard_from_since,
     r18_payloads_are_released_only_once_their_round_closed,
+    r18_batches_written_together_keep_their_order_and_their_times,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -569,4 +570,32 @@ async fn r18_payloads_are_released_only_once_their_round_closed(store: SqlStore)
     assert!(store.partial_reports(run, RoundIdx(0)).await.unwrap().is_empty());
     assert_eq!(store.for_each_update(run, RoundIdx(1), |_| Ok(())).await.unwrap(), 1);
     assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "nothing left to release");
+}
+
+/// Issue 18: a run's writer writes the batches that queued during its last write in one
+/// transaction; each keeps its own time, and they apply in order (a round opened in the first
+/// is there for the second's selections).
+async fn r18_batches_written_together_keep_their_order_and_their_times(store: SqlStore) {
+    let [d1, d2, d3] = devices(&store).await;
+    let run = store.create_run(new_run(), 100).await.unwrap();
+    let select = |device| Transition::Select { round_idx: RoundIdx(0), device, aggregator: None };
+    let first = [Transition::OpenRound(opened(0, 0)), select(d1)];
+    let second = [select(d2), select(d3)];
+    store
+        .apply_transition_batches(run, &[(&first, 1_000), (&[], 1_100), (&second, 1_200)])
+        .await
+        .unwrap();
+    let open = store.open_round(run).await.unwrap().expect("round 0 is open");
+    assert_eq!(open.selected, vec![d1, d2, d3]);
+    let times: Vec<(i64, i64)> = store
+        .round_devices(run, RoundIdx(0))
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| (d.device_id, d.selected_at_ms))
+        .collect();
+    assert_eq!(times, vec![(d1.0, 1_000), (d2.0, 1_200), (d3.0, 1_200)]);
+    // Nothing to write is not an error, and writes nothing.
+    store.apply_transition_batches(run, &[(&[], 1_300)]).await.unwrap();
+    assert_eq!(store.round_devices(run, RoundIdx(0)).await.unwrap().len(), 3);
 }

@@ -2,7 +2,8 @@
 //! devices selected, a secure round's records with their model-sized masked inputs, run
 //! finished) are made durable in order, then the batch's replies are sent and its closings
 //! spawned. The driver only decides and queues; a slow write delays that run's answers, not
-//! every run's.
+//! every run's. Batches that queue while a write is in flight are written together, in order,
+//! in the next transaction (group commit).
 
 use std::time::Duration;
 
@@ -52,22 +53,35 @@ impl RunWriter {
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<(Batch, Millis)>(QUEUED_BATCHES);
         tokio::spawn(async move {
-            while let Some((batch, now)) = rx.recv().await {
-                if !batch.transitions.is_empty() {
+            while let Some(first) = rx.recv().await {
+                // Batches that queued while the last write was in flight join this one: one
+                // transaction, one flush, for a cohort checking in at once.
+                let mut batches = vec![first];
+                while let Ok(next) = rx.try_recv() {
+                    batches.push(next);
+                }
+                let transitions: Vec<(&[Transition], Millis)> = batches
+                    .iter()
+                    .filter(|(batch, _)| !batch.transitions.is_empty())
+                    .map(|(batch, now)| (batch.transitions.as_slice(), *now))
+                    .collect();
+                if !transitions.is_empty() {
                     let started = std::time::Instant::now();
-                    if persist_transitions(&store, run_id, &batch.transitions, now).await.is_err() {
-                        // A successor leads: nothing of this batch (or any later one) is
-                        // durable, so nobody hears of it, and the driver stops.
+                    if persist_transitions(&store, run_id, &transitions).await.is_err() {
+                        // A successor leads: nothing of these batches (or any later one) is
+                        // durable, so nobody hears of them, and the driver stops.
                         let _ = internal.send(Internal::Deposed);
                         return;
                     }
                     observer.store_latency("transitions", started.elapsed().as_secs_f64());
                 }
-                for task in batch.closings {
-                    tokio::spawn(task.run());
-                }
-                for reply in batch.replies {
-                    reply();
+                for (batch, _) in batches {
+                    for task in batch.closings {
+                        tokio::spawn(task.run());
+                    }
+                    for reply in batch.replies {
+                        reply();
+                    }
                 }
             }
         });
@@ -81,17 +95,16 @@ impl RunWriter {
     }
 }
 
-/// Writes a batch's transitions, retrying with backoff until they are durable; `Err` only when
-/// the write was fenced off (another coordinator leads).
+/// Writes batches of transitions in one transaction, retrying with backoff until they are
+/// durable; `Err` only when the write was fenced off (another coordinator leads).
 async fn persist_transitions(
     store: &SqlStore,
     run_id: RunId,
-    transitions: &[Transition],
-    now: Millis,
+    batches: &[(&[Transition], Millis)],
 ) -> Result<(), StoreError> {
     let mut backoff = Duration::from_millis(50);
     loop {
-        match store.apply_transitions(run_id, transitions, now).await {
+        match store.apply_transition_batches(run_id, batches).await {
             Ok(()) => return Ok(()),
             Err(e @ StoreError::Fenced { .. }) => {
                 tracing::error!(%run_id, error = %e, "transitions fenced off; this coordinator no longer leads");

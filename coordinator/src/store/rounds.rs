@@ -149,13 +149,27 @@ impl SqlStore {
         batch: &[Transition],
         now: Millis,
     ) -> StoreResult<()> {
+        self.apply_transition_batches(run_id, &[(batch, now)]).await
+    }
+
+    /// Executes several batches of transitions, each stamped with its own `now`, in one
+    /// transaction, in order: a run's writer makes the batches that queued while it was
+    /// writing durable with one commit (one flush) instead of one each.
+    pub async fn apply_transition_batches(
+        &self,
+        run_id: RunId,
+        batches: &[(&[Transition], Millis)],
+    ) -> StoreResult<()> {
+        // Collected first: an iterator adapter held across the awaits below is not `Send`.
+        let stamped: Vec<(&Transition, Millis)> =
+            batches.iter().flat_map(|&(batch, now)| batch.iter().map(move |t| (t, now))).collect();
         on_pool!(self, |pool| {
-            if batch.is_empty() {
+            if stamped.is_empty() {
                 return Ok(());
             }
             let mut tx = pool.begin().await.map_err(map_err)?;
             tx.check_fence(&self.fence).await?;
-            for t in batch {
+            for &(t, now) in &stamped {
                 match t {
                     Transition::OpenRound(r) => {
                         sqlx::query(
