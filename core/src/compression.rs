@@ -140,6 +140,27 @@ pub struct CompressedDelta {
     bytes: std::sync::Arc<Vec<u8>>,
 }
 
+/// A contiguous stretch of a [`CompressedDelta`]'s values, as its encoding holds them.
+pub(crate) enum Run<'a> {
+    /// Values of a dense float encoding (f32, f16, bf16), little-endian.
+    Dense(Compression, &'a [u8]),
+    /// Int8 values within one block, and the block's scale.
+    Int8 {
+        /// The block's scale.
+        scale: f32,
+        /// The quantized values.
+        values: &'a [u8],
+    },
+    /// One value top-k kept.
+    One(f32),
+}
+
+/// An int8 value decoded: the quantized step times its block's scale, in f32.
+#[inline]
+pub(crate) fn int8_value(q: u8, scale: f32) -> f32 {
+    f32::from(q as i8) * scale
+}
+
 impl std::fmt::Debug for CompressedDelta {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -368,27 +389,76 @@ impl CompressedDelta {
     /// Calls `f(index, value)` for every value the encoding carries, in index order: all `n`
     /// for the dense encodings, the kept ones for top-k (the rest are zero). Decoding one
     /// value at a time, so a fold never holds an f32 copy of the delta.
-    pub fn for_each(&self, mut f: impl FnMut(usize, f32)) {
+    pub fn for_each(&self, f: impl FnMut(usize, f32)) {
+        self.for_each_in(0..self.n, f);
+    }
+
+    /// [`for_each`](Self::for_each) for the values with an index in `range` only.
+    ///
+    /// # Panics
+    /// If `range` reaches past the model's `n` values.
+    pub fn for_each_in(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, f32)) {
+        self.runs_in(range, |start, run| match run {
+            Run::Dense(kind, bytes) => {
+                let width = kind.dense_width();
+                for (i, c) in (start..).zip(bytes.chunks_exact(width)) {
+                    f(i, kind.dense_value(c));
+                }
+            }
+            Run::Int8 { scale, values } => {
+                for (i, &q) in (start..).zip(values) {
+                    f(i, int8_value(q, scale));
+                }
+            }
+            Run::One(v) => f(start, v),
+        });
+    }
+
+    /// The encoding's values with an index in `range` as contiguous runs, in index order:
+    /// `f(first index, run)`. What a fold loops over without decoding value by value.
+    ///
+    /// # Panics
+    /// If `range` reaches past the model's `n` values.
+    pub(crate) fn runs_in(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, Run<'_>)) {
+        assert!(range.start <= range.end && range.end <= self.n, "range past the model");
         let bytes = &self.bytes[..];
         match self.compression {
-            Compression::F32 | Compression::F16 | Compression::Bf16 => {
-                let (kind, width) = (self.compression, self.compression.dense_width());
-                bytes.chunks_exact(width).enumerate().for_each(|(i, c)| f(i, kind.dense_value(c)))
+            kind @ (Compression::F32 | Compression::F16 | Compression::Bf16) => {
+                let width = kind.dense_width();
+                f(range.start, Run::Dense(kind, &bytes[range.start * width..range.end * width]));
             }
             Compression::Int8 { block } => {
-                let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block as usize));
-                for (b, scale) in f32s(scales).enumerate() {
-                    let start = b * block as usize;
-                    let end = (start + block as usize).min(self.n);
-                    for (i, &q) in values[start..end].iter().enumerate() {
-                        f(start + i, f32::from(q as i8) * scale);
-                    }
+                let block = block as usize;
+                let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block));
+                let mut start = range.start;
+                while start < range.end {
+                    let b = start / block;
+                    let end = ((b + 1) * block).min(range.end);
+                    let s = &scales[4 * b..4 * b + 4];
+                    let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                    f(start, Run::Int8 { scale, values: &values[start..end] });
+                    start = end;
                 }
             }
             Compression::TopK { .. } => {
                 let k = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
                 let (indices, values) = bytes[4..].split_at(4 * k);
-                u32s(indices).zip(f32s(values)).for_each(|(i, v)| f(i as usize, v));
+                let index = |p: usize| u32s(&indices[4 * p..4 * p + 4]).next().expect("4 bytes");
+                // Validation made the indices strictly increasing: the range's first is found
+                // by bisection.
+                let (mut lo, mut hi) = (0, k);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if (index(mid) as usize) < range.start {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                let kept = u32s(&indices[4 * lo..]).zip(f32s(&values[4 * lo..]));
+                for (i, v) in kept.take_while(|&(i, _)| (i as usize) < range.end) {
+                    f(i as usize, Run::One(v));
+                }
             }
         }
     }
@@ -418,12 +488,12 @@ pub struct ErrorFeedback {
 
 impl Compression {
     /// Bytes per value of a dense float encoding (f32, f16, bf16).
-    fn dense_width(self) -> usize {
+    pub(crate) fn dense_width(self) -> usize {
         if self.is_f32() { 4 } else { 2 }
     }
 
     /// One value of a dense float encoding from its `dense_width` little-endian bytes.
-    fn dense_value(self, c: &[u8]) -> f32 {
+    pub(crate) fn dense_value(self, c: &[u8]) -> f32 {
         match self {
             Compression::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
             Compression::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
