@@ -59,6 +59,7 @@ use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
+use crate::model_cache::ModelCache;
 use crate::observe::{Observer, POPULATION_SAMPLE_MS};
 use crate::store::{NewRun, SqlStore};
 use crate::tier::AggregatorRegistry;
@@ -262,9 +263,15 @@ struct CommittedModel {
 #[derive(Debug, Clone)]
 pub struct DriverHandle {
     tx: mpsc::Sender<Event>,
+    models: ModelCache,
 }
 
 impl DriverHandle {
+    /// The models cache the driver's commits fill, which the download handler serves from.
+    pub fn models(&self) -> &ModelCache {
+        &self.models
+    }
+
     /// Sends an event and waits for its answer.
     pub async fn call<T>(
         &self,
@@ -298,6 +305,8 @@ pub struct Driver {
     next_request: u64,
     /// A write was fenced off: another coordinator leads, and this driver must stop.
     deposed: bool,
+    /// Committed models go in here, for the cohort's downloads.
+    models: ModelCache,
 }
 
 struct RunEntry {

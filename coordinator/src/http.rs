@@ -17,7 +17,7 @@ pub mod live;
 pub mod openapi;
 
 use starling_core::codec;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,6 +42,7 @@ pub use error::ApiError;
 use error::{ErrorFormat, render_errors};
 
 use crate::driver::DriverHandle;
+use crate::model_cache::{ModelCache, download_payload, model_download_id};
 use crate::observe::Observer;
 use crate::store::SqlStore;
 use limits::{Limiter, RateLimit};
@@ -58,10 +59,7 @@ struct Inner {
     observer: Observer,
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
-    models: Mutex<VecDeque<(String, Bytes)>>,
-    /// Held while a model missing from `models` is read or encoded: a cohort asking at once
-    /// waits for one read and one encoding instead of each doing its own.
-    model_loading: tokio::sync::Mutex<()>,
+    models: ModelCache,
     uploads: Arc<Semaphore>,
     /// Devices with an upload in progress: one at a time each, so no device holds more than
     /// one of the upload permits.
@@ -162,16 +160,6 @@ impl Drop for DeviceUpload {
 /// memory is bounded by this, not by the number of devices.
 pub const MAX_CONCURRENT_UPLOADS: usize = 16;
 
-/// What names a model as served in `compression`: its content hash for f32, else the hash and
-/// the encoding (`HASH.int8:256`). The model cache's key, and the download's `ETag` quoted.
-pub(crate) fn model_download_id(hash: &str, compression: Compression) -> String {
-    if compression.is_f32() { hash.to_owned() } else { format!("{hash}.{compression}") }
-}
-
-/// Encoded models kept in memory (f32 and download encodings): a round's whole cohort
-/// downloads the same one.
-const MODEL_CACHE_ENTRIES: usize = 8;
-
 impl AppState {
     /// State over a running driver and its store.
     pub fn new(
@@ -184,13 +172,12 @@ impl AppState {
     ) -> Self {
         AppState {
             inner: Arc::new(Inner {
-                driver,
                 store,
                 observer,
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
-                models: Mutex::new(VecDeque::new()),
-                model_loading: tokio::sync::Mutex::new(()),
+                models: driver.models().clone(),
+                driver,
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
@@ -327,27 +314,28 @@ impl AppState {
     /// for another `compression` (the plan's `model_download`) a payload of the same schema
     /// whose data is the model's values encoded by [`Compression::encode_model`]. Content-
     /// addressed bytes never change and the encoding is deterministic, so a cached copy is
-    /// always right; the cache spares the store the cohort's repeated reads.
+    /// always right; the cache spares the store the cohort's repeated reads (and a model the
+    /// driver just committed is there already, in its run's download encoding).
     async fn model_bytes_in(
         &self,
         hash: &str,
         compression: Compression,
     ) -> Result<Option<Bytes>, ApiError> {
-        let key = model_download_id(hash, compression);
-        if let Some(cached) = self.cached_model(&key) {
+        let (cache, key) = (&self.inner.models, model_download_id(hash, compression));
+        if let Some(cached) = cache.get(&key) {
             return Ok(Some(cached));
         }
-        let _loading = self.inner.model_loading.lock().await;
-        if let Some(cached) = self.cached_model(&key) {
+        let _loading = cache.loading().await;
+        if let Some(cached) = cache.get(&key) {
             return Ok(Some(cached));
         }
-        let model = match self.cached_model(hash) {
+        let model = match cache.get(hash) {
             Some(model) => model,
             None => {
                 let Some(bytes) = self.store().model_by_hash(hash).await? else {
                     return Ok(None);
                 };
-                self.cache_model(hash, Bytes::from(bytes))
+                cache.insert(hash, Bytes::from(bytes))
             }
         };
         if compression.is_f32() {
@@ -356,29 +344,12 @@ impl AppState {
         let encoded = tokio::task::spawn_blocking(move || {
             let payload: TensorPayload = codec::decode(&model)?;
             let values = starling_core::tensor::f32_from_le_bytes(&payload.data);
-            let data = compression.encode_model(&values);
-            codec::to_vec(&TensorPayload { schema_id: payload.schema_id, data })
+            download_payload(payload.schema_id, &values, compression)
         })
         .await
         .expect("model encoding panicked")
         .map_err(|e| ApiError::internal(&e))?;
-        Ok(Some(self.cache_model(&key, Bytes::from(encoded))))
-    }
-
-    fn cached_model(&self, key: &str) -> Option<Bytes> {
-        let models = self.inner.models.lock().expect("model cache poisoned");
-        models.iter().find(|(k, _)| k == key).map(|(_, b)| b.clone())
-    }
-
-    fn cache_model(&self, key: &str, bytes: Bytes) -> Bytes {
-        let mut models = self.inner.models.lock().expect("model cache poisoned");
-        if !models.iter().any(|(k, _)| k == key) {
-            if models.len() == MODEL_CACHE_ENTRIES {
-                models.pop_front();
-            }
-            models.push_back((key.to_owned(), bytes.clone()));
-        }
-        bytes
+        Ok(Some(cache.insert(&key, Bytes::from(encoded))))
     }
 
     /// A run's validated plan; plans never change, so they are cached after the first read.

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod clock;
 pub mod driver;
 pub mod http;
+pub mod model_cache;
 pub mod observe;
 pub mod store;
 pub mod tier;

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
@@ -20,6 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Closed, CommittedModel, Internal, encode_model};
 use crate::clock::now_ms;
+use crate::model_cache::ModelCache;
 use crate::observe::Observer;
 use crate::store::{RoundCommit, SqlStore, StoreError};
 
@@ -36,6 +38,8 @@ pub(super) struct CloseTask {
     pub(super) optimizer_state: Arc<OptimizerState>,
     pub(super) plan: Arc<ValidatedPlan>,
     pub(super) internal: mpsc::UnboundedSender<Internal>,
+    /// Where a committed model goes for the next round's downloads.
+    pub(super) models: ModelCache,
 }
 
 impl CloseTask {
@@ -51,6 +55,7 @@ impl CloseTask {
             optimizer_state,
             plan,
             internal,
+            models,
         } = self;
         let round_idx = closing.round_idx;
         let closing_started = std::time::Instant::now();
@@ -78,6 +83,7 @@ impl CloseTask {
             }
             (RoundOutcome::Commit, Ok(aggregate)) => {
                 let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
+                let (schema_id, download) = (plan.schema().schema_id(), plan.model_download());
                 let prepared = tokio::task::spawn_blocking(move || {
                     let metrics = aggregate.metrics.clone();
                     let (values, state) = next_model(
@@ -135,11 +141,17 @@ impl CloseTask {
                             });
                             tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
                         }
-                        let model = CommittedModel {
-                            values: Arc::new(values),
-                            hash,
-                            optimizer_state: Arc::new(state),
-                        };
+                        let values = Arc::new(values);
+                        if written.is_ok() {
+                            // In the cache before the driver hears of it, so before the next
+                            // round hands out its hash.
+                            let payload = Bytes::from(encoded);
+                            models
+                                .publish(&hash, schema_id, payload, values.clone(), download)
+                                .await;
+                        }
+                        let model =
+                            CommittedModel { values, hash, optimizer_state: Arc::new(state) };
                         (written, "committed", Closed::Committed(model))
                     }
                     Err(e) => {

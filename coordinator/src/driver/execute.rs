@@ -14,6 +14,7 @@ use super::close::{CloseTask, Finish};
 use super::writer::{Batch, Deferred};
 use super::{Driver, DriverError, Internal, Responder, RunEntry};
 use crate::clock::now_ms;
+use crate::model_cache::ModelCache;
 use crate::observe::Observer;
 use crate::store::{SqlStore, StoreError, Transition};
 use crate::tier::AggregatorRegistry;
@@ -30,6 +31,7 @@ struct Effects<'a> {
     observer: &'a Observer,
     internal: &'a mpsc::UnboundedSender<Internal>,
     tier: Option<&'a AggregatorRegistry>,
+    models: &'a ModelCache,
 }
 
 impl Driver {
@@ -41,6 +43,7 @@ impl Driver {
             observer: &self.observer,
             internal: &self.internal_tx,
             tier: self.tier.as_ref(),
+            models: &self.models,
         };
         let mut ended = vec![];
         for (&run_id, entry) in self.runs.iter_mut() {
@@ -185,6 +188,7 @@ impl Effects<'_> {
                     optimizer_state: entry.optimizer_state.clone(),
                     plan: entry.plan.clone(),
                     internal: self.internal.clone(),
+                    models: self.models.clone(),
                 });
             }
             Action::FinishRun => {

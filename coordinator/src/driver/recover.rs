@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use super::{Driver, DriverHandle, RunEntry, entropy};
 use crate::clock::now_ms;
+use crate::model_cache::ModelCache;
 use crate::observe::Observer;
 use crate::store::{SqlStore, StoreError};
 use crate::tier::{AggregatorRegistry, TierSettings};
@@ -42,6 +43,7 @@ impl Driver {
             internal_rx,
             next_request: 0,
             deposed: false,
+            models: ModelCache::default(),
         };
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
@@ -173,6 +175,7 @@ impl Driver {
             entry.report_privacy(run_id, &driver.observer);
             driver.runs.insert(run_id, entry);
         }
-        Ok((driver, DriverHandle { tx }))
+        let models = driver.models.clone();
+        Ok((driver, DriverHandle { tx, models }))
     }
 }

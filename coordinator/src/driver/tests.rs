@@ -158,3 +158,51 @@ async fn stopping_a_run_answers_and_ends_it() {
     assert_eq!(late, Err(DriverError::RunNotRunning(run)));
     assert!(matches!(check_in(&handle, devices[1]).await, CheckInResponse::ComeBackLater { .. }));
 }
+
+/// Issue 18: a committed model is in the model cache, in the run's download encoding, before
+/// the next round hands out its hash: the cohort's first download waits for no store read
+/// (the handler takes the loading lock, as this does, and finds it).
+#[tokio::test]
+async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_next_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let download = Compression::Int8 { block: 2 };
+    let plan: Plan = serde_json::from_value(serde_json::json!({
+        "model": {
+            "schema": {"tensors": [{"name": "w", "shape": [PARAMS], "dtype": "f32"}]},
+            "init": {"kind": "zeros"}
+        },
+        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0, "rounds": 2,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0,
+        "model_download": download,
+    }))
+    .unwrap();
+    let plan = plan.validate().unwrap();
+    let schema_id = plan.schema().schema_id();
+    let initial = InitialModel::new(plan.schema(), vec![0.0; PARAMS]);
+    let run = handle
+        .call(|reply| Event::CreateRun { plan: Box::new(plan), initial, reply })
+        .await
+        .unwrap();
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    let values = committed_model(&store, run, 1).await;
+    let task = loop {
+        match check_in(&handle, devices[0]).await {
+            CheckInResponse::Task(task) if task.model_version == ModelVersion(1) => break task,
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    };
+    let models = handle.models();
+    drop(models.loading().await);
+    let stored = store.model(run, ModelVersion(1)).await.unwrap().unwrap();
+    assert_eq!(models.get(&task.model_hash).as_deref(), Some(&stored[..]));
+    let key = crate::model_cache::model_download_id(&task.model_hash, download);
+    let expected = crate::model_cache::download_payload(schema_id, &values, download).unwrap();
+    assert_eq!(models.get(&key).as_deref(), Some(&expected[..]));
+}

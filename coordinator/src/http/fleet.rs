@@ -20,11 +20,10 @@ use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{
-    ApiError, AppState, Cbor, DeviceAuth, FleetConnection, model_download_id, random_secret, sha256,
-};
+use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
 use crate::clock::now_ms;
 use crate::driver::Event;
+use crate::model_cache::model_download_id;
 
 /// Limit for the small fleet messages (everything but uploads).
 const SMALL_BODY_LIMIT: usize = 64 * 1024;
