@@ -24,9 +24,7 @@ use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::rng::SplitMix64;
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{CBOR_MEDIA_TYPE, UploadRequest};
-use starling_tests::{
-    ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr, wait_for_every,
-};
+use starling_tests::{ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr};
 
 /// Uploads in flight at once (a fleet's devices do not all connect in the same millisecond).
 const CONCURRENCY: usize = 64;
@@ -34,10 +32,6 @@ const CONCURRENCY: usize = 64;
 /// Rounds run before the measured ones: the first round of a fresh process also opens every
 /// connection (devices' HTTP, the store's pool), which a running fleet has done long before.
 const WARM_UP_ROUNDS: i64 = 1;
-
-/// How often the bench asks whether a round opened or its model is committed: well under the
-/// phases it measures (the tests' 25 ms poll would add ~12 ms to each).
-const POLL: Duration = Duration::from_millis(5);
 
 /// How long a round may take to open or commit before the bench gives up.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -61,8 +55,8 @@ struct Measured {
     check_in_secs: f64,
     /// Seconds over all rounds of every device downloading the model.
     download_secs: f64,
-    /// Seconds over all rounds from the last upload's acknowledgement to the new model (as
-    /// seen by polling the admin API every [`POLL`]).
+    /// Seconds over all rounds from the last upload's acknowledgement to the new model (the
+    /// coordinator's live event saying so).
     commit_secs: f64,
     /// The coordinator's own clock over all rounds: closing to the start of the commit's
     /// transaction (the new model's `created_at`): folding what is left, encoding, hashing.
@@ -177,6 +171,9 @@ async fn drive(
 ) -> anyhow::Result<Measured> {
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let devices = enroll(&child.url, &admin, c.devices).await?;
+    // Told of each round's opening and commit as it happens, as a fleet whose devices come
+    // back at once would be: a poll would add its interval to every phase it waits for.
+    let mut rounds = RoundEvents::subscribe(&child.url).await?;
     let spec = PlanSpec {
         params: c.params as u64,
         cohort: c.devices as u32,
@@ -206,7 +203,7 @@ async fn drive(
             measured_from = Instant::now();
         }
         let opening_started = Instant::now();
-        wait_open(&admin, run, round).await?;
+        rounds.wait(run, round, "open").await?;
         opening_secs += opening_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let tasks: Vec<_> =
@@ -246,7 +243,7 @@ async fn drive(
         }
         upload_secs += upload_started.elapsed().as_secs_f64();
         let commit_started = Instant::now();
-        wait_committed(&admin, run, round + 1).await?;
+        rounds.wait(run, round, "committed").await?;
         commit_secs += commit_started.elapsed().as_secs_f64();
     }
     let round_secs = measured_from.elapsed().as_secs_f64();
@@ -276,21 +273,56 @@ async fn drive(
     })
 }
 
-/// Waits until round `round_idx` of `run` is open, asking every [`POLL`].
-async fn wait_open(admin: &AdminClient, run: RunId, round_idx: i64) -> anyhow::Result<()> {
-    wait_for_every(&format!("round {round_idx} to open"), TIMEOUT, POLL, || async {
-        let rounds = admin.rounds(run).await?;
-        Ok(rounds.iter().any(|r| r.round_idx == round_idx && r.state == "open").then_some(()))
-    })
-    .await
+/// The coordinator's live events (`/v1/admin/events`, server-sent), read for round changes.
+struct RoundEvents {
+    stream: reqwest::Response,
+    /// Text received and not yet parsed into whole events.
+    pending: String,
 }
 
-/// Waits until `run` has committed model `version`, asking every [`POLL`].
-async fn wait_committed(admin: &AdminClient, run: RunId, version: i64) -> anyhow::Result<()> {
-    wait_for_every(&format!("model version {version}"), TIMEOUT, POLL, || async {
-        Ok(admin.models(run).await?.iter().any(|m| m.version == version).then_some(()))
-    })
-    .await
+impl RoundEvents {
+    async fn subscribe(url: &str) -> anyhow::Result<Self> {
+        let stream = starling_tests::http_client()
+            .get(format!("{url}/v1/admin/events"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(RoundEvents { stream, pending: String::new() })
+    }
+
+    /// Reads events until round `round_idx` of `run` reaches `state` (`open`, `committed`).
+    async fn wait(&mut self, run: RunId, round_idx: i64, state: &str) -> anyhow::Result<()> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            while let Some(end) = self.pending.find("\n\n") {
+                let event: String = self.pending.drain(..end + 2).collect();
+                if event.lines().any(|l| l == "event: reload") {
+                    bail!("fell behind the coordinator's live events");
+                }
+                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                    continue;
+                };
+                let update: serde_json::Value = serde_json::from_str(data)?;
+                if update["type"] == "round"
+                    && update["run_id"] == run.0
+                    && update["round_idx"] == round_idx
+                {
+                    match update["state"].as_str() {
+                        Some(s) if s == state => return Ok(()),
+                        Some("failed") => bail!("round {round_idx} failed"),
+                        _ => {}
+                    }
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let chunk = tokio::time::timeout(left, self.stream.chunk())
+                .await
+                .with_context(|| format!("timed out waiting for round {round_idx} {state}"))??
+                .context("the live event stream ended")?;
+            self.pending.push_str(std::str::from_utf8(&chunk)?);
+        }
+    }
 }
 
 /// `--NAME ENCODING` taken out of the arguments (f32 when absent).

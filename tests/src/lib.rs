@@ -562,21 +562,7 @@ pub async fn model_values(
 }
 
 /// Polls `check` every 25 ms until it returns `Some`, or fails after `timeout`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
-{
-    wait_for_every(what, timeout, Duration::from_millis(25), check).await
-}
-
-/// [`wait_for`] polling every `interval` (a benchmark timing phases of a few milliseconds).
-pub async fn wait_for_every<T, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    interval: Duration,
-    mut check: F,
-) -> anyhow::Result<T>
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
@@ -589,7 +575,7 @@ where
         if Instant::now() > deadline {
             bail!("timed out after {timeout:?} waiting for {what}");
         }
-        tokio::time::sleep(interval).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
 
