@@ -41,15 +41,23 @@ async fn enrolled(store: &SqlStore, n: usize) -> Vec<DeviceId> {
 
 /// Two devices per round, both needed, zeros to start.
 async fn create_run(handle: &DriverHandle, rounds: u32) -> RunId {
-    let plan: Plan = serde_json::from_value(serde_json::json!({
+    create_run_with(handle, rounds, serde_json::json!({})).await
+}
+
+/// [`create_run`]'s plan with the fields of `more` added.
+async fn create_run_with(handle: &DriverHandle, rounds: u32, more: serde_json::Value) -> RunId {
+    let mut plan = serde_json::json!({
         "model": {
             "schema": {"tensors": [{"name": "w", "shape": [PARAMS], "dtype": "f32"}]},
             "init": {"kind": "zeros"}
         },
         "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0, "rounds": rounds,
         "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0,
-    }))
-    .unwrap();
+    });
+    for (field, value) in more.as_object().expect("plan fields") {
+        plan[field] = value.clone();
+    }
+    let plan: Plan = serde_json::from_value(plan).unwrap();
     let plan = plan.validate().unwrap();
     let initial = InitialModel::new(plan.schema(), vec![0.0; PARAMS]);
     handle.call(|reply| Event::CreateRun { plan: Box::new(plan), initial, reply }).await.unwrap()
@@ -169,23 +177,7 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     let devices = enrolled(&store, 2).await;
     let handle = started(&store).await;
     let download = Compression::Int8 { block: 2 };
-    let plan: Plan = serde_json::from_value(serde_json::json!({
-        "model": {
-            "schema": {"tensors": [{"name": "w", "shape": [PARAMS], "dtype": "f32"}]},
-            "init": {"kind": "zeros"}
-        },
-        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0, "rounds": 2,
-        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0,
-        "model_download": download,
-    }))
-    .unwrap();
-    let plan = plan.validate().unwrap();
-    let schema_id = plan.schema().schema_id();
-    let initial = InitialModel::new(plan.schema(), vec![0.0; PARAMS]);
-    let run = handle
-        .call(|reply| Event::CreateRun { plan: Box::new(plan), initial, reply })
-        .await
-        .unwrap();
+    let run = create_run_with(&handle, 2, serde_json::json!({"model_download": download})).await;
     for &d in &devices {
         assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
     }
@@ -202,6 +194,7 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     drop(models.loading().await);
     let stored = store.model(run, ModelVersion(1)).await.unwrap().unwrap();
     assert_eq!(models.get(&task.model_hash).as_deref(), Some(&stored[..]));
+    let schema_id = codec::decode::<TensorPayload>(&stored).unwrap().schema_id;
     let key = crate::model_cache::model_download_id(&task.model_hash, download);
     let expected = crate::model_cache::download_payload(schema_id, &values, download).unwrap();
     assert_eq!(models.get(&key).as_deref(), Some(&expected[..]));
