@@ -229,3 +229,29 @@ fn r18_a_range_decodes_the_values_of_the_whole_that_fall_in_it() {
         }
     }
 }
+
+/// Issue 18: the dense encodings are checked on their exponent bits instead of decoded value
+/// by value; for every f16 and bf16 bit pattern (and f32's specials) the check refuses exactly
+/// the values that decode to something non-finite, at their index.
+#[test]
+fn r18_the_bit_check_refuses_exactly_the_non_finite_values() {
+    for c in [Compression::F16, Compression::Bf16] {
+        for bits in 0..=u16::MAX {
+            let mut bytes = vec![0u8; 6];
+            bytes[2..4].copy_from_slice(&bits.to_le_bytes());
+            let finite = c.dense_value(&bytes[2..4]).is_finite();
+            match c.validate(3, bytes) {
+                Ok(_) => assert!(finite, "{c:?} {bits:#06x} accepted"),
+                Err(e) => {
+                    assert!(!finite, "{c:?} {bits:#06x} refused: {e}");
+                    assert!(matches!(e, CompressionError::NonFinite { index: 1, .. }), "{e}");
+                }
+            }
+        }
+    }
+    for v in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, f32::MIN_POSITIVE, -0.0] {
+        let mut bytes = vec![0u8; 8];
+        bytes[4..].copy_from_slice(&v.to_le_bytes());
+        assert_eq!(Compression::F32.validate(2, bytes).is_ok(), v.is_finite(), "{v}");
+    }
+}
