@@ -401,16 +401,8 @@ impl CompressedDelta {
     /// Calls `f(index, value)` for every value the encoding carries, in index order: all `n`
     /// for the dense encodings, the kept ones for top-k (the rest are zero). Decoding one
     /// value at a time, so a fold never holds an f32 copy of the delta.
-    pub fn for_each(&self, f: impl FnMut(usize, f32)) {
-        self.for_each_in(0..self.n, f);
-    }
-
-    /// [`for_each`](Self::for_each) for the values with an index in `range` only.
-    ///
-    /// # Panics
-    /// If `range` reaches past the model's `n` values.
-    pub fn for_each_in(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, f32)) {
-        self.runs_in(range, |start, run| match run {
+    pub fn for_each(&self, mut f: impl FnMut(usize, f32)) {
+        self.runs(|start, run| match run {
             Run::Dense(kind, bytes) => {
                 let width = kind.dense_width();
                 for (i, c) in (start..).zip(bytes.chunks_exact(width)) {
@@ -426,49 +418,25 @@ impl CompressedDelta {
         });
     }
 
-    /// The encoding's values with an index in `range` as contiguous runs, in index order:
-    /// `f(first index, run)`. What a fold loops over without decoding value by value.
-    ///
-    /// # Panics
-    /// If `range` reaches past the model's `n` values.
-    pub(crate) fn runs_in(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, Run<'_>)) {
-        assert!(range.start <= range.end && range.end <= self.n, "range past the model");
+    /// The encoding's values as contiguous runs, in index order: `f(first index, run)`. What a
+    /// fold loops over without decoding value by value.
+    pub(crate) fn runs(&self, mut f: impl FnMut(usize, Run<'_>)) {
         let bytes = &self.bytes[..];
         match self.compression {
             kind @ (Compression::F32 | Compression::F16 | Compression::Bf16) => {
-                let width = kind.dense_width();
-                f(range.start, Run::Dense(kind, &bytes[range.start * width..range.end * width]));
+                f(0, Run::Dense(kind, bytes));
             }
             Compression::Int8 { block } => {
                 let block = block as usize;
                 let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block));
-                let mut start = range.start;
-                while start < range.end {
-                    let b = start / block;
-                    let end = ((b + 1) * block).min(range.end);
-                    let s = &scales[4 * b..4 * b + 4];
-                    let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                    f(start, Run::Int8 { scale, values: &values[start..end] });
-                    start = end;
+                for ((b, scale), values) in f32s(scales).enumerate().zip(values.chunks(block)) {
+                    f(b * block, Run::Int8 { scale, values });
                 }
             }
             Compression::TopK { .. } => {
                 let k = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
                 let (indices, values) = bytes[4..].split_at(4 * k);
-                let index = |p: usize| u32s(&indices[4 * p..4 * p + 4]).next().expect("4 bytes");
-                // Validation made the indices strictly increasing: the range's first is found
-                // by bisection.
-                let (mut lo, mut hi) = (0, k);
-                while lo < hi {
-                    let mid = (lo + hi) / 2;
-                    if (index(mid) as usize) < range.start {
-                        lo = mid + 1;
-                    } else {
-                        hi = mid;
-                    }
-                }
-                let kept = u32s(&indices[4 * lo..]).zip(f32s(&values[4 * lo..]));
-                for (i, v) in kept.take_while(|&(i, _)| (i as usize) < range.end) {
+                for (i, v) in u32s(indices).zip(f32s(values)) {
                     f(i as usize, Run::One(v));
                 }
             }

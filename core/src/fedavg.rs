@@ -281,10 +281,9 @@ impl FedAvgAccumulator {
     /// As [`add`](Self::add).
     pub fn add_scaled(&mut self, update: &ValidatedUpdate, discount: f64) {
         let factor = self.factor(update, discount);
-        let n = self.hi.len();
         // A loop per run of the encoding (a dense stretch, an int8 block, a top-k value), so
         // each encoding's fold vectorizes instead of decoding value by value.
-        update.delta.runs_in(0..n, |first, run| {
+        update.delta.runs(|first, run| {
             fold_run(&mut self.hi[first..], &mut self.lo[first..], factor, run);
         });
         self.metrics.add(update.example_count, &update.metrics);
