@@ -42,7 +42,7 @@ pub use error::ApiError;
 use error::{ErrorFormat, render_errors};
 
 use crate::driver::DriverHandle;
-use crate::model_cache::{ModelCache, download_payload, model_download_id};
+use crate::model_cache::{download_payload, model_download_id};
 use crate::observe::Observer;
 use crate::store::SqlStore;
 use limits::{Limiter, RateLimit};
@@ -59,7 +59,6 @@ struct Inner {
     observer: Observer,
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
-    models: ModelCache,
     uploads: Arc<Semaphore>,
     /// Devices with an upload in progress: one at a time each, so no device holds more than
     /// one of the upload permits.
@@ -172,12 +171,11 @@ impl AppState {
     ) -> Self {
         AppState {
             inner: Arc::new(Inner {
+                driver,
                 store,
                 observer,
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
-                models: driver.models().clone(),
-                driver,
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
@@ -321,7 +319,7 @@ impl AppState {
         hash: &str,
         compression: Compression,
     ) -> Result<Option<Bytes>, ApiError> {
-        let (cache, key) = (&self.inner.models, model_download_id(hash, compression));
+        let (cache, key) = (self.inner.driver.models(), model_download_id(hash, compression));
         if let Some(cached) = cache.get(&key) {
             return Ok(Some(cached));
         }
