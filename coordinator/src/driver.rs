@@ -326,6 +326,9 @@ struct RunEntry {
     /// blocking thread).
     secure_aggregate: Option<SecureSum>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
+    /// Held by a close task until its committed model's bytes are written (see
+    /// [`close::CloseTask`]).
+    model_writes: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Who waits for the machine's answer to a request, and how it is answered.
@@ -680,6 +683,7 @@ impl RunEntry {
             responders: HashMap::new(),
             secure_aggregate: None,
             stops: vec![],
+            model_writes: Arc::default(),
         }
     }
 

@@ -45,7 +45,9 @@ pub use evaluations::{
 };
 use leadership::Fence;
 pub use leadership::{LEADER_APPLICATION_NAME, Leadership};
-pub use rounds::{OpenRoundState, RoundCommit, RoundDeviceRow, RoundRow, Transition};
+pub use rounds::{
+    ModelBytes, OpenRoundState, PendingModel, RoundCommit, RoundDeviceRow, RoundRow, Transition,
+};
 pub use runs::{ModelInfo, NewRun, RunRow};
 use starling_core::round::RoundClosing;
 use starling_core::{Millis, RoundIdx, RunId};
@@ -83,6 +85,17 @@ pub enum StoreError {
     /// A row holds data this version cannot read.
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// The model was committed by its hash and its bytes are still being written (see
+    /// [`ModelBytes::Later`]): they land within moments, or a restart rebuilds them.
+    #[error(
+        "model version {version} of run {run_id} is committed; its bytes are still being written"
+    )]
+    ModelPending {
+        /// The run.
+        run_id: i64,
+        /// The model version.
+        version: i64,
+    },
     /// Another coordinator took the leadership since this one did: nothing was written, and
     /// this coordinator must stop driving runs.
     #[error("fenced: another coordinator leads now (leadership epoch {current}, ours {ours})")]
@@ -234,6 +247,14 @@ trait WriteTx {
         run_id: RunId,
         round_idx: RoundIdx,
     ) -> StoreResult<()>;
+    /// Stores a stateful server optimizer's state as the one after model `version`, in place
+    /// of the run's previous one.
+    async fn replace_optimizer_state(
+        &mut self,
+        run_id: RunId,
+        version: i64,
+        state: &[u8],
+    ) -> StoreResult<()>;
     /// Closes the open round's row as `state`; a round that is not open is refused.
     async fn close_round_row(
         &mut self,
@@ -299,6 +320,29 @@ macro_rules! impl_write_tx {
                     .execute(&mut **self)
                     .await
                     .map_err(map_err)?;
+                Ok(())
+            }
+
+            async fn replace_optimizer_state(
+                &mut self,
+                run_id: RunId,
+                version: i64,
+                state: &[u8],
+            ) -> StoreResult<()> {
+                sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
+                    .bind(run_id.0)
+                    .execute(&mut **self)
+                    .await
+                    .map_err(map_err)?;
+                sqlx::query(
+                    "INSERT INTO optimizer_states (run_id, model_version, data) VALUES ($1, $2, $3)",
+                )
+                .bind(run_id.0)
+                .bind(version)
+                .bind(state)
+                .execute(&mut **self)
+                .await
+                .map_err(map_err)?;
                 Ok(())
             }
 

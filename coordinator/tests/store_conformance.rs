@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
-    NewRun, RoundCommit, RoundDeviceRow, SqlStore, StoreError, Transition, redact, with_database,
+    ModelBytes, NewRun, PendingModel, RoundCommit, RoundDeviceRow, SqlStore, StoreError,
+    Transition, redact, with_database,
 };
 use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
@@ -56,6 +57,7 @@ conformance!(
     r18_carried_tasks_are_the_selected_devices_not_heard_from_since,
     r18_payloads_are_released_only_once_their_round_closed,
     r18_batches_written_together_keep_their_order_and_their_times,
+    r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -380,11 +382,10 @@ async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
     };
     let commit = RoundCommit {
         closing: closing(0, 0, RoundOutcome::Commit),
-        model: b"m1",
         model_hash: "h1",
+        bytes: ModelBytes::Written { model: b"m1", optimizer_state: Some(b"state after 1") },
         metrics: &metrics,
         evaluation: Some(&pooled),
-        optimizer_state: Some(b"state after 1"),
     };
     store.commit_round(run, commit.clone(), 4_000).await.unwrap();
     assert!(matches!(store.commit_round(run, commit, 4_000).await, Err(StoreError::Conflict)));
@@ -551,11 +552,10 @@ async fn r18_payloads_are_released_only_once_their_round_closed(store: SqlStore)
     let metrics = BTreeMap::new();
     let commit = RoundCommit {
         closing: closing(0, 0, RoundOutcome::Commit),
-        model: b"m1",
         model_hash: "h1",
+        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
         metrics: &metrics,
         evaluation: None,
-        optimizer_state: None,
     };
     store.commit_round(run, commit, 4_000).await.unwrap();
     // The next round opens and takes an update before the sweep: that one stays.
@@ -598,4 +598,53 @@ async fn r18_batches_written_together_keep_their_order_and_their_times(store: Sq
     // Nothing to write is not an error, and writes nothing.
     store.apply_transition_batches(run, &[(&[], 1_300)]).await.unwrap();
     assert_eq!(store.round_devices(run, RoundIdx(0)).await.unwrap().len(), 3);
+}
+
+/// Issue 18: a round whose model is determined by durable inputs commits it by its hash; the
+/// bytes (and the server's state) follow. Until they land the model reads as pending, the
+/// round's payloads stay (a restart rebuilds the model from them) and a wrong hash is refused.
+async fn r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written(store: SqlStore) {
+    let (run, _) = run_with_reports(&store).await;
+    let metrics = BTreeMap::new();
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model_hash: "h1",
+        bytes: ModelBytes::Later,
+        metrics: &metrics,
+        evaluation: None,
+    };
+    store.commit_round(run, commit, 4_000).await.unwrap();
+    let row = store.run(run).await.unwrap().unwrap();
+    assert_eq!((row.model_version, row.rounds_committed), (1, 1));
+    assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap().as_deref(), Some("h1"));
+    let pending =
+        PendingModel { run_id: run.0, version: 1, content_hash: "h1".into(), round_idx: 0 };
+    assert_eq!(store.pending_models().await.unwrap(), vec![pending]);
+    let is_pending =
+        |e| matches!(e, StoreError::ModelPending { run_id, version: 1 } if run_id == run.0);
+    assert!(is_pending(store.model(run, ModelVersion(1)).await.unwrap_err()));
+    assert!(is_pending(store.model_by_hash("h1").await.unwrap_err()));
+    assert_eq!(store.model(run, ModelVersion(0)).await.unwrap().as_deref(), Some(&b"m0"[..]));
+    // The payloads are what a restart would rebuild it from.
+    assert!(matches!(store.release_payloads(run, RoundIdx(0)).await, Err(StoreError::Corrupt(_))));
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0);
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 2);
+    // Bytes for another hash, or for a version never committed, are refused.
+    let refused = store.write_model(run, ModelVersion(1), "h2", b"m2", None).await;
+    assert!(matches!(refused, Err(StoreError::Corrupt(_))), "{refused:?}");
+    let refused = store.write_model(run, ModelVersion(2), "h1", b"m1", None).await;
+    assert!(matches!(refused, Err(StoreError::Corrupt(_))), "{refused:?}");
+    assert!(is_pending(store.model(run, ModelVersion(1)).await.unwrap_err()));
+    store.write_model(run, ModelVersion(1), "h1", b"m1", Some(b"state after 1")).await.unwrap();
+    // Twice is a retry whose answer was lost, and changes nothing.
+    store.write_model(run, ModelVersion(1), "h1", b"other", None).await.unwrap();
+    assert_eq!(store.model(run, ModelVersion(1)).await.unwrap().as_deref(), Some(&b"m1"[..]));
+    assert_eq!(store.model_by_hash("h1").await.unwrap().as_deref(), Some(&b"m1"[..]));
+    assert_eq!(
+        store.optimizer_state(run, ModelVersion(1)).await.unwrap().as_deref(),
+        Some(&b"state after 1"[..])
+    );
+    assert_eq!(store.pending_models().await.unwrap(), vec![]);
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 1);
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
 }

@@ -16,14 +16,14 @@ use starling_core::robust::combine;
 use starling_core::round::secure::{Record, SecureSum};
 use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::strategy::OptimizerState;
-use starling_core::{DeviceId, Millis, RoundIdx, RunId};
+use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Closed, CommittedModel, Internal, encode_model};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
-use crate::store::{RoundCommit, SqlStore, StoreError};
+use crate::store::{ModelBytes, RoundCommit, SqlStore, StoreError};
 
 /// Aggregates and commits a closed round, retrying the store until it succeeds.
 pub(super) struct CloseTask {
@@ -40,6 +40,18 @@ pub(super) struct CloseTask {
     pub(super) internal: mpsc::UnboundedSender<Internal>,
     /// Where a committed model goes for the next round's downloads.
     pub(super) models: ModelCache,
+    /// Held from a round's closing until its model's bytes are written, so that a run has at
+    /// most one model to rebuild after a crash (the next round's commit waits for it).
+    pub(super) model_writes: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A model committed by its hash ([`ModelBytes::Later`]), to be written after the driver
+/// hears of the commit.
+struct DeferredWrite {
+    version: ModelVersion,
+    hash: String,
+    model: Bytes,
+    optimizer_state: Option<Vec<u8>>,
 }
 
 impl CloseTask {
@@ -56,11 +68,17 @@ impl CloseTask {
             plan,
             internal,
             models,
+            model_writes,
         } = self;
+        let writing = model_writes.lock_owned().await;
         let round_idx = closing.round_idx;
         let closing_started = std::time::Instant::now();
         let open_ms = closing.closed_at - opened_at;
         let commits = matches!(closing.outcome, RoundOutcome::Commit);
+        // The next model is determined by durable inputs unless a secure round's unmasking
+        // (whose records the commit deletes) or a DP run's fresh noise went into it.
+        let replayable = matches!(finish, Finish::Accumulated(_)) && plan.privacy().is_none();
+        let mut deferred = None;
         let (aggregate, evaluation) = finish.aggregate(commits, &store, run_id, round_idx).await;
         // Each arm writes the round's end (retried until it lands or is fenced off) and says
         // how it ended; what follows the write is the same for all.
@@ -87,13 +105,7 @@ impl CloseTask {
                 let prepared = tokio::task::spawn_blocking(move || {
                     let metrics = aggregate.metrics.clone();
                     let (values, state) = next_model(
-                        &NextModel {
-                            store: reader,
-                            handle,
-                            run_id,
-                            closing: &closing,
-                            plan: &plan,
-                        },
+                        &NextModel { store: reader, handle, run_id, round_idx, plan: &plan },
                         &global,
                         aggregate,
                         &optimizer_state,
@@ -107,45 +119,44 @@ impl CloseTask {
                 .expect("aggregation task panicked");
                 match prepared {
                     Ok((values, encoded, hash, metrics, state, state_bytes)) => {
+                        let payload = Bytes::from(encoded);
+                        let bytes = match replayable {
+                            true => ModelBytes::Later,
+                            false => ModelBytes::Written {
+                                model: &payload,
+                                optimizer_state: state_bytes.as_deref(),
+                            },
+                        };
                         let commit = RoundCommit {
                             closing,
-                            model: &encoded,
                             model_hash: &hash,
+                            bytes,
                             metrics: &metrics,
                             evaluation: evaluation.as_ref(),
-                            optimizer_state: state_bytes.as_deref(),
                         };
                         let commit_started = std::time::Instant::now();
                         let written = retry_store("commit round", run_id, || {
                             store.commit_round(run_id, commit.clone(), now_ms())
                         })
                         .await;
+                        let values = Arc::new(values);
                         if written.is_ok() {
                             let seconds = commit_started.elapsed().as_secs_f64();
                             observer.store_latency("commit_round", seconds);
-                            // Off the round's path: the next round does not wait for the
-                            // cohort's deltas to be dropped (the next start's sweep releases
-                            // them if this does not land).
-                            let (releaser, observer) = (store.clone(), observer.clone());
-                            tokio::spawn(async move {
-                                let started = std::time::Instant::now();
-                                match releaser.release_payloads(run_id, round_idx).await {
-                                    Ok(()) => observer.store_latency(
-                                        "release_payloads",
-                                        started.elapsed().as_secs_f64(),
-                                    ),
-                                    Err(e) => {
-                                        tracing::warn!(%run_id, round = %round_idx, error = %e, "releasing a committed round's payloads failed; the next start releases them")
-                                    }
-                                }
-                            });
                             tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                        }
-                        let values = Arc::new(values);
-                        if written.is_ok() {
+                            if replayable {
+                                deferred = Some(DeferredWrite {
+                                    version: ModelVersion(closing.model_version.0 + 1),
+                                    hash: hash.clone(),
+                                    model: payload.clone(),
+                                    optimizer_state: state_bytes,
+                                });
+                            } else {
+                                release_payloads(&store, &observer, run_id, round_idx);
+                            }
                             // In the cache before the driver hears of it, so before the next
-                            // round hands out its hash.
-                            let payload = Bytes::from(encoded);
+                            // round hands out its hash (and while its bytes may still be
+                            // on their way to the store).
                             models
                                 .publish(&hash, schema_id, payload, values.clone(), download)
                                 .await;
@@ -179,7 +190,39 @@ impl CloseTask {
             .then(|| closing_started.elapsed().as_secs_f64() * 1e3);
         observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
+        // The next round is open; its commit waits for this write (`writing`).
+        if let Some(write) = deferred {
+            let started = std::time::Instant::now();
+            let written = retry_store("write committed model", run_id, || {
+                let DeferredWrite { version, hash, model, optimizer_state } = &write;
+                store.write_model(run_id, *version, hash, model, optimizer_state.as_deref())
+            })
+            .await;
+            drop(writing);
+            if written.is_err() {
+                let _ = internal.send(Internal::Deposed);
+                return;
+            }
+            observer.store_latency("write_model", started.elapsed().as_secs_f64());
+            release_payloads(&store, &observer, run_id, round_idx);
+        }
     }
+}
+
+/// Drops a committed round's payloads off the round's path: the next round does not wait for
+/// the cohort's deltas to be dropped (the next start's sweep releases them if this does not
+/// land).
+fn release_payloads(store: &SqlStore, observer: &Observer, run_id: RunId, round_idx: RoundIdx) {
+    let (store, observer) = (store.clone(), observer.clone());
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        match store.release_payloads(run_id, round_idx).await {
+            Ok(()) => observer.store_latency("release_payloads", started.elapsed().as_secs_f64()),
+            Err(e) => {
+                tracing::warn!(%run_id, round = %round_idx, error = %e, "releasing a committed round's payloads failed; the next start releases them")
+            }
+        }
+    });
 }
 
 /// Where a closed round's aggregate comes from.
@@ -244,12 +287,12 @@ async fn withdrawn_inputs(
 }
 
 /// What [`next_model`] reads besides the round's aggregate.
-struct NextModel<'a> {
-    store: SqlStore,
-    handle: tokio::runtime::Handle,
-    run_id: RunId,
-    closing: &'a RoundClosing,
-    plan: &'a ValidatedPlan,
+pub(super) struct NextModel<'a> {
+    pub(super) store: SqlStore,
+    pub(super) handle: tokio::runtime::Handle,
+    pub(super) run_id: RunId,
+    pub(super) round_idx: RoundIdx,
+    pub(super) plan: &'a ValidatedPlan,
 }
 
 /// Tiles of robust aggregation hold about this many bytes (12 per value per update: the f32
@@ -260,7 +303,7 @@ const ROBUST_TILE_BYTES: usize = 48 << 20;
 /// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
 /// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
 /// server optimizer steps.
-fn next_model(
+pub(super) fn next_model(
     ctx: &NextModel<'_>,
     global: &[f32],
     mut aggregate: Aggregate,
@@ -271,7 +314,7 @@ fn next_model(
     if strategy.aggregation.is_order_statistic() {
         let n = aggregate.n_updates as usize;
         let tile_len = (ROBUST_TILE_BYTES / 12 / n.max(1)).max(1024);
-        let round_idx = ctx.closing.round_idx;
+        let round_idx = ctx.round_idx;
         let combined = combine(
             &strategy.aggregation,
             n,

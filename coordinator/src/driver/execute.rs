@@ -189,6 +189,7 @@ impl Effects<'_> {
                     plan: entry.plan.clone(),
                     internal: self.internal.clone(),
                     models: self.models.clone(),
+                    model_writes: entry.model_writes.clone(),
                 });
             }
             Action::FinishRun => {

@@ -1,14 +1,15 @@
-//! A starting coordinator rebuilds every running run from the store: latest model, open round,
-//! its selections and secure-aggregation records, and its stored updates and partials
-//! replayed into a fresh accumulator in slot order, so the round commits what it would have
-//! without the restart.
+//! A starting coordinator rebuilds every running run from the store: latest model (writing the
+//! bytes of one committed by its hash alone, from its round's kept updates), open round, its
+//! selections and secure-aggregation records, and its stored updates and partials replayed
+//! into a fresh accumulator in slot order, so the round commits what it would have without the
+//! restart.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use starling_core::codec;
-use starling_core::fedavg::validate_parts;
-use starling_core::plan::Plan;
+use starling_core::fedavg::{AggregateError, FedAvgAccumulator, validate_parts};
+use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::round::secure::Record;
 use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
 use starling_core::strategy::OptimizerState;
@@ -17,11 +18,12 @@ use starling_core::tier::PartialReport;
 use starling_core::{ModelVersion, RoundIdx, RunId};
 use tokio::sync::mpsc;
 
-use super::{Driver, DriverHandle, RunEntry, entropy};
+use super::close::{NextModel, next_model};
+use super::{Driver, DriverHandle, RunEntry, encode_model, entropy};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
-use crate::store::{SqlStore, StoreError};
+use crate::store::{PendingModel, SqlStore, StoreError};
 use crate::tier::{AggregatorRegistry, TierSettings};
 
 impl Driver {
@@ -45,82 +47,24 @@ impl Driver {
             deposed: false,
             models: ModelCache::default(),
         };
+        rebuild_pending_models(&driver.store).await?;
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
-            let plan: Plan = serde_json::from_str(&row.plan_json)
-                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
-            let plan = plan
-                .validate()
-                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
+            let plan = stored_plan(run_id, &row.plan_json)?;
             let version = ModelVersion(row.model_version);
-            let encoded = driver.store.model(run_id, version).await?.ok_or_else(|| {
-                StoreError::Corrupt(format!("run {run_id} lacks model {version}"))
-            })?;
-            let payload: TensorPayload = codec::decode(&encoded)
-                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
-            let values = plan
-                .schema()
-                .decode_f32(&payload)
-                .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
+            let (payload, values, state) =
+                stored_model(&driver.store, &plan, run_id, version).await?;
             let open = driver.store.open_round(run_id).await?;
             let next_round_idx = driver
                 .store
                 .last_round_idx(run_id)
                 .await?
                 .map_or(RoundIdx(0), |r| RoundIdx(r.0 + 1));
-            // The server continues from the state stored with the latest model (optimizer
-            // moments, a DP run's clip norm).
-            let strategy = &plan.plan().strategy;
-            let state = match driver.store.optimizer_state(run_id, version).await? {
-                _ if !strategy.is_stateful() => strategy.initial_state(values.len()),
-                Some(bytes) => OptimizerState::from_bytes(&bytes, strategy, values.len())
-                    .map_err(|e| StoreError::Corrupt(format!("run {run_id}: {e}")))?,
-                None if version == ModelVersion(0) => strategy.initial_state(values.len()),
-                None => {
-                    return Err(StoreError::Corrupt(format!(
-                        "run {run_id} lacks the optimizer state of model {version}"
-                    )));
-                }
-            };
             let mut acc = plan.accumulator(&state);
             if let Some(open) = &open {
-                let (schema, update_schema) = (plan.schema(), plan.update_schema());
-                // Partials and updates share the slot order: merge each partial before the
-                // first update with a later slot.
-                let mut partials = driver.store.partial_reports(run_id, open.round.round_idx).await?.into_iter().filter_map(|(slot, bytes)| {
-                    match codec::decode::<PartialReport>(&bytes).map_err(|e| e.to_string()).and_then(|r| r.validate(schema).map_err(|e| e.to_string())) {
-                        Ok(sums) => Some((slot, sums)),
-                        Err(e) => {
-                            tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
-                            None
-                        }
-                    }
-                }).peekable();
-                let replayed = driver
-                    .store
-                    .for_each_update(run_id, open.round.round_idx, |u| {
-                        while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
-                            acc.merge(&sums);
-                        }
-                        let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
-                        match validate_parts(&update_schema, plan.compression(), u.delta, u.example_count as u64, metrics) {
-                            // An asynchronous run's stale update, with the discount it was folded
-                            // with before the restart.
-                            Ok(update) => match plan.plan().asynchronous {
-                                Some(a) if u.staleness > 0 => {
-                                    acc.add_scaled(&update, a.staleness_scale(u.staleness as u32))
-                                }
-                                _ => acc.add(&update),
-                            },
-                            // Validated before it was stored: only corruption gets here.
-                            Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
-                        }
-                        Ok(())
-                    })
-                    .await?;
-                for (_, sums) in partials {
-                    acc.merge(&sums);
-                }
+                let replayed =
+                    replay_round(&driver.store, &plan, run_id, open.round.round_idx, &mut acc)
+                        .await?;
                 tracing::info!(%run_id, round = %open.round.round_idx, replayed, selected = open.selected.len(), "resuming open round");
             }
             // An asynchronous run's devices still training on an earlier buffer's model.
@@ -178,4 +122,160 @@ impl Driver {
         let models = driver.models.clone();
         Ok((driver, DriverHandle { tx, models }))
     }
+}
+
+/// A stored model version's payload and values, and the server's state after producing it
+/// (optimizer moments, a DP run's clip norm) from which the run continues.
+async fn stored_model(
+    store: &SqlStore,
+    plan: &ValidatedPlan,
+    run_id: RunId,
+    version: ModelVersion,
+) -> Result<(TensorPayload, Vec<f32>, OptimizerState), StoreError> {
+    let encoded = store
+        .model(run_id, version)
+        .await?
+        .ok_or_else(|| StoreError::Corrupt(format!("run {run_id} lacks model {version}")))?;
+    let payload: TensorPayload = codec::decode(&encoded)
+        .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
+    let values = plan
+        .schema()
+        .decode_f32(&payload)
+        .map_err(|e| StoreError::Corrupt(format!("model of run {run_id}: {e}")))?;
+    let strategy = &plan.plan().strategy;
+    let state = match store.optimizer_state(run_id, version).await? {
+        _ if !strategy.is_stateful() => strategy.initial_state(values.len()),
+        Some(bytes) => OptimizerState::from_bytes(&bytes, strategy, values.len())
+            .map_err(|e| StoreError::Corrupt(format!("run {run_id}: {e}")))?,
+        None if version == ModelVersion(0) => strategy.initial_state(values.len()),
+        None => {
+            return Err(StoreError::Corrupt(format!(
+                "run {run_id} lacks the optimizer state of model {version}"
+            )));
+        }
+    };
+    Ok((payload, values, state))
+}
+
+/// Folds a round's stored updates and partials into `acc` in slot order, as the run's
+/// accumulator folded them when they were acknowledged; returns how many updates it read.
+async fn replay_round(
+    store: &SqlStore,
+    plan: &ValidatedPlan,
+    run_id: RunId,
+    round_idx: RoundIdx,
+    acc: &mut FedAvgAccumulator,
+) -> Result<u64, StoreError> {
+    let (schema, update_schema) = (plan.schema(), plan.update_schema());
+    // Partials and updates share the slot order: merge each partial before the first update
+    // with a later slot.
+    let mut partials = store
+        .partial_reports(run_id, round_idx)
+        .await?
+        .into_iter()
+        .filter_map(|(slot, bytes)| {
+            match codec::decode::<PartialReport>(&bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.validate(schema).map_err(|e| e.to_string()))
+            {
+                Ok(sums) => Some((slot, sums)),
+                Err(e) => {
+                    tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
+                    None
+                }
+            }
+        })
+        .peekable();
+    let replayed = store
+        .for_each_update(run_id, round_idx, |u| {
+            while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
+                acc.merge(&sums);
+            }
+            let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
+            let example_count = u.example_count as u64;
+            match validate_parts(&update_schema, plan.compression(), u.delta, example_count, metrics) {
+                // An asynchronous run's stale update, with the discount it was folded with
+                // before the restart.
+                Ok(update) => match plan.plan().asynchronous {
+                    Some(a) if u.staleness > 0 => {
+                        acc.add_scaled(&update, a.staleness_scale(u.staleness as u32))
+                    }
+                    _ => acc.add(&update),
+                },
+                // Validated before it was stored: only corruption gets here.
+                Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
+            }
+            Ok(())
+        })
+        .await?;
+    for (_, sums) in partials {
+        acc.merge(&sums);
+    }
+    Ok(replayed)
+}
+
+/// Writes the bytes of every model committed by its hash alone whose write a stop interrupted,
+/// each run's oldest first (each is rebuilt from the one before), whatever the run's status.
+async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
+    let mut plans: BTreeMap<i64, Arc<ValidatedPlan>> = BTreeMap::new();
+    for pending in store.pending_models().await? {
+        let run_id = RunId(pending.run_id);
+        if !plans.contains_key(&run_id.0) {
+            let row = store
+                .run(run_id)
+                .await?
+                .ok_or_else(|| StoreError::Corrupt(format!("a model of run {run_id}, no run")))?;
+            plans.insert(run_id.0, Arc::new(stored_plan(run_id, &row.plan_json)?));
+        }
+        rebuild_model(store, &plans[&run_id.0], run_id, pending).await?;
+    }
+    Ok(())
+}
+
+/// A run's plan as stored, validated again.
+fn stored_plan(run_id: RunId, plan_json: &str) -> Result<ValidatedPlan, StoreError> {
+    let corrupt = |e: String| StoreError::Corrupt(format!("plan of run {run_id}: {e}"));
+    let plan: Plan = serde_json::from_str(plan_json).map_err(|e| corrupt(e.to_string()))?;
+    plan.validate().map_err(|e| corrupt(e.to_string()))
+}
+
+/// Writes the bytes of a model its round committed by hash alone when the coordinator stopped
+/// before writing them: the previous model and server state, the round's updates (kept for
+/// this) replayed in slot order, the same aggregation and server step. Refused, as corruption,
+/// unless the result hashes as the commit recorded.
+async fn rebuild_model(
+    store: &SqlStore,
+    plan: &Arc<ValidatedPlan>,
+    run_id: RunId,
+    pending: PendingModel,
+) -> Result<(), StoreError> {
+    let (version, round_idx) = (ModelVersion(pending.version), RoundIdx(pending.round_idx));
+    let corrupt = move |what: String| {
+        StoreError::Corrupt(format!("rebuilding model {version} of run {run_id}: {what}"))
+    };
+    let (_, previous, state) =
+        stored_model(store, plan, run_id, ModelVersion(version.0 - 1)).await?;
+    let mut acc = plan.accumulator(&state);
+    let replayed = replay_round(store, plan, run_id, round_idx, &mut acc).await?;
+    let aggregate = acc.finish().map_err(|e| corrupt(e.to_string()))?;
+    let (reader, handle, plan) = (store.clone(), tokio::runtime::Handle::current(), plan.clone());
+    let (encoded, hash, state_bytes) = tokio::task::spawn_blocking(move || {
+        let ctx = NextModel { store: reader, handle, run_id, round_idx, plan: &plan };
+        let (values, next) = next_model(&ctx, &previous, aggregate, &state)?;
+        let (encoded, hash) = encode_model(plan.schema(), &values);
+        let stateful = plan.plan().strategy.is_stateful();
+        Ok::<_, AggregateError>((encoded, hash, stateful.then(|| next.to_bytes())))
+    })
+    .await
+    .expect("rebuilding a model panicked")
+    .map_err(|e| corrupt(e.to_string()))?;
+    if hash != pending.content_hash {
+        return Err(corrupt(format!(
+            "{replayed} replayed updates make {hash}; round {round_idx} committed {}",
+            pending.content_hash
+        )));
+    }
+    store.write_model(run_id, version, &hash, &encoded, state_bytes.as_deref()).await?;
+    tracing::info!(%run_id, %version, round = %round_idx, replayed, "committed model rebuilt from its round's updates");
+    Ok(())
 }

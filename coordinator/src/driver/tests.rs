@@ -15,7 +15,7 @@ use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
 use super::*;
 use crate::observe::Observer;
-use crate::store::SqlStore;
+use crate::store::{SqlStore, StoreError};
 
 const PARAMS: usize = 4;
 
@@ -97,13 +97,20 @@ async fn upload(
 
 async fn committed_model(store: &SqlStore, run_id: RunId, version: i64) -> Vec<f32> {
     for _ in 0..400 {
-        if let Some(bytes) = store.model(run_id, ModelVersion(version)).await.unwrap() {
-            let payload: TensorPayload = codec::decode(&bytes).unwrap();
-            return starling_core::tensor::f32_from_le_bytes(&payload.data);
+        match store.model(run_id, ModelVersion(version)).await {
+            Ok(Some(bytes)) => return model_values(&bytes),
+            // Not committed yet, or committed and its bytes on their way.
+            Ok(None) | Err(StoreError::ModelPending { .. }) => {}
+            Err(e) => panic!("reading model version {version}: {e}"),
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("model version {version} was never committed");
+}
+
+fn model_values(encoded: &[u8]) -> Vec<f32> {
+    let payload: TensorPayload = codec::decode(encoded).unwrap();
+    starling_core::tensor::f32_from_le_bytes(&payload.data)
 }
 
 #[tokio::test]
@@ -198,4 +205,109 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     let key = crate::model_cache::model_download_id(&task.model_hash, download);
     let expected = crate::model_cache::download_payload(schema_id, &values, download).unwrap();
     assert_eq!(models.get(&key).as_deref(), Some(&expected[..]));
+}
+
+/// A round committed by its model's hash whose bytes never reached the store: the first
+/// coordinator's runtime (on which its driver and close tasks run) is dropped while a trigger
+/// makes every write of the bytes fail, as if the process had been killed between the commit
+/// and the write. Returns the run and the committed model's hash and bytes as the first
+/// coordinator served them.
+async fn commit_whose_model_bytes_were_lost(
+    dir: &tempfile::TempDir,
+    store: &SqlStore,
+) -> (RunId, String, bytes::Bytes) {
+    use sqlx::Connection;
+    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
+         BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END",
+    )
+    .execute(&mut sql)
+    .await
+    .unwrap();
+    let devices = enrolled(store, 2).await;
+    let first = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
+    let first = first.unwrap();
+    let handle = first
+        .spawn(async move {
+            let store = SqlStore::connect(&url, false).await.unwrap();
+            let (driver, handle) = Driver::recover(store, Observer::new(), None).await.unwrap();
+            tokio::spawn(driver.run());
+            handle
+        })
+        .await
+        .unwrap();
+    let run = create_run(&handle, 2).await;
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    let hash = loop {
+        if let Some(hash) = store.model_hash(run, ModelVersion(1)).await.unwrap() {
+            break hash;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let served = handle.models().get(&hash).expect("the committed model is cached at once");
+    assert!(matches!(
+        store.model(run, ModelVersion(1)).await,
+        Err(StoreError::ModelPending { version: 1, .. })
+    ));
+    first.shutdown_background();
+    drop(handle);
+    sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
+    (run, hash, served)
+}
+
+/// Issue 18: a model committed by its hash whose bytes a stop lost is rebuilt at the next
+/// start from the round's kept updates, to the bit, and the run goes on from it.
+#[tokio::test]
+async fn r18_a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let (run, hash, served) = commit_whose_model_bytes_were_lost(&dir, &store).await;
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 2, "kept");
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0);
+
+    let handle = started(&store).await;
+    let rebuilt = store.model(run, ModelVersion(1)).await.unwrap().expect("rebuilt at start");
+    assert_eq!(rebuilt, &served[..]);
+    // (1·1 + 3·(−0.5)) / 4
+    assert_eq!(model_values(&rebuilt), vec![-0.125; PARAMS]);
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 1);
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    let device = store.devices().await.unwrap()[0].0;
+    match check_in(&handle, device).await {
+        CheckInResponse::Task(task) => {
+            assert_eq!((task.model_version, task.model_hash), (ModelVersion(1), hash));
+        }
+        other => panic!("round 1 should take the device: {other:?}"),
+    }
+}
+
+/// Issue 18: a rebuild that does not hash as the commit recorded (here a stored update's
+/// example count was altered) is refused as corruption, and writes nothing.
+#[tokio::test]
+async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let (run, hash, _) = commit_whose_model_bytes_were_lost(&dir, &store).await;
+    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("UPDATE updates SET example_count = 7 WHERE example_count = 3")
+        .execute(&mut sql)
+        .await
+        .unwrap();
+    let refused = Driver::recover(store.clone(), Observer::new(), None).await.err();
+    match refused {
+        Some(StoreError::Corrupt(why)) => assert!(why.contains(&hash), "{why}"),
+        other => panic!("the rebuild should be refused: {other:?}"),
+    }
+    assert!(matches!(
+        store.model(run, ModelVersion(1)).await,
+        Err(StoreError::ModelPending { version: 1, .. })
+    ));
 }

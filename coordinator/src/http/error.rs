@@ -125,6 +125,13 @@ impl From<StoreError> for ApiError {
             StoreError::InvalidToken => {
                 ApiError::unauthorized("enrollment token is invalid, expired or used up")
             }
+            // Moments after a commit, before its model's bytes land (see `ModelBytes::Later`).
+            e @ StoreError::ModelPending { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::Unavailable,
+                e.to_string(),
+            )
+            .retry_after(std::time::Duration::from_secs(1)),
             StoreError::Fenced { .. } => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorCode::Unavailable,

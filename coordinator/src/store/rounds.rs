@@ -63,16 +63,45 @@ pub struct RoundDeviceRow {
 pub struct RoundCommit<'a> {
     /// The close record.
     pub closing: RoundClosing,
-    /// The new model, encoded.
-    pub model: &'a [u8],
-    /// Its content hash.
+    /// The new model's content hash.
     pub model_hash: &'a str,
+    /// The new model's bytes, now or after the commit.
+    pub bytes: ModelBytes<'a>,
     /// Aggregated training metrics.
     pub metrics: &'a BTreeMap<String, f64>,
     /// A secure round's pooled evaluation of the model it trained on, if any.
     pub evaluation: Option<&'a starling_core::fedavg::PooledEvaluation>,
-    /// A stateful server optimizer's state after producing the new model, if any.
-    pub optimizer_state: Option<&'a [u8]>,
+}
+
+/// What a commit writes of its new model besides the content hash.
+#[derive(Debug, Clone, Copy)]
+pub enum ModelBytes<'a> {
+    /// The model, encoded, and a stateful server optimizer's state after producing it.
+    Written {
+        /// The new model, encoded.
+        model: &'a [u8],
+        /// The server optimizer's state, if it keeps one.
+        optimizer_state: Option<&'a [u8]>,
+    },
+    /// Nothing yet: the model is determined by what is durable already (the previous model and
+    /// server state, the round's stored updates), so the commit records its hash and
+    /// [`SqlStore::write_model`] writes both after it, off the round's path. Until then the
+    /// model reads as [`StoreError::ModelPending`] and the round's payloads are kept, so a
+    /// restart can rebuild it.
+    Later,
+}
+
+/// A committed model whose bytes are still to be written (see [`ModelBytes::Later`]).
+#[derive(Debug, Clone, PartialEq, Eq, FromRow)]
+pub struct PendingModel {
+    /// Its run.
+    pub run_id: i64,
+    /// Its version.
+    pub version: i64,
+    /// The content hash its commit recorded.
+    pub content_hash: String,
+    /// The round that committed it.
+    pub round_idx: i64,
 }
 
 /// The columns of a [`RoundRow`], with live selected/reported counts for an open round
@@ -400,6 +429,10 @@ impl SqlStore {
         on_pool!(self, |pool| {
             let c = commit.closing;
             let new_version = c.model_version.0 + 1;
+            let (model, optimizer_state) = match commit.bytes {
+                ModelBytes::Written { model, optimizer_state } => (Some(model), optimizer_state),
+                ModelBytes::Later => (None, None),
+            };
             let mut tx = pool.begin().await.map_err(map_err)?;
             tx.check_fence(&self.fence).await?;
             sqlx::query(
@@ -408,7 +441,7 @@ impl SqlStore {
             .bind(run_id.0)
             .bind(new_version)
             .bind(commit.model_hash)
-            .bind(commit.model)
+            .bind(model)
             .bind(c.round_idx.0)
             .bind(now)
             .execute(&mut *tx)
@@ -425,21 +458,8 @@ impl SqlStore {
             .await
             .map_err(map_err)?;
             tx.delete_secagg_records(run_id, c.round_idx).await?;
-            if let Some(state) = commit.optimizer_state {
-                sqlx::query("DELETE FROM optimizer_states WHERE run_id = $1")
-                    .bind(run_id.0)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                sqlx::query(
-                    "INSERT INTO optimizer_states (run_id, model_version, data) VALUES ($1, $2, $3)",
-                )
-                .bind(run_id.0)
-                .bind(new_version)
-                .bind(state)
-                .execute(&mut *tx)
-                .await
-                .map_err(map_err)?;
+            if let Some(state) = optimizer_state {
+                tx.replace_optimizer_state(run_id, new_version, state).await?;
             }
             if let Some(e) = commit.evaluation {
                 let metrics = serde_json::to_string(&e.metrics).expect("metrics serialize");
@@ -462,9 +482,76 @@ impl SqlStore {
         })
     }
 
+    /// Writes the bytes of a model committed by its hash alone ([`ModelBytes::Later`]) and the
+    /// server optimizer's state after producing it. Refuses bytes for another hash or a version
+    /// never committed; writing them twice is not an error (a retry whose answer was lost).
+    pub async fn write_model(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+        model_hash: &str,
+        model: &[u8],
+        optimizer_state: Option<&[u8]>,
+    ) -> StoreResult<()> {
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            // The write first (see `release_payloads`), then what a refusal needs to know.
+            let written = sqlx::query(
+                "UPDATE models SET data = $4 WHERE run_id = $1 AND version = $2 AND content_hash = $3 AND data IS NULL",
+            )
+            .bind(run_id.0)
+            .bind(version.0)
+            .bind(model_hash)
+            .bind(model)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?
+            .rows_affected();
+            if written == 0 {
+                let stored: Option<(String,)> = sqlx::query_as(
+                    "SELECT content_hash FROM models WHERE run_id = $1 AND version = $2",
+                )
+                .bind(run_id.0)
+                .bind(version.0)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(map_err)?;
+                return match stored {
+                    Some((hash,)) if hash == model_hash => Ok(()),
+                    Some((hash,)) => Err(StoreError::Corrupt(format!(
+                        "model version {version} of run {run_id} was committed as {hash}, not {model_hash}"
+                    ))),
+                    None => Err(StoreError::Corrupt(format!(
+                        "run {run_id} never committed model version {version}"
+                    ))),
+                };
+            }
+            if let Some(state) = optimizer_state {
+                tx.replace_optimizer_state(run_id, version.0, state).await?;
+            }
+            tx.commit().await.map_err(map_err)
+        })
+    }
+
+    /// Every run's committed models whose bytes are still to be written, by run and version
+    /// (a coordinator stopped between a [`ModelBytes::Later`] commit and its
+    /// [`SqlStore::write_model`]; a run's last round may have finished it since).
+    pub async fn pending_models(&self) -> StoreResult<Vec<PendingModel>> {
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT run_id, version, content_hash, COALESCE(round_idx, -1) AS round_idx FROM models WHERE data IS NULL ORDER BY run_id, version",
+            )
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
+    }
+
     /// Drops a closed round's update deltas and partial sums (the rows stay, as the record of
     /// who took part): after [`SqlStore::commit_round`], off the round's path. Refuses a round
-    /// that is still open; releasing twice is not an error.
+    /// that is still open, or whose model is still to be written (its updates are what a
+    /// restart would rebuild it from); releasing twice is not an error.
     pub async fn release_payloads(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<()> {
         on_pool!(self, |pool| {
             // The write first: on SQLite a transaction that reads and then writes fails at
@@ -491,16 +578,31 @@ impl SqlStore {
                 }
                 Some(_) => {}
             }
+            let pending: Option<(i64,)> = sqlx::query_as(
+                "SELECT version FROM models WHERE run_id = $1 AND round_idx = $2 AND data IS NULL",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            if let Some((version,)) = pending {
+                return Err(StoreError::Corrupt(format!(
+                    "model version {version} of run {run_id} is still to be written: round {round_idx}'s payloads are what rebuilds it"
+                )));
+            }
             tx.commit().await.map_err(map_err)
         })
     }
 
     /// Releases the payloads every closed round still holds (those a coordinator committed but
-    /// stopped before releasing); returns how many rounds it released. Run at start.
+    /// stopped before releasing), except a round whose model is still to be written; returns
+    /// how many rounds it released. Run at start, after recovery rebuilt any such model.
     pub async fn release_closed_payloads(&self) -> StoreResult<usize> {
         let rounds: Vec<(i64, i64)> = on_pool!(self, |pool| {
             sqlx::query_as(
                 "SELECT r.run_id, r.round_idx FROM rounds r WHERE r.state <> 'open'
+                   AND NOT EXISTS (SELECT 1 FROM models m WHERE m.run_id = r.run_id AND m.round_idx = r.round_idx AND m.data IS NULL)
                    AND (EXISTS (SELECT 1 FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx AND u.delta IS NOT NULL)
                         OR EXISTS (SELECT 1 FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx AND p.report IS NOT NULL))
                  ORDER BY r.run_id, r.round_idx",

@@ -120,34 +120,38 @@ impl SqlStore {
         })
     }
 
-    /// A model's bytes by version.
+    /// A model's bytes by version; [`StoreError::ModelPending`] for one committed whose bytes
+    /// are still being written.
     pub async fn model(
         &self,
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<Vec<u8>>> {
         on_pool!(self, |pool| {
-            let row: Option<(Vec<u8>,)> =
-                sqlx::query_as("SELECT data FROM models WHERE run_id = $1 AND version = $2")
-                    .bind(run_id.0)
-                    .bind(version.0)
-                    .fetch_optional(pool)
-                    .await
-                    .map_err(map_err)?;
-            Ok(row.map(|(d,)| d))
+            let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(
+                "SELECT run_id, version, data FROM models WHERE run_id = $1 AND version = $2",
+            )
+            .bind(run_id.0)
+            .bind(version.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            row.map(model_bytes).transpose()
         })
     }
 
-    /// A model's bytes by content hash.
+    /// A model's bytes by content hash (from any run that stored them);
+    /// [`StoreError::ModelPending`] when the only model with that hash is still being written.
     pub async fn model_by_hash(&self, content_hash: &str) -> StoreResult<Option<Vec<u8>>> {
         on_pool!(self, |pool| {
-            let row: Option<(Vec<u8>,)> =
-                sqlx::query_as("SELECT data FROM models WHERE content_hash = $1 LIMIT 1")
-                    .bind(content_hash)
-                    .fetch_optional(pool)
-                    .await
-                    .map_err(map_err)?;
-            Ok(row.map(|(d,)| d))
+            let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(
+                "SELECT run_id, version, data FROM models WHERE content_hash = $1 ORDER BY data IS NULL LIMIT 1",
+            )
+            .bind(content_hash)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            row.map(model_bytes).transpose()
         })
     }
 
@@ -202,4 +206,9 @@ impl SqlStore {
             Ok(row.map(|(h,)| h))
         })
     }
+}
+
+/// A models row's bytes, or that they are still being written.
+fn model_bytes((run_id, version, data): (i64, i64, Option<Vec<u8>>)) -> StoreResult<Vec<u8>> {
+    data.ok_or(StoreError::ModelPending { run_id, version })
 }
