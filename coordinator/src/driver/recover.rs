@@ -220,14 +220,18 @@ async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
     let mut plans: BTreeMap<i64, Arc<ValidatedPlan>> = BTreeMap::new();
     for pending in store.pending_models().await? {
         let run_id = RunId(pending.run_id);
-        if !plans.contains_key(&run_id.0) {
-            let row = store
-                .run(run_id)
-                .await?
-                .ok_or_else(|| StoreError::Corrupt(format!("a model of run {run_id}, no run")))?;
-            plans.insert(run_id.0, Arc::new(stored_plan(run_id, &row.plan_json)?));
-        }
-        rebuild_model(store, &plans[&run_id.0], run_id, pending).await?;
+        let plan = match plans.get(&run_id.0) {
+            Some(plan) => plan.clone(),
+            None => {
+                let row = store.run(run_id).await?.ok_or_else(|| {
+                    StoreError::Corrupt(format!("a model of run {run_id}, no run"))
+                })?;
+                let plan = Arc::new(stored_plan(run_id, &row.plan_json)?);
+                plans.insert(run_id.0, plan.clone());
+                plan
+            }
+        };
+        rebuild_model(store, &plan, run_id, pending).await?;
     }
     Ok(())
 }
