@@ -5,7 +5,10 @@
 //! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`,
 //! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
 //! compressed deltas (the MB/round column is what they send), `--model-download int8` (or
-//! `f16`, `bf16`) download the model compressed.
+//! `f16`, `bf16`) download the model compressed, and `--rounds 20` measures more rounds than
+//! the default (five for the large models), for comparisons finer than one pass's noise.
+//! The per-device rate limit is off: ten devices making a round's three requests several
+//! times a second are the load being measured.
 //! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
 //! (`VmHWM`) is that configuration's alone. A first, unmeasured round warms it up (connections
 //! opened, pools filled), so the figures are a running fleet's rounds.
@@ -78,10 +81,23 @@ fn main() -> anyhow::Result<()> {
     let compression = take_encoding(&mut args, "--compression")?;
     let model_download = take_encoding(&mut args, "--model-download")?;
     model_download.check_model()?;
+    // More measured rounds than the default, for comparisons finer than a pass's noise.
+    let rounds = match args.iter().position(|a| a == "--rounds") {
+        None => None,
+        Some(i) => {
+            let value = args.get(i + 1).context("--rounds needs a value")?.parse::<i64>()?;
+            args.drain(i..i + 2);
+            Some(value)
+        }
+    };
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
         .into_iter()
-        .map(|(devices, params, rounds)| Config { devices, params, rounds })
+        .map(|(devices, params, default)| Config {
+            devices,
+            params,
+            rounds: rounds.unwrap_or(default),
+        })
         .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -154,7 +170,8 @@ async fn bench(
     // STARLING_BENCH_LOG keeps the coordinator's log (e.g. with RUST_LOG=debug) for a look.
     let log = std::env::var_os("STARLING_BENCH_LOG")
         .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
-    let child = ChildCoordinator::spawn(bin, &url, free_addr(), &log).await?;
+    let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_DEVICE_RATE_LIMIT", "off")];
+    let child = ChildCoordinator::spawn_with(bin, &url, free_addr(), &log, &env).await?;
     let res = drive(&child, c, compression, model_download).await;
     drop(child);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
