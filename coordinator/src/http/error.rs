@@ -264,3 +264,23 @@ pub async fn render_errors(format: ErrorFormat, req: Request, next: Next) -> Res
     parts.headers.remove(header::CONTENT_LENGTH);
     Response::from_parts(parts, axum::body::Body::from(bytes))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 18: a model committed by its hash whose bytes are still on their way is a 503 the
+    /// client retries after a second, not a missing model or an internal error.
+    #[test]
+    fn r18_a_model_whose_bytes_are_being_written_is_retried_later() {
+        let e = ApiError::from(StoreError::ModelPending { run_id: 3, version: 7 });
+        assert_eq!(
+            (e.status_code(), e.code()),
+            (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable)
+        );
+        let res = e.into_response();
+        assert_eq!(res.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap()), Some("1"));
+        let body = res.extensions().get::<ErrorBody>().expect("an error body");
+        assert!(body.message.contains("model version 7 of run 3"), "{}", body.message);
+    }
+}
