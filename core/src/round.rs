@@ -26,9 +26,12 @@
 //! **Uploads.** An accepted upload gets a *slot* (its arrival order) and an
 //! [`Action::PersistUpdate`]; the device is answered only when the store confirms
 //! ([`Input::Persisted`]).
-//! Persisted updates are folded into the accumulator in slot order ([`Action::Fold`]),
-//! which is also the order a restarted coordinator replays them in, so the committed model does
-//! not depend on whether the coordinator restarted.
+//! Accepted updates are folded into the accumulator in slot order ([`Action::Fold`]) as their
+//! writes begin, so that little is left to fold once the last one is durable; slot order is
+//! also the order a restarted coordinator replays the stored ones in, so the committed model
+//! does not depend on whether the coordinator restarted. If a folded update's write fails
+//! (its device is told to retry), the round's sum is rebuilt from the store at closing
+//! ([`RoundSum::Replayed`]): only durable updates ever reach a committed model.
 //!
 //! **Aggregator tier.** When the driver reports live aggregators ([`Input::Aggregators`]) and
 //! a plain run selects more devices than the tier's threshold, each newly selected device is
@@ -116,8 +119,10 @@ struct ActiveRound {
     phase: Phase,
     selected: BTreeSet<DeviceId>,
     reported: BTreeSet<DeviceId>,
-    /// Uploads by slot that are not folded yet: persisting, or persisted behind an earlier slot.
+    /// Uploads and partials by slot whose write has not settled.
     in_flight: BTreeMap<i64, InFlight>,
+    /// Whether the folds still make the round's sum (no folded contribution's write failed).
+    sum: RoundSum,
     next_slot: i64,
     early_failure: Option<RoundOutcome>,
     /// Set when the round enters `Committing`.
@@ -192,20 +197,17 @@ struct InFlight {
     request: RequestId,
     /// The devices whose update(s) it carries: one for an upload, a shard's for a partial.
     devices: Vec<DeviceId>,
-    /// What it adds to the sum once durable.
-    contribution: Contribution,
-    persisted: bool,
+    /// An aggregator's partial, not a device's upload.
+    partial: bool,
 }
 
 impl InFlight {
     /// The answer to its sender.
     fn reply(&self, result: Result<(), UploadRejection>) -> Action {
         let request = self.request;
-        match self.contribution {
-            Contribution::Partial(_) => Action::ReplyPartial { request, result },
-            Contribution::Update(_) | Contribution::Stale { .. } => {
-                Action::ReplyUpload { request, result }
-            }
+        match self.partial {
+            true => Action::ReplyPartial { request, result },
+            false => Action::ReplyUpload { request, result },
         }
     }
 }
@@ -322,6 +324,7 @@ impl RunMachine {
                     selected: open.selected.into_iter().collect(),
                     reported,
                     in_flight: BTreeMap::new(),
+                    sum: RoundSum::Folded,
                     next_slot,
                     early_failure: None,
                     outcome: None,
@@ -559,6 +562,7 @@ impl RunMachine {
             selected: BTreeSet::new(),
             reported: BTreeSet::new(),
             in_flight: BTreeMap::new(),
+            sum: RoundSum::Folded,
             next_slot: 0,
             early_failure: None,
             outcome: None,
@@ -772,18 +776,25 @@ impl RunMachine {
                     },
                     _ => Contribution::Update(update.clone()),
                 };
-                r.in_flight.insert(
-                    slot,
-                    InFlight { request, devices: vec![device], contribution, persisted: false },
-                );
+                r.in_flight
+                    .insert(slot, InFlight { request, devices: vec![device], partial: false });
                 let round_idx = r.opened.round_idx;
-                Ok(Action::PersistUpdate { request, round_idx, device, slot, staleness, update })
+                let persist =
+                    Action::PersistUpdate { request, round_idx, device, slot, staleness, update };
+                Ok((persist, contribution))
             }
         };
-        self.actions.push_back(match verdict {
-            Ok(persist) => persist,
-            Err(rejection) => Action::ReplyUpload { request, result: Err(rejection) },
-        });
+        match verdict {
+            // Folded while its write is under way: the fold of the cohort's last upload is all
+            // that is left when it is durable.
+            Ok((persist, contribution)) => {
+                self.actions.push_back(persist);
+                self.actions.push_back(Action::Fold(contribution));
+            }
+            Err(rejection) => {
+                self.actions.push_back(Action::ReplyUpload { request, result: Err(rejection) });
+            }
+        }
     }
 
     fn on_secagg(
@@ -853,18 +864,18 @@ impl RunMachine {
         let Some((&slot, _)) = r.in_flight.iter().find(|(_, f)| f.request == request) else {
             return;
         };
+        let f = r.in_flight.remove(&slot).expect("slot just found");
         if ok {
-            let f = r.in_flight.get_mut(&slot).expect("slot just found");
-            f.persisted = true;
             r.reported.extend(f.devices.iter().copied());
             for d in &f.devices {
                 self.carried.remove(d);
             }
             self.actions.push_back(f.reply(Ok(())));
         } else {
-            let f = r.in_flight.remove(&slot).expect("slot just found");
-            if matches!(f.contribution, Contribution::Partial(_)) {
-                // Not durable: the aggregator may report again.
+            // Folded already, and not durable: the round's sum comes from the store instead.
+            r.sum = RoundSum::Replayed;
+            if f.partial {
+                // The aggregator may report again.
                 for d in &f.devices {
                     if let Some(a) = r.assigned.get(d) {
                         r.shards_reported.remove(a);
@@ -872,13 +883,6 @@ impl RunMachine {
                 }
             }
             self.actions.push_back(f.reply(Err(UploadRejection::Unavailable)));
-        }
-        // Fold in slot order: a persisted update waits behind any earlier one still in flight.
-        while let Some(entry) = r.in_flight.first_entry() {
-            if !entry.get().persisted {
-                break;
-            }
-            self.actions.push_back(Action::Fold(entry.remove().contribution));
         }
     }
 
@@ -1017,7 +1021,7 @@ impl RunMachine {
                 None => RoundOutcome::TooFewReports { reported: n_reported, quorum: min_quorum },
             };
             r.outcome = Some(outcome);
-            self.actions.push_back(Action::CloseRound(RoundClosing {
+            let closing = RoundClosing {
                 round_idx: r.opened.round_idx,
                 model_version: r.opened.model_version,
                 outcome,
@@ -1034,7 +1038,8 @@ impl RunMachine {
                     })
                     .count() as u32,
                 closed_at: now,
-            }));
+            };
+            self.actions.push_back(Action::CloseRound { closing, sum: r.sum });
         }
     }
 }

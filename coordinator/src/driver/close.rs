@@ -19,6 +19,7 @@ use starling_core::strategy::OptimizerState;
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
+use super::recover::replay_round;
 use super::{Closed, CommittedModel, Internal, encode_model};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
@@ -77,9 +78,10 @@ impl CloseTask {
         let commits = matches!(closing.outcome, RoundOutcome::Commit);
         // The next model is determined by durable inputs unless a secure round's unmasking
         // (whose records the commit deletes) or a DP run's fresh noise went into it.
-        let replayable = matches!(finish, Finish::Accumulated(_)) && plan.privacy().is_none();
+        let replayable = !matches!(finish, Finish::Unmask(_)) && plan.privacy().is_none();
         let mut deferred = None;
-        let (aggregate, evaluation) = finish.aggregate(commits, &store, run_id, round_idx).await;
+        let (aggregate, evaluation) =
+            finish.aggregate(commits, &store, run_id, round_idx, (&plan, &optimizer_state)).await;
         // Each arm writes the round's end (retried until it lands or is fenced off) and says
         // how it ended; what follows the write is the same for all.
         let (written, label, committed) = match (closing.outcome, aggregate) {
@@ -231,6 +233,9 @@ pub(super) enum Finish {
     Accumulated(oneshot::Receiver<Result<Aggregate, AggregateError>>),
     /// A secure round's checked unmasking.
     Unmask(SecureSum),
+    /// The round's durable updates and partials, read back from the store and folded in slot
+    /// order (an update the accumulator folded was not persisted).
+    Replayed,
 }
 
 impl Finish {
@@ -243,9 +248,28 @@ impl Finish {
         store: &SqlStore,
         run_id: RunId,
         round_idx: RoundIdx,
+        (plan, state): (&ValidatedPlan, &OptimizerState),
     ) -> (Result<Aggregate, AggregateError>, Option<PooledEvaluation>) {
         match self {
             Finish::Accumulated(rx) => (rx.await.unwrap_or(Err(AggregateError::Empty)), None),
+            Finish::Replayed if !commits => (Err(AggregateError::Empty), None),
+            Finish::Replayed => {
+                let mut backoff = Duration::from_millis(50);
+                loop {
+                    let mut acc = plan.accumulator(state);
+                    match replay_round(store, plan, run_id, round_idx, &mut acc).await {
+                        Ok(replayed) => {
+                            tracing::warn!(%run_id, round = %round_idx, replayed, "an update folded as its write began was not persisted; the round's sum was read back from the store");
+                            return (acc.finish(), None);
+                        }
+                        Err(e) => {
+                            tracing::error!(%run_id, round = %round_idx, error = %e, ?backoff, "reading the round's updates back failed; retrying");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
+                    }
+                }
+            }
             Finish::Unmask(_) if !commits => (Err(AggregateError::Empty), None),
             Finish::Unmask(sum) => {
                 let withdrawn = match withdrawn_inputs(&sum, store, run_id, round_idx).await {

@@ -6,7 +6,7 @@
 
 use starling_core::RunId;
 use starling_core::codec;
-use starling_core::round::{Action, RequestId, RunStatus};
+use starling_core::round::{Action, RequestId, RoundSum, RunStatus};
 use starling_core::wire::{SecAggInstruction, UploadAck};
 use tokio::sync::{mpsc, oneshot};
 
@@ -168,12 +168,15 @@ impl Effects<'_> {
                 tracing::info!(%run_id, round = %round_idx, survivors = sum.survivors(), "secure aggregation rebuilt the secrets of the cohort's sum");
                 entry.secure_aggregate = Some(sum);
             }
-            Action::CloseRound(closing) => {
+            Action::CloseRound { closing, sum } => {
                 let opened_at =
                     entry.machine.current_round().map_or(closing.closed_at, |r| r.opened_at);
-                let finish = match entry.secure_aggregate.take() {
-                    Some(sum) => Finish::Unmask(sum),
-                    None => Finish::Accumulated(entry.accumulator.finish()),
+                let finish = match (entry.secure_aggregate.take(), sum) {
+                    (Some(sum), _) => Finish::Unmask(sum),
+                    (None, RoundSum::Folded) => Finish::Accumulated(entry.accumulator.finish()),
+                    // The accumulator folded an update whose write failed; the next round's
+                    // opening resets it.
+                    (None, RoundSum::Replayed) => Finish::Replayed,
                 };
                 // Spawned once this batch's transitions are durable: the commit then follows
                 // the round's last records, which it deletes.

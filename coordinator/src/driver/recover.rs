@@ -159,7 +159,7 @@ async fn stored_model(
 
 /// Folds a round's stored updates and partials into `acc` in slot order, as the run's
 /// accumulator folded them when they were acknowledged; returns how many updates it read.
-async fn replay_round(
+pub(super) async fn replay_round(
     store: &SqlStore,
     plan: &ValidatedPlan,
     run_id: RunId,

@@ -311,3 +311,34 @@ async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
         Err(StoreError::ModelPending { version: 1, .. })
     ));
 }
+
+/// Issue 18: an upload is folded as its write begins; when the write fails (here a trigger
+/// refuses it), the device hears `Unavailable` and the round commits the mean of what is
+/// durable only, read back from the store, to the bit.
+#[tokio::test]
+async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_model() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_nine_examples BEFORE INSERT ON updates WHEN NEW.example_count = 9
+         BEGIN SELECT RAISE(ABORT, 'the test refuses this write'); END",
+    )
+    .execute(&mut sql)
+    .await
+    .unwrap();
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run(&handle, 1).await;
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    let refused = upload(&handle, run, devices[0], update(5.0, 9)).await;
+    assert_eq!(refused, Err(DriverError::Unavailable));
+    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    // (1·1 + 3·(−0.5)) / 4, with nothing of the refused 9 × 5.0
+    assert_eq!(committed_model(&store, run, 1).await, vec![-0.125; PARAMS]);
+}

@@ -199,10 +199,16 @@ pub enum Action {
         /// Accepted (durable), or why not.
         result: Result<(), UploadRejection>,
     },
-    /// Fold a persisted update or partial into the round's sum (in slot order).
+    /// Fold an accepted update or partial into the round's sum, in slot order, as its write
+    /// begins (the sum is only used once every write settled; see [`RoundSum`]).
     Fold(Contribution),
     /// Aggregate and commit, or record the failure; then feed back [`Input::RoundClosed`].
-    CloseRound(RoundClosing),
+    CloseRound {
+        /// What to record.
+        closing: RoundClosing,
+        /// Where the aggregate comes from.
+        sum: RoundSum,
+    },
     /// Persist a secure round's record (in the same batch as the transitions around it).
     PersistSecAgg {
         /// The round.
@@ -311,6 +317,16 @@ pub enum UploadRejection {
     /// A partial names a device that is not assigned to any of the aggregators it speaks for,
     /// or an aggregator with no devices in the round.
     NotAssigned,
+}
+
+/// Where a closing round's aggregate comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundSum {
+    /// The folds: every contribution folded is durable.
+    Folded,
+    /// A contribution was folded as its write began and the write failed: the sum is rebuilt
+    /// from the store's durable contributions, in slot order, as a restart would.
+    Replayed,
 }
 
 /// What [`Action::CloseRound`] asks the driver to record.

@@ -189,7 +189,7 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
     t.check_in(13); // over the target: pace-steered
     let a = t.upload(10, 0);
     let b = t.upload(11, 0);
-    t.persisted(b, true); // slot 1 persists first: folded only after slot 0
+    t.persisted(b, true); // slot 1 persists first; both were folded in slot order already
     t.persisted(a, true);
     t.upload(12, 0); // cohort reached: round is committing
     t.closed(0, true);
@@ -208,15 +208,15 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1470 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
           PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 11 examples, 4 bytes }
+          Fold(Update(11 examples, 4 bytes))
         t=0 Persisted { request: RequestId(6), ok: true }
           ReplyUpload { request: RequestId(6), result: Ok(()) }
         t=0 Persisted { request: RequestId(5), ok: true }
           ReplyUpload { request: RequestId(5), result: Ok(()) }
-          Fold(Update(10 examples, 4 bytes))
-          Fold(Update(11 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 1, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 1, closed_at: 0 }, sum: Folded }
         t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
           ReplyUpload { request: RequestId(7), result: Err(RoundClosed) }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
@@ -249,11 +249,11 @@ fn bad_uploads_are_refused_without_state_change() {
           ReplyUpload { request: RequestId(3), result: Err(UnknownRound) }
         t=0 Upload { request: RequestId(4), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(5), result: Err(Duplicate) }
         t=0 Persisted { request: RequestId(4), ok: true }
           ReplyUpload { request: RequestId(4), result: Ok(()) }
-          Fold(Update(10 examples, 4 bytes))
         t=0 Upload { request: RequestId(6), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(6), result: Err(Duplicate) }
         t=0 CheckIn { request: RequestId(7), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -265,6 +265,47 @@ fn bad_uploads_are_refused_without_state_change() {
           ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
+    "#]]);
+}
+
+/// Issue 18: uploads are folded as their writes begin; when one's write fails, its device is
+/// told to retry and the round closes on a sum the driver rebuilds from the store
+/// (`sum: Replayed`), which holds only what is durable.
+#[test]
+fn r18_a_folded_update_whose_write_failed_makes_the_round_replay_its_sum() {
+    let mut t = Trace::new();
+    t.check_in(10);
+    t.check_in(11);
+    let a = t.upload(10, 0);
+    let b = t.upload(11, 0);
+    t.persisted(a, false);
+    let c = t.upload(10, 0); // the device retries
+    t.persisted(b, true);
+    t.persisted(c, true);
+    t.check(expect![[r#"
+          OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
+          ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+          PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
+          ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
+        t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
+        t=0 Upload { request: RequestId(4), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
+          PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 11 examples, 4 bytes }
+          Fold(Update(11 examples, 4 bytes))
+        t=0 Persisted { request: RequestId(3), ok: false }
+          ReplyUpload { request: RequestId(3), result: Err(Unavailable) }
+        t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
+          PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 2, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
+        t=0 Persisted { request: RequestId(4), ok: true }
+          ReplyUpload { request: RequestId(4), result: Ok(()) }
+        t=0 Persisted { request: RequestId(5), ok: true }
+          ReplyUpload { request: RequestId(5), result: Ok(()) }
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Replayed }
     "#]]);
 }
 
@@ -283,13 +324,14 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Persisted { request: RequestId(2), ok: false }
           ReplyUpload { request: RequestId(2), result: Err(Unavailable) }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 1, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
-          Fold(Update(10 examples, 4 bytes))
     "#]]);
 }
 
@@ -305,7 +347,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=1000 timeout (poll_timeout was Some(1000))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewSelected { selected: 1, quorum: 2 }, n_selected: 1, n_reported: 0, n_dropped: 1, closed_at: 1000 }, sum: Folded }
         t=1000 RoundClosed { round_idx: RoundIdx(0), committed: false }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 1000, selection_deadline: 2000, reporting_deadline: 6000 })
     "#]]);
@@ -330,11 +372,11 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=5000 timeout (poll_timeout was Some(1000))
         t=5000 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
-          Fold(Update(10 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewReports { reported: 1, quorum: 2 }, n_selected: 2, n_reported: 1, n_dropped: 1, closed_at: 5000 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: TooFewReports { reported: 1, quorum: 2 }, n_selected: 2, n_reported: 1, n_dropped: 1, closed_at: 5000 }, sum: Folded }
         t=5000 RoundClosed { round_idx: RoundIdx(0), committed: false }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 5000, selection_deadline: 6000, reporting_deadline: 10000 })
     "#]]);
@@ -353,6 +395,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Stop
           ReplyUpload { request: RequestId(2), result: Err(RoundClosed) }
           StopRun { open_round: Some(RoundIdx(0)) }
@@ -582,7 +625,7 @@ fn simulation_never_hangs() {
                     ..
                 } if rand() % 4 != 0 => uploads.push((round_idx, model_version)),
                 Action::PersistUpdate { request, .. } => persisting.push(request),
-                Action::CloseRound(c) => closes.push(c),
+                Action::CloseRound { closing: c, .. } => closes.push(c),
                 _ => {}
             }
         }
@@ -607,7 +650,7 @@ fn simulation_never_hangs() {
         while let Some(a) = m.poll_action() {
             match a {
                 Action::PersistUpdate { request, .. } => persisting.push(request),
-                Action::CloseRound(c) => closes.push(c),
+                Action::CloseRound { closing: c, .. } => closes.push(c),
                 _ => {}
             }
         }
@@ -743,7 +786,7 @@ mod secure_rounds {
                         self.aggregate = Some(sum.finish(&withdrawn).expect("the sum decodes").0);
                         self.sum = Some(sum);
                     }
-                    Action::CloseRound(c) => self.closing = Some(c),
+                    Action::CloseRound { closing: c, .. } => self.closing = Some(c),
                     _ => {}
                 }
             }
@@ -1073,7 +1116,7 @@ fn a_tiered_round_commits_the_partials_and_drops_a_silent_aggregator() {
     assert!(text.contains("Duplicate"), "{text}");
     assert!(text.contains("poll_timeout was Some(7000)"), "{text}");
     let closing = format!(
-        "CloseRound(RoundClosing {{ round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 6, n_reported: {}, n_dropped: {}, closed_at: 7000 }})",
+        "CloseRound {{ closing: RoundClosing {{ round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 6, n_reported: {}, n_dropped: {}, closed_at: 7000 }}, sum: Folded }}",
         one.len(),
         two.len()
     );
@@ -1096,7 +1139,8 @@ fn a_tiered_round_closes_as_soon_as_every_shard_reported() {
         text.contains("outcome: Commit, n_selected: 6, n_reported: 6, n_dropped: 0, closed_at: 0"),
         "{text}"
     );
-    // Folded in slot order: aggregator 1's partial first although 2's was durable first.
+    // Folded in slot order as their writes began: aggregator 1's partial first, although 2's
+    // was durable first.
     let fold = |aggregator: u64, n: usize| {
         let weight = n as u64 * 100 * aggregator;
         text.find(&format!("Fold(Partial({n} updates, weight {weight},")).unwrap()
@@ -1191,15 +1235,15 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
           PersistUpdate { request: RequestId(3), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 7 examples, 0 bytes }
+          Fold(Update(7 examples, 0 bytes))
         t=0 Persisted { request: RequestId(3), ok: true }
           ReplyUpload { request: RequestId(3), result: Ok(()) }
-          Fold(Update(7 examples, 0 bytes))
         t=0 Upload { request: RequestId(4), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
           PersistUpdate { request: RequestId(4), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 7 examples, 0 bytes }
+          Fold(Update(7 examples, 0 bytes))
         t=0 Persisted { request: RequestId(4), ok: true }
           ReplyUpload { request: RequestId(4), result: Ok(()) }
-          Fold(Update(7 examples, 0 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(5), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -1210,15 +1254,15 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
           ReplyCheckIn { request: RequestId(6), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(7), device: DeviceId(10), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
           PersistUpdate { request: RequestId(7), round_idx: RoundIdx(1), device: DeviceId(10), slot: 0, staleness: 0, update: 7 examples, 0 bytes }
+          Fold(Update(7 examples, 0 bytes))
         t=0 Persisted { request: RequestId(7), ok: true }
           ReplyUpload { request: RequestId(7), result: Ok(()) }
-          Fold(Update(7 examples, 0 bytes))
         t=0 Upload { request: RequestId(8), device: DeviceId(11), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
           PersistUpdate { request: RequestId(8), round_idx: RoundIdx(1), device: DeviceId(11), slot: 1, staleness: 0, update: 7 examples, 0 bytes }
+          Fold(Update(7 examples, 0 bytes))
         t=0 Persisted { request: RequestId(8), ok: true }
           ReplyUpload { request: RequestId(8), result: Ok(()) }
-          Fold(Update(7 examples, 0 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
           FinishRun
     "#]]);
@@ -1354,15 +1398,15 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1183 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
+          Fold(Update(10 examples, 4 bytes))
         t=0 Upload { request: RequestId(6), device: DeviceId(11), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 11 examples, 4 bytes }
           PersistUpdate { request: RequestId(6), round_idx: RoundIdx(0), device: DeviceId(11), slot: 1, staleness: 0, update: 11 examples, 4 bytes }
+          Fold(Update(11 examples, 4 bytes))
         t=0 Persisted { request: RequestId(5), ok: true }
           ReplyUpload { request: RequestId(5), result: Ok(()) }
-          Fold(Update(10 examples, 4 bytes))
         t=0 Persisted { request: RequestId(6), ok: true }
           ReplyUpload { request: RequestId(6), result: Ok(()) }
-          Fold(Update(11 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 0, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 3, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 Upload { request: RequestId(7), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
           ReplyUpload { request: RequestId(7), result: Err(Unavailable) }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
@@ -1377,15 +1421,15 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           ReplyCheckIn { request: RequestId(10), decision: ComeBackLater { after_ms: 1183 } }
         t=0 Upload { request: RequestId(11), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
           PersistUpdate { request: RequestId(11), round_idx: RoundIdx(1), device: DeviceId(12), slot: 0, staleness: 1, update: 12 examples, 4 bytes }
+          Fold(Stale(12 examples, 4 bytes, staleness 1, × 0.7071067811865475))
         t=0 Persisted { request: RequestId(11), ok: true }
           ReplyUpload { request: RequestId(11), result: Ok(()) }
-          Fold(Stale(12 examples, 4 bytes, staleness 1, × 0.7071067811865475))
         t=0 Upload { request: RequestId(12), device: DeviceId(13), round_idx: RoundIdx(1), model_version: ModelVersion(1), update: 13 examples, 4 bytes }
           PersistUpdate { request: RequestId(12), round_idx: RoundIdx(1), device: DeviceId(13), slot: 1, staleness: 0, update: 13 examples, 4 bytes }
+          Fold(Update(13 examples, 4 bytes))
         t=0 Persisted { request: RequestId(12), ok: true }
           ReplyUpload { request: RequestId(12), result: Ok(()) }
-          Fold(Update(13 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(2), model_version: ModelVersion(2), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(13), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
@@ -1396,15 +1440,15 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           ReplyCheckIn { request: RequestId(14), decision: Selected { round_idx: RoundIdx(2), model_version: ModelVersion(2), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(15), device: DeviceId(15), round_idx: RoundIdx(2), model_version: ModelVersion(2), update: 15 examples, 4 bytes }
           PersistUpdate { request: RequestId(15), round_idx: RoundIdx(2), device: DeviceId(15), slot: 0, staleness: 0, update: 15 examples, 4 bytes }
+          Fold(Update(15 examples, 4 bytes))
         t=0 Upload { request: RequestId(16), device: DeviceId(16), round_idx: RoundIdx(2), model_version: ModelVersion(2), update: 16 examples, 4 bytes }
           PersistUpdate { request: RequestId(16), round_idx: RoundIdx(2), device: DeviceId(16), slot: 1, staleness: 0, update: 16 examples, 4 bytes }
+          Fold(Update(16 examples, 4 bytes))
         t=0 Persisted { request: RequestId(15), ok: true }
           ReplyUpload { request: RequestId(15), result: Ok(()) }
-          Fold(Update(15 examples, 4 bytes))
         t=0 Persisted { request: RequestId(16), ok: true }
           ReplyUpload { request: RequestId(16), result: Ok(()) }
-          Fold(Update(16 examples, 4 bytes))
-          CloseRound(RoundClosing { round_idx: RoundIdx(2), model_version: ModelVersion(2), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 })
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(2), model_version: ModelVersion(2), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(2), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(3), model_version: ModelVersion(3), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
         t=0 Upload { request: RequestId(17), device: DeviceId(14), round_idx: RoundIdx(1), model_version: ModelVersion(1), update: 14 examples, 4 bytes }

@@ -79,20 +79,23 @@ impl RunMachine {
                 let slot = r.next_slot;
                 r.next_slot += 1;
                 r.shards_reported.extend(aggregators.iter().copied());
-                let flight = InFlight {
-                    request,
-                    devices: devices.clone(),
-                    contribution: Contribution::Partial(sums),
-                    persisted: false,
-                };
+                let flight = InFlight { request, devices: devices.clone(), partial: true };
                 r.in_flight.insert(slot, flight);
-                Ok(Action::PersistPartial { request, round_idx, slot, report: report.clone() })
+                let persist =
+                    Action::PersistPartial { request, round_idx, slot, report: report.clone() };
+                Ok((persist, Contribution::Partial(sums)))
             }
         };
-        self.actions.push_back(match verdict {
-            Ok(persist) => persist,
-            Err(rejection) => Action::ReplyPartial { request, result: Err(rejection) },
-        });
+        match verdict {
+            // Folded as its write begins, like an upload.
+            Ok((persist, contribution)) => {
+                self.actions.push_back(persist);
+                self.actions.push_back(Action::Fold(contribution));
+            }
+            Err(rejection) => {
+                self.actions.push_back(Action::ReplyPartial { request, result: Err(rejection) });
+            }
+        }
     }
 }
 
