@@ -785,16 +785,19 @@ impl RunMachine {
             }
         };
         match verdict {
-            // Folded while its write is under way: the fold of the cohort's last upload is all
-            // that is left when it is durable.
-            Ok((persist, contribution)) => {
-                self.actions.push_back(persist);
-                self.actions.push_back(Action::Fold(contribution));
-            }
+            Ok((persist, contribution)) => self.persist_and_fold(persist, contribution),
             Err(rejection) => {
                 self.actions.push_back(Action::ReplyUpload { request, result: Err(rejection) });
             }
         }
+    }
+
+    /// Queues an accepted contribution's write and, right behind it, its fold: folded while
+    /// its write is under way, the fold of the cohort's last upload is all that is left when
+    /// that is durable (a failed write makes the round replay its sum; see `on_persisted`).
+    fn persist_and_fold(&mut self, persist: Action, contribution: Contribution) {
+        self.actions.push_back(persist);
+        self.actions.push_back(Action::Fold(contribution));
     }
 
     fn on_secagg(

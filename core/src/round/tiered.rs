@@ -87,11 +87,7 @@ impl RunMachine {
             }
         };
         match verdict {
-            // Folded as its write begins, like an upload.
-            Ok((persist, contribution)) => {
-                self.actions.push_back(persist);
-                self.actions.push_back(Action::Fold(contribution));
-            }
+            Ok((persist, contribution)) => self.persist_and_fold(persist, contribution),
             Err(rejection) => {
                 self.actions.push_back(Action::ReplyPartial { request, result: Err(rejection) });
             }
