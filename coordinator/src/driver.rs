@@ -264,12 +264,26 @@ struct CommittedModel {
 pub struct DriverHandle {
     tx: mpsc::Sender<Event>,
     models: ModelCache,
+    model_writes: ModelWrites,
 }
+
+/// Committed models whose bytes are still being written, across runs: each close task that
+/// commits a model by its hash holds the read side until the bytes land, and
+/// [`DriverHandle::finish_model_writes`] takes the write side to wait for them all.
+#[derive(Debug, Clone, Default)]
+struct ModelWrites(Arc<tokio::sync::RwLock<()>>);
 
 impl DriverHandle {
     /// The models cache the driver's commits fill, which the download handler serves from.
     pub fn models(&self) -> &ModelCache {
         &self.models
+    }
+
+    /// Waits up to `within` for the bytes of every model committed by its hash to be written
+    /// (at shutdown: a stopped coordinator's next start would rebuild them, but a finished
+    /// run's last model should not wait for one); whether they all landed.
+    pub async fn finish_model_writes(&self, within: Duration) -> bool {
+        tokio::time::timeout(within, self.model_writes.0.write()).await.is_ok()
     }
 
     /// Sends an event and waits for its answer.
@@ -307,6 +321,8 @@ pub struct Driver {
     deposed: bool,
     /// Committed models go in here, for the cohort's downloads.
     models: ModelCache,
+    /// Model bytes being written after their commit.
+    model_writes: ModelWrites,
 }
 
 struct RunEntry {

@@ -24,7 +24,7 @@ use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::driver::Driver;
+use crate::driver::{Driver, DriverHandle};
 use crate::store::{SqlStore, StoreError};
 
 /// Everything [`start`] needs, validated.
@@ -149,9 +149,11 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     let (stop, stopped) = watch::channel(false);
     let task = match store.try_acquire_leadership().await? {
         Some(leadership) => {
-            let app = lead(store, &config, leadership.epoch()).await?;
+            let leading = lead(store, &config, leadership.epoch()).await?;
             tracing::info!(%addr, tls, "coordinator listening");
-            tokio::spawn(serve_as_leader(listener, app, leadership, server_tls, config, stopped))
+            tokio::spawn(serve_as_leader(
+                listener, leading, leadership, server_tls, config, stopped,
+            ))
         }
         None => {
             tracing::info!(%addr, tls, "another coordinator holds the leadership lock: listening as a standby until it is released");
@@ -161,12 +163,13 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
     Ok(RunningCoordinator { addr, tls, shutdown: Some(stop), task })
 }
 
-/// Recovers every run from the store and starts the driver; the application to serve.
+/// Recovers every run from the store and starts the driver; the application to serve, and the
+/// driver's handle for the shutdown.
 async fn lead(
     store: SqlStore,
     config: &ServeConfig,
     epoch: i64,
-) -> Result<axum::Router, ServeError> {
+) -> Result<(axum::Router, DriverHandle), ServeError> {
     let observer = observe::Observer::new();
     let (driver, handle) =
         Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
@@ -182,7 +185,7 @@ async fn lead(
         }
     });
     let state = http::AppState::new(
-        handle,
+        handle.clone(),
         store,
         observer,
         &config.operator_token,
@@ -192,15 +195,16 @@ async fn lead(
     .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
     .serving_tls(config.tls.is_some())
     .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
-    Ok(http::router(state, config.dashboard_dir.as_deref())
-        .layer(tower_http::trace::TraceLayer::new_for_http()))
+    let app = http::router(state, config.dashboard_dir.as_deref())
+        .layer(tower_http::trace::TraceLayer::new_for_http());
+    Ok((app, handle))
 }
 
 /// Serves `app` until shutdown is asked, or until the leadership is lost (then with
 /// [`ServeError::LeadershipLost`], so another coordinator can take over).
 async fn serve_as_leader(
     listener: std::net::TcpListener,
-    app: axum::Router,
+    (app, driver): (axum::Router, DriverHandle),
     mut leadership: store::Leadership,
     tls: Option<rustls::ServerConfig>,
     config: ServeConfig,
@@ -216,7 +220,7 @@ async fn serve_as_leader(
     });
     let serving = serve(listener, app, tls, config.timeouts, server.clone());
     tokio::pin!(serving);
-    tokio::select! {
+    let res = tokio::select! {
         res = &mut serving => res,
         () = leadership.lost() => {
             tracing::error!("lost the leadership lock; stopping so another coordinator can take over");
@@ -224,7 +228,14 @@ async fn serve_as_leader(
             let _ = serving.await;
             Err(ServeError::LeadershipLost)
         }
+    };
+    // The bytes of models committed by their hash (none left once fenced off: those stop).
+    if !driver.finish_model_writes(SHUTDOWN_GRACE).await {
+        tracing::warn!(
+            "committed models' bytes were still being written at shutdown; the next start rebuilds them"
+        );
     }
+    res
 }
 
 /// A standby: serves the probes (alive, not ready) while it waits for the leadership lock, then
@@ -258,8 +269,8 @@ async fn stand_by(
     // queue for the leader's server.
     standby.graceful_shutdown(Some(Duration::from_secs(1)));
     let _ = probes.await;
-    let app = lead(store, &config, leadership.epoch()).await?;
-    serve_as_leader(listener, app, leadership, tls, config, stopped).await
+    let leading = lead(store, &config, leadership.epoch()).await?;
+    serve_as_leader(listener, leading, leadership, tls, config, stopped).await
 }
 
 /// Resolves when shutdown is asked (or its handle is dropped).

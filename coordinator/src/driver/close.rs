@@ -20,7 +20,7 @@ use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
 use super::recover::replay_round;
-use super::{Closed, CommittedModel, Internal, encode_model};
+use super::{Closed, CommittedModel, Internal, ModelWrites, encode_model};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
@@ -44,6 +44,8 @@ pub(super) struct CloseTask {
     /// Held from a round's closing until its model's bytes are written, so that a run has at
     /// most one model to rebuild after a crash (the next round's commit waits for it).
     pub(super) model_writes: Arc<tokio::sync::Mutex<()>>,
+    /// Every run's model writes, which a shutdown waits for.
+    pub(super) writes_in_flight: ModelWrites,
 }
 
 /// A model committed by its hash ([`ModelBytes::Later`]), to be written after the driver
@@ -70,6 +72,7 @@ impl CloseTask {
             internal,
             models,
             model_writes,
+            writes_in_flight,
         } = self;
         let writing = model_writes.lock_owned().await;
         let round_idx = closing.round_idx;
@@ -191,6 +194,12 @@ impl CloseTask {
         let aggregation_ms = (!matches!(committed, Closed::Failed))
             .then(|| closing_started.elapsed().as_secs_f64() * 1e3);
         observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);
+        // Registered before the driver hears of the commit: a shutdown from then on waits for
+        // the write.
+        let in_flight = match deferred {
+            Some(_) => Some(writes_in_flight.0.clone().read_owned().await),
+            None => None,
+        };
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
         // The next round is open; its commit waits for this write (`writing`).
         if let Some(write) = deferred {
@@ -200,7 +209,7 @@ impl CloseTask {
                 store.write_model(run_id, *version, hash, model, optimizer_state.as_deref())
             })
             .await;
-            drop(writing);
+            drop((writing, in_flight));
             if written.is_err() {
                 let _ = internal.send(Internal::Deposed);
                 return;

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::close::{CloseTask, Finish};
 use super::writer::{Batch, Deferred};
-use super::{Driver, DriverError, Internal, Responder, RunEntry};
+use super::{Driver, DriverError, Internal, ModelWrites, Responder, RunEntry};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
@@ -32,6 +32,7 @@ struct Effects<'a> {
     internal: &'a mpsc::UnboundedSender<Internal>,
     tier: Option<&'a AggregatorRegistry>,
     models: &'a ModelCache,
+    model_writes: &'a ModelWrites,
 }
 
 impl Driver {
@@ -44,6 +45,7 @@ impl Driver {
             internal: &self.internal_tx,
             tier: self.tier.as_ref(),
             models: &self.models,
+            model_writes: &self.model_writes,
         };
         let mut ended = vec![];
         for (&run_id, entry) in self.runs.iter_mut() {
@@ -193,6 +195,7 @@ impl Effects<'_> {
                     internal: self.internal.clone(),
                     models: self.models.clone(),
                     model_writes: entry.model_writes.clone(),
+                    writes_in_flight: self.model_writes.clone(),
                 });
             }
             Action::FinishRun => {

@@ -19,7 +19,7 @@ use starling_core::{ModelVersion, RoundIdx, RunId};
 use tokio::sync::mpsc;
 
 use super::close::{NextModel, next_model};
-use super::{Driver, DriverHandle, RunEntry, encode_model, entropy};
+use super::{Driver, DriverHandle, ModelWrites, RunEntry, encode_model, entropy};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
@@ -46,6 +46,7 @@ impl Driver {
             next_request: 0,
             deposed: false,
             models: ModelCache::default(),
+            model_writes: ModelWrites::default(),
         };
         rebuild_pending_models(&driver.store).await?;
         for row in driver.store.running_runs().await? {
@@ -119,8 +120,8 @@ impl Driver {
             entry.report_privacy(run_id, &driver.observer);
             driver.runs.insert(run_id, entry);
         }
-        let models = driver.models.clone();
-        Ok((driver, DriverHandle { tx, models }))
+        let (models, model_writes) = (driver.models.clone(), driver.model_writes.clone());
+        Ok((driver, DriverHandle { tx, models, model_writes }))
     }
 }
 

@@ -342,3 +342,37 @@ async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_mo
     // (1·1 + 3·(−0.5)) / 4, with nothing of the refused 9 × 5.0
     assert_eq!(committed_model(&store, run, 1).await, vec![-0.125; PARAMS]);
 }
+
+/// Issue 18: a shutdown waits for the bytes of a model committed by its hash (a finished run's
+/// last model must not wait for a restart); it says so when they do not land in time.
+#[tokio::test]
+async fn r18_a_shutdown_waits_for_committed_models_bytes() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
+         BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END",
+    )
+    .execute(&mut sql)
+    .await
+    .unwrap();
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run(&handle, 1).await;
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    while store.model_hash(run, ModelVersion(1)).await.unwrap().is_none() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!handle.finish_model_writes(Duration::from_millis(300)).await, "held back");
+    sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
+    assert!(handle.finish_model_writes(Duration::from_secs(10)).await);
+    let written = store.model(run, ModelVersion(1)).await.unwrap().expect("written");
+    assert_eq!(model_values(&written), vec![-0.125; PARAMS]);
+}
