@@ -207,6 +207,30 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     assert_eq!(models.get(&key).as_deref(), Some(&expected[..]));
 }
 
+/// A connection of its own to the test's SQLite file, for what the store does not do: a
+/// trigger that makes a write fail, a tampered row.
+async fn raw_sql(dir: &tempfile::TempDir, statement: &str) -> sqlx::SqliteConnection {
+    use sqlx::Connection;
+    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut sql).await.unwrap();
+    sql
+}
+
+/// Makes every write of a committed model's bytes fail, until dropped again.
+const HOLD_MODEL_BYTES: &str = "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
+    BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END";
+
+/// Checks both devices in and has them report round 0 (1.0 × 1 example and −0.5 × 3: the
+/// mean is −0.125).
+async fn both_report(handle: &DriverHandle, run: RunId, devices: &[DeviceId]) {
+    for &d in devices {
+        assert!(matches!(check_in(handle, d).await, CheckInResponse::Task(_)));
+    }
+    upload(handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+}
+
 /// A round committed by its model's hash whose bytes never reached the store: the first
 /// coordinator's runtime (on which its driver and close tasks run) is dropped while a trigger
 /// makes every write of the bytes fail, as if the process had been killed between the commit
@@ -216,16 +240,8 @@ async fn commit_whose_model_bytes_were_lost(
     dir: &tempfile::TempDir,
     store: &SqlStore,
 ) -> (RunId, String, bytes::Bytes) {
-    use sqlx::Connection;
+    let mut sql = raw_sql(dir, HOLD_MODEL_BYTES).await;
     let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    sqlx::query(
-        "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
-         BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END",
-    )
-    .execute(&mut sql)
-    .await
-    .unwrap();
     let devices = enrolled(store, 2).await;
     let first = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
     let first = first.unwrap();
@@ -239,11 +255,7 @@ async fn commit_whose_model_bytes_were_lost(
         .await
         .unwrap();
     let run = create_run(&handle, 2).await;
-    for &d in &devices {
-        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
-    }
-    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
-    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    both_report(&handle, run, &devices).await;
     let hash = loop {
         if let Some(hash) = store.model_hash(run, ModelVersion(1)).await.unwrap() {
             break hash;
@@ -291,16 +303,10 @@ async fn r18_a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round
 /// example count was altered) is refused as corruption, and writes nothing.
 #[tokio::test]
 async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
-    use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let (run, hash, _) = commit_whose_model_bytes_were_lost(&dir, &store).await;
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    sqlx::query("UPDATE updates SET example_count = 7 WHERE example_count = 3")
-        .execute(&mut sql)
-        .await
-        .unwrap();
+    raw_sql(&dir, "UPDATE updates SET example_count = 7 WHERE example_count = 3").await;
     let refused = Driver::recover(store.clone(), Observer::new(), None).await.err();
     match refused {
         Some(StoreError::Corrupt(why)) => assert!(why.contains(&hash), "{why}"),
@@ -317,18 +323,14 @@ async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
 /// durable only, read back from the store, to the bit.
 #[tokio::test]
 async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_model() {
-    use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    sqlx::query(
+    raw_sql(
+        &dir,
         "CREATE TRIGGER refuse_nine_examples BEFORE INSERT ON updates WHEN NEW.example_count = 9
          BEGIN SELECT RAISE(ABORT, 'the test refuses this write'); END",
     )
-    .execute(&mut sql)
-    .await
-    .unwrap();
+    .await;
     let devices = enrolled(&store, 2).await;
     let handle = started(&store).await;
     let run = create_run(&handle, 1).await;
@@ -347,26 +349,13 @@ async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_mo
 /// last model must not wait for a restart); it says so when they do not land in time.
 #[tokio::test]
 async fn r18_a_shutdown_waits_for_committed_models_bytes() {
-    use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    sqlx::query(
-        "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
-         BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END",
-    )
-    .execute(&mut sql)
-    .await
-    .unwrap();
+    let mut sql = raw_sql(&dir, HOLD_MODEL_BYTES).await;
     let devices = enrolled(&store, 2).await;
     let handle = started(&store).await;
     let run = create_run(&handle, 1).await;
-    for &d in &devices {
-        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
-    }
-    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
-    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    both_report(&handle, run, &devices).await;
     while store.model_hash(run, ModelVersion(1)).await.unwrap().is_none() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
