@@ -125,6 +125,9 @@ fn http_client(tls: &TlsSettings) -> Result<reqwest::Client, ClientError> {
     builder.build().map_err(|e| ClientError::Tls(e.to_string()))
 }
 
+/// How many times [`AdminClient::model_file`] asks (backing off from 200 ms: about 3 s in all).
+const MODEL_FILE_TRIES: u32 = 5;
+
 /// Retries `call` on transport errors, 408, 429 and 503, with exponential backoff (at most `tries`
 /// attempts); any other answer, success or refusal, is returned at once.
 pub async fn retrying<T, F, Fut>(tries: u32, mut call: F) -> Result<T, ClientError>
@@ -473,7 +476,9 @@ impl AdminClient {
         format: &str,
     ) -> Result<Vec<u8>, ClientError> {
         let path = format!("{}?format={format}", path::admin_model(run, version));
-        self.send_raw(reqwest::Method::GET, &path, None).await
+        // A model committed moments ago may still be having its bytes written (503): asked
+        // again, as a device asks again for its download.
+        retrying(MODEL_FILE_TRIES, || self.send_raw(reqwest::Method::GET, &path, None)).await
     }
 
     /// A committed model's values, downloaded with the operator's credential.

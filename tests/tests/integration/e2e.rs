@@ -103,7 +103,12 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
             acked.len() as f64 / acked.iter().map(|&i| weight(i) as f64).sum::<f64>();
         assert!((loss - expected_loss).abs() < 1e-12);
     }
-    let view = c.admin.run(run).await?;
+    // The run finishes once the driver hears of the last commit, a moment after it.
+    let view = wait_for("the run to finish", Duration::from_secs(30), || async {
+        let view = c.admin.run(run).await?;
+        Ok((view.status != "running").then_some(view))
+    })
+    .await?;
     assert_eq!(
         (view.status.as_str(), view.model_version, view.rounds_committed),
         ("finished", 3, 3)

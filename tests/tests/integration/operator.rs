@@ -402,3 +402,52 @@ async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     assert!(fleet_accuracy > untrained, "trained {fleet_accuracy} vs untrained {untrained}");
     c.running.shutdown().await.unwrap();
 }
+
+/// Issue 18: a round commits its model by content hash and the bytes follow. Asked for in
+/// between, the export is 503 with `Retry-After` (never a missing model), and the operator's
+/// client asks again until the bytes are there. A trigger on the SQLite file holds them back
+/// for a while to make "in between" last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_an_export_right_after_a_commit_waits_for_the_models_bytes() {
+    use sqlx::Connection;
+    use starling_tests::{PlanSpec, enroll, expect_tasks, upload_request, wait_model};
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let mut sql = sqlx::SqliteConnection::connect(&db).await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
+         BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END",
+    )
+    .execute(&mut sql)
+    .await
+    .unwrap();
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let spec = PlanSpec {
+        params: 100,
+        cohort: 2,
+        over_selection: 1.0,
+        quorum: 2,
+        selection_secs: 20.0,
+        reporting_secs: 60.0,
+        rounds: 1,
+    };
+    let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (d, t) in devices.iter().zip(&tasks) {
+        d.upload(run, t.round_idx, &upload_request(t, &[0.25; 100], 3)).await.unwrap();
+    }
+    let hash = wait_model(&c.admin, run, 1).await.unwrap();
+    let url = format!("{}{}?format=payload", c.url, starling_core::wire::path::admin_model(run, 1));
+    let held = reqwest::Client::new().get(&url).bearer_auth(OPERATOR_TOKEN).send().await.unwrap();
+    assert_eq!(held.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(held.headers()["retry-after"], "1");
+    let export = tokio::spawn({
+        let admin = c.admin.clone();
+        async move { admin.model_payload(run, 1).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
+    let payload = export.await.unwrap().expect("asked again until the bytes were written");
+    assert_eq!(payload.content_hash(), hash);
+    c.running.shutdown().await.unwrap();
+}
