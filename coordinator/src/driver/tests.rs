@@ -262,7 +262,13 @@ async fn commit_whose_model_bytes_were_lost(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    let served = handle.models().get(&hash).expect("the committed model is cached at once");
+    // Cached by the close task right after the commit, before the driver hears of it.
+    let served = loop {
+        if let Some(bytes) = handle.models().get(&hash) {
+            break bytes;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     assert!(matches!(
         store.model(run, ModelVersion(1)).await,
         Err(StoreError::ModelPending { version: 1, .. })
