@@ -19,9 +19,13 @@ use crate::store::{SqlStore, StoreError};
 
 const PARAMS: usize = 4;
 
+/// The URL of the test's SQLite file in `dir`.
+fn db_url(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("driver.db").display())
+}
+
 async fn store(dir: &tempfile::TempDir) -> SqlStore {
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    SqlStore::connect(&url, true).await.unwrap()
+    SqlStore::connect(&db_url(dir), true).await.unwrap()
 }
 
 async fn started(store: &SqlStore) -> DriverHandle {
@@ -93,6 +97,16 @@ async fn upload(
     handle
         .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
         .await
+}
+
+/// Checks both devices in and has them report round 0 (1.0 × 1 example and −0.5 × 3: the
+/// mean is −0.125).
+async fn both_report(handle: &DriverHandle, run: RunId, devices: &[DeviceId]) {
+    for &d in devices {
+        assert!(matches!(check_in(handle, d).await, CheckInResponse::Task(_)));
+    }
+    upload(handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    upload(handle, run, devices[1], update(-0.5, 3)).await.unwrap();
 }
 
 async fn committed_model(store: &SqlStore, run_id: RunId, version: i64) -> Vec<f32> {
@@ -185,11 +199,7 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     let handle = started(&store).await;
     let download = Compression::Int8 { block: 2 };
     let run = create_run_with(&handle, 2, serde_json::json!({"model_download": download})).await;
-    for &d in &devices {
-        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
-    }
-    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
-    upload(&handle, run, devices[1], update(-0.5, 3)).await.unwrap();
+    both_report(&handle, run, &devices).await;
     let values = committed_model(&store, run, 1).await;
     let task = loop {
         match check_in(&handle, devices[0]).await {
@@ -211,8 +221,7 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
 /// trigger that makes a write fail, a tampered row.
 async fn raw_sql(dir: &tempfile::TempDir, statement: &str) -> sqlx::SqliteConnection {
     use sqlx::Connection;
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
-    let mut sql = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    let mut sql = sqlx::SqliteConnection::connect(&db_url(dir)).await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut sql).await.unwrap();
     sql
 }
@@ -220,16 +229,6 @@ async fn raw_sql(dir: &tempfile::TempDir, statement: &str) -> sqlx::SqliteConnec
 /// Makes every write of a committed model's bytes fail, until dropped again.
 const HOLD_MODEL_BYTES: &str = "CREATE TRIGGER hold_model_bytes BEFORE UPDATE OF data ON models
     BEGIN SELECT RAISE(ABORT, 'the test holds the model bytes back'); END";
-
-/// Checks both devices in and has them report round 0 (1.0 × 1 example and −0.5 × 3: the
-/// mean is −0.125).
-async fn both_report(handle: &DriverHandle, run: RunId, devices: &[DeviceId]) {
-    for &d in devices {
-        assert!(matches!(check_in(handle, d).await, CheckInResponse::Task(_)));
-    }
-    upload(handle, run, devices[0], update(1.0, 1)).await.unwrap();
-    upload(handle, run, devices[1], update(-0.5, 3)).await.unwrap();
-}
 
 /// A round committed by its model's hash whose bytes never reached the store: the first
 /// coordinator's runtime (on which its driver and close tasks run) is dropped while a trigger
@@ -241,7 +240,7 @@ async fn commit_whose_model_bytes_were_lost(
     store: &SqlStore,
 ) -> (RunId, String, bytes::Bytes) {
     let mut sql = raw_sql(dir, HOLD_MODEL_BYTES).await;
-    let url = format!("sqlite://{}", dir.path().join("driver.db").display());
+    let url = db_url(dir);
     let devices = enrolled(store, 2).await;
     let first = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
     let first = first.unwrap();
