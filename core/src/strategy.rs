@@ -218,17 +218,22 @@ impl ServerOptimizer {
 
     /// The state before the first step, for a model of `n` parameters.
     pub fn initial_state(&self, n: usize) -> OptimizerState {
-        match *self {
-            ServerOptimizer::FedAvg { .. } => OptimizerState::default(),
-            ServerOptimizer::FedAvgM { .. } => {
-                OptimizerState { steps: 0, m: vec![0.0; n], v: vec![], clip_norm: None }
-            }
+        let (m_len, v_len) = self.state_lens(n);
+        let v_start = match *self {
             ServerOptimizer::FedAdagrad(p)
             | ServerOptimizer::FedAdam(p)
-            | ServerOptimizer::FedYogi(p) => {
-                let v = vec![(p.tau * p.tau) as f32; n];
-                OptimizerState { steps: 0, m: vec![0.0; n], v, clip_norm: None }
-            }
+            | ServerOptimizer::FedYogi(p) => (p.tau * p.tau) as f32,
+            _ => 0.0,
+        };
+        OptimizerState { steps: 0, m: vec![0.0; m_len], v: vec![v_start; v_len], clip_norm: None }
+    }
+
+    /// The lengths of the state's moments (`m`, `v`) for a model of `n` parameters.
+    fn state_lens(&self, n: usize) -> (usize, usize) {
+        match self {
+            ServerOptimizer::FedAvg { .. } => (0, 0),
+            ServerOptimizer::FedAvgM { .. } => (n, 0),
+            _ => (n, n),
         }
     }
 
@@ -244,9 +249,9 @@ impl ServerOptimizer {
     ) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
         let n = global.len();
         assert_eq!(aggregate.mean_delta.len(), n, "aggregate of another schema");
-        let expected = self.initial_state(n);
+        let (m_len, v_len) = self.state_lens(n);
         assert!(
-            state.m.len() == expected.m.len() && state.v.len() == expected.v.len(),
+            state.m.len() == m_len && state.v.len() == v_len,
             "optimizer state of another model or optimizer"
         );
         let mut next = OptimizerState {
@@ -255,41 +260,52 @@ impl ServerOptimizer {
             v: state.v.clone(),
             clip_norm: state.clip_norm,
         };
-        let mut model = Vec::with_capacity(n);
-        for (i, (&x, &d)) in global.iter().zip(&aggregate.mean_delta).enumerate() {
-            let x = f64::from(x);
-            let new = match *self {
-                ServerOptimizer::FedAvg { lr } => x + lr.unwrap_or(fallback_lr) * d,
-                ServerOptimizer::FedAvgM { lr, momentum } => {
-                    let m = momentum * f64::from(state.m[i]) + d;
-                    next.m[i] = m as f32;
-                    x + lr * m
-                }
-                ServerOptimizer::FedAdagrad(p)
-                | ServerOptimizer::FedAdam(p)
-                | ServerOptimizer::FedYogi(p) => {
-                    let m = p.beta1 * f64::from(state.m[i]) + (1.0 - p.beta1) * d;
-                    let v0 = f64::from(state.v[i]);
-                    let d2 = d * d;
-                    let v = match self {
-                        ServerOptimizer::FedAdagrad(_) => v0 + d2,
-                        ServerOptimizer::FedAdam(_) => p.beta2 * v0 + (1.0 - p.beta2) * d2,
-                        _ => {
-                            let sign = match v0.partial_cmp(&d2) {
-                                Some(std::cmp::Ordering::Greater) => 1.0,
-                                Some(std::cmp::Ordering::Less) => -1.0,
-                                _ => 0.0,
-                            };
-                            v0 - (1.0 - p.beta2) * d2 * sign
-                        }
-                    };
-                    next.m[i] = m as f32;
-                    next.v[i] = v as f32;
-                    x + p.lr * m / (v.sqrt() + p.tau)
-                }
-            };
-            model.push(new as f32);
-        }
+        let (global, delta) = (global.iter().map(|&x| f64::from(x)), &aggregate.mean_delta);
+        // One loop per optimizer, the choice made once rather than per parameter, so that each
+        // loop vectorizes (a 1M-parameter FedAvg step took 5 ms deciding per value).
+        let model: Vec<f32> = match *self {
+            ServerOptimizer::FedAvg { lr } => {
+                let lr = lr.unwrap_or(fallback_lr);
+                global.zip(delta).map(|(x, &d)| (x + lr * d) as f32).collect()
+            }
+            ServerOptimizer::FedAvgM { lr, momentum } => global
+                .zip(delta)
+                .zip(&mut next.m)
+                .map(|((x, &d), m_i)| {
+                    let m = momentum * f64::from(*m_i) + d;
+                    *m_i = m as f32;
+                    (x + lr * m) as f32
+                })
+                .collect(),
+            ServerOptimizer::FedAdagrad(p)
+            | ServerOptimizer::FedAdam(p)
+            | ServerOptimizer::FedYogi(p) => {
+                let second_moment = |v0: f64, d2: f64| match self {
+                    ServerOptimizer::FedAdagrad(_) => v0 + d2,
+                    ServerOptimizer::FedAdam(_) => p.beta2 * v0 + (1.0 - p.beta2) * d2,
+                    _ => {
+                        let sign = match v0.partial_cmp(&d2) {
+                            Some(std::cmp::Ordering::Greater) => 1.0,
+                            Some(std::cmp::Ordering::Less) => -1.0,
+                            _ => 0.0,
+                        };
+                        v0 - (1.0 - p.beta2) * d2 * sign
+                    }
+                };
+                global
+                    .zip(delta)
+                    .zip(next.m.iter_mut().zip(&mut next.v))
+                    .map(|((x, &d), (m_i, v_i))| {
+                        let m = p.beta1 * f64::from(*m_i) + (1.0 - p.beta1) * d;
+                        let v = second_moment(f64::from(*v_i), d * d);
+                        *m_i = m as f32;
+                        *v_i = v as f32;
+                        x + p.lr * m / (v.sqrt() + p.tau)
+                    })
+                    .map(|x| x as f32)
+                    .collect()
+            }
+        };
         if let Some(i) = model.iter().position(|v| !v.is_finite()) {
             return Err(AggregateError::NonFinite(i));
         }
