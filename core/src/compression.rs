@@ -420,23 +420,50 @@ impl CompressedDelta {
 
     /// The encoding's values as contiguous runs, in index order: `f(first index, run)`. What a
     /// fold loops over without decoding value by value.
-    pub(crate) fn runs(&self, mut f: impl FnMut(usize, Run<'_>)) {
+    pub(crate) fn runs(&self, f: impl FnMut(usize, Run<'_>)) {
+        self.runs_in(0..self.n, f);
+    }
+
+    /// [`runs`](Self::runs) cut to the values whose indices are in `range` (a run that
+    /// straddles its ends is cut there): what a fold over one tile of the sums loops over.
+    pub(crate) fn runs_in(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, Run<'_>)) {
+        let (start, end) = (range.start, range.end.min(self.n));
+        if start >= end {
+            return;
+        }
         let bytes = &self.bytes[..];
         match self.compression {
             kind @ (Compression::F32 | Compression::F16 | Compression::Bf16) => {
-                f(0, Run::Dense(kind, bytes));
+                let width = kind.dense_width();
+                f(start, Run::Dense(kind, &bytes[start * width..end * width]));
             }
             Compression::Int8 { block } => {
                 let block = block as usize;
                 let (scales, values) = bytes.split_at(4 * self.n.div_ceil(block));
-                for ((b, scale), values) in f32s(scales).enumerate().zip(values.chunks(block)) {
-                    f(b * block, Run::Int8 { scale, values });
+                let scales = f32s(&scales[4 * (start / block)..]);
+                for (b, scale) in (start / block..end.div_ceil(block)).zip(scales) {
+                    let first = (b * block).max(start);
+                    let last = ((b + 1) * block).min(end);
+                    f(first, Run::Int8 { scale, values: &values[first..last] });
                 }
             }
             Compression::TopK { .. } => {
                 let k = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
                 let (indices, values) = bytes[4..].split_at(4 * k);
-                for (i, v) in u32s(indices).zip(f32s(values)) {
+                // Validation made the indices strictly increasing: the range is found by
+                // bisection.
+                let index = |j: usize| {
+                    u32::from_le_bytes([
+                        indices[4 * j],
+                        indices[4 * j + 1],
+                        indices[4 * j + 2],
+                        indices[4 * j + 3],
+                    ]) as usize
+                };
+                let below = |bound: usize| partition_point(k, |j| index(j) < bound);
+                let (from, to) = (below(start), below(end));
+                let kept = u32s(&indices[4 * from..4 * to]).zip(f32s(&values[4 * from..4 * to]));
+                for (i, v) in kept {
                     f(i as usize, Run::One(v));
                 }
             }
@@ -495,18 +522,28 @@ fn encode_int8(delta: &[f32], block: usize, mut offset: impl FnMut() -> f64) -> 
         .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
         .collect();
     scales.iter().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
-    for (chunk, &scale) in delta.chunks(block.max(1)).zip(&scales) {
-        for &v in chunk {
-            let q = if scale > 0.0 {
+    out.resize(out.len() + delta.len(), 0);
+    let quantized = out[4 * blocks..].chunks_mut(block.max(1));
+    for ((chunk, &scale), out) in delta.chunks(block.max(1)).zip(&scales).zip(quantized) {
+        if scale > 0.0 {
+            let scale = f64::from(scale);
+            for (&v, q) in chunk.iter().zip(out) {
                 // floor(x/s + u), u uniform in [0, 1): rounds up with probability frac(x/s).
-                (f64::from(v) / f64::from(scale) + offset()).floor().clamp(-127.0, 127.0)
-            } else {
-                0.0
-            };
-            out.push(q as i8 as u8);
+                let q_f = floor_within_i32(f64::from(v) / scale + offset()).clamp(-127.0, 127.0);
+                *q = q_f as i8 as u8;
+            }
         }
     }
     out
+}
+
+/// `x.floor()` wherever the result is within i32 (a saturated bound beyond it, NaN to 0):
+/// the same once clamped to the int8 range. `f64::floor` is a call into libm on the x86-64
+/// baseline (no SSE4.1), which made it most of a model's int8 encoding.
+#[inline]
+fn floor_within_i32(x: f64) -> f64 {
+    let truncated = f64::from(x as i32);
+    if truncated > x { truncated - 1.0 } else { truncated }
 }
 
 fn encode_top_k(delta: &[f32], k: usize, feedback: &mut ErrorFeedback) -> Vec<u8> {
@@ -532,6 +569,16 @@ fn encode_top_k(delta: &[f32], k: usize, feedback: &mut ErrorFeedback) -> Vec<u8
         corrected[i as usize] = 0.0;
     }
     out
+}
+
+/// The first `j` in `0..len` for which `pred(j)` is false (`pred` true then false over it).
+fn partition_point(len: usize, pred: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, len);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if pred(mid) { lo = mid + 1 } else { hi = mid }
+    }
+    lo
 }
 
 fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {

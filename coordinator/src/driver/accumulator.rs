@@ -7,6 +7,28 @@ use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator};
 use starling_core::round::Contribution;
 use tokio::sync::oneshot;
 
+/// Folds `contributions` into `acc` in order: updates next to each other together
+/// ([`FedAvgAccumulator::add_all`]), a partial's sums on their own.
+fn fold_all(
+    acc: Option<&mut FedAvgAccumulator>,
+    contributions: impl Iterator<Item = Contribution>,
+) {
+    let Some(acc) = acc else { return };
+    let mut updates = vec![];
+    for contribution in contributions {
+        match contribution {
+            Contribution::Update(update) => updates.push((update, 1.0)),
+            Contribution::Stale { update, discount, .. } => updates.push((update, discount)),
+            Contribution::Partial(sums) => {
+                acc.add_all(updates.iter().map(|(u, d)| (u, *d)));
+                updates.clear();
+                acc.merge(&sums);
+            }
+        }
+    }
+    acc.add_all(updates.iter().map(|(u, d)| (u, *d)));
+}
+
 /// A run's accumulator on a thread of its own.
 pub(super) struct AccumulatorWorker {
     tx: std::sync::mpsc::Sender<Message>,
@@ -26,27 +48,27 @@ impl AccumulatorWorker {
             .name("fedavg-accumulator".into())
             .spawn(move || {
                 let mut acc = Some(initial);
-                while let Ok(message) = rx.recv() {
-                    match message {
-                        Message::Reset(fresh) => acc = Some(fresh),
-                        Message::Fold(contribution) => {
-                            if let Some(acc) = acc.as_mut() {
-                                match &contribution {
-                                    Contribution::Update(update) => acc.add(update),
-                                    Contribution::Stale { update, discount, .. } => {
-                                        acc.add_scaled(update, *discount)
-                                    }
-                                    Contribution::Partial(sums) => acc.merge(sums),
-                                }
+                while let Ok(first) = rx.recv() {
+                    // Folds that queued while the last ones ran go in together: the same sums
+                    // as one by one, for one pass over the accumulator's memory.
+                    let mut folds = vec![];
+                    for message in std::iter::once(first).chain(rx.try_iter()) {
+                        match message {
+                            Message::Fold(contribution) => folds.push(contribution),
+                            Message::Reset(fresh) => {
+                                fold_all(acc.as_mut(), folds.drain(..));
+                                acc = Some(fresh);
+                            }
+                            Message::Finish(reply) => {
+                                fold_all(acc.as_mut(), folds.drain(..));
+                                let res = acc
+                                    .take()
+                                    .map_or(Err(AggregateError::Empty), FedAvgAccumulator::finish);
+                                let _ = reply.send(res);
                             }
                         }
-                        Message::Finish(reply) => {
-                            let res = acc
-                                .take()
-                                .map_or(Err(AggregateError::Empty), FedAvgAccumulator::finish);
-                            let _ = reply.send(res);
-                        }
                     }
+                    fold_all(acc.as_mut(), folds.drain(..));
                 }
             })
             .expect("spawning the accumulator thread");

@@ -229,3 +229,50 @@ fn r18_the_bit_check_refuses_exactly_the_non_finite_values() {
         assert_eq!(Compression::F32.validate(2, bytes).is_ok(), v.is_finite(), "{v}");
     }
 }
+
+/// The int8 encoding as it was first written (`f64::floor`, a byte pushed per value): the
+/// reference the faster loop must match byte for byte.
+fn encode_int8_reference(delta: &[f32], block: usize, mut offset: impl FnMut() -> f64) -> Vec<u8> {
+    let scales: Vec<f32> =
+        delta.chunks(block).map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0).collect();
+    let mut out: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+    for (chunk, &scale) in delta.chunks(block).zip(&scales) {
+        for &v in chunk {
+            let q = if scale > 0.0 {
+                (f64::from(v) / f64::from(scale) + offset()).floor().clamp(-127.0, 127.0)
+            } else {
+                0.0
+            };
+            out.push(q as i8 as u8);
+        }
+    }
+    out
+}
+
+proptest! {
+    /// Issue 18: the floor that replaced `f64::floor` (a libm call on the x86-64 baseline,
+    /// most of a model's int8 encoding) agrees with it on every input once clamped to int8,
+    /// the infinities, NaN and values far outside i32 included.
+    #[test]
+    fn r18_the_int8_floor_agrees_with_floor_on_every_f64(bits in any::<u64>(), small in -300.0f64..300.0) {
+        for x in [f64::from_bits(bits), small, small.trunc(), -small.trunc()] {
+            let (fast, exact) = (floor_within_i32(x).clamp(-127.0, 127.0), x.floor().clamp(-127.0, 127.0));
+            prop_assert_eq!(fast as i8, exact as i8, "{}", x);
+        }
+    }
+
+    /// Issue 18: int8 encodings (a device's stochastic one and a model's to nearest) are the
+    /// same bytes as the first implementation's, blocks of zeros and huge values included.
+    #[test]
+    fn r18_int8_encodes_as_before(
+        delta in proptest::collection::vec(prop_oneof![Just(0.0f32), -1e30f32..1e30, -1e-3f32..1e-3, any::<f32>()], 1..600),
+        block in 1usize..300,
+        seed in any::<u64>(),
+    ) {
+        let nearest = encode_int8(&delta, block, || 0.5);
+        prop_assert_eq!(nearest, encode_int8_reference(&delta, block, || 0.5));
+        let (mut a, mut b) = (SplitMix64(seed), SplitMix64(seed));
+        let stochastic = encode_int8(&delta, block, || a.unit());
+        prop_assert_eq!(stochastic, encode_int8_reference(&delta, block, || b.unit()));
+    }
+}

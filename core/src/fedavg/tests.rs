@@ -251,3 +251,65 @@ fn r18_the_fold_by_runs_adds_each_decoded_value_bit_for_bit() {
         assert_eq!(by_runs.finish().unwrap(), reference.finish().unwrap());
     }
 }
+
+/// Issue 18: folding a batch of updates tile by tile (what the accumulator thread does with
+/// the uploads that queued while it folded) gives the sums of folding them one by one, bit for
+/// bit: every encoding, int8 blocks and top-k values cut at tile edges, discounts, a norm
+/// bound, and a partial merged between two batches.
+#[test]
+fn r18_a_batch_folds_to_the_same_bits_as_one_by_one() {
+    // Over two tiles, and not a multiple of the tile or of the int8 block.
+    let n = 2 * FOLD_TILE + 1_234;
+    let s = schema(n as u64);
+    let encodings = [
+        Compression::F32,
+        Compression::Int8 { block: 100 },
+        Compression::F16,
+        Compression::TopK { fraction: 0.01 },
+        Compression::Bf16,
+        Compression::Int8 { block: 100 },
+    ];
+    let batch: Vec<(ValidatedUpdate, f64)> = encodings
+        .iter()
+        .enumerate()
+        .map(|(k, &c)| {
+            let values: Vec<f32> =
+                (0..n).map(|i| ((i * (17 + k) % 991) as f32 - 495.0) * 1e-3).collect();
+            let bytes = c.encode(
+                &values,
+                &mut crate::rng::SplitMix64(k as u64),
+                &mut crate::compression::ErrorFeedback::default(),
+            );
+            let metrics = BTreeMap::from([("loss".into(), 0.1 * k as f64)]);
+            let update = validate_parts(&s, c, bytes, 2 + k as u64, metrics).unwrap();
+            (update, [1.0, 0.5, 0.25][k % 3])
+        })
+        .collect();
+    let partial = {
+        let mut acc = FedAvgAccumulator::new(n);
+        acc.add(&batch[0].0);
+        let sums = acc.into_partial();
+        validate_partial(&s, sums).unwrap()
+    };
+    for bound in [None, Some(NormBound { max_norm: 3.0, unweighted: false })] {
+        let (mut together, mut one_by_one) =
+            (FedAvgAccumulator::new(n).bounded(bound), FedAvgAccumulator::new(n).bounded(bound));
+        let (first, second) = batch.split_at(4);
+        together.add_all(first.iter().map(|(u, d)| (u, *d)));
+        for (update, discount) in first {
+            one_by_one.add_scaled(update, *discount);
+        }
+        if bound.is_none() {
+            together.merge(&partial);
+            one_by_one.merge(&partial);
+        }
+        together.add_all(second.iter().map(|(u, d)| (u, *d)));
+        for (update, discount) in second {
+            one_by_one.add_scaled(update, *discount);
+        }
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&together.hi), bits(&one_by_one.hi), "{bound:?}");
+        assert_eq!(bits(&together.lo), bits(&one_by_one.lo), "{bound:?}");
+        assert_eq!(together.finish().unwrap(), one_by_one.finish().unwrap());
+    }
+}
