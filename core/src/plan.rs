@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
@@ -100,6 +101,16 @@ pub struct Plan {
     /// updates. Absent: synchronous rounds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub asynchronous: Option<AsynchronousPlan>,
+    /// Write a committed model's bytes to the store every this many versions (`1`, the
+    /// default: every version). The versions in between are committed by their content hash:
+    /// the current one is served from memory, a restart rebuilds them from their rounds'
+    /// updates (kept until the next written version), and once a later version is written
+    /// they are no longer kept (exporting one is a 404). Fewer model writes per round, for
+    /// updates kept a few rounds longer and up to `checkpoint_interval - 1` rounds replayed
+    /// after a crash. A run's last model is always written; must be 1 in secure and
+    /// differentially private runs, whose models cannot be rebuilt from stored updates.
+    #[serde(default = "default_checkpoint_interval", skip_serializing_if = "is_one")]
+    pub checkpoint_interval: u32,
 }
 
 /// The plan's asynchronous (FedBuff) settings.
@@ -318,6 +329,9 @@ pub const DEFAULT_MAX_EXAMPLES: u64 = 100_000;
 /// Upper bound on cohort size; larger cohorts belong to the aggregator tier.
 pub const MAX_COHORT: u32 = 1_000_000;
 
+/// The most versions between written models: a crash replays at most one fewer rounds.
+pub const MAX_CHECKPOINT_INTERVAL: u32 = 100;
+
 impl Plan {
     /// Checks the plan and resolves defaults.
     pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
@@ -475,6 +489,30 @@ impl Plan {
             };
             if let Some(why) = refused {
                 return Err(field("asynchronous", format!("not with this plan: {why}")));
+            }
+        }
+        if self.checkpoint_interval == 0 || self.checkpoint_interval > MAX_CHECKPOINT_INTERVAL {
+            return Err(field(
+                "checkpoint_interval",
+                format!("must be in 1..={MAX_CHECKPOINT_INTERVAL}"),
+            ));
+        }
+        if self.checkpoint_interval > 1 {
+            let refused = if self.secure_aggregation.is_some() {
+                Some(
+                    "a secure round's records are deleted at its commit, so its model cannot be rebuilt and is written every version",
+                )
+            } else if strategy.differential_privacy.is_some() {
+                Some(
+                    "a DP round's noise is drawn afresh, so its model cannot be rebuilt and is written every version",
+                )
+            } else if self.evaluation_only {
+                Some("an evaluation-only run commits no models")
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                return Err(field("checkpoint_interval", format!("must be 1 here: {why}")));
             }
         }
         if self.evaluation_only && self.secure_aggregation.is_some() {
@@ -652,6 +690,16 @@ impl ValidatedPlan {
         self.plan.model_download
     }
 
+    /// Whether a committed model `version`'s bytes are written to the store (the plan's
+    /// `checkpoint_interval`): every version of a secure or DP run, whose models cannot be
+    /// rebuilt, and otherwise every `checkpoint_interval`-th and the run's last.
+    pub fn writes_model(&self, version: ModelVersion) -> bool {
+        let interval = u64::from(self.plan.checkpoint_interval.max(1));
+        let last = u64::from(self.rounds.total_rounds);
+        let version = version.0.max(0) as u64;
+        version % interval == 0 || version >= last
+    }
+
     /// The most bytes a device's delta may take in the run's encoding (top-k of a large share
     /// takes more than f32: an index beside each value): what the upload's body limit allows.
     pub fn max_delta_bytes(&self) -> u64 {
@@ -737,6 +785,14 @@ pub fn seeded_init(schema: &TensorSchema, seed: u64) -> Vec<f32> {
         out.extend((0..n).map(|_| ((next_unit() * 2.0 - 1.0) * bound) as f32));
     }
     out
+}
+
+fn default_checkpoint_interval() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 fn default_population() -> String {

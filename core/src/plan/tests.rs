@@ -383,3 +383,37 @@ fn r18_a_model_downloads_in_a_whole_encoding_and_evaluation_runs_get_it_plain() 
     evaluation["evaluation_only"] = serde_json::json!(true);
     assert!(refused(evaluation).contains("evaluation-only"));
 }
+
+/// Issue 18: a plan may write its models' bytes every few versions; every version by default
+/// (and old plans say nothing of it), the last always, and only where models can be rebuilt.
+#[test]
+fn r18_models_are_written_every_checkpoint_interval_versions_and_the_last() {
+    let with = |interval: u32| {
+        let mut v = plan_json();
+        v["checkpoint_interval"] = interval.into();
+        v["rounds"] = 7.into();
+        v
+    };
+    let refused = |v: serde_json::Value| parse(v).unwrap_err().to_string();
+    let plain = parse(plan_json()).unwrap();
+    assert_eq!(plain.plan().checkpoint_interval, 1);
+    assert!(serde_json::to_value(plain.plan()).unwrap().get("checkpoint_interval").is_none());
+    assert!((0..=3).all(|v| plain.writes_model(ModelVersion(v))));
+    let every_third = parse(with(3)).unwrap();
+    let written: Vec<i64> =
+        (0..=7).filter(|&v| every_third.writes_model(ModelVersion(v))).collect();
+    assert_eq!(written, [0, 3, 6, 7], "every third version, and the run's last (7)");
+    for bad in [0, MAX_CHECKPOINT_INTERVAL + 1] {
+        assert!(refused(with(bad)).contains("checkpoint_interval"), "{bad}");
+    }
+    let mut secure = with(2);
+    secure["secure_aggregation"] = serde_json::json!({"clip": 0.5, "max_examples": 1});
+    assert!(refused(secure).contains("secure round's records"));
+    let mut private = with(2);
+    private["strategy"] = serde_json::json!({"differential_privacy":
+        {"noise_multiplier": 1.0, "clip_norm": 0.5, "population": 100, "delta": 1e-5}});
+    assert!(refused(private).contains("DP round's noise"));
+    let mut evaluation = with(2);
+    evaluation["evaluation_only"] = true.into();
+    assert!(refused(evaluation).contains("commits no models"));
+}
