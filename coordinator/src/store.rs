@@ -85,12 +85,25 @@ pub enum StoreError {
     /// A row holds data this version cannot read.
     #[error("corrupt row: {0}")]
     Corrupt(String),
-    /// The model was committed by its hash and its bytes are still being written (see
-    /// [`ModelBytes::Later`]): they land within moments, or a restart rebuilds them.
+    /// The model was committed by its hash and its bytes are still to be written (see
+    /// [`ModelBytes::Later`]): they land within moments, or with the run's next checkpoint
+    /// (the plan's `checkpoint_interval`), or a restart rebuilds them.
     #[error(
-        "model version {version} of run {run_id} is committed; its bytes are still being written"
+        "model version {version} of run {run_id} is committed; its bytes are still to be written"
     )]
     ModelPending {
+        /// The run.
+        run_id: i64,
+        /// The model version.
+        version: i64,
+    },
+    /// The model was committed by its hash, and a later version of its run was written before
+    /// it: its bytes were never to be written (the plan's `checkpoint_interval`) and the
+    /// updates it was made of are released, so it cannot be read.
+    #[error(
+        "model version {version} of run {run_id} was not kept: the run writes its models every checkpoint_interval versions and a later one is written"
+    )]
+    ModelNotKept {
         /// The run.
         run_id: i64,
         /// The model version.

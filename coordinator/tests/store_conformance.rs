@@ -58,6 +58,7 @@ conformance!(
     r18_payloads_are_released_only_once_their_round_closed,
     r18_batches_written_together_keep_their_order_and_their_times,
     r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
+    r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -647,4 +648,80 @@ async fn r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_writte
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
     assert_eq!(store.release_closed_payloads().await.unwrap(), 1);
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+}
+
+/// Issue 18: with a plan's `checkpoint_interval`, rounds commit several models by their hash
+/// before one is written. Until then every one of them is pending and its round keeps its
+/// updates (a restart rebuilds them in order); once a later version is written, the ones
+/// before it are given up: not pending, read as not kept, their rounds' updates released.
+async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written(store: SqlStore) {
+    let (run, [d1, ..]) = run_with_reports(&store).await;
+    let metrics = BTreeMap::new();
+    let commit = |round: i64, hash: &'static str| RoundCommit {
+        closing: closing(round, round, RoundOutcome::Commit),
+        model_hash: hash,
+        bytes: ModelBytes::Later,
+        metrics: &metrics,
+        evaluation: None,
+    };
+    store.commit_round(run, commit(0, "h1"), 4_000).await.unwrap();
+    for (round, hash) in [(1, "h2"), (2, "h3")] {
+        let open = [
+            Transition::OpenRound(opened(round, round)),
+            Transition::Select { round_idx: RoundIdx(round), device: d1, aggregator: None },
+        ];
+        store.apply_transitions(run, &open, 5_000).await.unwrap();
+        store.insert_update(run, RoundIdx(round), d1, 0, 0, 1, "{}", &[7, 8], 5_500).await.unwrap();
+        store.commit_round(run, commit(round, hash), 6_000).await.unwrap();
+    }
+    let pending = |version: i64, hash: &str| PendingModel {
+        run_id: run.0,
+        version,
+        content_hash: hash.into(),
+        round_idx: version - 1,
+    };
+    assert_eq!(
+        store.pending_models().await.unwrap(),
+        vec![pending(1, "h1"), pending(2, "h2"), pending(3, "h3")],
+        "a restart rebuilds all three, oldest first"
+    );
+    assert!(store.model_unwritten(run, ModelVersion(2)).await.unwrap());
+    assert!(!store.model_unwritten(run, ModelVersion(0)).await.unwrap());
+    assert!(matches!(
+        store.model(run, ModelVersion(1)).await,
+        Err(StoreError::ModelPending { .. })
+    ));
+    assert!(matches!(store.release_payloads(run, RoundIdx(1)).await, Err(StoreError::Corrupt(_))));
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0);
+    // The third is written: the two before it are given up.
+    store.write_model(run, ModelVersion(3), "h3", b"m3", Some(b"state after 3")).await.unwrap();
+    assert_eq!(store.pending_models().await.unwrap(), vec![]);
+    assert!(!store.model_unwritten(run, ModelVersion(3)).await.unwrap());
+    let not_kept = |e: StoreError, v: i64| matches!(e, StoreError::ModelNotKept { run_id, version } if run_id == run.0 && version == v);
+    assert!(not_kept(store.model(run, ModelVersion(1)).await.unwrap_err(), 1));
+    assert!(not_kept(store.model_by_hash("h2").await.unwrap_err(), 2));
+    assert_eq!(store.model(run, ModelVersion(3)).await.unwrap().as_deref(), Some(&b"m3"[..]));
+    assert_eq!(store.model_hash(run, ModelVersion(2)).await.unwrap().as_deref(), Some("h2"));
+    // The rounds of the versions it stands for release their updates (each round once).
+    let released = store.release_payloads_of_versions(run, ModelVersion(1), ModelVersion(3));
+    assert_eq!(released.await.unwrap(), 3);
+    for round in 0..3 {
+        let left = store.for_each_update(run, RoundIdx(round), |_| Ok(())).await.unwrap();
+        assert_eq!(left, 0, "round {round}");
+    }
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0);
+    // A version committed after the written one is pending again, not given up.
+    let open = [
+        Transition::OpenRound(opened(3, 3)),
+        Transition::Select { round_idx: RoundIdx(3), device: d1, aggregator: None },
+    ];
+    store.apply_transitions(run, &open, 7_000).await.unwrap();
+    store.insert_update(run, RoundIdx(3), d1, 0, 0, 1, "{}", &[9], 7_500).await.unwrap();
+    store.commit_round(run, commit(3, "h4"), 8_000).await.unwrap();
+    assert_eq!(store.pending_models().await.unwrap(), vec![pending(4, "h4")]);
+    assert!(matches!(
+        store.model(run, ModelVersion(4)).await,
+        Err(StoreError::ModelPending { .. })
+    ));
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "round 3 keeps its update");
 }

@@ -132,6 +132,9 @@ impl From<StoreError> for ApiError {
                 e.to_string(),
             )
             .retry_after(std::time::Duration::from_secs(1)),
+            // Gone for good: the run writes its models every few versions (a device asking for
+            // it gives its task up; an operator exports a version that was written).
+            e @ StoreError::ModelNotKept { .. } => ApiError::not_found(e.to_string()),
             StoreError::Fenced { .. } => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorCode::Unavailable,
@@ -282,5 +285,17 @@ mod tests {
         assert_eq!(res.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap()), Some("1"));
         let body = res.extensions().get::<ErrorBody>().expect("an error body");
         assert!(body.message.contains("model version 7 of run 3"), "{}", body.message);
+    }
+
+    /// Issue 18: a model a run's checkpoint interval gave up is gone for good: a 404 that says
+    /// why, with nothing to retry.
+    #[test]
+    fn r18_a_model_not_kept_is_not_found_and_says_why() {
+        let e = ApiError::from(StoreError::ModelNotKept { run_id: 3, version: 7 });
+        assert_eq!((e.status_code(), e.code()), (StatusCode::NOT_FOUND, ErrorCode::NotFound));
+        let res = e.into_response();
+        assert!(res.headers().get(header::RETRY_AFTER).is_none());
+        let body = res.extensions().get::<ErrorBody>().expect("an error body");
+        assert!(body.message.contains("checkpoint_interval"), "{}", body.message);
     }
 }

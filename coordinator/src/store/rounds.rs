@@ -106,6 +106,16 @@ pub struct PendingModel {
 
 /// The columns of a [`RoundRow`], with live selected/reported counts for an open round
 /// (a macro so that queries built on it stay `&'static str`).
+/// SQL condition on a `models` row `m`: committed by its hash alone and still to be written,
+/// because no later version of its run has been written since. Once one has, the versions
+/// between were never to be written (the plan's `checkpoint_interval`) and are given up: their
+/// rounds' updates go and they read as [`StoreError::ModelNotKept`].
+macro_rules! still_to_be_written {
+    () => {
+        "m.data IS NULL AND NOT EXISTS (SELECT 1 FROM models w WHERE w.run_id = m.run_id AND w.version > m.version AND w.data IS NOT NULL)"
+    };
+}
+
 macro_rules! round_select {
     () => {
         "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
@@ -534,14 +544,17 @@ impl SqlStore {
         })
     }
 
-    /// Every run's committed models whose bytes are still to be written, by run and version
-    /// (a coordinator stopped between a [`ModelBytes::Later`] commit and its
-    /// [`SqlStore::write_model`]; a run's last round may have finished it since).
+    /// Every run's committed models whose bytes are still to be written, by run and version:
+    /// those after the run's last written one (a coordinator stopped between a
+    /// [`ModelBytes::Later`] commit and its [`SqlStore::write_model`], or before the run's next
+    /// checkpoint; a run's last round may have finished it since).
     pub async fn pending_models(&self) -> StoreResult<Vec<PendingModel>> {
         on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT run_id, version, content_hash, COALESCE(round_idx, -1) AS round_idx FROM models WHERE data IS NULL ORDER BY run_id, version",
-            )
+            sqlx::query_as(concat!(
+                "SELECT m.run_id, m.version, m.content_hash, COALESCE(m.round_idx, -1) AS round_idx FROM models m WHERE ",
+                still_to_be_written!(),
+                " ORDER BY m.run_id, m.version"
+            ))
             .fetch_all(pool)
             .await
             .map_err(map_err)
@@ -551,7 +564,8 @@ impl SqlStore {
     /// Drops a closed round's update deltas and partial sums (the rows stay, as the record of
     /// who took part): after [`SqlStore::commit_round`], off the round's path. Refuses a round
     /// that is still open, or whose model is still to be written (its updates are what a
-    /// restart would rebuild it from); releasing twice is not an error.
+    /// restart would rebuild it from) and not given up for a later written one; releasing
+    /// twice is not an error.
     pub async fn release_payloads(&self, run_id: RunId, round_idx: RoundIdx) -> StoreResult<()> {
         on_pool!(self, |pool| {
             // The write first: on SQLite a transaction that reads and then writes fails at
@@ -578,9 +592,10 @@ impl SqlStore {
                 }
                 Some(_) => {}
             }
-            let pending: Option<(i64,)> = sqlx::query_as(
-                "SELECT version FROM models WHERE run_id = $1 AND round_idx = $2 AND data IS NULL",
-            )
+            let pending: Option<(i64,)> = sqlx::query_as(concat!(
+                "SELECT m.version FROM models m WHERE m.run_id = $1 AND m.round_idx = $2 AND ",
+                still_to_be_written!()
+            ))
             .bind(run_id.0)
             .bind(round_idx.0)
             .fetch_optional(&mut *tx)
@@ -600,19 +615,49 @@ impl SqlStore {
     /// how many rounds it released. Run at start, after recovery rebuilt any such model.
     pub async fn release_closed_payloads(&self) -> StoreResult<usize> {
         let rounds: Vec<(i64, i64)> = on_pool!(self, |pool| {
-            sqlx::query_as(
+            sqlx::query_as(concat!(
                 "SELECT r.run_id, r.round_idx FROM rounds r WHERE r.state <> 'open'
-                   AND NOT EXISTS (SELECT 1 FROM models m WHERE m.run_id = r.run_id AND m.round_idx = r.round_idx AND m.data IS NULL)
+                   AND NOT EXISTS (SELECT 1 FROM models m WHERE m.run_id = r.run_id AND m.round_idx = r.round_idx AND ",
+                still_to_be_written!(),
+                ")
                    AND (EXISTS (SELECT 1 FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx AND u.delta IS NOT NULL)
                         OR EXISTS (SELECT 1 FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx AND p.report IS NOT NULL))
-                 ORDER BY r.run_id, r.round_idx",
-            )
+                 ORDER BY r.run_id, r.round_idx"
+            ))
             .fetch_all(pool)
             .await
             .map_err(map_err)
         })?;
         for &(run_id, round_idx) in &rounds {
             self.release_payloads(RunId(run_id), RoundIdx(round_idx)).await?;
+        }
+        Ok(rounds.len())
+    }
+
+    /// Releases the payloads of the rounds that committed `run_id`'s model versions `first`
+    /// to `last`, as [`SqlStore::release_payloads`] does each: once version `last` is written,
+    /// the rounds it was made from (its own, and those of the versions since the run's last
+    /// written one, which are given up: see the plan's `checkpoint_interval`). Returns how
+    /// many rounds it looked at.
+    pub async fn release_payloads_of_versions(
+        &self,
+        run_id: RunId,
+        first: ModelVersion,
+        last: ModelVersion,
+    ) -> StoreResult<usize> {
+        let rounds: Vec<(i64,)> = on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT round_idx FROM models WHERE run_id = $1 AND version >= $2 AND version <= $3 AND round_idx IS NOT NULL ORDER BY version",
+            )
+            .bind(run_id.0)
+            .bind(first.0)
+            .bind(last.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })?;
+        for &(round_idx,) in &rounds {
+            self.release_payloads(run_id, RoundIdx(round_idx)).await?;
         }
         Ok(rounds.len())
     }

@@ -121,37 +121,81 @@ impl SqlStore {
     }
 
     /// A model's bytes by version; [`StoreError::ModelPending`] for one committed whose bytes
-    /// are still being written.
+    /// are still to be written, [`StoreError::ModelNotKept`] for one given up since.
     pub async fn model(
         &self,
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<Vec<u8>>> {
-        on_pool!(self, |pool| {
-            let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(
+        let row: Option<(i64, i64, Option<Vec<u8>>)> = on_pool!(self, |pool| {
+            sqlx::query_as(
                 "SELECT run_id, version, data FROM models WHERE run_id = $1 AND version = $2",
             )
             .bind(run_id.0)
             .bind(version.0)
             .fetch_optional(pool)
             .await
-            .map_err(map_err)?;
-            row.map(model_bytes).transpose()
-        })
+            .map_err(map_err)
+        })?;
+        self.model_bytes(row).await
     }
 
     /// A model's bytes by content hash (from any run that stored them);
-    /// [`StoreError::ModelPending`] when the only model with that hash is still being written.
+    /// [`StoreError::ModelPending`] or [`StoreError::ModelNotKept`] when the only models with
+    /// that hash have none.
     pub async fn model_by_hash(&self, content_hash: &str) -> StoreResult<Option<Vec<u8>>> {
-        on_pool!(self, |pool| {
-            let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(
+        let row: Option<(i64, i64, Option<Vec<u8>>)> = on_pool!(self, |pool| {
+            sqlx::query_as(
                 "SELECT run_id, version, data FROM models WHERE content_hash = $1 ORDER BY data IS NULL LIMIT 1",
             )
             .bind(content_hash)
             .fetch_optional(pool)
             .await
-            .map_err(map_err)?;
-            row.map(model_bytes).transpose()
+            .map_err(map_err)
+        })?;
+        self.model_bytes(row).await
+    }
+
+    /// Whether model `version` of `run_id` is committed with its bytes still to be written.
+    pub async fn model_unwritten(&self, run_id: RunId, version: ModelVersion) -> StoreResult<bool> {
+        let (unwritten,): (i64,) = on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT COUNT(*) FROM models WHERE run_id = $1 AND version = $2 AND data IS NULL",
+            )
+            .bind(run_id.0)
+            .bind(version.0)
+            .fetch_one(pool)
+            .await
+            .map_err(map_err)
+        })?;
+        Ok(unwritten > 0)
+    }
+
+    /// A models row's bytes; for a row without, whether they are still to be written or were
+    /// given up because a later version of the run was written (see the plan's
+    /// `checkpoint_interval`).
+    async fn model_bytes(
+        &self,
+        row: Option<(i64, i64, Option<Vec<u8>>)>,
+    ) -> StoreResult<Option<Vec<u8>>> {
+        let (run_id, version) = match row {
+            None => return Ok(None),
+            Some((_, _, Some(data))) => return Ok(Some(data)),
+            Some((run_id, version, None)) => (run_id, version),
+        };
+        let (later_written,): (i64,) = on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT COUNT(*) FROM models WHERE run_id = $1 AND version > $2 AND data IS NOT NULL",
+            )
+            .bind(run_id)
+            .bind(version)
+            .fetch_one(pool)
+            .await
+            .map_err(map_err)
+        })?;
+        Err(match later_written {
+            0 => StoreError::ModelPending { run_id, version },
+            _ => StoreError::ModelNotKept { run_id, version },
         })
     }
 
@@ -206,9 +250,4 @@ impl SqlStore {
             Ok(row.map(|(h,)| h))
         })
     }
-}
-
-/// A models row's bytes, or that they are still being written.
-fn model_bytes((run_id, version, data): (i64, i64, Option<Vec<u8>>)) -> StoreResult<Vec<u8>> {
-    data.ok_or(StoreError::ModelPending { run_id, version })
 }
