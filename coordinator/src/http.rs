@@ -35,7 +35,7 @@ use starling_core::compression::Compression;
 use starling_core::plan::{Plan, ValidatedPlan};
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::{self, CBOR_MEDIA_TYPE};
-use starling_core::{DeviceId, RunId};
+use starling_core::{DeviceId, ModelVersion, RunId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::ApiError;
@@ -44,7 +44,7 @@ use error::{ErrorFormat, render_errors};
 use crate::driver::DriverHandle;
 use crate::model_cache::{download_payload, model_download_id};
 use crate::observe::Observer;
-use crate::store::SqlStore;
+use crate::store::{SqlStore, StoreError};
 use limits::{Limiter, RateLimit};
 
 /// State shared by every handler.
@@ -348,6 +348,25 @@ impl AppState {
         .expect("model encoding panicked")
         .map_err(|e| ApiError::internal(&e))?;
         Ok(Some(cache.insert(&key, Bytes::from(encoded))))
+    }
+
+    /// A committed model version's payload: from the store, or, for one whose bytes are not
+    /// there yet (moments after its commit, or until its run's next checkpoint), from the
+    /// model cache, which holds each run's newest.
+    async fn committed_model(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+    ) -> Result<Option<Bytes>, ApiError> {
+        match self.store().model(run_id, version).await {
+            Ok(stored) => Ok(stored.map(Bytes::from)),
+            Err(pending @ StoreError::ModelPending { .. }) => {
+                let hash = self.store().model_hash(run_id, version).await?;
+                let cached = hash.and_then(|hash| self.inner.driver.models().get(&hash));
+                cached.map(Some).ok_or_else(|| pending.into())
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// A run's validated plan; plans never change, so they are cached after the first read.

@@ -3,10 +3,11 @@
 //! the next round opens, so a cohort never waits for the store to read back what was just
 //! written.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use starling_core::RunId;
 use starling_core::codec;
 use starling_core::compression::Compression;
 use starling_core::tensor::{SchemaId, TensorPayload};
@@ -30,6 +31,10 @@ impl std::fmt::Debug for ModelCache {
 #[derive(Default)]
 struct Inner {
     entries: Mutex<VecDeque<(String, Bytes)>>,
+    /// Each run's newest committed model while its bytes are not in the store (hash, f32
+    /// payload), whatever `entries` evicts: the store cannot serve it until its run's next
+    /// written version (the plan's `checkpoint_interval`), and the run's devices need it.
+    unwritten: Mutex<HashMap<RunId, (String, Bytes)>>,
     /// Held while a model missing from `entries` is read or encoded: a cohort asking at once
     /// waits for one read and one encoding instead of each doing its own.
     loading: Arc<tokio::sync::Mutex<()>>,
@@ -55,7 +60,28 @@ impl ModelCache {
     /// The bytes cached under `key` ([`model_download_id`]).
     pub(crate) fn get(&self, key: &str) -> Option<Bytes> {
         let entries = self.inner.entries.lock().expect("model cache poisoned");
-        entries.iter().find(|(k, _)| k == key).map(|(_, b)| b.clone())
+        if let Some((_, bytes)) = entries.iter().find(|(k, _)| k == key) {
+            return Some(bytes.clone());
+        }
+        drop(entries);
+        let unwritten = self.inner.unwritten.lock().expect("model cache poisoned");
+        unwritten.values().find(|(hash, _)| hash == key).map(|(_, payload)| payload.clone())
+    }
+
+    /// Keeps `run_id`'s newest committed model, whose bytes the store does not have yet, until
+    /// [`ModelCache::written`] (in place of the run's previous one, which a later version
+    /// supersedes).
+    pub(crate) fn hold_unwritten(&self, run_id: RunId, hash: &str, payload: Bytes) {
+        let mut unwritten = self.inner.unwritten.lock().expect("model cache poisoned");
+        unwritten.insert(run_id, (hash.to_owned(), payload));
+    }
+
+    /// `run_id`'s model `hash` is in the store now: no longer held outside the eviction order.
+    pub(crate) fn written(&self, run_id: RunId, hash: &str) {
+        let mut unwritten = self.inner.unwritten.lock().expect("model cache poisoned");
+        if unwritten.get(&run_id).is_some_and(|(held, _)| held == hash) {
+            unwritten.remove(&run_id);
+        }
     }
 
     /// Caches `bytes` under `key` (the oldest entry goes when full); the bytes cached there.

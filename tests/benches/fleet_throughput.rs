@@ -5,8 +5,10 @@
 //! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`,
 //! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
 //! compressed deltas (the MB/round column is what they send), `--model-download int8` (or
-//! `f16`, `bf16`) download the model compressed, and `--rounds 20` measures more rounds than
-//! the default (five for the large models), for comparisons finer than one pass's noise.
+//! `f16`, `bf16`) download the model compressed, `--rounds 20` measures more rounds than
+//! the default (five for the large models), for comparisons finer than one pass's noise, and
+//! `--checkpoint-interval 5` sets the plan's `checkpoint_interval` (models written every fifth
+//! version instead of every one).
 //! The per-device rate limit is off: ten devices making a round's three requests several
 //! times a second are the load being measured.
 //! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
@@ -82,14 +84,8 @@ fn main() -> anyhow::Result<()> {
     let model_download = take_encoding(&mut args, "--model-download")?;
     model_download.check_model()?;
     // More measured rounds than the default, for comparisons finer than a pass's noise.
-    let rounds = match args.iter().position(|a| a == "--rounds") {
-        None => None,
-        Some(i) => {
-            let value = args.get(i + 1).context("--rounds needs a value")?.parse::<i64>()?;
-            args.drain(i..i + 2);
-            Some(value)
-        }
-    };
+    let rounds = take_number(&mut args, "--rounds")?;
+    let checkpoint_interval = take_number(&mut args, "--checkpoint-interval")?.unwrap_or(1);
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
         .into_iter()
@@ -101,7 +97,9 @@ fn main() -> anyhow::Result<()> {
         .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    println!("compression: {compression}, model download: {model_download}");
+    println!(
+        "compression: {compression}, model download: {model_download}, models written every {checkpoint_interval} versions"
+    );
     println!(
         "{:>6} {:>9} {:>6} {:>9} {:>9} {:>10} {:>12} {:>10} {:>13}",
         "N",
@@ -115,7 +113,12 @@ fn main() -> anyhow::Result<()> {
         "peak RSS MiB"
     );
     for c in configs {
-        let m = runtime.block_on(bench(&base_url, &c, compression, model_download))?;
+        let m = runtime.block_on(bench(
+            &base_url,
+            &c,
+            (compression, model_download),
+            checkpoint_interval,
+        ))?;
         let bytes_per_round = (c.devices * m.body_bytes) as f64;
         let rounds = c.rounds as f64;
         println!(
@@ -151,8 +154,8 @@ fn main() -> anyhow::Result<()> {
 async fn bench(
     base_url: &str,
     c: &Config,
-    compression: Compression,
-    model_download: Compression,
+    (compression, model_download): (Compression, Compression),
+    checkpoint_interval: i64,
 ) -> anyhow::Result<Measured> {
     // Built from numbers only, so safe to splice into DDL (which takes no bind parameters).
     let db = format!("starling_bench_{}_{}", std::process::id(), c.devices);
@@ -172,7 +175,7 @@ async fn bench(
         .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
     let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_DEVICE_RATE_LIMIT", "off")];
     let child = ChildCoordinator::spawn_with(bin, &url, free_addr(), &log, &env).await?;
-    let res = drive(&child, c, compression, model_download).await;
+    let res = drive(&child, c, (compression, model_download), checkpoint_interval).await;
     drop(child);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
         .execute(&mut admin_conn)
@@ -183,8 +186,8 @@ async fn bench(
 async fn drive(
     child: &ChildCoordinator,
     c: &Config,
-    compression: Compression,
-    model_download: Compression,
+    (compression, model_download): (Compression, Compression),
+    checkpoint_interval: i64,
 ) -> anyhow::Result<Measured> {
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let devices = enroll(&child.url, &admin, c.devices).await?;
@@ -203,6 +206,9 @@ async fn drive(
     let mut plan = spec.json();
     plan["compression"] = serde_json::to_value(compression)?;
     plan["model_download"] = serde_json::to_value(model_download)?;
+    if checkpoint_interval != 1 {
+        plan["checkpoint_interval"] = checkpoint_interval.into();
+    }
     let run = RunId(admin.create_run(&plan).await?.id);
     let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
     let (mut upload_secs, mut body_bytes) = (0.0, 0);
@@ -344,6 +350,14 @@ impl RoundEvents {
             self.pending.push_str(std::str::from_utf8(&chunk)?);
         }
     }
+}
+
+/// `--NAME N` taken out of the arguments.
+fn take_number(args: &mut Vec<String>, name: &str) -> anyhow::Result<Option<i64>> {
+    let Some(i) = args.iter().position(|a| a == name) else { return Ok(None) };
+    let value = args.get(i + 1).with_context(|| format!("{name} needs a value"))?.parse()?;
+    args.drain(i..i + 2);
+    Ok(Some(value))
 }
 
 /// `--NAME ENCODING` taken out of the arguments (f32 when absent).

@@ -107,10 +107,12 @@ impl CloseTask {
             (RoundOutcome::Commit, Ok(aggregate)) => {
                 let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
                 let (schema_id, download) = (plan.schema().schema_id(), plan.model_download());
+                let on_thread = plan.clone();
                 let prepared = tokio::task::spawn_blocking(move || {
+                    let plan = &on_thread;
                     let metrics = aggregate.metrics.clone();
                     let (values, state) = next_model(
-                        &NextModel { store: reader, handle, run_id, round_idx, plan: &plan },
+                        &NextModel { store: reader, handle, run_id, round_idx, plan },
                         &global,
                         aggregate,
                         &optimizer_state,
@@ -149,15 +151,21 @@ impl CloseTask {
                             let seconds = commit_started.elapsed().as_secs_f64();
                             observer.store_latency("commit_round", seconds);
                             tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
-                            if replayable {
-                                deferred = Some(DeferredWrite {
-                                    version: ModelVersion(closing.model_version.0 + 1),
-                                    hash: hash.clone(),
-                                    model: payload.clone(),
-                                    optimizer_state: state_bytes,
-                                });
-                            } else {
+                            let version = ModelVersion(closing.model_version.0 + 1);
+                            if !replayable {
                                 release_payloads(&store, &observer, run_id, round_idx);
+                            } else {
+                                // Until its bytes are in the store (with the run's next
+                                // checkpoint, if not now), only the cache can serve it.
+                                models.hold_unwritten(run_id, &hash, payload.clone());
+                                if plan.writes_model(version) {
+                                    deferred = Some(DeferredWrite {
+                                        version,
+                                        hash: hash.clone(),
+                                        model: payload.clone(),
+                                        optimizer_state: state_bytes,
+                                    });
+                                }
                             }
                             // In the cache before the driver hears of it, so before the next
                             // round hands out its hash (and while its bytes may still be
@@ -203,21 +211,73 @@ impl CloseTask {
         let _ = internal.send(Internal::RoundClosed { run_id, round_idx, committed });
         // The next round is open; its commit waits for this write (`writing`).
         if let Some(write) = deferred {
-            let started = std::time::Instant::now();
-            let written = retry_store("write committed model", run_id, || {
-                let DeferredWrite { version, hash, model, optimizer_state } = &write;
-                store.write_model(run_id, *version, hash, model, optimizer_state.as_deref())
-            })
-            .await;
+            let DeferredWrite { version, hash, model, optimizer_state } = write;
+            let state = optimizer_state.as_deref();
+            let write = ModelWrite { store: &store, observer: &observer, models: &models, run_id };
+            let made_from = versions_since_last_written(&plan, version);
+            let written = write.write(version, &hash, &model, state, made_from).await;
             drop((writing, in_flight));
             if written.is_err() {
                 let _ = internal.send(Internal::Deposed);
-                return;
             }
-            observer.store_latency("write_model", started.elapsed().as_secs_f64());
-            release_payloads(&store, &observer, run_id, round_idx);
         }
     }
+}
+
+/// Writing a committed model's bytes after its commit, and what follows once they are in.
+pub(super) struct ModelWrite<'a> {
+    pub(super) store: &'a SqlStore,
+    pub(super) observer: &'a Observer,
+    pub(super) models: &'a ModelCache,
+    pub(super) run_id: RunId,
+}
+
+impl ModelWrite<'_> {
+    /// Writes model `version`'s bytes (and the server's state after it), retrying until they
+    /// land; then the rounds that committed the versions `made_from` (the versions since the
+    /// run's last written one, which are given up, and this one) release their payloads, off
+    /// the round's path. `Err` only when the write was fenced off.
+    pub(super) async fn write(
+        &self,
+        version: ModelVersion,
+        hash: &str,
+        model: &[u8],
+        optimizer_state: Option<&[u8]>,
+        made_from: std::ops::RangeInclusive<ModelVersion>,
+    ) -> Result<(), Deposed> {
+        let ModelWrite { store, observer, models, run_id } = *self;
+        let started = std::time::Instant::now();
+        retry_store("write committed model", run_id, || {
+            store.write_model(run_id, version, hash, model, optimizer_state)
+        })
+        .await?;
+        observer.store_latency("write_model", started.elapsed().as_secs_f64());
+        models.written(run_id, hash);
+        let (store, observer) = (store.clone(), observer.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let (first, last) = made_from.into_inner();
+            match store.release_payloads_of_versions(run_id, first, last).await {
+                Ok(_) => {
+                    observer.store_latency("release_payloads", started.elapsed().as_secs_f64())
+                }
+                Err(e) => {
+                    tracing::warn!(%run_id, %version, error = %e, "releasing committed rounds' payloads failed; the next start releases them")
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The versions a written model `version` stands for: those since the run's last written one
+/// (at most the plan's `checkpoint_interval` back), and itself.
+pub(super) fn versions_since_last_written(
+    plan: &ValidatedPlan,
+    version: ModelVersion,
+) -> std::ops::RangeInclusive<ModelVersion> {
+    let back = i64::from(plan.plan().checkpoint_interval.max(1)) - 1;
+    ModelVersion((version.0 - back).max(1))..=version
 }
 
 /// Drops a committed round's payloads off the round's path: the next round does not wait for
@@ -401,7 +461,7 @@ fn read_tile_retrying(
 
 /// Another coordinator leads: a write was fenced off.
 #[derive(Debug)]
-struct Deposed;
+pub(super) struct Deposed;
 
 /// Retries a store write until it succeeds; a conflict means an earlier attempt whose answer
 /// was lost already succeeded. Fails only when the write was fenced off.
@@ -424,6 +484,59 @@ where
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
+        }
+    }
+}
+
+/// A run that ended (stopped by its operator) with its newest model committed by its hash
+/// alone, between two written versions of the plan's `checkpoint_interval`: its bytes are
+/// written now, from the values the driver holds, so the run's last model can be exported
+/// without a restart rebuilding it. (A finished run's last version is written by its commit.)
+pub(super) struct LastModelWrite {
+    pub(super) store: SqlStore,
+    pub(super) observer: Observer,
+    pub(super) models: ModelCache,
+    pub(super) run_id: RunId,
+    pub(super) plan: Arc<ValidatedPlan>,
+    pub(super) version: ModelVersion,
+    pub(super) hash: String,
+    pub(super) values: Arc<Vec<f32>>,
+    pub(super) optimizer_state: Arc<OptimizerState>,
+    /// The run's model-write lock: taken first, so any close task's write lands before.
+    pub(super) model_writes: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl LastModelWrite {
+    pub(super) async fn run(self) {
+        let LastModelWrite { store, observer, models, run_id, plan, version, hash, .. } = &self;
+        let _writing = self.model_writes.clone().lock_owned().await;
+        match store.model_unwritten(*run_id, *version).await {
+            Ok(false) => return,
+            Ok(true) => {}
+            Err(e) => {
+                tracing::warn!(%run_id, %version, error = %e, "checking a stopped run's last model failed; the next start writes it if need be");
+                return;
+            }
+        }
+        let (on_thread, values, state) =
+            (plan.clone(), self.values.clone(), self.optimizer_state.clone());
+        let (encoded, encoded_hash, state_bytes) = tokio::task::spawn_blocking(move || {
+            let (encoded, hash) = encode_model(on_thread.schema(), &values);
+            let stateful = on_thread.plan().strategy.is_stateful();
+            (encoded, hash, stateful.then(|| state.to_bytes()))
+        })
+        .await
+        .expect("encoding a model panicked");
+        if encoded_hash != *hash {
+            // A bug: the driver's values are not the model it committed. The next start
+            // rebuilds that one from the store instead.
+            tracing::error!(%run_id, %version, committed = %hash, held = %encoded_hash, "a stopped run's model does not hash as committed; not written");
+            return;
+        }
+        let write = ModelWrite { store, observer, models, run_id: *run_id };
+        let made_from = versions_since_last_written(plan, *version);
+        if write.write(*version, hash, &encoded, state_bytes.as_deref(), made_from).await.is_ok() {
+            tracing::info!(%run_id, %version, "a stopped run's last model written");
         }
     }
 }

@@ -10,7 +10,7 @@ use starling_core::round::{Action, RequestId, RoundSum, RunStatus};
 use starling_core::wire::{SecAggInstruction, UploadAck};
 use tokio::sync::{mpsc, oneshot};
 
-use super::close::{CloseTask, Finish};
+use super::close::{CloseTask, Finish, LastModelWrite};
 use super::writer::{Batch, Deferred};
 use super::{Driver, DriverError, Internal, ModelWrites, Responder, RunEntry};
 use crate::clock::now_ms;
@@ -72,8 +72,36 @@ impl Driver {
                 for (_, responder) in entry.responders.drain() {
                     responder.run_ended(run_id);
                 }
+                self.write_last_model(run_id, &entry);
             }
         }
+    }
+
+    /// A run that ended between two written versions (the plan's `checkpoint_interval`) has
+    /// its newest model's bytes written now rather than at the next start. Not once a shutdown
+    /// has begun: that start rebuilds it.
+    fn write_last_model(&self, run_id: RunId, entry: &RunEntry) {
+        if entry.plan.plan().checkpoint_interval <= 1 {
+            return;
+        }
+        let Ok(in_flight) = self.model_writes.0.clone().try_read_owned() else { return };
+        let task = LastModelWrite {
+            store: self.store.clone(),
+            observer: self.observer.clone(),
+            models: self.models.clone(),
+            run_id,
+            plan: entry.plan.clone(),
+            version: entry.machine.model_version(),
+            hash: entry.model_hash.clone(),
+            values: entry.global.clone(),
+            optimizer_state: entry.optimizer_state.clone(),
+            model_writes: entry.model_writes.clone(),
+        };
+        // Holding the read side of the writes a shutdown waits for until it is done.
+        tokio::spawn(async move {
+            task.run().await;
+            drop(in_flight);
+        });
     }
 }
 

@@ -370,3 +370,152 @@ async fn r18_a_shutdown_waits_for_committed_models_bytes() {
     let written = store.model(run, ModelVersion(1)).await.unwrap().expect("written");
     assert_eq!(model_values(&written), vec![-0.125; PARAMS]);
 }
+
+/// Both devices take `round`'s task and report it (`a` × 1 example, `b` × 3); the task's model
+/// hash.
+async fn report_round(
+    handle: &DriverHandle,
+    run: RunId,
+    devices: &[DeviceId],
+    round: i64,
+    (a, b): (f32, f32),
+) -> String {
+    let mut tasks = vec![];
+    for &device in devices {
+        tasks.push(loop {
+            match check_in(handle, device).await {
+                CheckInResponse::Task(task) if task.round_idx == RoundIdx(round) => break task,
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        });
+    }
+    for (task, (device, value, examples)) in tasks.iter().zip([(0, a, 1), (1, b, 3)]) {
+        let (round_idx, model_version) = (task.round_idx, task.model_version);
+        let (device, update) = (devices[device], update(value, examples));
+        handle
+            .call(|reply| Event::Upload {
+                device,
+                run_id: run,
+                round_idx,
+                model_version,
+                update,
+                reply,
+            })
+            .await
+            .unwrap();
+    }
+    tasks[0].model_hash.clone()
+}
+
+/// Waits until model `version` of `run` is committed; its hash.
+async fn committed_hash(store: &SqlStore, run: RunId, version: i64) -> String {
+    for _ in 0..400 {
+        if let Some(hash) = store.model_hash(run, ModelVersion(version)).await.unwrap() {
+            return hash;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("model version {version} was never committed");
+}
+
+/// Updates still stored for `round` of `run`.
+async fn kept_updates(store: &SqlStore, run: RunId, round: i64) -> u64 {
+    store.for_each_update(run, RoundIdx(round), |_| Ok(())).await.unwrap()
+}
+
+/// Issue 18: a plan's `checkpoint_interval` writes every other model here. A version in
+/// between is committed by its hash, served from the cache (downloads and exports) and its
+/// round keeps its updates; the next written version gives it up (not kept, updates
+/// released); the run's last model is written whatever the interval.
+#[tokio::test]
+async fn r18_models_are_written_every_checkpoint_interval_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run_with(&handle, 3, serde_json::json!({"checkpoint_interval": 2})).await;
+    report_round(&handle, run, &devices, 0, (1.0, -0.5)).await;
+    let v1 = committed_hash(&store, run, 1).await;
+    // Round 1's task hands out version 1, which only the cache has.
+    let handed_out = report_round(&handle, run, &devices, 1, (2.0, 2.0)).await;
+    assert_eq!(handed_out, v1);
+    assert_eq!(committed_model(&store, run, 2).await, vec![-0.125 + 2.0; PARAMS]);
+    // Version 2 is written: version 1 is given up, and both rounds' updates are released.
+    assert!(matches!(
+        store.model(run, ModelVersion(1)).await,
+        Err(StoreError::ModelNotKept { .. })
+    ));
+    for round in 0..2 {
+        while kept_updates(&store, run, round).await > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    // Version 3 is the run's last: written though 3 is not a multiple of 2.
+    report_round(&handle, run, &devices, 2, (4.0, 0.0)).await;
+    assert_eq!(committed_model(&store, run, 3).await, vec![-0.125 + 2.0 + 1.0; PARAMS]);
+    assert_eq!(store.pending_models().await.unwrap(), vec![]);
+}
+
+/// Issue 18: a coordinator stopped between written versions loses nothing: the next start
+/// rebuilds every model since the last written one from the rounds' kept updates, in order and
+/// to the bit of what the first coordinator served, and the run goes on from the newest.
+#[tokio::test]
+async fn r18_a_restart_between_checkpoints_rebuilds_every_unwritten_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run_with(&handle, 5, serde_json::json!({"checkpoint_interval": 3})).await;
+    report_round(&handle, run, &devices, 0, (1.0, -0.5)).await;
+    report_round(&handle, run, &devices, 1, (0.5, 0.25)).await;
+    let v2 = committed_hash(&store, run, 2).await;
+    let served: Vec<bytes::Bytes> = [committed_hash(&store, run, 1).await, v2.clone()]
+        .iter()
+        .map(|hash| handle.models().get(hash).expect("the cache holds the run's newest models"))
+        .collect();
+    assert_eq!(store.pending_models().await.unwrap().len(), 2);
+    drop(handle); // the driver stops with its last handle, versions 1 and 2 unwritten
+
+    let handle = started(&store).await;
+    assert_eq!(store.pending_models().await.unwrap(), vec![]);
+    for (version, served) in [1, 2].into_iter().zip(&served) {
+        let rebuilt = store.model(run, ModelVersion(version)).await.unwrap().expect("rebuilt");
+        assert_eq!(rebuilt, &served[..], "version {version}");
+    }
+    // (1·1 + 3·(−0.5)) / 4, then (0.5·1 + 0.25·3) / 4
+    assert_eq!(model_values(&served[1]), vec![-0.125 + 0.3125; PARAMS]);
+    assert_eq!(store.release_closed_payloads().await.unwrap(), 2);
+    let handed_out = report_round(&handle, run, &devices, 2, (1.0, 1.0)).await;
+    assert_eq!(handed_out, v2);
+    assert_eq!(committed_model(&store, run, 3).await, vec![-0.125 + 0.3125 + 1.0; PARAMS]);
+}
+
+/// Issue 18: a run stopped between written versions has its newest model written at once
+/// (from the values the driver holds), so its last model can be exported without a restart.
+#[tokio::test]
+async fn r18_a_run_stopped_between_checkpoints_writes_its_newest_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run_with(&handle, 9, serde_json::json!({"checkpoint_interval": 5})).await;
+    report_round(&handle, run, &devices, 0, (1.0, -0.5)).await;
+    report_round(&handle, run, &devices, 1, (0.5, 0.25)).await;
+    let v2 = committed_hash(&store, run, 2).await;
+    let served = handle.models().get(&v2).expect("cached");
+    handle.call(|reply| Event::StopRun { run_id: run, reply }).await.unwrap();
+    assert_eq!(store.run(run).await.unwrap().unwrap().status, "stopped");
+    let written = committed_model(&store, run, 2).await;
+    assert_eq!(written, model_values(&served));
+    assert!(matches!(
+        store.model(run, ModelVersion(1)).await,
+        Err(StoreError::ModelNotKept { .. })
+    ));
+    for round in 0..3 {
+        while kept_updates(&store, run, round).await > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert!(handle.finish_model_writes(Duration::from_secs(10)).await);
+    assert_eq!(store.pending_models().await.unwrap(), vec![]);
+}

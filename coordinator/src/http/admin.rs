@@ -395,7 +395,7 @@ async fn export_model(
     if !matches!(format, "safetensors" | "payload") {
         return Err(ApiError::invalid(format!("format {format:?}: use safetensors or payload")));
     }
-    let encoded = state.store().model(run_id, ModelVersion(version)).await?.ok_or_else(|| {
+    let encoded = state.committed_model(run_id, ModelVersion(version)).await?.ok_or_else(|| {
         ApiError::not_found(format!("run {run_id} has no model version {version}"))
     })?;
     let attachment = |extension: &str| {

@@ -403,14 +403,27 @@ async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     c.running.shutdown().await.unwrap();
 }
 
+/// A run of `rounds` rounds of two devices, both needed, on 100 parameters.
+fn two_devices_100_params(rounds: u32) -> starling_tests::PlanSpec {
+    starling_tests::PlanSpec {
+        params: 100,
+        cohort: 2,
+        over_selection: 1.0,
+        quorum: 2,
+        selection_secs: 20.0,
+        reporting_secs: 60.0,
+        rounds,
+    }
+}
+
 /// Issue 18: a round commits its model by content hash and the bytes follow. Asked for in
-/// between, the export is 503 with `Retry-After` (never a missing model), and the operator's
-/// client asks again until the bytes are there. A trigger on the SQLite file holds them back
-/// for a while to make "in between" last.
+/// between, the export is served from the coordinator's memory (the model cache holds each
+/// run's newest model until its bytes are written), not a missing model nor a wait. A trigger
+/// on the SQLite file holds the bytes back to make "in between" last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_an_export_right_after_a_commit_waits_for_the_models_bytes() {
+async fn r18_an_export_right_after_a_commit_is_served_before_the_models_bytes_are_written() {
     use sqlx::Connection;
-    use starling_tests::{PlanSpec, enroll, expect_tasks, upload_request, wait_model};
+    use starling_tests::{enroll, expect_tasks, upload_request, wait_model};
     let (_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let mut sql = sqlx::SqliteConnection::connect(&db).await.unwrap();
@@ -422,32 +435,68 @@ async fn r18_an_export_right_after_a_commit_waits_for_the_models_bytes() {
     .await
     .unwrap();
     let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
-    let spec = PlanSpec {
-        params: 100,
-        cohort: 2,
-        over_selection: 1.0,
-        quorum: 2,
-        selection_secs: 20.0,
-        reporting_secs: 60.0,
-        rounds: 1,
-    };
+    let spec = two_devices_100_params(1);
     let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
     let tasks = expect_tasks(&devices).await.unwrap();
     for (d, t) in devices.iter().zip(&tasks) {
         d.upload(run, t.round_idx, &upload_request(t, &[0.25; 100], 3)).await.unwrap();
     }
     let hash = wait_model(&c.admin, run, 1).await.unwrap();
-    let url = format!("{}{}?format=payload", c.url, starling_core::wire::path::admin_model(run, 1));
-    let held = reqwest::Client::new().get(&url).bearer_auth(OPERATOR_TOKEN).send().await.unwrap();
-    assert_eq!(held.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(held.headers()["retry-after"], "1");
-    let export = tokio::spawn({
-        let admin = c.admin.clone();
-        async move { admin.model_payload(run, 1).await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
-    let payload = export.await.unwrap().expect("asked again until the bytes were written");
+    let payload = c.admin.model_payload(run, 1).await.expect("served from memory");
     assert_eq!(payload.content_hash(), hash);
+    let unwritten: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM models WHERE data IS NULL")
+        .fetch_one(&mut sql)
+        .await
+        .unwrap();
+    assert_eq!(unwritten, (1,), "the bytes are still held back");
+    sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
+    c.running.shutdown().await.unwrap();
+    let written: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM models WHERE data IS NULL")
+        .fetch_one(&mut sql)
+        .await
+        .unwrap();
+    assert_eq!(written, (0,), "written before the shutdown finished");
+}
+
+/// Issue 18: with a plan's `checkpoint_interval`, the newest model exports from memory until
+/// its run's next written version, and a version given up then is a 404 that says why; the
+/// run's last model is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept() {
+    use starling_tests::{enroll, expect_tasks, upload_request, wait_model};
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let spec = two_devices_100_params(3);
+    let mut plan = spec.json();
+    plan["checkpoint_interval"] = 2.into();
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let mut hashes = vec![];
+    for version in 1..=3 {
+        let tasks = loop {
+            let tasks = expect_tasks(&devices).await.unwrap();
+            if tasks.iter().all(|t| starling_tests::version(t) == version - 1) {
+                break tasks;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        for (d, t) in devices.iter().zip(&tasks) {
+            d.upload(run, t.round_idx, &upload_request(t, &[0.25; 100], 3)).await.unwrap();
+        }
+        hashes.push(wait_model(&c.admin, run, version).await.unwrap());
+        if version == 1 {
+            let newest = c.admin.model_payload(run, 1).await.expect("served from memory");
+            assert_eq!(newest.content_hash(), hashes[0]);
+        }
+    }
+    let url = format!("{}{}", c.url, starling_core::wire::path::admin_model(run, 1));
+    let gone = reqwest::Client::new().get(&url).bearer_auth(OPERATOR_TOKEN).send().await.unwrap();
+    assert_eq!(gone.status(), reqwest::StatusCode::NOT_FOUND);
+    let why = gone.text().await.unwrap();
+    assert!(why.contains("not kept") && why.contains("checkpoint_interval"), "{why}");
+    for version in [2, 3] {
+        let payload = c.admin.model_payload(run, version).await.unwrap();
+        assert_eq!(payload.content_hash(), hashes[version as usize - 1]);
+    }
     c.running.shutdown().await.unwrap();
 }
