@@ -599,6 +599,18 @@ async fn r18_batches_written_together_keep_their_order_and_their_times(store: Sq
     // Nothing to write is not an error, and writes nothing.
     store.apply_transition_batches(run, &[(&[], 1_300)]).await.unwrap();
     assert_eq!(store.round_devices(run, RoundIdx(0)).await.unwrap().len(), 3);
+    // Consecutive selections go in one statement: one that repeats a device (a retry of a
+    // batch whose answer was lost) keeps the first selection, and is not an error.
+    let retried = [select(d3), select(d1), select(d3)];
+    store.apply_transition_batches(run, &[(&retried, 1_400)]).await.unwrap();
+    let times: Vec<i64> = store
+        .round_devices(run, RoundIdx(0))
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.selected_at_ms)
+        .collect();
+    assert_eq!(times, vec![1_000, 1_200, 1_200]);
 }
 
 /// Issue 18: a round whose model is determined by durable inputs commits it by its hash; the

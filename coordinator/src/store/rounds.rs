@@ -116,6 +116,32 @@ macro_rules! still_to_be_written {
     };
 }
 
+/// Selections one insert writes at most (five parameters each: well under either backend's
+/// limit on a statement's parameters).
+const SELECTIONS_PER_INSERT: usize = 1_000;
+
+/// A batch's transitions as written: consecutive selections together, the rest one by one.
+enum Step<'a> {
+    One(&'a Transition, Millis),
+    Selections(Vec<(RoundIdx, DeviceId, Option<AggregatorId>, Millis)>),
+}
+
+fn steps<'a>(stamped: &[(&'a Transition, Millis)]) -> Vec<Step<'a>> {
+    let mut steps: Vec<Step<'a>> = vec![];
+    for &(t, now) in stamped {
+        match (t, steps.last_mut()) {
+            (&Transition::Select { round_idx, device, aggregator }, Some(Step::Selections(s))) => {
+                s.push((round_idx, device, aggregator, now));
+            }
+            (&Transition::Select { round_idx, device, aggregator }, _) => {
+                steps.push(Step::Selections(vec![(round_idx, device, aggregator, now)]));
+            }
+            _ => steps.push(Step::One(t, now)),
+        }
+    }
+    steps
+}
+
 macro_rules! round_select {
     () => {
         "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,
@@ -208,7 +234,33 @@ impl SqlStore {
             }
             let mut tx = pool.begin().await.map_err(map_err)?;
             tx.check_fence(&self.fence).await?;
-            for &(t, now) in &stamped {
+            for step in steps(&stamped) {
+                let (t, now) = match step {
+                    Step::One(t, now) => (t, now),
+                    Step::Selections(selections) => {
+                        // One statement for a cohort checking in at once, not one a device.
+                        for chunk in selections.chunks(SELECTIONS_PER_INSERT) {
+                            let mut insert = sqlx::QueryBuilder::new(
+                                "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) ",
+                            );
+                            insert.push_values(
+                                chunk,
+                                |mut row, &(round_idx, device, aggregator, now)| {
+                                    row.push_bind(run_id.0)
+                                        .push_bind(round_idx.0)
+                                        .push_bind(device.0)
+                                        .push_bind(now)
+                                        .push_bind(aggregator.map(|a| i64::from(a.0)));
+                                },
+                            );
+                            // Idempotent, like the round insert: a retry after a commit whose
+                            // answer was lost must not fail on its own earlier write.
+                            insert.push(" ON CONFLICT DO NOTHING");
+                            insert.build().execute(&mut *tx).await.map_err(map_err)?;
+                        }
+                        continue;
+                    }
+                };
                 match t {
                     Transition::OpenRound(r) => {
                         sqlx::query(
@@ -225,22 +277,7 @@ impl SqlStore {
                         .await
                         .map_err(map_err)?;
                     }
-                    Transition::Select { round_idx, device, aggregator } => {
-                        sqlx::query(
-                            // Idempotent, like the round insert: a retry after a commit whose
-                            // answer was lost must not fail on its own earlier write.
-                            "INSERT INTO selections (run_id, round_idx, device_id, selected_at_ms, aggregator_id) VALUES ($1, $2, $3, $4, $5)
-                             ON CONFLICT DO NOTHING",
-                        )
-                        .bind(run_id.0)
-                        .bind(round_idx.0)
-                        .bind(device.0)
-                        .bind(now)
-                        .bind(aggregator.map(|a| i64::from(a.0)))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(map_err)?;
-                    }
+                    Transition::Select { .. } => unreachable!("selections are written in steps"),
                     Transition::SecAggRecord { round_idx, seq, record } => {
                         sqlx::query(
                             "INSERT INTO secagg_records (run_id, round_idx, seq, record, created_at_ms) VALUES ($1, $2, $3, $4, $5)
