@@ -697,7 +697,7 @@ impl ValidatedPlan {
         let interval = u64::from(self.plan.checkpoint_interval.max(1));
         let last = u64::from(self.rounds.total_rounds);
         let version = version.0.max(0) as u64;
-        version % interval == 0 || version >= last
+        version.is_multiple_of(interval) || version >= last
     }
 
     /// The most bytes a device's delta may take in the run's encoding (top-k of a large share
