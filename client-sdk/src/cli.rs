@@ -238,6 +238,10 @@ struct SimulateArgs {
     /// five times as long to train).
     #[arg(long)]
     slow: Option<crate::simulate::Slowdown>,
+    /// Write the run's model bytes every N versions and its last (the plan's
+    /// `checkpoint_interval`): the versions between are not kept.
+    #[arg(long, default_value_t = 1)]
+    checkpoint_interval: u32,
     /// Where to train: `auto` (wgpu on a GPU, else CPU), `wgpu` (any adapter, lavapipe included) or `cpu`.
     #[arg(long, env = "STARLING_BACKEND", default_value = "auto")]
     backend: BackendChoice,
@@ -448,6 +452,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         model_download: args.model_download,
         asynchronous: args.asynchronous,
         slowdown: args.slow,
+        checkpoint_interval: args.checkpoint_interval,
     };
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),

@@ -200,6 +200,9 @@ pub struct SimulationConfig {
     pub asynchronous: Option<starling_core::plan::AsynchronousPlan>,
     /// Devices that train slower than the rest (`None`: all alike).
     pub slowdown: Option<Slowdown>,
+    /// How often the run's model bytes are written (the plan's `checkpoint_interval`; 1:
+    /// every version).
+    pub checkpoint_interval: u32,
 }
 
 /// A fleet's heterogeneity: a share of the devices takes `factor` times as long to train.
@@ -495,6 +498,9 @@ pub async fn simulate(
     }
     if let Some(a) = &config.asynchronous {
         plan["asynchronous"] = serde_json::to_value(a).expect("settings serialize");
+    }
+    if config.checkpoint_interval != 1 {
+        plan["checkpoint_interval"] = config.checkpoint_interval.into();
     }
     if config.secure {
         // Deltas of these models stay well inside ±1 (weighted by examples / max_examples).

@@ -420,6 +420,7 @@ pub fn digits_simulation(
         model_download: Default::default(),
         asynchronous: None,
         slowdown: None,
+        checkpoint_interval: 1,
     }
 }
 

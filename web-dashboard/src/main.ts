@@ -265,6 +265,13 @@ function modeText(plan: Record<string, any>): string {
     `weighted (1 + staleness)^-${a.staleness_exponent ?? 0.5}`;
 }
 
+// A plan's `checkpoint_interval` (absent: 1): which versions' bytes the store keeps.
+function checkpointText(interval: number | undefined): string {
+  if (!interval || interval <= 1) return 'every version';
+  return `every ${interval} versions and the last (the newest is served from memory until its bytes are written; ` +
+    'the versions between are not kept)';
+}
+
 function renderSettings(run: RunView): void {
   const plan = run.plan as Record<string, any>;
   const training = (plan.training ?? {}) as Record<string, unknown>;
@@ -279,6 +286,7 @@ function renderSettings(run: RunView): void {
       ? `${plan.cohort_size} updates per buffer`
       : `${plan.cohort_size} reports, over-selection ×${plan.over_selection}, quorum ${plan.min_quorum ?? plan.cohort_size}`],
     ['Deadlines', `selection ${plan.selection_timeout_secs} s, reporting ${plan.reporting_timeout_secs} s`],
+    ['Models kept', checkpointText(plan.checkpoint_interval)],
     ['Privacy', privacyText(run)],
   ];
   const dl = $('run-settings');

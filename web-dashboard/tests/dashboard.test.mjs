@@ -133,6 +133,7 @@ test('a run trains live: it appears, its curves fill in round by round without a
   // The run's strategy is shown with its hyper-parameters (the simulator's plan: plain FedAvg).
   assert.match(await page.locator('#run-settings').textContent(), /FedAvg over the example-weighted mean delta; lr 1/);
   assert.match(await page.locator('#run-settings').textContent(), /uploads f32, model downloaded in f32/);
+  assert.match(await page.locator('#run-settings').textContent(), /Models keptevery version/);
   assert.ok(Number(await page.locator('#population-chart').getAttribute('data-points')) >= 1);
   assert.equal(await page.evaluate(() => window.__sameDocument), true);
   // The simulator's test-set scores are central evaluations: a second curve beside the
@@ -179,7 +180,7 @@ test('an asynchronous, compressed run shows its mode, encodings and each buffer\
     ['simulate', '--url', base, '--clients', '10', '--cohort', '4', '--rounds', String(buffers),
       '--dataset', 'digits', '--data-dir', join(root, 'client-sdk', 'data'), '--backend', 'cpu',
       '--asynchronous', '6:4', '--slow', '0.2:5', '--seed', '17',
-      '--compression', 'int8', '--model-download', 'f16'],
+      '--compression', 'int8', '--model-download', 'f16', '--checkpoint-interval', '3'],
     { env: { ...process.env, STARLING_OPERATOR_TOKEN: token }, stdio: 'inherit' },
   );
   assert.equal(await new Promise((ok) => simulate.on('exit', ok)), 0, 'the simulation failed');
@@ -199,6 +200,7 @@ test('an asynchronous, compressed run shows its mode, encodings and each buffer\
     /asynchronous \(FedBuff\): 6 devices training at once, updates up to 4 versions stale, weighted \(1 \+ staleness\)\^-0\.5/);
   assert.match(await page.locator('#run-settings').textContent(), /4 updates per buffer/);
   assert.match(await page.locator('#run-settings').textContent(), /uploads int8 \(block 256\), model downloaded in f16/);
+  assert.match(await page.locator('#run-settings').textContent(), /every 3 versions and the last/);
   // The Stale column holds each buffer's count, newest first, as the admin API reports them.
   const staleColumn = await page.locator('#rounds tbody tr td:nth-child(8)').allTextContents();
   const expected = [...rounds].sort((a, b) => b.round_idx - a.round_idx).map((r) => String(r.n_stale));
