@@ -41,8 +41,10 @@ pub(super) struct CloseTask {
     pub(super) internal: mpsc::UnboundedSender<Internal>,
     /// Where a committed model goes for the next round's downloads.
     pub(super) models: ModelCache,
-    /// Held from a round's closing until its model's bytes are written, so that a run has at
-    /// most one model to rebuild after a crash (the next round's commit waits for it).
+    /// Held from a round's closing until its model's bytes are written (or, for a version the
+    /// plan's `checkpoint_interval` does not write, until it is committed), so that a run's
+    /// models are written in order and a crash leaves at most `checkpoint_interval` of them to
+    /// rebuild (the next round's commit waits for it).
     pub(super) model_writes: Arc<tokio::sync::Mutex<()>>,
     /// Every run's model writes, which a shutdown waits for.
     pub(super) writes_in_flight: ModelWrites,
