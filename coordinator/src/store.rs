@@ -31,6 +31,16 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
+/// SQL condition on a `models` row `m`: committed by its hash alone and still to be written,
+/// because no later version of its run has been written since. Once one has, the versions
+/// between were never to be written (the plan's `checkpoint_interval`) and are given up: their
+/// rounds' updates go and they read as [`StoreError::ModelNotKept`].
+macro_rules! still_to_be_written {
+    () => {
+        "m.data IS NULL AND NOT EXISTS (SELECT 1 FROM models w WHERE w.run_id = m.run_id AND w.version > m.version AND w.data IS NOT NULL)"
+    };
+}
+
 mod devices;
 mod evaluations;
 mod leadership;

@@ -697,8 +697,8 @@ async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written
         vec![pending(1, "h1"), pending(2, "h2"), pending(3, "h3")],
         "a restart rebuilds all three, oldest first"
     );
-    assert!(store.model_unwritten(run, ModelVersion(2)).await.unwrap());
-    assert!(!store.model_unwritten(run, ModelVersion(0)).await.unwrap());
+    assert!(store.model_still_to_be_written(run, ModelVersion(2)).await.unwrap());
+    assert!(!store.model_still_to_be_written(run, ModelVersion(0)).await.unwrap());
     assert!(matches!(
         store.model(run, ModelVersion(1)).await,
         Err(StoreError::ModelPending { .. })
@@ -708,7 +708,7 @@ async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written
     // The third is written: the two before it are given up.
     store.write_model(run, ModelVersion(3), "h3", b"m3", Some(b"state after 3")).await.unwrap();
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
-    assert!(!store.model_unwritten(run, ModelVersion(3)).await.unwrap());
+    assert!(!store.model_still_to_be_written(run, ModelVersion(3)).await.unwrap());
     let not_kept = |e: StoreError, v: i64| matches!(e, StoreError::ModelNotKept { run_id, version } if run_id == run.0 && version == v);
     assert!(not_kept(store.model(run, ModelVersion(1)).await.unwrap_err(), 1));
     assert!(not_kept(store.model_by_hash("h2").await.unwrap_err(), 2));

@@ -155,7 +155,8 @@ impl CloseTask {
                             tracing::info!(%run_id, round = %round_idx, reported = closing.n_reported, dropped = closing.n_dropped, ?metrics, "round committed");
                             let version = ModelVersion(closing.model_version.0 + 1);
                             if !replayable {
-                                release_payloads(&store, &observer, run_id, round_idx);
+                                // Written in the commit: this round's payloads live on in it.
+                                release_payloads(&store, &observer, run_id, version..=version);
                             } else {
                                 // Until its bytes are in the store (with the run's next
                                 // checkpoint, if not now), only the cache can serve it.
@@ -255,19 +256,7 @@ impl ModelWrite<'_> {
         .await?;
         observer.store_latency("write_model", started.elapsed().as_secs_f64());
         models.written(run_id, hash);
-        let (store, observer) = (store.clone(), observer.clone());
-        tokio::spawn(async move {
-            let started = std::time::Instant::now();
-            let (first, last) = made_from.into_inner();
-            match store.release_payloads_of_versions(run_id, first, last).await {
-                Ok(_) => {
-                    observer.store_latency("release_payloads", started.elapsed().as_secs_f64())
-                }
-                Err(e) => {
-                    tracing::warn!(%run_id, %version, error = %e, "releasing committed rounds' payloads failed; the next start releases them")
-                }
-            }
-        });
+        release_payloads(store, observer, run_id, made_from);
         Ok(())
     }
 }
@@ -282,17 +271,23 @@ pub(super) fn versions_since_last_written(
     ModelVersion((version.0 - back).max(1))..=version
 }
 
-/// Drops a committed round's payloads off the round's path: the next round does not wait for
-/// the cohort's deltas to be dropped (the next start's sweep releases them if this does not
-/// land).
-fn release_payloads(store: &SqlStore, observer: &Observer, run_id: RunId, round_idx: RoundIdx) {
+/// Drops the payloads of the rounds that committed `versions` (whose bytes, or a later
+/// version's, are durable) off the round's path: the next round does not wait for the
+/// cohort's deltas to be dropped (the next start's sweep releases them if this does not land).
+fn release_payloads(
+    store: &SqlStore,
+    observer: &Observer,
+    run_id: RunId,
+    versions: std::ops::RangeInclusive<ModelVersion>,
+) {
     let (store, observer) = (store.clone(), observer.clone());
     tokio::spawn(async move {
         let started = std::time::Instant::now();
-        match store.release_payloads(run_id, round_idx).await {
-            Ok(()) => observer.store_latency("release_payloads", started.elapsed().as_secs_f64()),
+        let (first, last) = versions.into_inner();
+        match store.release_payloads_of_versions(run_id, first, last).await {
+            Ok(_) => observer.store_latency("release_payloads", started.elapsed().as_secs_f64()),
             Err(e) => {
-                tracing::warn!(%run_id, round = %round_idx, error = %e, "releasing a committed round's payloads failed; the next start releases them")
+                tracing::warn!(%run_id, version = %last, error = %e, "releasing committed rounds' payloads failed; the next start releases them")
             }
         }
     });
@@ -512,7 +507,7 @@ impl LastModelWrite {
     pub(super) async fn run(self) {
         let LastModelWrite { store, observer, models, run_id, plan, version, hash, .. } = &self;
         let _writing = self.model_writes.clone().lock_owned().await;
-        match store.model_unwritten(*run_id, *version).await {
+        match store.model_still_to_be_written(*run_id, *version).await {
             Ok(false) => return,
             Ok(true) => {}
             Err(e) => {

@@ -104,18 +104,6 @@ pub struct PendingModel {
     pub round_idx: i64,
 }
 
-/// The columns of a [`RoundRow`], with live selected/reported counts for an open round
-/// (a macro so that queries built on it stay `&'static str`).
-/// SQL condition on a `models` row `m`: committed by its hash alone and still to be written,
-/// because no later version of its run has been written since. Once one has, the versions
-/// between were never to be written (the plan's `checkpoint_interval`) and are given up: their
-/// rounds' updates go and they read as [`StoreError::ModelNotKept`].
-macro_rules! still_to_be_written {
-    () => {
-        "m.data IS NULL AND NOT EXISTS (SELECT 1 FROM models w WHERE w.run_id = m.run_id AND w.version > m.version AND w.data IS NOT NULL)"
-    };
-}
-
 /// Selections one insert writes at most (five parameters each: well under either backend's
 /// limit on a statement's parameters).
 const SELECTIONS_PER_INSERT: usize = 1_000;
@@ -142,6 +130,8 @@ fn steps<'a>(stamped: &[(&'a Transition, Millis)]) -> Vec<Step<'a>> {
     steps
 }
 
+/// The columns of a [`RoundRow`], with live selected/reported counts for an open round
+/// (a macro so that queries built on it stay `&'static str`).
 macro_rules! round_select {
     () => {
         "SELECT r.run_id, r.round_idx, r.model_version, r.state, r.opened_at_ms, r.selection_deadline_ms,

@@ -156,19 +156,25 @@ impl SqlStore {
         self.model_bytes(row).await
     }
 
-    /// Whether model `version` of `run_id` is committed with its bytes still to be written.
-    pub async fn model_unwritten(&self, run_id: RunId, version: ModelVersion) -> StoreResult<bool> {
-        let (unwritten,): (i64,) = on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT COUNT(*) FROM models WHERE run_id = $1 AND version = $2 AND data IS NULL",
-            )
+    /// Whether model `version` of `run_id` is committed with its bytes still to be written:
+    /// unwritten, and no later version of the run written since (which would give it up).
+    pub async fn model_still_to_be_written(
+        &self,
+        run_id: RunId,
+        version: ModelVersion,
+    ) -> StoreResult<bool> {
+        let (pending,): (i64,) = on_pool!(self, |pool| {
+            sqlx::query_as(concat!(
+                "SELECT COUNT(*) FROM models m WHERE m.run_id = $1 AND m.version = $2 AND ",
+                still_to_be_written!()
+            ))
             .bind(run_id.0)
             .bind(version.0)
             .fetch_one(pool)
             .await
             .map_err(map_err)
         })?;
-        Ok(unwritten > 0)
+        Ok(pending > 0)
     }
 
     /// A models row's bytes; for a row without, whether they are still to be written or were
@@ -183,19 +189,10 @@ impl SqlStore {
             Some((_, _, Some(data))) => return Ok(Some(data)),
             Some((run_id, version, None)) => (run_id, version),
         };
-        let (later_written,): (i64,) = on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT COUNT(*) FROM models WHERE run_id = $1 AND version > $2 AND data IS NOT NULL",
-            )
-            .bind(run_id)
-            .bind(version)
-            .fetch_one(pool)
-            .await
-            .map_err(map_err)
-        })?;
-        Err(match later_written {
-            0 => StoreError::ModelPending { run_id, version },
-            _ => StoreError::ModelNotKept { run_id, version },
+        let (run, model) = (RunId(run_id), ModelVersion(version));
+        Err(match self.model_still_to_be_written(run, model).await? {
+            true => StoreError::ModelPending { run_id, version },
+            false => StoreError::ModelNotKept { run_id, version },
         })
     }
 
