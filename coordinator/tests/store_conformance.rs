@@ -59,6 +59,7 @@ conformance!(
     r18_batches_written_together_keep_their_order_and_their_times,
     r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
     r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written,
+    r18_a_model_read_while_its_bytes_are_written_is_pending_or_there,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -736,4 +737,64 @@ async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written
         Err(StoreError::ModelPending { .. })
     ));
     assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "round 3 keeps its update");
+}
+
+/// Issue 18 (regression): a model read while its bytes were being written could answer "not
+/// kept" (a run that keeps every version): the read saw no bytes, the write landed, and the
+/// second query, asking whether the version was still to be written, saw it written. A reader
+/// racing each write now sees the model pending or its bytes, never given up.
+async fn r18_a_model_read_while_its_bytes_are_written_is_pending_or_there(store: SqlStore) {
+    const VERSIONS: i64 = 12;
+    let (run, [d1, ..]) = run_with_reports(&store).await;
+    let metrics = BTreeMap::new();
+    let hash = |version: i64| format!("h{version}");
+    for round in 0..VERSIONS {
+        if round > 0 {
+            let open = [
+                Transition::OpenRound(opened(round, round)),
+                Transition::Select { round_idx: RoundIdx(round), device: d1, aggregator: None },
+            ];
+            store.apply_transitions(run, &open, 5_000).await.unwrap();
+            store
+                .insert_update(run, RoundIdx(round), d1, 0, 0, 1, "{}", &[7], 5_500)
+                .await
+                .unwrap();
+        }
+        let model_hash = hash(round + 1);
+        let commit = RoundCommit {
+            closing: closing(round, round, RoundOutcome::Commit),
+            model_hash: &model_hash,
+            bytes: ModelBytes::Later,
+            metrics: &metrics,
+            evaluation: None,
+        };
+        store.commit_round(run, commit, 6_000).await.unwrap();
+    }
+    for version in 1..=VERSIONS {
+        let reader = tokio::spawn({
+            let store = store.clone();
+            async move {
+                for read in 0.. {
+                    let answer = match read % 2 {
+                        0 => store.model(run, ModelVersion(version)).await,
+                        _ => store.model_by_hash(&format!("h{version}")).await,
+                    };
+                    match answer {
+                        Err(StoreError::ModelPending { .. }) => continue,
+                        Ok(Some(bytes)) => return Ok(bytes),
+                        other => return Err(format!("read {read}: {other:?}")),
+                    }
+                }
+                unreachable!("the loop only ends by returning")
+            }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        let model = format!("m{version}");
+        store
+            .write_model(run, ModelVersion(version), &hash(version), model.as_bytes(), None)
+            .await
+            .unwrap();
+        let read = reader.await.unwrap();
+        assert_eq!(read, Ok(model.into_bytes()), "version {version}");
+    }
 }

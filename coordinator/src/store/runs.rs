@@ -40,6 +40,9 @@ pub struct ModelInfo {
     pub round_idx: Option<i64>,
     /// Commit time.
     pub created_at_ms: i64,
+    /// Bytes given up because a later version of the run was written (the plan's
+    /// `checkpoint_interval`).
+    pub given_up: bool,
 }
 
 /// A new run with its initial model.
@@ -127,33 +130,37 @@ impl SqlStore {
         run_id: RunId,
         version: ModelVersion,
     ) -> StoreResult<Option<Vec<u8>>> {
-        let row: Option<(i64, i64, Option<Vec<u8>>)> = on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT run_id, version, data FROM models WHERE run_id = $1 AND version = $2",
-            )
+        let row: Option<ModelRow> = on_pool!(self, |pool| {
+            sqlx::query_as(concat!(
+                "SELECT m.run_id, m.version, m.data, ",
+                still_to_be_written!(),
+                " AS pending FROM models m WHERE m.run_id = $1 AND m.version = $2"
+            ))
             .bind(run_id.0)
             .bind(version.0)
             .fetch_optional(pool)
             .await
             .map_err(map_err)
         })?;
-        self.model_bytes(row).await
+        model_bytes(row)
     }
 
     /// A model's bytes by content hash (from any run that stored them);
     /// [`StoreError::ModelPending`] or [`StoreError::ModelNotKept`] when the only models with
     /// that hash have none.
     pub async fn model_by_hash(&self, content_hash: &str) -> StoreResult<Option<Vec<u8>>> {
-        let row: Option<(i64, i64, Option<Vec<u8>>)> = on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT run_id, version, data FROM models WHERE content_hash = $1 ORDER BY data IS NULL LIMIT 1",
-            )
+        let row: Option<ModelRow> = on_pool!(self, |pool| {
+            sqlx::query_as(concat!(
+                "SELECT m.run_id, m.version, m.data, ",
+                still_to_be_written!(),
+                " AS pending FROM models m WHERE m.content_hash = $1 ORDER BY m.data IS NULL LIMIT 1"
+            ))
             .bind(content_hash)
             .fetch_optional(pool)
             .await
             .map_err(map_err)
         })?;
-        self.model_bytes(row).await
+        model_bytes(row)
     }
 
     /// Whether model `version` of `run_id` is committed with its bytes still to be written:
@@ -177,31 +184,15 @@ impl SqlStore {
         Ok(pending > 0)
     }
 
-    /// A models row's bytes; for a row without, whether they are still to be written or were
-    /// given up because a later version of the run was written (see the plan's
-    /// `checkpoint_interval`).
-    async fn model_bytes(
-        &self,
-        row: Option<(i64, i64, Option<Vec<u8>>)>,
-    ) -> StoreResult<Option<Vec<u8>>> {
-        let (run_id, version) = match row {
-            None => return Ok(None),
-            Some((_, _, Some(data))) => return Ok(Some(data)),
-            Some((run_id, version, None)) => (run_id, version),
-        };
-        let (run, model) = (RunId(run_id), ModelVersion(version));
-        Err(match self.model_still_to_be_written(run, model).await? {
-            true => StoreError::ModelPending { run_id, version },
-            false => StoreError::ModelNotKept { run_id, version },
-        })
-    }
-
     /// Every model version of a run, oldest first.
     pub async fn models(&self, run_id: RunId) -> StoreResult<Vec<ModelInfo>> {
         on_pool!(self, |pool| {
-            sqlx::query_as(
-                "SELECT version, content_hash, round_idx, created_at_ms FROM models WHERE run_id = $1 ORDER BY version",
-            )
+            sqlx::query_as(concat!(
+                "SELECT m.version, m.content_hash, m.round_idx, m.created_at_ms, ",
+                "m.data IS NULL AND NOT (",
+                still_to_be_written!(),
+                ") AS given_up FROM models m WHERE m.run_id = $1 ORDER BY m.version"
+            ))
             .bind(run_id.0)
             .fetch_all(pool)
             .await
@@ -246,5 +237,22 @@ impl SqlStore {
             .map_err(map_err)?;
             Ok(row.map(|(h,)| h))
         })
+    }
+}
+
+/// A models row as a read of its bytes sees it: run, version, bytes, and whether bytes it lacks
+/// are still to be written, decided in the same statement as the bytes were read (two queries
+/// could see the write land between them and call a version just written given up).
+type ModelRow = (i64, i64, Option<Vec<u8>>, bool);
+
+/// A models row's bytes; for a row without, whether they are still to be written or were
+/// given up because a later version of the run was written (see the plan's
+/// `checkpoint_interval`).
+fn model_bytes(row: Option<ModelRow>) -> StoreResult<Option<Vec<u8>>> {
+    match row {
+        None => Ok(None),
+        Some((_, _, Some(data), _)) => Ok(Some(data)),
+        Some((run_id, version, None, true)) => Err(StoreError::ModelPending { run_id, version }),
+        Some((run_id, version, None, false)) => Err(StoreError::ModelNotKept { run_id, version }),
     }
 }
