@@ -13,6 +13,7 @@ use starling_core::RunId;
 use starling_core::admin::CentralEvaluation;
 use starling_core::model_spec::ModelSpec;
 use starling_core::tensor::TensorSchema;
+use starling_core::wire::ErrorCode;
 
 use crate::backend::Backend;
 use crate::data::DataError;
@@ -128,9 +129,18 @@ impl CentralEvaluator {
         })
     }
 
-    /// Downloads model `version`, evaluates it off the runtime and reports the evaluation.
-    pub async fn evaluate_version(&self, version: i64) -> Result<Evaluation, EvaluateError> {
-        let payload = self.admin.model_payload(self.run, version).await?;
+    /// Downloads model `version`, evaluates it off the runtime and reports the evaluation;
+    /// `None` for a version whose bytes its run gave up (a later checkpoint was written first:
+    /// see the plan's `checkpoint_interval`), which there is nothing left to evaluate of.
+    pub async fn evaluate_version(
+        &self,
+        version: i64,
+    ) -> Result<Option<Evaluation>, EvaluateError> {
+        let payload = match self.admin.model_payload(self.run, version).await {
+            Ok(payload) => payload,
+            Err(e) if e.code() == Some(ErrorCode::ModelNotKept) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
         let values = self
             .schema
             .decode_f32(&payload)
@@ -142,23 +152,25 @@ impl CentralEvaluator {
                 .expect("evaluation panicked")?;
         let report = central_report(&self.name, &evaluation);
         self.admin.report_central_evaluation(self.run, version, &report).await?;
-        Ok(evaluation)
+        Ok(Some(evaluation))
     }
 
     /// Evaluates every committed model this evaluator has not reported yet, calling `on_model`
-    /// with each version and its evaluation, in order.
+    /// with each version and its evaluation, in order. Versions given up by the run's
+    /// checkpoint interval are passed over: they can no longer be evaluated.
     pub async fn catch_up(
         &self,
         on_model: &mut impl FnMut(i64, &Evaluation),
     ) -> Result<usize, EvaluateError> {
         let mut evaluated = 0;
         for model in self.admin.models(self.run).await? {
-            if model.central.iter().any(|c| c.evaluator == self.name) {
+            if model.given_up || model.central.iter().any(|c| c.evaluator == self.name) {
                 continue;
             }
-            let evaluation = self.evaluate_version(model.version).await?;
-            on_model(model.version, &evaluation);
-            evaluated += 1;
+            if let Some(evaluation) = self.evaluate_version(model.version).await? {
+                on_model(model.version, &evaluation);
+                evaluated += 1;
+            }
         }
         Ok(evaluated)
     }

@@ -448,7 +448,15 @@ impl<F: ModelFactory> Participant<F> {
             }
         };
         report(ParticipantProgress::Phase(Phase::Downloading));
-        let global = self.global_model(&task).await?;
+        let global = match self.global_model(&task).await {
+            Ok(global) => global,
+            // The task's version was given up by a later checkpoint (an asynchronous run moved
+            // on while this device waited): like a round closed under it.
+            Err(ParticipantError::Protocol(e)) if e.code() == Some(ErrorCode::ModelNotKept) => {
+                return Ok(Outcome::RoundMissed { run_id, round_idx });
+            }
+            Err(e) => return Err(e),
+        };
         report(ParticipantProgress::Phase(Phase::Evaluating));
         if task.evaluate_only {
             return self.report_evaluation_round(&task, &global).await;

@@ -275,7 +275,8 @@ pub struct SimulationReport {
     pub population: String,
     /// The simulated devices, as the coordinator enrolled them.
     pub devices: Vec<DeviceId>,
-    /// Every committed model, in order.
+    /// Every committed model, in order; with a `checkpoint_interval`, less the versions given
+    /// up before the simulator evaluated them.
     pub rounds: Vec<RoundResult>,
 }
 
@@ -566,16 +567,21 @@ pub async fn simulate(
     )
     .map_err(|e| SimulationError::Participant(e.to_string()))?;
     let mut results: Vec<RoundResult> = vec![];
-    let outcome = loop {
+    // The newest version evaluated or passed over.
+    let mut seen = 0;
+    let outcome = 'observe: loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let models = admin.models(run).await?;
         let rounds = admin.rounds(run).await?;
-        let seen = results.len();
-        for m in models.iter().filter(|m| m.version as usize > seen) {
-            let eval = evaluator
-                .evaluate_version(m.version)
-                .await
-                .map_err(|e| SimulationError::Participant(e.to_string()))?;
+        let newer = models.iter().position(|m| m.version > seen).unwrap_or(models.len());
+        for m in &models[newer..] {
+            seen = m.version;
+            // A version its checkpoint interval gave up before it was reached is passed over.
+            let eval = match evaluator.evaluate_version(m.version).await {
+                Ok(Some(eval)) => eval,
+                Ok(None) => continue,
+                Err(e) => break 'observe Err(SimulationError::Participant(e.to_string())),
+            };
             let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
             let result = RoundResult {
                 version: m.version,
@@ -590,7 +596,7 @@ pub async fn simulate(
         }
         let view = admin.run(run).await?;
         let status = view.status;
-        if status != "running" && results.len() as i64 == view.model_version {
+        if status != "running" && seen == view.model_version {
             break if status == "finished" {
                 Ok(())
             } else {

@@ -168,6 +168,10 @@ pub struct ModelView {
     pub round_idx: Option<i64>,
     /// Commit time.
     pub created_at_ms: i64,
+    /// Its bytes were given up: the run writes a model every `checkpoint_interval` versions
+    /// and a later one is written, so it can no longer be exported or downloaded.
+    #[serde(default)]
+    pub given_up: bool,
     /// Evaluation reports received for this version (federated: devices' held-out data).
     pub n_evaluations: u64,
     /// Example-weighted means of the evaluation metrics.

@@ -67,6 +67,9 @@ pub enum ErrorCode {
     RateLimited,
     /// The request body arrived too slowly; nothing was stored.
     Timeout,
+    /// The model version's bytes were given up for good: its run writes a model every
+    /// `checkpoint_interval` versions and a later one is written (HTTP 410).
+    ModelNotKept,
 }
 
 impl ErrorCode {
@@ -91,6 +94,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::RateLimited => "rate_limited",
             ErrorCode::Timeout => "timeout",
+            ErrorCode::ModelNotKept => "model_not_kept",
         }
     }
 }

@@ -48,6 +48,8 @@ export interface ModelView {
   content_hash: string;
   round_idx: number | null;
   created_at_ms: number;
+  /** Its bytes were given up: the run writes every `checkpoint_interval` versions and a later one is written. */
+  given_up?: boolean;
   n_evaluations: number;
   evaluation: Record<string, number>;
   /** Central evaluations: evaluators' own held-out sets (`starling-client evaluate`, the simulator). */

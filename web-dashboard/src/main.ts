@@ -177,6 +177,13 @@ function renderModels(run: RunView, models: ModelView[]): void {
     cell(row, pct(centralAccuracy(m)));
     cell(row, (m.central ?? []).map((c) => c.evaluator).join(', ') || '–');
     const actions = row.insertCell();
+    if (m.given_up) {
+      // Its run's checkpoint interval gave its bytes up: nothing to download.
+      actions.textContent = 'not kept';
+      actions.className = 'not-kept';
+      actions.title = `Model v${m.version} was not kept: the run writes a model every few versions and a later one is written`;
+      continue;
+    }
     for (const format of ['safetensors', 'payload'] as ModelFormat[]) {
       const button = document.createElement('button');
       button.className = `download-${format}`;

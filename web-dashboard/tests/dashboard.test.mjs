@@ -190,12 +190,28 @@ test('an asynchronous, compressed run shows its mode, encodings and each buffer\
   const stale = rounds.reduce((n, r) => n + r.n_stale, 0);
   assert.ok(stale > 0, `no update crossed a buffer: ${JSON.stringify(rounds)}`);
 
+  // Every third version and the last are written; the others are given up once a later one
+  // is (the last write may land just after the run finishes).
+  const givenUp = await waitFor('the versions between checkpoints given up', async () => {
+    const models = await admin(`/v1/admin/runs/${run.id}/models`);
+    const versions = models.filter((m) => m.given_up).map((m) => m.version);
+    return versions.length === 5 ? versions : null;
+  });
+  assert.deepEqual(givenUp, [1, 2, 4, 5, 7]);
+
   // A fresh page shows the newest run: this one.
   const page = await browser.newPage();
   await page.goto(`${base}/dashboard/`);
   await page.fill('#token', token);
   await page.click('#login-button');
   await page.locator('#rounds tbody tr').nth(rounds.length - 1).waitFor();
+  // Versions given up offer no download, and say why; the written ones do.
+  for (const version of [0, 3, 6, 8]) {
+    assert.equal(await page.locator(`#models tbody tr[data-version="${version}"] button.download-safetensors`).count(), 1, `v${version}`);
+  }
+  for (const version of givenUp) {
+    assert.equal(await page.locator(`#models tbody tr[data-version="${version}"] td.not-kept`).textContent(), 'not kept');
+  }
   assert.match(await page.locator('#run-settings').textContent(),
     /asynchronous \(FedBuff\): 6 devices training at once, updates up to 4 versions stale, weighted \(1 \+ staleness\)\^-0\.5/);
   assert.match(await page.locator('#run-settings').textContent(), /4 updates per buffer/);

@@ -355,6 +355,7 @@ async fn list_models(
                 content_hash: m.content_hash,
                 round_idx: m.round_idx,
                 created_at_ms: m.created_at_ms,
+                given_up: m.given_up,
                 n_evaluations: n,
                 evaluation: acc.finish(),
                 central: central.remove(&m.version).unwrap_or_default(),
@@ -380,6 +381,7 @@ struct ExportQuery {
     responses((status = 200, description = "the model: application/octet-stream (safetensors) or application/cbor (payload)", body = Vec<u8>),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
         (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 410, description = "not kept: the run's checkpoint interval gave this version up (model_not_kept)", body = ErrorBody),
         (status = 422, description = "unknown format", body = ErrorBody),
         (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn export_model(

@@ -133,8 +133,10 @@ impl From<StoreError> for ApiError {
             )
             .retry_after(std::time::Duration::from_secs(1)),
             // Gone for good: the run writes its models every few versions (a device asking for
-            // it gives its task up; an operator exports a version that was written).
-            e @ StoreError::ModelNotKept { .. } => ApiError::not_found(e.to_string()),
+            // it gives its task up; an evaluator skips it; an operator exports one written).
+            e @ StoreError::ModelNotKept { .. } => {
+                ApiError::new(StatusCode::GONE, ErrorCode::ModelNotKept, e.to_string())
+            }
             StoreError::Fenced { .. } => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorCode::Unavailable,
@@ -287,12 +289,12 @@ mod tests {
         assert!(body.message.contains("model version 7 of run 3"), "{}", body.message);
     }
 
-    /// Issue 18: a model a run's checkpoint interval gave up is gone for good: a 404 that says
-    /// why, with nothing to retry.
+    /// Issue 18: a model a run's checkpoint interval gave up is gone for good: a 410 with its
+    /// own code (clients skip it rather than fail) that says why, with nothing to retry.
     #[test]
-    fn r18_a_model_not_kept_is_not_found_and_says_why() {
+    fn r18_a_model_not_kept_is_gone_and_says_why() {
         let e = ApiError::from(StoreError::ModelNotKept { run_id: 3, version: 7 });
-        assert_eq!((e.status_code(), e.code()), (StatusCode::NOT_FOUND, ErrorCode::NotFound));
+        assert_eq!((e.status_code(), e.code()), (StatusCode::GONE, ErrorCode::ModelNotKept));
         let res = e.into_response();
         assert!(res.headers().get(header::RETRY_AFTER).is_none());
         let body = res.extensions().get::<ErrorBody>().expect("an error body");

@@ -164,6 +164,7 @@ struct ModelQuery {
         (status = 304, description = "unchanged (If-None-Match)"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 410, description = "not kept: its run's checkpoint interval gave this version up (model_not_kept); the task is over", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "not a model download encoding", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
         (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")

@@ -64,6 +64,7 @@ fn error_code_names_match_their_wire_form() {
         Internal,
         RateLimited,
         Timeout,
+        ModelNotKept,
     ] {
         assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{}\"", code.as_str()));
     }

@@ -459,8 +459,8 @@ async fn r18_an_export_right_after_a_commit_is_served_before_the_models_bytes_ar
 }
 
 /// Issue 18: with a plan's `checkpoint_interval`, the newest model exports from memory until
-/// its run's next written version, and a version given up then is a 404 that says why; the
-/// run's last model is written.
+/// its run's next written version, and a version given up then is a 410 that says why (and
+/// the models list marks it); the run's last model is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept() {
     use starling_tests::{enroll, expect_tasks, upload_request, wait_model};
@@ -491,12 +491,74 @@ async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept()
     }
     let url = format!("{}{}", c.url, starling_core::wire::path::admin_model(run, 1));
     let gone = reqwest::Client::new().get(&url).bearer_auth(OPERATOR_TOKEN).send().await.unwrap();
-    assert_eq!(gone.status(), reqwest::StatusCode::NOT_FOUND);
-    let why = gone.text().await.unwrap();
-    assert!(why.contains("not kept") && why.contains("checkpoint_interval"), "{why}");
+    assert_eq!(gone.status(), reqwest::StatusCode::GONE);
+    let why: starling_core::wire::ErrorBody = gone.json().await.unwrap();
+    assert_eq!(why.code, starling_core::wire::ErrorCode::ModelNotKept);
+    assert!(
+        why.message.contains("not kept") && why.message.contains("checkpoint_interval"),
+        "{why:?}"
+    );
+    let given_up: Vec<bool> =
+        c.admin.models(run).await.unwrap().iter().map(|m| m.given_up).collect();
+    assert_eq!(given_up, [false, true, false, false]);
     for version in [2, 3] {
         let payload = c.admin.model_payload(run, version).await.unwrap();
         assert_eq!(payload.content_hash(), hashes[version as usize - 1]);
     }
+    c.running.shutdown().await.unwrap();
+}
+
+/// Issue 18 (regression): a central evaluator following a run with a `checkpoint_interval`
+/// failed on the first version given up before it got to it (a 404), and with it the
+/// simulator's run. Such versions are now marked in the models list, answer 410
+/// `model_not_kept`, and the evaluator passes over them and evaluates the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoints() {
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let url = c.url.as_str();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 3);
+    plan["population"] = "checkpointed".into();
+    plan["checkpoint_interval"] = 2.into();
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let fleet = devices(url, "checkpointed", &token, &digits, 2, &stop);
+    starling_tests::wait_for("the run to finish", Duration::from_secs(120), || async {
+        Ok((c.admin.run(run).await?.status == "finished").then_some(()))
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for d in fleet {
+        d.await.unwrap();
+    }
+    // Version 2 is written and the run's last, 3; version 1 is given up once 2 is (its write
+    // follows the commit).
+    let given_up = || async {
+        let models = c.admin.models(run).await?;
+        let given_up: Vec<bool> = models.iter().map(|m| m.given_up).collect();
+        Ok((given_up == [false, true, false, false]).then_some(()))
+    };
+    starling_tests::wait_for("version 1 given up", Duration::from_secs(30), given_up)
+        .await
+        .unwrap();
+
+    let run_arg = run.0.to_string();
+    let evaluate = tokio::process::Command::new(env!("CARGO_BIN_EXE_client_under_test"))
+        .args(["evaluate", "--url", url, "--run", &run_arg, "--dataset", "digits", "--once"])
+        .args(["--backend", "cpu", "--name", "ops-holdout"])
+        .arg("--data-dir")
+        .arg(shared_data())
+        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
+        .output()
+        .await
+        .unwrap();
+    let evaluated = stdout(&evaluate);
+    assert!(evaluated.contains("3 models evaluated"), "{evaluated}");
+    let central: Vec<usize> =
+        c.admin.models(run).await.unwrap().iter().map(|m| m.central.len()).collect();
+    assert_eq!(central, [1, 0, 1, 1], "every kept version, and only those");
     c.running.shutdown().await.unwrap();
 }
