@@ -128,3 +128,47 @@ async fn r18_devices_train_through_fedbuff_with_slow_devices() {
     assert!(!metrics.contains("reason=\"duplicate_upload\""), "{metrics}");
     c.running.shutdown().await.unwrap();
 }
+
+/// Issue 18: a FedBuff device can hold a task on a version for a while. When its run's
+/// `checkpoint_interval` gave that version up meanwhile (a later one written) and the model
+/// cache no longer has it, its download is a 410 `model_not_kept` (the SDK's participant gives
+/// such a task up as a missed round), not a 404; the versions that were written still download.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r18_a_task_on_a_version_given_up_meanwhile_downloads_as_not_kept() {
+    const VERSIONS: i64 = 12;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let (waiting, busy) = (&devices[0], &devices[1]);
+    // Every update commits a buffer; every second version is written.
+    let spec = PlanSpec::all_of(1, PARAMS, VERSIONS as u32);
+    let mut plan = spec.json();
+    let fedbuff = AsynchronousPlan { concurrency: 2, max_staleness: 100, staleness_exponent: 0.5 };
+    plan["asynchronous"] = serde_json::to_value(fedbuff).unwrap();
+    plan["checkpoint_interval"] = 2.into();
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let admin = &c.admin;
+    let report = |version: i64| async move {
+        let task = expect_task(busy).await.unwrap();
+        assert_eq!(task.model_version.0, version);
+        let upload = upload_request(&task, &delta(1, version, PARAMS), weight(1));
+        busy.upload(run, task.round_idx, &upload).await.unwrap();
+        let hash = wait_model(admin, run, version + 1).await.unwrap();
+        if version + 1 < VERSIONS {
+            wait_round_open(admin, run, version + 1).await.unwrap();
+        }
+        hash
+    };
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let mut hashes = vec![report(0).await];
+    let task = expect_task(waiting).await.unwrap();
+    assert_eq!(task.model_version.0, 1);
+    // The other device moves the run on by enough versions that the cache lets version 1 go.
+    for version in 1..VERSIONS - 1 {
+        hashes.push(report(version).await);
+    }
+    let gone = waiting.model_in(&task.model_hash, task.model_download).await;
+    assert_eq!(api_code(gone), Some(ErrorCode::ModelNotKept));
+    let written = waiting.model(&hashes[1]).await.unwrap();
+    assert_eq!(written.content_hash(), hashes[1], "version 2 was written");
+}
