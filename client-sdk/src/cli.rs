@@ -496,6 +496,13 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
     bar.finish_and_clear();
     let report = results?;
     println!("run {} trained population {:?}", report.run_id, report.population);
+    if !report.not_evaluated.is_empty() {
+        let versions: Vec<String> = report.not_evaluated.iter().map(i64::to_string).collect();
+        println!(
+            "models {} not evaluated: given up (checkpoint interval) before the evaluator got to them",
+            versions.join(", ")
+        );
+    }
     let results = report.rounds;
     if let Some(path) = args.out {
         let text = if path.extension().is_some_and(|e| e == "json") {

@@ -219,9 +219,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )?;
                 for m in &models {
                     let round = m.round_idx.map_or("-".to_owned(), |r| r.to_string());
+                    // Given up by the run's checkpoint interval: listed, but not exportable.
+                    let kept = if m.given_up { "  not kept" } else { "" };
                     writeln!(
                         out,
-                        "{:>7}  {:>5}  {:>14}  {:>14}  {:<16}",
+                        "{:>7}  {:>5}  {:>14}  {:>14}  {:<16}{kept}",
                         m.version,
                         round,
                         percent(m.evaluation.get("accuracy").copied()),

@@ -278,6 +278,8 @@ pub struct SimulationReport {
     /// Every committed model, in order; with a `checkpoint_interval`, less the versions given
     /// up before the simulator evaluated them.
     pub rounds: Vec<RoundResult>,
+    /// The versions given up (a later one was written) before the simulator evaluated them.
+    pub not_evaluated: Vec<i64>,
 }
 
 /// One committed round as the simulator saw it.
@@ -567,8 +569,8 @@ pub async fn simulate(
     )
     .map_err(|e| SimulationError::Participant(e.to_string()))?;
     let mut results: Vec<RoundResult> = vec![];
-    // The newest version evaluated or passed over.
-    let mut seen = 0;
+    // The newest version evaluated or passed over, and those passed over.
+    let (mut seen, mut not_evaluated) = (0, vec![]);
     let outcome = 'observe: loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let models = admin.models(run).await?;
@@ -579,7 +581,10 @@ pub async fn simulate(
             // A version its checkpoint interval gave up before it was reached is passed over.
             let eval = match evaluator.evaluate_version(m.version).await {
                 Ok(Some(eval)) => eval,
-                Ok(None) => continue,
+                Ok(None) => {
+                    not_evaluated.push(m.version);
+                    continue;
+                }
                 Err(e) => break 'observe Err(SimulationError::Participant(e.to_string())),
             };
             let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
@@ -616,7 +621,13 @@ pub async fn simulate(
     }
     let mut devices = enrolled.lock().expect("no task panics holding it").clone();
     devices.sort();
-    outcome.map(|()| SimulationReport { run_id: run, population, devices, rounds: results })
+    outcome.map(|()| SimulationReport {
+        run_id: run,
+        population,
+        devices,
+        rounds: results,
+        not_evaluated,
+    })
 }
 
 /// Eight random hex digits, so that two simulations' runs and populations never share a name.

@@ -510,8 +510,9 @@ async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept()
 
 /// Issue 18 (regression): a central evaluator following a run with a `checkpoint_interval`
 /// failed on the first version given up before it got to it (a 404), and with it the
-/// simulator's run. Such versions are now marked in the models list, answer 410
-/// `model_not_kept`, and the evaluator passes over them and evaluates the rest.
+/// simulator's run. Such versions are now marked in the models list (and the operator's
+/// table), answer 410 `model_not_kept`, and the evaluator passes over them and evaluates the
+/// rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoints() {
     let (_dir, db) = sqlite_db();
@@ -560,5 +561,13 @@ async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoin
     let central: Vec<usize> =
         c.admin.models(run).await.unwrap().iter().map(|m| m.central.len()).collect();
     assert_eq!(central, [1, 0, 1, 1], "every kept version, and only those");
+    // The operator's list says which version is not kept.
+    let table = stdout(&starling(url, &["models", "list", &run_arg]).await);
+    let not_kept: Vec<&str> = table
+        .lines()
+        .filter(|l| l.ends_with("not kept"))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(not_kept, ["1"], "{table}");
     c.running.shutdown().await.unwrap();
 }
