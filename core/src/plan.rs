@@ -4,6 +4,8 @@
 //! [`Plan::validate`] turns it into a [`ValidatedPlan`], the only form the rest of the system
 //! takes, with defaults filled in and every bound checked.
 
+use std::ops::RangeInclusive;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ModelVersion;
@@ -105,7 +107,7 @@ pub struct Plan {
     /// default: every version). The versions in between are committed by their content hash:
     /// the current one is served from memory, a restart rebuilds them from their rounds'
     /// updates (kept until the next written version), and once a later version is written
-    /// they are no longer kept (exporting one is a 404). Fewer model writes per round, for
+    /// they are no longer kept (downloading or exporting one is a 410 `model_not_kept`). Fewer model writes per round, for
     /// updates kept a few rounds longer and up to `checkpoint_interval - 1` rounds replayed
     /// after a crash. A run's last model is always written; must be 1 in secure and
     /// differentially private runs, whose models cannot be rebuilt from stored updates.
@@ -698,6 +700,16 @@ impl ValidatedPlan {
         let last = u64::from(self.rounds.total_rounds);
         let version = version.0.max(0) as u64;
         version.is_multiple_of(interval) || version >= last
+    }
+
+    /// The versions a write of model `version` makes durable: itself, and those committed
+    /// since the previous version [`writes_model`](Self::writes_model) writes, which it gives
+    /// up (just `version` when every version is written). Their rounds' updates are no longer
+    /// needed once its bytes are in the store.
+    pub fn versions_written_by(&self, version: ModelVersion) -> RangeInclusive<ModelVersion> {
+        let interval = i64::from(self.plan.checkpoint_interval.max(1));
+        let previous = (version.0 - 1).max(0) / interval * interval;
+        ModelVersion(previous + 1)..=version
     }
 
     /// The most bytes a device's delta may take in the run's encoding (top-k of a large share

@@ -217,7 +217,7 @@ impl CloseTask {
             let DeferredWrite { version, hash, model, optimizer_state } = write;
             let state = optimizer_state.as_deref();
             let write = ModelWrite { store: &store, observer: &observer, models: &models, run_id };
-            let made_from = versions_since_last_written(&plan, version);
+            let made_from = plan.versions_written_by(version);
             let written = write.write(version, &hash, &model, state, made_from).await;
             drop((writing, in_flight));
             if written.is_err() {
@@ -237,9 +237,9 @@ pub(super) struct ModelWrite<'a> {
 
 impl ModelWrite<'_> {
     /// Writes model `version`'s bytes (and the server's state after it), retrying until they
-    /// land; then the rounds that committed the versions `made_from` (the versions since the
-    /// run's last written one, which are given up, and this one) release their payloads, off
-    /// the round's path. `Err` only when the write was fenced off.
+    /// land; then the rounds that committed the versions `made_from`
+    /// ([`ValidatedPlan::versions_written_by`]) release their payloads, off the round's path.
+    /// `Err` only when the write was fenced off.
     pub(super) async fn write(
         &self,
         version: ModelVersion,
@@ -259,16 +259,6 @@ impl ModelWrite<'_> {
         release_payloads(store, observer, run_id, made_from);
         Ok(())
     }
-}
-
-/// The versions a written model `version` stands for: those since the run's last written one
-/// (at most the plan's `checkpoint_interval` back), and itself.
-pub(super) fn versions_since_last_written(
-    plan: &ValidatedPlan,
-    version: ModelVersion,
-) -> std::ops::RangeInclusive<ModelVersion> {
-    let back = i64::from(plan.plan().checkpoint_interval.max(1)) - 1;
-    ModelVersion((version.0 - back).max(1))..=version
 }
 
 /// Drops the payloads of the rounds that committed `versions` (whose bytes, or a later
@@ -531,7 +521,7 @@ impl LastModelWrite {
             return;
         }
         let write = ModelWrite { store, observer, models, run_id: *run_id };
-        let made_from = versions_since_last_written(plan, *version);
+        let made_from = plan.versions_written_by(*version);
         if write.write(*version, hash, &encoded, state_bytes.as_deref(), made_from).await.is_ok() {
             tracing::info!(%run_id, %version, "a stopped run's last model written");
         }

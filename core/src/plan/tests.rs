@@ -403,6 +403,13 @@ fn r18_models_are_written_every_checkpoint_interval_versions_and_the_last() {
     let written: Vec<i64> =
         (0..=7).filter(|&v| every_third.writes_model(ModelVersion(v))).collect();
     assert_eq!(written, [0, 3, 6, 7], "every third version, and the run's last (7)");
+    // A written version stands for itself and those given up since the previous written one.
+    let stands_for = |v: i64| every_third.versions_written_by(ModelVersion(v));
+    assert_eq!(stands_for(3), ModelVersion(1)..=ModelVersion(3));
+    assert_eq!(stands_for(6), ModelVersion(4)..=ModelVersion(6));
+    assert_eq!(stands_for(7), ModelVersion(7)..=ModelVersion(7), "the last, after 6");
+    assert_eq!(stands_for(5), ModelVersion(4)..=ModelVersion(5), "a stopped run's newest");
+    assert_eq!(plain.versions_written_by(ModelVersion(2)), ModelVersion(2)..=ModelVersion(2));
     for bad in [0, MAX_CHECKPOINT_INTERVAL + 1] {
         assert!(refused(with(bad)).contains("checkpoint_interval"), "{bad}");
     }
