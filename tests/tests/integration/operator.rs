@@ -31,6 +31,19 @@ async fn starling(url: &str, args: &[&str]) -> Output {
         .expect("running starling")
 }
 
+/// `starling-client evaluate` of `run` on the digits' held-out set as the evaluator
+/// "ops-holdout", following the run to its end (`--once`: what is committed now).
+fn central_evaluator(url: &str, run: &str) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_client_under_test"));
+    command
+        .args(["evaluate", "--url", url, "--run", run, "--dataset", "digits"])
+        .args(["--backend", "cpu", "--name", "ops-holdout"])
+        .arg("--data-dir")
+        .arg(shared_data())
+        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN);
+    command
+}
+
 fn stdout(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -114,13 +127,7 @@ async fn r19_an_operator_drives_a_run_from_the_command_line() {
     // The run trains while `watch` and a central evaluator follow it to its end.
     let watch_args = ["runs", "watch", &run_arg, "--interval-secs", "0.2"];
     let watch = starling(url, &watch_args);
-    let evaluate = tokio::process::Command::new(env!("CARGO_BIN_EXE_client_under_test"))
-        .args(["evaluate", "--url", url, "--run", &run_arg, "--dataset", "digits"])
-        .args(["--backend", "cpu", "--name", "ops-holdout"])
-        .arg("--data-dir")
-        .arg(shared_data())
-        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
-        .output();
+    let evaluate = central_evaluator(url, &run_arg).output();
     let stop = Arc::new(AtomicBool::new(false));
     let fleet = devices(url, "operated", token.trim(), &digits, 2, &stop);
     let (watch, evaluate) = tokio::join!(watch, evaluate);
@@ -547,15 +554,7 @@ async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoin
         .unwrap();
 
     let run_arg = run.0.to_string();
-    let evaluate = tokio::process::Command::new(env!("CARGO_BIN_EXE_client_under_test"))
-        .args(["evaluate", "--url", url, "--run", &run_arg, "--dataset", "digits", "--once"])
-        .args(["--backend", "cpu", "--name", "ops-holdout"])
-        .arg("--data-dir")
-        .arg(shared_data())
-        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
-        .output()
-        .await
-        .unwrap();
+    let evaluate = central_evaluator(url, &run_arg).arg("--once").output().await.unwrap();
     let evaluated = stdout(&evaluate);
     assert!(evaluated.contains("3 models evaluated"), "{evaluated}");
     let central: Vec<usize> =
