@@ -25,7 +25,9 @@ use crate::rng::SplitMix64;
 /// The plan's `compression`: the encoding devices upload their deltas in.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+// Read through `CompressionFields`: serde's internally tagged unit variants ignore every other
+// field, so `{"kind": "f16", "fraction": 0.1}` was taken silently as f16.
+#[serde(rename_all = "snake_case", tag = "kind", try_from = "CompressionFields")]
 pub enum Compression {
     /// Uncompressed little-endian f32 (the default).
     #[default]
@@ -51,8 +53,53 @@ fn default_block() -> u32 {
     256
 }
 
+/// Every field any encoding has, as the plan and the download query write them; each kind
+/// takes its own and refuses the others' (and unknown fields are refused outright).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompressionFields {
+    kind: String,
+    block: Option<u32>,
+    fraction: Option<f64>,
+}
+
+impl TryFrom<CompressionFields> for Compression {
+    type Error = CompressionError;
+    fn try_from(fields: CompressionFields) -> Result<Self, CompressionError> {
+        let CompressionFields { kind, block, fraction } = fields;
+        let not_for =
+            |field: &str| CompressionError::Setting(format!("{kind} takes no {field:?} field"));
+        let parsed = match kind.as_str() {
+            "f32" | "f16" | "bf16" | "int8" if fraction.is_some() => {
+                return Err(not_for("fraction"));
+            }
+            "f32" | "f16" | "bf16" | "top_k" if block.is_some() => return Err(not_for("block")),
+            "f32" => Compression::F32,
+            "f16" => Compression::F16,
+            "bf16" => Compression::Bf16,
+            "int8" => Compression::Int8 { block: block.unwrap_or_else(default_block) },
+            "top_k" => Compression::TopK {
+                fraction: fraction.ok_or_else(|| {
+                    CompressionError::Setting("top_k needs a \"fraction\"".into())
+                })?,
+            },
+            other => {
+                return Err(CompressionError::Setting(format!(
+                    "unknown kind {other:?}: expected f32, f16, bf16, int8 or top_k"
+                )));
+            }
+        };
+        Ok(parsed)
+    }
+}
+
 /// Largest int8 block: one scale per 2^20 values is already no overhead.
 pub const MAX_INT8_BLOCK: u32 = 1 << 20;
+
+/// The largest int8 scale a delta may carry: 127 × it is still finite in f32, so every decoded
+/// value is (and so is a delta's norm, summed in f64). `f32::MAX / 127` rounds up, past that:
+/// one step below it.
+pub const MAX_INT8_SCALE: f32 = f32::from_bits((f32::MAX / 127.0).to_bits() - 1);
 
 /// Why a compression setting or an encoded delta was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -88,6 +135,17 @@ pub enum CompressionError {
         position: u64,
         /// The index.
         index: u32,
+    },
+    /// An int8 scale so large that 127 × scale overflows f32: its values would decode to
+    /// infinities (and the round's norms and sums with them).
+    #[error("int8 delta: scale {index} is {scale:e}; 127 × scale overflows f32 (at most {max:e})")]
+    ScaleOverflow {
+        /// Index of the scale.
+        index: u64,
+        /// The scale.
+        scale: f32,
+        /// The largest scale accepted.
+        max: f32,
     },
     /// An int8 value is −128 (the codes are symmetric, −127..=127).
     #[error("int8 delta: value {index} is -128, outside -127..=127")]
@@ -318,6 +376,15 @@ impl Compression {
                 if let Some(i) = f32s(scales).position(|s| !(s.is_finite() && s >= 0.0)) {
                     return Err(non_finite(i));
                 }
+                // Every code times its scale must be finite, so the largest code's must be.
+                if let Some(i) = f32s(scales).position(|s| s > MAX_INT8_SCALE) {
+                    let scale = f32s(scales).nth(i).unwrap_or_default();
+                    return Err(CompressionError::ScaleOverflow {
+                        index: i as u64,
+                        scale,
+                        max: MAX_INT8_SCALE,
+                    });
+                }
                 // `contains` is a memchr: the common case (none) scans a 1 MB delta in
                 // microseconds; only a refusal looks for where.
                 if values.contains(&0x80) {
@@ -519,7 +586,8 @@ fn encode_int8(delta: &[f32], block: usize, mut offset: impl FnMut() -> f64) -> 
     let mut out = Vec::with_capacity(4 * blocks + delta.len());
     let scales: Vec<f32> = delta
         .chunks(block.max(1))
-        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
+        // At most MAX_INT8_SCALE, so that a block holding ±f32::MAX still decodes finite.
+        .map(|c| (c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0).min(MAX_INT8_SCALE))
         .collect();
     scales.iter().for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
     out.resize(out.len() + delta.len(), 0);

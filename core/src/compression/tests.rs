@@ -182,6 +182,40 @@ proptest! {
         }
     }
 
+    /// Payloads of exactly the right length with arbitrary bits (so every scale and value a
+    /// hostile device can send, f32::MAX among them): whatever validation accepts decodes to
+    /// finite values with a finite norm, in every encoding.
+    #[test]
+    fn validated_payloads_decode_to_finite_values_with_a_finite_norm(
+        kind in 0usize..5,
+        n in 1usize..40,
+        words in proptest::collection::vec(any::<u32>(), 80),
+        huge in proptest::collection::vec(prop_oneof![Just(f32::MAX), Just(-f32::MAX), Just(3e36f32), Just(MAX_INT8_SCALE), Just(1.0f32)], 80),
+    ) {
+        let c = [Compression::F32, Compression::F16, Compression::Bf16,
+            Compression::Int8 { block: 3 }, Compression::TopK { fraction: 1.0 }][kind];
+        // Arbitrary bit patterns, with the largest finite magnitudes mixed in.
+        let mut raw: Vec<u8> = words.iter().zip(&huge).enumerate()
+            .flat_map(|(i, (w, h))| if i % 2 == 0 { w.to_le_bytes() } else { h.to_le_bytes() })
+            .collect();
+        let bytes = match c {
+            Compression::TopK { .. } => {
+                let mut b = (n as u32).to_le_bytes().to_vec();
+                (0..n as u32).for_each(|i| b.extend_from_slice(&i.to_le_bytes()));
+                b.extend_from_slice(&raw[..4 * n]);
+                b
+            }
+            _ => {
+                raw.resize(c.max_encoded_len(n) as usize, 0);
+                raw
+            }
+        };
+        if let Ok(delta) = c.validate(n, bytes) {
+            delta.for_each(|i, v| assert!(v.is_finite(), "{c:?} value {i} decodes to {v}"));
+            prop_assert!(delta.norm_squared().is_finite(), "{c:?}: norm² {}", delta.norm_squared());
+        }
+    }
+
     /// Top-k with error feedback: over any rounds, what was sent plus what is still held back
     /// equals everything the device computed.
     #[test]
@@ -275,4 +309,59 @@ proptest! {
         let stochastic = encode_int8(&delta, block, || a.unit());
         prop_assert_eq!(stochastic, encode_int8_reference(&delta, block, || b.unit()));
     }
+}
+
+/// A hostile int8 scale: 127 × f32::MAX / 2 would decode to +inf and make the round's norm and
+/// every honest update's contribution NaN. Refused with the scale's index; the largest scale an
+/// honest encoder can produce (from a value of f32::MAX) is accepted and decodes finite.
+#[test]
+fn int8_scales_that_would_overflow_when_decoded_are_refused() {
+    let c = Compression::Int8 { block: 2 };
+    let hostile = [1.0f32, f32::MAX / 2.0];
+    let mut bytes: Vec<u8> = hostile.iter().flat_map(|s| s.to_le_bytes()).collect();
+    bytes.extend_from_slice(&[127, 1, 127, 0x81]);
+    let err = c.validate(4, bytes).unwrap_err();
+    assert!(matches!(err, CompressionError::ScaleOverflow { index: 1, .. }), "{err}");
+    assert!((MAX_INT8_SCALE * 127.0).is_finite() && (MAX_INT8_SCALE * -127.0).is_finite());
+    let honest = c.encode(
+        &[f32::MAX, -f32::MAX, 1.0, 0.0],
+        &mut SplitMix64(3),
+        &mut ErrorFeedback::default(),
+    );
+    let decoded = c.validate(4, honest).unwrap();
+    assert!(decoded.to_f32().iter().all(|v| v.is_finite()));
+    assert!(decoded.norm_squared().is_finite());
+}
+
+/// A plan's `compression` or `model_download` with a field its kind does not have, or an
+/// unknown one, is refused with a message naming it: a misplaced `fraction` used to be dropped
+/// and the plan silently ran uncompressed.
+#[test]
+fn fields_a_kind_does_not_have_are_refused() {
+    let parse = |json: &str| serde_json::from_str::<Compression>(json).map_err(|e| e.to_string());
+    assert_eq!(parse(r#"{"kind": "int8"}"#), Ok(Compression::Int8 { block: 256 }));
+    assert_eq!(parse(r#"{"kind": "int8", "block": 64}"#), Ok(Compression::Int8 { block: 64 }));
+    assert_eq!(
+        parse(r#"{"kind": "top_k", "fraction": 0.5}"#),
+        Ok(Compression::TopK { fraction: 0.5 })
+    );
+    for (json, names) in [
+        (r#"{"kind": "f16", "fraction": 0.1}"#, "fraction"),
+        (r#"{"kind": "f32", "block": 3}"#, "block"),
+        (r#"{"kind": "top_k", "fraction": 0.1, "block": 3}"#, "block"),
+        (r#"{"kind": "int8", "blok": 64}"#, "blok"),
+        (r#"{"kind": "f32", "level": 9}"#, "level"),
+        (r#"{"kind": "top_k"}"#, "fraction"),
+        (r#"{"kind": "zstd"}"#, "zstd"),
+    ] {
+        let err = parse(json).unwrap_err();
+        assert!(err.contains(names), "{json}: {err}");
+    }
+    // The wire form (CBOR) reads the same way.
+    let mut cbor = Vec::new();
+    ciborium::into_writer(&Compression::Int8 { block: 8 }, &mut cbor).unwrap();
+    assert_eq!(
+        ciborium::from_reader::<Compression, _>(&cbor[..]).unwrap(),
+        Compression::Int8 { block: 8 }
+    );
 }
