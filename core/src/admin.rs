@@ -10,12 +10,56 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewEnrollmentToken {
-    /// How many devices may enroll with it (unlimited if absent).
-    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    /// How many devices may enroll with it: required, so that no token can mint devices
+    /// without end (one unlimited token once enrolled 2 000 devices that took every cohort
+    /// slot). At most [`MAX_TOKEN_USES`].
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
     pub uses: Option<i64>,
+    /// The populations its devices may check in to (runs train a population); default
+    /// `["default"]`. At most [`MAX_TOKEN_POPULATIONS`] names of at most
+    /// [`MAX_POPULATION_NAME`] bytes.
+    #[serde(default)]
+    pub populations: Option<Vec<String>>,
     /// Lifetime in seconds (no expiry if absent).
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_secs: Option<i64>,
+}
+
+/// The most devices one enrollment token may enroll.
+pub const MAX_TOKEN_USES: i64 = 1_000_000;
+/// The most populations one enrollment token may name.
+pub const MAX_TOKEN_POPULATIONS: usize = 64;
+/// The longest population name, in bytes.
+pub const MAX_POPULATION_NAME: usize = 128;
+
+impl NewEnrollmentToken {
+    /// The token's uses and populations, checked; the message names the field.
+    pub fn checked(&self) -> Result<(i64, Vec<String>), String> {
+        let uses = match self.uses {
+            None => {
+                return Err(format!(
+                    "uses is required: the most devices this token may enroll (1..={MAX_TOKEN_USES})"
+                ));
+            }
+            Some(u) if !(1..=MAX_TOKEN_USES).contains(&u) => {
+                return Err(format!("uses must be in 1..={MAX_TOKEN_USES}"));
+            }
+            Some(u) => u,
+        };
+        if self.ttl_secs.is_some_and(|t| t < 1) {
+            return Err("ttl_secs must be positive".into());
+        }
+        let populations = self.populations.clone().unwrap_or_else(|| vec!["default".to_owned()]);
+        if populations.is_empty() || populations.len() > MAX_TOKEN_POPULATIONS {
+            return Err(format!("populations must name 1..={MAX_TOKEN_POPULATIONS} populations"));
+        }
+        if let Some(bad) =
+            populations.iter().find(|p| p.is_empty() || p.len() > MAX_POPULATION_NAME)
+        {
+            return Err(format!("population name {bad:?} must be 1..={MAX_POPULATION_NAME} bytes"));
+        }
+        Ok((uses, populations))
+    }
 }
 
 /// A freshly issued enrollment token; shown once, stored only as a hash.

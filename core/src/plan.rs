@@ -28,6 +28,11 @@ pub struct Plan {
     /// Device population the run trains on.
     #[serde(default = "default_population")]
     pub population: String,
+    /// The run trains its population alone: creating it is refused while another run is
+    /// running there, and no other run starts there while it runs (a store constraint, so two
+    /// simulations cannot both take one population).
+    #[serde(default)]
+    pub exclusive_population: bool,
     /// Model schema and initial parameters.
     pub model: ModelPlan,
     /// Local training configuration, passed to clients untouched.
@@ -325,8 +330,12 @@ fn field(field: &'static str, why: impl Into<String>) -> PlanError {
 }
 
 /// The cap on one device's example count (its FedAvg and evaluation weight) when a plain
-/// run's plan names none.
-pub const DEFAULT_MAX_EXAMPLES: u64 = 100_000;
+/// run's plan names none: ten times a typical device's data (the FedAvg paper's MNIST clients
+/// hold 600), so an honest device is weighed by what it has while one claiming more than any
+/// phone holds weighs at most as much as a handful of honest ones. It was 100 000, at which one
+/// device claiming it outweighed two honest ones 83 : 1. Plans with larger devices set
+/// `max_examples`.
+pub const DEFAULT_MAX_EXAMPLES: u64 = 10_000;
 
 /// Upper bound on cohort size; larger cohorts belong to the aggregator tier.
 pub const MAX_COHORT: u32 = 1_000_000;
@@ -549,6 +558,12 @@ impl Plan {
             None => ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
                 .max(self.cohort_size),
         };
+        // An order statistic holds every update of a round at close: the largest round must
+        // fit (a 200 000-device Krum plan would have needed ~320 GB).
+        self.strategy
+            .aggregation
+            .check_memory(target_selected)
+            .map_err(|why| field("strategy.aggregation", why))?;
         let secure = match &self.secure_aggregation {
             None => None,
             Some(s) => Some(SecureRoundConfig {

@@ -1,6 +1,8 @@
 //! Robust aggregation: combining a round's updates so that a few broken or malicious devices
 //! cannot steer the model — L2 norm bounding, coordinate-wise median and trimmed mean, Krum and
-//! Multi-Krum (Blanchard et al. 2017; Yin et al. 2018; Sun et al. 2019 for norm bounding).
+//! Multi-Krum (Blanchard et al. 2017; Yin et al. 2018; Sun et al. 2019 for norm bounding), with
+//! Multi-Krum's selection named ([`KrumSelection`]: one-shot scores, or iterated as in
+//! El Mhamdi et al. 2018).
 //!
 //! Norm bounding alone streams: each update is scaled to norm ≤ B as it is folded
 //! ([`crate::fedavg::FedAvgAccumulator::bounded`]). Order statistics need every update at once,
@@ -29,14 +31,51 @@ pub enum Aggregation {
         trim_fraction: f64,
     },
     /// Krum (`select` = 1) or Multi-Krum: score each update by the summed squared distances to
-    /// its `n − byzantine − 2` nearest others, and average the `select` best-scored.
+    /// its `n − byzantine − 2` nearest others, and average the `select` chosen ones (how they
+    /// are chosen: [`KrumSelection`]).
     Krum {
         /// Malicious updates tolerated, f; rounds need at least 2f + 3 reports.
         byzantine: u32,
         /// Updates averaged (m); default 1 (Krum).
         #[serde(default = "one")]
         select: u32,
+        /// How Multi-Krum picks its `select` updates; the same for Krum (`select` = 1).
+        #[serde(default)]
+        selection: KrumSelection,
     },
+}
+
+/// How Multi-Krum chooses its m updates. Both are in use under the one name, so the plan says
+/// which.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KrumSelection {
+    /// Score every update once and take the m best scores: Multi-Krum as Blanchard et al.
+    /// (NeurIPS 2017, §4) define it, and as most libraries ship it.
+    #[default]
+    Scores,
+    /// Krum applied m times: take the best-scored update, remove it, score the rest again
+    /// among themselves (with n − 1 updates), and so on: the iterated selection of El Mhamdi
+    /// et al. (ICML 2018, Bulyan's first stage). Costlier (m scorings), and a chosen outlier
+    /// no longer counts as a near neighbour of the later picks.
+    Iterative,
+}
+
+/// Tiles of robust aggregation hold about this many bytes (12 per value per update: the f32
+/// read and its scaled f64) while the cohort is small enough...
+pub const TILE_BYTES: usize = 48 << 20;
+/// ...and at least this many coordinates, so that a large cohort still reads its updates in a
+/// bounded number of passes: past `TILE_BYTES / 12 / MIN_TILE_LEN` (4 096) updates a tile
+/// grows with the cohort.
+pub const MIN_TILE_LEN: usize = 1024;
+/// The most memory a round's order statistic may take at close: a plan whose largest round
+/// would need more is refused ([`Aggregation::close_memory_bytes`]).
+pub const MAX_CLOSE_BYTES: u64 = 256 << 20;
+
+/// Coordinates per tile when combining `n_updates` updates.
+pub fn tile_len(n_updates: usize) -> usize {
+    (TILE_BYTES / 12 / n_updates.max(1)).max(MIN_TILE_LEN)
 }
 
 impl Default for Aggregation {
@@ -101,6 +140,39 @@ impl Aggregation {
         !self.is_mean()
     }
 
+    /// Bytes [`combine`] holds at once for a round of `n_updates` updates: one tile of every
+    /// update (f32 and f64), and for Krum the n × n distances and a row of scores.
+    pub fn close_memory_bytes(&self, n_updates: u64) -> u64 {
+        let tile = 12 * n_updates * tile_len(n_updates as usize) as u64;
+        match self {
+            Aggregation::Mean {} => 0,
+            Aggregation::CoordinateMedian {} | Aggregation::TrimmedMean { .. } => tile,
+            Aggregation::Krum { .. } => tile + 8 * n_updates * n_updates + 16 * n_updates,
+        }
+    }
+
+    /// Checks that a round of up to `max_updates` updates fits in [`MAX_CLOSE_BYTES`] at
+    /// close; the message gives the figure and the largest round that fits.
+    pub fn check_memory(&self, max_updates: u32) -> Result<(), String> {
+        let needed = self.close_memory_bytes(u64::from(max_updates));
+        if needed <= MAX_CLOSE_BYTES {
+            return Ok(());
+        }
+        // The cost grows with n: bisect for the largest round that fits.
+        let (mut lo, mut hi) = (0u64, u64::from(max_updates));
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if self.close_memory_bytes(mid) <= MAX_CLOSE_BYTES { lo = mid } else { hi = mid - 1 }
+        }
+        Err(format!(
+            "{} over rounds of up to {max_updates} updates (cohort × over-selection) needs {} MiB \
+             at close, more than the {} MiB allowed; at most {lo} updates per round fit",
+            self.name(),
+            needed.div_ceil(1 << 20),
+            MAX_CLOSE_BYTES >> 20
+        ))
+    }
+
     /// Checks the parameters against the fewest reports a round may close with.
     pub fn check(&self, min_quorum: u32) -> Result<(), String> {
         match *self {
@@ -112,7 +184,7 @@ impl Aggregation {
                     Err("trim_fraction must be in [0, 0.5)".into())
                 }
             }
-            Aggregation::Krum { byzantine, select } => {
+            Aggregation::Krum { byzantine, select, .. } => {
                 let needed = 2 * u64::from(byzantine) + 3;
                 if u64::from(min_quorum) < needed {
                     return Err(format!(
@@ -224,7 +296,7 @@ pub fn combine<E>(
             }
             None
         }
-        Aggregation::Krum { byzantine, select } => {
+        Aggregation::Krum { byzantine, select, selection } => {
             let f = byzantine as usize;
             if n_updates < 2 * f + 3 {
                 return Err(RobustError::TooFew(format!(
@@ -236,7 +308,11 @@ pub fn combine<E>(
             for (start, len) in tiles.clone() {
                 distances.add_tile(&scaled(read(start, len)?));
             }
-            let chosen = distances.krum(f, (select as usize).min(n_updates - f));
+            let m = (select as usize).min(n_updates - f);
+            let chosen = match selection {
+                KrumSelection::Scores => distances.krum(f, m),
+                KrumSelection::Iterative => distances.krum_iterative(f, m),
+            };
             // Pass 3: the unweighted mean of the chosen updates.
             for (start, len) in tiles {
                 let rows = scaled(read(start, len)?);
@@ -310,15 +386,38 @@ impl PairwiseDistances {
     /// Krum's scores: for each update, the sum of its `n − f − 2` smallest squared distances to
     /// the others.
     pub fn krum_scores(&self, f: usize) -> Vec<f64> {
-        let nearest = self.n.saturating_sub(f + 2).max(1);
-        (0..self.n)
-            .map(|i| {
+        self.krum_scores_among(f, &(0..self.n).collect::<Vec<_>>())
+    }
+
+    /// Krum's scores among the updates in `among` only (`n` = its length): for each, the
+    /// sum of its `n − f − 2` smallest squared distances to the others in `among`.
+    fn krum_scores_among(&self, f: usize, among: &[usize]) -> Vec<f64> {
+        let nearest = among.len().saturating_sub(f + 2).max(1);
+        among
+            .iter()
+            .map(|&i| {
                 let mut row: Vec<f64> =
-                    (0..self.n).filter(|&j| j != i).map(|j| self.get(i, j)).collect();
+                    among.iter().filter(|&&j| j != i).map(|&j| self.get(i, j)).collect();
                 row.sort_unstable_by(f64::total_cmp);
                 row.iter().take(nearest).sum()
             })
             .collect()
+    }
+
+    /// [`KrumSelection::Iterative`]: Krum `m` times, each over the updates not yet chosen
+    /// (ties: the earlier slot); in slot order.
+    pub fn krum_iterative(&self, f: usize, m: usize) -> Vec<usize> {
+        let mut left: Vec<usize> = (0..self.n).collect();
+        let mut chosen = Vec::with_capacity(m);
+        while chosen.len() < m.max(1) && !left.is_empty() {
+            let scores = self.krum_scores_among(f, &left);
+            let best = (0..left.len())
+                .min_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(left[a].cmp(&left[b])))
+                .expect("left is not empty");
+            chosen.push(left.remove(best));
+        }
+        chosen.sort_unstable();
+        chosen
     }
 
     /// The `m` updates with the lowest Krum scores (ties: the earlier slot), in slot order.

@@ -70,6 +70,8 @@ pub enum ErrorCode {
     /// The model version's bytes were given up for good: its run writes a model every
     /// `checkpoint_interval` versions and a later one is written (HTTP 410).
     ModelNotKept,
+    /// The device's enrollment token did not name the population it checked in to (HTTP 403).
+    PopulationNotAllowed,
 }
 
 impl ErrorCode {
@@ -95,6 +97,7 @@ impl ErrorCode {
             ErrorCode::RateLimited => "rate_limited",
             ErrorCode::Timeout => "timeout",
             ErrorCode::ModelNotKept => "model_not_kept",
+            ErrorCode::PopulationNotAllowed => "population_not_allowed",
         }
     }
 }

@@ -183,10 +183,13 @@ impl CloseTask {
                     }
                     Err(e) => {
                         tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected; round fails");
+                        // Stored as what happened, not as the commit the machine asked for.
+                        let closing =
+                            RoundClosing { outcome: RoundOutcome::AggregateRejected, ..closing };
                         let written =
                             retry_store("fail round", run_id, || store.fail_round(run_id, closing))
                                 .await;
-                        (written, "aggregate_rejected", Closed::Failed)
+                        (written, RoundOutcome::AggregateRejected.label(), Closed::Failed)
                     }
                 }
             }
@@ -375,10 +378,6 @@ pub(super) struct NextModel<'a> {
     pub(super) plan: &'a ValidatedPlan,
 }
 
-/// Tiles of robust aggregation hold about this many bytes (12 per value per update: the f32
-/// read and its scaled f64), whatever the cohort: memory is O(cohort × tile).
-const ROBUST_TILE_BYTES: usize = 48 << 20;
-
 /// The next model and server state from a round's aggregate, on a blocking thread: an order
 /// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
 /// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
@@ -393,7 +392,8 @@ pub(super) fn next_model(
     let strategy = &p.strategy;
     if strategy.aggregation.is_order_statistic() {
         let n = aggregate.n_updates as usize;
-        let tile_len = (ROBUST_TILE_BYTES / 12 / n.max(1)).max(1024);
+        // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
+        let tile_len = starling_core::robust::tile_len(n);
         let round_idx = ctx.round_idx;
         let combined = combine(
             &strategy.aggregation,

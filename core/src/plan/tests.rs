@@ -424,3 +424,25 @@ fn r18_models_are_written_every_checkpoint_interval_versions_and_the_last() {
     evaluation["evaluation_only"] = true.into();
     assert!(refused(evaluation).contains("commits no models"));
 }
+
+/// A Krum plan over 200 000-device rounds validated before, and its first close would have
+/// asked for ~320 GB; it is refused at plan time, naming the field and what fits. A plan's
+/// `compression` with a field its kind lacks is refused too.
+#[test]
+fn plans_whose_order_statistic_cannot_fit_or_whose_compression_has_stray_fields_are_refused() {
+    let mut v = plan_json();
+    v["cohort_size"] = serde_json::json!(200_000);
+    v["min_quorum"] = serde_json::json!(5);
+    v["over_selection"] = serde_json::json!(1.0);
+    v["strategy"] = serde_json::json!({"aggregation": {"kind": "krum", "byzantine": 1}});
+    let err = parse(v.clone()).unwrap_err().to_string();
+    assert!(err.starts_with("strategy.aggregation") && err.contains("at most"), "{err}");
+    v["cohort_size"] = serde_json::json!(1_000);
+    assert!(parse(v).is_ok());
+    for field in ["compression", "model_download"] {
+        let mut v = plan_json();
+        v[field] = serde_json::json!({"kind": "f16", "fraction": 0.1});
+        let err = serde_json::from_value::<Plan>(v).unwrap_err().to_string();
+        assert!(err.contains("fraction"), "{field}: {err}");
+    }
+}

@@ -64,11 +64,21 @@ fn krum_picks_the_update_closest_to_its_neighbours() {
         &updates.iter().map(|u| u.iter().map(|&v| f64::from(v)).collect()).collect::<Vec<_>>(),
     );
     assert_eq!(d.krum_scores(1), vec![5.0, 2.0, 2.0, 5.0, 97.0 * 97.0 + 98.0 * 98.0]);
-    let c = run(Aggregation::Krum { byzantine: 1, select: 1 }, &updates, 1, None);
+    let c = run(
+        Aggregation::Krum { byzantine: 1, select: 1, selection: KrumSelection::Scores },
+        &updates,
+        1,
+        None,
+    );
     assert_eq!(c.selected, Some(vec![1]));
     assert_eq!(c.delta, vec![1.0, 0.0]);
     // Multi-Krum with m = 3 averages 1, 2 and then 0 (score 5, earlier than 3).
-    let c = run(Aggregation::Krum { byzantine: 1, select: 3 }, &updates, 2, None);
+    let c = run(
+        Aggregation::Krum { byzantine: 1, select: 3, selection: KrumSelection::Scores },
+        &updates,
+        2,
+        None,
+    );
     assert_eq!(c.selected, Some(vec![0, 1, 2]));
     assert_eq!(c.delta, vec![1.0, 0.0]);
 }
@@ -76,18 +86,32 @@ fn krum_picks_the_update_closest_to_its_neighbours() {
 #[test]
 fn krum_refuses_a_round_too_small_for_its_byzantine_count() {
     let updates = vec![vec![0.0f32]; 4];
-    let err =
-        combine(&Aggregation::Krum { byzantine: 1, select: 1 }, 4, 1, 8, None, reader(&updates))
-            .unwrap_err();
+    let err = combine(
+        &Aggregation::Krum { byzantine: 1, select: 1, selection: KrumSelection::Scores },
+        4,
+        1,
+        8,
+        None,
+        reader(&updates),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("needs 5 updates"), "{err}");
     assert!(
-        Aggregation::Krum { byzantine: 1, select: 1 }
+        Aggregation::Krum { byzantine: 1, select: 1, selection: KrumSelection::Scores }
             .check(4)
             .unwrap_err()
             .contains("min_quorum to 5")
     );
-    assert!(Aggregation::Krum { byzantine: 1, select: 5 }.check(5).is_err());
-    assert!(Aggregation::Krum { byzantine: 1, select: 4 }.check(5).is_ok());
+    assert!(
+        Aggregation::Krum { byzantine: 1, select: 5, selection: KrumSelection::Scores }
+            .check(5)
+            .is_err()
+    );
+    assert!(
+        Aggregation::Krum { byzantine: 1, select: 4, selection: KrumSelection::Scores }
+            .check(5)
+            .is_ok()
+    );
     assert!(Aggregation::TrimmedMean { trim_fraction: 0.5 }.check(5).is_err());
 }
 
@@ -113,7 +137,7 @@ fn tiles_of_any_length_give_the_same_result() {
     for aggregation in [
         Aggregation::CoordinateMedian {},
         Aggregation::TrimmedMean { trim_fraction: 0.25 },
-        Aggregation::Krum { byzantine: 2, select: 3 },
+        Aggregation::Krum { byzantine: 2, select: 3, selection: KrumSelection::Scores },
     ] {
         let whole = run(aggregation, &updates, 37, Some(1.5));
         for tile in [1, 5, 36, 100] {
@@ -133,4 +157,51 @@ fn a_reader_returning_the_wrong_shape_is_an_error_not_a_panic() {
     })
     .unwrap_err();
     assert!(matches!(err, RobustError::Tile { start: 0, .. }), "{err}");
+}
+
+/// Multi-Krum's two selections on one round where they differ: the two updates at 12 have the
+/// best one-shot scores (each the other's nearest), but once one is chosen the other has lost
+/// its neighbour and the iterated selection takes the pair at 1–2 instead.
+#[test]
+fn multi_krum_iterated_selection_rescores_after_each_pick() {
+    let updates: Vec<Vec<f32>> = [2.0, 9.0, 12.0, 12.0, 1.0].iter().map(|&v| vec![v]).collect();
+    let krum = |selection| Aggregation::Krum { byzantine: 1, select: 2, selection };
+    let once = run(krum(KrumSelection::Scores), &updates, 1, None);
+    assert_eq!(once.selected, Some(vec![2, 3]));
+    assert_eq!(once.delta, vec![12.0]);
+    // Iterated: 2 first (score 9, earlier than 3); among {0, 1, 3, 4} with one nearest each,
+    // 0 and 4 score 1 (the earlier, 0, is taken).
+    let iterated = run(krum(KrumSelection::Iterative), &updates, 1, None);
+    assert_eq!(iterated.selected, Some(vec![0, 2]));
+    assert_eq!(iterated.delta, vec![7.0]);
+    // Krum itself (m = 1) is the same either way.
+    for selection in [KrumSelection::Scores, KrumSelection::Iterative] {
+        let one = Aggregation::Krum { byzantine: 1, select: 1, selection };
+        assert_eq!(run(one, &updates, 1, None).selected, Some(vec![2]));
+    }
+    let plan: Aggregation = serde_json::from_str(
+        r#"{"kind": "krum", "byzantine": 1, "select": 2, "selection": "iterative"}"#,
+    )
+    .unwrap();
+    assert_eq!(plan, krum(KrumSelection::Iterative));
+}
+
+/// An order statistic's memory at close is bounded: Krum's n × n distances for a 200 000-device
+/// round (~320 GB) and a median's tiles past the tile floor are refused with the figure and the
+/// largest round that fits, which itself fits.
+#[test]
+fn order_statistics_whose_round_would_not_fit_in_memory_are_refused() {
+    let krum = Aggregation::Krum { byzantine: 1, select: 1, selection: KrumSelection::Scores };
+    let err = krum.check_memory(200_000).unwrap_err();
+    let mib = krum.close_memory_bytes(200_000).div_ceil(1 << 20);
+    assert!(mib > 300_000 && err.contains(&format!("{mib} MiB")), "{err}");
+    let fits: u32 =
+        err.split("at most ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(krum.check_memory(fits).is_ok() && krum.check_memory(fits + 1).is_err(), "{fits}");
+    assert!((4_000..6_000).contains(&fits), "{fits}");
+    let median = Aggregation::CoordinateMedian {};
+    assert!(median.check_memory(4_096).is_ok());
+    assert!(median.close_memory_bytes(4_096) <= (TILE_BYTES as u64));
+    assert!(median.check_memory(1_000_000).unwrap_err().contains("coordinate_median"));
+    assert_eq!(Aggregation::Mean {}.close_memory_bytes(1_000_000), 0);
 }

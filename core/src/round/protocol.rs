@@ -376,6 +376,9 @@ pub enum RoundOutcome {
         /// Masked inputs received.
         survivors: u32,
     },
+    /// The round reached quorum but its aggregate was refused (a non-finite next model, an
+    /// order statistic that could not be computed): nothing was committed.
+    AggregateRejected,
 }
 
 impl RoundOutcome {
@@ -386,6 +389,7 @@ impl RoundOutcome {
             RoundOutcome::TooFewSelected { .. } => "too_few_selected",
             RoundOutcome::TooFewReports { .. } => "too_few_reports",
             RoundOutcome::SecureAggregationFailed { .. } => "secure_aggregation_failed",
+            RoundOutcome::AggregateRejected => "aggregate_rejected",
         }
     }
 }

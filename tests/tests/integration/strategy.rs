@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use starling_core::compression::Compression;
 use starling_core::fedavg::{FedAvgAccumulator, validate_parts};
-use starling_core::robust::{Aggregation, combine};
+use starling_core::robust::{Aggregation, KrumSelection, combine};
 use starling_core::strategy::{AdaptiveParams, ServerOptimizer};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
@@ -113,7 +113,7 @@ async fn r17_robust_aggregators_commit_their_combination_and_leave_the_attacker_
     for (aggregation, norm_bound) in [
         (Aggregation::CoordinateMedian {}, Some(20.0)),
         (Aggregation::TrimmedMean { trim_fraction: 0.2 }, None),
-        (Aggregation::Krum { byzantine: 1, select: 2 }, None),
+        (Aggregation::Krum { byzantine: 1, select: 2, selection: KrumSelection::Scores }, None),
     ] {
         let mut plan = spec.json();
         plan["strategy"] =
