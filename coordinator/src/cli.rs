@@ -113,6 +113,15 @@ struct ServeArgs {
     /// Seconds every request body gets, on top of what its size limit needs at 16 KiB/s.
     #[arg(long, env = "STARLING_BODY_TIMEOUT_SECS", default_value_t = 30)]
     body_timeout_secs: u64,
+    /// Seconds a connection may move no byte either way before it is closed (keep-alive and
+    /// HTTP/2 connections between requests included).
+    #[arg(long, env = "STARLING_IDLE_TIMEOUT_SECS", default_value_t = 60)]
+    idle_timeout_secs: u64,
+    /// Open connections at most [default: all but an eighth of the open-file limit, which is
+    /// raised to its hard limit at start]. At the cap a new connection closes the one silent
+    /// longest, so a flood of idle connections locks no one out.
+    #[arg(long, env = "STARLING_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
     /// Secret shared with the aggregator nodes (at least 16 characters): turns the aggregator
     /// tier on.
     #[arg(long, env = "STARLING_AGGREGATOR_SECRET", hide_env_values = true)]
@@ -230,7 +239,10 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     if tls.is_some() && args.insecure_http {
         bail!("--insecure-http and a TLS certificate contradict each other");
     }
-    for secs in [args.header_timeout_secs, args.body_timeout_secs] {
+    if args.max_connections == Some(0) {
+        bail!("--max-connections must be at least 1");
+    }
+    for secs in [args.header_timeout_secs, args.body_timeout_secs, args.idle_timeout_secs] {
         if secs == 0 {
             bail!("timeouts must be at least one second");
         }
@@ -238,6 +250,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     let timeouts = crate::http::Timeouts {
         header: std::time::Duration::from_secs(args.header_timeout_secs),
         body_grace: std::time::Duration::from_secs(args.body_timeout_secs),
+        idle: std::time::Duration::from_secs(args.idle_timeout_secs),
         ..Default::default()
     };
     let tier = match args.aggregator_secret {
@@ -267,6 +280,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         dashboard_dir,
         limits,
         timeouts,
+        max_connections: args.max_connections,
         tls,
     })
 }

@@ -25,6 +25,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::driver::{Driver, DriverHandle};
+use crate::http::connections::{ConnectionLimits, GuardedAcceptor};
 use crate::store::{SqlStore, StoreError};
 
 /// Everything [`start`] needs, validated.
@@ -46,10 +47,29 @@ pub struct ServeConfig {
     pub limits: http::Limits,
     /// Deadlines for slow clients.
     pub timeouts: http::Timeouts,
+    /// Open connections at most; `None`: all but an eighth of the process's file descriptors
+    /// (after raising its soft limit to the hard one), see [`http::connections`].
+    pub max_connections: Option<usize>,
     /// TLS for the listener; `None` serves plain HTTP (the demo, or behind a TLS proxy).
     pub tls: Option<tls::TlsConfig>,
     /// The aggregator tier; `None` runs every round on the coordinator alone.
     pub tier: Option<tier::TierSettings>,
+}
+
+impl ServeConfig {
+    /// The deadlines and the connection cap every served connection is held to.
+    fn connection_limits(&self) -> (http::Timeouts, ConnectionLimits) {
+        let max_connections = self.max_connections.unwrap_or_else(|| {
+            let nofile = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
+            ConnectionLimits::max_connections_for(nofile)
+        });
+        let limits = ConnectionLimits {
+            max_connections,
+            first_byte: self.timeouts.header,
+            idle: self.timeouts.idle,
+        };
+        (self.timeouts, limits)
+    }
 }
 
 /// The listening socket's accept queue unless configured. Rust's standard listener asks for
@@ -140,6 +160,14 @@ impl RunningCoordinator {
 pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError> {
     // Bad TLS material fails the start before anything else is touched.
     let server_tls = config.tls.as_ref().map(tls::server_config).transpose()?;
+    if config.max_connections.is_none() {
+        let nofile = http::connections::raise_descriptor_limit();
+        tracing::info!(
+            ?nofile,
+            max_connections = config.connection_limits().1.max_connections,
+            "open-file limit"
+        );
+    }
     let store = SqlStore::connect(&config.database_url, config.migrate).await?;
     tracing::info!(backend = ?store.backend(), "store connected");
     let listen_error = |source| ServeError::Listen { addr: config.listen, source };
@@ -218,7 +246,7 @@ async fn serve_as_leader(
             server.graceful_shutdown(Some(SHUTDOWN_GRACE));
         }
     });
-    let serving = serve(listener, app, tls, config.timeouts, server.clone());
+    let serving = serve(listener, app, tls, config.connection_limits(), server.clone());
     tokio::pin!(serving);
     let res = tokio::select! {
         res = &mut serving => res,
@@ -254,11 +282,11 @@ async fn stand_by(
         standby_listener,
         http::standby_router(),
         tls.clone(),
-        config.timeouts,
+        config.connection_limits(),
         standby.clone(),
     ));
     let leadership = tokio::select! {
-        leadership = wait_for_leadership(&store) => leadership,
+        leadership = store.wait_for_leadership() => leadership,
         () = stop_asked(&mut stopped) => {
             standby.graceful_shutdown(Some(SHUTDOWN_GRACE));
             return probes.await.unwrap_or(Ok(()));
@@ -279,20 +307,6 @@ async fn stop_asked(stopped: &mut watch::Receiver<bool>) {
 }
 
 /// Blocks on the leadership lock, retrying while the database is unreachable.
-async fn wait_for_leadership(store: &SqlStore) -> store::Leadership {
-    let mut backoff = Duration::from_millis(500);
-    loop {
-        match store.acquire_leadership().await {
-            Ok(leadership) => return leadership,
-            Err(e) => {
-                tracing::warn!(error = %e, ?backoff, "waiting for the leadership lock failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
-}
-
 /// A non-blocking listening socket on `addr` with an accept queue of `backlog`.
 fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<std::net::TcpListener> {
     let socket = match addr {
@@ -310,7 +324,7 @@ async fn serve(
     listener: std::net::TcpListener,
     app: axum::Router,
     tls: Option<rustls::ServerConfig>,
-    timeouts: http::Timeouts,
+    (timeouts, limits): (http::Timeouts, ConnectionLimits),
     handle: axum_server::Handle<SocketAddr>,
 ) -> Result<(), ServeError> {
     // Peer addresses feed the per-IP rate limit.
@@ -324,7 +338,8 @@ async fn serve(
     };
     match tls {
         None => {
-            let mut server = server;
+            let acceptor = GuardedAcceptor::new(axum_server::accept::DefaultAcceptor, limits);
+            let mut server = server.acceptor(acceptor);
             slow_headers(server.http_builder());
             server.serve(app).await
         }
@@ -333,7 +348,7 @@ async fn serve(
                 RustlsAcceptor::new(RustlsConfig::from_config(Arc::new(config)))
                     .handshake_timeout(timeouts.header),
             );
-            let mut server = server.acceptor(acceptor);
+            let mut server = server.acceptor(GuardedAcceptor::new(acceptor, limits));
             slow_headers(server.http_builder());
             server.serve(app).await
         }
