@@ -49,12 +49,15 @@ mod runs;
 mod secure;
 mod updates;
 
+pub use devices::DeviceAccess;
 pub use evaluations::{
     AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EVALUATION_ROUND_PREFIX, EvaluationRow,
     SECURE_EVALUATION_SOURCE,
 };
 use leadership::Fence;
-pub use leadership::{LEADER_APPLICATION_NAME, Leadership};
+pub use leadership::{
+    LEADER_APPLICATION_NAME, LEASE, Leadership, RENEW_EVERY, RENEW_TIMEOUT, STANDBY_POLL,
+};
 pub use rounds::{
     ModelBytes, OpenRoundState, PendingModel, RoundCommit, RoundDeviceRow, RoundRow, Transition,
 };
@@ -86,6 +89,17 @@ pub enum StoreError {
     /// The enrollment token is unknown, expired or used up.
     #[error("enrollment token is invalid, expired or used up")]
     InvalidToken,
+    /// A run may not start in this population: a running run holds it for itself
+    /// (`exclusive_population`), or the new run asks for it alone and another runs there.
+    #[error("population {population:?} is busy: run {run} trains it{}", if *.exclusive { " alone" } else { "" })]
+    PopulationBusy {
+        /// The population.
+        population: String,
+        /// The running run in the way.
+        run: i64,
+        /// Whether that run holds the population for itself.
+        exclusive: bool,
+    },
     /// The URL names no supported backend.
     #[error("unsupported database url {0:?}: use postgres:// or sqlite://")]
     UnsupportedUrl(String),
@@ -189,7 +203,9 @@ impl SqlStore {
     /// Connects, creating the SQLite file if needed, and (if `migrate`) applies migrations.
     pub async fn connect(url: &str, migrate: bool) -> StoreResult<Self> {
         let pool = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let options = PgConnectOptions::from_str(url).map_err(map_err)?;
+            let options = PgConnectOptions::from_str(url)
+                .map_err(map_err)?
+                .options(leadership::SESSION_SETTINGS);
             Pool::Postgres(
                 PgPoolOptions::new()
                     .max_connections(16)

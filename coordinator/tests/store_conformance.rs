@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
-    ModelBytes, NewRun, PendingModel, RoundCommit, RoundDeviceRow, SqlStore, StoreError,
-    Transition, redact, with_database,
+    LEASE, ModelBytes, NewRun, PendingModel, RENEW_EVERY, RENEW_TIMEOUT, RoundCommit,
+    RoundDeviceRow, STANDBY_POLL, SqlStore, StoreError, Transition, redact, with_database,
 };
 use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
@@ -60,6 +60,8 @@ conformance!(
     r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
     r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written,
     r18_a_model_read_while_its_bytes_are_written_is_pending_or_there,
+    devices_may_join_only_the_populations_their_token_names,
+    a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -115,6 +117,40 @@ async fn postgres_fences_a_deposed_leader(_pool: PgPoolOptions, opts: PgConnectO
     assert_eq!(successor.running_runs().await.unwrap().len(), 1);
 }
 
+/// A leader that stopped renewing its lease (here: the row says it lapsed, as it would after a
+/// SIGSTOP or a cut-off network) no longer blocks failover: a standby terminates the session
+/// holding the lock, takes it, and moves the epoch on; the old leader sees its lock lost. A
+/// renewed lease is never broken. (Postgres only.)
+#[sqlx::test(migrations = false)]
+async fn postgres_a_lapsed_leader_lease_is_broken_and_a_live_one_is_not(
+    _pool: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let url = pg_url(&opts);
+    let leader = SqlStore::connect(&url, true).await.unwrap();
+    let mut lead = leader.acquire_leadership().await.unwrap();
+    let standby = SqlStore::connect(&url, false).await.unwrap();
+    assert!(!standby.break_lapsed_lease().await.unwrap(), "a fresh lease is not broken");
+    assert!(standby.try_acquire_leadership().await.unwrap().is_none(), "the lock is held");
+    let sql = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query("UPDATE leadership SET lease_expires_at_ms = 0").execute(&sql).await.unwrap();
+    assert!(standby.break_lapsed_lease().await.unwrap(), "a lapsed lease is broken");
+    let lost = tokio::time::timeout(RENEW_EVERY + RENEW_TIMEOUT * 2, lead.lost()).await;
+    assert!(lost.is_ok(), "the old leader noticed its session was terminated");
+    let taken = tokio::time::timeout(STANDBY_POLL * 10, standby.wait_for_leadership())
+        .await
+        .expect("the standby takes the released lock");
+    assert_eq!(taken.epoch(), 2);
+    let (pid, lease): (i64, i64) = sqlx::query_as(
+        "SELECT backend_pid, lease_expires_at_ms - (extract(epoch from clock_timestamp()) * 1000)::bigint FROM leadership",
+    )
+    .fetch_one(&sql)
+    .await
+    .unwrap();
+    assert!(pid > 0 && lease > 0 && lease <= LEASE.as_millis() as i64, "{pid} {lease}");
+    assert!(matches!(leader.create_run(new_run(), 1).await, Err(StoreError::Fenced { .. })));
+}
+
 fn new_run() -> NewRun<'static> {
     NewRun {
         name: Some("r"),
@@ -122,6 +158,7 @@ fn new_run() -> NewRun<'static> {
         plan_json: "{}",
         initial_model: b"m0",
         initial_model_hash: "h0",
+        exclusive_population: false,
     }
 }
 
@@ -153,7 +190,7 @@ fn secagg(seq: i64, bytes: &[u8]) -> Transition {
 
 /// Three enrolled devices.
 async fn devices(store: &SqlStore) -> [DeviceId; 3] {
-    store.create_enrollment_token("many", 0, None, None).await.unwrap();
+    store.create_enrollment_token("many", 0, None, None, None).await.unwrap();
     let mut out = [DeviceId(0); 3];
     for (i, d) in out.iter_mut().enumerate() {
         *d = store.enroll_device("many", &format!("credential-{i}"), 5).await.unwrap();
@@ -211,8 +248,8 @@ async fn run_with_reports(store: &SqlStore) -> (RunId, [DeviceId; 3]) {
 async fn enrollment_spends_tokens_and_revocation_is_immediate(store: SqlStore) {
     store.ping().await.unwrap();
     // A token with one use enrolls one device; expired and unknown tokens do not.
-    store.create_enrollment_token("tok1", 0, None, Some(1)).await.unwrap();
-    store.create_enrollment_token("expired", 0, Some(10), None).await.unwrap();
+    store.create_enrollment_token("tok1", 0, None, Some(1), None).await.unwrap();
+    store.create_enrollment_token("expired", 0, Some(10), None, None).await.unwrap();
     let d1 = store.enroll_device("tok1", "cred1", 5).await.unwrap();
     assert!(matches!(store.enroll_device("tok1", "cred2", 5).await, Err(StoreError::InvalidToken)));
     assert!(matches!(
@@ -220,7 +257,7 @@ async fn enrollment_spends_tokens_and_revocation_is_immediate(store: SqlStore) {
         Err(StoreError::InvalidToken)
     ));
     assert!(matches!(store.enroll_device("nope", "cred2", 5).await, Err(StoreError::InvalidToken)));
-    store.create_enrollment_token("tok2", 0, None, None).await.unwrap();
+    store.create_enrollment_token("tok2", 0, None, None, None).await.unwrap();
     let d2 = store.enroll_device("tok2", "cred2", 5).await.unwrap();
     let d3 = store.enroll_device("tok2", "cred3", 5).await.unwrap();
     assert!(matches!(store.enroll_device("tok2", "cred3", 5).await, Err(StoreError::Conflict)));
@@ -797,4 +834,54 @@ async fn r18_a_model_read_while_its_bytes_are_written_is_pending_or_there(store:
         let read = reader.await.unwrap();
         assert_eq!(read, Ok(model.into_bytes()), "version {version}");
     }
+}
+
+/// A token names the populations its devices may join, and every device it enrolls carries
+/// them; a device of a token from before populations were named may join any.
+async fn devices_may_join_only_the_populations_their_token_names(store: SqlStore) {
+    let named = ["fleet-a".to_owned(), "fleet-b".to_owned()];
+    store.create_enrollment_token("named", 0, None, Some(2), Some(&named)).await.unwrap();
+    store.create_enrollment_token("legacy", 0, None, Some(1), None).await.unwrap();
+    let d = store.enroll_device("named", "cred-named", 1).await.unwrap();
+    let old = store.enroll_device("legacy", "cred-legacy", 1).await.unwrap();
+    let access = store.device_access("cred-named").await.unwrap().unwrap();
+    assert_eq!(access.device, d);
+    assert_eq!(access.populations.as_deref(), Some(&named[..]));
+    assert!(access.may_join("fleet-a") && access.may_join("fleet-b"));
+    assert!(!access.may_join("default") && !access.may_join("fleet-c"));
+    let legacy = store.device_access("cred-legacy").await.unwrap().unwrap();
+    assert_eq!((legacy.device, legacy.populations.clone()), (old, None));
+    assert!(legacy.may_join("anything"));
+    assert_eq!(store.device_access("unknown").await.unwrap(), None);
+}
+
+/// A run created with `exclusive_population` claims its population: no other run starts there
+/// while it runs, it is refused while another runs there, and of two claims one wins (the
+/// claims table's key). Once the claiming run stops, the population is free again.
+async fn a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs(store: SqlStore) {
+    let claim = |population| NewRun { population, exclusive_population: true, ..new_run() };
+    let plain = |population| NewRun { population, ..new_run() };
+    let alone = store.create_run(claim("sim"), 1).await.unwrap();
+    for refused in [claim("sim"), plain("sim")] {
+        let err = store.create_run(refused, 2).await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::PopulationBusy { run, exclusive: true, .. } if *run == alone.0),
+            "{err}"
+        );
+    }
+    // A population with a plain run in it cannot be claimed.
+    let shared = store.create_run(plain("shared"), 3).await.unwrap();
+    let err = store.create_run(claim("shared"), 4).await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::PopulationBusy { run, exclusive: false, .. } if *run == shared.0),
+        "{err}"
+    );
+    store.create_run(plain("shared"), 5).await.unwrap();
+    // Two claims at once on a free population: exactly one wins.
+    let (a, b) =
+        tokio::join!(store.create_run(claim("race"), 6), store.create_run(claim("race"), 6));
+    assert_eq!(usize::from(a.is_ok()) + usize::from(b.is_ok()), 1, "{a:?} {b:?}");
+    // The claim ends with its run.
+    store.apply_transitions(alone, &[Transition::StopRun { open_round: None }], 7).await.unwrap();
+    store.create_run(claim("sim"), 8).await.unwrap();
 }

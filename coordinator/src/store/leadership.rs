@@ -1,8 +1,22 @@
 //! Who drives the runs: the Postgres advisory lock that elects one coordinator among those
-//! sharing a database, and the leadership epoch that fences a deposed leader's writes.
+//! sharing a database, the lease that keeps a hung or cut-off leader from holding it, and the
+//! leadership epoch that fences a deposed leader's writes.
+//!
+//! The lock alone is held by a *session*: a leader that is paused (SIGSTOP, a long GC-like
+//! stall, a frozen VM) or cut off from the database keeps its session open as far as Postgres
+//! knows, for as long as TCP keepalives take (two hours with the defaults), and no standby can
+//! lead meanwhile. So the leader also holds a lease in the `leadership` row, renewed every
+//! [`RENEW_EVERY`] on the lock's own connection and timed by the database's clock (no clock
+//! skew between coordinators). A standby that finds the lease lapsed for [`LEASE`] terminates
+//! the backend that holds the lock (`pg_terminate_backend`, which the coordinators' role needs
+//! the right to do), takes the lock and moves the epoch on. A leader that cannot renew within
+//! [`RENEW_TIMEOUT`] stops by itself, well before its lease lapses; and whatever it still tries
+//! to write after its successor took over is refused by the epoch fence, so two leaders never
+//! both write.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
 
 use sqlx::Connection;
 
@@ -27,6 +41,36 @@ pub(super) struct Fence {
 /// Postgres advisory-lock key held by the coordinator that drives runs ("STAR").
 const LEADER_LOCK_KEY: i64 = 0x5354_4152;
 
+/// How long a leader's claim lasts without renewal: a standby takes over at most this long (plus
+/// its own [`STANDBY_POLL`]) after the leader last renewed.
+pub const LEASE: Duration = Duration::from_secs(10);
+/// How often the leader renews its lease (and checks that its lock's session is alive).
+pub const RENEW_EVERY: Duration = Duration::from_secs(1);
+/// A renewal that has not answered in this long counts as the lock lost: the leader stops
+/// itself [`RENEW_EVERY`] + this after its last renewal, before its lease can lapse.
+pub const RENEW_TIMEOUT: Duration = Duration::from_secs(4);
+/// How often a standby tries the lock and looks for a lapsed lease.
+pub const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// The database's clock in ms, as a BIGINT (the store's time columns).
+macro_rules! db_now_ms {
+    () => {
+        "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+    };
+}
+
+/// Settings of every Postgres session of the coordinator. Server-side keepalives: a client
+/// that vanished (cut off, its host gone) is noticed in about 10 + 5 × 3 = 25 s instead of the
+/// OS default of two hours. And a transaction left open and idle for a lease (its coordinator
+/// paused mid-write) is ended, so the row lock it holds on `leadership` cannot stop a successor
+/// from moving the epoch on; the store's transactions are never idle that long otherwise.
+pub(super) const SESSION_SETTINGS: [(&str, &str); 4] = [
+    ("tcp_keepalives_idle", "10"),
+    ("tcp_keepalives_interval", "5"),
+    ("tcp_keepalives_count", "3"),
+    ("idle_in_transaction_session_timeout", "10000"),
+];
+
 /// Holds the leadership lock; dropping it releases the lock.
 #[derive(Debug)]
 pub struct Leadership {
@@ -38,11 +82,13 @@ pub struct Leadership {
 pub const LEADER_APPLICATION_NAME: &str = "starling-leader";
 
 impl Leadership {
-    /// Resolves when the lock is lost: the connection holding it stopped answering (the
-    /// server restarted, an operator terminated it, the network broke). Postgres releases an
-    /// advisory lock with its session, so from then on another coordinator may drive the runs;
-    /// this one must stop. Also resolves as soon as a write of this store was fenced (a
-    /// successor took over). Never resolves for SQLite (one process owns the file).
+    /// Renews the lease while it holds the lock, and resolves when the lock is lost: a renewal
+    /// failed or did not answer within [`RENEW_TIMEOUT`] (the server restarted, a standby
+    /// terminated the session after the lease lapsed, the network broke), or another
+    /// coordinator's epoch is in the row. Postgres releases an advisory lock with its session,
+    /// so from then on another coordinator may drive the runs; this one must stop. Also
+    /// resolves as soon as a write of this store was fenced (a successor took over). Never
+    /// resolves for SQLite (one process owns the file).
     pub async fn lost(&mut self) {
         let fence = self.fence.clone();
         let Some(conn) = self.conn.as_mut() else { return std::future::pending().await };
@@ -55,16 +101,35 @@ impl Leadership {
                 woken.await;
             }
         };
+        let epoch = self.fence.epoch.load(Ordering::SeqCst);
         let dead = async {
             loop {
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                let alive = tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sqlx::query("SELECT 1").execute(&mut *conn),
-                )
-                .await;
-                if !matches!(alive, Ok(Ok(_))) {
-                    return;
+                tokio::time::sleep(RENEW_EVERY).await;
+                let renewal = sqlx::query(concat!(
+                    "UPDATE leadership SET lease_expires_at_ms = ",
+                    db_now_ms!(),
+                    " + $1 WHERE id = 1 AND epoch = $2"
+                ))
+                .bind(LEASE.as_millis() as i64)
+                .bind(epoch)
+                .execute(&mut *conn);
+                match tokio::time::timeout(RENEW_TIMEOUT, renewal).await {
+                    Ok(Ok(done)) if done.rows_affected() == 1 => {}
+                    Ok(Ok(_)) => {
+                        tracing::error!(
+                            epoch,
+                            "another coordinator's epoch is in the leadership row"
+                        );
+                        return;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "renewing the leadership lease failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::error!(timeout = ?RENEW_TIMEOUT, "renewing the leadership lease did not answer");
+                        return;
+                    }
                 }
             }
         };
@@ -99,6 +164,55 @@ impl SqlStore {
         self.lock_leadership(false).await
     }
 
+    /// Waits until this process may drive runs, as a standby does: tries the lock every
+    /// [`STANDBY_POLL`], and when the holder's lease has lapsed terminates its session so the
+    /// lock is released. Store errors are retried (logged).
+    pub async fn wait_for_leadership(&self) -> Leadership {
+        loop {
+            match self.try_acquire_leadership().await {
+                Ok(Some(leadership)) => return leadership,
+                Ok(None) => {
+                    if let Err(e) = self.break_lapsed_lease().await {
+                        tracing::warn!(error = %e, "checking the leader's lease failed; retrying");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "trying the leadership lock failed; retrying"),
+            }
+            tokio::time::sleep(STANDBY_POLL).await;
+        }
+    }
+
+    /// Terminates the session holding the leadership lock if its lease has lapsed (the leader
+    /// stopped renewing: paused, hung or cut off); whether it did. Only that session is
+    /// terminated: the one recorded in the row *and* holding the lock now. Postgres only.
+    pub async fn break_lapsed_lease(&self) -> StoreResult<bool> {
+        let Pool::Postgres(pool) = &self.pool else { return Ok(false) };
+        let broken: Option<(i64, i64, bool)> = sqlx::query_as(concat!(
+            "SELECT l.backend_pid, l.epoch, pg_terminate_backend(l.backend_pid::int)
+             FROM leadership l
+             WHERE l.id = 1 AND l.lease_expires_at_ms < ",
+            db_now_ms!(),
+            " AND l.backend_pid IN (SELECT pid::bigint FROM pg_locks
+                 WHERE locktype = 'advisory' AND granted AND objid::bigint = $1)"
+        ))
+        .bind(LEADER_LOCK_KEY)
+        .fetch_optional(pool)
+        .await
+        .map_err(map_err)?;
+        Ok(match broken {
+            Some((pid, epoch, terminated)) => {
+                tracing::warn!(
+                    backend_pid = pid,
+                    epoch,
+                    terminated,
+                    "the leader's lease lapsed; terminated the session holding the leadership lock"
+                );
+                terminated
+            }
+            None => false,
+        })
+    }
+
     async fn lock_leadership(&self, wait: bool) -> StoreResult<Option<Leadership>> {
         let fence = self.fence.clone();
         match &self.pool {
@@ -128,12 +242,15 @@ impl SqlStore {
                 }
                 // Waits for the deposed leader's writes in flight (they hold the row FOR SHARE);
                 // every later one of them sees the new epoch and fails.
-                let (epoch,): (i64,) = sqlx::query_as(
-                    "UPDATE leadership SET epoch = epoch + 1, holder = $1, acquired_at_ms = $2
-                     WHERE id = 1 RETURNING epoch",
-                )
+                let (epoch,): (i64,) = sqlx::query_as(concat!(
+                    "UPDATE leadership SET epoch = epoch + 1, holder = $1, acquired_at_ms = $2,
+                     backend_pid = pg_backend_pid(), lease_expires_at_ms = ",
+                    db_now_ms!(),
+                    " + $3 WHERE id = 1 RETURNING epoch"
+                ))
                 .bind(format!("pid {}", std::process::id()))
                 .bind(crate::clock::now_ms())
+                .bind(LEASE.as_millis() as i64)
                 .fetch_one(&mut conn)
                 .await
                 .map_err(map_err)?;
