@@ -118,12 +118,16 @@ enum ModelsCommand {
 enum TokensCommand {
     /// Issue an enrollment token and print it.
     Issue {
-        /// Devices that may enroll with it [default: unlimited].
+        /// Devices that may enroll with it (required: a token without a limit could enroll
+        /// devices without end).
         #[arg(long)]
-        uses: Option<i64>,
-        /// How long it is valid, in seconds [default: the coordinator's].
+        uses: i64,
+        /// How long it is valid, in seconds [default: no expiry].
         #[arg(long)]
         ttl_secs: Option<i64>,
+        /// A population its devices may check in to; repeat for several [default: default].
+        #[arg(long = "population", value_name = "NAME")]
+        populations: Vec<String>,
     },
 }
 
@@ -163,7 +167,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Runs(RunsCommand::Create { plan, init_from }) => {
             let mut plan = read_plan(&plan)?;
             if let Some(from) = init_from {
-                plan["model"]["init"] = model_init_from(&admin, &from).await?;
+                let init = model_init_from(&admin, &from).await?;
+                set_model_init(&mut plan, init)?;
             }
             let run = admin.create_run(&plan).await?;
             writeln!(out, "{}", run.id)?;
@@ -195,12 +200,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Runs(RunsCommand::Watch { run, interval_secs }) => {
-            anyhow::ensure!(
-                interval_secs.is_finite() && interval_secs > 0.0,
-                "--interval-secs must be a positive number of seconds"
-            );
+            let interval = watch_interval(interval_secs)?;
             drop(out);
-            watch(&admin, RunId(run), Duration::from_secs_f64(interval_secs)).await?;
+            watch(&admin, RunId(run), interval).await?;
         }
         Command::Runs(RunsCommand::Stop { run }) => {
             let view = admin.stop(RunId(run)).await?;
@@ -248,8 +250,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 path.display()
             )?;
         }
-        Command::Tokens(TokensCommand::Issue { uses, ttl_secs }) => {
-            let token = admin.enrollment_token_with(uses, ttl_secs).await?;
+        Command::Tokens(TokensCommand::Issue { uses, ttl_secs, populations }) => {
+            let populations = (!populations.is_empty()).then_some(populations);
+            let request = starling_core::admin::NewEnrollmentToken {
+                uses: Some(uses),
+                ttl_secs,
+                populations,
+            };
+            let token = admin.enrollment_token_with(&request).await?;
             writeln!(out, "{}", token.token)?;
         }
         Command::Devices(DevicesCommand::List { json }) => {
@@ -276,7 +284,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A plan file as the JSON the admin API takes: TOML by extension, JSON otherwise.
+/// The longest `runs watch --interval-secs`: a day between looks is already no watching.
+const MAX_WATCH_INTERVAL_SECS: f64 = 86_400.0;
+
+/// `--interval-secs` as a duration, or a clear error (`Duration::from_secs_f64` panics on
+/// values past its range, such as 1e300).
+fn watch_interval(secs: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        secs.is_finite() && secs > 0.0 && secs <= MAX_WATCH_INTERVAL_SECS,
+        "--interval-secs must be a number of seconds in (0, {MAX_WATCH_INTERVAL_SECS}], not {secs}"
+    );
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Puts `init` in the plan's `model.init`, refusing a plan that is not an object or whose
+/// `model` is not one (indexing a JSON value that is not an object panics).
+fn set_model_init(plan: &mut serde_json::Value, init: serde_json::Value) -> anyhow::Result<()> {
+    let plan = plan
+        .as_object_mut()
+        .context("--init-from: the plan must be an object with a \"model\" object")?;
+    let model = plan
+        .get_mut("model")
+        .and_then(serde_json::Value::as_object_mut)
+        .context("--init-from: the plan's \"model\" must be an object (it names the layers)")?;
+    model.insert("init".to_owned(), init);
+    Ok(())
+}
+
 /// `model.init` holding the values of the committed model `RUN:VERSION`.
 async fn model_init_from(admin: &AdminClient, from: &str) -> anyhow::Result<serde_json::Value> {
     use base64::Engine as _;
@@ -294,6 +328,7 @@ async fn model_init_from(admin: &AdminClient, from: &str) -> anyhow::Result<serd
     Ok(serde_json::json!({"kind": "parameters", "data_base64": data_base64}))
 }
 
+/// A plan file as the JSON the admin API takes: TOML by extension, JSON otherwise.
 fn read_plan(path: &Path) -> anyhow::Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -373,4 +408,37 @@ fn central_accuracy(model: &ModelView) -> Option<f64> {
 
 fn percent(value: Option<f64>) -> String {
     value.map_or("-".to_owned(), |v| format!("{:.2}%", v * 100.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `runs watch --interval-secs 1e300` used to panic in `Duration::from_secs_f64`.
+    #[test]
+    fn watch_intervals_out_of_range_are_clear_errors() {
+        assert_eq!(watch_interval(1.5).unwrap(), Duration::from_millis(1500));
+        for bad in [1e300, f64::INFINITY, f64::NAN, 0.0, -1.0, 86_401.0] {
+            let err = watch_interval(bad).unwrap_err().to_string();
+            assert!(err.contains("--interval-secs"), "{bad}: {err}");
+        }
+    }
+
+    /// `runs create --init-from` on a plan that is not an object (or whose model is not) used
+    /// to panic indexing it; now it says what is wrong, and a good plan gets the init.
+    #[test]
+    fn init_from_on_a_plan_that_is_not_an_object_is_a_clear_error() {
+        let init = serde_json::json!({"kind": "parameters", "data_base64": ""});
+        for bad in
+            [serde_json::json!([1, 2]), serde_json::json!("plan"), serde_json::json!({"model": 3})]
+        {
+            let mut plan = bad.clone();
+            let err = set_model_init(&mut plan, init.clone()).unwrap_err().to_string();
+            assert!(err.contains("--init-from"), "{bad}: {err}");
+            assert_eq!(plan, bad, "a refused plan is left as it was");
+        }
+        let mut plan = serde_json::json!({"model": {"layers": []}});
+        set_model_init(&mut plan, init.clone()).unwrap();
+        assert_eq!(plan["model"]["init"], init);
+    }
 }

@@ -22,7 +22,8 @@ use starling_core::wire::{
 use starling_core::{DeviceId, RoundIdx, RunId};
 
 use starling_core::admin::{
-    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, RoundDeviceView, RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView,
+    RoundView, RunView,
 };
 
 /// Why a call failed.
@@ -416,16 +417,21 @@ impl AdminClient {
         })
     }
 
-    /// Issues an enrollment token.
-    pub async fn enrollment_token(&self, uses: Option<i64>) -> Result<String, ClientError> {
-        let t: EnrollmentToken = self
-            .send(
-                reqwest::Method::POST,
-                path::ADMIN_ENROLLMENT_TOKENS,
-                Some(serde_json::json!({ "uses": uses })),
-            )
-            .await?;
-        Ok(t.token)
+    /// Issues an enrollment token for at most `uses` devices of the `default` population.
+    pub async fn enrollment_token(&self, uses: i64) -> Result<String, ClientError> {
+        Ok(self.enrollment_token_for(uses, &["default"]).await?.token)
+    }
+
+    /// Issues an enrollment token for at most `uses` devices that may join `populations`.
+    pub async fn enrollment_token_for(
+        &self,
+        uses: i64,
+        populations: &[&str],
+    ) -> Result<EnrollmentToken, ClientError> {
+        let populations = populations.iter().map(|p| p.to_string()).collect();
+        let request =
+            NewEnrollmentToken { uses: Some(uses), ttl_secs: None, populations: Some(populations) };
+        self.enrollment_token_with(&request).await
     }
 
     /// Creates a run from a plan (JSON as the API takes it).
@@ -514,18 +520,13 @@ impl AdminClient {
         self.send(reqwest::Method::POST, &path::admin_revoke(device), None).await
     }
 
-    /// Issues an enrollment token with at most `uses` uses, valid for `ttl_secs`.
+    /// Issues an enrollment token as `request` describes it (uses, lifetime, populations).
     pub async fn enrollment_token_with(
         &self,
-        uses: Option<i64>,
-        ttl_secs: Option<i64>,
+        request: &NewEnrollmentToken,
     ) -> Result<EnrollmentToken, ClientError> {
-        self.send(
-            reqwest::Method::POST,
-            path::ADMIN_ENROLLMENT_TOKENS,
-            Some(serde_json::json!({ "uses": uses, "ttl_secs": ttl_secs })),
-        )
-        .await
+        let body = serde_json::to_value(request).expect("a token request serializes");
+        self.send(reqwest::Method::POST, path::ADMIN_ENROLLMENT_TOKENS, Some(body)).await
     }
 
     /// Stops a run.

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use starling_core::model_spec::ModelSpec;
+use starling_core::wire::ErrorCode;
 use starling_core::{DeviceId, RunId};
 
 use crate::backend::Backend;
@@ -317,14 +318,12 @@ pub enum SimulationError {
     RunEnded(String),
     /// Another run is training the population the simulation was asked to use: its devices
     /// would join that run too.
-    #[error(
-        "run {run} is already training population {population:?}: pick another population, or let the simulator make its own"
-    )]
+    #[error("{why}: pick another population, or let the simulator make its own")]
     PopulationBusy {
         /// The population.
         population: String,
-        /// The running run that uses it.
-        run: i64,
+        /// The coordinator's refusal, naming the run in the way.
+        why: String,
     },
     /// The configuration cannot make a valid simulation.
     #[error("invalid simulation: {0}")]
@@ -471,19 +470,17 @@ pub async fn simulate(
     )
     .to_lowercase();
     let population = config.population.clone().unwrap_or_else(|| name.clone());
-    if let Some(busy) = admin
-        .runs()
-        .await?
-        .into_iter()
-        .find(|r| r.population == population && r.status == "running")
-    {
-        return Err(SimulationError::PopulationBusy { population, run: busy.id });
-    }
-    let token = admin.enrollment_token(Some(config.clients as i64)).await?;
+    // Its devices may join only its population; a few uses spare for enrollments retried
+    // after a lost answer.
+    let uses = config.clients as i64 + 8;
+    let token = admin.enrollment_token_for(uses, &[population.as_str()]).await?.token;
     let pacing = config.pacing;
     let mut plan = serde_json::json!({
         "name": name,
         "population": population,
+        // Trains its population alone: the store refuses the run if another runs there (two
+        // simulations checking first could both pass the check).
+        "exclusive_population": true,
         "model": {"spec": spec, "init": {"kind": "seeded", "seed": config.seed}},
         "training": config.training,
         "cohort_size": config.cohort,
@@ -513,7 +510,15 @@ pub async fn simulate(
             "stage_timeout_secs": 10.0,
         });
     }
-    let run = RunId(admin.create_run(&plan).await?.id);
+    // The store refuses the run while another trains the population (a constraint, so two
+    // simulations cannot both take it).
+    let run = match admin.create_run(&plan).await {
+        Ok(view) => RunId(view.id),
+        Err(ClientError::Api { body, .. }) if body.code == ErrorCode::Conflict => {
+            return Err(SimulationError::PopulationBusy { population, why: body.message });
+        }
+        Err(e) => return Err(e.into()),
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     let enrolled = Arc::new(std::sync::Mutex::new(vec![]));

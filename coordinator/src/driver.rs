@@ -61,7 +61,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::{Observer, POPULATION_SAMPLE_MS};
-use crate::store::{NewRun, SqlStore};
+use crate::store::{NewRun, SqlStore, StoreError};
 use crate::tier::AggregatorRegistry;
 
 /// Why the driver refused a request; the HTTP edge maps each to a status and error code.
@@ -86,6 +86,10 @@ pub enum DriverError {
     /// The aggregator tier is not configured on this coordinator.
     #[error("the aggregator tier is not configured")]
     TierOff,
+    /// The run's population is held by another run, or the run asks for it alone and another
+    /// runs there (the store's message says which).
+    #[error("{0}")]
+    PopulationBusy(String),
 }
 
 impl From<UploadRejection> for DriverError {
@@ -443,6 +447,9 @@ impl Driver {
     }
 
     fn announce_aggregators(&mut self) {
+        if let Some(tier) = &self.tier {
+            self.observer.aggregators_live(tier.live().len());
+        }
         let Some(input) = self.tier_input() else { return };
         let now = now_ms();
         for entry in self.runs.values_mut() {
@@ -616,13 +623,17 @@ impl Driver {
                     plan_json: &plan_json,
                     initial_model: &initial.encoded,
                     initial_model_hash: &initial.hash,
+                    exclusive_population: plan.plan().exclusive_population,
                 },
                 now,
             )
             .await
-            .map_err(|e| {
-                tracing::error!(error = %e, "creating run failed");
-                DriverError::Unavailable
+            .map_err(|e| match e {
+                e @ StoreError::PopulationBusy { .. } => DriverError::PopulationBusy(e.to_string()),
+                e => {
+                    tracing::error!(error = %e, "creating run failed");
+                    DriverError::Unavailable
+                }
             })?;
         let mut machine = RunMachine::start(run_id, plan.round_config(), now, entropy());
         if let Some(input) = self.tier_input() {

@@ -35,7 +35,7 @@ async fn started(store: &SqlStore) -> DriverHandle {
 }
 
 async fn enrolled(store: &SqlStore, n: usize) -> Vec<DeviceId> {
-    store.create_enrollment_token("token", 0, None, None).await.unwrap();
+    store.create_enrollment_token("token", 0, None, None, None).await.unwrap();
     let mut devices = vec![];
     for i in 0..n {
         devices.push(store.enroll_device("token", &format!("credential-{i}"), 0).await.unwrap());
@@ -518,4 +518,34 @@ async fn r18_a_run_stopped_between_checkpoints_writes_its_newest_model() {
     }
     assert!(handle.finish_model_writes(Duration::from_secs(10)).await);
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
+}
+
+/// A round whose aggregate is refused (here the server step overflows f32) fails, and is
+/// stored and shown as `aggregate_rejected`: it used to be stored as the `commit` the machine
+/// had asked for, so a failed round read "commit" in the run's rounds.
+#[tokio::test]
+async fn a_round_whose_aggregate_is_refused_is_stored_as_rejected_not_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let run = create_run_with(&handle, 2, serde_json::json!({"server_learning_rate": 4.0})).await;
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    // Finite updates whose mean × 4 is past f32::MAX.
+    upload(&handle, run, devices[0], update(1e38, 1)).await.unwrap();
+    upload(&handle, run, devices[1], update(1e38, 3)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let round = loop {
+        let rounds = store.rounds(run).await.unwrap();
+        if let Some(r) = rounds.into_iter().find(|r| r.round_idx == 0 && r.state != "open") {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "round 0 never closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(round.state, "failed");
+    assert_eq!(round.outcome_json.as_deref(), Some(r#"{"outcome":"aggregate_rejected"}"#));
+    assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap(), None, "nothing committed");
 }

@@ -73,9 +73,7 @@ async fn create_enrollment_token(
     _op: Operator,
     AppJson(req): AppJson<NewEnrollmentToken>,
 ) -> Result<(StatusCode, AppJson<EnrollmentToken>), ApiError> {
-    if req.uses.is_some_and(|u| u < 1) || req.ttl_secs.is_some_and(|t| t < 1) {
-        return Err(ApiError::invalid("uses and ttl_secs must be positive"));
-    }
+    let (uses, populations) = req.checked().map_err(ApiError::invalid)?;
     let token = random_secret("stenr");
     let now = now_ms();
     let expires_at_ms = req.ttl_secs.map(|t| now.saturating_add(t.saturating_mul(1000)));
@@ -85,7 +83,8 @@ async fn create_enrollment_token(
             &hex::encode(sha256(token.as_bytes())),
             now,
             expires_at_ms,
-            req.uses,
+            Some(uses),
+            Some(&populations),
         )
         .await?;
     Ok((StatusCode::CREATED, AppJson(EnrollmentToken { token, expires_at_ms })))

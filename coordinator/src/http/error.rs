@@ -204,6 +204,7 @@ impl From<DriverError> for ApiError {
                 SecAggRejection::Invalid(why) => ApiError::invalid(why),
             },
             DriverError::Unavailable => ApiError::unavailable(),
+            DriverError::PopulationBusy(why) => ApiError::new(S::CONFLICT, C::Conflict, why),
             DriverError::TierOff => ApiError::not_found(
                 "this coordinator has no aggregator tier (start it with --aggregator-secret)",
             ),

@@ -4,23 +4,45 @@ use starling_core::{DeviceId, Millis};
 
 use super::*;
 
+/// An authenticated device and where it may check in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceAccess {
+    /// The device.
+    pub device: DeviceId,
+    /// The populations its enrollment token named; `None` for a device enrolled before tokens
+    /// named populations (it may join any).
+    pub populations: Option<Vec<String>>,
+}
+
+impl DeviceAccess {
+    /// Whether the device may check in to `population`.
+    pub fn may_join(&self, population: &str) -> bool {
+        self.populations.as_ref().is_none_or(|allowed| allowed.iter().any(|p| p == population))
+    }
+}
+
 impl SqlStore {
-    /// Stores a new enrollment token (by hash).
+    /// Stores a new enrollment token (by hash) that enrolls at most `uses` devices (unlimited
+    /// if `None`), each allowed to check in to `populations` only (any if `None`).
     pub async fn create_enrollment_token(
         &self,
         token_hash: &str,
         now: Millis,
         expires_at: Option<Millis>,
         uses: Option<i64>,
+        populations: Option<&[String]>,
     ) -> StoreResult<()> {
+        let populations = populations.map(|p| serde_json::to_string(p).expect("names serialize"));
         on_pool!(self, |pool| {
             sqlx::query(
-                "INSERT INTO enrollment_tokens (token_hash, created_at_ms, expires_at_ms, uses_left) VALUES ($1, $2, $3, $4)",
+                "INSERT INTO enrollment_tokens (token_hash, created_at_ms, expires_at_ms, uses_left, populations_json)
+                 VALUES ($1, $2, $3, $4, $5)",
             )
             .bind(token_hash)
             .bind(now)
             .bind(expires_at)
             .bind(uses)
+            .bind(populations.as_deref())
             .execute(pool)
             .await
             .map_err(map_err)?;
@@ -37,24 +59,25 @@ impl SqlStore {
     ) -> StoreResult<DeviceId> {
         on_pool!(self, |pool| {
             let mut tx = pool.begin().await.map_err(map_err)?;
-            let spent = sqlx::query(
+            let spent: Option<(Option<String>,)> = sqlx::query_as(
                 "UPDATE enrollment_tokens SET uses_left = uses_left - 1
                  WHERE token_hash = $1 AND (expires_at_ms IS NULL OR expires_at_ms > $2)
-                   AND (uses_left IS NULL OR uses_left > 0)",
+                   AND (uses_left IS NULL OR uses_left > 0)
+                 RETURNING populations_json",
             )
             .bind(token_hash)
             .bind(now)
-            .execute(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(map_err)?;
-            if spent.rows_affected() != 1 {
-                return Err(StoreError::InvalidToken);
-            }
+            let Some((populations,)) = spent else { return Err(StoreError::InvalidToken) };
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked) VALUES ($1, $2, FALSE) RETURNING id",
+                "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked, populations_json)
+                 VALUES ($1, $2, FALSE, $3) RETURNING id",
             )
             .bind(credential_hash)
             .bind(now)
+            .bind(populations)
             .fetch_one(&mut *tx)
             .await
             .map_err(map_err)?;
@@ -68,15 +91,28 @@ impl SqlStore {
         &self,
         credential_hash: &str,
     ) -> StoreResult<Option<DeviceId>> {
+        Ok(self.device_access(credential_hash).await?.map(|access| access.device))
+    }
+
+    /// The device holding this credential and the populations it may join, unless unknown or
+    /// revoked: one read per authenticated request.
+    pub async fn device_access(&self, credential_hash: &str) -> StoreResult<Option<DeviceAccess>> {
         on_pool!(self, |pool| {
-            let row: Option<(i64,)> = sqlx::query_as(
-                "SELECT id FROM devices WHERE credential_hash = $1 AND revoked = FALSE",
+            let row: Option<(i64, Option<String>)> = sqlx::query_as(
+                "SELECT id, populations_json FROM devices WHERE credential_hash = $1 AND revoked = FALSE",
             )
             .bind(credential_hash)
             .fetch_optional(pool)
             .await
             .map_err(map_err)?;
-            Ok(row.map(|(id,)| DeviceId(id)))
+            row.map(|(id, populations)| {
+                let populations =
+                    populations.map(|json| serde_json::from_str(&json)).transpose().map_err(
+                        |e| StoreError::Corrupt(format!("device {id}'s populations: {e}")),
+                    )?;
+                Ok(DeviceAccess { device: DeviceId(id), populations })
+            })
+            .transpose()
         })
     }
 

@@ -58,6 +58,9 @@ pub struct NewRun<'a> {
     pub initial_model: &'a [u8],
     /// Its content hash.
     pub initial_model_hash: &'a str,
+    /// The run trains its population alone: refused while another run is running there, and
+    /// no other run starts there while it runs (the plan's `exclusive_population`).
+    pub exclusive_population: bool,
 }
 
 impl SqlStore {
@@ -66,6 +69,41 @@ impl SqlStore {
         on_pool!(self, |pool| {
             let mut tx = pool.begin().await.map_err(map_err)?;
             tx.check_fence(&self.fence).await?;
+            // A claim whose run no longer runs is stale; a live one keeps every other run out.
+            sqlx::query(
+                "DELETE FROM population_claims WHERE population = $1
+                   AND run_id NOT IN (SELECT id FROM runs WHERE status = 'running')",
+            )
+            .bind(run.population)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            let busy = |run_id: i64, exclusive: bool| StoreError::PopulationBusy {
+                population: run.population.to_owned(),
+                run: run_id,
+                exclusive,
+            };
+            let claimed: Option<(i64,)> =
+                sqlx::query_as("SELECT run_id FROM population_claims WHERE population = $1")
+                    .bind(run.population)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+            if let Some((holder,)) = claimed {
+                return Err(busy(holder, true));
+            }
+            if run.exclusive_population {
+                let running: Option<(i64,)> = sqlx::query_as(
+                    "SELECT id FROM runs WHERE population = $1 AND status = 'running' LIMIT 1",
+                )
+                .bind(run.population)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(map_err)?;
+                if let Some((other,)) = running {
+                    return Err(busy(other, false));
+                }
+            }
             let (id,): (i64,) = sqlx::query_as(
                 "INSERT INTO runs (name, population, plan_json, status, model_version, rounds_committed, created_at_ms, updated_at_ms)
                  VALUES ($1, $2, $3, 'running', 0, 0, $4, $4) RETURNING id",
@@ -87,6 +125,35 @@ impl SqlStore {
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
+            if run.exclusive_population {
+                // The primary key is the constraint: of two claims racing, one commits.
+                let claim = sqlx::query(
+                    "INSERT INTO population_claims (population, run_id) VALUES ($1, $2)",
+                )
+                .bind(run.population)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err);
+                let committed = match claim {
+                    Ok(_) => tx.commit().await.map_err(map_err),
+                    Err(e) => Err(e),
+                };
+                if let Err(StoreError::Conflict) = committed {
+                    // Another claim won the race: name its run.
+                    let (holder,): (i64,) = sqlx::query_as(
+                        "SELECT run_id FROM population_claims WHERE population = $1",
+                    )
+                    .bind(run.population)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(map_err)?
+                    .unwrap_or((0,));
+                    return Err(busy(holder, true));
+                }
+                committed?;
+                return Ok(RunId(id));
+            }
             tx.commit().await.map_err(map_err)?;
             Ok(RunId(id))
         })
@@ -161,6 +228,18 @@ impl SqlStore {
             .map_err(map_err)
         })?;
         model_bytes(row)
+    }
+
+    /// The runs that have a model with this content hash (one, but for identical models).
+    pub async fn runs_with_model(&self, content_hash: &str) -> StoreResult<Vec<RunId>> {
+        let rows: Vec<(i64,)> = on_pool!(self, |pool| {
+            sqlx::query_as("SELECT DISTINCT run_id FROM models WHERE content_hash = $1")
+                .bind(content_hash)
+                .fetch_all(pool)
+                .await
+                .map_err(map_err)
+        })?;
+        Ok(rows.into_iter().map(|(id,)| RunId(id)).collect())
     }
 
     /// Whether model `version` of `run_id` is committed with its bytes still to be written:
