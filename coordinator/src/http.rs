@@ -10,6 +10,7 @@
 
 pub mod admin;
 pub mod aggregation;
+pub mod connections;
 pub mod error;
 pub mod fleet;
 pub mod limits;
@@ -60,9 +61,10 @@ struct Inner {
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     uploads: Arc<Semaphore>,
-    /// Devices with an upload in progress: one at a time each, so no device holds more than
-    /// one of the upload permits.
-    uploading: Mutex<HashSet<DeviceId>>,
+    /// Devices with an upload in progress, by run: one at a time to each run, so no device
+    /// holds more than one permit per run it was selected in (and a device taking part in two
+    /// runs can upload to both at once).
+    uploading: Mutex<HashSet<(DeviceId, RunId)>>,
     device_limiter: Option<Limiter<DeviceId>>,
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
     timeouts: Timeouts,
@@ -86,15 +88,19 @@ pub struct Timeouts {
     pub body_grace: Duration,
     /// The slowest body transfer, in bytes per second, that the deadline allows for.
     pub body_min_rate: u64,
+    /// A connection with no bytes either way for this long is closed (HTTP/1 keep-alive and
+    /// HTTP/2 connections between requests included); see [`connections`].
+    pub idle: Duration,
 }
 
 impl Default for Timeouts {
-    /// 10 s for headers; bodies 30 s plus what 16 KiB/s needs for the size limit.
+    /// 10 s for headers; bodies 30 s plus what 16 KiB/s needs for the size limit; 60 s idle.
     fn default() -> Self {
         Timeouts {
             header: Duration::from_secs(10),
             body_grace: Duration::from_secs(30),
             body_min_rate: 16 * 1024,
+            idle: Duration::from_secs(60),
         }
     }
 }
@@ -145,7 +151,7 @@ pub(crate) struct UploadSlot {
 
 struct DeviceUpload {
     state: AppState,
-    device: DeviceId,
+    device: (DeviceId, RunId),
 }
 
 impl Drop for DeviceUpload {
@@ -257,7 +263,7 @@ impl AppState {
     /// Admits a model-sized body from `device` to `run_id`'s round `round_idx` before any of it
     /// is read: the declared length fits `limit` (413 at once otherwise), the driver says the
     /// device may send it now (selected, not reported yet), and the device has no other upload
-    /// in progress (409). Then it waits for one of the [`MAX_CONCURRENT_UPLOADS`] permits.
+    /// in progress to this run (409). Then it waits for one of the [`MAX_CONCURRENT_UPLOADS`] permits.
     /// Without these checks, a few devices that were never selected could hold every permit
     /// with trickled bodies and starve the cohort's uploads.
     async fn admit_upload(
@@ -287,14 +293,14 @@ impl AppState {
                 reply,
             })
             .await?;
-        if !self.inner.uploading.lock().expect("upload set poisoned").insert(device) {
+        if !self.inner.uploading.lock().expect("upload set poisoned").insert((device, run_id)) {
             return Err(ApiError::new(
                 axum::http::StatusCode::CONFLICT,
                 starling_core::wire::ErrorCode::Conflict,
-                "another upload from this device is in progress",
+                "another upload from this device to this run is in progress",
             ));
         }
-        let device_slot = DeviceUpload { state: self.clone(), device };
+        let device_slot = DeviceUpload { state: self.clone(), device: (device, run_id) };
         Ok(UploadSlot { _permit: self.upload_permit().await, _device: device_slot })
     }
 
@@ -338,6 +344,21 @@ impl AppState {
         };
         if compression.is_f32() {
             return Ok(Some(model));
+        }
+        // Only the encoding a plan downloads this model in: any other would let a device make
+        // the coordinator encode (and cache, evicting what devices need) a model per request.
+        let mut offered = vec![];
+        for run in self.store().runs_with_model(hash).await? {
+            offered.push(self.plan(run).await?.model_download());
+        }
+        if !offered.contains(&compression) {
+            let offered: Vec<String> =
+                offered.iter().filter(|c| !c.is_f32()).map(|c| c.to_string()).collect();
+            return Err(ApiError::invalid(format!(
+                "compression: this model is downloaded as f32{}{}, not {compression}",
+                if offered.is_empty() { "" } else { " or " },
+                offered.join(" or ")
+            )));
         }
         let encoded = tokio::task::spawn_blocking(move || {
             let payload: TensorPayload = codec::decode(&model)?;
@@ -399,8 +420,39 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
         .merge(live::dashboard(dashboard_dir))
         .route("/openapi.json", get(move || async move { axum::Json(document.as_ref().clone()) }))
         .fallback(|| async { ApiError::not_found("no such route") })
+        // `admin_body` bounds every admin body in size and time; axum's own 2 MB default would
+        // refuse a plan carrying a model's initial parameters.
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(state.clone(), admin_body))
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
     fleet.merge(admin).with_state(state)
+}
+
+/// The largest admin request body, except a new run's plan ([`AppState::plan_body_limit`]).
+pub const ADMIN_BODY_LIMIT: usize = 2 << 20;
+
+/// Reads an admin request's body whole, within its size limit and the body deadline, after
+/// checking the operator credential (so nobody else can make the coordinator buffer a large
+/// body): a plan may carry a model's initial parameters (`--max-model-bytes`, base64), every
+/// other admin body is small. Bodiless requests (GET, the live event stream) pass untouched.
+async fn admin_body(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> Result<Response, ApiError> {
+    use axum::http::Method;
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return Ok(next.run(req).await);
+    }
+    let (mut parts, body) = req.into_parts();
+    Operator::from_request_parts(&mut parts, &state).await?;
+    let limit = if parts.method == Method::POST && parts.uri.path() == wire::path::ADMIN_RUNS {
+        state.plan_body_limit()
+    } else {
+        ADMIN_BODY_LIMIT
+    };
+    let bytes = state.read_body(body, limit).await?;
+    Ok(next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await)
 }
 
 /// What a standby serves while another coordinator leads: `/livez` (it is alive), and 503 with
@@ -470,6 +522,13 @@ impl<T: Serialize> IntoResponse for Cbor<T> {
 }
 
 impl AppState {
+    /// The body limit of a new run's plan: its initial parameters in base64 at the model
+    /// limit, plus the rest of a plan.
+    pub fn plan_body_limit(&self) -> usize {
+        let base64 = self.inner.max_model_bytes.div_ceil(3).saturating_mul(4);
+        usize::try_from(base64).unwrap_or(usize::MAX).saturating_add(ADMIN_BODY_LIMIT)
+    }
+
     /// Reads a whole body, refusing more than `limit` bytes with 413 and a body that has not
     /// arrived by the deadline [`Timeouts::body_deadline`] gives `limit` with 408.
     pub async fn read_body(&self, body: Body, limit: usize) -> Result<Bytes, ApiError> {
@@ -514,10 +573,13 @@ impl FromRequestParts<AppState> for DeviceAuth {
         let credential =
             bearer(parts).ok_or_else(|| ApiError::unauthorized("missing bearer credential"))?;
         let hash = hex::encode(sha256(credential.as_bytes()));
-        let device = match state.store().device_by_credential(&hash).await? {
-            Some(device) => device,
+        let access = match state.store().device_access(&hash).await? {
+            Some(access) => access,
             None => return Err(ApiError::unauthorized("unknown or revoked device credential")),
         };
+        let device = access.device;
+        // For the handlers that need more than the id (check-in: where it may join).
+        parts.extensions.insert(access);
         if let Some(limiter) = &state.inner.device_limiter
             && let Err(wait) = limiter.check(device, std::time::Instant::now())
         {

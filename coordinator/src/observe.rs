@@ -132,6 +132,7 @@ struct Metrics {
     store: HistogramFamily<OpLabel>,
     devices: Family<StateLabel, Gauge>,
     epsilon: Family<RunLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    aggregators: Gauge,
 }
 
 impl Metrics {
@@ -148,6 +149,7 @@ impl Metrics {
             store: Family::new_with_constructor(seconds_histogram),
             devices: Family::default(),
             epsilon: Family::default(),
+            aggregators: Gauge::default(),
             registry: Registry::with_prefix("starling"),
         };
         let mut m = m;
@@ -190,6 +192,11 @@ impl Metrics {
             "privacy_epsilon",
             "ε spent by each differentially private run at its plan's δ, after its committed rounds",
             m.epsilon.clone(),
+        );
+        registry.register(
+            "aggregators_live",
+            "Aggregator nodes of the tier polling within their liveness window",
+            m.aggregators.clone(),
         );
         m
     }
@@ -376,6 +383,11 @@ impl Observer {
         p.last_seen.insert(device, (now, wanted));
         // Since the last sample pruned it: devices seen in the last minute or two.
         u32::try_from(p.last_seen.len()).unwrap_or(u32::MAX)
+    }
+
+    /// The aggregator nodes now live.
+    pub fn aggregators_live(&self, n: usize) {
+        self.inner.metrics.aggregators.set(n as i64);
     }
 
     /// Takes a population sample at `now`, given how many devices hold unfinished tasks.

@@ -22,8 +22,10 @@ use utoipa_axum::routes;
 
 use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
 use crate::clock::now_ms;
-use crate::driver::Event;
+use crate::driver::{DriverError, Event};
 use crate::model_cache::model_download_id;
+use crate::store::DeviceAccess;
+use starling_core::round::UploadRejection;
 
 /// Limit for the small fleet messages (everything but uploads).
 const SMALL_BODY_LIMIT: usize = 64 * 1024;
@@ -124,6 +126,7 @@ async fn enroll(
         (status = 200, description = "a task, or when to come back", body = CheckInResponse, content_type = "application/cbor"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the device's enrollment token does not admit this population", body = ErrorBody, content_type = "application/cbor"),
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
         (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
@@ -131,10 +134,21 @@ async fn enroll(
 async fn check_in(
     State(state): State<AppState>,
     DeviceAuth(device): DeviceAuth,
+    axum::Extension(access): axum::Extension<DeviceAccess>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Cbor<CheckInResponse>, ApiError> {
     let req: CheckInRequest = decode_small(&state, &headers, body).await?;
+    if !access.may_join(&req.population) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::PopulationNotAllowed,
+            format!(
+                "this device's enrollment token does not admit population {:?}",
+                req.population
+            ),
+        ));
+    }
     let res = state
         .driver()
         .call(|reply| Event::CheckIn {
@@ -232,7 +246,13 @@ async fn upload(
     body: Body,
 ) -> Result<Cbor<UploadAck>, ApiError> {
     let (run_id, round_idx) = (RunId(run_id), round_path(round_idx)?);
-    match accept_upload(&state, device, run_id, round_idx, &headers, body).await {
+    let accepted = match accept_upload(&state, device, run_id, round_idx, &headers, body).await {
+        Err(e) if e.code() == ErrorCode::RoundClosed => {
+            Err(duplicate_if_durable(&state, device, run_id, round_idx, e).await)
+        }
+        accepted => accepted,
+    };
+    match accepted {
         Ok((ack, bytes)) => {
             state.observer().upload_accepted(run_id, round_idx, bytes);
             Ok(Cbor(ack))
@@ -241,6 +261,24 @@ async fn upload(
             state.observer().upload_rejected(run_id, round_idx, e.code().as_str());
             Err(e)
         }
+    }
+}
+
+/// A refusal because the round (or the run) has closed, turned into `duplicate_upload` when the
+/// device's update to that round is durable: its first answer was lost and the round closed
+/// before the retry, and a device told `round_closed` would think its values were never
+/// counted (top-k's error feedback would send them again).
+async fn duplicate_if_durable(
+    state: &AppState,
+    device: DeviceId,
+    run_id: RunId,
+    round_idx: RoundIdx,
+    closed: ApiError,
+) -> ApiError {
+    match state.store().has_update(run_id, round_idx, device).await {
+        Ok(true) => DriverError::Upload(UploadRejection::Duplicate).into(),
+        Ok(false) => closed,
+        Err(e) => e.into(),
     }
 }
 

@@ -399,6 +399,28 @@ impl SqlStore {
         })
     }
 
+    /// Whether `device`'s update to the round is durable (its bytes may since have been
+    /// released): what tells a retried upload whose answer was lost from a late one.
+    pub async fn has_update(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        device: DeviceId,
+    ) -> StoreResult<bool> {
+        on_pool!(self, |pool| {
+            let found: Option<(i64,)> = sqlx::query_as(
+                "SELECT 1 FROM updates WHERE run_id = $1 AND round_idx = $2 AND device_id = $3",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .bind(device.0)
+            .fetch_optional(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(found.is_some())
+        })
+    }
+
     /// Every device selected for a round, by id, with how its contribution reached the round.
     pub async fn round_devices(
         &self,
