@@ -23,8 +23,9 @@ enum EngineChoice {
 #[derive(Debug, Parser)]
 #[command(name = "starling-aggregator", version)]
 struct Cli {
-    /// This node's id (stable across restarts).
-    #[arg(long, env = "STARLING_AGGREGATOR_ID")]
+    /// This node's id (stable across restarts): a number, or a name ending in `-N` (a
+    /// StatefulSet's pod name, `starling-aggregator-3`), whose N is taken.
+    #[arg(long, env = "STARLING_AGGREGATOR_ID", value_parser = parse_node_id)]
     id: u32,
     /// Address to listen on.
     #[arg(long, env = "STARLING_AGGREGATOR_LISTEN", default_value = "127.0.0.1:9090")]
@@ -77,7 +78,17 @@ struct Cli {
     insecure_http: bool,
 }
 
-/// Parses the command line and runs the node until Ctrl-C.
+/// A node id from a number or from a name ending in `-N`: the manifests pass the pod name of a
+/// StatefulSet, whose ordinal is stable across restarts (a bare number was all that parsed, so
+/// the shipped manifest's `$(POD_NAME)` could not start a node).
+fn parse_node_id(text: &str) -> Result<u32, String> {
+    let ordinal = text.rsplit_once('-').map_or(text, |(_, n)| n);
+    ordinal.parse().map_err(|_| {
+        format!("{text:?} is neither a number nor a name ending in -N (a StatefulSet pod name)")
+    })
+}
+
+/// Parses the command line and runs the node until Ctrl-C or SIGTERM.
 pub fn main() -> anyhow::Result<()> {
     tokio::runtime::Runtime::new()?.block_on(run())
 }
@@ -141,9 +152,27 @@ async fn run() -> anyhow::Result<()> {
     let addr = running.addr;
     // Tests and scripts read the bound address from this line.
     println!("starling-aggregator listening on {addr}");
+    // Ctrl-C, or SIGTERM as `docker stop` and Kubernetes send it: a clean exit (a node holds
+    // its shard in memory only, like a dropout).
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("listening for SIGTERM")?;
     tokio::select! {
         () = running.wait() => {}
         res = tokio::signal::ctrl_c() => { res?; }
+        _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_are_numbers_or_stateful_set_pod_names() {
+        assert_eq!(parse_node_id("7"), Ok(7));
+        assert_eq!(parse_node_id("starling-aggregator-3"), Ok(3));
+        assert!(parse_node_id("starling-aggregator").unwrap_err().contains("StatefulSet"));
+        assert!(parse_node_id("node-x").is_err() && parse_node_id("").is_err());
+    }
 }
