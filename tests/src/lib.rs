@@ -107,6 +107,7 @@ pub async fn start_in_process_configured(
         dashboard_dir: None,
         limits: Default::default(),
         timeouts: Default::default(),
+        max_connections: None,
         tls: None,
         tier: None,
     };
@@ -221,9 +222,40 @@ impl ChildCoordinator {
         Self::spawn_until(bin, database_url, listen, log, env, "/healthz").await
     }
 
+    /// Like [`ChildCoordinator::spawn_with`], in a process allowed only `nofile` open files
+    /// (soft and hard limit, set by util-linux's `prlimit`), with extra `serve` arguments.
+    pub async fn spawn_with_nofile(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+        nofile: u64,
+        args: &[&str],
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new("prlimit");
+        command.arg(format!("--nofile={nofile}:{nofile}")).arg("--").arg(bin);
+        command.args(["serve", "--listen", &listen.to_string(), "--insecure-http"]).args(args);
+        let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)];
+        Self::spawn_command(command, database_url, listen, log, &env, "/healthz").await
+    }
+
     /// Spawns `bin serve` and waits until `probe` answers 200.
     async fn spawn_until(
         bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+        env: &[(&str, &str)],
+        probe: &str,
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new(bin);
+        command.args(["serve", "--listen", &listen.to_string(), "--insecure-http"]);
+        Self::spawn_command(command, database_url, listen, log, env, probe).await
+    }
+
+    /// Spawns `command` (a coordinator's `serve`) and waits until `probe` answers 200.
+    async fn spawn_command(
+        mut command: Command,
         database_url: &str,
         listen: SocketAddr,
         log: &Path,
@@ -235,8 +267,7 @@ impl ChildCoordinator {
             .append(true)
             .open(log)
             .context("opening the child's log")?;
-        let child = Command::new(bin)
-            .args(["serve", "--listen", &listen.to_string(), "--insecure-http"])
+        let child = command
             .env("STARLING_DATABASE_URL", database_url)
             .env(
                 "RUST_LOG",
@@ -247,7 +278,7 @@ impl ChildCoordinator {
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .with_context(|| format!("spawning {}", bin.display()))?;
+            .with_context(|| format!("spawning {:?}", command.get_program()))?;
         let mut me = ChildCoordinator { child, url: format!("http://{listen}") };
         let http = http_client();
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -277,6 +308,33 @@ impl ChildCoordinator {
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Waits up to `timeout` for the process to exit by itself; its exit status.
+    pub async fn exited_within(
+        &mut self,
+        timeout: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("the coordinator was still running after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) with kill(1).
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .context("running kill")?;
+        anyhow::ensure!(status.success(), "kill -{signal} failed: {status}");
+        Ok(())
     }
 }
 
@@ -354,9 +412,19 @@ pub fn free_addr() -> SocketAddr {
     l.local_addr().expect("local addr")
 }
 
-/// Enrolls `n` devices, each with its own HTTP client.
+/// Enrolls `n` devices of the `default` population, each with its own HTTP client.
 pub async fn enroll(url: &str, admin: &AdminClient, n: usize) -> anyhow::Result<Vec<FleetClient>> {
-    let token = admin.enrollment_token(None).await?;
+    enroll_in(url, admin, n, &["default"]).await
+}
+
+/// Enrolls `n` devices that may join `populations`, each with its own HTTP client.
+pub async fn enroll_in(
+    url: &str,
+    admin: &AdminClient,
+    n: usize,
+    populations: &[&str],
+) -> anyhow::Result<Vec<FleetClient>> {
+    let token = admin.enrollment_token_for(n.max(1) as i64, populations).await?.token;
     let mut devices = Vec::with_capacity(n);
     for _ in 0..n {
         let mut d = FleetClient::new(url);

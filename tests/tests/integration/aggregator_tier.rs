@@ -316,7 +316,7 @@ async fn r16_a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
     .map(str::to_owned);
     let _node = ChildAggregator::spawn_with(1, &c.url, &tls_args)?;
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let token = c.admin.enrollment_token(None).await?;
+    let token = c.admin.enrollment_token(1_000_000).await?;
     let mut devices = vec![];
     for _ in 0..8 {
         let mut d = FleetClient::with_tls(&c.url, &device_tls)?;

@@ -88,7 +88,7 @@ async fn serve_reads_its_config_file_and_flags_win() {
     .await
     .unwrap();
     let admin = starling_client::protocol::AdminClient::new(&child.url, OPERATOR_TOKEN);
-    assert!(admin.enrollment_token(Some(1)).await.is_ok());
+    assert!(admin.enrollment_token(1).await.is_ok());
     assert!(flag_db.exists(), "the environment's database URL must win over the file's");
     assert!(!db.exists());
 }
@@ -108,7 +108,7 @@ async fn linux_devices_train_from_local_files() {
     let digits = data::digits(&digits_dir).unwrap();
     let plan = starling_tests::mlp_plan(digits.input(), 2, 3);
     let run = starling_core::RunId(c.admin.create_run(&plan).await.unwrap().id);
-    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+    let token = c.admin.enrollment_token(2).await.unwrap();
 
     // Device A: the IDX files under the names the CLI looks for.
     let idx = dir.path().join("device-a");

@@ -1,13 +1,15 @@
-//! The coordinator's container without a container engine (this machine has none): the
-//! Dockerfile is read, its build command runs here, and the release binary is started with the
-//! final image's environment, entrypoint and command against a fresh Postgres database, its
-//! HEALTHCHECK command is run (over TLS, as the image serves), and `docker stop`'s SIGTERM ends
-//! it cleanly.
+//! The coordinator's and the aggregator's containers without a container engine (this machine
+//! has none): each Dockerfile is read, its build command runs here, and the release binary is
+//! started with the final image's environment, entrypoint and command — the coordinator against
+//! a fresh Postgres database, its HEALTHCHECK command run (over TLS, as the image serves); the
+//! aggregator as its Kubernetes manifest configures it, through a TLS round — and `docker
+//! stop`'s SIGTERM ends each cleanly.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use starling_client::protocol::AdminClient;
+use starling_core::RunId;
 use starling_tests::{OPERATOR_TOKEN, TestPki, free_addr, pg_url};
 
 /// What the Dockerfile says, in the parts this test replays.
@@ -59,15 +61,8 @@ fn target_dir() -> PathBuf {
     }
 }
 
-#[sqlx::test(migrations = false)]
-async fn the_container_entrypoint_serves_against_postgres(
-    _pool: sqlx::postgres::PgPoolOptions,
-    opts: sqlx::postgres::PgConnectOptions,
-) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let image = read_dockerfile(&root.join("Dockerfile"));
-
-    // The image's build, to the letter (`cargo build` + the Dockerfile's flags).
+/// Runs an image's `cargo build` line in the repository, as the image's build stage does.
+async fn build_image(root: &Path, image: &Image) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = tokio::process::Command::new(cargo)
         .arg("build")
@@ -77,6 +72,122 @@ async fn the_container_entrypoint_serves_against_postgres(
         .await
         .unwrap();
     assert!(status.success(), "the image's cargo build failed");
+}
+
+/// The aggregator image with the environment `aggregator/deploy/kubernetes/aggregator.yaml`
+/// gives it (its pod name as the node id, TLS from the mounted secret), against a TLS
+/// coordinator with the tier on: it answers `/livez` over TLS, devices of a large round upload
+/// to it, the round commits, and SIGTERM stops it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_aggregator_image_serves_a_round_as_its_manifest_configures_it() {
+    use starling_tests::*;
+    const SECRET: &str = "container-test-secret-0123456789";
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let image = read_dockerfile(&root.join("aggregator").join("Dockerfile"));
+    build_image(root, &image).await;
+    let pki = TestPki::new().unwrap();
+    let (_dir, db) = sqlite_db();
+    let device_tls = pki.client_tls("ca.pem", None).unwrap();
+    let c = start_in_process_configured(&db, &device_tls, |config| {
+        config.limits.device = None;
+        config.tls = Some(pki.server_tls(false));
+        config.tier = Some(starling_coordinator::tier::TierSettings {
+            secret: SECRET.to_owned(),
+            cohort_threshold: 4,
+            report_grace: Duration::from_secs(3),
+            liveness: Duration::from_millis(1500),
+        });
+    })
+    .await
+    .unwrap();
+
+    let listen = free_addr();
+    let mut env: Vec<(String, String)> = image
+        .env
+        .iter()
+        .map(|(k, v)| {
+            let v = match k.as_str() {
+                "STARLING_AGGREGATOR_LISTEN" => {
+                    assert!(v.starts_with("0.0.0.0:"), "the image listens on all interfaces");
+                    format!("0.0.0.0:{}", listen.port())
+                }
+                // What the manifest mounts from the `starling-aggregator-tls` secret.
+                "STARLING_TLS_CERT" => pki.path("server.pem").display().to_string(),
+                "STARLING_TLS_KEY" => pki.path("server.key").display().to_string(),
+                "STARLING_CA_CERT" => pki.path("ca.pem").display().to_string(),
+                _ => v.clone(),
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    let public_url = format!("https://localhost:{}", listen.port());
+    // What the manifest adds: the StatefulSet's pod name as the node id.
+    env.push(("STARLING_AGGREGATOR_ID".into(), "starling-aggregator-2".into()));
+    env.push(("STARLING_AGGREGATOR_PUBLIC_URL".into(), public_url.clone()));
+    env.push(("STARLING_COORDINATOR_URL".into(), c.url.clone()));
+    env.push(("STARLING_AGGREGATOR_SECRET".into(), SECRET.into()));
+    assert_eq!(image.entrypoint, ["starling-aggregator", "--engine", "auto"]);
+    let bin = target_dir().join("release").join(&image.entrypoint[0]);
+    let mut node = tokio::process::Command::new(bin)
+        .args(&image.entrypoint[1..])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let https = http_client_trusting(&pki.path("ca.pem")).unwrap();
+    wait_for("the node's /livez over TLS", Duration::from_secs(30), || async {
+        let res = https.get(format!("{public_url}/livez")).send().await;
+        Ok(res.is_ok_and(|r| r.status().is_success()).then_some(()))
+    })
+    .await
+    .unwrap();
+    let token = c.admin.enrollment_token(8).await.unwrap();
+    let mut devices = vec![];
+    for _ in 0..8 {
+        let mut d = starling_client::protocol::FleetClient::with_tls(&c.url, &device_tls).unwrap();
+        d.enroll(&token).await.unwrap();
+        devices.push(d);
+    }
+    // The coordinator assigns devices to nodes it has heard from.
+    let metrics = c.url.clone() + "/metrics";
+    wait_for("the node to poll the coordinator", Duration::from_secs(30), || async {
+        let text = https.get(&metrics).bearer_auth(OPERATOR_TOKEN).send().await?.text().await?;
+        Ok(text.lines().any(|l| l == "starling_aggregators_live 1").then_some(()))
+    })
+    .await
+    .unwrap();
+    let run = RunId(c.admin.create_run(&PlanSpec::all_of(8, 64, 1).json()).await.unwrap().id);
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        let target = t.upload_to.as_ref().expect("a large round uploads through the tier");
+        assert_eq!((target.aggregator.0, target.url.as_str()), (2, public_url.as_str()));
+        let upload = upload_request(t, &delta(i, 0, 64), weight(i));
+        d.upload_to_aggregator(target, run, t.round_idx, &upload).await.unwrap();
+    }
+    wait_model(&c.admin, run, 1).await.unwrap();
+
+    let pid = node.id().unwrap();
+    let kill = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    assert!(kill.unwrap().success());
+    let exit = tokio::time::timeout(Duration::from_secs(10), node.wait()).await;
+    assert!(exit.expect("still running 10 s after SIGTERM").unwrap().success());
+    c.running.shutdown().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_container_entrypoint_serves_against_postgres(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let image = read_dockerfile(&root.join("Dockerfile"));
+
+    // The image's build, to the letter (`cargo build` + the Dockerfile's flags).
+    build_image(root, &image).await;
     let bin_dir = target_dir().join("release");
     let pki = TestPki::new().unwrap();
 

@@ -781,7 +781,7 @@ async fn rate_limits_answer_429_and_recover() {
     };
     let c = start_in_process_with(&db, limits).await.unwrap();
     let http = http_client();
-    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+    let token = c.admin.enrollment_token(2).await.unwrap();
     let enroll = || async {
         let body = codec::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();
         let res = http
@@ -850,6 +850,6 @@ async fn rate_limits_answer_429_and_recover() {
     assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(limited.headers().contains_key("retry-after"));
     // The operator's API is not throttled by the fleet's limit.
-    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    assert!(c.admin.enrollment_token(1).await.is_ok());
     c.running.shutdown().await.unwrap();
 }

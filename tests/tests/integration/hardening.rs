@@ -330,7 +330,7 @@ async fn r18_a_run_stuck_on_a_write_does_not_hold_up_another_run(
 ) {
     let url = pg_url(&opts);
     let c = start_in_process(&url).await.unwrap();
-    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let devices = enroll_in(&c.url, &c.admin, 2, &["stuck", "free"]).await.unwrap();
     let mut runs = vec![];
     for population in ["stuck", "free"] {
         let mut plan = PlanSpec::all_of(1, 10, 1).json();

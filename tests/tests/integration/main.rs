@@ -13,6 +13,7 @@ mod hardening;
 mod operator;
 mod privacy;
 mod production;
+mod resilience;
 mod sdk;
 mod secure;
 mod strategy;

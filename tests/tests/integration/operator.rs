@@ -122,7 +122,9 @@ async fn r19_an_operator_drives_a_run_from_the_command_line() {
     let view = c.admin.run(RunId(run)).await.unwrap();
     assert_eq!((view.name.as_deref(), view.population.as_str()), (Some("operated"), "operated"));
     assert_eq!(view.total_rounds, 3);
-    let token = stdout(&starling(url, &["tokens", "issue", "--uses", "2"]).await);
+    let token = stdout(
+        &starling(url, &["tokens", "issue", "--uses", "2", "--population", "operated"]).await,
+    );
 
     // The run trains while `watch` and a central evaluator follow it to its end.
     let watch_args = ["runs", "watch", &run_arg, "--interval-secs", "0.2"];
@@ -288,7 +290,7 @@ async fn r19_a_plan_selects_only_devices_that_qualify() {
     plan["eligibility"] = serde_json::json!({"charging": true, "unmetered_network": true});
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
     assert_eq!(c.admin.run(run).await.unwrap().plan["eligibility"]["charging"], true);
-    let token = c.admin.enrollment_token(Some(1)).await.unwrap();
+    let token = c.admin.enrollment_token(1).await.unwrap();
     let (train, hold) = digits.subset(&(0..200).collect::<Vec<_>>()).split_holdout(0.2, 1);
     let mut device = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
     device.enroll(&token).await.unwrap();
@@ -329,7 +331,7 @@ async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let url = c.url.as_str();
     let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
-    let token = c.admin.enrollment_token(None).await.unwrap();
+    let token = c.admin.enrollment_token_for(100, &["trainers", "fleet"]).await.unwrap().token;
 
     // A run trains two rounds on one population.
     let mut train_plan = mlp_plan(digits.input(), 2, 2);
@@ -361,7 +363,7 @@ async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     let run = RunId(run);
     // A device of the fleet is told to evaluate, gets the model's schema for it, and is refused
     // when it sends a delta; its metrics with an empty delta are its report.
-    let intruder = &starling_tests::enroll(url, &c.admin, 1).await.unwrap()[0];
+    let intruder = &starling_tests::enroll_in(url, &c.admin, 1, &["fleet"]).await.unwrap()[0];
     let task = match intruder.check_in("fleet").await.unwrap() {
         starling_core::wire::CheckInResponse::Task(task) => task,
         other => panic!("expected a task: {other:?}"),
@@ -530,7 +532,7 @@ async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoin
     plan["population"] = "checkpointed".into();
     plan["checkpoint_interval"] = 2.into();
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
-    let token = c.admin.enrollment_token(Some(2)).await.unwrap();
+    let token = c.admin.enrollment_token_for(2, &["checkpointed"]).await.unwrap().token;
     let stop = Arc::new(AtomicBool::new(false));
     let fleet = devices(url, "checkpointed", &token, &digits, 2, &stop);
     starling_tests::wait_for("the run to finish", Duration::from_secs(120), || async {

@@ -3,6 +3,7 @@
 //! credentials, expired and used-up enrollment tokens), slow-client deadlines, and readiness
 //! that follows the store; the OpenAPI document against the routes.
 
+use starling_core::admin::NewEnrollmentToken;
 use starling_core::codec;
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -31,7 +32,7 @@ async fn tls_end_to_end_with_the_sdk_and_a_wrong_ca_is_refused() {
     .unwrap();
     assert!(c.url.starts_with("https://"), "{}", c.url);
     let url = c.url.replace("127.0.0.1", "localhost");
-    let token = c.admin.enrollment_token(None).await.unwrap();
+    let token = c.admin.enrollment_token(1_000_000).await.unwrap();
 
     // A device that trusts the right CA: the whole protocol over TLS.
     let mut device = FleetClient::with_tls(&url, &pki.client_tls("ca.pem", None).unwrap()).unwrap();
@@ -119,7 +120,7 @@ async fn mutual_tls_admits_only_devices_with_a_ca_certificate() {
     })
     .await
     .unwrap();
-    let token = c.admin.enrollment_token(None).await.unwrap();
+    let token = c.admin.enrollment_token(1_000_000).await.unwrap();
 
     let mut device =
         FleetClient::with_tls(&c.url, &pki.client_tls("ca.pem", Some("device")).unwrap()).unwrap();
@@ -216,7 +217,12 @@ async fn every_auth_boundary_holds() {
     assert_eq!(revoked.iter().filter(|r| **r).count(), 1);
 
     // Enrollment tokens: use limits and expiry.
-    let twice = c.admin.enrollment_token_with(Some(2), None).await.unwrap();
+    let token = |uses: Option<i64>, ttl_secs: Option<i64>| NewEnrollmentToken {
+        uses,
+        ttl_secs,
+        populations: None,
+    };
+    let twice = c.admin.enrollment_token_with(&token(Some(2), None)).await.unwrap();
     for _ in 0..2 {
         FleetClient::new(&c.url).enroll(&twice.token).await.unwrap();
     }
@@ -224,14 +230,18 @@ async fn every_auth_boundary_holds() {
         api_code(FleetClient::new(&c.url).enroll(&twice.token).await),
         Some(ErrorCode::Unauthorized)
     );
-    let brief = c.admin.enrollment_token_with(None, Some(1)).await.unwrap();
+    let brief = c.admin.enrollment_token_with(&token(Some(5), Some(1))).await.unwrap();
     assert!(brief.expires_at_ms.is_some());
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(
         api_code(FleetClient::new(&c.url).enroll(&brief.token).await),
         Some(ErrorCode::Unauthorized)
     );
-    assert!(c.admin.enrollment_token_with(Some(0), None).await.is_err());
+    assert!(c.admin.enrollment_token_with(&token(Some(0), None)).await.is_err());
+    // A token must say how many devices it enrolls: an unlimited one once minted 2 000 devices
+    // that took every cohort slot.
+    let unlimited = c.admin.enrollment_token_with(&token(None, None)).await;
+    assert_eq!(api_code(unlimited), Some(ErrorCode::InvalidField));
     assert_eq!(c.admin.devices().await.unwrap().len(), 5);
     c.running.shutdown().await.unwrap();
 }
@@ -257,6 +267,7 @@ async fn slow_clients_time_out() {
             header: Duration::from_secs(1),
             body_grace: Duration::from_secs(1),
             body_min_rate: 1 << 40,
+            ..Default::default()
         }
     })
     .await
@@ -276,7 +287,7 @@ async fn slow_clients_time_out() {
     // one could be reused just as it closes; the SDK's pool lets idle connections go after 5 s,
     // under the default 10 s.)
     let fresh_admin = || AdminClient::new(&c.url, OPERATOR_TOKEN);
-    assert!(fresh_admin().enrollment_token(Some(1)).await.is_ok());
+    assert!(fresh_admin().enrollment_token(1).await.is_ok());
     let (answer, took) = stalled_headers.await.unwrap();
     assert!(took < Duration::from_secs(10), "headers stalled for {took:?}");
     assert!(!String::from_utf8_lossy(&answer).contains("200 OK"));
@@ -288,7 +299,7 @@ async fn slow_clients_time_out() {
         codec::decode(&answer[head_end..]).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(body.code, ErrorCode::Timeout);
     assert!(took < Duration::from_secs(10), "body stalled for {took:?}");
-    assert!(fresh_admin().enrollment_token(Some(1)).await.is_ok());
+    assert!(fresh_admin().enrollment_token(1).await.is_ok());
     c.running.shutdown().await.unwrap();
 }
 
@@ -460,7 +471,7 @@ async fn leadership_loss_stops_the_coordinator(
 ) {
     let url = pg_url(&opts);
     let c = start_in_process(&url).await.unwrap();
-    assert!(c.admin.enrollment_token(Some(1)).await.is_ok());
+    assert!(c.admin.enrollment_token(1).await.is_ok());
     let maintenance = sqlx::PgPool::connect(&url).await.unwrap();
     let killed: Vec<(bool,)> = sqlx::query_as(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
@@ -476,6 +487,6 @@ async fn leadership_loss_stops_the_coordinator(
     assert!(matches!(res, Err(starling_coordinator::ServeError::LeadershipLost)), "{res:?}");
     // A successor takes the lock and serves the same store.
     let successor = start_in_process(&url).await.unwrap();
-    assert!(successor.admin.enrollment_token(Some(1)).await.is_ok());
+    assert!(successor.admin.enrollment_token(1).await.is_ok());
     successor.running.shutdown().await.unwrap();
 }

@@ -32,7 +32,7 @@ async fn participant_survives_a_coordinator_that_disappears_mid_round() {
     let admin = starling_client::protocol::AdminClient::new(&child.url, OPERATOR_TOKEN);
     let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
     let run = RunId(admin.create_run(&mlp_plan(digits.input(), 1, 1)).await.unwrap().id);
-    let token = admin.enrollment_token(Some(2)).await.unwrap();
+    let token = admin.enrollment_token(2).await.unwrap();
     let device = || Device::flex().autodiff();
     let half = |k: usize| {
         digits.subset(&(k * 100..k * 100 + 100).collect::<Vec<_>>()).split_holdout(0.2, 1)
@@ -131,7 +131,7 @@ async fn an_apps_own_burn_module_trains_federated_and_a_mismatched_one_is_refuse
         "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 4,
     });
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
-    let token = c.admin.enrollment_token(Some(5)).await.unwrap();
+    let token = c.admin.enrollment_token_for(5, &["default", "side"]).await.unwrap().token;
     let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
     let (train_set, test_set) = digits.split_holdout(0.2, 2);
     let shard = |k: usize| {
@@ -196,7 +196,7 @@ async fn accuracy(
 ) -> f64 {
     let hash = wait_model(admin, run, version).await.unwrap();
     let mut observer = starling_client::protocol::FleetClient::new(url);
-    observer.enroll(&admin.enrollment_token(Some(1)).await.unwrap()).await.unwrap();
+    observer.enroll(&admin.enrollment_token(1).await.unwrap()).await.unwrap();
     let device = Device::flex();
     let module = DigitsNet::new(32, &device);
     let payload = observer.model(&hash).await.unwrap();
