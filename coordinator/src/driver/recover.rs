@@ -23,7 +23,7 @@ use super::{Driver, DriverHandle, ModelWrites, RunEntry, encode_model, entropy};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
-use crate::store::{PendingModel, SqlStore, StoreError};
+use crate::store::{PendingModel, SqlStore, StoreError, Transition};
 use crate::tier::{AggregatorRegistry, TierSettings};
 
 impl Driver {
@@ -51,7 +51,15 @@ impl Driver {
         rebuild_pending_models(&driver.store).await?;
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
-            let plan = stored_plan(run_id, &row.plan_json)?;
+            let plan: Plan = serde_json::from_str(&row.plan_json)
+                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
+            let plan = match plan.validate() {
+                Ok(plan) => plan,
+                Err(refused) => {
+                    stop_refused_run(&driver.store, run_id, &refused).await?;
+                    continue;
+                }
+            };
             let version = ModelVersion(row.model_version);
             let (payload, values, state) =
                 stored_model(&driver.store, &plan, run_id, version).await?;
@@ -235,6 +243,20 @@ async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
         rebuild_model(store, &plan, run_id, pending).await?;
     }
     Ok(())
+}
+
+/// Stops a running run whose stored plan this version of the coordinator refuses (a newer
+/// bound, such as the memory an order statistic may take at close), failing its open round:
+/// resuming it could only fail the same way at every start (an order statistic that does not
+/// fit kills the process at each close), and refusing to start would stop every other run.
+async fn stop_refused_run(
+    store: &SqlStore,
+    run_id: RunId,
+    refused: &starling_core::plan::PlanError,
+) -> Result<(), StoreError> {
+    tracing::error!(%run_id, error = %refused, "this coordinator refuses the run's stored plan; stopping the run");
+    let open_round = store.open_round(run_id).await?.map(|o| o.round.round_idx);
+    store.apply_transitions(run_id, &[Transition::StopRun { open_round }], now_ms()).await
 }
 
 /// A run's plan as stored, validated again.

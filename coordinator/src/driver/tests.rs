@@ -549,3 +549,45 @@ async fn a_round_whose_aggregate_is_refused_is_stored_as_rejected_not_commit() {
     assert_eq!(round.outcome_json.as_deref(), Some(r#"{"outcome":"aggregate_rejected"}"#));
     assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap(), None, "nothing committed");
 }
+
+/// A running run whose stored plan a later coordinator refuses (here a Krum plan whose rounds
+/// would need ~320 GB at close, which plans are now checked for) is stopped at start, with its
+/// open round failed, instead of failing the same way at every close, or keeping the
+/// coordinator (and every other run) from starting.
+#[tokio::test]
+async fn a_run_whose_stored_plan_is_now_refused_is_stopped_at_start() {
+    use sqlx::Row;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let handle = started(&store).await;
+    let refused = create_run(&handle, 3).await;
+    let kept = create_run(&handle, 3).await;
+    drop(handle);
+    let mut sql = raw_sql(&dir, "SELECT 1").await;
+    let row = sqlx::query("SELECT plan_json FROM runs WHERE id = ?")
+        .bind(refused.0)
+        .fetch_one(&mut sql)
+        .await
+        .unwrap();
+    let mut plan: serde_json::Value = serde_json::from_str(row.get::<&str, _>(0)).unwrap();
+    plan["cohort_size"] = 200_000.into();
+    plan["min_quorum"] = 5.into();
+    plan["strategy"]["aggregation"] = serde_json::json!({"kind": "krum", "byzantine": 1});
+    sqlx::query("UPDATE runs SET plan_json = ? WHERE id = ?")
+        .bind(plan.to_string())
+        .bind(refused.0)
+        .execute(&mut sql)
+        .await
+        .unwrap();
+
+    let handle = started(&store).await;
+    assert_eq!(store.run(refused).await.unwrap().unwrap().status, "stopped");
+    let rounds = store.rounds(refused).await.unwrap();
+    assert!(rounds.iter().all(|r| r.state != "open"), "{rounds:?}");
+    // The other run goes on.
+    assert_eq!(store.run(kept).await.unwrap().unwrap().status, "running");
+    assert!(
+        matches!(check_in(&handle, devices[0]).await, CheckInResponse::Task(t) if t.run_id == kept)
+    );
+}
