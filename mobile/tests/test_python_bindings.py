@@ -134,7 +134,10 @@ class MobileBindings(unittest.TestCase):
             "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": 4,
             "eligibility": {"charging": True, "min_app_version": "2.0"},
         })
-        token = self.c.admin("POST", "/v1/admin/enrollment-tokens", {"uses": 1})["token"]
+        # The token names the population its devices may join.
+        token = self.c.admin(
+            "POST", "/v1/admin/enrollment-tokens", {"uses": 1, "populations": ["phones"]}
+        )["token"]
         storage = tempfile.mkdtemp()
         device = sm.StarlingDevice(self.c.url, "phones", None, storage, SHAPE)
         device.add_examples(self.features[0], [self.labels[0]])
@@ -205,7 +208,9 @@ class TlsTest(unittest.TestCase):
     def test_a_device_verifies_the_coordinator_against_its_ca(self):
         c = Coordinator(tls=True)
         try:
-            token = c.admin("POST", "/v1/admin/enrollment-tokens", {"uses": 2})["token"]
+            token = c.admin(
+                "POST", "/v1/admin/enrollment-tokens", {"uses": 2, "populations": ["p"]}
+            )["token"]
             with open(c.cert) as f:
                 ca = f.read()
             # The platform's trust store does not know this certificate: no connection.
