@@ -22,8 +22,8 @@ use starling_core::wire::{
 use starling_core::{DeviceId, RoundIdx, RunId};
 
 use starling_core::admin::{
-    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, RoundDeviceView,
-    RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, EnrollmentTokenView, ModelView,
+    NewEnrollmentToken, RoundDeviceView, RoundView, RunView,
 };
 
 /// Why a call failed.
@@ -508,6 +508,11 @@ impl AdminClient {
             serde_json::to_value(evaluation).map_err(|e| ClientError::Decode(e.to_string()))?;
         let path = path::admin_model_evaluations(run, version);
         self.send_empty(reqwest::Method::POST, &path, Some(body)).await
+    }
+
+    /// Every enrollment token (never the token itself), newest first.
+    pub async fn enrollment_tokens(&self) -> Result<Vec<EnrollmentTokenView>, ClientError> {
+        self.send(reqwest::Method::GET, path::ADMIN_ENROLLMENT_TOKENS, None).await
     }
 
     /// Every enrolled device.

@@ -62,6 +62,24 @@ impl NewEnrollmentToken {
     }
 }
 
+/// An enrollment token as the admin API lists it: never the token itself.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnrollmentTokenView {
+    /// The first 12 hex digits of the token's SHA-256: enough to tell tokens apart.
+    pub id: String,
+    /// When it was issued.
+    pub created_at_ms: i64,
+    /// Expiry, if any.
+    pub expires_at_ms: Option<i64>,
+    /// Devices it may still enroll (`None`: unlimited, only tokens from before limits were
+    /// required).
+    pub uses_left: Option<i64>,
+    /// The populations its devices may join (`None`: any, only tokens from before tokens named
+    /// populations).
+    pub populations: Option<Vec<String>>,
+}
+
 /// A freshly issued enrollment token; shown once, stored only as a hash.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Serialize, Deserialize)]

@@ -64,6 +64,17 @@ export interface CentralEvaluation {
 
 export type ModelFormat = 'safetensors' | 'payload';
 
+/** An enrollment token as the admin API lists it (never the token itself). */
+export interface EnrollmentTokenView {
+  id: string;
+  created_at_ms: number;
+  expires_at_ms: number | null;
+  /** Null only for tokens from before limits were required: unlimited. */
+  uses_left: number | null;
+  /** Null only for tokens from before tokens named populations: any. */
+  populations: string[] | null;
+}
+
 export interface PopulationSample {
   at_ms: number;
   online: number;
@@ -109,6 +120,9 @@ export class Api {
   }
   population(): Promise<PopulationSample[]> {
     return this.get('/v1/admin/population');
+  }
+  enrollmentTokens(): Promise<EnrollmentTokenView[]> {
+    return this.get('/v1/admin/enrollment-tokens');
   }
 
   /** Streams live events until `signal` aborts; reconnects with backoff. */

@@ -3,7 +3,7 @@
 import uPlot from 'uplot';
 import 'uplot/dist/uPlot.min.css';
 import './style.css';
-import { Api, LiveEvent, ModelFormat, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
+import { Api, EnrollmentTokenView, LiveEvent, ModelFormat, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
 
 const TOKEN_KEY = 'starling-operator-token';
 const $ = <T extends HTMLElement>(id: string) => document.getElementById(id) as T;
@@ -78,6 +78,7 @@ async function refresh(): Promise<void> {
     const run = runs.find((r) => r.id === selectedRun);
     if (run && detail) renderRun(run, detail[0], detail[1]);
     renderPopulation();
+    renderTokens(await api.enrollmentTokens());
   } catch (e) {
     if (e instanceof Unauthorized) showLogin('The operator token is no longer accepted.');
   }
@@ -92,6 +93,21 @@ const pct = (x: number | undefined) => (x === undefined ? '–' : `${(x * 100).t
 
 function cell(row: HTMLTableRowElement, text: string): void {
   row.insertCell().textContent = text;
+}
+
+/** Each token's limit in plain sight: how many devices it may still enroll, and where they may join. */
+function renderTokens(tokens: EnrollmentTokenView[]): void {
+  const body = $('tokens').querySelector('tbody')!;
+  body.replaceChildren();
+  for (const t of tokens) {
+    const row = body.insertRow();
+    row.dataset.tokenId = t.id;
+    cell(row, t.id);
+    cell(row, new Date(t.created_at_ms).toLocaleString());
+    cell(row, t.populations === null ? 'any (issued before tokens named populations)' : t.populations.join(', '));
+    cell(row, t.uses_left === null ? 'unlimited' : String(t.uses_left));
+    cell(row, t.expires_at_ms === null ? 'never' : new Date(t.expires_at_ms).toLocaleString());
+  }
 }
 
 function renderRuns(runs: RunView[], models: ModelView[][]): void {

@@ -84,7 +84,7 @@ test('an unauthenticated visit sees nothing but the sign-in form', async () => {
   assert.equal(await page.locator('#app').isVisible(), false);
   await page.screenshot({ path: join(artifacts, 'unauthenticated.png'), fullPage: true });
   // The data behind it needs the credential too.
-  for (const path of ['/v1/admin/runs', '/v1/admin/events', '/v1/admin/population', '/metrics']) {
+  for (const path of ['/v1/admin/runs', '/v1/admin/events', '/v1/admin/population', '/v1/admin/enrollment-tokens', '/metrics']) {
     assert.equal((await fetch(`${base}${path}`)).status, 401, path);
   }
   await page.close();
@@ -135,6 +135,14 @@ test('a run trains live: it appears, its curves fill in round by round without a
   assert.match(await page.locator('#run-settings').textContent(), /uploads f32, model downloaded in f32/);
   assert.match(await page.locator('#run-settings').textContent(), /Models keptevery version/);
   assert.ok(Number(await page.locator('#population-chart').getAttribute('data-points')) >= 1);
+  // The simulation's enrollment token is listed with its limit: the devices it may still enroll
+  // (8 clients of 16 uses) and the one population they may join.
+  const [issued] = await admin('/v1/admin/enrollment-tokens');
+  assert.deepEqual([issued.uses_left, issued.populations], [8, [run.population]]);
+  const tokenRow = page.locator(`#tokens tbody tr[data-token-id="${issued.id}"] td`);
+  await waitFor('the token in the table', async () => (await tokenRow.count()) === 5);
+  assert.deepEqual((await tokenRow.allTextContents()).filter((_, i) => i !== 1 && i !== 4),
+    [issued.id, run.population, '8']);
   assert.equal(await page.evaluate(() => window.__sameDocument), true);
   // The simulator's test-set scores are central evaluations: a second curve beside the
   // federated one, for every round whose model it evaluated.

@@ -21,8 +21,8 @@ use crate::observe::RoundCounters;
 use crate::store::{CENTRAL_EVALUATION_PREFIX, ModelInfo, RoundRow, RunRow};
 use starling_core::DeviceId;
 use starling_core::admin::{
-    CentralEvaluation, DeviceView, EnrollmentToken, ModelView, NewEnrollmentToken, PrivacyView,
-    RoundDeviceView, RoundView, RunView,
+    CentralEvaluation, DeviceView, EnrollmentToken, EnrollmentTokenView, ModelView,
+    NewEnrollmentToken, PrivacyView, RoundDeviceView, RoundView, RunView,
 };
 use starling_core::codec;
 use starling_core::tensor::{TensorPayload, safetensors};
@@ -31,7 +31,7 @@ use starling_core::wire;
 /// The admin routes, each with its OpenAPI operation.
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(create_enrollment_token))
+        .routes(routes!(create_enrollment_token, list_enrollment_tokens))
         .routes(routes!(create_run, list_runs))
         .routes(routes!(get_run))
         .routes(routes!(list_rounds))
@@ -88,6 +88,30 @@ async fn create_enrollment_token(
         )
         .await?;
     Ok((StatusCode::CREATED, AppJson(EnrollmentToken { token, expires_at_ms })))
+}
+
+/// Every enrollment token (newest first) with the devices it may still enroll and the
+/// populations it admits; the tokens themselves are never shown again.
+#[utoipa::path(get, path = "/v1/admin/enrollment-tokens", tag = "admin", security(("operator" = [])),
+    responses((status = 200, description = "the tokens, newest first", body = Vec<EnrollmentTokenView>),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn list_enrollment_tokens(
+    State(state): State<AppState>,
+    _op: Operator,
+) -> Result<AppJson<Vec<EnrollmentTokenView>>, ApiError> {
+    let rows = state.store().enrollment_tokens().await?;
+    let views = rows
+        .into_iter()
+        .map(|(id, created_at_ms, expires_at_ms, uses_left, populations)| {
+            let populations = populations
+                .map(|json| serde_json::from_str(&json))
+                .transpose()
+                .map_err(|e| ApiError::internal(&e))?;
+            Ok(EnrollmentTokenView { id, created_at_ms, expires_at_ms, uses_left, populations })
+        })
+        .collect::<Result<_, ApiError>>()?;
+    Ok(AppJson(views))
 }
 
 async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {

@@ -50,6 +50,23 @@ impl SqlStore {
         })
     }
 
+    /// Every enrollment token, newest first: (the first 12 hex digits of its hash, when made,
+    /// expiry, uses left, the populations it admits as JSON).
+    #[allow(clippy::type_complexity)] // One row of the table, read once into the admin view.
+    pub async fn enrollment_tokens(
+        &self,
+    ) -> StoreResult<Vec<(String, Millis, Option<Millis>, Option<i64>, Option<String>)>> {
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT substr(token_hash, 1, 12), created_at_ms, expires_at_ms, uses_left, populations_json
+                 FROM enrollment_tokens ORDER BY created_at_ms DESC, token_hash",
+            )
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
+    }
+
     /// Spends one use of an enrollment token and registers a device with `credential_hash`.
     pub async fn enroll_device(
         &self,

@@ -484,3 +484,25 @@ async fn a_device_uploads_to_two_runs_at_once_but_once_to_each() {
     }
     c.running.shutdown().await.unwrap();
 }
+
+/// Enrollment tokens are listed for the operator with what limits them (the devices each may
+/// still enroll, the populations it admits, its expiry), never with the token itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enrollment_tokens_are_listed_with_their_limits_and_never_shown_again() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let issued = c.admin.enrollment_token_for(3, &["fleet-a", "fleet-b"]).await.unwrap();
+    starling_client::protocol::FleetClient::new(&c.url).enroll(&issued.token).await.unwrap();
+    let listed = c.admin.enrollment_tokens().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    let view = &listed[0];
+    assert_eq!(view.uses_left, Some(2), "one of three uses spent");
+    assert_eq!(
+        view.populations.as_deref(),
+        Some(&["fleet-a".to_owned(), "fleet-b".to_owned()][..])
+    );
+    assert_eq!((view.expires_at_ms, view.id.len()), (None, 12));
+    let text = serde_json::to_string(&listed).unwrap();
+    assert!(!text.contains(&issued.token), "the token itself is never shown again");
+    c.running.shutdown().await.unwrap();
+}
