@@ -306,7 +306,6 @@ async fn stop_asked(stopped: &mut watch::Receiver<bool>) {
     let _ = stopped.wait_for(|stop| *stop).await;
 }
 
-/// Blocks on the leadership lock, retrying while the database is unreachable.
 /// A non-blocking listening socket on `addr` with an accept queue of `backlog`.
 fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<std::net::TcpListener> {
     let socket = match addr {

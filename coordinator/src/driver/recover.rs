@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use starling_core::codec;
 use starling_core::fedavg::{AggregateError, FedAvgAccumulator, validate_parts};
-use starling_core::plan::{Plan, ValidatedPlan};
+use starling_core::plan::{Plan, PlanError, ValidatedPlan};
 use starling_core::round::secure::Record;
 use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
 use starling_core::strategy::OptimizerState;
@@ -51,9 +51,7 @@ impl Driver {
         rebuild_pending_models(&driver.store).await?;
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
-            let plan: Plan = serde_json::from_str(&row.plan_json)
-                .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
-            let plan = match plan.validate() {
+            let plan = match stored_plan(run_id, &row.plan_json)? {
                 Ok(plan) => plan,
                 Err(refused) => {
                     stop_refused_run(&driver.store, run_id, &refused).await?;
@@ -235,7 +233,9 @@ async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
                 let row = store.run(run_id).await?.ok_or_else(|| {
                     StoreError::Corrupt(format!("a model of run {run_id}, no run"))
                 })?;
-                let plan = Arc::new(stored_plan(run_id, &row.plan_json)?);
+                let corrupt =
+                    |e: PlanError| StoreError::Corrupt(format!("plan of run {run_id}: {e}"));
+                let plan = Arc::new(stored_plan(run_id, &row.plan_json)?.map_err(corrupt)?);
                 plans.insert(run_id.0, plan.clone());
                 plan
             }
@@ -252,18 +252,22 @@ async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
 async fn stop_refused_run(
     store: &SqlStore,
     run_id: RunId,
-    refused: &starling_core::plan::PlanError,
+    refused: &PlanError,
 ) -> Result<(), StoreError> {
     tracing::error!(%run_id, error = %refused, "this coordinator refuses the run's stored plan; stopping the run");
     let open_round = store.open_round(run_id).await?.map(|o| o.round.round_idx);
     store.apply_transitions(run_id, &[Transition::StopRun { open_round }], now_ms()).await
 }
 
-/// A run's plan as stored, validated again.
-fn stored_plan(run_id: RunId, plan_json: &str) -> Result<ValidatedPlan, StoreError> {
-    let corrupt = |e: String| StoreError::Corrupt(format!("plan of run {run_id}: {e}"));
-    let plan: Plan = serde_json::from_str(plan_json).map_err(|e| corrupt(e.to_string()))?;
-    plan.validate().map_err(|e| corrupt(e.to_string()))
+/// A run's plan as stored, validated again: an error when it does not parse (corruption), and
+/// within, the refusal of a plan this version does not accept (a bound added since).
+fn stored_plan(
+    run_id: RunId,
+    plan_json: &str,
+) -> Result<Result<ValidatedPlan, PlanError>, StoreError> {
+    let plan: Plan = serde_json::from_str(plan_json)
+        .map_err(|e| StoreError::Corrupt(format!("plan of run {run_id}: {e}")))?;
+    Ok(plan.validate())
 }
 
 /// Writes the bytes of a model its round committed by hash alone when the coordinator stopped
