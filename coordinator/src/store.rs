@@ -49,7 +49,7 @@ mod runs;
 mod secure;
 mod updates;
 
-pub use devices::DeviceAccess;
+pub use devices::{DeviceAccess, EnrollmentTokenRow};
 pub use evaluations::{
     AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EVALUATION_ROUND_PREFIX, EvaluationRow,
     SECURE_EVALUATION_SOURCE,

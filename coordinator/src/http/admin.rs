@@ -103,14 +103,14 @@ async fn list_enrollment_tokens(
     let rows = state.store().enrollment_tokens().await?;
     let views = rows
         .into_iter()
-        .map(|(id, created_at_ms, expires_at_ms, uses_left, populations)| {
-            let populations = populations
-                .map(|json| serde_json::from_str(&json))
-                .transpose()
-                .map_err(|e| ApiError::internal(&e))?;
-            Ok(EnrollmentTokenView { id, created_at_ms, expires_at_ms, uses_left, populations })
+        .map(|t| EnrollmentTokenView {
+            id: t.id,
+            created_at_ms: t.created_at_ms,
+            expires_at_ms: t.expires_at_ms,
+            uses_left: t.uses_left,
+            populations: t.populations,
         })
-        .collect::<Result<_, ApiError>>()?;
+        .collect();
     Ok(AppJson(views))
 }
 

@@ -14,6 +14,42 @@ pub struct DeviceAccess {
     pub populations: Option<Vec<String>>,
 }
 
+/// An enrollment token as the store keeps it, for the admin list (never the token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnrollmentTokenRow {
+    /// The first 12 hex digits of its hash.
+    pub id: String,
+    /// When it was issued.
+    pub created_at_ms: Millis,
+    /// Expiry, if any.
+    pub expires_at_ms: Option<Millis>,
+    /// Devices it may still enroll; `None`: unlimited (tokens from before limits were required).
+    pub uses_left: Option<i64>,
+    /// The populations it admits; `None`: any (tokens from before tokens named populations).
+    pub populations: Option<Vec<String>>,
+}
+
+/// An `enrollment_tokens` row as read for the list.
+#[derive(sqlx::FromRow)]
+struct TokenColumns {
+    id: String,
+    created_at_ms: i64,
+    expires_at_ms: Option<i64>,
+    uses_left: Option<i64>,
+    populations_json: Option<String>,
+}
+
+/// A `populations_json` column (of a token or a device) as names; `owner` names the row in the
+/// error.
+fn populations(
+    json: Option<String>,
+    owner: impl FnOnce() -> String,
+) -> StoreResult<Option<Vec<String>>> {
+    json.map(|json| serde_json::from_str(&json))
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("{}'s populations: {e}", owner())))
+}
+
 impl DeviceAccess {
     /// Whether the device may check in to `population`.
     pub fn may_join(&self, population: &str) -> bool {
@@ -50,21 +86,29 @@ impl SqlStore {
         })
     }
 
-    /// Every enrollment token, newest first: (the first 12 hex digits of its hash, when made,
-    /// expiry, uses left, the populations it admits as JSON).
-    #[allow(clippy::type_complexity)] // One row of the table, read once into the admin view.
-    pub async fn enrollment_tokens(
-        &self,
-    ) -> StoreResult<Vec<(String, Millis, Option<Millis>, Option<i64>, Option<String>)>> {
-        on_pool!(self, |pool| {
+    /// Every enrollment token, newest first.
+    pub async fn enrollment_tokens(&self) -> StoreResult<Vec<EnrollmentTokenRow>> {
+        let rows: Vec<TokenColumns> = on_pool!(self, |pool| {
             sqlx::query_as(
-                "SELECT substr(token_hash, 1, 12), created_at_ms, expires_at_ms, uses_left, populations_json
+                "SELECT substr(token_hash, 1, 12) AS id, created_at_ms, expires_at_ms, uses_left, populations_json
                  FROM enrollment_tokens ORDER BY created_at_ms DESC, token_hash",
             )
             .fetch_all(pool)
             .await
             .map_err(map_err)
-        })
+        })?;
+        rows.into_iter()
+            .map(|t| {
+                let populations = populations(t.populations_json, || format!("token {}", t.id))?;
+                Ok(EnrollmentTokenRow {
+                    id: t.id,
+                    created_at_ms: t.created_at_ms,
+                    expires_at_ms: t.expires_at_ms,
+                    uses_left: t.uses_left,
+                    populations,
+                })
+            })
+            .collect()
     }
 
     /// Spends one use of an enrollment token and registers a device with `credential_hash`.
@@ -122,11 +166,8 @@ impl SqlStore {
             .fetch_optional(pool)
             .await
             .map_err(map_err)?;
-            row.map(|(id, populations)| {
-                let populations =
-                    populations.map(|json| serde_json::from_str(&json)).transpose().map_err(
-                        |e| StoreError::Corrupt(format!("device {id}'s populations: {e}")),
-                    )?;
+            row.map(|(id, json)| {
+                let populations = populations(json, || format!("device {id}"))?;
                 Ok(DeviceAccess { device: DeviceId(id), populations })
             })
             .transpose()

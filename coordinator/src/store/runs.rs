@@ -126,7 +126,8 @@ impl SqlStore {
             .await
             .map_err(map_err)?;
             if run.exclusive_population {
-                // The primary key is the constraint: of two claims racing, one commits.
+                // The primary key is the constraint: of two claims racing, the second's insert
+                // fails (on Postgres once the first commits).
                 let claim = sqlx::query(
                     "INSERT INTO population_claims (population, run_id) VALUES ($1, $2)",
                 )
@@ -135,12 +136,9 @@ impl SqlStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(map_err);
-                let committed = match claim {
-                    Ok(_) => tx.commit().await.map_err(map_err),
-                    Err(e) => Err(e),
-                };
-                if let Err(StoreError::Conflict) = committed {
-                    // Another claim won the race: name its run.
+                if let Err(StoreError::Conflict) = claim {
+                    // Another claim won the race (this transaction rolls back): name its run.
+                    drop(tx);
                     let (holder,): (i64,) = sqlx::query_as(
                         "SELECT run_id FROM population_claims WHERE population = $1",
                     )
@@ -151,8 +149,7 @@ impl SqlStore {
                     .unwrap_or((0,));
                     return Err(busy(holder, true));
                 }
-                committed?;
-                return Ok(RunId(id));
+                claim?;
             }
             tx.commit().await.map_err(map_err)?;
             Ok(RunId(id))
