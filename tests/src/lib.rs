@@ -406,6 +406,27 @@ pub fn http_client_trusting(ca_file: &Path) -> anyhow::Result<reqwest::Client> {
     Ok(reqwest::Client::builder().tls_certs_only([ca]).build()?)
 }
 
+/// Writes `head` (an HTTP request, or the start of one) on a fresh connection and reads until
+/// the answer's headers end, the server closes, or `wait` passes: the status line (empty if
+/// nothing came) and how long that took.
+pub fn raw_answer(addr: SocketAddr, head: &[u8], wait: Duration) -> (String, Duration) {
+    use std::io::{Read, Write};
+    let started = Instant::now();
+    let mut stream = std::net::TcpStream::connect(addr).expect("connecting to the coordinator");
+    stream.set_read_timeout(Some(wait)).expect("a read timeout");
+    stream.write_all(head).expect("writing the request head");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&answer);
+    (text.lines().next().unwrap_or_default().to_owned(), started.elapsed())
+}
+
 /// A free loopback address (bound, then released).
 pub fn free_addr() -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").expect("binding a free port");

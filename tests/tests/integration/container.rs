@@ -53,6 +53,28 @@ fn read_dockerfile(path: &Path) -> Image {
     image
 }
 
+impl Image {
+    /// The final stage's environment as this machine runs it: `listen_key`'s address (all
+    /// interfaces, as the image listens) on `listen`'s free port, since a container's port is
+    /// remapped anyway, and each path inside the image that `path_here(key, value)` maps to
+    /// where this checkout has it.
+    fn env_here(
+        &self,
+        listen_key: &str,
+        listen: std::net::SocketAddr,
+        path_here: impl Fn(&str, &str) -> Option<PathBuf>,
+    ) -> Vec<(String, String)> {
+        let value = |k: &str, v: &str| {
+            if k == listen_key {
+                assert!(v.starts_with("0.0.0.0:"), "the image listens on all interfaces");
+                return format!("0.0.0.0:{}", listen.port());
+            }
+            path_here(k, v).map_or_else(|| v.to_owned(), |p| p.display().to_string())
+        };
+        self.env.iter().map(|(k, v)| (k.clone(), value(k, v))).collect()
+    }
+}
+
 fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => dir.into(),
@@ -102,24 +124,13 @@ async fn the_aggregator_image_serves_a_round_as_its_manifest_configures_it() {
     .unwrap();
 
     let listen = free_addr();
-    let mut env: Vec<(String, String)> = image
-        .env
-        .iter()
-        .map(|(k, v)| {
-            let v = match k.as_str() {
-                "STARLING_AGGREGATOR_LISTEN" => {
-                    assert!(v.starts_with("0.0.0.0:"), "the image listens on all interfaces");
-                    format!("0.0.0.0:{}", listen.port())
-                }
-                // What the manifest mounts from the `starling-aggregator-tls` secret.
-                "STARLING_TLS_CERT" => pki.path("server.pem").display().to_string(),
-                "STARLING_TLS_KEY" => pki.path("server.key").display().to_string(),
-                "STARLING_CA_CERT" => pki.path("ca.pem").display().to_string(),
-                _ => v.clone(),
-            };
-            (k.clone(), v)
-        })
-        .collect();
+    let mut env = image.env_here("STARLING_AGGREGATOR_LISTEN", listen, |k, _| match k {
+        // What the manifest mounts from the `starling-aggregator-tls` secret.
+        "STARLING_TLS_CERT" => Some(pki.path("server.pem")),
+        "STARLING_TLS_KEY" => Some(pki.path("server.key")),
+        "STARLING_CA_CERT" => Some(pki.path("ca.pem")),
+        _ => None,
+    });
     let public_url = format!("https://localhost:{}", listen.port());
     // What the manifest adds: the StatefulSet's pod name as the node id.
     env.push(("STARLING_AGGREGATOR_ID".into(), "starling-aggregator-2".into()));
@@ -194,38 +205,27 @@ async fn the_container_entrypoint_serves_against_postgres(
     // The final stage's environment; paths inside the image map to where this checkout has them,
     // and the port to a free one (a container's port is remapped anyway).
     let listen = free_addr();
-    let mut env: Vec<(String, String)> = image
-        .env
-        .iter()
-        .map(|(k, v)| {
-            let v = match k.as_str() {
-                "STARLING_LISTEN" => {
-                    assert!(v.starts_with("0.0.0.0:"), "the image listens on all interfaces");
-                    format!("0.0.0.0:{}", listen.port())
-                }
-                "STARLING_DASHBOARD_DIR" => {
-                    assert_eq!(v, "/usr/share/starling/dashboard");
-                    let dist = root.join("web-dashboard").join("dist");
-                    assert!(
-                        dist.join("index.html").exists(),
-                        "cargo xtask test builds the dashboard first"
-                    );
-                    dist.display().to_string()
-                }
-                // What compose.yaml mounts at /etc/starling/tls.
-                "STARLING_TLS_CERT" => {
-                    assert_eq!(v, "/etc/starling/tls/cert.pem");
-                    pki.path("server.pem").display().to_string()
-                }
-                "STARLING_TLS_KEY" => {
-                    assert_eq!(v, "/etc/starling/tls/key.pem");
-                    pki.path("server.key").display().to_string()
-                }
-                _ => v.clone(),
-            };
-            (k.clone(), v)
-        })
-        .collect();
+    let mut env = image.env_here("STARLING_LISTEN", listen, |k, v| match k {
+        "STARLING_DASHBOARD_DIR" => {
+            assert_eq!(v, "/usr/share/starling/dashboard");
+            let dist = root.join("web-dashboard").join("dist");
+            assert!(
+                dist.join("index.html").exists(),
+                "cargo xtask test builds the dashboard first"
+            );
+            Some(dist)
+        }
+        // What compose.yaml mounts at /etc/starling/tls.
+        "STARLING_TLS_CERT" => {
+            assert_eq!(v, "/etc/starling/tls/cert.pem");
+            Some(pki.path("server.pem"))
+        }
+        "STARLING_TLS_KEY" => {
+            assert_eq!(v, "/etc/starling/tls/key.pem");
+            Some(pki.path("server.key"))
+        }
+        _ => None,
+    });
     // What compose.yaml (the deployment) adds.
     env.push(("STARLING_DATABASE_URL".into(), pg_url(&opts)));
     env.push(("STARLING_OPERATOR_TOKEN".into(), OPERATOR_TOKEN.into()));

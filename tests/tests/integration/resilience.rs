@@ -347,26 +347,6 @@ async fn a_device_checks_in_only_to_the_populations_its_token_names() {
     c.running.shutdown().await.unwrap();
 }
 
-/// Writes `head` and reads what the coordinator answers until it closes or `wait` passes;
-/// the answer's status line and how long it took.
-fn answer_to(addr: std::net::SocketAddr, head: &[u8], wait: Duration) -> (String, Duration) {
-    use std::io::{Read, Write};
-    let started = std::time::Instant::now();
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(wait)).unwrap();
-    stream.write_all(head).unwrap();
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => answer.extend_from_slice(&buf[..n]),
-        }
-    }
-    let text = String::from_utf8_lossy(&answer);
-    (text.lines().next().unwrap_or_default().to_owned(), started.elapsed())
-}
-
 /// Admin bodies are bounded in size and time, and read only for the operator: a plan carrying
 /// the initial parameters of a 600 000-parameter model (3.2 MB of base64; `runs create
 /// --init-from` of any model past ~390 000 parameters) used to be refused with 413 by a 2 MB
@@ -402,7 +382,7 @@ async fn admin_bodies_are_sized_from_the_model_limit_and_timed() {
         "POST /v1/admin/enrollment-tokens HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
     );
     let (status, took) = tokio::task::spawn_blocking(move || {
-        answer_to(addr, stalled.as_bytes(), Duration::from_secs(20))
+        raw_answer(addr, stalled.as_bytes(), Duration::from_secs(20))
     })
     .await
     .unwrap();
@@ -410,7 +390,7 @@ async fn admin_bodies_are_sized_from_the_model_limit_and_timed() {
     assert!(took < Duration::from_secs(15), "answered after {took:?}");
     let stranger = "POST /v1/admin/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{";
     let (status, took) = tokio::task::spawn_blocking(move || {
-        answer_to(addr, stranger.as_bytes(), Duration::from_secs(20))
+        raw_answer(addr, stranger.as_bytes(), Duration::from_secs(20))
     })
     .await
     .unwrap();
@@ -472,7 +452,7 @@ async fn a_device_uploads_to_two_runs_at_once_but_once_to_each() {
         let head = format!(
             "POST /v1/runs/{run}/rounds/0/updates HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {credential}\r\nContent-Type: application/cbor\r\nContent-Length: 1000\r\n\r\n\x01"
         );
-        tokio::task::spawn_blocking(move || answer_to(addr, head.as_bytes(), wait).0)
+        tokio::task::spawn_blocking(move || raw_answer(addr, head.as_bytes(), wait).0)
     };
     let held = [trickle(runs[0], Duration::from_secs(3)), trickle(runs[1], Duration::from_secs(3))];
     tokio::time::sleep(Duration::from_millis(500)).await;
