@@ -427,6 +427,9 @@ impl Driver {
                 break;
             }
         }
+        for (_, entry) in std::mem::take(&mut self.runs) {
+            entry.writer.finish().await;
+        }
         tracing::info!("driver stopped");
     }
 

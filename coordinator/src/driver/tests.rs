@@ -28,10 +28,34 @@ async fn store(dir: &tempfile::TempDir) -> SqlStore {
     SqlStore::connect(&db_url(dir), true).await.unwrap()
 }
 
-async fn started(store: &SqlStore) -> DriverHandle {
+async fn started(store: &SqlStore) -> Started {
     let (driver, handle) = Driver::recover(store.clone(), Observer::new(), None).await.unwrap();
-    tokio::spawn(driver.run());
-    handle
+    Started { handle, task: tokio::spawn(driver.run()) }
+}
+
+/// A driver on its own task, used through its handle.
+struct Started {
+    handle: DriverHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::ops::Deref for Started {
+    type Target = DriverHandle;
+    fn deref(&self) -> &DriverHandle {
+        &self.handle
+    }
+}
+
+impl Started {
+    /// Drops the last handle and waits for the driver, and the writes it had queued, to end:
+    /// a driver started after this one never races its predecessor's writes.
+    async fn stop(self) {
+        drop(self.handle);
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the driver ends within 30 s of its last handle")
+            .expect("the driver does not panic");
+    }
 }
 
 async fn enrolled(store: &SqlStore, n: usize) -> Vec<DeviceId> {
@@ -164,7 +188,7 @@ async fn a_restarted_driver_replays_what_was_acknowledged() {
         check_in(&handle, d).await;
     }
     upload(&handle, run, devices[0], update(2.0, 1)).await.unwrap();
-    drop(handle); // the driver stops with its last handle
+    handle.stop().await;
 
     let handle = started(&store).await;
     let again = upload(&handle, run, devices[0], update(5.0, 1)).await;
@@ -474,7 +498,7 @@ async fn r18_a_restart_between_checkpoints_rebuilds_every_unwritten_model() {
         .map(|hash| handle.models().get(hash).expect("the cache holds the run's newest models"))
         .collect();
     assert_eq!(store.pending_models().await.unwrap().len(), 2);
-    drop(handle); // the driver stops with its last handle, versions 1 and 2 unwritten
+    handle.stop().await; // versions 1 and 2 unwritten
 
     let handle = started(&store).await;
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
@@ -563,7 +587,7 @@ async fn a_run_whose_stored_plan_is_now_refused_is_stopped_at_start() {
     let handle = started(&store).await;
     let refused = create_run(&handle, 3).await;
     let kept = create_run(&handle, 3).await;
-    drop(handle);
+    handle.stop().await;
     let mut sql = raw_sql(&dir, "SELECT 1").await;
     let row = sqlx::query("SELECT plan_json FROM runs WHERE id = ?")
         .bind(refused.0)

@@ -40,6 +40,7 @@ const QUEUED_BATCHES: usize = 64;
 /// A run's writer task.
 pub(super) struct RunWriter {
     tx: mpsc::Sender<(Batch, Millis)>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl RunWriter {
@@ -52,7 +53,7 @@ impl RunWriter {
         internal: mpsc::UnboundedSender<Internal>,
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<(Batch, Millis)>(QUEUED_BATCHES);
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 // Batches that queued while the last write was in flight join this one: one
                 // transaction, one flush, for a cohort checking in at once.
@@ -85,7 +86,14 @@ impl RunWriter {
                 }
             }
         });
-        RunWriter { tx }
+        RunWriter { tx, task }
+    }
+
+    /// Ends the writer once what it was handed is written (or fenced off), so that a driver
+    /// that stops leaves no write behind it for a successor to race.
+    pub(super) async fn finish(self) {
+        drop(self.tx);
+        let _ = self.task.await;
     }
 
     /// Queues `batch`, waiting only when the writer is [`QUEUED_BATCHES`] behind.
