@@ -1,7 +1,9 @@
 //! Carrying out the run machines' actions, by the rules of the driver's module doc: a batch's
 //! transitions handed to the run's ordered writer, which makes them durable in one transaction
-//! before any of the batch's replies; payloads written concurrently off the loop and fed back
-//! as [`Internal::Persisted`]; folds in slot order on the run's accumulator thread; closings
+//! before any of the batch's replies; payloads written concurrently off the loop, each started
+//! once the transitions before it are durable (an update folded into a buffer that just opened
+//! must not reach the store before that buffer's round), and fed back as
+//! [`Internal::Persisted`]; folds in slot order on the run's accumulator thread; closings
 //! spawned once the batch's records are durable.
 
 use starling_core::RunId;
@@ -128,7 +130,7 @@ impl Effects<'_> {
             }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
-                self.persist_in_background((run_id, request), "insert_update", async move {
+                self.persist_in_background((run_id, request), batch, "insert_update", async move {
                     let metrics =
                         serde_json::to_string(update.metrics()).expect("metrics serialize");
                     let res = store
@@ -160,7 +162,7 @@ impl Effects<'_> {
             }
             Action::PersistPartial { request, round_idx, slot, report } => {
                 let store = self.store.clone();
-                self.persist_in_background((run_id, request), "insert_partial", async move {
+                self.persist_in_background((run_id, request), batch, "insert_partial", async move {
                     let res = store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
                     match &res {
                         Ok(()) => {
@@ -248,11 +250,12 @@ impl Effects<'_> {
     fn persist_in_background(
         &self,
         (run_id, request): (RunId, RequestId),
+        batch: &mut Batch,
         what: &'static str,
         write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
     ) {
         let (internal, observer) = (self.internal.clone(), self.observer.clone());
-        tokio::spawn(async move {
+        batch.writes.push(Box::pin(async move {
             let started = std::time::Instant::now();
             let res = write.await;
             observer.store_latency(what, started.elapsed().as_secs_f64());
@@ -260,6 +263,6 @@ impl Effects<'_> {
                 let _ = internal.send(Internal::Deposed);
             }
             let _ = internal.send(Internal::Persisted { run_id, request, ok: res.is_ok() });
-        });
+        }));
     }
 }

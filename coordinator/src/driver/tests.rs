@@ -615,3 +615,67 @@ async fn a_run_whose_stored_plan_is_now_refused_is_stopped_at_start() {
         matches!(check_in(&handle, devices[0]).await, CheckInResponse::Task(t) if t.run_id == kept)
     );
 }
+
+/// Makes every write of round 1's row fail, until dropped again.
+const HOLD_ROUND_1: &str = "CREATE TRIGGER hold_round_1 BEFORE INSERT ON rounds
+    WHEN NEW.round_idx = 1 BEGIN SELECT RAISE(ABORT, 'the test holds round 1 back'); END";
+
+/// In an asynchronous run, a device still training on buffer 0's model may upload as soon as
+/// buffer 1 opens, before the writer has made that round durable: its update is written after
+/// the round, and acknowledged then, instead of failing the round's foreign key and being
+/// answered 503.
+#[tokio::test]
+async fn an_update_into_a_buffer_not_yet_durable_waits_for_its_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 2).await;
+    let observer = Observer::new();
+    let mut events = observer.subscribe();
+    let (driver, handle) = Driver::recover(store.clone(), observer, None).await.unwrap();
+    let handle = Started { handle, task: tokio::spawn(driver.run()) };
+    let fedbuff = serde_json::json!({"concurrency": 2, "max_staleness": 2});
+    let more = serde_json::json!({"cohort_size": 1, "min_quorum": 1, "asynchronous": fedbuff});
+    let run = create_run_with(&handle, 3, more).await;
+    for &d in &devices {
+        assert!(
+            matches!(check_in(&handle, d).await, CheckInResponse::Task(t) if t.round_idx == RoundIdx(0))
+        );
+    }
+    let mut sql = raw_sql(&dir, HOLD_ROUND_1).await;
+    upload(&handle, run, devices[0], update(1.0, 1)).await.unwrap();
+    // Buffer 0 commits and buffer 1 opens in the driver; its row is held back.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match events.recv().await.expect("the driver publishes") {
+                crate::observe::LiveEvent::Round { run_id, round_idx: 1, state, .. }
+                    if run_id == run.0 && state == "open" =>
+                {
+                    break;
+                }
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("buffer 1 opens within 10 s");
+
+    let carried = tokio::spawn({
+        let handle = handle.handle.clone();
+        let device = devices[1];
+        async move { upload(&handle, run, device, update(3.0, 1)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!carried.is_finished(), "answered before its round was durable: {carried:?}");
+    sqlx::query("DROP TRIGGER hold_round_1").execute(&mut sql).await.unwrap();
+    let ack = tokio::time::timeout(Duration::from_secs(10), carried)
+        .await
+        .expect("acknowledged within 10 s of the round landing")
+        .unwrap()
+        .expect("the carried update is taken");
+    assert_eq!(ack.run_id, run);
+    // Buffer 1 holds that update alone, one version stale: 1 + 3·(1 + 1)^−½.
+    let expected = 1.0 + 3.0 / 2f32.sqrt();
+    let v2 = committed_model(&store, run, 2).await;
+    assert!(v2.iter().all(|v| (v - expected).abs() < 1e-6), "{v2:?}, not {expected}");
+    handle.stop().await;
+}

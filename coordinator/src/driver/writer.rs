@@ -1,8 +1,8 @@
 //! One ordered writer per run, off the driver task: a batch's transitions (round opened,
 //! devices selected, a secure round's records with their model-sized masked inputs, run
-//! finished) are made durable in order, then the batch's replies are sent and its closings
-//! spawned. The driver only decides and queues; a slow write delays that run's answers, not
-//! every run's. Batches that queue while a write is in flight are written together, in order,
+//! finished) are made durable in order, then the batch's payload writes (updates, partials)
+//! are started, its replies sent and its closings spawned. The driver only decides and queues;
+//! a slow write delays that run's answers, not every run's. Batches that queue while a write is in flight are written together, in order,
 //! in the next transaction (group commit).
 
 use std::time::Duration;
@@ -18,18 +18,26 @@ use crate::store::{SqlStore, StoreError, Transition};
 /// A reply held back until the batch's transitions are durable.
 pub(super) type Deferred = Box<dyn FnOnce() + Send>;
 
-/// What one batch of a run's actions adds up to: transitions to persist together, replies to
-/// send once they are, rounds to close after that.
+/// A payload write (an update, a partial) started once the batch's transitions are durable.
+pub(super) type PayloadWrite = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What one batch of a run's actions adds up to: transitions to persist together, then (once
+/// they and every earlier batch's are durable) payloads to write, replies to send and rounds
+/// to close.
 #[derive(Default)]
 pub(super) struct Batch {
     pub(super) transitions: Vec<Transition>,
+    pub(super) writes: Vec<PayloadWrite>,
     pub(super) replies: Vec<Deferred>,
     pub(super) closings: Vec<CloseTask>,
 }
 
 impl Batch {
     pub(super) fn is_empty(&self) -> bool {
-        self.transitions.is_empty() && self.replies.is_empty() && self.closings.is_empty()
+        self.transitions.is_empty()
+            && self.writes.is_empty()
+            && self.replies.is_empty()
+            && self.closings.is_empty()
     }
 }
 
@@ -77,6 +85,11 @@ impl RunWriter {
                     observer.store_latency("transitions", started.elapsed().as_secs_f64());
                 }
                 for (batch, _) in batches {
+                    // Concurrent with each other and with later batches' transitions: only
+                    // the round rows they refer to must come first.
+                    for write in batch.writes {
+                        tokio::spawn(write);
+                    }
                     for task in batch.closings {
                         tokio::spawn(task.run());
                     }
