@@ -672,9 +672,15 @@ impl Driver {
                         entry.model_hash = model.hash;
                         entry.optimizer_state = model.optimizer_state;
                     }
+                    let before: Vec<_> = entry.machine.quarantined().collect();
                     entry
                         .machine
                         .handle(now, Input::RoundClosed { round_idx, committed: was_committed });
+                    let newly: Vec<_> =
+                        entry.machine.quarantined().filter(|d| !before.contains(d)).collect();
+                    if !newly.is_empty() {
+                        tracing::warn!(%run_id, round = %round_idx, devices = ?newly, "devices quarantined: their updates were in three refused rounds in a row; this run selects them no more");
+                    }
                     entry.report_privacy(run_id, &self.observer);
                 }
             }

@@ -11,6 +11,7 @@ use starling_coordinator::store::{
 };
 use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
+use starling_core::round::quarantine::Strikes;
 use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
@@ -62,6 +63,7 @@ conformance!(
     r18_a_model_read_while_its_bytes_are_written_is_pending_or_there,
     devices_may_join_only_the_populations_their_token_names,
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
+    quarantine_strikes_count_refused_rounds_by_updates_and_partials,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -884,4 +886,32 @@ async fn a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs(sto
     // The claim ends with its run.
     store.apply_transitions(alone, &[Transition::StopRun { open_round: None }], 7).await.unwrap();
     store.create_run(claim("sim"), 8).await.unwrap();
+}
+
+/// The quarantine rule's strikes, counted from the store: rounds whose aggregate was refused
+/// strike each device they held, by update or partial; other failures count neither way.
+async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_reports(&store).await;
+    store.fail_round(run, closing(0, 0, RoundOutcome::AggregateRejected)).await.unwrap();
+    for round in 1..3 {
+        let batch = [
+            Transition::OpenRound(opened(round, 0)),
+            Transition::Select { round_idx: RoundIdx(round), device: d1, aggregator: None },
+            Transition::Select { round_idx: RoundIdx(round), device: d3, aggregator: None },
+        ];
+        store.apply_transitions(run, &batch, 4_500).await.unwrap();
+        store.insert_update(run, RoundIdx(round), d1, 0, 0, 1, "{}", &[1], 4_600).await.unwrap();
+        store.insert_update(run, RoundIdx(round), d3, 1, 0, 1, "{}", &[1], 4_600).await.unwrap();
+        let outcome = match round {
+            1 => RoundOutcome::AggregateRejected,
+            _ => RoundOutcome::TooFewReports { reported: 2, quorum: 3 },
+        };
+        store.fail_round(run, closing(round, 0, outcome)).await.unwrap();
+    }
+    let strikes = store.quarantine_strikes(run).await.unwrap();
+    let mut expected = Strikes::default();
+    expected.round_ended([d2, d1, d3], false);
+    expected.round_ended([d1, d3], false);
+    assert_eq!(strikes, expected);
+    assert!(!strikes.quarantines(d1), "two refused rounds; the third failed otherwise");
 }

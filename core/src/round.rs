@@ -73,6 +73,7 @@ use crate::tier::TierConfig;
 use crate::wire::{SecAggInstruction, SecAggUpload};
 
 pub mod protocol;
+pub mod quarantine;
 pub mod secure;
 mod tiered;
 
@@ -99,6 +100,8 @@ pub struct RunMachine {
     /// Asynchronous runs: devices still training on an earlier round's model, which may report
     /// into the open round while at most `max_staleness` versions behind.
     carried: BTreeMap<DeviceId, Carried>,
+    /// Strikes of devices whose updates ended in refused rounds ([`quarantine`]).
+    strikes: quarantine::Strikes,
     actions: VecDeque<Action>,
 }
 
@@ -254,6 +257,7 @@ impl RunMachine {
                 next_round_idx: RoundIdx(0),
                 open_round: None,
                 carried: vec![],
+                strikes: Default::default(),
             },
             now,
             entropy,
@@ -278,6 +282,7 @@ impl RunMachine {
             tier: None,
             live_aggregators: vec![],
             carried: BTreeMap::new(),
+            strikes: snapshot.strikes,
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
@@ -421,6 +426,11 @@ impl RunMachine {
     /// Rounds committed.
     pub fn rounds_committed(&self) -> u32 {
         self.rounds_committed
+    }
+
+    /// Devices this run no longer selects, by the [`quarantine`] rule.
+    pub fn quarantined(&self) -> impl Iterator<Item = DeviceId> + '_ {
+        self.strikes.quarantined()
     }
 
     /// The currently active round, if any.
@@ -624,7 +634,8 @@ impl RunMachine {
             self.carried.remove(&device);
         }
         let selecting = self.is_selecting(now);
-        let eligible = self.config.eligibility.admits(attributes);
+        let eligible =
+            self.config.eligibility.admits(attributes) && !self.strikes.quarantines(device);
         let aggregator = self.aggregator_for(device);
         let steering = PaceSteering {
             target_selected: self.config.target_selected,
@@ -895,7 +906,12 @@ impl RunMachine {
             return;
         }
         debug_assert!(!committed || r.outcome == Some(RoundOutcome::Commit));
-        let committed = committed && r.outcome == Some(RoundOutcome::Commit);
+        let asked_to_commit = r.outcome == Some(RoundOutcome::Commit);
+        let committed = committed && asked_to_commit;
+        if asked_to_commit {
+            // Committed, or its aggregate refused: the quarantine rule counts both.
+            self.strikes.round_ended(r.reported.iter().copied(), committed);
+        }
         if self.config.asynchronous.is_some() {
             // Devices still training on this round's model carry over to the next buffers.
             let timeout = self.config.reporting_timeout_ms;

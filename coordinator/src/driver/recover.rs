@@ -82,8 +82,10 @@ impl Driver {
                     driver.store.carried_tasks(run_id, oldest).await?
                 }
             };
+            let strikes = driver.store.quarantine_strikes(run_id).await?;
             let snapshot = RunSnapshot {
                 carried,
+                strikes,
                 run_id,
                 config: plan.round_config(),
                 model_version: version,

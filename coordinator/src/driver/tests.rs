@@ -679,3 +679,61 @@ async fn an_update_into_a_buffer_not_yet_durable_waits_for_its_round() {
     assert!(v2.iter().all(|v| (v - expected).abs() < 1e-6), "{v2:?}, not {expected}");
     handle.stop().await;
 }
+
+/// Devices whose updates ended in three refused rounds in a row are not selected again, and a
+/// restarted coordinator counts their strikes again from the store: still not selected.
+#[tokio::test]
+async fn devices_in_three_refused_rounds_stay_quarantined_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 3).await;
+    let handle = started(&store).await;
+    // First come: a device that checks in while there is room is selected unless quarantined.
+    let more = serde_json::json!({"server_learning_rate": 4.0, "selection": "first_come"});
+    let run = create_run_with(&handle, 5, more).await;
+    let (bad, honest) = (&devices[..2], devices[2]);
+    for round in 0..3 {
+        until_round_opens(&store, run, round).await;
+        for &d in bad {
+            assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+        }
+        // Finite updates whose mean × 4 is past f32::MAX: the aggregate is refused.
+        for &d in bad {
+            let (round_idx, model_version) = (RoundIdx(round), ModelVersion(0));
+            let update = update(1e38, 1);
+            let ack = handle
+                .call(|reply| Event::Upload {
+                    device: d,
+                    run_id: run,
+                    round_idx,
+                    model_version,
+                    update,
+                    reply,
+                })
+                .await;
+            ack.unwrap();
+        }
+    }
+    until_round_opens(&store, run, 3).await;
+    handle.stop().await;
+
+    let handle = started(&store).await;
+    for &d in bad {
+        assert!(
+            matches!(check_in(&handle, d).await, CheckInResponse::ComeBackLater { .. }),
+            "quarantined"
+        );
+    }
+    let answer = check_in(&handle, honest).await;
+    assert!(matches!(answer, CheckInResponse::Task(ref t) if t.run_id == run), "{answer:?}");
+    handle.stop().await;
+}
+
+/// Waits (at most 10 s) until round `round_idx` of `run` is open in the store.
+async fn until_round_opens(store: &SqlStore, run: RunId, round_idx: i64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.open_round(run).await.unwrap().is_none_or(|o| o.round.round_idx.0 != round_idx) {
+        assert!(tokio::time::Instant::now() < deadline, "round {round_idx} never opened");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use sqlx::FromRow;
-use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, StoredPartial};
+use starling_core::round::quarantine::Strikes;
+use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 
 use super::*;
@@ -812,6 +813,55 @@ impl SqlStore {
                     selected_at,
                 })
                 .collect())
+        })
+    }
+
+    /// A run's strikes under the quarantine rule (`starling_core::round::quarantine`), counted
+    /// again from its closed rounds in order: the devices of each round that committed or whose
+    /// aggregate was refused, by their updates and partials.
+    pub async fn quarantine_strikes(&self, run_id: RunId) -> StoreResult<Strikes> {
+        on_pool!(self, |pool| {
+            let rounds: Vec<(i64, String, Option<String>)> = sqlx::query_as(
+                "SELECT round_idx, state, outcome_json FROM rounds
+                 WHERE run_id = $1 AND state <> 'open' ORDER BY round_idx",
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            let updates: Vec<(i64, i64)> =
+                sqlx::query_as("SELECT round_idx, device_id FROM updates WHERE run_id = $1")
+                    .bind(run_id.0)
+                    .fetch_all(pool)
+                    .await
+                    .map_err(map_err)?;
+            let partials: Vec<(i64, String)> =
+                sqlx::query_as("SELECT round_idx, devices_json FROM partials WHERE run_id = $1")
+                    .bind(run_id.0)
+                    .fetch_all(pool)
+                    .await
+                    .map_err(map_err)?;
+            let mut devices: BTreeMap<i64, Vec<DeviceId>> = BTreeMap::new();
+            for (round_idx, device) in updates {
+                devices.entry(round_idx).or_default().push(DeviceId(device));
+            }
+            for (round_idx, json) in partials {
+                let ids: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
+                    StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
+                })?;
+                devices.entry(round_idx).or_default().extend(ids.into_iter().map(DeviceId));
+            }
+            let mut strikes = Strikes::default();
+            for (round_idx, state, outcome) in rounds {
+                let refused = outcome.as_deref().is_some_and(|json| {
+                    matches!(serde_json::from_str(json), Ok(RoundOutcome::AggregateRejected))
+                });
+                if state == "committed" || refused {
+                    let held = devices.remove(&round_idx).unwrap_or_default();
+                    strikes.round_ended(held, state == "committed");
+                }
+            }
+            Ok(strikes)
         })
     }
 

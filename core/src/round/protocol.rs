@@ -412,6 +412,8 @@ pub struct RunSnapshot {
     /// Asynchronous runs: devices selected for an earlier round that have neither reported
     /// nor been selected again; those still within `max_staleness` and their deadline carry on.
     pub carried: Vec<CarriedTask>,
+    /// Devices' strikes under the quarantine rule, from the run's closed rounds.
+    pub strikes: super::quarantine::Strikes,
 }
 
 /// An asynchronous run's device selected for a closed round and not heard from since, as the

@@ -428,6 +428,7 @@ fn restore_resumes_open_round_and_continues_slots() {
         rounds_committed: 0,
         next_round_idx: RoundIdx(1),
         carried: vec![],
+        strikes: Default::default(),
         open_round: Some(OpenRoundSnapshot {
             round: RoundOpened {
                 round_idx: RoundIdx(0),
@@ -895,6 +896,7 @@ mod secure_rounds {
                 rounds_committed: 0,
                 next_round_idx: RoundIdx(1),
                 carried: vec![],
+                strikes: Default::default(),
                 open_round: Some(OpenRoundSnapshot {
                     round: self.m.current_round().unwrap(),
                     selected,
@@ -1167,6 +1169,7 @@ fn a_restored_tiered_round_keeps_its_assignments_and_partials() {
         rounds_committed: 0,
         next_round_idx: RoundIdx(1),
         carried: vec![],
+        strikes: Default::default(),
         open_round: Some(OpenRoundSnapshot {
             round: t.m.current_round().unwrap(),
             selected: (10..16).map(DeviceId).collect(),
@@ -1498,4 +1501,29 @@ fn r18_a_device_that_reported_late_waits_for_the_next_buffer() {
         task.contains("round_idx: RoundIdx(1)") && task.contains("report_deadline: 6000"),
         "{task}"
     );
+}
+
+/// The quarantine rule in the machine: device 10 reports into three rounds in a row whose
+/// aggregate is refused (with a different partner each time), and the run selects it no more;
+/// the partners, with one refused round each, are still selected.
+#[test]
+fn a_device_in_three_refused_rounds_in_a_row_is_not_selected_again() {
+    let config = RoundConfig { target_selected: 2, ..config() };
+    let mut t = Trace::with(config);
+    for (round, partner) in [(0, 20), (1, 21), (2, 22)] {
+        t.check_in(10);
+        t.check_in(partner);
+        let a = t.upload(10, round);
+        let b = t.upload(partner, round);
+        t.persisted(a, true);
+        t.persisted(b, true);
+        t.closed(round, false);
+    }
+    assert_eq!(t.m.quarantined().collect::<Vec<_>>(), vec![DeviceId(10)]);
+    t.lines.clear();
+    t.check_in(10);
+    t.check_in(21);
+    let decisions: Vec<&String> = t.lines.iter().filter(|l| l.contains("ReplyCheckIn")).collect();
+    assert!(decisions[0].contains("ComeBackLater"), "{decisions:?}");
+    assert!(decisions[1].contains("Selected"), "{decisions:?}");
 }
