@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::group::CollectiveChoice;
 use crate::{AggregatorConfig, Engine, GroupConfig, TransportSecurity};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
@@ -62,6 +63,11 @@ struct Cli {
     /// How long past its deadline the leader waits for members' shards, milliseconds.
     #[arg(long, default_value_t = 2000)]
     group_wait_ms: u64,
+    /// How the group's sums meet at the leader: `auto` (NCCL on CUDA nodes with NCCL
+    /// present, else HTTP), `tcp` (the CPU collective, any engine) or `http`. Every member
+    /// must choose the same.
+    #[arg(long, value_enum, default_value = "auto", requires = "group")]
+    collective: CollectiveChoice,
     /// PEM certificate chain to serve TLS with (required unless --insecure-http).
     #[arg(long, env = "STARLING_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -124,6 +130,7 @@ async fn run() -> anyhow::Result<()> {
                 rank,
                 world_size,
                 wait: std::time::Duration::from_millis(cli.group_wait_ms),
+                collective: cli.collective,
             };
             group.validate().context("--group/--rank/--world-size")?;
             Some(group)

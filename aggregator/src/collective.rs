@@ -1,16 +1,22 @@
-//! The NCCL data plane of an aggregator group on GPUs: the members' sums meet in one NCCL
-//! all-reduce instead of travelling to the leader over HTTP.
+//! The data plane of an aggregator group: the members' sums meet in one all-reduce instead of
+//! travelling to the leader over HTTP.
+//!
+//! The all-reduce is a [`Collective`]: NCCL between the GPUs of CUDA nodes ([`Nccl`]), or
+//! [`tcp::Tcp`] between CPU nodes (a star through the leader, which is also how the group
+//! path runs with 2 to 4 ranks in `cargo xtask test` on machines without GPUs). Everything
+//! above the transport (joins, turns, broken communicators, the fallbacks in
+//! [`crate::group`]) is the same code for both.
 //!
 //! One thread per node owns the group's communicator and runs its collectives one at a time,
 //! in the order they arrive (the leader hands out turns one at a time, so every member runs
-//! them in the same order). Joining blocks in NCCL until every member is in, so each join runs
-//! on a thread of its own and reports back; a join that takes too long is abandoned.
+//! them in the same order). Joining blocks until every member is in, so each join runs on a
+//! thread of its own and reports back; a join that takes too long is abandoned.
 //!
 //! What to do is decided by [`PlaneState`] (sans-IO: requests, outcomes and `now` in,
 //! decisions out), which the tests drive directly; the thread carries the decisions out. A
 //! collective that fails or times out breaks the communicator on that node: the leader then
-//! makes a new NCCL id and publishes it, and the members join that one. Until every member is
-//! on one communicator, the group hands its sums over HTTP (see [`crate::group`]).
+//! makes a new id and publishes it, and the members join that one. Until every member is on
+//! one communicator, the group hands its sums over HTTP (see [`crate::group`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,6 +25,85 @@ use tokio::sync::oneshot;
 
 use crate::gpu::{GpuError, NcclGroup};
 use crate::reduce::Sums;
+
+pub mod tcp;
+
+/// How a group's members all-reduce their sums: makes communicators' ids and joins them.
+pub trait Collective: Send + Sync + 'static {
+    /// The transport's name, for logs (`nccl`, `tcp`).
+    fn name(&self) -> &'static str;
+
+    /// A fresh 128-byte id of a new communicator (the leader makes it and publishes it
+    /// through the coordinator).
+    fn unique_id(&self) -> Result<Vec<u8>, CollectiveError>;
+
+    /// Joins the communicator `id` as `rank` of `world_size`. Blocks until every member has
+    /// joined (or the transport gives up), so call it off the async runtime.
+    fn join(
+        &self,
+        rank: usize,
+        world_size: usize,
+        id: &[u8],
+    ) -> Result<Box<dyn Communicator>, CollectiveError>;
+}
+
+/// One node's end of a joined communicator.
+pub trait Communicator: Send {
+    /// Sums `hi` and `lo` (this node's partial sums) across the group; the group's sums when
+    /// `want_result`. Waits at most until `deadline`; after an error the communicator is
+    /// broken: [`Communicator::abort`] it and join a new one.
+    fn all_reduce_sums(
+        &mut self,
+        hi: &[f64],
+        lo: &[f64],
+        want_result: bool,
+        deadline: Instant,
+    ) -> Result<Option<Sums>, CollectiveError>;
+
+    /// Leaves the communicator (peers waiting in a collective on it fail, not hang).
+    fn abort(self: Box<Self>);
+}
+
+/// NCCL on the CUDA device `device`: the transport of CUDA nodes with NCCL present.
+pub struct Nccl {
+    /// The node's GPU.
+    pub device: usize,
+}
+
+impl Collective for Nccl {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn unique_id(&self) -> Result<Vec<u8>, CollectiveError> {
+        Ok(NcclGroup::unique_id()?)
+    }
+
+    fn join(
+        &self,
+        rank: usize,
+        world_size: usize,
+        id: &[u8],
+    ) -> Result<Box<dyn Communicator>, CollectiveError> {
+        Ok(Box::new(NcclGroup::join(self.device, rank, world_size, id)?))
+    }
+}
+
+impl Communicator for NcclGroup {
+    fn all_reduce_sums(
+        &mut self,
+        hi: &[f64],
+        lo: &[f64],
+        want_result: bool,
+        deadline: Instant,
+    ) -> Result<Option<Sums>, CollectiveError> {
+        Ok(NcclGroup::all_reduce_sums(self, hi, lo, want_result, deadline)?)
+    }
+
+    fn abort(self: Box<Self>) {
+        NcclGroup::abort(*self);
+    }
+}
 
 /// How long a join may take before it is abandoned (a member never came).
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -68,8 +153,12 @@ pub enum CollectiveError {
     /// NCCL or CUDA failed, or the collective timed out.
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    /// The TCP collective failed: a peer left, sent what the protocol does not allow, or did
+    /// not keep the deadline.
+    #[error("TCP collective: {0}")]
+    Tcp(String),
     /// The plane's thread is gone.
-    #[error("the NCCL plane stopped")]
+    #[error("the collective's plane stopped")]
     Stopped,
 }
 
@@ -162,7 +251,7 @@ enum Job {
     },
     Joined {
         tag: u64,
-        result: Result<NcclGroup, GpuError>,
+        result: Result<Box<dyn Communicator>, CollectiveError>,
     },
     AllReduce {
         tag: u64,
@@ -174,26 +263,38 @@ enum Job {
     Reset,
 }
 
-/// A node's NCCL plane: its communicator's thread, and the state the service reads.
+/// A node's collective plane: its communicator's thread, and the state the service reads.
 pub struct Plane {
     jobs: std::sync::mpsc::Sender<Job>,
     state: Arc<Mutex<PlaneState>>,
+    collective: Arc<dyn Collective>,
     /// The leader's turn counter: it runs the group's collectives one at a time, holding this.
     pub(crate) turns: tokio::sync::Mutex<u64>,
 }
 
 impl Plane {
-    /// Starts the plane of rank `rank` of `world_size` on GPU `device`.
-    pub fn start(device: usize, rank: usize, world_size: usize) -> Plane {
+    /// Starts the plane of rank `rank` of `world_size` over `collective`.
+    pub fn start(collective: Arc<dyn Collective>, rank: usize, world_size: usize) -> Plane {
         let (jobs, rx) = std::sync::mpsc::channel();
         let state = Arc::new(Mutex::new(PlaneState::default()));
         let thread_state = state.clone();
         let joins = jobs.clone();
+        let transport = collective.clone();
         std::thread::Builder::new()
-            .name("nccl-plane".into())
-            .spawn(move || plane_thread(&rx, &joins, &thread_state, (device, rank, world_size)))
-            .expect("spawning the NCCL plane thread");
-        Plane { jobs, state, turns: tokio::sync::Mutex::new(0) }
+            .name("collective-plane".into())
+            .spawn(move || plane_thread(&rx, &joins, &thread_state, (transport, rank, world_size)))
+            .expect("spawning the collective plane thread");
+        Plane { jobs, state, collective, turns: tokio::sync::Mutex::new(0) }
+    }
+
+    /// The transport's name, for logs.
+    pub fn transport(&self) -> &'static str {
+        self.collective.name()
+    }
+
+    /// A fresh id of a new communicator on this plane's transport.
+    pub fn unique_id(&self) -> Result<Vec<u8>, CollectiveError> {
+        self.collective.unique_id()
     }
 
     /// Where the plane stands.
@@ -207,7 +308,8 @@ impl Plane {
         if self.state.lock().expect("plane state poisoned").request_join(tag, Instant::now()) {
             tracing::info!(
                 comm = format_args!("{tag:#x}"),
-                "joining the group's NCCL communicator"
+                transport = self.collective.name(),
+                "joining the group's communicator"
             );
             let _ = self.jobs.send(Job::Join { tag, id: nccl_id.to_vec() });
         }
@@ -246,9 +348,10 @@ fn plane_thread(
     jobs: &std::sync::mpsc::Receiver<Job>,
     joins: &std::sync::mpsc::Sender<Job>,
     state: &Mutex<PlaneState>,
-    (device, rank, world_size): (usize, usize, usize),
+    (collective, rank, world_size): (Arc<dyn Collective>, usize, usize),
 ) {
-    let mut current: Option<(u64, NcclGroup)> = None;
+    let transport = collective.name();
+    let mut current: Option<(u64, Box<dyn Communicator>)> = None;
     let lock = || state.lock().expect("plane state poisoned");
     while let Ok(job) = jobs.recv() {
         match job {
@@ -256,17 +359,19 @@ fn plane_thread(
                 if let Some((_, old)) = current.take() {
                     old.abort();
                 }
-                let joins = joins.clone();
+                let (joins, collective) = (joins.clone(), collective.clone());
                 // Blocks until every member joined; abandoned (left running) if that never
                 // happens, and its result is then dropped when it comes.
-                let _ = std::thread::Builder::new().name("nccl-join".into()).spawn(move || {
-                    let result = NcclGroup::join(device, rank, world_size, &id);
-                    if let Err(std::sync::mpsc::SendError(Job::Joined { result: Ok(g), .. })) =
-                        joins.send(Job::Joined { tag, result })
-                    {
-                        g.abort();
-                    }
-                });
+                let _ =
+                    std::thread::Builder::new().name("collective-join".into()).spawn(move || {
+                        let result = collective.join(rank, world_size, &id);
+                        if let Err(std::sync::mpsc::SendError(Job::Joined {
+                            result: Ok(g), ..
+                        })) = joins.send(Job::Joined { tag, result })
+                        {
+                            g.abort();
+                        }
+                    });
             }
             Job::Joined { tag, result } => {
                 let keep = lock().joined(tag, result.is_ok());
@@ -276,7 +381,8 @@ fn plane_thread(
                             comm = format_args!("{tag:#x}"),
                             rank,
                             world_size,
-                            "on the group's NCCL communicator"
+                            transport,
+                            "on the group's communicator"
                         );
                         if let Some((_, old)) = current.replace((tag, group)) {
                             old.abort();
@@ -284,7 +390,7 @@ fn plane_thread(
                     }
                     Ok(stale) => stale.abort(),
                     Err(e) => {
-                        tracing::warn!(comm = format_args!("{tag:#x}"), error = %e, "joining the group's NCCL communicator failed");
+                        tracing::warn!(comm = format_args!("{tag:#x}"), transport, error = %e, "joining the group's communicator failed");
                     }
                 }
             }
@@ -294,9 +400,7 @@ fn plane_thread(
                         let result = if Instant::now() >= deadline {
                             Err(CollectiveError::Expired)
                         } else {
-                            group
-                                .all_reduce_sums(&sums.0, &sums.1, want_result, deadline)
-                                .map_err(CollectiveError::from)
+                            group.all_reduce_sums(&sums.0, &sums.1, want_result, deadline)
                         };
                         if result.is_err() {
                             // Peers may be inside this collective or past it: the
@@ -399,7 +503,7 @@ mod tests {
         }
         // The join fails on its thread (no GPU or no NCCL); the plane goes idle, and a
         // collective on that communicator is refused, not hung.
-        let plane = Plane::start(0, 1, 2);
+        let plane = Plane::start(Arc::new(Nccl { device: 0 }), 1, 2);
         plane.join(&[5u8; 128]);
         let tag = comm_tag(&[5u8; 128]);
         let started = Instant::now();

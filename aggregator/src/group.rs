@@ -8,8 +8,9 @@
 //! waits for every member (or until its own deadline plus `--group-wait-ms`), merges the
 //! shards exactly (core's `merge_reports`, in aggregator order) and reports once for all.
 //!
-//! On GPUs with NCCL ([`crate::collective`]) the sums do not travel over HTTP: once every
-//! member is on the group's communicator (the NCCL id the leader publishes), a member sends
+//! With a collective ([`crate::collective`]: NCCL on GPUs, or TCP between CPU nodes) the sums
+//! do not travel over HTTP: once every member is on the group's communicator (the id the
+//! leader publishes), a member sends
 //! the leader only who and how much (its report without sums) and waits for its turn; when
 //! every member is in, the leader hands out one turn and all of them all-reduce their sums,
 //! and the leader reports the merged metadata with the summed sums (core's
@@ -28,7 +29,8 @@
 //! memory is; its devices count as dropped.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -36,7 +38,8 @@ use starling_core::tier::{GroupRendezvous, PartialReport};
 use starling_core::wire::path;
 use starling_core::{AggregatorId, RoundIdx, RunId};
 
-use crate::collective::{Plane, PlaneStatus, comm_tag};
+use crate::collective::tcp::Tcp;
+use crate::collective::{Collective, Nccl, Plane, PlaneStatus, comm_tag};
 use crate::engine::Engine;
 use crate::report::Link;
 
@@ -65,6 +68,20 @@ pub struct GroupConfig {
     pub world_size: u32,
     /// How long past its own deadline the leader waits for members' shards.
     pub wait: Duration,
+    /// How the members' sums meet.
+    pub collective: CollectiveChoice,
+}
+
+/// How a group's members' sums meet at the leader (every member must choose the same).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CollectiveChoice {
+    /// NCCL on CUDA nodes with NCCL present; over HTTP otherwise.
+    #[default]
+    Auto,
+    /// The TCP collective ([`crate::collective::tcp`]), on any engine.
+    Tcp,
+    /// Always over HTTP: members post their shards to the leader.
+    Http,
 }
 
 /// Why a group setting is refused.
@@ -151,27 +168,33 @@ pub(crate) struct GroupState {
     rendezvous: Mutex<Option<GroupRendezvous>>,
     /// When the rendezvous was last published or refreshed.
     synced: Mutex<Option<Instant>>,
-    /// The NCCL unique id the leader publishes (a new one whenever its communicator broke).
+    /// The communicator id the leader publishes (a new one whenever its communicator broke).
     nccl_id: Mutex<Option<Vec<u8>>>,
-    /// The NCCL plane, when the node runs CUDA with NCCL present.
+    /// The collective plane: NCCL when the node runs CUDA with NCCL present, TCP when chosen.
     plane: Option<Plane>,
     /// A leader's inbox per round.
     inboxes: Mutex<HashMap<(RunId, RoundIdx), Inbox>>,
 }
 
 impl GroupState {
+    /// `bind` is the IP the node's service listens on (a TCP collective's leader listens
+    /// there too).
     pub(crate) fn new(
         config: GroupConfig,
         engine: &Engine,
-        (me, my_url): (AggregatorId, String),
+        (me, my_url, bind): (AggregatorId, String, IpAddr),
         link: Link,
     ) -> Self {
-        let plane = match *engine {
-            Engine::Cuda { device } if crate::gpu::nccl_present() => {
-                Some(Plane::start(device, config.rank as usize, config.world_size as usize))
+        let collective: Option<Arc<dyn Collective>> = match (config.collective, engine) {
+            (CollectiveChoice::Http, _) => None,
+            (CollectiveChoice::Tcp, _) => Some(Arc::new(Tcp::new(bind, url_host(&my_url)))),
+            (CollectiveChoice::Auto, &Engine::Cuda { device }) if crate::gpu::nccl_present() => {
+                Some(Arc::new(Nccl { device }))
             }
-            _ => None,
+            (CollectiveChoice::Auto, _) => None,
         };
+        let (rank, world_size) = (config.rank as usize, config.world_size as usize);
+        let plane = collective.map(|c| Plane::start(c, rank, world_size));
         GroupState {
             config,
             me,
@@ -190,20 +213,20 @@ impl GroupState {
     }
 
     /// The leader's part in keeping a communicator: when it has none (at start, or after one
-    /// broke or a join was abandoned), a new NCCL id, joined and published at once.
+    /// broke or a join was abandoned), a new id, joined and published at once.
     fn renew_communicator(&self) {
         let Some(plane) = &self.plane else { return };
         if !self.is_leader() || plane.status() != PlaneStatus::Idle {
             return;
         }
-        match crate::gpu::NcclGroup::unique_id() {
+        match plane.unique_id() {
             Ok(id) => {
                 plane.join(&id);
                 *self.nccl_id.lock().expect("nccl id poisoned") = Some(id);
                 *self.synced.lock().expect("synced poisoned") = None;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot make an NCCL id; the group sums over HTTP")
+                tracing::warn!(error = %e, transport = plane.transport(), "cannot make a communicator id; the group sums over HTTP")
             }
         }
     }
@@ -231,6 +254,17 @@ impl GroupState {
     }
 }
 
+/// The host of `url` (what members connect to), the URL itself when it has none.
+fn url_host(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None => authority.rsplit_once(':').map_or(authority, |(host, _)| host),
+    };
+    host.to_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +276,7 @@ mod tests {
             rank,
             world_size,
             wait: Duration::from_secs(1),
+            collective: CollectiveChoice::Auto,
         };
         assert_eq!(config("rack-1", 0, 2).validate(), Ok(()));
         assert_eq!(config("rack-1", 7, 8).validate(), Ok(()));
@@ -251,5 +286,13 @@ mod tests {
         );
         assert!(matches!(config("rack 1", 0, 2).validate(), Err(GroupConfigError::Group(_))));
         assert!(matches!(config("rack-1", 0, 1).validate(), Err(GroupConfigError::Group(_))));
+    }
+
+    #[test]
+    fn members_reach_the_host_of_the_nodes_url() {
+        assert_eq!(url_host("http://10.0.0.7:9090"), "10.0.0.7");
+        assert_eq!(url_host("https://agg-1.rack.svc:443/"), "agg-1.rack.svc");
+        assert_eq!(url_host("http://[fd00::7]:9090/x"), "fd00::7");
+        assert_eq!(url_host("http://agg-2"), "agg-2");
     }
 }

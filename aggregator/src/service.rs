@@ -232,10 +232,9 @@ pub async fn start(config: AggregatorConfig) -> Result<RunningAggregator, Servic
         coordinator_url: config.coordinator_url.clone(),
         secret: config.secret.clone(),
     };
-    let group = config
-        .group
-        .clone()
-        .map(|g| GroupState::new(g, &config.engine, (config.id, url.clone()), link.clone()));
+    let group = config.group.clone().map(|g| {
+        GroupState::new(g, &config.engine, (config.id, url.clone(), addr.ip()), link.clone())
+    });
     let inner = Arc::new(Inner {
         group,
         key: TicketKey::derive(config.secret.as_bytes()),

@@ -158,7 +158,8 @@ pub struct GroupRendezvous {
     pub leader_url: String,
     /// Members, the leader included.
     pub world_size: u32,
-    /// NCCL's 128-byte unique id, when the leader runs the CUDA engine with NCCL present.
+    /// The group's communicator id (128 bytes: NCCL's unique id, or the TCP collective's),
+    /// when the group sums by collective.
     #[serde(default, with = "serde_bytes")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = Binary))]
     pub nccl_id: Option<Vec<u8>>,

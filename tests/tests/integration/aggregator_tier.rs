@@ -2,8 +2,10 @@
 //! devices over real HTTP. The committed model equals, bit for bit, the model one coordinator
 //! commits for the same updates (SQLite); a SIGKILLed aggregator costs exactly its own devices
 //! (Postgres). Grouped, the three report one partial through their leader, and members of a
-//! dead leader report alone. On a machine with two GPUs or more and NCCL, a group of CUDA
-//! nodes sums its members' sums by NCCL all-reduce; elsewhere that test says it skipped.
+//! dead leader report alone. Groups of 2 to 4 CPU nodes sum their members' sums by the TCP
+//! collective, and fall back to HTTP when a member dies. On a machine with two GPUs or more
+//! and NCCL, a group of CUDA nodes sums by NCCL all-reduce; elsewhere that test says it
+//! skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
@@ -598,51 +600,131 @@ async fn a_gpu_group_sums_its_members_by_nccl_all_reduce() -> anyhow::Result<()>
     let size = gpus.min(3) as u32;
     let (_dir, db) = sqlite_db();
     let c = coordinator(&db, true).await?;
-    let logs = tempfile::tempdir()?;
-    let log_of = |id: u32| logs.path().join(format!("aggregator-{id}.log"));
-    let _nodes = (1..=size)
-        .map(|id| {
-            let rank = (id - 1).to_string();
-            let extra: Vec<String> = [
-                "--engine",
-                "cuda",
-                "--gpu",
-                &rank,
-                "--group",
-                "gpus",
-                "--rank",
-                &rank,
-                "--world-size",
-                &size.to_string(),
-                "--group-wait-ms",
-                "1000",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            let log = std::fs::File::create(log_of(id))?;
-            ChildAggregator::spawn_logging(id, &c.url, &extra, Stdio::from(log))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Every node says so once it is on the communicator the leader published.
-    let joined = |id: u32| {
-        std::fs::read_to_string(log_of(id))
-            .is_ok_and(|log| log.contains("on the group's NCCL communicator"))
-    };
-    let started = std::time::Instant::now();
-    while !(1..=size).all(joined) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(90), "the group never joined NCCL");
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let group = CollectiveGroup::start(&c, size, 1..=size, |rank| {
+        vec!["--engine".into(), "cuda".into(), "--gpu".into(), rank.to_string()]
+    })?;
+    group.joined().await?;
+    all_reduced_round(&c, &db, &group).await
+}
+
+/// CPU nodes in groups of 2, 3 and 4 run the whole collective path (communicator ids through
+/// the rendezvous, joins, offers, one turn, the all-reduce, the merged report) over the TCP
+/// collective: what a group of CUDA nodes does over NCCL, here on any machine.
+#[tokio::test(flavor = "multi_thread")]
+async fn cpu_groups_of_two_to_four_sum_their_members_by_tcp_all_reduce() -> anyhow::Result<()> {
+    for size in 2..=4u32 {
+        let (_dir, db) = sqlite_db();
+        let c = coordinator(&db, true).await?;
+        let group = CollectiveGroup::start(&c, size, 1..=size, tcp)?;
+        group.joined().await?;
+        all_reduced_round(&c, &db, &group).await?;
+    }
+    Ok(())
+}
+
+/// A TCP group whose member died after the communicator was up: the leader turns the other
+/// member's offer down at its deadline, takes its sums over HTTP instead, and reports the two
+/// live nodes' shards merged, exactly; only the dead member's devices are lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tcp_group_with_a_dead_member_sums_the_rest_over_http() -> anyhow::Result<()> {
+    let (_dir, db) = sqlite_db();
+    let c = coordinator(&db, true).await?;
+    let mut group = CollectiveGroup::start(&c, 3, 1..=3, tcp)?;
+    group.joined().await?;
+    let devices = enroll(&c.url, &c.admin, 24).await?;
+    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 8, 5.0, 1)).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let by_node = devices_by_node(&tasks);
+    assert_eq!(by_node.len(), 3, "every node has devices: {by_node:?}");
+    let survivors = upload_all_but_holdouts(&devices, &tasks, run, &by_node, 3).await?;
+    group.nodes.iter_mut().find(|n| n.id == 3).unwrap().kill();
+
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let round = c.admin.round(run, 0).await?;
+    let lost = by_node[&3].len() as i64;
+    assert_eq!(round.n_reported, 24 - lost - 2, "the dead member's devices and two holdouts");
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors), "bit for bit");
+    assert_eq!(stored_partials(&db, run).await?, vec![vec![1, 2]], "one partial for the two");
+    let leader_log = group.log(1);
+    assert!(leader_log.contains("reporting without every member's shard"), "{leader_log}");
+    assert!(!leader_log.contains("the group's sums were all-reduced"), "{leader_log}");
+    Ok(())
+}
+
+/// A node's arguments for the TCP collective.
+fn tcp(_rank: u32) -> Vec<String> {
+    vec!["--collective".into(), "tcp".into()]
+}
+
+/// A group "rack" of `size` nodes summing by collective (ids 1..=size, rank = id − 1), of which
+/// `started` run, each logging to a file of its own.
+struct CollectiveGroup {
+    nodes: Vec<ChildAggregator>,
+    logs: tempfile::TempDir,
+    size: u32,
+}
+
+impl CollectiveGroup {
+    fn start(
+        c: &InProcess,
+        size: u32,
+        started: std::ops::RangeInclusive<u32>,
+        args: impl Fn(u32) -> Vec<String>,
+    ) -> anyhow::Result<Self> {
+        let logs = tempfile::tempdir()?;
+        let nodes = started
+            .map(|id| {
+                let rank = id - 1;
+                let group = ["--group", "rack", "--rank", &rank.to_string()];
+                let size = ["--world-size".to_owned(), size.to_string()];
+                let wait = ["--group-wait-ms", "1000"];
+                let extra: Vec<String> = group
+                    .iter()
+                    .chain(&wait)
+                    .map(|s| s.to_string())
+                    .chain(size)
+                    .chain(args(rank))
+                    .collect();
+                let log = std::fs::File::create(logs.path().join(format!("aggregator-{id}.log")))?;
+                ChildAggregator::spawn_logging(id, &c.url, &extra, Stdio::from(log))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(CollectiveGroup { nodes, logs, size })
     }
 
+    /// Node `id`'s log so far.
+    fn log(&self, id: u32) -> String {
+        std::fs::read_to_string(self.logs.path().join(format!("aggregator-{id}.log")))
+            .unwrap_or_default()
+    }
+
+    /// Waits (at most 90 s) until every node says it is on the communicator the leader
+    /// published.
+    async fn joined(&self) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
+        while !(1..=self.size).all(|id| self.log(id).contains("on the group's communicator")) {
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(90),
+                "the group never joined its communicator"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
+}
+
+/// A round of 24 devices through a joined group: one partial for all its nodes, summed by
+/// the all-reduce, within f32 resolution of the exact merge (the collective adds high and low
+/// parts apart).
+async fn all_reduced_round(c: &InProcess, db: &str, group: &CollectiveGroup) -> anyhow::Result<()> {
     let devices = enroll(&c.url, &c.admin, 24).await?;
-    let (run, tasks) = run_and_tasks(&c, &devices, &plan(24, 12, 30.0, 1)).await?;
+    let (run, tasks) = run_and_tasks(c, &devices, &plan(24, 12, 30.0, 1)).await?;
     let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
-    let (updates, hash) = upload_all_and_commit(&c, &devices, &tasks, run).await?;
-    assert_eq!(stored_partials(&db, run).await?, vec![(1..=size).collect::<Vec<_>>()]);
-    let leader_log = std::fs::read_to_string(log_of(1))?;
+    let (updates, hash) = upload_all_and_commit(c, &devices, &tasks, run).await?;
+    assert_eq!(stored_partials(db, run).await?, vec![(1..=group.size).collect::<Vec<_>>()]);
+    let leader_log = group.log(1);
     assert!(leader_log.contains("the group's sums were all-reduced"), "{leader_log}");
-    // NCCL adds high and low parts apart: equal to the exact merge to f32 resolution.
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     let exact = single_node_model(&global, &tasks[0], &updates);
     for (i, (x, y)) in committed.iter().zip(&exact).enumerate() {
