@@ -498,7 +498,10 @@ mod tests {
     #[test]
     fn without_nccl_a_plane_fails_cleanly() {
         if crate::gpu::probe().is_ok() && crate::gpu::nccl_present() {
-            eprintln!("without_nccl_a_plane_fails_cleanly: SKIPPED, a GPU and NCCL are present");
+            starling_core::skipped::skipped(
+                "without_nccl_a_plane_fails_cleanly",
+                "a GPU and NCCL are present",
+            );
             return;
         }
         // The join fails on its thread (no GPU or no NCCL); the plane goes idle, and a

@@ -28,7 +28,7 @@ fn gpu_or_skip(test: &str) -> bool {
             true
         }
         Err(e) => {
-            eprintln!("{test}: SKIPPED, no GPU: {e}");
+            starling_core::skipped::skipped(test, &format!("no GPU: {e}"));
             false
         }
     }
@@ -37,7 +37,10 @@ fn gpu_or_skip(test: &str) -> bool {
 #[test]
 fn without_a_gpu_the_cuda_engine_fails_cleanly() {
     if gpu::probe().is_ok() {
-        eprintln!("without_a_gpu_the_cuda_engine_fails_cleanly: SKIPPED, a GPU is present");
+        starling_core::skipped::skipped(
+            "without_a_gpu_the_cuda_engine_fails_cleanly",
+            "a GPU is present",
+        );
         return;
     }
     // A specific error, never a panic.
@@ -79,7 +82,10 @@ fn an_nccl_group_all_reduces_partial_sums() {
         return;
     }
     if !gpu::nccl_present() {
-        eprintln!("an_nccl_group_all_reduces_partial_sums: SKIPPED, no NCCL library");
+        starling_core::skipped::skipped(
+            "an_nccl_group_all_reduces_partial_sums",
+            "no NCCL library",
+        );
         return;
     }
     // One process, one GPU: a group of one (NCCL refuses two ranks on one GPU). The id goes

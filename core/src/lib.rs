@@ -32,6 +32,8 @@ pub mod rng;
 pub mod robust;
 pub mod round;
 pub mod secagg;
+#[doc(hidden)]
+pub mod skipped;
 pub mod strategy;
 pub mod tensor;
 pub mod tier;

@@ -36,7 +36,10 @@ fn training_on_wgpu_lowers_the_loss_and_learns() {
     let backend = match crate::backend::select(crate::backend::BackendChoice::Wgpu) {
         Ok(backend) => backend,
         Err(e) if std::env::var_os("STARLING_REQUIRE_WGPU").is_none() => {
-            eprintln!("SKIPPED: {e}");
+            starling_core::skipped::skipped(
+                "training_on_wgpu_lowers_the_loss_and_learns",
+                &e.to_string(),
+            );
             return;
         }
         Err(e) => panic!("STARLING_REQUIRE_WGPU is set: {e}"),

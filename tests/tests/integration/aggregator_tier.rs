@@ -585,15 +585,13 @@ async fn a_gpu_group_sums_its_members_by_nccl_all_reduce() -> anyhow::Result<()>
     let gpus = match starling_aggregator::gpu::probe() {
         Ok(info) if info.devices >= 2 && starling_aggregator::gpu::nccl_present() => info.devices,
         Ok(info) => {
-            eprintln!(
-                "{TEST}: SKIPPED, {} GPU(s), NCCL present: {}",
-                info.devices,
-                starling_aggregator::gpu::nccl_present()
-            );
+            let nccl = starling_aggregator::gpu::nccl_present();
+            let why = format!("{} GPU(s), NCCL present: {nccl}", info.devices);
+            starling_core::skipped::skipped(TEST, &why);
             return Ok(());
         }
         Err(e) => {
-            eprintln!("{TEST}: SKIPPED, no GPU: {e}");
+            starling_core::skipped::skipped(TEST, &format!("no GPU: {e}"));
             return Ok(());
         }
     };

@@ -202,7 +202,10 @@ async fn r16_the_listener_queues_an_enrollment_burst() {
     {
         Ok(out) if out.status.success() => out,
         other => {
-            eprintln!("r16_the_listener_queues_an_enrollment_burst: SKIPPED, no ss: {other:?}");
+            starling_core::skipped::skipped(
+                "r16_the_listener_queues_an_enrollment_burst",
+                &format!("no ss: {other:?}"),
+            );
             return;
         }
     };
