@@ -734,7 +734,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn r17_every_device_and_round_shuffles_with_its_own_seed() {
+    fn every_device_and_round_shuffles_with_its_own_seed() {
         let seed = |device: i64, round: i64| {
             round_seed(7, Some(DeviceId(device)), RunId(3), RoundIdx(round))
         };

@@ -51,16 +51,16 @@ conformance!(
     secure_records_come_back_in_order_and_go_with_the_round,
     a_commit_advances_the_run_and_releases_payloads,
     a_failed_round_records_its_outcome_once,
-    r19_an_evaluation_round_records_its_reports_and_keeps_the_model,
+    an_evaluation_round_records_its_reports_and_keeps_the_model,
     evaluations_are_one_per_device_and_version,
     stopping_a_run_fails_its_open_round,
-    r17_update_tiles_are_slices_of_every_update_in_slot_order,
-    r18_carried_tasks_are_the_selected_devices_not_heard_from_since,
-    r18_payloads_are_released_only_once_their_round_closed,
-    r18_batches_written_together_keep_their_order_and_their_times,
-    r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
-    r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written,
-    r18_a_model_read_while_its_bytes_are_written_is_pending_or_there,
+    update_tiles_are_slices_of_every_update_in_slot_order,
+    carried_tasks_are_the_selected_devices_not_heard_from_since,
+    payloads_are_released_only_once_their_round_closed,
+    batches_written_together_keep_their_order_and_their_times,
+    a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
+    models_between_checkpoints_are_given_up_once_a_later_one_is_written,
+    a_model_read_while_its_bytes_are_written_is_pending_or_there,
     devices_may_join_only_the_populations_their_token_names,
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
@@ -90,7 +90,7 @@ async fn unsupported_url_is_named() {
     assert!(!err.to_string().contains("secret"), "password leaked: {err}");
 }
 
-/// Issue 16: a coordinator whose leadership passed to another could keep writing round state
+/// A coordinator whose leadership passed to another could keep writing round state
 /// (for the seconds until it noticed). Taking the lock now moves the leadership epoch on, and
 /// every write of round state of the deposed leader fails without writing anything. (Postgres
 /// only: SQLite is one process per file.)
@@ -334,7 +334,7 @@ async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
 }
 
 /// Robust aggregation reads a round's updates back a range of values at a time.
-async fn r17_update_tiles_are_slices_of_every_update_in_slot_order(store: SqlStore) {
+async fn update_tiles_are_slices_of_every_update_in_slot_order(store: SqlStore) {
     let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
     let values = |k: f32| (0..7).map(|j| k * 10.0 + j as f32).collect::<Vec<f32>>();
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -477,7 +477,7 @@ async fn a_commit_advances_the_run_and_releases_payloads(store: SqlStore) {
 /// An evaluation-only round commits its pooled reports: the round is "evaluated" with their
 /// metrics, the run counts it without a new model version, the reports' rows are released, and
 /// a retried commit (its answer lost) is a conflict, as for a training round.
-async fn r19_an_evaluation_round_records_its_reports_and_keeps_the_model(store: SqlStore) {
+async fn an_evaluation_round_records_its_reports_and_keeps_the_model(store: SqlStore) {
     let (run, _) = run_with_reports(&store).await;
     let pooled = PooledEvaluation {
         n_devices: 2,
@@ -557,7 +557,7 @@ async fn stopping_a_run_fails_its_open_round(store: SqlStore) {
 
 /// An asynchronous run's devices still training on a closed round's model: selected there,
 /// no update since, not selected again, and the round's model no older than asked.
-async fn r18_carried_tasks_are_the_selected_devices_not_heard_from_since(store: SqlStore) {
+async fn carried_tasks_are_the_selected_devices_not_heard_from_since(store: SqlStore) {
     let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
     store.insert_update(run, RoundIdx(0), d1, 0, 0, 1, "{}", &[1, 2], 1_500).await.unwrap();
     // Nothing is carried out of the open round itself.
@@ -584,7 +584,7 @@ async fn r18_carried_tasks_are_the_selected_devices_not_heard_from_since(store: 
 
 /// A commit leaves its round's payloads to a later release (or to the sweep at start, for a
 /// coordinator stopped in between); an open round's are never released.
-async fn r18_payloads_are_released_only_once_their_round_closed(store: SqlStore) {
+async fn payloads_are_released_only_once_their_round_closed(store: SqlStore) {
     let (run, [d1, _, _]) = run_with_reports(&store).await;
     assert!(matches!(store.release_payloads(run, RoundIdx(0)).await, Err(StoreError::Corrupt(_))));
     assert!(matches!(store.release_payloads(run, RoundIdx(7)).await, Err(StoreError::Corrupt(_))));
@@ -613,10 +613,10 @@ async fn r18_payloads_are_released_only_once_their_round_closed(store: SqlStore)
     assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "nothing left to release");
 }
 
-/// Issue 18: a run's writer writes the batches that queued during its last write in one
+/// A run's writer writes the batches that queued during its last write in one
 /// transaction; each keeps its own time, and they apply in order (a round opened in the first
 /// is there for the second's selections).
-async fn r18_batches_written_together_keep_their_order_and_their_times(store: SqlStore) {
+async fn batches_written_together_keep_their_order_and_their_times(store: SqlStore) {
     let [d1, d2, d3] = devices(&store).await;
     let run = store.create_run(new_run(), 100).await.unwrap();
     let select = |device| Transition::Select { round_idx: RoundIdx(0), device, aggregator: None };
@@ -653,10 +653,10 @@ async fn r18_batches_written_together_keep_their_order_and_their_times(store: Sq
     assert_eq!(times, vec![1_000, 1_200, 1_200]);
 }
 
-/// Issue 18: a round whose model is determined by durable inputs commits it by its hash; the
+/// A round whose model is determined by durable inputs commits it by its hash; the
 /// bytes (and the server's state) follow. Until they land the model reads as pending, the
 /// round's payloads stay (a restart rebuilds the model from them) and a wrong hash is refused.
-async fn r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_written(store: SqlStore) {
+async fn a_model_committed_by_its_hash_keeps_its_round_payloads_until_written(store: SqlStore) {
     let (run, _) = run_with_reports(&store).await;
     let metrics = BTreeMap::new();
     let commit = RoundCommit {
@@ -702,11 +702,11 @@ async fn r18_a_model_committed_by_its_hash_keeps_its_round_payloads_until_writte
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
 }
 
-/// Issue 18: with a plan's `checkpoint_interval`, rounds commit several models by their hash
+/// With a plan's `checkpoint_interval`, rounds commit several models by their hash
 /// before one is written. Until then every one of them is pending and its round keeps its
 /// updates (a restart rebuilds them in order); once a later version is written, the ones
 /// before it are given up: not pending, read as not kept, their rounds' updates released.
-async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written(store: SqlStore) {
+async fn models_between_checkpoints_are_given_up_once_a_later_one_is_written(store: SqlStore) {
     let (run, [d1, ..]) = run_with_reports(&store).await;
     let metrics = BTreeMap::new();
     let commit = |round: i64, hash: &'static str| RoundCommit {
@@ -778,11 +778,11 @@ async fn r18_models_between_checkpoints_are_given_up_once_a_later_one_is_written
     assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "round 3 keeps its update");
 }
 
-/// Issue 18 (regression): a model read while its bytes were being written could answer "not
+/// Regression: a model read while its bytes were being written could answer "not
 /// kept" (a run that keeps every version): the read saw no bytes, the write landed, and the
 /// second query, asking whether the version was still to be written, saw it written. A reader
 /// racing each write now sees the model pending or its bytes, never given up.
-async fn r18_a_model_read_while_its_bytes_are_written_is_pending_or_there(store: SqlStore) {
+async fn a_model_read_while_its_bytes_are_written_is_pending_or_there(store: SqlStore) {
     const VERSIONS: i64 = 12;
     let (run, [d1, ..]) = run_with_reports(&store).await;
     let metrics = BTreeMap::new();

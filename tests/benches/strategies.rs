@@ -1,8 +1,7 @@
-//! The learning algorithms' evidence (issue 17): server optimizers, robust aggregators under
+//! The learning algorithms' evidence: server optimizers, robust aggregators under
 //! attack, and DP-FedAvg at fixed privacy budgets; and update compression's cost in accuracy
-//! and synchronous rounds against asynchronous FedBuff buffers on a fleet with slow devices
-//! (issue 18). Each is a whole simulation of real SDK devices
-//! training the FedAvg paper's 2NN on MNIST against an in-process coordinator (fresh SQLite
+//! and synchronous rounds against asynchronous FedBuff buffers on a fleet with slow devices.
+//! Each is a whole simulation of real SDK devices training the FedAvg paper's 2NN on MNIST against an in-process coordinator (fresh SQLite
 //! store) over real HTTP. The setting is the paper's pathological non-IID one: 100 clients of
 //! two label-sorted shards each, 10 per round, E = 1, B = 10, local SGD at lr 0.1. DP-FedAvg
 //! needs many devices per round to drown its noise, so the privacy experiment spreads the same

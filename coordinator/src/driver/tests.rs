@@ -10,7 +10,7 @@ use starling_core::fedavg::{ValidatedUpdate, validate_parts};
 use starling_core::plan::Plan;
 use starling_core::round::UploadRejection;
 use starling_core::tensor::TensorPayload;
-use starling_core::wire::CheckInResponse;
+use starling_core::wire::{CheckInResponse, TaskAssignment};
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
 use super::*;
@@ -134,16 +134,40 @@ async fn both_report(handle: &DriverHandle, run: RunId, devices: &[DeviceId]) {
 }
 
 async fn committed_model(store: &SqlStore, run_id: RunId, version: i64) -> Vec<f32> {
-    for _ in 0..400 {
+    eventually(&format!("model version {version} committed"), async || {
         match store.model(run_id, ModelVersion(version)).await {
-            Ok(Some(bytes)) => return model_values(&bytes),
+            Ok(Some(bytes)) => Some(model_values(&bytes)),
             // Not committed yet, or committed and its bytes on their way.
-            Ok(None) | Err(StoreError::ModelPending { .. }) => {}
+            Ok(None) | Err(StoreError::ModelPending { .. }) => None,
             Err(e) => panic!("reading model version {version}: {e}"),
         }
+    })
+    .await
+}
+
+/// How long a test waits for the driver to get somewhere before it fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// What `probe` finds, asked again every 10 ms; fails the test when it finds nothing within
+/// [`WAIT`]. The store and the model cache publish no events, so this polls them, bounded.
+async fn eventually<T>(what: &str, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(found) = probe().await {
+            return found;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not within {WAIT:?}: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("model version {version} was never committed");
+}
+
+/// `device`'s task in round `round`, once the driver hands it out.
+async fn task_in_round(handle: &DriverHandle, device: DeviceId, round: i64) -> TaskAssignment {
+    eventually(&format!("a task in round {round}"), async || match check_in(handle, device).await {
+        CheckInResponse::Task(task) if task.round_idx == RoundIdx(round) => Some(task),
+        _ => None,
+    })
+    .await
 }
 
 fn model_values(encoded: &[u8]) -> Vec<f32> {
@@ -212,11 +236,11 @@ async fn stopping_a_run_answers_and_ends_it() {
     assert!(matches!(check_in(&handle, devices[1]).await, CheckInResponse::ComeBackLater { .. }));
 }
 
-/// Issue 18: a committed model is in the model cache, in the run's download encoding, before
+/// A committed model is in the model cache, in the run's download encoding, before
 /// the next round hands out its hash: the cohort's first download waits for no store read
 /// (the handler takes the loading lock, as this does, and finds it).
 #[tokio::test]
-async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_next_round() {
+async fn a_committed_model_is_cached_in_its_download_encoding_before_the_next_round() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let devices = enrolled(&store, 2).await;
@@ -225,12 +249,8 @@ async fn r18_a_committed_model_is_cached_in_its_download_encoding_before_the_nex
     let run = create_run_with(&handle, 2, serde_json::json!({"model_download": download})).await;
     both_report(&handle, run, &devices).await;
     let values = committed_model(&store, run, 1).await;
-    let task = loop {
-        match check_in(&handle, devices[0]).await {
-            CheckInResponse::Task(task) if task.model_version == ModelVersion(1) => break task,
-            _ => tokio::time::sleep(Duration::from_millis(10)).await,
-        }
-    };
+    let task = task_in_round(&handle, devices[0], 1).await;
+    assert_eq!(task.model_version, ModelVersion(1));
     let models = handle.models();
     drop(models.loading().await);
     let stored = store.model(run, ModelVersion(1)).await.unwrap().unwrap();
@@ -279,19 +299,9 @@ async fn commit_whose_model_bytes_were_lost(
         .unwrap();
     let run = create_run(&handle, 2).await;
     both_report(&handle, run, &devices).await;
-    let hash = loop {
-        if let Some(hash) = store.model_hash(run, ModelVersion(1)).await.unwrap() {
-            break hash;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let hash = committed_hash(store, run, 1).await;
     // Cached by the close task right after the commit, before the driver hears of it.
-    let served = loop {
-        if let Some(bytes) = handle.models().get(&hash) {
-            break bytes;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let served = eventually("the model cached", async || handle.models().get(&hash)).await;
     assert!(matches!(
         store.model(run, ModelVersion(1)).await,
         Err(StoreError::ModelPending { version: 1, .. })
@@ -302,10 +312,10 @@ async fn commit_whose_model_bytes_were_lost(
     (run, hash, served)
 }
 
-/// Issue 18: a model committed by its hash whose bytes a stop lost is rebuilt at the next
+/// A model committed by its hash whose bytes a stop lost is rebuilt at the next
 /// start from the round's kept updates, to the bit, and the run goes on from it.
 #[tokio::test]
-async fn r18_a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round() {
+async fn a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let (run, hash, served) = commit_whose_model_bytes_were_lost(&dir, &store).await;
@@ -328,10 +338,10 @@ async fn r18_a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round
     }
 }
 
-/// Issue 18: a rebuild that does not hash as the commit recorded (here a stored update's
+/// A rebuild that does not hash as the commit recorded (here a stored update's
 /// example count was altered) is refused as corruption, and writes nothing.
 #[tokio::test]
-async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
+async fn a_rebuilt_model_that_differs_from_its_commit_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let (run, hash, _) = commit_whose_model_bytes_were_lost(&dir, &store).await;
@@ -347,11 +357,11 @@ async fn r18_a_rebuilt_model_that_differs_from_its_commit_is_refused() {
     ));
 }
 
-/// Issue 18: an upload is folded as its write begins; when the write fails (here a trigger
+/// An upload is folded as its write begins; when the write fails (here a trigger
 /// refuses it), the device hears `Unavailable` and the round commits the mean of what is
 /// durable only, read back from the store, to the bit.
 #[tokio::test]
-async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_model() {
+async fn an_update_folded_before_its_write_failed_is_not_in_the_committed_model() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     raw_sql(
@@ -374,10 +384,10 @@ async fn r18_an_update_folded_before_its_write_failed_is_not_in_the_committed_mo
     assert_eq!(committed_model(&store, run, 1).await, vec![-0.125; PARAMS]);
 }
 
-/// Issue 18: a shutdown waits for the bytes of a model committed by its hash (a finished run's
+/// A shutdown waits for the bytes of a model committed by its hash (a finished run's
 /// last model must not wait for a restart); it says so when they do not land in time.
 #[tokio::test]
-async fn r18_a_shutdown_waits_for_committed_models_bytes() {
+async fn a_shutdown_waits_for_committed_models_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let mut sql = raw_sql(&dir, HOLD_MODEL_BYTES).await;
@@ -385,9 +395,7 @@ async fn r18_a_shutdown_waits_for_committed_models_bytes() {
     let handle = started(&store).await;
     let run = create_run(&handle, 1).await;
     both_report(&handle, run, &devices).await;
-    while store.model_hash(run, ModelVersion(1)).await.unwrap().is_none() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    committed_hash(&store, run, 1).await;
     assert!(!handle.finish_model_writes(Duration::from_millis(300)).await, "held back");
     sqlx::query("DROP TRIGGER hold_model_bytes").execute(&mut sql).await.unwrap();
     assert!(handle.finish_model_writes(Duration::from_secs(10)).await);
@@ -406,12 +414,7 @@ async fn report_round(
 ) -> String {
     let mut tasks = vec![];
     for &device in devices {
-        tasks.push(loop {
-            match check_in(handle, device).await {
-                CheckInResponse::Task(task) if task.round_idx == RoundIdx(round) => break task,
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
-        });
+        tasks.push(task_in_round(handle, device, round).await);
     }
     for (task, (device, value, examples)) in tasks.iter().zip([(0, a, 1), (1, b, 3)]) {
         let (round_idx, model_version) = (task.round_idx, task.model_version);
@@ -433,13 +436,10 @@ async fn report_round(
 
 /// Waits until model `version` of `run` is committed; its hash.
 async fn committed_hash(store: &SqlStore, run: RunId, version: i64) -> String {
-    for _ in 0..400 {
-        if let Some(hash) = store.model_hash(run, ModelVersion(version)).await.unwrap() {
-            return hash;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("model version {version} was never committed");
+    eventually(&format!("model version {version} committed"), async || {
+        store.model_hash(run, ModelVersion(version)).await.unwrap()
+    })
+    .await
 }
 
 /// Updates still stored for `round` of `run`.
@@ -447,12 +447,12 @@ async fn kept_updates(store: &SqlStore, run: RunId, round: i64) -> u64 {
     store.for_each_update(run, RoundIdx(round), |_| Ok(())).await.unwrap()
 }
 
-/// Issue 18: a plan's `checkpoint_interval` writes every other model here. A version in
+/// A plan's `checkpoint_interval` writes every other model here. A version in
 /// between is committed by its hash, served from the cache (downloads and exports) and its
 /// round keeps its updates; the next written version gives it up (not kept, updates
 /// released); the run's last model is written whatever the interval.
 #[tokio::test]
-async fn r18_models_are_written_every_checkpoint_interval_versions() {
+async fn models_are_written_every_checkpoint_interval_versions() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let devices = enrolled(&store, 2).await;
@@ -470,9 +470,8 @@ async fn r18_models_are_written_every_checkpoint_interval_versions() {
         Err(StoreError::ModelNotKept { .. })
     ));
     for round in 0..2 {
-        while kept_updates(&store, run, round).await > 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let released = async || (kept_updates(&store, run, round).await == 0).then_some(());
+        eventually(&format!("round {round}'s updates released"), released).await;
     }
     // Version 3 is the run's last: written though 3 is not a multiple of 2.
     report_round(&handle, run, &devices, 2, (4.0, 0.0)).await;
@@ -480,11 +479,11 @@ async fn r18_models_are_written_every_checkpoint_interval_versions() {
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
 }
 
-/// Issue 18: a coordinator stopped between written versions loses nothing: the next start
+/// A coordinator stopped between written versions loses nothing: the next start
 /// rebuilds every model since the last written one from the rounds' kept updates, in order and
 /// to the bit of what the first coordinator served, and the run goes on from the newest.
 #[tokio::test]
-async fn r18_a_restart_between_checkpoints_rebuilds_every_unwritten_model() {
+async fn a_restart_between_checkpoints_rebuilds_every_unwritten_model() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let devices = enrolled(&store, 2).await;
@@ -514,10 +513,10 @@ async fn r18_a_restart_between_checkpoints_rebuilds_every_unwritten_model() {
     assert_eq!(committed_model(&store, run, 3).await, vec![-0.125 + 0.3125 + 1.0; PARAMS]);
 }
 
-/// Issue 18: a run stopped between written versions has its newest model written at once
+/// A run stopped between written versions has its newest model written at once
 /// (from the values the driver holds), so its last model can be exported without a restart.
 #[tokio::test]
-async fn r18_a_run_stopped_between_checkpoints_writes_its_newest_model() {
+async fn a_run_stopped_between_checkpoints_writes_its_newest_model() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let devices = enrolled(&store, 2).await;
@@ -536,9 +535,8 @@ async fn r18_a_run_stopped_between_checkpoints_writes_its_newest_model() {
         Err(StoreError::ModelNotKept { .. })
     ));
     for round in 0..3 {
-        while kept_updates(&store, run, round).await > 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let released = async || (kept_updates(&store, run, round).await == 0).then_some(());
+        eventually(&format!("round {round}'s updates released"), released).await;
     }
     assert!(handle.finish_model_writes(Duration::from_secs(10)).await);
     assert_eq!(store.pending_models().await.unwrap(), vec![]);
@@ -560,15 +558,11 @@ async fn a_round_whose_aggregate_is_refused_is_stored_as_rejected_not_commit() {
     // Finite updates whose mean × 4 is past f32::MAX.
     upload(&handle, run, devices[0], update(1e38, 1)).await.unwrap();
     upload(&handle, run, devices[1], update(1e38, 3)).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let round = loop {
+    let round = eventually("round 0 closed", async || {
         let rounds = store.rounds(run).await.unwrap();
-        if let Some(r) = rounds.into_iter().find(|r| r.round_idx == 0 && r.state != "open") {
-            break r;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "round 0 never closed");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+        rounds.into_iter().find(|r| r.round_idx == 0 && r.state != "open")
+    })
+    .await;
     assert_eq!(round.state, "failed");
     assert_eq!(round.outcome_json.as_deref(), Some(r#"{"outcome":"aggregate_rejected"}"#));
     assert_eq!(store.model_hash(run, ModelVersion(1)).await.unwrap(), None, "nothing committed");
@@ -729,11 +723,11 @@ async fn devices_in_three_refused_rounds_stay_quarantined_across_a_restart() {
     handle.stop().await;
 }
 
-/// Waits (at most 10 s) until round `round_idx` of `run` is open in the store.
+/// Waits until round `round_idx` of `run` is open in the store.
 async fn until_round_opens(store: &SqlStore, run: RunId, round_idx: i64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while store.open_round(run).await.unwrap().is_none_or(|o| o.round.round_idx.0 != round_idx) {
-        assert!(tokio::time::Instant::now() < deadline, "round {round_idx} never opened");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(&format!("round {round_idx} open"), async || {
+        let open = store.open_round(run).await.unwrap();
+        open.filter(|o| o.round.round_idx.0 == round_idx).map(|_| ())
+    })
+    .await;
 }

@@ -275,10 +275,10 @@ pub async fn render_errors(format: ErrorFormat, req: Request, next: Next) -> Res
 mod tests {
     use super::*;
 
-    /// Issue 18: a model committed by its hash whose bytes are still on their way is a 503 the
+    /// A model committed by its hash whose bytes are still on their way is a 503 the
     /// client retries after a second, not a missing model or an internal error.
     #[test]
-    fn r18_a_model_whose_bytes_are_being_written_is_retried_later() {
+    fn a_model_whose_bytes_are_being_written_is_retried_later() {
         let e = ApiError::from(StoreError::ModelPending { run_id: 3, version: 7 });
         assert_eq!(
             (e.status_code(), e.code()),
@@ -290,10 +290,10 @@ mod tests {
         assert!(body.message.contains("model version 7 of run 3"), "{}", body.message);
     }
 
-    /// Issue 18: a model a run's checkpoint interval gave up is gone for good: a 410 with its
+    /// A model a run's checkpoint interval gave up is gone for good: a 410 with its
     /// own code (clients skip it rather than fail) that says why, with nothing to retry.
     #[test]
-    fn r18_a_model_not_kept_is_gone_and_says_why() {
+    fn a_model_not_kept_is_gone_and_says_why() {
         let e = ApiError::from(StoreError::ModelNotKept { run_id: 3, version: 7 });
         assert_eq!((e.status_code(), e.code()), (StatusCode::GONE, ErrorCode::ModelNotKept));
         let res = e.into_response();

@@ -134,7 +134,7 @@ fn settings_are_checked() {
 /// A model is encoded for download the same way every time (one content hash, every device
 /// the same bytes); int8 rounds to nearest, so no value is off by more than half a step.
 #[test]
-fn r18_a_model_encodes_deterministically_and_int8_rounds_to_nearest() {
+fn a_model_encodes_deterministically_and_int8_rounds_to_nearest() {
     let values: Vec<f32> = (0..1000).map(|i| ((i * 37 % 201) as f32 - 100.0) * 1e-3).collect();
     for c in [Compression::F16, Compression::Bf16, Compression::Int8 { block: 64 }] {
         assert_eq!(c.encode_model(&values), c.encode_model(&values), "{c:?}");
@@ -152,7 +152,7 @@ fn r18_a_model_encodes_deterministically_and_int8_rounds_to_nearest() {
 }
 
 #[test]
-fn r18_top_k_is_not_a_model_encoding_and_settings_print_as_they_parse() {
+fn top_k_is_not_a_model_encoding_and_settings_print_as_they_parse() {
     let err = Compression::TopK { fraction: 0.1 }.check_model().unwrap_err();
     assert!(err.to_string().contains("not top_k"), "{err}");
     assert!(Compression::Int8 { block: 0 }.check_model().is_err());
@@ -238,11 +238,11 @@ proptest! {
     }
 }
 
-/// Issue 18: the dense encodings are checked on their exponent bits instead of decoded value
+/// The dense encodings are checked on their exponent bits instead of decoded value
 /// by value; for every f16 and bf16 bit pattern (and f32's specials) the check refuses exactly
 /// the values that decode to something non-finite, at their index.
 #[test]
-fn r18_the_bit_check_refuses_exactly_the_non_finite_values() {
+fn the_bit_check_refuses_exactly_the_non_finite_values() {
     for c in [Compression::F16, Compression::Bf16] {
         for bits in 0..=u16::MAX {
             let mut bytes = vec![0u8; 6];
@@ -284,21 +284,21 @@ fn encode_int8_reference(delta: &[f32], block: usize, mut offset: impl FnMut() -
 }
 
 proptest! {
-    /// Issue 18: the floor that replaced `f64::floor` (a libm call on the x86-64 baseline,
+    /// The floor that replaced `f64::floor` (a libm call on the x86-64 baseline,
     /// most of a model's int8 encoding) agrees with it on every input once clamped to int8,
     /// the infinities, NaN and values far outside i32 included.
     #[test]
-    fn r18_the_int8_floor_agrees_with_floor_on_every_f64(bits in any::<u64>(), small in -300.0f64..300.0) {
+    fn the_int8_floor_agrees_with_floor_on_every_f64(bits in any::<u64>(), small in -300.0f64..300.0) {
         for x in [f64::from_bits(bits), small, small.trunc(), -small.trunc()] {
             let (fast, exact) = (floor_within_i32(x).clamp(-127.0, 127.0), x.floor().clamp(-127.0, 127.0));
             prop_assert_eq!(fast as i8, exact as i8, "{}", x);
         }
     }
 
-    /// Issue 18: int8 encodings (a device's stochastic one and a model's to nearest) are the
+    /// Int8 encodings (a device's stochastic one and a model's to nearest) are the
     /// same bytes as the first implementation's, blocks of zeros and huge values included.
     #[test]
-    fn r18_int8_encodes_as_before(
+    fn int8_encodes_as_before(
         delta in proptest::collection::vec(prop_oneof![Just(0.0f32), -1e30f32..1e30, -1e-3f32..1e-3, any::<f32>()], 1..600),
         block in 1usize..300,
         seed in any::<u64>(),

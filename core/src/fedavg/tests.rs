@@ -108,11 +108,11 @@ proptest! {
     }
 }
 
-/// Issue 16: metrics were only checked to be finite, so one report of accuracy −1e300 could
+/// Metrics were only checked to be finite, so one report of accuracy −1e300 could
 /// drown every mean it entered; example counts were uncapped, so one device claiming 2^29
 /// examples outweighed a cohort.
 #[test]
-fn r16_metrics_are_bounded_and_weights_capped() {
+fn metrics_are_bounded_and_weights_capped() {
     let s = schema(1);
     let ok = crate::tensor::f32_to_le_bytes(&[1.0]);
     for (name, value) in
@@ -142,7 +142,7 @@ fn r16_metrics_are_bounded_and_weights_capped() {
 /// (0.22562674094707522 read back as 0.2256267409470752), which showed as a central
 /// evaluation differing from what the simulator reported.
 #[test]
-fn r22_metrics_survive_json_bit_for_bit() {
+fn metrics_survive_json_bit_for_bit() {
     let metrics = BTreeMap::from([("accuracy".to_owned(), 0.225_626_740_947_075_22_f64)]);
     let text = serde_json::to_string(&metrics).unwrap();
     let back: BTreeMap<String, f64> = serde_json::from_str(&text).unwrap();
@@ -159,10 +159,10 @@ proptest! {
     }
 }
 
-/// Issue 18: a compressed update folds exactly like the f32 update of its decoded values, so
+/// A compressed update folds exactly like the f32 update of its decoded values, so
 /// compression changes what a device sends, never how the sum is made.
 #[test]
-fn r18_compressed_updates_fold_as_their_decoded_values() {
+fn compressed_updates_fold_as_their_decoded_values() {
     let n = 300;
     let s = schema(n as u64);
     let values: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
@@ -200,11 +200,11 @@ fn r18_compressed_updates_fold_as_their_decoded_values() {
     }
 }
 
-/// Issue 18: the fold loops over an encoding's runs (dense stretches, int8 blocks, top-k
+/// The fold loops over an encoding's runs (dense stretches, int8 blocks, top-k
 /// values); the sums are the same, bit for bit, as adding each decoded value in turn, for every
 /// encoding, with discounts and a norm bound, with a block that does not divide the model.
 #[test]
-fn r18_the_fold_by_runs_adds_each_decoded_value_bit_for_bit() {
+fn the_fold_by_runs_adds_each_decoded_value_bit_for_bit() {
     let n = 20_777;
     let s = schema(n as u64);
     let encodings = [
@@ -252,12 +252,12 @@ fn r18_the_fold_by_runs_adds_each_decoded_value_bit_for_bit() {
     }
 }
 
-/// Issue 18: folding a batch of updates tile by tile (what the accumulator thread does with
+/// Folding a batch of updates tile by tile (what the accumulator thread does with
 /// the uploads that queued while it folded) gives the sums of folding them one by one, bit for
 /// bit: every encoding, int8 blocks and top-k values cut at tile edges, discounts, a norm
 /// bound, and a partial merged between two batches.
 #[test]
-fn r18_a_batch_folds_to_the_same_bits_as_one_by_one() {
+fn a_batch_folds_to_the_same_bits_as_one_by_one() {
     // Over two tiles, and not a multiple of the tile or of the int8 block.
     let n = 2 * FOLD_TILE + 1_234;
     let s = schema(n as u64);

@@ -136,10 +136,10 @@ fn initialization_is_deterministic_and_layer_aware() {
     assert_eq!(&a[18..21], &[0.0; 3], "layer norm shift");
 }
 
-/// Issue 16: sizes near u64's range made shape inference overflow (a panic in debug builds, a
+/// Sizes near u64's range made shape inference overflow (a panic in debug builds, a
 /// wrapped schema the SDK then panicked on in release builds). Each is now refused by name.
 #[test]
-fn r16_overflowing_sizes_are_refused_not_wrapped() {
+fn overflowing_sizes_are_refused_not_wrapped() {
     let image = |c: u64, side: u64| serde_json::json!({"kind": "image", "channels": c, "height": side, "width": side});
     check(
         serde_json::json!({"input": image(1, 8), "layers": [

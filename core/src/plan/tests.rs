@@ -115,10 +115,10 @@ fn secure_aggregation_resolves_and_checks_its_bounds() {
     assert!(parse(tiny).unwrap_err().to_string().contains("3..="));
 }
 
-/// Issue 16: `init` (and a layer of a spec) with a unit `kind` accepted any other field, so a
+/// `init` (and a layer of a spec) with a unit `kind` accepted any other field, so a
 /// typo such as `{"kind": "zeros", "seed": 3}` passed silently. Every variant now refuses them.
 #[test]
-fn r16_unknown_fields_are_refused_in_every_tagged_variant() {
+fn unknown_fields_are_refused_in_every_tagged_variant() {
     for init in [
         serde_json::json!({"kind": "zeros", "seed": 3}),
         serde_json::json!({"kind": "seeded", "seed": 3, "extra": 1}),
@@ -141,9 +141,9 @@ fn r16_unknown_fields_are_refused_in_every_tagged_variant() {
     assert_eq!(serde_json::to_value(relu).unwrap(), serde_json::json!({"kind": "relu"}));
 }
 
-/// Issue 16: plain runs cap self-reported example counts (secure runs already did).
+/// Plain runs cap self-reported example counts (secure runs already did).
 #[test]
-fn r16_plain_runs_cap_example_counts() {
+fn plain_runs_cap_example_counts() {
     let default_cap = parse(plan_json()).unwrap().max_examples();
     assert_eq!(default_cap, DEFAULT_MAX_EXAMPLES);
     // One device claiming any count weighs at most ~17 honest ones holding 600 (MNIST's
@@ -158,10 +158,10 @@ fn r16_plain_runs_cap_example_counts() {
     }
 }
 
-/// Issue 19: a plan may require device conditions; they reach the round config, a malformed
+/// A plan may require device conditions; they reach the round config, a malformed
 /// requirement is refused by name, old plans (without any) still load and require nothing.
 #[test]
-fn r19_eligibility_is_validated_and_reaches_the_rounds() {
+fn eligibility_is_validated_and_reaches_the_rounds() {
     assert!(parse(plan_json()).unwrap().round_config().eligibility.is_open());
     let mut plan = plan_json();
     plan["eligibility"] =
@@ -180,10 +180,10 @@ fn r19_eligibility_is_validated_and_reaches_the_rounds() {
     );
 }
 
-/// Issue 19: `evaluation_only` reaches the rounds, makes uploads delta-free (an empty update
+/// `evaluation_only` reaches the rounds, makes uploads delta-free (an empty update
 /// schema, while devices still get the model's), and is refused with secure aggregation.
 #[test]
-fn r19_evaluation_only_plans_upload_no_delta_and_are_plain() {
+fn evaluation_only_plans_upload_no_delta_and_are_plain() {
     let plain = parse(plan_json()).unwrap();
     assert!(!plain.round_config().evaluation_only);
     assert_eq!(plain.update_schema(), *plain.schema());
@@ -197,11 +197,11 @@ fn r19_evaluation_only_plans_upload_no_delta_and_are_plain() {
     assert!(matches!(parse(plan), Err(PlanError::Field { field: "evaluation_only", .. })));
 }
 
-/// Issue 17: a plan names its server optimizer under `strategy`; old plans are FedAvg with
+/// A plan names its server optimizer under `strategy`; old plans are FedAvg with
 /// their `server_learning_rate`; bad hyper-parameters are refused by name, and a stateful
 /// optimizer does not silently ignore a `server_learning_rate`.
 #[test]
-fn r17_the_strategy_names_a_checked_server_optimizer() {
+fn the_strategy_names_a_checked_server_optimizer() {
     use crate::strategy::{AdaptiveParams, ServerOptimizer};
     assert_eq!(parse(plan_json()).unwrap().plan().strategy.optimizer, ServerOptimizer::default());
     let mut plan = plan_json();
@@ -226,7 +226,7 @@ fn r17_the_strategy_names_a_checked_server_optimizer() {
 }
 
 #[test]
-fn r17_robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
+fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     let with = |strategy: serde_json::Value| {
         let mut v = plan_json();
         v["strategy"] = strategy;
@@ -297,7 +297,7 @@ fn r17_robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan()
 }
 
 #[test]
-fn r18_compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
+fn compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
     let with = |key: &str, value: serde_json::Value| {
         let mut v = plan_json();
         v[key] = value;
@@ -328,7 +328,7 @@ fn r18_compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
 }
 
 #[test]
-fn r18_asynchronous_runs_select_by_concurrency_and_refuse_what_weighs_updates_otherwise() {
+fn asynchronous_runs_select_by_concurrency_and_refuse_what_weighs_updates_otherwise() {
     let with = |value: serde_json::Value| {
         let mut v = plan_json();
         v["asynchronous"] = value;
@@ -365,7 +365,7 @@ fn r18_asynchronous_runs_select_by_concurrency_and_refuse_what_weighs_updates_ot
 }
 
 #[test]
-fn r18_a_model_downloads_in_a_whole_encoding_and_evaluation_runs_get_it_plain() {
+fn a_model_downloads_in_a_whole_encoding_and_evaluation_runs_get_it_plain() {
     let with = |value: serde_json::Value| {
         let mut v = plan_json();
         v["model_download"] = value;
@@ -388,10 +388,10 @@ fn r18_a_model_downloads_in_a_whole_encoding_and_evaluation_runs_get_it_plain() 
     assert!(refused(evaluation).contains("evaluation-only"));
 }
 
-/// Issue 18: a plan may write its models' bytes every few versions; every version by default
+/// A plan may write its models' bytes every few versions; every version by default
 /// (and old plans say nothing of it), the last always, and only where models can be rebuilt.
 #[test]
-fn r18_models_are_written_every_checkpoint_interval_versions_and_the_last() {
+fn models_are_written_every_checkpoint_interval_versions_and_the_last() {
     let with = |interval: u32| {
         let mut v = plan_json();
         v["checkpoint_interval"] = interval.into();

@@ -70,6 +70,19 @@ struct Trace {
     lines: Vec<String>,
 }
 
+/// An input as a trace line: its `Debug`, but a check-in's device conditions only when it
+/// reports any (most traces are about rounds, not eligibility).
+fn describe(input: &Input) -> String {
+    match input {
+        Input::CheckIn { request, device, attributes, online }
+            if *attributes == crate::eligibility::DeviceAttributes::default() =>
+        {
+            format!("CheckIn {{ request: {request:?}, device: {device:?}, online: {online} }}")
+        }
+        other => format!("{other:?}"),
+    }
+}
+
 impl Trace {
     fn new() -> Self {
         Self::with(config())
@@ -89,7 +102,7 @@ impl Trace {
     }
 
     fn input(&mut self, input: Input) -> RequestId {
-        self.lines.push(format!("t={} {input:?}", self.now));
+        self.lines.push(format!("t={} {}", self.now, describe(&input)));
         self.m.handle(self.now, input);
         self.drain();
         RequestId(self.next_request)
@@ -195,16 +208,16 @@ fn round_commits_once_cohort_reports_and_late_upload_is_refused() {
     t.closed(0, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12), aggregator: None }
           ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(4), device: DeviceId(13), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(4), device: DeviceId(13), online: 10 }
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1470 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
@@ -240,7 +253,7 @@ fn bad_uploads_are_refused_without_state_change() {
     t.upload_trained_on(10, 0, 3);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(99), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 99 examples, 4 bytes }
@@ -256,23 +269,23 @@ fn bad_uploads_are_refused_without_state_change() {
           ReplyUpload { request: RequestId(4), result: Ok(()) }
         t=0 Upload { request: RequestId(6), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(6), result: Err(Duplicate) }
-        t=0 CheckIn { request: RequestId(7), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(7), device: DeviceId(10), online: 10 }
           ReplyCheckIn { request: RequestId(7), decision: ComeBackLater { after_ms: 1971 } }
-        t=0 CheckIn { request: RequestId(8), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(8), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(9), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(9), device: DeviceId(11), online: 10 }
           ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(10), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(3), update: 10 examples, 4 bytes }
           ReplyUpload { request: RequestId(10), result: Err(Duplicate) }
     "#]]);
 }
 
-/// Issue 18: uploads are folded as their writes begin; when one's write fails, its device is
+/// Uploads are folded as their writes begin; when one's write fails, its device is
 /// told to retry and the round closes on a sum the driver rebuilds from the store
 /// (`sum: Replayed`), which holds only what is durable.
 #[test]
-fn r18_a_folded_update_whose_write_failed_makes_the_round_replay_its_sum() {
+fn a_folded_update_whose_write_failed_makes_the_round_replay_its_sum() {
     let mut t = Trace::new();
     t.check_in(10);
     t.check_in(11);
@@ -284,10 +297,10 @@ fn r18_a_folded_update_whose_write_failed_makes_the_round_replay_its_sum() {
     t.persisted(c, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -319,7 +332,7 @@ fn failed_persist_is_not_acknowledged_and_device_may_retry() {
     t.persisted(b, true);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -343,7 +356,7 @@ fn too_few_selected_fails_at_selection_deadline_then_retries() {
     t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=1000 timeout (poll_timeout was Some(1000))
@@ -364,10 +377,10 @@ fn reporting_deadline_waits_for_in_flight_persist_then_fails_without_quorum() {
     t.closed(0, false);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -390,7 +403,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
     t.input(Input::Stop);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
@@ -521,7 +534,7 @@ fn check_ins(
 /// together, none earlier than the round could use them, and a larger population is spread
 /// over a longer window (about twice the selection target per selection window).
 #[test]
-fn r19_pace_steering_spreads_returns_by_population_with_jitter() {
+fn pace_steering_spreads_returns_by_population_with_jitter() {
     let spread_of = |online: u32| {
         let mut m = RunMachine::start(RunId(1), config(), 0, [0; 32]);
         let (waits, selected) = check_ins(&mut m, 10, 0..200, &Default::default(), online);
@@ -545,7 +558,7 @@ fn r19_pace_steering_spreads_returns_by_population_with_jitter() {
 /// A plan's eligibility: a device that does not report what the plan requires is told to come
 /// back later, even while the round selects; one that does is selected.
 #[test]
-fn r19_devices_that_do_not_qualify_come_back_later() {
+fn devices_that_do_not_qualify_come_back_later() {
     use crate::eligibility::{DeviceAttributes, Eligibility};
     let mut cfg = config();
     cfg.eligibility =
@@ -965,12 +978,12 @@ mod secure_rounds {
         f
     }
 
-    /// Issue 18: the machine rebuilds the sum's secrets and stops there. The model-sized work
+    /// The machine rebuilds the sum's secrets and stops there. The model-sized work
     /// of unmasking (n vectors added, a keystream expanded per mask, the mean decoded) is a
     /// `SecureSum` the driver finishes on a blocking thread, so no run waits for it; finishing
     /// it there gives the same bits as anywhere.
     #[test]
-    fn r18_the_machine_hands_unmasking_to_the_driver_to_finish_elsewhere() {
+    fn the_machine_hands_unmasking_to_the_driver_to_finish_elsewhere() {
         let mut f = run_fleet(false);
         let sum = f.sum.take().expect("the machine handed over the unmasking");
         assert_eq!(sum.survivors(), 8);
@@ -1002,11 +1015,11 @@ mod secure_rounds {
         assert_eq!(plain.mean_delta, restarted.mean_delta);
     }
 
-    /// Issue 16: a device that seals a share that does not open to a neighbour is left out
+    /// A device that seals a share that does not open to a neighbour is left out
     /// by the machine too: the round commits the other nine's exact mean, counts nine
     /// reports, and tells the sender it is excluded.
     #[test]
-    fn r16_a_device_sealing_a_bad_share_is_left_out_of_the_commit() {
+    fn a_device_sealing_a_bad_share_is_left_out_of_the_commit() {
         let mut f = Fleet::new();
         f.garble = Some(3);
         for d in 1..=10 {
@@ -1210,7 +1223,7 @@ fn small_and_secure_runs_stay_off_the_tier() {
 /// finishes on the same version it started with. The tier is never used, even for a cohort
 /// above its threshold.
 #[test]
-fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
+fn evaluation_only_rounds_commit_reports_and_keep_the_model() {
     let mut t = Trace::with(RoundConfig { evaluation_only: true, ..config() });
     t.input(Input::Aggregators {
         live: vec![AggregatorId(1)],
@@ -1230,10 +1243,10 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 Aggregators { live: [AggregatorId(1)], tier: TierConfig { cohort_threshold: 1, report_grace_ms: 0 } }
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(3), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
@@ -1249,10 +1262,10 @@ fn r19_evaluation_only_rounds_commit_reports_and_keep_the_model() {
           CloseRound { closing: RoundClosing { round_idx: RoundIdx(0), model_version: ModelVersion(0), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(5), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(5), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(1), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(5), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(6), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(6), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(1), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(6), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(7), device: DeviceId(10), round_idx: RoundIdx(1), model_version: ModelVersion(0), update: 7 examples, 0 bytes }
@@ -1310,7 +1323,7 @@ fn selected_by_lottery(
 }
 
 #[test]
-fn r17_random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
+fn random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
     use crate::plan::SelectionPolicy;
     // First come: the first three to check in.
     assert_eq!(selected_by_lottery([0; 32], 10, SelectionPolicy::FirstCome), vec![1, 2, 3]);
@@ -1340,12 +1353,12 @@ fn r17_random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
     assert_eq!(late.iter().filter(|s| **s).count(), 3 - early);
 }
 
-/// Issue 18: FedBuff. Three devices train at once; a buffer commits every two durable
+/// FedBuff. Three devices train at once; a buffer commits every two durable
 /// updates; an update one version behind is folded discounted by (1 + 1)^-0.5, one two
 /// versions behind (over `max_staleness`) is refused; a device whose task outlives its
 /// buffer is told to retry while the buffer commits, then carried into the next.
 #[test]
-fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
+fn fedbuff_commits_every_k_updates_and_weighs_staleness() {
     let config = RoundConfig {
         cohort_size: 2,
         target_selected: 3,
@@ -1388,16 +1401,16 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
     t.upload_trained_on(14, 1, 1);
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(10), aggregator: None }
           ReplyCheckIn { request: RequestId(1), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(2), device: DeviceId(11), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(11), aggregator: None }
           ReplyCheckIn { request: RequestId(2), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(3), device: DeviceId(12), online: 10 }
           PersistSelection { round_idx: RoundIdx(0), device: DeviceId(12), aggregator: None }
           ReplyCheckIn { request: RequestId(3), decision: Selected { round_idx: RoundIdx(0), model_version: ModelVersion(0), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(4), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(4), device: DeviceId(15), online: 10 }
           ReplyCheckIn { request: RequestId(4), decision: ComeBackLater { after_ms: 1183 } }
         t=0 Upload { request: RequestId(5), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(5), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
@@ -1414,13 +1427,13 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           ReplyUpload { request: RequestId(7), result: Err(Unavailable) }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(1), model_version: ModelVersion(1), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(8), device: DeviceId(13), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(8), device: DeviceId(13), online: 10 }
           PersistSelection { round_idx: RoundIdx(1), device: DeviceId(13), aggregator: None }
           ReplyCheckIn { request: RequestId(8), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(1), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(9), device: DeviceId(14), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(9), device: DeviceId(14), online: 10 }
           PersistSelection { round_idx: RoundIdx(1), device: DeviceId(14), aggregator: None }
           ReplyCheckIn { request: RequestId(9), decision: Selected { round_idx: RoundIdx(1), model_version: ModelVersion(1), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(10), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(10), device: DeviceId(15), online: 10 }
           ReplyCheckIn { request: RequestId(10), decision: ComeBackLater { after_ms: 1183 } }
         t=0 Upload { request: RequestId(11), device: DeviceId(12), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 12 examples, 4 bytes }
           PersistUpdate { request: RequestId(11), round_idx: RoundIdx(1), device: DeviceId(12), slot: 0, staleness: 1, update: 12 examples, 4 bytes }
@@ -1435,10 +1448,10 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
           CloseRound { closing: RoundClosing { round_idx: RoundIdx(1), model_version: ModelVersion(1), outcome: Commit, n_selected: 2, n_reported: 2, n_dropped: 0, closed_at: 0 }, sum: Folded }
         t=0 RoundClosed { round_idx: RoundIdx(1), committed: true }
           OpenRound(RoundOpened { round_idx: RoundIdx(2), model_version: ModelVersion(2), opened_at: 0, selection_deadline: 5000, reporting_deadline: 5000 })
-        t=0 CheckIn { request: RequestId(13), device: DeviceId(15), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(13), device: DeviceId(15), online: 10 }
           PersistSelection { round_idx: RoundIdx(2), device: DeviceId(15), aggregator: None }
           ReplyCheckIn { request: RequestId(13), decision: Selected { round_idx: RoundIdx(2), model_version: ModelVersion(2), report_deadline: 5000, secure: None, aggregator: None } }
-        t=0 CheckIn { request: RequestId(14), device: DeviceId(16), attributes: DeviceAttributes { charging: None, unmetered_network: None, idle: None, app_version: None, free_storage_bytes: None }, online: 10 }
+        t=0 CheckIn { request: RequestId(14), device: DeviceId(16), online: 10 }
           PersistSelection { round_idx: RoundIdx(2), device: DeviceId(16), aggregator: None }
           ReplyCheckIn { request: RequestId(14), decision: Selected { round_idx: RoundIdx(2), model_version: ModelVersion(2), report_deadline: 5000, secure: None, aggregator: None } }
         t=0 Upload { request: RequestId(15), device: DeviceId(15), round_idx: RoundIdx(2), model_version: ModelVersion(2), update: 15 examples, 4 bytes }
@@ -1459,11 +1472,11 @@ fn r18_fedbuff_commits_every_k_updates_and_weighs_staleness() {
     "#]]);
 }
 
-/// Issue 18, found in CI: a device whose update reached a buffer from an earlier one was
+/// Found in CI: a device whose update reached a buffer from an earlier one was
 /// selected again in the same buffer, and its next upload was refused as a duplicate (which
 /// the SDK takes as delivered: a trained update lost). It now waits for the next buffer.
 #[test]
-fn r18_a_device_that_reported_late_waits_for_the_next_buffer() {
+fn a_device_that_reported_late_waits_for_the_next_buffer() {
     let config = RoundConfig {
         cohort_size: 2,
         target_selected: 3,

@@ -174,12 +174,12 @@ fn a_bad_share_message_excludes_only_its_sender() {
     assert_eq!(sum, plain_sum(&inputs, &survivors, 8));
 }
 
-/// Issue 16: a client that seals an undecryptable share to one neighbour left that
+/// A client that seals an undecryptable share to one neighbour left that
 /// neighbour without their pairwise mask while the server assumed it cancelled, and the
 /// round committed a random sum. The neighbour now reports the share it could not open,
 /// and the server leaves the sender out: the sum is the honest survivors' exactly.
 #[test]
-fn r16_a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
+fn a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
     for (config, seed) in [
         (Config::with_defaults([6; 16], 12, 8), 5),
         (Config { session: [6; 16], n: 7, k: 6, t: 4, len: 8 }, 9),
@@ -264,10 +264,10 @@ fn weighted_fedavg_through_the_ring() {
     }
 }
 
-/// Issue 16: secure runs sent per-device evaluation reports in clear. The evaluation now
+/// Secure runs sent per-device evaluation reports in clear. The evaluation now
 /// rides in the masked vector, and the server decodes only the cohort's pooled means.
 #[test]
-fn r16_evaluation_pools_through_the_ring() {
+fn evaluation_pools_through_the_ring() {
     let n = 40;
     let q = Quantizer::for_cohort(1.0, n);
     let mut sum = [0u32; 2 + EVALUATION_ENTRIES];

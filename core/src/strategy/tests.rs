@@ -260,11 +260,11 @@ fn step_reference(
     (model, m_next, v_next)
 }
 
-/// Issue 18: the step runs one loop per optimizer (deciding per parameter kept a 1M-parameter
+/// The step runs one loop per optimizer (deciding per parameter kept a 1M-parameter
 /// FedAvg step at 5 ms); every optimizer's model and moments are the same bits as before, over
 /// three steps of values of every magnitude.
 #[test]
-fn r18_the_step_per_optimizer_matches_the_step_per_parameter_bit_for_bit() {
+fn the_step_per_optimizer_matches_the_step_per_parameter_bit_for_bit() {
     let n: usize = 1_000;
     let mut rng = crate::rng::SplitMix64(11);
     let mut draw = |scale: f64| (rng.unit() - 0.5) * scale;

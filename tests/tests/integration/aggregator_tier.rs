@@ -22,8 +22,9 @@ use starling_core::tier::{AggregatorHello, TICKET_HEADER};
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{AggregatorId, RunId};
 use starling_tests::{
-    InProcess, TestPki, api_code, enroll, expect_tasks, http_client, http_client_trusting,
-    model_values, sqlite_db, start_in_process_configured, wait_model,
+    InProcess, OPERATOR_TOKEN, TestPki, api_code, enroll, expect_tasks, http_client,
+    http_client_trusting, model_values, sqlite_db, start_in_process_configured, wait_for,
+    wait_model,
 };
 
 const SECRET: &str = "tier-test-secret-0123456789";
@@ -138,9 +139,23 @@ fn update(task: &TaskAssignment, i: usize) -> UploadRequest {
 async fn aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
     let nodes =
         (1..=3).map(|id| ChildAggregator::spawn(id, &c.url)).collect::<anyhow::Result<Vec<_>>>()?;
-    // Their first poll registers them; it follows the "listening" line at once.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    until_aggregators_live(c, &http_client(), 3).await?;
     Ok(nodes)
+}
+
+/// Waits (at most 30 s) until the coordinator counts `n` live aggregator nodes (its
+/// `starling_aggregators_live` gauge): it assigns devices only to nodes it has heard from.
+async fn until_aggregators_live(
+    c: &InProcess,
+    http: &reqwest::Client,
+    n: usize,
+) -> anyhow::Result<()> {
+    let (metrics, want) = (format!("{}/metrics", c.url), format!("starling_aggregators_live {n}"));
+    wait_for(&format!("{n} live aggregators"), Duration::from_secs(30), || async {
+        let text = http.get(&metrics).bearer_auth(OPERATOR_TOKEN).send().await?.text().await?;
+        Ok(text.lines().any(|l| l == want).then_some(()))
+    })
+    .await
 }
 
 /// What one coordinator alone commits for these updates: core's accumulator, in order.
@@ -272,13 +287,13 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     Ok(())
 }
 
-/// Issue 16: aggregators served plain HTTP, so a TLS coordinator sent devices' updates (and
+/// Aggregators served plain HTTP, so a TLS coordinator sent devices' updates (and
 /// aggregators the cluster secret) in clear. Now a TLS coordinator refuses an aggregator that
 /// offers plain HTTP; a TLS aggregator serves devices over TLS and speaks only https to the
 /// coordinator, verified against its CA; and the SDK refuses to send an update to a plain-HTTP
 /// target that an https coordinator handed it.
 #[tokio::test(flavor = "multi_thread")]
-async fn r16_a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
+async fn a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
     let pki = TestPki::new()?;
     let (_dir, db) = sqlite_db();
     let device_tls = pki.client_tls("ca.pem", None)?;
@@ -317,7 +332,7 @@ async fn r16_a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
     ]
     .map(str::to_owned);
     let _node = ChildAggregator::spawn_with(1, &c.url, &tls_args)?;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    until_aggregators_live(&c, &http_client_trusting(&pki.path("ca.pem"))?, 1).await?;
     let token = c.admin.enrollment_token(1_000_000).await?;
     let mut devices = vec![];
     for _ in 0..8 {
@@ -414,7 +429,7 @@ async fn a_killed_aggregator_loses_only_its_devices(
     assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors));
 
     // The next round assigns devices only to the live aggregators.
-    tokio::time::sleep(Duration::from_millis(1600)).await;
+    until_aggregators_live(&c, &http_client(), 2).await?;
     let next = expect_tasks(&devices).await?;
     let used: BTreeSet<u32> =
         next.iter().map(|t| t.upload_to.as_ref().unwrap().aggregator.0).collect();
@@ -456,8 +471,15 @@ async fn grouped_aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregato
             )
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // The leader publishes on its first poll; members look it up on each poll until found.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The leader publishes on its first poll; members look it up on each poll until found
+    // (and again at a round's end, when they have not).
+    until_aggregators_live(c, &http_client(), 3).await?;
+    let rendezvous = format!("{}/v1/aggregation/groups/rack", c.url);
+    wait_for("the group's leader to publish", Duration::from_secs(30), || async {
+        let res = http_client().get(&rendezvous).bearer_auth(SECRET).send().await?;
+        Ok(res.status().is_success().then_some(()))
+    })
+    .await?;
     Ok(nodes)
 }
 
@@ -700,15 +722,11 @@ impl CollectiveGroup {
     /// Waits (at most 90 s) until every node says it is on the communicator the leader
     /// published.
     async fn joined(&self) -> anyhow::Result<()> {
-        let started = std::time::Instant::now();
-        while !(1..=self.size).all(|id| self.log(id).contains("on the group's communicator")) {
-            anyhow::ensure!(
-                started.elapsed() < Duration::from_secs(90),
-                "the group never joined its communicator"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Ok(())
+        let on_it = |id| self.log(id).contains("on the group's communicator");
+        wait_for("the group to join its communicator", Duration::from_secs(90), || async {
+            Ok((1..=self.size).all(on_it).then_some(()))
+        })
+        .await
     }
 }
 

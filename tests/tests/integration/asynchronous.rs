@@ -1,4 +1,4 @@
-//! Asynchronous buffered aggregation (FedBuff, issue 18) end to end: a device still training
+//! Asynchronous buffered aggregation (FedBuff) end to end: a device still training
 //! on an older model across a SIGKILL reports into a later buffer, its acknowledged update
 //! survives another, and the buffer commits, to the bit, the staleness-weighted mean; real SDK
 //! devices, a fifth of them five times slower, train a model through buffers.
@@ -15,7 +15,7 @@ use starling_tests::*;
 const PARAMS: usize = 1_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_stale_update_survives_a_restart_and_commits_discounted() {
+async fn a_stale_update_survives_a_restart_and_commits_discounted() {
     let (_dir, db) = sqlite_db();
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
     let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
@@ -94,7 +94,7 @@ async fn r18_a_stale_update_survives_a_restart_and_commits_discounted() {
 /// buffers filling, the slow ones' updates arrive a version or more late and still count, and
 /// the model learns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_devices_train_through_fedbuff_with_slow_devices() {
+async fn devices_train_through_fedbuff_with_slow_devices() {
     use starling_client::simulate::{SimulationConfig, Slowdown, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
@@ -129,12 +129,12 @@ async fn r18_devices_train_through_fedbuff_with_slow_devices() {
     c.running.shutdown().await.unwrap();
 }
 
-/// Issue 18: a FedBuff device can hold a task on a version for a while. When its run's
+/// A FedBuff device can hold a task on a version for a while. When its run's
 /// `checkpoint_interval` gave that version up meanwhile (a later one written) and the model
 /// cache no longer has it, its download is a 410 `model_not_kept` (the SDK's participant gives
 /// such a task up as a missed round), not a 404; the versions that were written still download.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_task_on_a_version_given_up_meanwhile_downloads_as_not_kept() {
+async fn a_task_on_a_version_given_up_meanwhile_downloads_as_not_kept() {
     const VERSIONS: i64 = 12;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();

@@ -1,4 +1,4 @@
-//! Compressed updates end to end (issue 18): the coordinator stores a device's delta in the
+//! Compressed updates end to end: the coordinator stores a device's delta in the
 //! encoding it arrived in, replays it after a SIGKILL and commits, to the bit, the mean of the
 //! decoded deltas; a delta in another encoding than the run's is refused by name; a model
 //! downloaded compressed is the model's values encoded for every device alike, while the commit
@@ -20,7 +20,7 @@ const PARAMS: usize = 1_000;
 const DEVICES: usize = 3;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean() {
+async fn compressed_updates_survive_a_restart_and_commit_their_decoded_mean() {
     for compression in [Compression::Int8 { block: 64 }, Compression::TopK { fraction: 0.05 }] {
         let (_dir, db) = sqlite_db();
         let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
@@ -84,7 +84,7 @@ async fn r18_compressed_updates_survive_a_restart_and_commit_their_decoded_mean(
 /// send and add it to the next round) train as well as f32 does, and so does int8 both ways
 /// (the model downloaded in int8 too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_devices_train_through_compressed_uploads() {
+async fn devices_train_through_compressed_uploads() {
     use starling_client::simulate::{SimulationConfig, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
@@ -122,7 +122,7 @@ async fn r18_devices_train_through_compressed_uploads() {
 /// refuses top-k; the commit is the full-precision model plus the mean delta, never the
 /// rounded model the devices started from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_model_downloads_compressed_and_the_commit_keeps_full_precision() {
+async fn a_model_downloads_compressed_and_the_commit_keeps_full_precision() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 2).await.unwrap();

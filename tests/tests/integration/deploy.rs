@@ -46,7 +46,7 @@ fn env_vars(bin: &str, args: &[&str]) -> Vec<String> {
 }
 
 #[test]
-fn r19_kubernetes_manifests_validate_and_match_the_binaries() {
+fn kubernetes_manifests_validate_and_match_the_binaries() {
     let Some(python) = python_with(&["kubernetes_validate", "yaml"]) else { return };
     let files = manifests();
     let out = validate(&python, &files);

@@ -594,13 +594,13 @@ async fn federated_shakespeare_roles_learn_next_characters() {
     c.running.shutdown().await.unwrap();
 }
 
-/// Issue 21: two simulations at once on one coordinator, one IID and one pathologically
+/// Two simulations at once on one coordinator, one IID and one pathologically
 /// non-IID, each train only their own run. Every device the admin API records in a round of a
 /// run is one of that simulation's devices (before, both used the population `default` and each
 /// run took updates from the other's devices); the pacing flags reach the plan; and a simulation
 /// told to use a population another run trains is refused before it enrolls anyone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r21_concurrent_simulations_train_only_their_own_runs() {
+async fn concurrent_simulations_train_only_their_own_runs() {
     use starling_client::simulate::{
         Pacing, Partition, SimulationConfig, SimulationError, simulate,
     };

@@ -1,4 +1,4 @@
-//! Regression tests for the holes a hostile-input, load and security review found (issue 16):
+//! Regression tests for the holes a hostile-input, load and security review found:
 //! each failed before its fix.
 
 use std::net::SocketAddr;
@@ -35,7 +35,7 @@ fn trickled_upload(
 /// unselected device is refused before its body is read (403), a device gets one upload at a
 /// time (409), and the cohort's uploads go through meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r16_unselected_devices_cannot_hold_the_upload_slots() {
+async fn unselected_devices_cannot_hold_the_upload_slots() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 22).await.unwrap();
@@ -100,7 +100,7 @@ async fn r16_unselected_devices_cannot_hold_the_upload_slots() {
 /// `If-None-Match` on a model that does not exist is 404, not 304; an upload to round −1 is 404,
 /// not 409; `init` refuses unknown fields.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r16_limits_and_protocol_answers() {
+async fn limits_and_protocol_answers() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process_configured(&db, &TlsSettings::default(), |config| {
         config.limits.max_model_bytes = 4_000;
@@ -151,7 +151,7 @@ async fn r16_limits_and_protocol_answers() {
 /// could dominate either mean. Now only devices selected for a round on the model version may
 /// evaluate it, metrics are bounded, and both weights are capped at the plan's `max_examples`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r16_one_device_cannot_dominate_a_mean() {
+async fn one_device_cannot_dominate_a_mean() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
@@ -192,7 +192,7 @@ async fn r16_one_device_cannot_dominate_a_mean() {
 /// of 2,000 devices overflowed it and clients waited out SYN retransmissions. The kernel now
 /// queues up to 4096 (or net.core.somaxconn, if lower); `ss` shows a listener's queue size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r16_the_listener_queues_an_enrollment_burst() {
+async fn the_listener_queues_an_enrollment_burst() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let port = c.running.addr.port();
@@ -203,7 +203,7 @@ async fn r16_the_listener_queues_an_enrollment_burst() {
         Ok(out) if out.status.success() => out,
         other => {
             starling_core::skipped::skipped(
-                "r16_the_listener_queues_an_enrollment_burst",
+                "the_listener_queues_an_enrollment_burst",
                 &format!("no ss: {other:?}"),
             );
             return;
@@ -225,7 +225,7 @@ async fn r16_the_listener_queues_an_enrollment_burst() {
 /// takes over within a bounded time, and the round commits with every update the dead leader
 /// had acknowledged. The deposed leader's epoch is fenced off in the store.
 #[sqlx::test(migrations = false)]
-async fn r16_a_standby_takes_over_and_loses_no_acknowledged_update(
+async fn a_standby_takes_over_and_loses_no_acknowledged_update(
     _pool: sqlx::postgres::PgPoolOptions,
     opts: sqlx::postgres::PgConnectOptions,
 ) {
@@ -308,13 +308,13 @@ async fn r16_a_standby_takes_over_and_loses_no_acknowledged_update(
     assert_eq!(committed, fedavg_expected(&global, &contributions));
 }
 
-/// Issue 18: a run whose store writes are stuck (here a row lock held by another session on
+/// A run whose store writes are stuck (here a row lock held by another session on
 /// its open round, which its next selection must wait for) holds up only its own answers. The
 /// driver hands each run's transitions to that run's writer instead of awaiting them, so a
 /// device of another run is still selected at once; the stuck run's device gets its task when
 /// the lock goes.
 #[sqlx::test(migrations = false)]
-async fn r18_a_run_stuck_on_a_write_does_not_hold_up_another_run(
+async fn a_run_stuck_on_a_write_does_not_hold_up_another_run(
     _pool: sqlx::postgres::PgPoolOptions,
     opts: sqlx::postgres::PgConnectOptions,
 ) {

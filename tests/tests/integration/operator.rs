@@ -87,7 +87,7 @@ fn devices(
 /// file holds exactly the committed values, as Python's `safetensors` reads them), stops
 /// another run, and revokes a device; a missing token and a bad plan get clear errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r19_an_operator_drives_a_run_from_the_command_line() {
+async fn an_operator_drives_a_run_from_the_command_line() {
     let (dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let url = c.url.as_str();
@@ -233,7 +233,7 @@ async fn r19_an_operator_drives_a_run_from_the_command_line() {
 /// unknown format, a model that does not exist, an evaluation out of bounds or under a bad
 /// name, and any credential but the operator's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r19_model_export_and_central_evaluations_refuse_bad_requests() {
+async fn model_export_and_central_evaluations_refuse_bad_requests() {
     use starling_core::admin::CentralEvaluation;
     use starling_core::wire::ErrorCode;
     let (_dir, db) = sqlite_db();
@@ -279,7 +279,7 @@ async fn r19_model_export_and_central_evaluations_refuse_bad_requests() {
 /// that says nothing, or is on battery, is told to come back later while the round selects;
 /// once it reports qualifying conditions it is selected and trains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r19_a_plan_selects_only_devices_that_qualify() {
+async fn a_plan_selects_only_devices_that_qualify() {
     use starling_core::eligibility::DeviceAttributes;
     let (_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
@@ -326,7 +326,7 @@ async fn r19_a_plan_selects_only_devices_that_qualify() {
 /// is ever added, and the pooled accuracy beats the untrained model's. An upload carrying a
 /// delta is refused, and a malformed `--init-from` is named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r19_evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
+async fn evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     let (dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let url = c.url.as_str();
@@ -425,12 +425,12 @@ fn two_devices_100_params(rounds: u32) -> starling_tests::PlanSpec {
     }
 }
 
-/// Issue 18: a round commits its model by content hash and the bytes follow. Asked for in
+/// A round commits its model by content hash and the bytes follow. Asked for in
 /// between, the export is served from the coordinator's memory (the model cache holds each
 /// run's newest model until its bytes are written), not a missing model nor a wait. A trigger
 /// on the SQLite file holds the bytes back to make "in between" last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_an_export_right_after_a_commit_is_served_before_the_models_bytes_are_written() {
+async fn an_export_right_after_a_commit_is_served_before_the_models_bytes_are_written() {
     use sqlx::Connection;
     use starling_tests::{enroll, expect_tasks, upload_request, wait_model};
     let (_dir, db) = sqlite_db();
@@ -467,11 +467,11 @@ async fn r18_an_export_right_after_a_commit_is_served_before_the_models_bytes_ar
     assert_eq!(written, (0,), "written before the shutdown finished");
 }
 
-/// Issue 18: with a plan's `checkpoint_interval`, the newest model exports from memory until
+/// With a plan's `checkpoint_interval`, the newest model exports from memory until
 /// its run's next written version, and a version given up then is a 410 that says why (and
 /// the models list marks it); the run's last model is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept() {
+async fn a_model_between_checkpoints_exports_while_newest_then_is_not_kept() {
     use starling_tests::{enroll, expect_tasks, upload_request, wait_model};
     let (_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
@@ -517,13 +517,13 @@ async fn r18_a_model_between_checkpoints_exports_while_newest_then_is_not_kept()
     c.running.shutdown().await.unwrap();
 }
 
-/// Issue 18 (regression): a central evaluator following a run with a `checkpoint_interval`
+/// Regression: a central evaluator following a run with a `checkpoint_interval`
 /// failed on the first version given up before it got to it (a 404), and with it the
 /// simulator's run. Such versions are now marked in the models list (and the operator's
 /// table), answer 410 `model_not_kept`, and the evaluator passes over them and evaluates the
 /// rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_central_evaluator_passes_over_versions_given_up_between_checkpoints() {
+async fn a_central_evaluator_passes_over_versions_given_up_between_checkpoints() {
     let (_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
     let url = c.url.as_str();

@@ -71,7 +71,7 @@ fn the_accountant_agrees_with_google_dp_accounting_to_1e_10() {
 /// (run view and /metrics), and the run stops when one more round would pass its ε budget. A
 /// budget no round fits is refused with the figure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r17_a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
+async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
     const N: usize = 5;
     const PARAMS: usize = 2_000;
     let (z, clip, population, delta_dp) = (1.0, 0.5, 50u64, 1e-5);

@@ -414,7 +414,7 @@ async fn the_openapi_document_matches_the_routes() {
     }
     assert!(operations >= 21, "only {operations} operations documented");
 
-    // Issue 16: the answers the edge gives every route of a kind are documented on each, in
+    // The answers the edge gives every route of a kind are documented on each, in
     // the media type the route speaks, and the server-enforced bounds are in the schemas.
     for (path, item) in paths {
         for (method, op) in item.as_object().unwrap() {

@@ -187,7 +187,7 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
         ("committed", 40, 32, Some(8))
     );
     assert_eq!(store.secagg_record_count(run).await?, 0, "records outlive their round");
-    // The survivors' evaluations of model 0, pooled through the same sum (issue 16): the
+    // The survivors' evaluations of model 0, pooled through the same sum: the
     // coordinator holds only the cohort's means.
     let (mut examples, mut correct, mut loss) = (0.0, 0.0, 0.0);
     for e in contributors.iter().filter_map(|&i| evaluation(i)) {
@@ -364,14 +364,14 @@ async fn next_instruction(
     }
 }
 
-/// Issue 18: the coordinator adds masked inputs into one running sum as they arrive. A device
+/// The coordinator adds masked inputs into one running sum as they arrive. A device
 /// whose sealed share its neighbour cannot open is in that sum when the neighbour reports it,
 /// so at commit its masked vector is read back from the round's records and taken out; the
 /// round commits the others' mean. Every device here runs core's protocol client itself, so
 /// that one can garble a share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r18_a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum()
--> anyhow::Result<()> {
+async fn a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum() -> anyhow::Result<()>
+{
     const N: usize = 5;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await?;

@@ -1,4 +1,4 @@
-//! Strategies end to end (issue 17): a run with FedAdam whose coordinator is SIGKILLed between
+//! Strategies end to end: a run with FedAdam whose coordinator is SIGKILLed between
 //! rounds commits, to the bit, the models of the uninterrupted sequence of optimizer steps,
 //! because the optimizer's state is committed with each model and restored on start; robust
 //! aggregators, reading the round's updates back from the store tile by tile, commit exactly
@@ -31,7 +31,7 @@ async fn one_round(admin: &AdminClient, devices: &[FleetClient], run: RunId, rou
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
+async fn a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
     let optimizer =
         ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.05, beta1: 0.9, beta2: 0.99, tau: 1e-3 });
     let (_dir, db) = sqlite_db();
@@ -100,7 +100,7 @@ async fn r17_a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
 /// robust aggregator commits `global + combine(uploads)` to the bit, and stays within the
 /// honest updates' range where the plain mean is dragged away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r17_robust_aggregators_commit_their_combination_and_leave_the_attacker_out() {
+async fn robust_aggregators_commit_their_combination_and_leave_the_attacker_out() {
     const N: usize = 5;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();

@@ -66,7 +66,7 @@ fn core_depends_on_no_io_or_training_crate() {
 }
 
 /// The library apps link carries no command-line code: clap, indicatif and the dataset loaders'
-/// flate2 stay in the binaries' features (issue 20). (anyhow does reach it: UniFFI's runtime
+/// flate2 stay in the binaries' features. (anyhow does reach it: UniFFI's runtime
 /// uses it.)
 #[test]
 fn the_mobile_library_links_no_command_line_code() {
