@@ -73,7 +73,7 @@ pub struct GroupConfig {
 }
 
 /// How a group's members' sums meet at the leader (every member must choose the same).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum CollectiveChoice {
     /// NCCL on CUDA nodes with NCCL present; over HTTP otherwise.
     #[default]

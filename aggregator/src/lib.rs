@@ -12,7 +12,6 @@
 //!
 //! No burn here: aggregators work on flat little-endian tensors.
 
-pub mod cli;
 pub mod collective;
 pub mod engine;
 pub mod error;

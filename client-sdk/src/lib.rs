@@ -9,12 +9,12 @@
 //!   (check-in → evaluate → train → upload), with saveable state.
 //! * `evaluate`: central evaluation of a run's models on a held-out set, reported through the
 //!   admin API.
-//! * `simulate`: many real participants against a coordinator, as the `simulate` command;
-//!   `cli`: the `starling-client` command line (`simulate`, `evaluate`, and `participate` for
-//!   one Linux/IoT device training on local files); `operator`: the `starling` command line
-//!   (runs, models, tokens, devices). These and `data` are the `tools` feature (on by
-//!   default): an app embedding the SDK builds without them, and without clap, indicatif,
-//!   flate2 and toml.
+//! * `simulate`: many real participants against a coordinator, as the `simulate` command.
+//!   It, `evaluate` and `data` are the `tools` feature (off by default): an app embedding the
+//!   SDK builds without them, and without clap, indicatif, flate2 and toml. The binaries
+//!   (`src/bin/`: `starling-client` with `simulate`, `evaluate` and `participate` for one
+//!   Linux/IoT device training on local files; `starling`, the operator's command line) own
+//!   their command lines and need the feature.
 //!
 //! Training runs on burn's runtime [`burn::tensor::Device`]; [`backend::select`] picks wgpu
 //! (the default `wgpu` feature) when an adapter exists, and the pure-Rust flex CPU backend
@@ -27,15 +27,12 @@ pub use burn::tensor::Device;
 
 pub mod backend;
 #[cfg(feature = "tools")]
-pub mod cli;
-#[cfg(feature = "tools")]
 pub mod data;
 #[cfg(feature = "tools")]
 pub mod evaluate;
 pub mod examples;
 pub mod model;
 #[cfg(feature = "tools")]
-pub mod operator;
 pub mod participant;
 pub mod protocol;
 pub mod secure;

@@ -3,10 +3,9 @@
 //!
 //! [`start`] is the whole service: connect the store (migrating it), take the leadership lock,
 //! rebuild runs from the store, spawn the driver, and serve HTTP.
-//! The binary (`starling-coordinator`) is [`cli::main`]; tests start the same service in-process
+//! The binary (`starling-coordinator`, `src/bin/`) owns the command line and calls [`start`]; tests start the same service in-process
 //! or as a child process.
 
-pub mod cli;
 pub mod clock;
 pub mod driver;
 pub mod http;

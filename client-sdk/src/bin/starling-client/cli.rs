@@ -12,12 +12,12 @@ use clap::{Parser, Subcommand};
 use starling_core::RunId;
 use starling_core::model_spec::InputSpec;
 
-use crate::backend::{self, BackendChoice};
-use crate::data;
-use crate::evaluate::{EvaluatorConfig, evaluate_run};
-use crate::participant::{Outcome, Participant, ParticipantError, ParticipantState};
-use crate::protocol::TlsSettings;
-use crate::simulate::{
+use starling_client::backend::{self, BackendChoice};
+use starling_client::data;
+use starling_client::evaluate::{EvaluatorConfig, evaluate_run};
+use starling_client::participant::{Outcome, Participant, ParticipantError, ParticipantState};
+use starling_client::protocol::TlsSettings;
+use starling_client::simulate::{
     Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, simulate,
 };
 
@@ -237,7 +237,7 @@ struct SimulateArgs {
     /// Make a share of the devices slow: `FRACTION:FACTOR`, e.g. 0.2:5 (a fifth of them take
     /// five times as long to train).
     #[arg(long)]
-    slow: Option<crate::simulate::Slowdown>,
+    slow: Option<starling_client::simulate::Slowdown>,
     /// Write the run's model bytes every N versions and its last (the plan's
     /// `checkpoint_interval`): the versions between are not kept.
     #[arg(long, default_value_t = 1)]
@@ -253,7 +253,7 @@ struct SimulateArgs {
 }
 
 /// The `starling-client` binary.
-pub fn main() -> anyhow::Result<()> {
+pub(crate) fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -16,7 +16,7 @@ use clap::{Parser, Subcommand};
 use starling_core::admin::{ModelView, RunView};
 use starling_core::{DeviceId, RunId};
 
-use crate::protocol::AdminClient;
+use starling_client::protocol::AdminClient;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -147,7 +147,7 @@ enum DevicesCommand {
 }
 
 /// The `starling` binary.
-pub fn main() -> anyhow::Result<()> {
+pub(crate) fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -160,7 +160,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let token = cli.operator_token.as_deref().context(
         "an operator token is required: set STARLING_OPERATOR_TOKEN (or pass --operator-token)",
     )?;
-    let tls = crate::protocol::TlsSettings::from_files(cli.ca_cert.as_deref(), None, None)?;
+    let tls =
+        starling_client::protocol::TlsSettings::from_files(cli.ca_cert.as_deref(), None, None)?;
     let admin = AdminClient::with_tls(&cli.url, token, &tls)?;
     let mut out = std::io::stdout().lock();
     match cli.command {

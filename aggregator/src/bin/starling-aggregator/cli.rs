@@ -3,10 +3,10 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use crate::group::CollectiveChoice;
-use crate::{AggregatorConfig, Engine, GroupConfig, TransportSecurity};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
+use starling_aggregator::group::CollectiveChoice;
+use starling_aggregator::{AggregatorConfig, Engine, GroupConfig, TransportSecurity};
 use starling_core::AggregatorId;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -17,6 +17,14 @@ enum EngineChoice {
     Cpu,
     /// CUDA on --gpu (fails with a clear error without a GPU).
     Cuda,
+}
+
+/// `--collective`: [`CollectiveChoice`] on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum CollectiveArg {
+    Auto,
+    Tcp,
+    Http,
 }
 
 /// Starling aggregator node: devices of a large cohort upload here; partials go to the
@@ -67,7 +75,7 @@ struct Cli {
     /// present, else HTTP), `tcp` (the CPU collective, any engine) or `http`. Every member
     /// must choose the same.
     #[arg(long, value_enum, default_value = "auto", requires = "group")]
-    collective: CollectiveChoice,
+    collective: CollectiveArg,
     /// PEM certificate chain to serve TLS with (required unless --insecure-http).
     #[arg(long, env = "STARLING_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -95,7 +103,7 @@ fn parse_node_id(text: &str) -> Result<u32, String> {
 }
 
 /// Parses the command line and runs the node until Ctrl-C or SIGTERM.
-pub fn main() -> anyhow::Result<()> {
+pub(crate) fn main() -> anyhow::Result<()> {
     tokio::runtime::Runtime::new()?.block_on(run())
 }
 
@@ -110,7 +118,7 @@ async fn run() -> anyhow::Result<()> {
     if cli.secret.len() < 16 {
         bail!("the aggregator secret must be at least 16 characters");
     }
-    let threads = cli.threads.unwrap_or_else(crate::engine::available_threads);
+    let threads = cli.threads.unwrap_or_else(starling_aggregator::engine::available_threads);
     let engine = match cli.engine {
         EngineChoice::Auto => match Engine::detect() {
             Engine::Cpu { .. } => Engine::Cpu { threads },
@@ -118,7 +126,7 @@ async fn run() -> anyhow::Result<()> {
         },
         EngineChoice::Cpu => Engine::Cpu { threads },
         EngineChoice::Cuda => {
-            let info = crate::gpu::probe().context("the CUDA engine needs a GPU")?;
+            let info = starling_aggregator::gpu::probe().context("the CUDA engine needs a GPU")?;
             tracing::info!(gpu = %info.name, "CUDA engine");
             Engine::Cuda { device: cli.gpu }
         }
@@ -130,7 +138,11 @@ async fn run() -> anyhow::Result<()> {
                 rank,
                 world_size,
                 wait: std::time::Duration::from_millis(cli.group_wait_ms),
-                collective: cli.collective,
+                collective: match cli.collective {
+                    CollectiveArg::Auto => CollectiveChoice::Auto,
+                    CollectiveArg::Tcp => CollectiveChoice::Tcp,
+                    CollectiveArg::Http => CollectiveChoice::Http,
+                },
             };
             group.validate().context("--group/--rank/--world-size")?;
             Some(group)
@@ -145,7 +157,7 @@ async fn run() -> anyhow::Result<()> {
              or --insecure-http to serve and call in plain HTTP"
         ),
     };
-    let running = crate::start(AggregatorConfig {
+    let running = starling_aggregator::start(AggregatorConfig {
         id: AggregatorId(cli.id),
         listen: cli.listen,
         public_url: cli.public_url,

@@ -2,8 +2,8 @@
 //!
 //! Configuration is read in two phases: flags and environment variables (clap) over an
 //! optional TOML file ([`FileConfig`]), then resolved into a validated [`ServeConfig`].
-//! This module is binary glue kept in the library so that the end-to-end tests can run the
-//! very same entry point as a child process; it is the one place in the crate that uses anyhow.
+//! The binary's own: the library takes a [`ServeConfig`] and knows no flags. The one place
+//! in the crate that uses anyhow.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
-use crate::ServeConfig;
+use starling_coordinator::ServeConfig;
 
 /// Default embedded store, relative to the working directory.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://starling-data/starling.db";
@@ -101,11 +101,11 @@ struct ServeArgs {
     #[arg(long, env = "STARLING_INSECURE_HTTP", conflicts_with = "tls_cert")]
     insecure_http: bool,
     /// The largest model a run may have, in bytes (4 per parameter); larger plans are refused.
-    #[arg(long, env = "STARLING_MAX_MODEL_BYTES", default_value_t = crate::http::DEFAULT_MAX_MODEL_BYTES)]
+    #[arg(long, env = "STARLING_MAX_MODEL_BYTES", default_value_t = starling_coordinator::http::DEFAULT_MAX_MODEL_BYTES)]
     max_model_bytes: u64,
     /// Connections the kernel queues for the coordinator before it accepts them (capped by
     /// net.core.somaxconn): room for an enrollment burst of a large fleet.
-    #[arg(long, env = "STARLING_LISTEN_BACKLOG", default_value_t = crate::DEFAULT_LISTEN_BACKLOG)]
+    #[arg(long, env = "STARLING_LISTEN_BACKLOG", default_value_t = starling_coordinator::DEFAULT_LISTEN_BACKLOG)]
     listen_backlog: u32,
     /// Seconds a connection gets for its TLS handshake and each request's headers.
     #[arg(long, env = "STARLING_HEADER_TIMEOUT_SECS", default_value_t = 10)]
@@ -138,7 +138,10 @@ struct ServeArgs {
 }
 
 /// `RATE/BURST` or `off`.
-fn parse_rate(flag: &str, text: &str) -> anyhow::Result<Option<crate::http::limits::RateLimit>> {
+fn parse_rate(
+    flag: &str,
+    text: &str,
+) -> anyhow::Result<Option<starling_coordinator::http::limits::RateLimit>> {
     if text == "off" {
         return Ok(None);
     }
@@ -149,7 +152,7 @@ fn parse_rate(flag: &str, text: &str) -> anyhow::Result<Option<crate::http::limi
         Some((per_sec, burst))
             if per_sec > 0.0 && per_sec.is_finite() && burst >= 1.0 && burst.is_finite() =>
         {
-            Ok(Some(crate::http::limits::RateLimit { per_sec, burst }))
+            Ok(Some(starling_coordinator::http::limits::RateLimit { per_sec, burst }))
         }
         _ => bail!("--{flag} {text:?}: expected RATE/BURST with RATE > 0 and BURST >= 1, or off"),
     }
@@ -215,7 +218,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
     {
         bail!("--dashboard-dir {} holds no index.html: build the dashboard first", dir.display());
     }
-    let limits = crate::http::Limits {
+    let limits = starling_coordinator::http::Limits {
         device: parse_rate("device-rate-limit", &args.device_rate_limit)?,
         ip: parse_rate("ip-rate-limit", &args.ip_rate_limit)?,
         max_model_bytes: args.max_model_bytes,
@@ -224,7 +227,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         bail!("--max-model-bytes must be at least 4 and --listen-backlog at least 1");
     }
     let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
-        (Some(cert), Some(key)) => Some(crate::tls::TlsConfig {
+        (Some(cert), Some(key)) => Some(starling_coordinator::tls::TlsConfig {
             cert,
             key,
             client_ca: args.tls_client_ca.or(file.tls_client_ca),
@@ -247,7 +250,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
             bail!("timeouts must be at least one second");
         }
     }
-    let timeouts = crate::http::Timeouts {
+    let timeouts = starling_coordinator::http::Timeouts {
         header: std::time::Duration::from_secs(args.header_timeout_secs),
         body_grace: std::time::Duration::from_secs(args.body_timeout_secs),
         idle: std::time::Duration::from_secs(args.idle_timeout_secs),
@@ -261,7 +264,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
             if args.aggregator_liveness_ms < 200 {
                 bail!("--aggregator-liveness-ms must be at least 200");
             }
-            Some(crate::tier::TierSettings {
+            Some(starling_coordinator::tier::TierSettings {
                 secret,
                 cohort_threshold: args.aggregate_above,
                 report_grace: std::time::Duration::from_secs(args.aggregator_grace_secs),
@@ -371,7 +374,7 @@ fn healthcheck(listen: SocketAddr, tls: bool) -> anyhow::Result<()> {
     let request = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     let mut answer = Vec::new();
     if tls {
-        let provider = crate::tls::provider();
+        let provider = starling_coordinator::tls::provider();
         let config = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?
             .dangerous()
@@ -400,7 +403,7 @@ fn healthcheck(listen: SocketAddr, tls: bool) -> anyhow::Result<()> {
 }
 
 /// The binary's entry point.
-pub fn main() -> anyhow::Result<()> {
+pub(crate) fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -411,8 +414,8 @@ pub fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Serve(args) => {
                 let config = resolve(*args)?;
-                tracing::info!(listen = %config.listen, tls = config.tls.is_some(), database = %crate::store::redact(&config.database_url), "starting");
-                let running = crate::start(config).await.context("starting the coordinator")?;
+                tracing::info!(listen = %config.listen, tls = config.tls.is_some(), database = %starling_coordinator::store::redact(&config.database_url), "starting");
+                let running = starling_coordinator::start(config).await.context("starting the coordinator")?;
                 let signal = async {
                     if let Err(e) = shutdown_signal().await {
                         tracing::error!(error = %e, "signal handling failed");
@@ -425,7 +428,7 @@ pub fn main() -> anyhow::Result<()> {
             }
             Command::Healthcheck(args) => healthcheck(args.listen, args.tls_cert.is_some()),
             Command::Migrate(args) => {
-                crate::store::SqlStore::connect(&args.database_url, true).await.context("migrating")?;
+                starling_coordinator::store::SqlStore::connect(&args.database_url, true).await.context("migrating")?;
                 tracing::info!("migrations applied");
                 Ok(())
             }
