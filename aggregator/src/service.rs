@@ -24,11 +24,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use starling_core::fedavg::{PartialSums, ValidatedUpdate, validate_update};
-use starling_core::tier::{
-    AggregatorHello, AggregatorWork, PartialReport, ShardTask, TICKET_HEADER, TicketKey,
-};
+use starling_core::tier::{AggregatorHello, AggregatorWork, PartialReport, ShardTask, TicketKey};
 use starling_core::wire::path;
-use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, UploadAck, UploadRequest};
+use starling_core::wire::{
+    CBOR_MEDIA_TYPE, ErrorBody, ErrorCode, TICKET_HEADER, UploadAck, UploadRequest,
+};
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, mpsc, oneshot};
 

@@ -313,5 +313,125 @@ fn gamma(rng: &mut SplitMix64, alpha: f64) -> f64 {
     }
 }
 
+/// A real dataset from `shared/data`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Dataset {
+    /// scikit-learn's 8×8 digits (80/20 split).
+    Digits,
+    /// MNIST.
+    Mnist,
+    /// Fashion-MNIST.
+    FashionMnist,
+    /// Shakespeare by role: one client per (play, speaking role), the largest roles first;
+    /// next-character prediction with an LSTM. The partition is always the natural one.
+    Shakespeare,
+}
+
+/// Characters of context per Shakespeare example (LEAF uses 80).
+const SHAKESPEARE_CONTEXT: usize = 80;
+/// Examples per Shakespeare client, at most (the largest roles have tens of thousands).
+const SHAKESPEARE_MAX_PER_CLIENT: usize = 400;
+
+/// How the training examples are split over clients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Partition {
+    /// Shuffled and even.
+    Iid,
+    /// Dirichlet(α) label skew.
+    Dirichlet(f64),
+    /// The FedAvg paper's shards: this many label-sorted shards per client.
+    Shards(usize),
+}
+
+impl std::str::FromStr for Partition {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "iid" => Ok(Partition::Iid),
+            Some(("dirichlet", a)) => {
+                a.parse().map(Partition::Dirichlet).map_err(|e| format!("alpha: {e}"))
+            }
+            Some(("shards", n)) => {
+                n.parse().map(Partition::Shards).map_err(|e| format!("shards: {e}"))
+            }
+            _ => Err("expected iid, dirichlet:ALPHA or shards:N".into()),
+        }
+    }
+}
+
+/// The data of a simulation: every client's training examples (concatenated), the test set,
+/// and each client's indices into the training examples.
+pub struct FederatedData {
+    /// All clients' training examples.
+    pub train: Examples,
+    /// The held-out test set the global model is scored on.
+    pub test: Examples,
+    /// Each client's indices into `train`.
+    pub clients: Vec<Vec<usize>>,
+}
+
+/// Loads a dataset once and splits it over `clients`: image sets by `partition` (after keeping
+/// at most `max_examples`, 0 for all), Shakespeare by its natural one-client-per-role partition.
+pub fn federated_data(
+    dataset: Dataset,
+    dir: &std::path::Path,
+    clients: usize,
+    partition: Partition,
+    max_examples: usize,
+    seed: u64,
+) -> Result<FederatedData, DataError> {
+    let (mut train, test) = match dataset {
+        Dataset::Shakespeare => return shakespeare_data(dir, clients, seed),
+        Dataset::Digits => digits(&dir.join("sklearn_digits"))?.split_holdout(0.2, seed),
+        Dataset::Mnist => {
+            (mnist(&dir.join("mnist"), Split::Train)?, mnist(&dir.join("mnist"), Split::Test)?)
+        }
+        Dataset::FashionMnist => {
+            let d = dir.join("fashion_mnist");
+            (mnist(&d, Split::Train)?, mnist(&d, Split::Test)?)
+        }
+    };
+    if max_examples > 0 && train.len() > max_examples {
+        train = train.subset(&(0..max_examples).collect::<Vec<_>>());
+    }
+    let clients = match partition {
+        Partition::Iid => iid(train.len(), clients, seed),
+        Partition::Dirichlet(alpha) => dirichlet(train.labels(), clients, alpha, seed),
+        Partition::Shards(n) => shards(train.labels(), clients, n, seed),
+    };
+    Ok(FederatedData { train, test, clients })
+}
+
+/// Roles whose held-out 10 % form the Shakespeare test set.
+const SHAKESPEARE_TEST_ROLES: usize = 64;
+
+/// The `n` largest Shakespeare roles as clients (each role's 90 % for training), and a test set
+/// pooled from the held-out 10 % of the [`SHAKESPEARE_TEST_ROLES`] largest roles.
+fn shakespeare_data(
+    dir: &std::path::Path,
+    n: usize,
+    seed: u64,
+) -> Result<FederatedData, DataError> {
+    let mut roles = shakespeare_roles(&dir.join("shakespeare_roles"))?;
+    roles.sort_by_key(|r| std::cmp::Reverse(r.text.len()));
+    let input = next_char_examples("", SHAKESPEARE_CONTEXT, 0).input();
+    let (mut train, mut test) = (Examples::new(input), Examples::new(input));
+    let mut clients = vec![];
+    for (i, role) in roles.iter().take(n.max(SHAKESPEARE_TEST_ROLES)).enumerate() {
+        let examples =
+            next_char_examples(&role.text, SHAKESPEARE_CONTEXT, SHAKESPEARE_MAX_PER_CLIENT);
+        let (own, held) = examples.split_holdout(0.1, seed + i as u64);
+        if i < SHAKESPEARE_TEST_ROLES {
+            test.extend(&held);
+        }
+        if i < n {
+            let start = train.len();
+            train.extend(&own);
+            clients.push((start..train.len()).collect());
+        }
+    }
+    Ok(FederatedData { train, test, clients })
+}
+
 #[cfg(test)]
 pub(crate) mod tests;

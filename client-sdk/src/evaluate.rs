@@ -17,10 +17,10 @@ use starling_core::wire::ErrorCode;
 
 use crate::backend::Backend;
 use crate::data::DataError;
+use crate::data::{Dataset, Partition, federated_data};
 use crate::examples::Examples;
 use crate::model::{ModelIo, SpecModel};
 use crate::protocol::{AdminClient, ClientError, TlsSettings};
-use crate::simulate::{Dataset, Partition, federated_data};
 use crate::train::{Evaluation, TrainError, evaluate};
 
 /// What a central evaluator needs.

@@ -3,13 +3,11 @@
 //! Every example is checked on the way in (width, finite values, token ids in range), so
 //! nothing malformed ever reaches burn, which panics on misuse.
 
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use starling_core::model_spec::InputSpec;
-
-use crate::model::Batch;
 use starling_core::rng::SplitMix64;
 
-use crate::train::batch_tensors;
+use crate::model::Batch;
 
 /// Why an example was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -140,4 +138,35 @@ impl Examples {
     pub(crate) fn batch(&self, idx: &[usize], device: &Device) -> (Batch, Tensor<1, Int>) {
         batch_tensors(self.input, &self.features, &self.labels, idx, device)
     }
+}
+
+/// Builds `[batch, ...]` tensors for the examples at `idx`.
+fn batch_tensors(
+    input: InputSpec,
+    features: &[f32],
+    labels: &[u32],
+    idx: &[usize],
+    device: &Device,
+) -> (Batch, Tensor<1, Int>) {
+    let width = features.len() / labels.len();
+    let mut x = Vec::with_capacity(idx.len() * width);
+    for &i in idx {
+        x.extend_from_slice(&features[i * width..(i + 1) * width]);
+    }
+    let b = idx.len();
+    let batch = match input {
+        InputSpec::Image { channels, height, width } => Batch::Image(Tensor::from_data(
+            TensorData::new(x, [b, channels as usize, height as usize, width as usize]),
+            device,
+        )),
+        InputSpec::Features { size } => {
+            Batch::Flat(Tensor::from_data(TensorData::new(x, [b, size as usize]), device))
+        }
+        InputSpec::Tokens { length, .. } => {
+            let ids: Vec<i64> = x.into_iter().map(|v| v as i64).collect();
+            Batch::Tokens(Tensor::from_data(TensorData::new(ids, [b, length as usize]), device))
+        }
+    };
+    let y: Vec<i64> = idx.iter().map(|&i| i64::from(labels[i])).collect();
+    (batch, Tensor::from_data(TensorData::new(y, [b]), device))
 }

@@ -13,12 +13,12 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use starling_core::eligibility::DeviceAttributes;
 use starling_core::tensor::TensorPayload;
-use starling_core::tier::{TICKET_HEADER, UploadTarget};
 use starling_core::wire::path;
 use starling_core::wire::{
     self, CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse,
     ErrorBody, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
 };
+use starling_core::wire::{TICKET_HEADER, UploadTarget};
 use starling_core::{DeviceId, RoundIdx, RunId};
 
 use starling_core::admin::{

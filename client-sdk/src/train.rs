@@ -7,13 +7,13 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use serde::Deserialize;
 use starling_core::model_spec::InputSpec;
 use starling_core::rng::SplitMix64;
 
 use crate::examples::Examples;
-use crate::model::{Batch, Classifier, ModelIo};
+use crate::model::{Classifier, ModelIo};
 
 /// Why training could not run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -279,37 +279,6 @@ fn flat_params<M: Module>(model: &M) -> Vec<Tensor<1>> {
     let mut flat = Flat(vec![]);
     model.visit(&mut flat);
     flat.0
-}
-
-/// Builds `[batch, ...]` tensors for the examples at `idx`.
-pub(crate) fn batch_tensors(
-    input: InputSpec,
-    features: &[f32],
-    labels: &[u32],
-    idx: &[usize],
-    device: &Device,
-) -> (Batch, Tensor<1, Int>) {
-    let width = features.len() / labels.len();
-    let mut x = Vec::with_capacity(idx.len() * width);
-    for &i in idx {
-        x.extend_from_slice(&features[i * width..(i + 1) * width]);
-    }
-    let b = idx.len();
-    let batch = match input {
-        InputSpec::Image { channels, height, width } => Batch::Image(Tensor::from_data(
-            TensorData::new(x, [b, channels as usize, height as usize, width as usize]),
-            device,
-        )),
-        InputSpec::Features { size } => {
-            Batch::Flat(Tensor::from_data(TensorData::new(x, [b, size as usize]), device))
-        }
-        InputSpec::Tokens { length, .. } => {
-            let ids: Vec<i64> = x.into_iter().map(|v| v as i64).collect();
-            Batch::Tokens(Tensor::from_data(TensorData::new(ids, [b, length as usize]), device))
-        }
-    };
-    let y: Vec<i64> = idx.iter().map(|&i| i64::from(labels[i])).collect();
-    (batch, Tensor::from_data(TensorData::new(y, [b]), device))
 }
 
 // The tests train on the shared datasets, which the `tools` feature loads.

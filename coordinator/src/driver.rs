@@ -37,6 +37,7 @@ mod accumulator;
 mod close;
 use accumulator::AccumulatorWorker;
 mod execute;
+mod next_model;
 mod recover;
 #[cfg(test)]
 mod tests;

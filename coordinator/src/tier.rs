@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use starling_core::tier::{AggregatorHello, TicketKey, TierConfig, UploadGrant, UploadTarget};
+use starling_core::tier::{AggregatorHello, TicketKey, TierConfig, UploadGrant};
+use starling_core::wire::UploadTarget;
 use starling_core::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 
 /// How the tier is configured; absent, no run uses aggregators.

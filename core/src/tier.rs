@@ -20,10 +20,6 @@ use crate::fedavg::{
 use crate::ids::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use crate::tensor::{SchemaId, TensorSchema};
 
-/// The header a device sends its ticket in when it uploads to an aggregator:
-/// `{device id}:{hex HMAC}`.
-pub const TICKET_HEADER: &str = "x-starling-upload-ticket";
-
 /// Most aggregators one partial may speak for.
 pub const MAX_AGGREGATORS_PER_PARTIAL: usize = 1024;
 
@@ -94,7 +90,7 @@ impl TicketKey {
         mac
     }
 
-    /// The ticket for `grant`, as sent in [`TICKET_HEADER`].
+    /// The ticket for `grant`, as sent in [`TICKET_HEADER`](crate::wire::TICKET_HEADER).
     pub fn ticket(&self, grant: &UploadGrant) -> String {
         format!("{}:{}", grant.device.0, hex::encode(self.mac(grant).finalize().into_bytes()))
     }
@@ -116,18 +112,6 @@ impl TicketKey {
         self.mac(&grant).verify_slice(&tag).ok()?;
         Some(device)
     }
-}
-
-/// Where a selected device uploads when its run goes through the aggregator tier.
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UploadTarget {
-    /// The aggregator.
-    pub aggregator: AggregatorId,
-    /// Its base URL: the device posts to `{url}/v1/runs/{run}/rounds/{round}/updates`.
-    pub url: String,
-    /// The value of the [`TICKET_HEADER`] header.
-    pub ticket: String,
 }
 
 /// `POST /v1/aggregation/poll`: an aggregator says it is alive and asks for its work.

@@ -191,7 +191,7 @@ pub struct TaskAssignment {
     /// Set when the round goes through the aggregator tier: upload the update there (with
     /// the ticket), not to the coordinator.
     #[serde(default)]
-    pub upload_to: Option<crate::tier::UploadTarget>,
+    pub upload_to: Option<UploadTarget>,
     /// The encoding to upload the delta in (the plan's `compression`); absent: f32.
     #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
     pub compression: crate::compression::Compression,
@@ -201,6 +201,22 @@ pub struct TaskAssignment {
     #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
     pub model_download: crate::compression::Compression,
 }
+
+/// Where a selected device uploads when its run goes through the aggregator tier.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadTarget {
+    /// The aggregator.
+    pub aggregator: crate::ids::AggregatorId,
+    /// Its base URL: the device posts to `{url}/v1/runs/{run}/rounds/{round}/updates`.
+    pub url: String,
+    /// The value of the [`TICKET_HEADER`] header.
+    pub ticket: String,
+}
+
+/// The header a device sends its ticket in when it uploads to an aggregator:
+/// `{device id}:{hex HMAC}`.
+pub const TICKET_HEADER: &str = "x-starling-upload-ticket";
 
 /// What a device needs to take part in a secure-aggregation round.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -23,8 +23,9 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use starling_client::data::{Dataset, Partition};
 use starling_client::simulate::{
-    Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, Slowdown, simulate,
+    Attack, ModelKind, Pacing, Poisoning, SimulationConfig, Slowdown, simulate,
 };
 use starling_core::compression::Compression;
 use starling_core::plan::AsynchronousPlan;

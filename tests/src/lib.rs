@@ -482,7 +482,8 @@ pub fn digits_simulation(
     seed: u64,
 ) -> starling_client::simulate::SimulationConfig {
     use starling_client::backend::{self, BackendChoice};
-    use starling_client::simulate::{Dataset, ModelKind, Partition, SimulationConfig};
+    use starling_client::data::{Dataset, Partition};
+    use starling_client::simulate::{ModelKind, SimulationConfig};
     SimulationConfig {
         tls: Default::default(),
         url: url.to_owned(),

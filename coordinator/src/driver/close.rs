@@ -11,15 +11,13 @@ use bytes::Bytes;
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use starling_core::plan::ValidatedPlan;
-use starling_core::privacy::Gaussian;
-use starling_core::robust::combine;
 use starling_core::round::secure::{Record, SecureSum};
 use starling_core::round::{RoundClosing, RoundOutcome};
 use starling_core::strategy::OptimizerState;
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::recover::replay_round;
+use super::next_model::{NextModel, next_model, replay_round};
 use super::{Closed, CommittedModel, Internal, ModelWrites, encode_model};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
@@ -367,83 +365,6 @@ async fn withdrawn_inputs(
         })
         .await?;
     Ok(withdrawn)
-}
-
-/// What [`next_model`] reads besides the round's aggregate.
-pub(super) struct NextModel<'a> {
-    pub(super) store: SqlStore,
-    pub(super) handle: tokio::runtime::Handle,
-    pub(super) run_id: RunId,
-    pub(super) round_idx: RoundIdx,
-    pub(super) plan: &'a ValidatedPlan,
-}
-
-/// The next model and server state from a round's aggregate, on a blocking thread: an order
-/// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
-/// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
-/// server optimizer steps.
-pub(super) fn next_model(
-    ctx: &NextModel<'_>,
-    global: &[f32],
-    mut aggregate: Aggregate,
-    state: &OptimizerState,
-) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
-    let p = ctx.plan.plan();
-    let strategy = &p.strategy;
-    if strategy.aggregation.is_order_statistic() {
-        let n = aggregate.n_updates as usize;
-        // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
-        let tile_len = starling_core::robust::tile_len(n);
-        let round_idx = ctx.round_idx;
-        let combined = combine(
-            &strategy.aggregation,
-            n,
-            global.len(),
-            tile_len,
-            strategy.norm_bound,
-            |start, len| read_tile_retrying(ctx, round_idx, start, len),
-        )
-        .map_err(|e| AggregateError::Robust(e.to_string()))?;
-        tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
-        aggregate.mean_delta = combined.delta;
-    }
-    let mut clip_norm = state.clip_norm;
-    if let (Some(privacy), Some(clip)) = (ctx.plan.privacy(), state.clip_norm) {
-        let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed).expect("the OS random source failed");
-        let mut noise = Gaussian::new(seed);
-        privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
-        let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
-        clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
-    }
-    let (values, mut next) =
-        strategy.optimizer.step(global, &aggregate, state, p.server_learning_rate)?;
-    next.clip_norm = clip_norm;
-    Ok((values, next))
-}
-
-/// One tile of the round's stored updates; a store error is retried a few times before the
-/// round gives up (its updates stay stored, and are released with the failed round).
-fn read_tile_retrying(
-    ctx: &NextModel<'_>,
-    round_idx: RoundIdx,
-    start: usize,
-    len: usize,
-) -> Result<Vec<Vec<f32>>, StoreError> {
-    let mut backoff = Duration::from_millis(50);
-    for attempt in 1.. {
-        let read = ctx.store.update_tile(ctx.run_id, round_idx, start, len);
-        match ctx.handle.block_on(read) {
-            Ok(rows) => return Ok(rows),
-            Err(e) if attempt < 6 => {
-                tracing::warn!(run_id = %ctx.run_id, error = %e, ?backoff, "reading a tile failed; retrying");
-                std::thread::sleep(backoff);
-                backoff *= 2;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    unreachable!("the loop returns")
 }
 
 /// Another coordinator leads: a write was fenced off.

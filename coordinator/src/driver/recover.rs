@@ -8,17 +8,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use starling_core::codec;
-use starling_core::fedavg::{AggregateError, FedAvgAccumulator, validate_parts};
+use starling_core::fedavg::AggregateError;
 use starling_core::plan::{Plan, PlanError, ValidatedPlan};
 use starling_core::round::secure::Record;
 use starling_core::round::{OpenRoundSnapshot, RunMachine, RunSnapshot};
 use starling_core::strategy::OptimizerState;
 use starling_core::tensor::TensorPayload;
-use starling_core::tier::PartialReport;
 use starling_core::{ModelVersion, RoundIdx, RunId};
 use tokio::sync::mpsc;
 
-use super::close::{NextModel, next_model};
+use super::next_model::{NextModel, next_model, replay_round};
 use super::{Driver, DriverHandle, ModelWrites, RunEntry, encode_model, entropy};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
@@ -164,63 +163,6 @@ async fn stored_model(
         }
     };
     Ok((payload, values, state))
-}
-
-/// Folds a round's stored updates and partials into `acc` in slot order, as the run's
-/// accumulator folded them when they were acknowledged; returns how many updates it read.
-pub(super) async fn replay_round(
-    store: &SqlStore,
-    plan: &ValidatedPlan,
-    run_id: RunId,
-    round_idx: RoundIdx,
-    acc: &mut FedAvgAccumulator,
-) -> Result<u64, StoreError> {
-    let (schema, update_schema) = (plan.schema(), plan.update_schema());
-    // Partials and updates share the slot order: merge each partial before the first update
-    // with a later slot.
-    let mut partials = store
-        .partial_reports(run_id, round_idx)
-        .await?
-        .into_iter()
-        .filter_map(|(slot, bytes)| {
-            match codec::decode::<PartialReport>(&bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.validate(schema).map_err(|e| e.to_string()))
-            {
-                Ok(sums) => Some((slot, sums)),
-                Err(e) => {
-                    tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
-                    None
-                }
-            }
-        })
-        .peekable();
-    let replayed = store
-        .for_each_update(run_id, round_idx, |u| {
-            while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
-                acc.merge(&sums);
-            }
-            let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
-            let example_count = u.example_count as u64;
-            match validate_parts(&update_schema, plan.compression(), u.delta, example_count, metrics) {
-                // An asynchronous run's stale update, with the discount it was folded with
-                // before the restart.
-                Ok(update) => match plan.plan().asynchronous {
-                    Some(a) if u.staleness > 0 => {
-                        acc.add_scaled(&update, a.staleness_scale(u.staleness as u32))
-                    }
-                    _ => acc.add(&update),
-                },
-                // Validated before it was stored: only corruption gets here.
-                Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
-            }
-            Ok(())
-        })
-        .await?;
-    for (_, sums) in partials {
-        acc.merge(&sums);
-    }
-    Ok(replayed)
 }
 
 /// Writes the bytes of every model committed by its hash alone whose write a stop interrupted,

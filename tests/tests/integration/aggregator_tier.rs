@@ -18,7 +18,8 @@ use starling_coordinator::tier::TierSettings;
 use starling_core::compression::Compression;
 use starling_core::fedavg::{FedAvgAccumulator, validate_update};
 use starling_core::rng::SplitMix64;
-use starling_core::tier::{AggregatorHello, TICKET_HEADER};
+use starling_core::tier::AggregatorHello;
+use starling_core::wire::TICKET_HEADER;
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{AggregatorId, RunId};
 use starling_tests::{

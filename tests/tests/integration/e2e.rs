@@ -570,7 +570,8 @@ async fn federated_digits_reach_ninety_percent() {
 /// predict the next character; two rounds already beat chance (1/80) several times over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn federated_shakespeare_roles_learn_next_characters() {
-    use starling_client::simulate::{Dataset, SimulationConfig, simulate};
+    use starling_client::data::Dataset;
+    use starling_client::simulate::{SimulationConfig, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let config = SimulationConfig {
@@ -601,9 +602,8 @@ async fn federated_shakespeare_roles_learn_next_characters() {
 /// told to use a population another run trains is refused before it enrolls anyone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_simulations_train_only_their_own_runs() {
-    use starling_client::simulate::{
-        Pacing, Partition, SimulationConfig, SimulationError, simulate,
-    };
+    use starling_client::data::Partition;
+    use starling_client::simulate::{Pacing, SimulationConfig, SimulationError, simulate};
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let iid = SimulationConfig {

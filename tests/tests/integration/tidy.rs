@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod modules;
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the repo root").to_owned()
 }
@@ -75,6 +77,38 @@ fn the_mobile_library_links_no_command_line_code() {
     for forbidden in ["clap", "indicatif", "flate2"] {
         assert!(!tree.iter().any(|p| p == forbidden), "starling-mobile links {forbidden}");
     }
+}
+
+/// The servers aggregate flat tensors and never train: burn (and wgpu) stay out of their
+/// builds, which keeps them small and quick to build.
+#[test]
+fn the_coordinator_and_aggregator_never_link_burn() {
+    for package in ["starling-coordinator", "starling-aggregator"] {
+        let tree = normal_dependencies(package);
+        assert!(tree.iter().any(|p| p == "starling-core"), "unexpected tree output: {tree:?}");
+        for forbidden in ["burn", "wgpu"] {
+            assert!(!tree.iter().any(|p| p == forbidden), "{package} links {forbidden}");
+        }
+    }
+}
+
+/// Within each crate, modules depend on each other without cycles (a parent and its own
+/// children aside), so each can be read, tested and changed from the bottom up.
+#[test]
+fn modules_within_each_crate_depend_on_each_other_without_cycles() {
+    let crates = ["core", "coordinator", "aggregator", "client-sdk", "mobile", "tests", "xtask"];
+    let mut cycles = vec![];
+    for krate in crates {
+        let edges = modules::sibling_edges(&repo_root().join(krate).join("src"));
+        // The parser must see the large crates' module graphs, or the test checks nothing.
+        let large = ["core", "coordinator", "aggregator", "client-sdk"].contains(&krate);
+        assert!(!large || edges.len() > 10, "{} edges in {krate}", edges.len());
+        if let Some(cycle) = modules::find_cycle(&edges) {
+            let names: Vec<String> = cycle.iter().map(|m| m.join("::")).collect();
+            cycles.push(format!("{krate}: {}", names.join(" → ")));
+        }
+    }
+    assert!(cycles.is_empty(), "module cycles: {cycles:#?}");
 }
 
 /// The names of `package`'s normal (non-dev, non-build) dependencies, with its default

@@ -14,12 +14,11 @@ use starling_core::model_spec::InputSpec;
 
 use starling_client::backend::{self, BackendChoice};
 use starling_client::data;
+use starling_client::data::{Dataset, Partition};
 use starling_client::evaluate::{EvaluatorConfig, evaluate_run};
 use starling_client::participant::{Outcome, Participant, ParticipantError, ParticipantState};
 use starling_client::protocol::TlsSettings;
-use starling_client::simulate::{
-    Attack, Dataset, ModelKind, Pacing, Partition, Poisoning, SimulationConfig, simulate,
-};
+use starling_client::simulate::{Attack, ModelKind, Pacing, Poisoning, SimulationConfig, simulate};
 
 #[derive(Debug, Parser)]
 #[command(name = "starling-client", version, about = "Starling client SDK tools")]

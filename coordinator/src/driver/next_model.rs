@@ -1,0 +1,151 @@
+//! How a round's contributions become the next model, for closing a round and for rebuilding
+//! one at start alike: the stored updates and partials replayed in slot order, and the
+//! strategy's pipeline from the aggregate (order statistics read back tile by tile, DP noise,
+//! the server optimizer's step).
+
+use std::time::Duration;
+
+use starling_core::codec;
+use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
+use starling_core::plan::ValidatedPlan;
+use starling_core::privacy::Gaussian;
+use starling_core::robust::combine;
+use starling_core::strategy::OptimizerState;
+use starling_core::tier::PartialReport;
+use starling_core::{RoundIdx, RunId};
+
+use crate::store::{SqlStore, StoreError};
+
+/// Folds a round's stored updates and partials into `acc` in slot order, as the run's
+/// accumulator folded them when they were acknowledged; returns how many updates it read.
+pub(super) async fn replay_round(
+    store: &SqlStore,
+    plan: &ValidatedPlan,
+    run_id: RunId,
+    round_idx: RoundIdx,
+    acc: &mut FedAvgAccumulator,
+) -> Result<u64, StoreError> {
+    let (schema, update_schema) = (plan.schema(), plan.update_schema());
+    // Partials and updates share the slot order: merge each partial before the first update
+    // with a later slot.
+    let mut partials = store
+        .partial_reports(run_id, round_idx)
+        .await?
+        .into_iter()
+        .filter_map(|(slot, bytes)| {
+            match codec::decode::<PartialReport>(&bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.validate(schema).map_err(|e| e.to_string()))
+            {
+                Ok(sums) => Some((slot, sums)),
+                Err(e) => {
+                    tracing::error!(%run_id, slot, error = %e, "stored partial fails validation; not merged");
+                    None
+                }
+            }
+        })
+        .peekable();
+    let replayed = store
+        .for_each_update(run_id, round_idx, |u| {
+            while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
+                acc.merge(&sums);
+            }
+            let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
+            let example_count = u.example_count as u64;
+            match validate_parts(&update_schema, plan.compression(), u.delta, example_count, metrics) {
+                // An asynchronous run's stale update, with the discount it was folded with
+                // before the restart.
+                Ok(update) => match plan.plan().asynchronous {
+                    Some(a) if u.staleness > 0 => {
+                        acc.add_scaled(&update, a.staleness_scale(u.staleness as u32))
+                    }
+                    _ => acc.add(&update),
+                },
+                // Validated before it was stored: only corruption gets here.
+                Err(e) => tracing::error!(%run_id, slot = u.slot, error = %e, "stored update fails validation; not folded"),
+            }
+            Ok(())
+        })
+        .await?;
+    for (_, sums) in partials {
+        acc.merge(&sums);
+    }
+    Ok(replayed)
+}
+
+/// What [`next_model`] reads besides the round's aggregate.
+pub(super) struct NextModel<'a> {
+    pub(super) store: SqlStore,
+    pub(super) handle: tokio::runtime::Handle,
+    pub(super) run_id: RunId,
+    pub(super) round_idx: RoundIdx,
+    pub(super) plan: &'a ValidatedPlan,
+}
+
+/// The next model and server state from a round's aggregate, on a blocking thread: an order
+/// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
+/// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
+/// server optimizer steps.
+pub(super) fn next_model(
+    ctx: &NextModel<'_>,
+    global: &[f32],
+    mut aggregate: Aggregate,
+    state: &OptimizerState,
+) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
+    let p = ctx.plan.plan();
+    let strategy = &p.strategy;
+    if strategy.aggregation.is_order_statistic() {
+        let n = aggregate.n_updates as usize;
+        // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
+        let tile_len = starling_core::robust::tile_len(n);
+        let round_idx = ctx.round_idx;
+        let combined = combine(
+            &strategy.aggregation,
+            n,
+            global.len(),
+            tile_len,
+            strategy.norm_bound,
+            |start, len| read_tile_retrying(ctx, round_idx, start, len),
+        )
+        .map_err(|e| AggregateError::Robust(e.to_string()))?;
+        tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
+        aggregate.mean_delta = combined.delta;
+    }
+    let mut clip_norm = state.clip_norm;
+    if let (Some(privacy), Some(clip)) = (ctx.plan.privacy(), state.clip_norm) {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).expect("the OS random source failed");
+        let mut noise = Gaussian::new(seed);
+        privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
+        let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
+        clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
+    }
+    let (values, mut next) =
+        strategy.optimizer.step(global, &aggregate, state, p.server_learning_rate)?;
+    next.clip_norm = clip_norm;
+    Ok((values, next))
+}
+
+/// One tile of the round's stored updates; a store error is retried a few times before the
+/// round gives up (its updates stay stored, and are released with the failed round).
+fn read_tile_retrying(
+    ctx: &NextModel<'_>,
+    round_idx: RoundIdx,
+    start: usize,
+    len: usize,
+) -> Result<Vec<Vec<f32>>, StoreError> {
+    let mut backoff = Duration::from_millis(50);
+    for attempt in 1.. {
+        let read = ctx.store.update_tile(ctx.run_id, round_idx, start, len);
+        match ctx.handle.block_on(read) {
+            Ok(rows) => return Ok(rows),
+            Err(e) if attempt < 6 => {
+                tracing::warn!(run_id = %ctx.run_id, error = %e, ?backoff, "reading a tile failed; retrying");
+                std::thread::sleep(backoff);
+                backoff *= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("the loop returns")
+}
