@@ -20,7 +20,7 @@ use starling_client::backend::{self, BackendChoice};
 use starling_client::data::{Split, mnist};
 use starling_client::model::{ModelIo, SpecModel};
 use starling_client::simulate::{ModelKind, model_spec};
-use starling_client::train::{TrainingConfig, train};
+use starling_client::train::{TrainingPlan, train};
 
 fn main() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist");
@@ -55,12 +55,8 @@ fn main() {
             let subset = examples.subset(&(0..n).collect::<Vec<_>>());
             let device = backend.training_device();
             let io = ModelIo::of_spec(&spec).unwrap();
-            let config = TrainingConfig {
-                epochs: 1,
-                batch_size: batch,
-                lr: 0.05,
-                ..TrainingConfig::default()
-            };
+            let config =
+                TrainingPlan { epochs: 1, batch_size: batch, lr: 0.05, ..TrainingPlan::default() };
             // Two warm-up steps (wgpu compiles its shaders on first use), then the timed epoch.
             let warm = subset.subset(&(0..2 * batch as usize).collect::<Vec<_>>());
             let model = SpecModel::build(&spec, &device).unwrap();

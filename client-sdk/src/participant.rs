@@ -31,7 +31,7 @@ use crate::model::{
 };
 use crate::protocol::{ClientError, FleetClient, TlsSettings, retrying};
 use crate::secure::{SecureError, SecureSession};
-use crate::train::{Evaluation, Progress, TrainError, TrainingConfig, evaluate, train};
+use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train};
 
 /// Attempts per request on transient failures.
 const TRIES: u32 = 4;
@@ -468,7 +468,8 @@ impl<F: ModelFactory> Participant<F> {
             None => self.evaluate_once(&task, &global).await?,
         };
         report(ParticipantProgress::Phase(Phase::Training));
-        let mut config = TrainingConfig::from_json(&task.training_config)?;
+        let mut config = TrainingPlan::from_json(&task.training_config)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         // The plan's seed is the run's; each device shuffles differently in every round.
         config.seed = round_seed(config.seed, self.state.device_id, run_id, round_idx);
         let (train_set, device) = (self.train_set.clone(), self.device.clone());

@@ -1,14 +1,14 @@
 //! Local training and evaluation of a [`SpecModel`] on a device's own examples.
 //!
-//! The plan's training configuration arrives as JSON text, untouched by the coordinator; it is
-//! parsed and bounded here ([`TrainingConfig::from_json`]). Training is deterministic for a
+//! The plan's training configuration ([`TrainingPlan`], core's, checked when the run was
+//! created) arrives as JSON text with each task; [`TrainingPlan::from_json`] checks it again
+//! on the device. Training is deterministic for a
 //! given seed: batches are shuffled with the SDK's own generator.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor};
-use serde::Deserialize;
 use starling_core::model_spec::InputSpec;
 use starling_core::rng::SplitMix64;
 
@@ -49,88 +49,7 @@ pub enum TrainError {
     Diverged,
 }
 
-/// Local optimizer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum OptimizerKind {
-    /// Plain stochastic gradient descent.
-    #[default]
-    Sgd,
-    /// Adam.
-    Adam,
-}
-
-/// The plan's local training configuration.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrainingConfig {
-    /// Passes over the local examples.
-    #[serde(default = "one")]
-    pub epochs: u32,
-    /// Examples per step.
-    #[serde(default = "thirty_two")]
-    pub batch_size: u32,
-    /// Learning rate.
-    #[serde(default = "default_lr")]
-    pub lr: f64,
-    /// Optimizer.
-    #[serde(default)]
-    pub optimizer: OptimizerKind,
-    /// FedProx's proximal coefficient μ (0 is plain FedAvg).
-    #[serde(default)]
-    pub fedprox_mu: f64,
-    /// Shuffling seed.
-    #[serde(default)]
-    pub seed: u64,
-}
-
-fn one() -> u32 {
-    1
-}
-fn thirty_two() -> u32 {
-    32
-}
-fn default_lr() -> f64 {
-    0.05
-}
-
-impl Default for TrainingConfig {
-    fn default() -> Self {
-        TrainingConfig {
-            epochs: 1,
-            batch_size: 32,
-            lr: default_lr(),
-            optimizer: OptimizerKind::Sgd,
-            fedprox_mu: 0.0,
-            seed: 0,
-        }
-    }
-}
-
-impl TrainingConfig {
-    /// Parses and bounds the plan's training JSON; `null` or `{}` gives the defaults.
-    pub fn from_json(json: &str) -> Result<Self, TrainError> {
-        let value: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| TrainError::Config(e.to_string()))?;
-        let config: TrainingConfig = if value.is_null() {
-            TrainingConfig::default()
-        } else {
-            serde_json::from_value(value).map_err(|e| TrainError::Config(e.to_string()))?
-        };
-        if !(1..=1000).contains(&config.epochs) || !(1..=65_536).contains(&config.batch_size) {
-            return Err(TrainError::Config(
-                "epochs must be in 1..=1000 and batch_size in 1..=65536".into(),
-            ));
-        }
-        if !(config.lr.is_finite() && config.lr > 0.0 && config.lr < 100.0) {
-            return Err(TrainError::Config("lr must be in (0, 100)".into()));
-        }
-        if !(config.fedprox_mu.is_finite() && config.fedprox_mu >= 0.0) {
-            return Err(TrainError::Config("fedprox_mu must be finite and non-negative".into()));
-        }
-        Ok(config)
-    }
-}
+pub use starling_core::plan::{LocalOptimizer, TrainingPlan};
 
 /// What training reports through the progress callback.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -177,7 +96,7 @@ pub fn train<M: Classifier>(
     model: M,
     io: ModelIo,
     examples: &Examples,
-    config: &TrainingConfig,
+    config: &TrainingPlan,
     device: &Device,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<(M, TrainReport), TrainError> {
@@ -185,8 +104,8 @@ pub fn train<M: Classifier>(
     let anchor = (config.fedprox_mu > 0.0).then(|| flat_params(&model.valid()));
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let mut optim = match config.optimizer {
-        OptimizerKind::Sgd => SgdConfig::new().init(),
-        OptimizerKind::Adam => AdamConfig::new().init(),
+        LocalOptimizer::Sgd => SgdConfig::new().init(),
+        LocalOptimizer::Adam => AdamConfig::new().init(),
     };
     let mut model = model.train();
     let mut order: Vec<usize> = (0..examples.len()).collect();

@@ -15,6 +15,9 @@ use crate::model_spec::{ModelSpec, SpecError};
 use crate::privacy::Privacy;
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
+pub use training::{LocalOptimizer, TrainingPlan};
+
+mod training;
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
 
 /// A run plan as submitted by an operator.
@@ -35,9 +38,9 @@ pub struct Plan {
     pub exclusive_population: bool,
     /// Model schema and initial parameters.
     pub model: ModelPlan,
-    /// Local training configuration, passed to clients untouched.
-    #[serde(default)]
-    pub training: serde_json::Value,
+    /// How devices train locally; checked here, sent to devices with each task.
+    #[serde(default, deserialize_with = "training::null_as_default")]
+    pub training: TrainingPlan,
     /// Reports wanted per round; the round closes as soon as this many arrived.
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
     pub cohort_size: u32,
@@ -346,6 +349,7 @@ pub const MAX_CHECKPOINT_INTERVAL: u32 = 100;
 impl Plan {
     /// Checks the plan and resolves defaults.
     pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
+        self.training.validate()?;
         let schema = match (&self.model.schema, &self.model.spec) {
             (None, None) => return Err(field("model", "needs a schema, a spec, or both")),
             (Some(schema), None) => schema.clone(),
@@ -754,7 +758,7 @@ impl ValidatedPlan {
 
     /// The training configuration as JSON text, as clients receive it.
     pub fn training_config_json(&self) -> String {
-        self.plan.training.to_string()
+        serde_json::to_string(&self.plan.training).expect("a training plan serializes")
     }
 
     /// Builds model version 0.

@@ -56,7 +56,7 @@ fn learns_digits_on(device: Device) {
         .load_parameters(&spec.initial_parameters(1).unwrap())
         .unwrap();
     let before = evaluate(&model, io(&spec), &test_set, &device).unwrap();
-    let config = TrainingConfig { epochs: 5, batch_size: 16, lr: 0.1, ..TrainingConfig::default() };
+    let config = TrainingPlan { epochs: 5, batch_size: 16, lr: 0.1, ..TrainingPlan::default() };
     let mut steps = 0;
     let (model, report) =
         train(model, io(&spec), &train_set, &config, &device, &mut |_| steps += 1).unwrap();
@@ -79,12 +79,12 @@ fn adam_also_learns_and_fedprox_stays_closer_to_the_global_model() {
     let global = spec.initial_parameters(2).unwrap();
     let distance = |mu: f64, optimizer| {
         let model = SpecModel::build(&spec, &device).unwrap().load_parameters(&global).unwrap();
-        let config = TrainingConfig {
+        let config = TrainingPlan {
             epochs: 2,
             lr: 0.05,
             fedprox_mu: mu,
             optimizer,
-            ..TrainingConfig::default()
+            ..TrainingPlan::default()
         };
         let (model, report) =
             train(model, io(&spec), &examples, &config, &device, &mut |_| {}).unwrap();
@@ -92,20 +92,17 @@ fn adam_also_learns_and_fedprox_stays_closer_to_the_global_model() {
             model.parameters().iter().zip(&global).map(|(a, b)| f64::from(a - b).powi(2)).sum();
         (d.sqrt(), report.loss)
     };
-    let (plain, _) = distance(0.0, OptimizerKind::Sgd);
-    let (prox, _) = distance(10.0, OptimizerKind::Sgd);
+    let (plain, _) = distance(0.0, LocalOptimizer::Sgd);
+    let (prox, _) = distance(10.0, LocalOptimizer::Sgd);
     assert!(prox < plain * 0.8, "FedProx distance {prox} vs plain {plain}");
-    let (_, adam_loss) = distance(0.0, OptimizerKind::Adam);
+    let (_, adam_loss) = distance(0.0, LocalOptimizer::Adam);
     assert!(adam_loss < 2.0, "Adam's mean training loss {adam_loss}");
 }
 
 #[test]
 fn bad_configs_and_examples_are_errors() {
-    assert_eq!(TrainingConfig::from_json("null").unwrap(), TrainingConfig::default());
-    assert_eq!(
-        TrainingConfig::from_json(r#"{"epochs": 3, "optimizer": "adam"}"#).unwrap().epochs,
-        3
-    );
+    assert_eq!(TrainingPlan::from_json("null").unwrap(), TrainingPlan::default());
+    assert_eq!(TrainingPlan::from_json(r#"{"epochs": 3, "optimizer": "adam"}"#).unwrap().epochs, 3);
     for bad in [
         r#"{"lr": -1}"#,
         r#"{"epochs": 0}"#,
@@ -113,12 +110,12 @@ fn bad_configs_and_examples_are_errors() {
         "[1",
         r#"{"fedprox_mu": -0.1}"#,
     ] {
-        assert!(matches!(TrainingConfig::from_json(bad), Err(TrainError::Config(_))), "{bad}");
+        assert!(TrainingPlan::from_json(bad).is_err(), "{bad}");
     }
     let spec = digits_mlp();
     let device = Device::flex().autodiff();
     let model = || SpecModel::build(&spec, &device).unwrap();
-    let config = TrainingConfig::default();
+    let config = TrainingPlan::default();
     let empty = Examples::new(spec.input);
     assert!(matches!(
         train(model(), io(&spec), &empty, &config, &device, &mut |_| {}),
@@ -160,12 +157,12 @@ fn an_lstm_learns_next_characters_of_a_shakespeare_role() {
         .load_parameters(&spec.initial_parameters(1).unwrap())
         .unwrap();
     let before = evaluate(&model, io(&spec), &examples, &device).unwrap();
-    let config = TrainingConfig {
+    let config = TrainingPlan {
         epochs: 4,
         batch_size: 32,
         lr: 0.01,
-        optimizer: OptimizerKind::Adam,
-        ..TrainingConfig::default()
+        optimizer: LocalOptimizer::Adam,
+        ..TrainingPlan::default()
     };
     let (model, _) = train(model, io(&spec), &examples, &config, &device, &mut |_| {}).unwrap();
     let after = evaluate(&model, io(&spec), &examples, &device).unwrap();

@@ -28,7 +28,9 @@ fn defaults_resolve() {
     assert_eq!((c.cohort_size, c.target_selected, c.min_quorum), (10, 13, 10));
     assert_eq!((c.selection_timeout_ms, c.reporting_timeout_ms), (30_000, 120_000));
     assert_eq!(p.plan().population, "default");
-    assert_eq!(p.training_config_json(), r#"{"epochs":1,"lr":0.1}"#);
+    // Devices get the whole training section, its defaults filled in.
+    let sent = r#"{"epochs":1,"batch_size":32,"lr":0.1,"optimizer":"sgd","fedprox_mu":0.0,"seed":0}"#;
+    assert_eq!(p.training_config_json(), sent);
 }
 
 #[test]
@@ -449,4 +451,42 @@ fn plans_whose_order_statistic_cannot_fit_or_whose_compression_has_stray_fields_
         let err = serde_json::from_value::<Plan>(v).unwrap_err().to_string();
         assert!(err.contains("fraction"), "{field}: {err}");
     }
+}
+
+/// The training section is typed and checked when the run is created: a typo or a value of
+/// the wrong type does not parse (naming the field), an out-of-range value fails validation by
+/// name, and absent or `null` are the defaults devices have always trained with.
+#[test]
+fn training_sections_are_checked_at_plan_time() {
+    let with = |training: serde_json::Value| {
+        let mut plan = plan_json();
+        plan["training"] = training;
+        plan
+    };
+    for (training, names) in [
+        (serde_json::json!({"fedprox_muu": 0.1}), "fedprox_muu"),
+        (serde_json::json!({"fedprox_mu": "x"}), "invalid type"),
+        (serde_json::json!({"optimizer": "lbfgs"}), "lbfgs"),
+    ] {
+        let err = serde_json::from_value::<Plan>(with(training)).unwrap_err().to_string();
+        assert!(err.contains(names), "{err}");
+    }
+    for (training, name) in [
+        (serde_json::json!({"lr": 0}), "training.lr"),
+        (serde_json::json!({"epochs": 0}), "training.epochs"),
+        (serde_json::json!({"batch_size": 100_000}), "training.batch_size"),
+        (serde_json::json!({"fedprox_mu": -1.0}), "training.fedprox_mu"),
+    ] {
+        let plan: Plan = serde_json::from_value(with(training)).unwrap();
+        assert!(matches!(plan.validate(), Err(PlanError::Field { field, .. }) if field == name));
+    }
+    let defaults = TrainingPlan::default();
+    assert_eq!(parse(with(serde_json::Value::Null)).unwrap().plan().training, defaults);
+    let mut absent = plan_json();
+    absent.as_object_mut().unwrap().remove("training");
+    assert_eq!(parse(absent).unwrap().plan().training, defaults);
+    // Devices get the whole section, defaults filled in.
+    let adam = parse(with(serde_json::json!({"optimizer": "adam", "lr": 0.01}))).unwrap();
+    let sent = TrainingPlan::from_json(&adam.training_config_json()).unwrap();
+    assert_eq!((sent.optimizer, sent.lr, sent.epochs), (LocalOptimizer::Adam, 0.01, 1));
 }
