@@ -386,5 +386,8 @@ fn read_f32s(rest: &mut &[u8], n: usize) -> Result<Vec<f32>, StateError> {
     Ok(head.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
 }
 
+mod round_end;
+pub use round_end::{NextModel, RoundEnd};
+
 #[cfg(test)]
 mod tests;

@@ -17,8 +17,8 @@ use starling_core::strategy::OptimizerState;
 use starling_core::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::next_model::{NextModel, next_model, replay_round};
-use super::{Closed, CommittedModel, Internal, ModelWrites, encode_model};
+use super::next_model::{EncodedModel, NextModel, encoded, next_model, replay_round};
+use super::{Closed, CommittedModel, Internal, ModelWrites};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
@@ -117,9 +117,8 @@ impl CloseTask {
                         aggregate,
                         &optimizer_state,
                     )?;
-                    let (encoded, hash) = encode_model(plan.schema(), &values);
-                    let stateful = plan.plan().strategy.is_stateful();
-                    let state_bytes = stateful.then(|| state.to_bytes());
+                    let EncodedModel { payload: encoded, hash, state: state_bytes } =
+                        encoded(plan, &values, &state);
                     Ok::<_, AggregateError>((values, encoded, hash, metrics, state, state_bytes))
                 })
                 .await
@@ -429,9 +428,8 @@ impl LastModelWrite {
         let (on_thread, values, state) =
             (plan.clone(), self.values.clone(), self.optimizer_state.clone());
         let (encoded, encoded_hash, state_bytes) = tokio::task::spawn_blocking(move || {
-            let (encoded, hash) = encode_model(on_thread.schema(), &values);
-            let stateful = on_thread.plan().strategy.is_stateful();
-            (encoded, hash, stateful.then(|| state.to_bytes()))
+            let EncodedModel { payload, hash, state } = encoded(&on_thread, &values, &state);
+            (payload, hash, state)
         })
         .await
         .expect("encoding a model panicked");

@@ -1,16 +1,13 @@
 //! How a round's contributions become the next model, for closing a round and for rebuilding
-//! one at start alike: the stored updates and partials replayed in slot order, and the
-//! strategy's pipeline from the aggregate (order statistics read back tile by tile, DP noise,
-//! the server optimizer's step).
+//! one at start alike: the stored updates and partials replayed in slot order, and core's
+//! strategy pipeline from the aggregate, with the store as its tile reader.
 
 use std::time::Duration;
 
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
 use starling_core::plan::ValidatedPlan;
-use starling_core::privacy::Gaussian;
-use starling_core::robust::combine;
-use starling_core::strategy::OptimizerState;
+use starling_core::strategy::{OptimizerState, RoundEnd};
 use starling_core::tier::PartialReport;
 use starling_core::{RoundIdx, RunId};
 
@@ -82,48 +79,33 @@ pub(super) struct NextModel<'a> {
     pub(super) plan: &'a ValidatedPlan,
 }
 
-/// The next model and server state from a round's aggregate, on a blocking thread: an order
-/// statistic replaces the streamed mean (reading the round's updates back tile by tile), a DP
-/// run's noise is added to the mean of its clipped updates and its clip norm moves, then the
-/// server optimizer steps.
+/// The next model and server state from a round's aggregate, on a blocking thread: core's
+/// [`Strategy::next_model`](starling_core::strategy::Strategy::next_model), with the round's
+/// updates read back from the store and a DP run's noise seeded from the OS.
 pub(super) fn next_model(
     ctx: &NextModel<'_>,
     global: &[f32],
-    mut aggregate: Aggregate,
+    aggregate: Aggregate,
     state: &OptimizerState,
 ) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
-    let p = ctx.plan.plan();
-    let strategy = &p.strategy;
-    if strategy.aggregation.is_order_statistic() {
-        let n = aggregate.n_updates as usize;
-        // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
-        let tile_len = starling_core::robust::tile_len(n);
-        let round_idx = ctx.round_idx;
-        let combined = combine(
-            &strategy.aggregation,
-            n,
-            global.len(),
-            tile_len,
-            strategy.norm_bound,
-            |start, len| read_tile_retrying(ctx, round_idx, start, len),
-        )
-        .map_err(|e| AggregateError::Robust(e.to_string()))?;
-        tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
-        aggregate.mean_delta = combined.delta;
+    let plan = ctx.plan.plan();
+    let end = RoundEnd {
+        privacy: ctx.plan.privacy(),
+        server_learning_rate: plan.server_learning_rate,
+        global,
+        aggregate,
+        state,
+    };
+    let round_idx = ctx.round_idx;
+    let next = plan.strategy.next_model(
+        end,
+        |start, len| read_tile_retrying(ctx, round_idx, start, len),
+        super::entropy,
+    )?;
+    if let Some(combined) = &next.combined {
+        tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = plan.strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
     }
-    let mut clip_norm = state.clip_norm;
-    if let (Some(privacy), Some(clip)) = (ctx.plan.privacy(), state.clip_norm) {
-        let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed).expect("the OS random source failed");
-        let mut noise = Gaussian::new(seed);
-        privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
-        let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
-        clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
-    }
-    let (values, mut next) =
-        strategy.optimizer.step(global, &aggregate, state, p.server_learning_rate)?;
-    next.clip_norm = clip_norm;
-    Ok((values, next))
+    Ok((next.values, next.state))
 }
 
 /// One tile of the round's stored updates; a store error is retried a few times before the
@@ -148,4 +130,24 @@ fn read_tile_retrying(
         }
     }
     unreachable!("the loop returns")
+}
+
+/// A model as the store keeps it: the payload's bytes and content hash, and the server state's
+/// bytes when the strategy keeps state between rounds.
+pub(super) struct EncodedModel {
+    pub(super) payload: Vec<u8>,
+    pub(super) hash: String,
+    pub(super) state: Option<Vec<u8>>,
+}
+
+/// Encodes `values` and `state` as the store keeps them, for a commit, a late write or a
+/// rebuild alike.
+pub(super) fn encoded(
+    plan: &ValidatedPlan,
+    values: &[f32],
+    state: &OptimizerState,
+) -> EncodedModel {
+    let (payload, hash) = super::encode_model(plan.schema(), values);
+    let state = plan.plan().strategy.is_stateful().then(|| state.to_bytes());
+    EncodedModel { payload, hash, state }
 }

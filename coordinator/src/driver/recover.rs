@@ -17,8 +17,8 @@ use starling_core::tensor::TensorPayload;
 use starling_core::{ModelVersion, RoundIdx, RunId};
 use tokio::sync::mpsc;
 
-use super::next_model::{NextModel, next_model, replay_round};
-use super::{Driver, DriverHandle, ModelWrites, RunEntry, encode_model, entropy};
+use super::next_model::{EncodedModel, NextModel, encoded, next_model, replay_round};
+use super::{Driver, DriverHandle, ModelWrites, RunEntry, entropy};
 use crate::clock::now_ms;
 use crate::model_cache::ModelCache;
 use crate::observe::Observer;
@@ -237,9 +237,8 @@ async fn rebuild_model(
     let (encoded, hash, state_bytes) = tokio::task::spawn_blocking(move || {
         let ctx = NextModel { store: reader, handle, run_id, round_idx, plan: &plan };
         let (values, next) = next_model(&ctx, &previous, aggregate, &state)?;
-        let (encoded, hash) = encode_model(plan.schema(), &values);
-        let stateful = plan.plan().strategy.is_stateful();
-        Ok::<_, AggregateError>((encoded, hash, stateful.then(|| next.to_bytes())))
+        let EncodedModel { payload, hash, state } = encoded(&plan, &values, &next);
+        Ok::<_, AggregateError>((payload, hash, state))
     })
     .await
     .expect("rebuilding a model panicked")

@@ -29,7 +29,8 @@ fn defaults_resolve() {
     assert_eq!((c.selection_timeout_ms, c.reporting_timeout_ms), (30_000, 120_000));
     assert_eq!(p.plan().population, "default");
     // Devices get the whole training section, its defaults filled in.
-    let sent = r#"{"epochs":1,"batch_size":32,"lr":0.1,"optimizer":"sgd","fedprox_mu":0.0,"seed":0}"#;
+    let sent =
+        r#"{"epochs":1,"batch_size":32,"lr":0.1,"optimizer":"sgd","fedprox_mu":0.0,"seed":0}"#;
     assert_eq!(p.training_config_json(), sent);
 }
 

@@ -298,3 +298,35 @@ fn the_step_per_optimizer_matches_the_step_per_parameter_bit_for_bit() {
         }
     }
 }
+
+/// A round's end through the pipeline: the mean passes the folded aggregate to the optimizer
+/// and reads no tile; a coordinate median reads the updates back and replaces the mean with
+/// their median (by hand: the middle of 1, 4, -2 and of 0, 2, 6), then the optimizer steps.
+#[test]
+fn a_rounds_end_combines_then_steps_and_reads_tiles_only_for_order_statistics() {
+    let updates = [[1.0f32, 0.0], [4.0, 2.0], [-2.0, 6.0]];
+    let read = |start: usize, len: usize| -> Result<Vec<Vec<f32>>, String> {
+        Ok(updates.iter().map(|u| u[start..start + len].to_vec()).collect())
+    };
+    let mut mean_agg = aggregate(D1);
+    mean_agg.n_updates = 3;
+    let state = ServerOptimizer::FedAvg { lr: None }.initial_state(2);
+    let end = |aggregate| RoundEnd {
+        privacy: None,
+        server_learning_rate: 1.0,
+        global: &X0,
+        aggregate,
+        state: &state,
+    };
+    let mean = Strategy::default();
+    let no_tiles = |_: usize, _: usize| -> Result<Vec<Vec<f32>>, String> {
+        panic!("the mean streams: no tile is read")
+    };
+    let next = mean.next_model(end(mean_agg.clone()), no_tiles, || [0; 32]).unwrap();
+    assert_eq!(next.values, vec![1.5, -2.5]);
+    assert!(next.combined.is_none());
+    let median = Strategy { aggregation: Aggregation::CoordinateMedian {}, ..Strategy::default() };
+    let next = median.next_model(end(mean_agg), read, || [0; 32]).unwrap();
+    assert_eq!(next.values, vec![2.0, 0.0], "X0 + (1, 2)");
+    assert!(next.combined.is_some());
+}

@@ -1,0 +1,81 @@
+//! A round's end as pure code: from the round's folded aggregate to the next model and server
+//! state. An order statistic replaces the streamed mean (reading the round's updates back a
+//! tile at a time through the caller's reader), a DP run's noise goes on the mean of its
+//! clipped updates and its clip norm moves, then the server optimizer steps.
+//!
+//! The coordinator supplies the IO: a tile reader over its store and a noise seed from the OS.
+//! A new robust aggregator or server optimizer changes this directory and `robust.rs` only.
+
+use crate::fedavg::{Aggregate, AggregateError};
+use crate::privacy::{Gaussian, Privacy};
+use crate::robust::{Combined, combine, tile_len};
+
+use super::{OptimizerState, Strategy};
+
+/// What a round's end starts from.
+#[derive(Debug)]
+pub struct RoundEnd<'a> {
+    /// The run's differential privacy, resolved from its plan; `None` without.
+    pub privacy: Option<&'a Privacy>,
+    /// The plan's server learning rate (the optimizer's default).
+    pub server_learning_rate: f64,
+    /// The model the round trained.
+    pub global: &'a [f32],
+    /// The round's folded aggregate.
+    pub aggregate: Aggregate,
+    /// The server state the round started from.
+    pub state: &'a OptimizerState,
+}
+
+/// The next model and server state, and what an order statistic did (for logs).
+#[derive(Debug)]
+pub struct NextModel {
+    /// The next model's values.
+    pub values: Vec<f32>,
+    /// The next server state.
+    pub state: OptimizerState,
+    /// The order statistic's result, when the strategy has one (its delta moved into the
+    /// aggregate).
+    pub combined: Option<Combined>,
+}
+
+impl Strategy {
+    /// The next model from `end`. `read_tile(start, len)` gives the round's stored updates'
+    /// values `start..start + len`, one row per update in slot order; `noise_seed` is called
+    /// once, for a DP run's noise, and must be secret randomness.
+    pub fn next_model<E: std::fmt::Display>(
+        &self,
+        end: RoundEnd<'_>,
+        read_tile: impl FnMut(usize, usize) -> Result<Vec<Vec<f32>>, E>,
+        noise_seed: impl FnOnce() -> [u8; 32],
+    ) -> Result<NextModel, AggregateError> {
+        let RoundEnd { privacy, server_learning_rate, global, mut aggregate, state } = end;
+        let mut combined = None;
+        if self.aggregation.is_order_statistic() {
+            let n = aggregate.n_updates as usize;
+            // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
+            let mut result = combine(
+                &self.aggregation,
+                n,
+                global.len(),
+                tile_len(n),
+                self.norm_bound,
+                read_tile,
+            )
+            .map_err(|e| AggregateError::Robust(e.to_string()))?;
+            aggregate.mean_delta = std::mem::take(&mut result.delta);
+            combined = Some(result);
+        }
+        let mut clip_norm = state.clip_norm;
+        if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
+            let mut noise = Gaussian::new(noise_seed());
+            privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
+            let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
+            clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
+        }
+        let (values, mut next) =
+            self.optimizer.step(global, &aggregate, state, server_learning_rate)?;
+        next.clip_norm = clip_norm;
+        Ok(NextModel { values, state: next, combined })
+    }
+}
