@@ -114,6 +114,7 @@ impl Effects<'_> {
                 tracing::info!(%run_id, round = %opened.round_idx, model_version = %opened.model_version, "round opened");
                 entry.accumulator.reset(entry.plan.accumulator(&entry.optimizer_state));
                 self.observer.round_opened(run_id, opened.round_idx);
+                entry.writer.opens_round();
                 batch.transitions.push(Transition::OpenRound(opened));
             }
             Action::PersistSelection { round_idx, device, aggregator } => {
@@ -130,7 +131,8 @@ impl Effects<'_> {
             }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
-                self.persist_in_background((run_id, request), batch, "insert_update", async move {
+                let after = (!entry.writer.round_is_durable()).then_some(&mut *batch);
+                self.persist_in_background((run_id, request), after, "insert_update", async move {
                     let metrics =
                         serde_json::to_string(update.metrics()).expect("metrics serialize");
                     let res = store
@@ -162,7 +164,8 @@ impl Effects<'_> {
             }
             Action::PersistPartial { request, round_idx, slot, report } => {
                 let store = self.store.clone();
-                self.persist_in_background((run_id, request), batch, "insert_partial", async move {
+                let after = (!entry.writer.round_is_durable()).then_some(&mut *batch);
+                self.persist_in_background((run_id, request), after, "insert_partial", async move {
                     let res = store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
                     match &res {
                         Ok(()) => {
@@ -250,12 +253,12 @@ impl Effects<'_> {
     fn persist_in_background(
         &self,
         (run_id, request): (RunId, RequestId),
-        batch: &mut Batch,
+        after: Option<&mut Batch>,
         what: &'static str,
         write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
     ) {
         let (internal, observer) = (self.internal.clone(), self.observer.clone());
-        batch.writes.push(Box::pin(async move {
+        let write = Box::pin(async move {
             let started = std::time::Instant::now();
             let res = write.await;
             observer.store_latency(what, started.elapsed().as_secs_f64());
@@ -263,6 +266,14 @@ impl Effects<'_> {
                 let _ = internal.send(Internal::Deposed);
             }
             let _ = internal.send(Internal::Persisted { run_id, request, ok: res.is_ok() });
-        }));
+        });
+        match after {
+            // The round's row is still on its way: the write goes with `batch`, once the
+            // transitions before it are durable.
+            Some(batch) => batch.writes.push(write),
+            None => {
+                tokio::spawn(write);
+            }
+        }
     }
 }

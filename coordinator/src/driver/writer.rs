@@ -5,6 +5,8 @@
 //! a slow write delays that run's answers, not every run's. Batches that queue while a write is in flight are written together, in order,
 //! in the next transaction (group commit).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use starling_core::{Millis, RunId};
@@ -47,8 +49,14 @@ const QUEUED_BATCHES: usize = 64;
 
 /// A run's writer task.
 pub(super) struct RunWriter {
-    tx: mpsc::Sender<(Batch, Millis)>,
+    tx: mpsc::Sender<(Batch, Millis, u64)>,
     task: tokio::task::JoinHandle<()>,
+    /// Batches queued so far; the next one is numbered one more.
+    queued: u64,
+    /// The number of the last batch whose transitions are durable (or that had none).
+    durable: Arc<AtomicU64>,
+    /// The batch that opened the run's newest round.
+    round_opened_in: u64,
 }
 
 impl RunWriter {
@@ -60,7 +68,9 @@ impl RunWriter {
         observer: Observer,
         internal: mpsc::UnboundedSender<Internal>,
     ) -> Self {
-        let (tx, mut rx) = mpsc::channel::<(Batch, Millis)>(QUEUED_BATCHES);
+        let (tx, mut rx) = mpsc::channel::<(Batch, Millis, u64)>(QUEUED_BATCHES);
+        let durable = Arc::new(AtomicU64::new(0));
+        let written = durable.clone();
         let task = tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 // Batches that queued while the last write was in flight join this one: one
@@ -71,8 +81,8 @@ impl RunWriter {
                 }
                 let transitions: Vec<(&[Transition], Millis)> = batches
                     .iter()
-                    .filter(|(batch, _)| !batch.transitions.is_empty())
-                    .map(|(batch, now)| (batch.transitions.as_slice(), *now))
+                    .filter(|(batch, ..)| !batch.transitions.is_empty())
+                    .map(|(batch, now, _)| (batch.transitions.as_slice(), *now))
                     .collect();
                 if !transitions.is_empty() {
                     let started = std::time::Instant::now();
@@ -84,9 +94,11 @@ impl RunWriter {
                     }
                     observer.store_latency("transitions", started.elapsed().as_secs_f64());
                 }
-                for (batch, _) in batches {
+                let last = batches.last().map_or(0, |(.., seq)| *seq);
+                written.store(last, Ordering::Release);
+                for (batch, ..) in batches {
                     // Concurrent with each other and with later batches' transitions: only
-                    // the round rows they refer to must come first.
+                    // the round row they refer to had to come first.
                     for write in batch.writes {
                         tokio::spawn(write);
                     }
@@ -99,7 +111,18 @@ impl RunWriter {
                 }
             }
         });
-        RunWriter { tx, task }
+        RunWriter { tx, task, queued: 0, durable, round_opened_in: 0 }
+    }
+
+    /// The batch being built opens a round: payloads for it wait until that batch is durable.
+    pub(super) fn opens_round(&mut self) {
+        self.round_opened_in = self.queued + 1;
+    }
+
+    /// Whether the newest round's row is durable, so a payload for it may be written at once
+    /// (else it goes with the batch, after the transitions before it).
+    pub(super) fn round_is_durable(&self) -> bool {
+        self.durable.load(Ordering::Acquire) >= self.round_opened_in
     }
 
     /// Ends the writer once what it was handed is written (or fenced off), so that a driver
@@ -110,9 +133,10 @@ impl RunWriter {
     }
 
     /// Queues `batch`, waiting only when the writer is [`QUEUED_BATCHES`] behind.
-    pub(super) async fn write(&self, batch: Batch, now: Millis) {
+    pub(super) async fn write(&mut self, batch: Batch, now: Millis) {
+        self.queued += 1;
         // The writer only stops after a fence, and then the driver stops too.
-        let _ = self.tx.send((batch, now)).await;
+        let _ = self.tx.send((batch, now, self.queued)).await;
     }
 }
 
