@@ -17,8 +17,11 @@ use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use training::{LocalOptimizer, TrainingPlan};
 
+mod combinations;
 mod training;
+
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
+use combinations::Feature;
 
 /// A run plan as submitted by an operator.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -347,6 +350,32 @@ pub const MAX_COHORT: u32 = 1_000_000;
 pub const MAX_CHECKPOINT_INTERVAL: u32 = 100;
 
 impl Plan {
+    /// Whether the plan turns `feature` on (for the table of refused combinations).
+    fn has(&self, feature: Feature) -> bool {
+        let strategy = &self.strategy;
+        let dp = strategy.differential_privacy.as_ref();
+        match feature {
+            Feature::SecureAggregation => self.secure_aggregation.is_some(),
+            Feature::SecureWeightedExamples => {
+                self.secure_aggregation.as_ref().is_some_and(|s| s.max_examples != 1)
+            }
+            Feature::OrderStatistic => strategy.aggregation.is_order_statistic(),
+            Feature::NormBound => strategy.norm_bound.is_some(),
+            Feature::DifferentialPrivacy => dp.is_some(),
+            Feature::AdaptiveClipping => dp.is_some_and(|dp| dp.adaptive_clipping.is_some()),
+            Feature::ServerTraining => {
+                strategy.needs_each_update() || strategy.optimizer.is_stateful()
+            }
+            Feature::EachUpdateWeighed => strategy.needs_each_update(),
+            Feature::Compression => !self.compression.is_f32(),
+            Feature::ModelDownload => !self.model_download.is_f32(),
+            Feature::Asynchronous => self.asynchronous.is_some(),
+            Feature::Checkpoints => self.checkpoint_interval > 1,
+            Feature::EvaluationOnly => self.evaluation_only,
+            Feature::MaxExamples => self.max_examples.is_some(),
+        }
+    }
+
     /// Checks the plan and resolves defaults.
     pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
         self.training.validate()?;
@@ -408,75 +437,13 @@ impl Plan {
         {
             return Err(field("strategy.norm_bound", "must be in (0, 1e9]"));
         }
-        if self.evaluation_only
-            && (strategy.needs_each_update() || strategy.optimizer.is_stateful())
-        {
-            return Err(field(
-                "strategy",
-                "an evaluation-only run trains nothing: it takes no optimizer, aggregation, norm bound or privacy",
-            ));
-        }
-        if self.secure_aggregation.is_some() {
-            if strategy.aggregation.is_order_statistic() {
-                return Err(field(
-                    "strategy.aggregation",
-                    "order statistics need each device's update, and secure aggregation reveals only the sum; use the mean or drop secure_aggregation",
-                ));
-            }
-            if strategy.norm_bound.is_some() {
-                return Err(field(
-                    "strategy.norm_bound",
-                    "the coordinator cannot bound a masked update; with secure aggregation use differential_privacy.clip_norm, which devices apply before masking",
-                ));
-            }
-        }
-        if let Some(dp) = &strategy.differential_privacy {
-            if strategy.aggregation.is_order_statistic() || strategy.norm_bound.is_some() {
-                return Err(field(
-                    "strategy.differential_privacy",
-                    "DP-FedAvg clips each update to clip_norm and takes the mean; it does not combine with a robust aggregation or a separate norm_bound",
-                ));
-            }
-            if let Some(secure) = &self.secure_aggregation {
-                if secure.max_examples != 1 {
-                    return Err(field(
-                        "secure_aggregation.max_examples",
-                        "must be 1 with differential privacy: every update weighs the same, so one device moves the sum by at most clip_norm",
-                    ));
-                }
-                if dp.adaptive_clipping.is_some() {
-                    return Err(field(
-                        "strategy.differential_privacy.adaptive_clipping",
-                        "needs each device's clipping outcome, which secure aggregation hides; use a fixed clip_norm",
-                    ));
-                }
-            }
-        }
         if !self.compression.is_f32() {
             self.compression.check().map_err(|e| field("compression", e.to_string()))?;
-            let refused = if self.secure_aggregation.is_some() {
-                Some("secure aggregation masks f32 values quantized to its own ring")
-            } else if strategy.aggregation.is_order_statistic() {
-                Some("order statistics read the stored updates back as f32 tiles")
-            } else if self.evaluation_only {
-                Some("an evaluation-only run uploads no delta")
-            } else {
-                None
-            };
-            if let Some(why) = refused {
-                return Err(field("compression", format!("must be f32 here: {why}")));
-            }
         }
         if !self.model_download.is_f32() {
             self.model_download
                 .check_model()
                 .map_err(|e| field("model_download", e.to_string()))?;
-            if self.evaluation_only {
-                return Err(field(
-                    "model_download",
-                    "must be f32 in an evaluation-only run: it evaluates the model itself",
-                ));
-            }
         }
         if let Some(a) = &self.asynchronous {
             if a.concurrency < self.cohort_size || a.concurrency > MAX_COHORT * 10 {
@@ -491,20 +458,6 @@ impl Plan {
             if !(a.staleness_exponent.is_finite() && (0.0..=4.0).contains(&a.staleness_exponent)) {
                 return Err(field("asynchronous.staleness_exponent", "must be in 0..=4"));
             }
-            let refused = if self.secure_aggregation.is_some() {
-                Some("secure aggregation sums one round's cohort")
-            } else if self.evaluation_only {
-                Some("an evaluation-only run commits no model versions to be stale against")
-            } else if strategy.needs_each_update() {
-                Some(
-                    "norm bounds, robust aggregation and DP-FedAvg weigh each update their own way",
-                )
-            } else {
-                None
-            };
-            if let Some(why) = refused {
-                return Err(field("asynchronous", format!("not with this plan: {why}")));
-            }
         }
         if self.checkpoint_interval == 0 || self.checkpoint_interval > MAX_CHECKPOINT_INTERVAL {
             return Err(field(
@@ -512,43 +465,16 @@ impl Plan {
                 format!("must be in 1..={MAX_CHECKPOINT_INTERVAL}"),
             ));
         }
-        if self.checkpoint_interval > 1 {
-            let refused = if self.secure_aggregation.is_some() {
-                Some(
-                    "a secure round's records are deleted at its commit, so its model cannot be rebuilt and is written every version",
-                )
-            } else if strategy.differential_privacy.is_some() {
-                Some(
-                    "a DP round's noise is drawn afresh, so its model cannot be rebuilt and is written every version",
-                )
-            } else if self.evaluation_only {
-                Some("an evaluation-only run commits no models")
-            } else {
-                None
-            };
-            if let Some(why) = refused {
-                return Err(field("checkpoint_interval", format!("must be 1 here: {why}")));
-            }
+        if let Some(refused) = combinations::REFUSED.iter().find(|r| r.applies(&|f| self.has(f))) {
+            return Err(field(refused.field, refused.why));
         }
-        if self.evaluation_only && self.secure_aggregation.is_some() {
+        if let Some(max) = self.max_examples
+            && (max == 0 || max > crate::fedavg::MAX_EXAMPLE_COUNT)
+        {
             return Err(field(
-                "evaluation_only",
-                "a secure run pools its evaluations inside the masked sum of training rounds; evaluation-only rounds are plain",
+                "max_examples",
+                format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
             ));
-        }
-        if let Some(max) = self.max_examples {
-            if self.secure_aggregation.is_some() {
-                return Err(field(
-                    "max_examples",
-                    "a secure run takes its cap in secure_aggregation.max_examples",
-                ));
-            }
-            if max == 0 || max > crate::fedavg::MAX_EXAMPLE_COUNT {
-                return Err(field(
-                    "max_examples",
-                    format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
-                ));
-            }
         }
         if let InitSpec::Parameters { data_base64 } = &self.model.init {
             // Length is checked here; values are checked when decoded by `initial_parameters`.
