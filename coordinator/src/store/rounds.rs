@@ -354,11 +354,7 @@ impl SqlStore {
             .fetch_all(pool)
             .await
             .map_err(map_err)?;
-            let ids = |json: &str| -> StoreResult<Vec<i64>> {
-                serde_json::from_str(json).map_err(|e| {
-                    StoreError::Corrupt(format!("partial id list of run {run_id}: {e}"))
-                })
-            };
+            let ids = |json: &str| partial_ids(run_id, json);
             let partials = partials
                 .iter()
                 .map(|(slot, aggregators, devices)| {
@@ -451,9 +447,7 @@ impl SqlStore {
             .await
             .map_err(map_err)?;
             for (json,) in partials {
-                let devices: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
-                    StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
-                })?;
+                let devices = partial_ids(run_id, &json)?;
                 for row in rows.iter_mut().filter(|r| devices.contains(&r.device_id)) {
                     row.reported = Some("partial".to_owned());
                 }
@@ -846,9 +840,7 @@ impl SqlStore {
                 devices.entry(round_idx).or_default().push(DeviceId(device));
             }
             for (round_idx, json) in partials {
-                let ids: Vec<i64> = serde_json::from_str(&json).map_err(|e| {
-                    StoreError::Corrupt(format!("partial device list of run {run_id}: {e}"))
-                })?;
+                let ids = partial_ids(run_id, &json)?;
                 devices.entry(round_idx).or_default().extend(ids.into_iter().map(DeviceId));
             }
             let mut strikes = Strikes::default();
@@ -876,4 +868,10 @@ impl SqlStore {
                 .map_err(map_err)
         })
     }
+}
+
+/// A stored partial's aggregator or device ids (its `aggregators_json`, `devices_json`).
+fn partial_ids(run_id: RunId, json: &str) -> StoreResult<Vec<i64>> {
+    serde_json::from_str(json)
+        .map_err(|e| StoreError::Corrupt(format!("partial id list of run {run_id}: {e}")))
 }
