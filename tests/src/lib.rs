@@ -670,6 +670,21 @@ where
     }
 }
 
+/// Waits (at most 30 s) until the coordinator at `url` counts `n` live aggregator nodes (its
+/// `starling_aggregators_live` gauge): it assigns devices only to nodes it has heard from.
+pub async fn wait_aggregators_live(
+    url: &str,
+    http: &reqwest::Client,
+    n: usize,
+) -> anyhow::Result<()> {
+    let (metrics, want) = (format!("{url}/metrics"), format!("starling_aggregators_live {n}"));
+    wait_for(&format!("{n} live aggregators"), Duration::from_secs(30), || async {
+        let text = http.get(&metrics).bearer_auth(OPERATOR_TOKEN).send().await?.text().await?;
+        Ok(text.lines().any(|l| l == want).then_some(()))
+    })
+    .await
+}
+
 /// Waits until round `round_idx` of `run` is open.
 pub async fn wait_round_open(
     admin: &AdminClient,

@@ -23,8 +23,8 @@ use starling_core::wire::TICKET_HEADER;
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest};
 use starling_core::{AggregatorId, RunId};
 use starling_tests::{
-    InProcess, OPERATOR_TOKEN, TestPki, api_code, enroll, expect_tasks, http_client,
-    http_client_trusting, model_values, sqlite_db, start_in_process_configured, wait_for,
+    InProcess, TestPki, api_code, enroll, expect_tasks, http_client, http_client_trusting,
+    model_values, sqlite_db, start_in_process_configured, wait_aggregators_live, wait_for,
     wait_model,
 };
 
@@ -140,23 +140,8 @@ fn update(task: &TaskAssignment, i: usize) -> UploadRequest {
 async fn aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregator>> {
     let nodes =
         (1..=3).map(|id| ChildAggregator::spawn(id, &c.url)).collect::<anyhow::Result<Vec<_>>>()?;
-    until_aggregators_live(c, &http_client(), 3).await?;
+    wait_aggregators_live(&c.url, &http_client(), 3).await?;
     Ok(nodes)
-}
-
-/// Waits (at most 30 s) until the coordinator counts `n` live aggregator nodes (its
-/// `starling_aggregators_live` gauge): it assigns devices only to nodes it has heard from.
-async fn until_aggregators_live(
-    c: &InProcess,
-    http: &reqwest::Client,
-    n: usize,
-) -> anyhow::Result<()> {
-    let (metrics, want) = (format!("{}/metrics", c.url), format!("starling_aggregators_live {n}"));
-    wait_for(&format!("{n} live aggregators"), Duration::from_secs(30), || async {
-        let text = http.get(&metrics).bearer_auth(OPERATOR_TOKEN).send().await?.text().await?;
-        Ok(text.lines().any(|l| l == want).then_some(()))
-    })
-    .await
 }
 
 /// What one coordinator alone commits for these updates: core's accumulator, in order.
@@ -333,7 +318,7 @@ async fn a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
     ]
     .map(str::to_owned);
     let _node = ChildAggregator::spawn_with(1, &c.url, &tls_args)?;
-    until_aggregators_live(&c, &http_client_trusting(&pki.path("ca.pem"))?, 1).await?;
+    wait_aggregators_live(&c.url, &http_client_trusting(&pki.path("ca.pem"))?, 1).await?;
     let token = c.admin.enrollment_token(1_000_000).await?;
     let mut devices = vec![];
     for _ in 0..8 {
@@ -430,7 +415,7 @@ async fn a_killed_aggregator_loses_only_its_devices(
     assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors));
 
     // The next round assigns devices only to the live aggregators.
-    until_aggregators_live(&c, &http_client(), 2).await?;
+    wait_aggregators_live(&c.url, &http_client(), 2).await?;
     let next = expect_tasks(&devices).await?;
     let used: BTreeSet<u32> =
         next.iter().map(|t| t.upload_to.as_ref().unwrap().aggregator.0).collect();
@@ -474,7 +459,7 @@ async fn grouped_aggregators(c: &InProcess) -> anyhow::Result<Vec<ChildAggregato
         .collect::<anyhow::Result<Vec<_>>>()?;
     // The leader publishes on its first poll; members look it up on each poll until found
     // (and again at a round's end, when they have not).
-    until_aggregators_live(c, &http_client(), 3).await?;
+    wait_aggregators_live(&c.url, &http_client(), 3).await?;
     let rendezvous = format!("{}/v1/aggregation/groups/rack", c.url);
     wait_for("the group's leader to publish", Duration::from_secs(30), || async {
         let res = http_client().get(&rendezvous).bearer_auth(SECRET).send().await?;

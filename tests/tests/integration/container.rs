@@ -164,13 +164,7 @@ async fn the_aggregator_image_serves_a_round_as_its_manifest_configures_it() {
         devices.push(d);
     }
     // The coordinator assigns devices to nodes it has heard from.
-    let metrics = c.url.clone() + "/metrics";
-    wait_for("the node to poll the coordinator", Duration::from_secs(30), || async {
-        let text = https.get(&metrics).bearer_auth(OPERATOR_TOKEN).send().await?.text().await?;
-        Ok(text.lines().any(|l| l == "starling_aggregators_live 1").then_some(()))
-    })
-    .await
-    .unwrap();
+    wait_aggregators_live(&c.url, &https, 1).await.unwrap();
     let run = RunId(c.admin.create_run(&PlanSpec::all_of(8, 64, 1).json()).await.unwrap().id);
     let tasks = expect_tasks(&devices).await.unwrap();
     for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
