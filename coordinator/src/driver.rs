@@ -46,7 +46,7 @@ use writer::RunWriter;
 
 use starling_core::fedavg::{FedAvgAccumulator, ValidatedPartial, ValidatedUpdate};
 use starling_core::plan::ValidatedPlan;
-use starling_core::round::secure::{SecAggRejection, SecureSum};
+use starling_core::round::secure::SecAggRejection;
 use starling_core::round::{
     CheckInDecision, Input, RequestId, RunMachine, RunStatus, UploadRejection,
 };
@@ -343,9 +343,6 @@ struct RunEntry {
     writer: RunWriter,
     /// Who waits for the answer to each request the machine has not answered yet.
     responders: HashMap<RequestId, Responder>,
-    /// A secure round's checked unmasking, waiting for its `CloseRound` (which unmasks it on a
-    /// blocking thread).
-    secure_aggregate: Option<SecureSum>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
     /// Held by a close task until its committed model's bytes are written (see
     /// [`close::CloseTask`]).
@@ -718,7 +715,6 @@ impl RunEntry {
             accumulator: AccumulatorWorker::spawn(acc),
             writer,
             responders: HashMap::new(),
-            secure_aggregate: None,
             stops: vec![],
             model_writes: Arc::default(),
         }

@@ -54,15 +54,11 @@
 //! example count but no delta (the driver validates them against an empty schema), and a
 //! committed round records the pooled metrics without a new model version.
 //!
-//! **Asynchronous runs (FedBuff)** go through the same states too: a round is one buffer.
-//! It selects whoever checks in while fewer than `concurrency` devices train (its own
-//! unreported devices plus the *carried* ones), closes at `cohort_size` durable updates or at
-//! its deadline, and when it closes its unreported devices are carried into the next buffers
-//! with the model they train on. A carried device's upload (naming its own round) is folded
-//! into the open buffer discounted by its staleness, while it is at most `max_staleness`
-//! versions behind and its task's deadline has not passed; during a commit it is told to
-//! retry (`Unavailable`). A restarted coordinator carries them again from the store
-//! ([`RunSnapshot::carried`]).
+//! **Pacing.** Where lockstep rounds and FedBuff's buffers differ (whom a round may still
+//! select, when it closes, what an upload trained on an earlier model is worth, what carries
+//! over a commit), the machine asks the run's [`pacing`]: each mode's rules are in their own
+//! module. A secure round's checked sum travels in its [`Action::CloseRound`]
+//! ([`RoundSum::Secure`]).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -72,11 +68,13 @@ use crate::plan::RoundConfig;
 use crate::tier::TierConfig;
 use crate::wire::{SecAggInstruction, SecAggUpload};
 
+mod pacing;
 pub mod protocol;
 pub mod quarantine;
 pub mod secure;
 mod tiered;
 
+use pacing::Pacing;
 pub use protocol::*;
 use secure::{Record, SecAggRejection, SecureRound};
 
@@ -97,23 +95,11 @@ pub struct RunMachine {
     tier: Option<TierConfig>,
     /// Aggregators alive now, sorted.
     live_aggregators: Vec<AggregatorId>,
-    /// Asynchronous runs: devices still training on an earlier round's model, which may report
-    /// into the open round while at most `max_staleness` versions behind.
-    carried: BTreeMap<DeviceId, Carried>,
+    /// Lockstep rounds or FedBuff's buffers, with what each keeps across rounds.
+    pacing: Pacing,
     /// Strikes of devices whose updates ended in refused rounds ([`quarantine`]).
     strikes: quarantine::Strikes,
     actions: VecDeque<Action>,
-}
-
-/// An asynchronous run's device training on an earlier round's model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Carried {
-    /// The round that selected it (its upload names this round).
-    round_idx: RoundIdx,
-    /// The model it trains on.
-    model_version: ModelVersion,
-    /// Its task's reporting deadline.
-    deadline: Millis,
 }
 
 #[derive(Debug)]
@@ -170,12 +156,12 @@ impl ActiveRound {
         &mut self,
         device: DeviceId,
         online: u32,
-        config: &RoundConfig,
+        (config, pacing): (&RoundConfig, &Pacing),
         now: Millis,
     ) -> bool {
-        // An asynchronous run selects whoever comes while there is room.
+        // A buffered run selects whoever comes while there is room.
         if config.selection == crate::plan::SelectionPolicy::FirstCome
-            || config.asynchronous.is_some()
+            || pacing.selects_whoever_comes()
         {
             return true;
         }
@@ -269,6 +255,7 @@ impl RunMachine {
     /// The driver replays the stored updates of `open_round` into a fresh accumulator in slot
     /// order before handling new input; a secure round replays its records here.
     pub fn restore(snapshot: RunSnapshot, now: Millis, entropy: [u8; 32]) -> Self {
+        let pacing = Pacing::new(&snapshot.config, snapshot.carried, now, snapshot.model_version);
         let mut m = RunMachine {
             run_id: snapshot.run_id,
             config: snapshot.config,
@@ -281,28 +268,13 @@ impl RunMachine {
             entropy,
             tier: None,
             live_aggregators: vec![],
-            carried: BTreeMap::new(),
+            pacing,
             strikes: snapshot.strikes,
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
             m.status = RunStatus::Finished;
             return m;
-        }
-        if let Some(a) = m.config.asynchronous {
-            let timeout = m.config.reporting_timeout_ms;
-            for t in snapshot.carried {
-                let deadline = t.selected_at + timeout;
-                let staleness = m.model_version.0 - t.model_version.0;
-                if now < deadline && (0..=i64::from(a.max_staleness)).contains(&staleness) {
-                    let c = Carried {
-                        round_idx: t.round_idx,
-                        model_version: t.model_version,
-                        deadline,
-                    };
-                    m.carried.insert(t.device, c);
-                }
-            }
         }
         match snapshot.open_round {
             Some(open) => {
@@ -440,32 +412,7 @@ impl RunMachine {
 
     /// Whether a check-in at `now` could be selected (the driver uses this to pick among runs).
     pub fn is_selecting(&self, now: Millis) -> bool {
-        if let Some(a) = &self.config.asynchronous {
-            let open = self
-                .round
-                .as_ref()
-                .is_some_and(|r| r.phase == Phase::Open && now < r.opened.reporting_deadline);
-            return open && self.training(now) < a.concurrency as usize;
-        }
-        self.round.as_ref().is_some_and(|r| {
-            r.phase == Phase::Open
-                && r.selected.len() < self.config.target_selected as usize
-                && now < r.opened.selection_deadline
-        })
-    }
-
-    /// An asynchronous run's devices training now: selected in the open round or carried from
-    /// an earlier one, task not expired, no update durable or in flight.
-    fn training(&self, now: Millis) -> usize {
-        let Some(r) = self.round.as_ref() else { return 0 };
-        let fresh =
-            r.selected.iter().filter(|d| !r.reported.contains(d) && !r.in_flight_for(**d)).count();
-        let carried = self
-            .carried
-            .iter()
-            .filter(|(d, c)| now < c.deadline && !r.reported.contains(d) && !r.in_flight_for(**d))
-            .count();
-        fresh + carried
+        self.pacing.is_selecting(self.round.as_ref(), &self.config, now)
     }
 
     /// Devices holding an unfinished task in the open round (selected, no update yet).
@@ -556,11 +503,7 @@ impl RunMachine {
             round_idx: self.next_round_idx,
             model_version: self.model_version,
             opened_at: now,
-            // An asynchronous run selects for as long as its buffer is open.
-            selection_deadline: match self.config.asynchronous {
-                Some(_) => reporting_deadline,
-                None => now + self.config.selection_timeout_ms,
-            },
+            selection_deadline: self.pacing.selection_deadline(&self.config, now),
             reporting_deadline,
         };
         self.next_round_idx = RoundIdx(self.next_round_idx.0 + 1);
@@ -623,16 +566,9 @@ impl RunMachine {
         online: u32,
     ) {
         let now = self.now;
-        // An asynchronous run's task is due a reporting timeout after its own selection.
-        let task_ms = self.config.asynchronous.map(|_| self.config.reporting_timeout_ms);
-        if self.config.asynchronous.is_some()
-            && self.carried.contains_key(&device)
-            && !self.round.as_ref().is_some_and(|r| r.in_flight_for(device))
-        {
-            // A carried device checking in again gave up its task (or lost it): it may take a
-            // fresh one on the current model, and its old one no longer counts.
-            self.carried.remove(&device);
-        }
+        // A buffered run's task is due a reporting timeout after its own selection.
+        let task_ms = self.pacing.task_ms();
+        self.pacing.on_check_in(device, self.round.as_ref());
         let selecting = self.is_selecting(now);
         let eligible =
             self.config.eligibility.admits(attributes) && !self.strikes.quarantines(device);
@@ -645,10 +581,10 @@ impl RunMachine {
         let seed = (device.0 as u64).rotate_left(32) ^ (self.run_id.0 as u64) ^ now as u64;
         let pace = |base_ms: i64| steering.come_back_after(base_ms, seed);
         // The lottery draws only for an eligible device that could be selected now.
-        let config = &self.config;
+        let rules = (&self.config, &self.pacing);
         let wins_draw = match self.round.as_mut() {
             Some(r) if selecting && eligible && !r.has_task_for(device) => {
-                r.selected.contains(&device) || r.wins_draw(device, online, config, now)
+                r.selected.contains(&device) || r.wins_draw(device, online, rules, now)
             }
             _ => true,
         };
@@ -714,30 +650,8 @@ impl RunMachine {
             None => return Err(UploadRejection::UnknownRound),
             Some(r) => r,
         };
-        if self.config.asynchronous.is_some() {
-            if let Some(c) = self.carried.get(&device).filter(|c| c.round_idx == round_idx) {
-                return if now >= c.deadline {
-                    Err(UploadRejection::RoundClosed)
-                } else if r.phase != Phase::Open {
-                    // The next buffer opens as soon as this one is committed.
-                    Err(UploadRejection::Unavailable)
-                } else if r.reported.contains(&device) || r.in_flight_for(device) {
-                    Err(UploadRejection::Duplicate)
-                } else {
-                    Ok(())
-                };
-            }
-            if round_idx < r.opened.round_idx
-                && (r.reported.contains(&device) || r.in_flight_for(device))
-            {
-                // A carried device's update is in (its answer may have been lost).
-                return Err(UploadRejection::Duplicate);
-            }
-            if round_idx == r.opened.round_idx && r.phase != Phase::Open && r.has_open_task(device)
-            {
-                // Its task carries over into the next buffer, which opens after this commit.
-                return Err(UploadRejection::Unavailable);
-            }
+        if let Some(verdict) = self.pacing.admits_payload(r, device, round_idx, now) {
+            return verdict;
         }
         // A secure round's later stages run past the reporting deadline.
         r.admits(device, round_idx, (!secure).then_some(now))?;
@@ -764,11 +678,9 @@ impl RunMachine {
     ) {
         let now = self.now;
         let admitted = self.admits_payload(device, round_idx, now, false);
-        // An asynchronous run's device carried from an earlier round trained on that round's
+        // A buffered run's device carried from an earlier round trained on that round's
         // model; it is folded into the open round, discounted by how far behind it is.
-        let carried_on = self.carried.get(&device).filter(|c| c.round_idx == round_idx);
-        let carried_on = carried_on.map(|c| c.model_version);
-        let asynchronous = self.config.asynchronous;
+        let carried_on = self.pacing.trained_on(device, round_idx);
         let verdict = match admitted.map(|()| self.round.as_mut().expect("an admitting round")) {
             Err(rejection) => Err(rejection),
             Ok(r) if model_version != carried_on.unwrap_or(r.opened.model_version) => {
@@ -779,14 +691,7 @@ impl RunMachine {
                 let slot = r.next_slot;
                 r.next_slot += 1;
                 let staleness = (r.opened.model_version.0 - model_version.0) as u32;
-                let contribution = match asynchronous {
-                    Some(a) if staleness > 0 => Contribution::Stale {
-                        update: update.clone(),
-                        staleness,
-                        discount: a.staleness_scale(staleness),
-                    },
-                    _ => Contribution::Update(update.clone()),
-                };
+                let contribution = self.pacing.contribution(update.clone(), staleness);
                 r.in_flight
                     .insert(slot, InFlight { request, devices: vec![device], partial: false });
                 let round_idx = r.opened.round_idx;
@@ -881,9 +786,7 @@ impl RunMachine {
         let f = r.in_flight.remove(&slot).expect("slot just found");
         if ok {
             r.reported.extend(f.devices.iter().copied());
-            for d in &f.devices {
-                self.carried.remove(d);
-            }
+            self.pacing.reported(&f.devices);
             self.actions.push_back(f.reply(Ok(())));
         } else {
             // Folded already, and not durable: the round's sum comes from the store instead.
@@ -912,20 +815,7 @@ impl RunMachine {
             // Committed, or its aggregate refused: the quarantine rule counts both.
             self.strikes.round_ended(r.reported.iter().copied(), committed);
         }
-        if self.config.asynchronous.is_some() {
-            // Devices still training on this round's model carry over to the next buffers.
-            let timeout = self.config.reporting_timeout_ms;
-            for &d in r.selected.iter().filter(|d| !r.reported.contains(d)) {
-                let selected_at = r.selected_at.get(&d).copied().unwrap_or(r.opened.opened_at);
-                let c = Carried {
-                    round_idx: r.opened.round_idx,
-                    model_version: r.opened.model_version,
-                    deadline: selected_at + timeout,
-                };
-                self.carried.insert(d, c);
-            }
-        }
-        self.round = None;
+        let Some(r) = self.round.take() else { return };
         if committed {
             // An evaluation-only round records its devices' metrics; the model stays.
             if !self.config.evaluation_only {
@@ -933,12 +823,8 @@ impl RunMachine {
             }
             self.rounds_committed += 1;
         }
-        if let Some(a) = self.config.asynchronous {
-            let (now, version) = (self.now, self.model_version.0);
-            self.carried.retain(|_, c| {
-                now < c.deadline && version - c.model_version.0 <= i64::from(a.max_staleness)
-            });
-        }
+        // Devices still training on this round's model carry over to the next buffers.
+        self.pacing.round_ended(&r, self.now, self.model_version);
         if self.status == RunStatus::Stopping {
             self.status = RunStatus::Stopped;
             self.actions.push_back(Action::StopRun { open_round: None });
@@ -971,62 +857,16 @@ impl RunMachine {
 
     fn check_progress(&mut self) {
         let now = self.now;
-        let (target_selected, min_quorum, cohort_size) =
-            (self.config.target_selected, self.config.min_quorum, self.config.cohort_size);
-        let asynchronous = self.config.asynchronous.is_some();
-        let task_ms = self.config.reporting_timeout_ms;
+        let min_quorum = self.config.min_quorum;
         let grace_ms = self.report_grace_ms();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
-            let n_selected = r.selected.len();
-            let n_reported = r.reported.len();
-            let selection_over =
-                n_selected >= target_selected as usize || now >= r.opened.selection_deadline;
+            let selection_over = r.selected.len() >= self.config.target_selected as usize
+                || now >= r.opened.selection_deadline;
             if selection_over && r.selection_ended.is_none() {
                 r.selection_ended = Some(now.min(r.opened.selection_deadline));
             }
-            if asynchronous {
-                // One buffer: it commits at `cohort_size` durable updates, or at its deadline
-                // with what it has (at least the quorum).
-                if n_reported >= cohort_size as usize || now >= r.opened.reporting_deadline {
-                    r.phase = Phase::Closing;
-                }
-            } else if now >= r.opened.selection_deadline && n_selected < min_quorum as usize {
-                r.early_failure = Some(RoundOutcome::TooFewSelected {
-                    selected: n_selected as u32,
-                    quorum: min_quorum,
-                });
-                r.phase = Phase::Closing;
-            } else if let Some(s) = r.secure.as_mut() {
-                s.progress(now, r.selection_ended);
-                // Devices left out of the sum at the end of MaskedInputCollection (a neighbour
-                // could not open their shares) do not count as reported.
-                let counted: BTreeSet<DeviceId> = s.masked_devices().collect();
-                r.reported.retain(|d| counted.contains(d));
-                match s.outcome() {
-                    None => {}
-                    Some(Ok(())) => {
-                        if let Some(sum) = s.take_sum() {
-                            let round_idx = r.opened.round_idx;
-                            self.actions.push_back(Action::SecureAggregate { round_idx, sum });
-                        }
-                        r.phase = Phase::Closing;
-                    }
-                    Some(Err(failure)) => {
-                        r.early_failure = Some(RoundOutcome::SecureAggregationFailed {
-                            stage: failure.stage,
-                            survivors: failure.survivors,
-                        });
-                        r.phase = Phase::Closing;
-                    }
-                }
-            } else if n_reported >= cohort_size as usize
-                || (selection_over && n_reported == n_selected)
-                || (now >= r.opened.reporting_deadline
-                    && (!r.shards_pending() || now >= r.opened.reporting_deadline + grace_ms))
-            {
-                r.phase = Phase::Closing;
-            }
+            self.pacing.close_when_due(r, &self.config, now, grace_ms);
         }
         self.flush_secure();
         let Some(r) = self.round.as_mut() else { return };
@@ -1046,19 +886,18 @@ impl RunMachine {
                 outcome,
                 n_selected,
                 n_reported,
-                // In an asynchronous run, devices of earlier rounds report too, and a device
-                // still within its task's deadline is carried into the next buffer, not dropped.
+                // In a buffered run, devices of earlier rounds report too, and a device still
+                // within its task's deadline is carried into the next buffer, not dropped.
                 n_dropped: r
                     .selected
                     .iter()
                     .filter(|d| !r.reported.contains(d))
-                    .filter(|d| {
-                        !asynchronous || r.selected_at.get(d).is_none_or(|at| at + task_ms <= now)
-                    })
+                    .filter(|&&d| self.pacing.dropped(r, d, now))
                     .count() as u32,
                 closed_at: now,
             };
-            self.actions.push_back(Action::CloseRound { closing, sum: r.sum });
+            let sum = std::mem::replace(&mut r.sum, RoundSum::Folded);
+            self.actions.push_back(Action::CloseRound { closing, sum });
         }
     }
 }

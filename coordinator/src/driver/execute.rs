@@ -199,19 +199,18 @@ impl Effects<'_> {
                     batch.replies.push(later(reply, res));
                 }
             }
-            Action::SecureAggregate { round_idx, sum } => {
-                tracing::info!(%run_id, round = %round_idx, survivors = sum.survivors(), "secure aggregation rebuilt the secrets of the cohort's sum");
-                entry.secure_aggregate = Some(sum);
-            }
             Action::CloseRound { closing, sum } => {
                 let opened_at =
                     entry.machine.current_round().map_or(closing.closed_at, |r| r.opened_at);
-                let finish = match (entry.secure_aggregate.take(), sum) {
-                    (Some(sum), _) => Finish::Unmask(sum),
-                    (None, RoundSum::Folded) => Finish::Accumulated(entry.accumulator.finish()),
+                let finish = match sum {
+                    RoundSum::Secure(sum) => {
+                        tracing::info!(%run_id, round = %closing.round_idx, survivors = sum.survivors(), "secure aggregation rebuilt the secrets of the cohort's sum");
+                        Finish::Unmask(*sum)
+                    }
+                    RoundSum::Folded => Finish::Accumulated(entry.accumulator.finish()),
                     // The accumulator folded an update whose write failed; the next round's
                     // opening resets it.
-                    (None, RoundSum::Replayed) => Finish::Replayed,
+                    RoundSum::Replayed => Finish::Replayed,
                 };
                 // Spawned once this batch's transitions are durable: the commit then follows
                 // the round's last records, which it deletes.

@@ -232,16 +232,6 @@ pub enum Action {
         /// What the device should do.
         result: Result<SecAggInstruction, SecAggRejection>,
     },
-    /// A secure round ended with a sum; the `CloseRound` that follows commits it. The driver
-    /// unmasks it ([`SecureSum::finish`](super::secure::SecureSum::finish): the mean delta, no
-    /// per-device metrics, and the survivors' pooled evaluation of the round's model version)
-    /// off its task, since that is model-sized work.
-    SecureAggregate {
-        /// The round.
-        round_idx: RoundIdx,
-        /// The checked unmasking.
-        sum: super::secure::SecureSum,
-    },
     /// Persist that the run committed all its rounds.
     FinishRun,
     /// Persist that the run was stopped; `open_round`, if any, is recorded as failed.
@@ -320,13 +310,18 @@ pub enum UploadRejection {
 }
 
 /// Where a closing round's aggregate comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RoundSum {
     /// The folds: every contribution folded is durable.
     Folded,
     /// A contribution was folded as its write began and the write failed: the sum is rebuilt
     /// from the store's durable contributions, in slot order, as a restart would.
     Replayed,
+    /// A secure round's checked unmasking. The driver unmasks it
+    /// ([`SecureSum::finish`](super::secure::SecureSum::finish): the mean delta, no per-device
+    /// metrics, and the survivors' pooled evaluation of the round's model version) off its
+    /// task, since that is model-sized work.
+    Secure(Box<super::secure::SecureSum>),
 }
 
 /// What [`Action::CloseRound`] asks the driver to record.

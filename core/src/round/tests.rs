@@ -793,14 +793,20 @@ mod secure_rounds {
                     | Action::ReplySecAggPoll { request, .. } => {
                         self.replies.insert(request, a);
                     }
-                    Action::SecureAggregate { sum, .. } => {
-                        // The coordinator reads a withdrawn device's vector from the records.
-                        let withdrawn =
-                            self.records.iter().filter_map(|r| sum.withdrawn_input(r)).collect();
-                        self.aggregate = Some(sum.finish(&withdrawn).expect("the sum decodes").0);
-                        self.sum = Some(sum);
+                    Action::CloseRound { closing: c, sum } => {
+                        if let RoundSum::Secure(sum) = sum {
+                            // The coordinator reads a withdrawn device's vector from the records.
+                            let withdrawn = self
+                                .records
+                                .iter()
+                                .filter_map(|r| sum.withdrawn_input(r))
+                                .collect();
+                            let (aggregate, _) = sum.finish(&withdrawn).expect("the sum decodes");
+                            self.aggregate = Some(aggregate);
+                            self.sum = Some(*sum);
+                        }
+                        self.closing = Some(c);
                     }
-                    Action::CloseRound { closing: c, .. } => self.closing = Some(c),
                     _ => {}
                 }
             }
