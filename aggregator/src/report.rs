@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use axum::http::{StatusCode, header};
+use starling_core::backoff::Backoff;
 use starling_core::codec;
 use starling_core::tier::PartialReport;
 use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, path};
@@ -65,7 +66,7 @@ pub(crate) async fn send_partial(
         _ => return Sent::GaveUp,
     };
     let url = link.coordinator(&path::partial(run_id, round_idx));
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     for attempt in 1..=8 {
         let res = link.cbor_request(reqwest::Method::POST, &url).body(body.clone()).send().await;
         match res {
@@ -89,8 +90,7 @@ pub(crate) async fn send_partial(
                 tracing::warn!(run = %run_id, round = %round_idx, error = %e, attempt, "reporting the partial failed; retrying")
             }
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(backoff.next_delay()).await;
     }
     tracing::error!(run = %run_id, round = %round_idx, "gave up reporting the partial; its devices drop out");
     Sent::GaveUp

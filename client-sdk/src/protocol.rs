@@ -4,6 +4,7 @@
 //! One implementation serves the SDK's participant, the simulator, the end-to-end tests and the
 //! benchmarks, so every caller speaks the API the same way.
 
+use starling_core::backoff::Backoff;
 use starling_core::codec;
 use std::time::Duration;
 
@@ -136,13 +137,12 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ClientError>>,
 {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     let mut attempt = 1;
     loop {
         match call().await {
             Err(e) if attempt < tries && e.is_transient() => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(10));
+                tokio::time::sleep(backoff.next_delay()).await;
                 attempt += 1;
             }
             res => return res,

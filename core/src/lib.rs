@@ -18,6 +18,7 @@
 //! * [`rng`]: the reproducible generator for initialization, shuffling and partitioning.
 
 pub mod admin;
+pub mod backoff;
 pub mod codec;
 pub mod compression;
 pub mod eligibility;
