@@ -5,25 +5,29 @@
 //! schema, finiteness) and send an [`Event`] with a reply channel.
 //! The driver owns the [`RunMachine`]s, and executes their actions with these rules:
 //!
-//! * Transitions (round opened, device selected, a secure round's records, run
-//!   finished/stopped) produced while handling one batch of events go to the run's ordered
-//!   writer (`writer`), a task that puts them in the store in one transaction before it sends
-//!   any reply of that batch. A store failure is retried with backoff; replies wait (handlers
-//!   time out with 503), so memory never runs ahead of the store in what devices are told, and
-//!   a run's slow write (a masked input is model-sized) holds up that run's answers only.
+//! * Everything a run puts in the store goes through its one ordered writer (`writer`), a task
+//!   with one retry-and-fence policy. Transitions (round opened, device selected, a secure
+//!   round's records, run finished/stopped) produced while handling one batch of events are
+//!   put in the store in one transaction before any reply of that batch is sent. A store
+//!   failure is retried with backoff; replies wait (handlers time out with 503), so memory
+//!   never runs ahead of the store in what devices are told, and a run's slow write (a masked
+//!   input is model-sized) holds up that run's answers only.
 //! * Payloads (updates, partials) travel inside the machine's inputs and actions, shared, never
-//!   parked here: they are written by spawned tasks, concurrently, and come back as
-//!   [`Internal::Persisted`]; only then is the sender acknowledged.
+//!   parked here: the writer starts their writes, concurrently, once their round's row is
+//!   durable, and they come back as [`Internal::Persisted`]; only then is the sender
+//!   acknowledged.
 //! * Folding happens on a per-run accumulator thread, fed in the machine's slot order.
-//! * Closing a round (aggregate, apply, encode, commit) runs in a spawned task and comes back
-//!   as [`Internal::RoundClosed`].
+//! * Closing a round (aggregate, apply, encode) runs in a spawned task, which hands the round's
+//!   end to the writer; the writer commits it, in round order and after the previous model's
+//!   bytes, and the driver hears of it as [`Internal::RoundClosed`].
 //!
 //! The one piece of bookkeeping is who waits for an answer: a [`Responder`] per request.
 //!
 //! * `recover`: on start, every running run rebuilt from the store (latest model, open round,
 //!   its selections, its stored updates and partials replayed in slot order);
 //! * `execute`: the machines' actions carried out;
-//! * `close`: a closed round aggregated and committed, off the driver task;
+//! * `close`: a closed round aggregated and its next model computed, off the driver task;
+//! * `writer`: a run's ordered writer;
 //! * `accumulator`: the per-run thread that folds the sums.
 
 use std::collections::{BTreeMap, HashMap};
@@ -344,9 +348,6 @@ struct RunEntry {
     /// Who waits for the answer to each request the machine has not answered yet.
     responders: HashMap<RequestId, Responder>,
     stops: Vec<oneshot::Sender<Result<(), DriverError>>>,
-    /// Held by a close task until its committed model's bytes are written (see
-    /// [`close::CloseTask`]).
-    model_writes: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Who waits for the machine's answer to a request, and how it is answered.
@@ -433,12 +434,14 @@ impl Driver {
 
     /// A writer task for `run_id`'s batches.
     fn writer_for(&self, run_id: RunId) -> RunWriter {
-        RunWriter::spawn(
+        RunWriter::spawn(writer::WriterParts {
             run_id,
-            self.store.clone(),
-            self.observer.clone(),
-            self.internal_tx.clone(),
-        )
+            store: self.store.clone(),
+            observer: self.observer.clone(),
+            internal: self.internal_tx.clone(),
+            models: self.models.clone(),
+            writes_in_flight: self.model_writes.clone(),
+        })
     }
 
     /// What the run machines must hear about the tier now; `None` without a tier.
@@ -716,7 +719,6 @@ impl RunEntry {
             writer,
             responders: HashMap::new(),
             stops: vec![],
-            model_writes: Arc::default(),
         }
     }
 

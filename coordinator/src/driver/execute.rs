@@ -1,24 +1,22 @@
 //! Carrying out the run machines' actions, by the rules of the driver's module doc: a batch's
-//! transitions handed to the run's ordered writer, which makes them durable in one transaction
-//! before any of the batch's replies; payloads written concurrently off the loop, each started
-//! once the transitions before it are durable (an update folded into a buffer that just opened
-//! must not reach the store before that buffer's round), and fed back as
-//! [`Internal::Persisted`]; folds in slot order on the run's accumulator thread; closings
-//! spawned once the batch's records are durable.
+//! transitions, payload writes and closings handed to the run's ordered writer (`writer`),
+//! which makes the transitions durable in one transaction before any of the batch's replies,
+//! starts each payload write once the round row it refers to is durable (an update folded into
+//! a buffer that just opened must not reach the store before that buffer's round) and records
+//! each round's end; folds in slot order on the run's accumulator thread.
 
 use starling_core::RunId;
 use starling_core::codec;
-use starling_core::round::{Action, RequestId, RoundSum, RunStatus};
+use starling_core::round::{Action, RoundSum, RunStatus};
 use starling_core::wire::{SecAggInstruction, UploadAck};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use super::close::{CloseTask, Finish, LastModelWrite};
-use super::writer::{Batch, Deferred};
-use super::{Driver, DriverError, Internal, ModelWrites, Responder, RunEntry};
+use super::close::{CloseTask, Finish};
+use super::writer::{Batch, Deferred, LastModel};
+use super::{Driver, DriverError, Responder, RunEntry};
 use crate::clock::now_ms;
-use crate::model_cache::ModelCache;
 use crate::observe::Observer;
-use crate::store::{SqlStore, StoreError, Transition};
+use crate::store::{SqlStore, Transition};
 use crate::tier::AggregatorRegistry;
 
 fn later<T: Send + 'static>(reply: oneshot::Sender<T>, value: T) -> Deferred {
@@ -31,24 +29,15 @@ fn later<T: Send + 'static>(reply: oneshot::Sender<T>, value: T) -> Deferred {
 struct Effects<'a> {
     store: &'a SqlStore,
     observer: &'a Observer,
-    internal: &'a mpsc::UnboundedSender<Internal>,
     tier: Option<&'a AggregatorRegistry>,
-    models: &'a ModelCache,
-    model_writes: &'a ModelWrites,
 }
 
 impl Driver {
     /// Drains every machine's actions and executes them.
     pub(super) async fn execute_actions(&mut self) {
         let now = now_ms();
-        let effects = Effects {
-            store: &self.store,
-            observer: &self.observer,
-            internal: &self.internal_tx,
-            tier: self.tier.as_ref(),
-            models: &self.models,
-            model_writes: &self.model_writes,
-        };
+        let effects =
+            Effects { store: &self.store, observer: &self.observer, tier: self.tier.as_ref() };
         let mut ended = vec![];
         for (&run_id, entry) in self.runs.iter_mut() {
             let mut batch = Batch::default();
@@ -74,7 +63,7 @@ impl Driver {
                 for (_, responder) in entry.responders.drain() {
                     responder.run_ended(run_id);
                 }
-                self.write_last_model(run_id, &entry);
+                self.write_last_model(&entry);
             }
         }
     }
@@ -82,27 +71,19 @@ impl Driver {
     /// A run that ended between two written versions (the plan's `checkpoint_interval`) has
     /// its newest model's bytes written now rather than at the next start. Not once a shutdown
     /// has begun: that start rebuilds it.
-    fn write_last_model(&self, run_id: RunId, entry: &RunEntry) {
+    fn write_last_model(&self, entry: &RunEntry) {
         if entry.plan.plan().checkpoint_interval <= 1 {
             return;
         }
+        // Held until written: a shutdown waits for it.
         let Ok(in_flight) = self.model_writes.0.clone().try_read_owned() else { return };
-        let task = LastModelWrite {
-            store: self.store.clone(),
-            observer: self.observer.clone(),
-            models: self.models.clone(),
-            run_id,
+        entry.writer.write_last_model(LastModel {
             plan: entry.plan.clone(),
             version: entry.machine.model_version(),
             hash: entry.model_hash.clone(),
             values: entry.global.clone(),
             optimizer_state: entry.optimizer_state.clone(),
-            model_writes: entry.model_writes.clone(),
-        };
-        // Holding the read side of the writes a shutdown waits for until it is done.
-        tokio::spawn(async move {
-            task.run().await;
-            drop(in_flight);
+            in_flight,
         });
     }
 }
@@ -131,8 +112,7 @@ impl Effects<'_> {
             }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
-                let after = (!entry.writer.round_is_durable()).then_some(&mut *batch);
-                self.persist_in_background((run_id, request), after, "insert_update", async move {
+                entry.writer.payload(request, batch, "insert_update", async move {
                     let metrics =
                         serde_json::to_string(update.metrics()).expect("metrics serialize");
                     let res = store
@@ -164,8 +144,7 @@ impl Effects<'_> {
             }
             Action::PersistPartial { request, round_idx, slot, report } => {
                 let store = self.store.clone();
-                let after = (!entry.writer.round_is_durable()).then_some(&mut *batch);
-                self.persist_in_background((run_id, request), after, "insert_partial", async move {
+                entry.writer.payload(request, batch, "insert_partial", async move {
                     let res = store.insert_partial(run_id, round_idx, slot, &report, now_ms()).await;
                     match &res {
                         Ok(()) => {
@@ -214,9 +193,8 @@ impl Effects<'_> {
                 };
                 // Spawned once this batch's transitions are durable: the commit then follows
                 // the round's last records, which it deletes.
-                batch.closings.push(CloseTask {
+                let task = CloseTask {
                     store: self.store.clone(),
-                    observer: self.observer.clone(),
                     opened_at,
                     run_id,
                     closing,
@@ -224,11 +202,9 @@ impl Effects<'_> {
                     global: entry.global.clone(),
                     optimizer_state: entry.optimizer_state.clone(),
                     plan: entry.plan.clone(),
-                    internal: self.internal.clone(),
-                    models: self.models.clone(),
-                    model_writes: entry.model_writes.clone(),
-                    writes_in_flight: self.model_writes.clone(),
-                });
+                    ends: entry.writer.round_ends(),
+                };
+                batch.closings.push(Box::pin(task.run()));
             }
             Action::FinishRun => {
                 tracing::info!(%run_id, "run finished");
@@ -242,36 +218,6 @@ impl Effects<'_> {
                 }
                 self.observer.run_state(run_id, "stopped");
                 batch.transitions.push(Transition::StopRun { open_round });
-            }
-        }
-    }
-
-    /// Runs one durable write of a request's payload (an update, a partial) off the driver
-    /// loop: records its latency under `what`, and tells the loop whether the payload is
-    /// durable (and, when the write was fenced off, that another coordinator leads).
-    fn persist_in_background(
-        &self,
-        (run_id, request): (RunId, RequestId),
-        after: Option<&mut Batch>,
-        what: &'static str,
-        write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
-    ) {
-        let (internal, observer) = (self.internal.clone(), self.observer.clone());
-        let write = Box::pin(async move {
-            let started = std::time::Instant::now();
-            let res = write.await;
-            observer.store_latency(what, started.elapsed().as_secs_f64());
-            if matches!(res, Err(StoreError::Fenced { .. })) {
-                let _ = internal.send(Internal::Deposed);
-            }
-            let _ = internal.send(Internal::Persisted { run_id, request, ok: res.is_ok() });
-        });
-        match after {
-            // The round's row is still on its way: the write goes with `batch`, once the
-            // transitions before it are durable.
-            Some(batch) => batch.writes.push(write),
-            None => {
-                tokio::spawn(write);
             }
         }
     }

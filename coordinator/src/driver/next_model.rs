@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use starling_core::backoff::Backoff;
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
 use starling_core::plan::ValidatedPlan;
@@ -116,15 +117,15 @@ fn read_tile_retrying(
     start: usize,
     len: usize,
 ) -> Result<Vec<Vec<f32>>, StoreError> {
-    let mut backoff = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     for attempt in 1.. {
         let read = ctx.store.update_tile(ctx.run_id, round_idx, start, len);
         match ctx.handle.block_on(read) {
             Ok(rows) => return Ok(rows),
             Err(e) if attempt < 6 => {
-                tracing::warn!(run_id = %ctx.run_id, error = %e, ?backoff, "reading a tile failed; retrying");
-                std::thread::sleep(backoff);
-                backoff *= 2;
+                let delay = backoff.next_delay();
+                tracing::warn!(run_id = %ctx.run_id, error = %e, ?delay, "reading a tile failed; retrying");
+                std::thread::sleep(delay);
             }
             Err(e) => return Err(e),
         }
