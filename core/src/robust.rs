@@ -73,6 +73,24 @@ pub const MIN_TILE_LEN: usize = 1024;
 /// would need more is refused ([`Aggregation::close_memory_bytes`]).
 pub const MAX_CLOSE_BYTES: u64 = 256 << 20;
 
+/// Where [`combine`] reads a round's updates from, one tile at a time: the coordinator reads
+/// them from its store, tests and the simulator from memory (any `FnMut(start, len)` returning
+/// the rows is one).
+pub trait TileReader {
+    /// Why a read failed.
+    type Error;
+    /// Every update's values at coordinates `start..start + len`, one row per update, always
+    /// in the same order.
+    fn read_tile(&mut self, start: usize, len: usize) -> Result<Vec<Vec<f32>>, Self::Error>;
+}
+
+impl<E, F: FnMut(usize, usize) -> Result<Vec<Vec<f32>>, E>> TileReader for F {
+    type Error = E;
+    fn read_tile(&mut self, start: usize, len: usize) -> Result<Vec<Vec<f32>>, E> {
+        self(start, len)
+    }
+}
+
 /// Coordinates per tile when combining `n_updates` updates.
 pub fn tile_len(n_updates: usize) -> usize {
     (TILE_BYTES / 12 / n_updates.max(1)).max(MIN_TILE_LEN)
@@ -220,25 +238,26 @@ pub fn clip_to_norm(values: &[f32], bound: f64) -> Vec<f32> {
 /// Combines `n_updates` updates of `n_params` values with an order-statistic `aggregation`,
 /// each first scaled to L2 norm ≤ `norm_bound` when given.
 ///
-/// `read_tile(start, len)` returns every update's values at coordinates `start..start + len`,
-/// one row per update, always in the same order. Tiles are `tile_len` coordinates long; the
-/// updates are read once for the norms (with a bound), once for the combination, and once more
-/// for Krum's average.
-pub fn combine<E>(
+/// `tiles` gives every update's values at coordinates `start..start + len`, one row per
+/// update, always in the same order. Tiles are `tile_len` coordinates long; the updates are
+/// read once for the norms (with a bound), once for the combination, and once more for Krum's
+/// average.
+pub fn combine<R: TileReader>(
     aggregation: &Aggregation,
     n_updates: usize,
     n_params: usize,
     tile_len: usize,
     norm_bound: Option<f64>,
-    mut read_tile: impl FnMut(usize, usize) -> Result<Vec<Vec<f32>>, E>,
-) -> Result<Combined, RobustError<E>> {
+    mut tiles: R,
+) -> Result<Combined, RobustError<R::Error>> {
+    type E<R> = <R as TileReader>::Error;
     assert!(aggregation.is_order_statistic(), "the mean streams through the accumulator");
     if n_updates == 0 {
         return Err(RobustError::TooFew("no updates".into()));
     }
     let tile_len = tile_len.max(1);
-    let mut read = |start: usize, len: usize| -> Result<Vec<Vec<f32>>, RobustError<E>> {
-        let rows = read_tile(start, len).map_err(RobustError::Read)?;
+    let mut read = |start: usize, len: usize| -> Result<Vec<Vec<f32>>, RobustError<E<R>>> {
+        let rows = tiles.read_tile(start, len).map_err(RobustError::Read)?;
         if rows.len() != n_updates || rows.iter().any(|r| r.len() != len) {
             return Err(RobustError::Tile {
                 start,

@@ -8,6 +8,7 @@ use starling_core::backoff::Backoff;
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
 use starling_core::plan::ValidatedPlan;
+use starling_core::robust::TileReader;
 use starling_core::strategy::{OptimizerState, RoundEnd};
 use starling_core::tier::PartialReport;
 use starling_core::{RoundIdx, RunId};
@@ -98,39 +99,38 @@ pub(super) fn next_model(
         state,
     };
     let round_idx = ctx.round_idx;
-    let next = plan.strategy.next_model(
-        end,
-        |start, len| read_tile_retrying(ctx, round_idx, start, len),
-        super::entropy,
-    )?;
+    let next = plan.strategy.next_model(end, StoreTiles(ctx), super::entropy)?;
     if let Some(combined) = &next.combined {
         tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = plan.strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
     }
     Ok((next.values, next.state))
 }
 
-/// One tile of the round's stored updates; a store error is retried a few times before the
-/// round gives up (its updates stay stored, and are released with the failed round).
-fn read_tile_retrying(
-    ctx: &NextModel<'_>,
-    round_idx: RoundIdx,
-    start: usize,
-    len: usize,
-) -> Result<Vec<Vec<f32>>, StoreError> {
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-    for attempt in 1.. {
-        let read = ctx.store.update_tile(ctx.run_id, round_idx, start, len);
-        match ctx.handle.block_on(read) {
-            Ok(rows) => return Ok(rows),
-            Err(e) if attempt < 6 => {
-                let delay = backoff.next_delay();
-                tracing::warn!(run_id = %ctx.run_id, error = %e, ?delay, "reading a tile failed; retrying");
-                std::thread::sleep(delay);
+/// The round's stored updates, read back tile by tile for an order statistic.
+struct StoreTiles<'a, 'b>(&'a NextModel<'b>);
+
+impl TileReader for StoreTiles<'_, '_> {
+    type Error = StoreError;
+
+    /// One tile of the round's stored updates; a store error is retried a few times before the
+    /// round gives up (its updates stay stored, and are released with the failed round).
+    fn read_tile(&mut self, start: usize, len: usize) -> Result<Vec<Vec<f32>>, StoreError> {
+        let ctx = self.0;
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+        for attempt in 1.. {
+            let read = ctx.store.update_tile(ctx.run_id, ctx.round_idx, start, len);
+            match ctx.handle.block_on(read) {
+                Ok(rows) => return Ok(rows),
+                Err(e) if attempt < 6 => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(run_id = %ctx.run_id, error = %e, ?delay, "reading a tile failed; retrying");
+                    std::thread::sleep(delay);
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         }
+        unreachable!("the loop returns")
     }
-    unreachable!("the loop returns")
 }
 
 /// A model as the store keeps it: the payload's bytes and content hash, and the server state's

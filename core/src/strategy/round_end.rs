@@ -8,7 +8,7 @@
 
 use crate::fedavg::{Aggregate, AggregateError};
 use crate::privacy::{Gaussian, Privacy};
-use crate::robust::{Combined, combine, tile_len};
+use crate::robust::{Combined, TileReader, combine, tile_len};
 
 use super::{OptimizerState, Strategy};
 
@@ -40,13 +40,14 @@ pub struct NextModel {
 }
 
 impl Strategy {
-    /// The next model from `end`. `read_tile(start, len)` gives the round's stored updates'
-    /// values `start..start + len`, one row per update in slot order; `noise_seed` is called
-    /// once, for a DP run's noise, and must be secret randomness.
-    pub fn next_model<E: std::fmt::Display>(
+    /// The next model from `end`. `tiles` gives the round's stored updates' values
+    /// `start..start + len`, one row per update in slot order (read only by an order
+    /// statistic); `noise_seed` is called once, for a DP run's noise, and must be secret
+    /// randomness.
+    pub fn next_model<R: TileReader<Error: std::fmt::Display>>(
         &self,
         end: RoundEnd<'_>,
-        read_tile: impl FnMut(usize, usize) -> Result<Vec<Vec<f32>>, E>,
+        tiles: R,
         noise_seed: impl FnOnce() -> [u8; 32],
     ) -> Result<NextModel, AggregateError> {
         let RoundEnd { privacy, server_learning_rate, global, mut aggregate, state } = end;
@@ -54,15 +55,9 @@ impl Strategy {
         if self.aggregation.is_order_statistic() {
             let n = aggregate.n_updates as usize;
             // Memory O(cohort × tile), bounded by the plan's check (`robust::MAX_CLOSE_BYTES`).
-            let mut result = combine(
-                &self.aggregation,
-                n,
-                global.len(),
-                tile_len(n),
-                self.norm_bound,
-                read_tile,
-            )
-            .map_err(|e| AggregateError::Robust(e.to_string()))?;
+            let mut result =
+                combine(&self.aggregation, n, global.len(), tile_len(n), self.norm_bound, tiles)
+                    .map_err(|e| AggregateError::Robust(e.to_string()))?;
             aggregate.mean_delta = std::mem::take(&mut result.delta);
             combined = Some(result);
         }
