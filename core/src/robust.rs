@@ -2,7 +2,8 @@
 //! cannot steer the model — L2 norm bounding, coordinate-wise median and trimmed mean, Krum and
 //! Multi-Krum (Blanchard et al. 2017; Yin et al. 2018; Sun et al. 2019 for norm bounding), with
 //! Multi-Krum's selection named ([`KrumSelection`]: one-shot scores, or iterated as in
-//! El Mhamdi et al. 2018).
+//! El Mhamdi et al. 2018), and the geometric median by smoothed Weiszfeld iterations (RFA,
+//! Pillutla, Kakade and Harchaoui 2022).
 //!
 //! Norm bounding alone streams: each update is scaled to norm ≤ B as it is folded
 //! ([`crate::fedavg::FedAvgAccumulator::bounded`]). Order statistics need every update at once,
@@ -42,6 +43,20 @@ pub enum Aggregation {
         /// How Multi-Krum picks its `select` updates; the same for Krum (`select` = 1).
         #[serde(default)]
         selection: KrumSelection,
+    },
+    /// The geometric median (the point with the least summed L2 distance to the updates),
+    /// approximated by `iterations` smoothed Weiszfeld steps from the mean, each weighting an
+    /// update by `1 / max(smoothing, distance)`: RFA (Pillutla et al. 2022), unweighted. Unlike
+    /// the coordinate-wise statistics it is rotation invariant, and it tolerates up to half
+    /// the updates being arbitrary.
+    GeometricMedian {
+        /// Weiszfeld steps; RFA's experiments use 3 (the default), at most 100.
+        #[serde(default = "three")]
+        iterations: u32,
+        /// ν: distances below it count as ν, so an update at the current estimate cannot
+        /// divide by zero; default 1e-6.
+        #[serde(default = "default_smoothing")]
+        smoothing: f64,
     },
 }
 
@@ -106,6 +121,14 @@ fn one() -> u32 {
     1
 }
 
+fn three() -> u32 {
+    3
+}
+
+fn default_smoothing() -> f64 {
+    1e-6
+}
+
 /// Why robust aggregation failed: the reader's error, or rows that do not fit together.
 #[derive(Debug, thiserror::Error)]
 pub enum RobustError<E> {
@@ -144,6 +167,7 @@ impl Aggregation {
             Aggregation::CoordinateMedian {} => "coordinate_median",
             Aggregation::TrimmedMean { .. } => "trimmed_mean",
             Aggregation::Krum { .. } => "krum",
+            Aggregation::GeometricMedian { .. } => "geometric_median",
         }
     }
 
@@ -159,13 +183,16 @@ impl Aggregation {
     }
 
     /// Bytes [`combine`] holds at once for a round of `n_updates` updates: one tile of every
-    /// update (f32 and f64), and for Krum the n × n distances and a row of scores.
+    /// update (f32 and f64), for Krum the n × n distances and a row of scores, for the
+    /// geometric median a distance and a weight per update (its estimate is the result's
+    /// model-sized vector, which every aggregator holds).
     pub fn close_memory_bytes(&self, n_updates: u64) -> u64 {
         let tile = 12 * n_updates * tile_len(n_updates as usize) as u64;
         match self {
             Aggregation::Mean {} => 0,
             Aggregation::CoordinateMedian {} | Aggregation::TrimmedMean { .. } => tile,
             Aggregation::Krum { .. } => tile + 8 * n_updates * n_updates + 16 * n_updates,
+            Aggregation::GeometricMedian { .. } => tile + 16 * n_updates,
         }
     }
 
@@ -217,6 +244,15 @@ impl Aggregation {
                     ));
                 }
                 Ok(())
+            }
+            Aggregation::GeometricMedian { iterations, smoothing } => {
+                if !(1..=100).contains(&iterations) {
+                    Err("iterations must be in 1..=100".into())
+                } else if !(smoothing.is_finite() && smoothing > 0.0) {
+                    Err("smoothing must be a positive number".into())
+                } else {
+                    Ok(())
+                }
             }
         }
     }
@@ -344,6 +380,39 @@ pub fn combine<R: TileReader>(
                 delta.extend(sums.into_iter().map(|sum| sum / chosen.len() as f64));
             }
             Some(chosen)
+        }
+        Aggregation::GeometricMedian { iterations, smoothing } => {
+            // The estimate starts at the unweighted mean.
+            for (start, len) in tiles.clone() {
+                let rows = scaled(read(start, len)?);
+                delta.extend(
+                    (0..len).map(|j| rows.iter().map(|row| row[j]).sum::<f64>() / n_updates as f64),
+                );
+            }
+            for _ in 0..iterations {
+                // One pass for each update's distance to the estimate...
+                let mut squares = vec![0.0f64; n_updates];
+                for (start, len) in tiles.clone() {
+                    let estimate = &delta[start..start + len];
+                    for (sq, row) in squares.iter_mut().zip(scaled(read(start, len)?)) {
+                        *sq +=
+                            row.iter().zip(estimate).map(|(v, z)| (v - z) * (v - z)).sum::<f64>();
+                    }
+                }
+                let weights: Vec<f64> =
+                    squares.into_iter().map(|sq| 1.0 / sq.sqrt().max(smoothing)).collect();
+                let total: f64 = weights.iter().sum();
+                // ...and one for the weighted mean, which replaces it tile by tile (the
+                // weights no longer need it).
+                for (start, len) in tiles.clone() {
+                    let rows = scaled(read(start, len)?);
+                    for (j, z) in delta[start..start + len].iter_mut().enumerate() {
+                        *z = rows.iter().zip(&weights).map(|(row, w)| w * row[j]).sum::<f64>()
+                            / total;
+                    }
+                }
+            }
+            None
         }
     };
     Ok(Combined { delta, n_scaled, selected })

@@ -215,6 +215,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                     "multi_krum f=1 m=5",
                     serde_json::json!({"kind": "krum", "byzantine": 1, "select": 5}),
                 ),
+                ("geometric_median", serde_json::json!({"kind": "geometric_median"})),
             ];
             let mut all = vec![case(
                 "mean, no attack",

@@ -138,6 +138,7 @@ fn tiles_of_any_length_give_the_same_result() {
         Aggregation::CoordinateMedian {},
         Aggregation::TrimmedMean { trim_fraction: 0.25 },
         Aggregation::Krum { byzantine: 2, select: 3, selection: KrumSelection::Scores },
+        Aggregation::GeometricMedian { iterations: 3, smoothing: 1e-6 },
     ] {
         let whole = run(aggregation, &updates, 37, Some(1.5));
         for tile in [1, 5, 36, 100] {
@@ -204,4 +205,86 @@ fn order_statistics_whose_round_would_not_fit_in_memory_are_refused() {
     assert!(median.close_memory_bytes(4_096) <= (TILE_BYTES as u64));
     assert!(median.check_memory(1_000_000).unwrap_err().contains("coordinate_median"));
     assert_eq!(Aggregation::Mean {}.close_memory_bytes(1_000_000), 0);
+}
+
+/// Σ‖x − z‖ over the updates: what the geometric median minimizes.
+fn summed_distance(updates: &[Vec<f32>], z: &[f64]) -> f64 {
+    updates
+        .iter()
+        .map(|u| u.iter().zip(z).map(|(&v, z)| (f64::from(v) - z).powi(2)).sum::<f64>().sqrt())
+        .sum()
+}
+
+/// The geometric median of 2-D points by shrinking grid search on the convex objective: a
+/// reference that shares nothing with Weiszfeld's iteration.
+fn grid_search_median(points: &[Vec<f32>]) -> [f64; 2] {
+    let (mut centre, mut half) = ([0.0f64, 0.0], 20.0f64);
+    for _ in 0..40 {
+        let mut best = (f64::INFINITY, centre);
+        for i in -10..=10 {
+            for j in -10..=10 {
+                let z = [
+                    centre[0] + half * f64::from(i) / 10.0,
+                    centre[1] + half * f64::from(j) / 10.0,
+                ];
+                let f = summed_distance(points, &z);
+                if f < best.0 {
+                    best = (f, z);
+                }
+            }
+        }
+        centre = best.1;
+        half /= 4.0;
+    }
+    centre
+}
+
+#[test]
+fn geometric_median_matches_a_grid_search_of_its_objective() {
+    let points =
+        vec![vec![0.0, 0.0], vec![4.0, 0.0], vec![0.0, 3.0], vec![5.0, 6.0], vec![-2.0, 1.0]];
+    let reference = grid_search_median(&points);
+    let rfa =
+        run(Aggregation::GeometricMedian { iterations: 100, smoothing: 1e-9 }, &points, 1, None);
+    for (got, want) in rfa.delta.iter().zip(reference) {
+        assert!((got - want).abs() < 1e-4, "Weiszfeld {:?}, grid search {reference:?}", rfa.delta);
+    }
+    // RFA's default three steps already take most of the way from the mean.
+    let mean =
+        run(Aggregation::GeometricMedian { iterations: 1, smoothing: 1e-6 }, &points, 2, None);
+    let three =
+        run(Aggregation::GeometricMedian { iterations: 3, smoothing: 1e-6 }, &points, 2, None);
+    let optimum = summed_distance(&points, &reference);
+    assert!(summed_distance(&points, &three.delta) - optimum < 0.01 * optimum);
+    assert!(summed_distance(&points, &three.delta) <= summed_distance(&points, &mean.delta));
+}
+
+#[test]
+fn geometric_median_stays_with_the_honest_majority() {
+    let mut rng = crate::rng::SplitMix64(11);
+    let mut updates: Vec<Vec<f32>> =
+        (0..7).map(|_| (0..6).map(|_| 1.0 + 0.1 * (rng.unit() as f32 - 0.5)).collect()).collect();
+    // Three attackers (under half) send the same huge update.
+    updates.extend((0..3).map(|_| vec![1000.0f32; 6]));
+    let c =
+        run(Aggregation::GeometricMedian { iterations: 10, smoothing: 1e-6 }, &updates, 4, None);
+    for v in &c.delta {
+        assert!((v - 1.0).abs() < 0.2, "pulled to {v} by the attackers");
+    }
+    // The mean would be about 300.
+    assert_eq!(c.selected, None);
+}
+
+#[test]
+fn geometric_median_parameters_are_checked_and_defaulted() {
+    let parsed: Aggregation = serde_json::from_str(r#"{"kind": "geometric_median"}"#).unwrap();
+    assert_eq!(parsed, Aggregation::GeometricMedian { iterations: 3, smoothing: 1e-6 });
+    assert_eq!(parsed.name(), "geometric_median");
+    assert!(parsed.check(1).is_ok());
+    let refused =
+        |iterations, smoothing| Aggregation::GeometricMedian { iterations, smoothing }.check(3);
+    assert_eq!(refused(0, 1e-6).unwrap_err(), "iterations must be in 1..=100");
+    assert_eq!(refused(101, 1e-6).unwrap_err(), "iterations must be in 1..=100");
+    assert_eq!(refused(3, 0.0).unwrap_err(), "smoothing must be a positive number");
+    assert_eq!(refused(3, f64::NAN).unwrap_err(), "smoothing must be a positive number");
 }

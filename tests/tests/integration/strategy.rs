@@ -114,6 +114,7 @@ async fn robust_aggregators_commit_their_combination_and_leave_the_attacker_out(
         (Aggregation::CoordinateMedian {}, Some(20.0)),
         (Aggregation::TrimmedMean { trim_fraction: 0.2 }, None),
         (Aggregation::Krum { byzantine: 1, select: 2, selection: KrumSelection::Scores }, None),
+        (Aggregation::GeometricMedian { iterations: 3, smoothing: 1e-6 }, None),
     ] {
         let mut plan = spec.json();
         plan["strategy"] =
