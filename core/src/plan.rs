@@ -373,6 +373,7 @@ impl Plan {
             Feature::Checkpoints => self.checkpoint_interval > 1,
             Feature::EvaluationOnly => self.evaluation_only,
             Feature::MaxExamples => self.max_examples.is_some(),
+            Feature::FirstComeSelection => self.selection == SelectionPolicy::FirstCome,
         }
     }
 

@@ -34,6 +34,8 @@ pub(super) enum Feature {
     EvaluationOnly,
     /// A plain run's own `max_examples`.
     MaxExamples,
+    /// `selection: first_come`.
+    FirstComeSelection,
 }
 
 /// `field` (of `feature`) is refused when the plan also has `with`, because `why`.
@@ -88,6 +90,12 @@ pub(super) const REFUSED: &[Refusal] = &[
         NormBound,
         "strategy.differential_privacy",
         "DP-FedAvg clips each update to clip_norm and takes the mean; it does not combine with a robust aggregation or a separate norm_bound",
+    ),
+    row(
+        FirstComeSelection,
+        DifferentialPrivacy,
+        "selection",
+        "must be random with differential privacy: the accountant's ε assumes each round's cohort is sampled from the population, and first_come takes whoever checks in first",
     ),
     row(
         SecureWeightedExamples,

@@ -272,6 +272,11 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     assert!(budgeted.privacy().unwrap().epsilon_after(u64::from(allowed)) <= 3.0);
     let err = refused(with(serde_json::json!({"differential_privacy": dp, "norm_bound": 1.0})));
     assert!(err.contains("does not combine"), "{err}");
+    // Whoever checks in first is no sample of the population: no ε holds for it.
+    let mut first_come = with(serde_json::json!({"differential_privacy": dp}));
+    first_come["selection"] = "first_come".into();
+    let err = refused(first_come);
+    assert!(err.contains("selection") && err.contains("must be random"), "{err}");
     let mut small = with(serde_json::json!({"differential_privacy": dp}));
     small["strategy"]["differential_privacy"]["population"] = 5.into();
     let err = refused(small);
