@@ -110,6 +110,11 @@ impl CloseTask {
                     }
                 }
             }
+            (RoundOutcome::Commit, Err(e)) => {
+                tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
+                let outcome = RoundOutcome::AggregateRejected;
+                (RoundClosing { outcome, ..closing }, EndOutcome::Failed)
+            }
             (_, _) => (closing, EndOutcome::Failed),
         };
         ends.send(RoundEnd { closing, outcome, opened_at, closing_started }).await;

@@ -184,6 +184,9 @@ impl Effects<'_> {
                 let finish = match sum {
                     RoundSum::Secure(sum) => {
                         tracing::info!(%run_id, round = %closing.round_idx, survivors = sum.survivors(), "secure aggregation rebuilt the secrets of the cohort's sum");
+                        if !sum.inconsistent_sharers().is_empty() {
+                            tracing::warn!(%run_id, round = %closing.round_idx, devices = ?sum.inconsistent_sharers(), "devices returned wrong secret shares; they were outvoted by spare shares and left out of the rebuild");
+                        }
                         Finish::Unmask(*sum)
                     }
                     RoundSum::Folded => Finish::Accumulated(entry.accumulator.finish()),

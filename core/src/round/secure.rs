@@ -504,9 +504,12 @@ impl SecureRound {
         let unmasking = self.server.finish()?;
         let withdrawn =
             unmasking.withdrawn().iter().map(|&i| (self.devices[i as usize - 1], i)).collect();
+        let inconsistent =
+            unmasking.inconsistent().iter().map(|&i| self.devices[i as usize - 1]).collect();
         self.sum = Some(SecureSum {
             unmasking: Arc::new(unmasking),
             withdrawn,
+            inconsistent,
             settings: self.settings,
             cohort: self.config.n,
         });
@@ -529,6 +532,8 @@ pub struct SecureSum {
     unmasking: Arc<secagg::Unmasking>,
     /// Devices whose masked input must come back out of the running sum, with their indices.
     withdrawn: BTreeMap<DeviceId, ClientIdx>,
+    /// Survivors that returned a wrong share in Unmasking (left out of the rebuild).
+    inconsistent: Vec<DeviceId>,
     settings: SecureRoundConfig,
     /// The round's cohort (the quantizer's headroom is sized for it).
     cohort: u32,
@@ -538,6 +543,43 @@ impl SecureSum {
     /// Devices whose inputs are in the sum.
     pub fn survivors(&self) -> u32 {
         self.unmasking.survivors().len() as u32
+    }
+
+    /// Refuses an unmasked sum that `count` honest inputs cannot make. Each entry of an honest
+    /// input is a level of the plan's quantizer, so no entry of the sum is above `count` top
+    /// levels; and each honest weight entry encodes a weight of at least one example in
+    /// `max_examples`, so the weights add up to at least `count` such (exactly `count` top
+    /// levels when every update weighs one, as with DP). A device that masks ring elements of
+    /// its own choosing (a wrapped weight that shrinks the divisor, a value far outside the
+    /// clip) is caught here and the round fails; within the ranges, its influence is that of
+    /// an input at the clip's bounds.
+    fn check_plausible(
+        &self,
+        q: &Quantizer,
+        sum: &[u32],
+        count: u32,
+    ) -> Result<(), AggregateError> {
+        let most = q.max_sum(count);
+        if let Some(j) = sum.iter().position(|&s| u64::from(s) > most) {
+            return Err(AggregateError::Secure(format!(
+                "entry {j} of the unmasked sum is more than {count} inputs inside the quantization range add up to: a device masked values outside it"
+            )));
+        }
+        let lightest = q.quantize(q.clip / self.settings.max_examples.max(1) as f64);
+        let weights = sum.get(self.settings.n_params).map_or(0, |&w| u64::from(w));
+        if weights < u64::from(count) * u64::from(lightest) {
+            return Err(AggregateError::Secure(format!(
+                "the unmasked weights add up to less than {count} devices' of at least one example in {}: a device masked a weight outside its range",
+                self.settings.max_examples
+            )));
+        }
+        Ok(())
+    }
+
+    /// Survivors that returned a share of another's secret off its polynomial in Unmasking:
+    /// found among spare shares and left out, so the sum is right. The coordinator names them.
+    pub fn inconsistent_sharers(&self) -> &[DeviceId] {
+        &self.inconsistent
     }
 
     /// Devices whose masked input is in the running sum but not in the result: a neighbour
@@ -574,6 +616,7 @@ impl SecureSum {
             .map_err(|e| AggregateError::Secure(e.to_string()))?;
         let count = self.survivors();
         let q = Quantizer::for_cohort(self.settings.clip, self.cohort);
+        self.check_plausible(&q, &sum, count)?;
         let (model_part, evaluation) = if self.settings.carries_evaluation(sum.len()) {
             sum.split_at(self.settings.n_params + 1)
         } else {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::compression::Compression;
-use crate::fedavg::{Aggregate, ValidatedPartial, ValidatedUpdate, validate_parts};
+use crate::fedavg::{Aggregate, AggregateError, ValidatedPartial, ValidatedUpdate, validate_parts};
 use crate::tensor::{DType, TensorSchema, TensorSpec};
 use crate::tier::PartialReport;
 
@@ -733,20 +733,25 @@ mod secure_rounds {
     }
 
     /// Devices 1..=10 and their secrets; the records the machine asked to persist.
-    struct Fleet {
+    pub(super) struct Fleet {
         m: RunMachine,
         now: Millis,
         next_request: u64,
         clients: BTreeMap<i64, Client>,
-        task: Option<crate::wire::SecureAggregationTask>,
+        pub(super) task: Option<crate::wire::SecureAggregationTask>,
         records: Vec<Record>,
         replies: BTreeMap<RequestId, Action>,
-        aggregate: Option<Aggregate>,
+        pub(super) aggregate: Option<Aggregate>,
         /// The unmasking the machine handed over, as it was handed over.
         sum: Option<secure::SecureSum>,
         closing: Option<RoundClosing>,
         /// A device that seals a share that does not open to its first neighbour.
         garble: Option<i64>,
+        /// A device that masks ring elements of its own choosing instead of its encoded update
+        /// (made from what the honest survivors encode).
+        pub(super) poison: Option<(i64, fn(&Fleet, Vec<u32>) -> Vec<u32>)>,
+        /// Why the driver could not finish the handed-over sum, when it could not.
+        pub(super) refused: Option<AggregateError>,
     }
 
     fn delta(device: i64) -> Vec<f32> {
@@ -758,7 +763,7 @@ mod secure_rounds {
     }
 
     impl Fleet {
-        fn new() -> Self {
+        pub(super) fn new() -> Self {
             let m = RunMachine::start(RunId(7), secure_config(), 0, [9; 32]);
             let mut f = Fleet {
                 m,
@@ -772,6 +777,8 @@ mod secure_rounds {
                 sum: None,
                 closing: None,
                 garble: None,
+                poison: None,
+                refused: None,
             };
             f.drain();
             f
@@ -801,8 +808,10 @@ mod secure_rounds {
                                 .iter()
                                 .filter_map(|r| sum.withdrawn_input(r))
                                 .collect();
-                            let (aggregate, _) = sum.finish(&withdrawn).expect("the sum decodes");
-                            self.aggregate = Some(aggregate);
+                            match sum.finish(&withdrawn) {
+                                Ok((aggregate, _)) => self.aggregate = Some(aggregate),
+                                Err(e) => self.refused = Some(e),
+                            }
                             self.sum = Some(*sum);
                         }
                         self.closing = Some(c);
@@ -883,13 +892,12 @@ mod secure_rounds {
                     SecAggUpload::ShareKeys(sealed)
                 }
                 SecAggInstruction::MaskedInput(r) => {
-                    let task = self.task.unwrap();
-                    let input = secagg::encode_weighted(
-                        &task.quantizer(),
-                        &delta(device),
-                        examples(device),
-                        task.max_examples,
-                    );
+                    let mut input = self.encoded(device);
+                    if let Some((attacker, poison)) = self.poison
+                        && attacker == device
+                    {
+                        input = poison(self, input);
+                    }
                     let client = self.clients.get_mut(&device).unwrap();
                     let y = client.masked_input(r, &input).unwrap();
                     SecAggUpload::MaskedInput {
@@ -904,6 +912,17 @@ mod secure_rounds {
                 other => panic!("device {device}: unexpected {other:?}"),
             };
             self.send(device, message).unwrap();
+        }
+
+        /// What an honest `device` masks: its delta and weight, quantized.
+        pub(super) fn encoded(&self, device: i64) -> Vec<u32> {
+            let task = self.task.unwrap();
+            secagg::encode_weighted(
+                &task.quantizer(),
+                &delta(device),
+                examples(device),
+                task.max_examples,
+            )
         }
 
         fn restored(&self, now: Millis) -> RunMachine {
@@ -939,7 +958,7 @@ mod secure_rounds {
             .collect()
     }
 
-    fn run(restart_after_share: bool) -> (Aggregate, RoundClosing) {
+    pub(super) fn run(restart_after_share: bool) -> (Aggregate, RoundClosing) {
         let mut f = run_fleet(restart_after_share);
         let closing = f.closing.expect("the round closed");
         (f.aggregate.take().unwrap_or_else(|| panic!("no aggregate: {closing:?}")), closing)
@@ -947,7 +966,10 @@ mod secure_rounds {
 
     /// Ten devices; two drop while training, one before unmasking.
     fn run_fleet(restart_after_share: bool) -> Fleet {
-        let mut f = Fleet::new();
+        run_fleet_with(restart_after_share, Fleet::new())
+    }
+
+    pub(super) fn run_fleet_with(restart_after_share: bool, mut f: Fleet) -> Fleet {
         for d in 1..=10 {
             f.join(d);
         }
@@ -1545,4 +1567,58 @@ fn a_device_in_three_refused_rounds_in_a_row_is_not_selected_again() {
     let decisions: Vec<&String> = t.lines.iter().filter(|l| l.contains("ReplyCheckIn")).collect();
     assert!(decisions[0].contains("ComeBackLater"), "{decisions:?}");
     assert!(decisions[1].contains("Selected"), "{decisions:?}");
+}
+
+/// A device masks what it likes: the ring elements are its own. One that wrapped the weights'
+/// sum to just above nothing made the decoded mean of honest updates about 0.01 explode, and it
+/// committed. The unmasked sum is now checked against what the survivors' inputs inside the
+/// quantization range can add up to, and such a round fails, never commits.
+mod poisoned_secure_sums {
+    use super::secure_rounds::{Fleet, run_fleet_with};
+    use super::*;
+
+    /// The survivors of `run_fleet` (9 and 10 drop while training).
+    const SURVIVORS: std::ops::RangeInclusive<i64> = 1..=8;
+
+    fn refused(poison: fn(&Fleet, Vec<u32>) -> Vec<u32>) -> AggregateError {
+        let mut f = Fleet::new();
+        f.poison = Some((3, poison));
+        let f = run_fleet_with(false, f);
+        assert!(f.aggregate.is_none(), "a poisoned sum was decoded: {:?}", f.aggregate);
+        f.refused.expect("the driver refuses the sum")
+    }
+
+    #[test]
+    fn a_weight_wrapped_to_shrink_the_divisor_fails_the_round() {
+        let err = refused(|f, mut input| {
+            // The weights' sum lands just above zero weight: the mean is divided by ~0.002.
+            let task = f.task.unwrap();
+            let q = task.quantizer();
+            let others: u64 = SURVIVORS
+                .filter(|&d| d != 3)
+                .map(|d| u64::from(*f.encoded(d).last().unwrap()))
+                .sum();
+            let target = q.max_sum(8) / 2 + q.max_sum(8) / 4000;
+            *input.last_mut().unwrap() = (target.wrapping_sub(others)) as u32;
+            input
+        });
+        assert!(err.to_string().contains("weights add up to less"), "{err}");
+    }
+
+    #[test]
+    fn a_value_outside_the_quantization_range_fails_the_round() {
+        let err = refused(|_, mut input| {
+            // Eight top levels in one entry: the sum lands above what eight inputs can make.
+            input[4] = 1 << 31;
+            input
+        });
+        assert!(err.to_string().contains("outside"), "{err}");
+    }
+
+    #[test]
+    fn honest_sums_pass_the_check() {
+        let (aggregate, closing) = super::secure_rounds::run(false);
+        assert_eq!(closing.outcome, RoundOutcome::Commit);
+        assert_eq!(aggregate.n_updates, 8);
+    }
 }

@@ -8,7 +8,7 @@ use chacha20poly1305::aead::{Aead, Payload};
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::messages::Shares;
-use super::prg::{Keystream, pairwise_seed, share_cipher, share_nonce};
+use super::prg::{Keystream, pairwise_seed, seed_commitment, share_cipher, share_nonce};
 use super::shamir::{P, share};
 use super::*;
 
@@ -53,14 +53,15 @@ impl Client {
         };
         let cipher_sk = StaticSecret::from(part(0));
         let mask_sk = StaticSecret::from(part(1));
-        let advert = AdvertiseKeys {
-            cipher_pk: PublicKey::from(&cipher_sk).to_bytes(),
-            mask_pk: PublicKey::from(&mask_sk).to_bytes(),
-        };
         // The self-mask seed and the sharing polynomials come from the third part, expanded.
         let mut expand = Keystream::new(&part(2), 1);
         let mut self_seed = [0u8; 32];
         expand.0.apply_keystream(&mut self_seed);
+        let advert = AdvertiseKeys {
+            cipher_pk: PublicKey::from(&cipher_sk).to_bytes(),
+            mask_pk: PublicKey::from(&mask_sk).to_bytes(),
+            seed_commitment: seed_commitment(&self_seed, me, &config.session),
+        };
         let mut coefficients = [0u8; 32];
         expand.0.apply_keystream(&mut coefficients);
         let client = Client {

@@ -14,6 +14,9 @@ pub struct AdvertiseKeys {
     pub cipher_pk: [u8; 32],
     /// For pairwise masks.
     pub mask_pk: [u8; 32],
+    /// A hash of the client's self-mask seed (bound to the session and its index), which the
+    /// seed rebuilt from its neighbours' shares must match.
+    pub seed_commitment: [u8; 32],
 }
 
 /// Stage 1, server → client: its neighbours' keys (those that advertised) and the graph seed.

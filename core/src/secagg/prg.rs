@@ -59,6 +59,20 @@ fn derive(
     out
 }
 
+/// What a client commits to its self-mask seed with, in its key advertisement: the server
+/// checks the seed its neighbours' shares rebuild against it, so a neighbour returning a wrong
+/// share cannot turn the sum into noise unnoticed. The seed is 32 random bytes, so the hash
+/// hides it.
+pub(super) fn seed_commitment(seed: &[u8; 32], me: ClientIdx, session: &[u8; 16]) -> [u8; 32] {
+    use sha2::Digest;
+    let mut h = Sha256::new();
+    h.update(b"starling-secagg-self-seed-v1");
+    h.update(session);
+    h.update(me.to_le_bytes());
+    h.update(seed);
+    h.finalize().into()
+}
+
 /// The seed of the pairwise mask between `me` (secret) and `other` (public).
 pub(super) fn pairwise_seed(
     secret: &StaticSecret,

@@ -33,6 +33,12 @@ impl Quantizer {
         sum as f64 / self.levels() * 2.0 * self.clip - count as f64 * self.clip
     }
 
+    /// The most `count` values inside the quantization range add up to in the ring (each is
+    /// at most the top level): an unmasked sum above it holds a value from outside the range.
+    pub fn max_sum(&self, count: u32) -> u64 {
+        u64::from(count) * ((1u64 << self.bits) - 1)
+    }
+
     /// The largest error per summed value.
     pub fn step(&self) -> f64 {
         2.0 * self.clip / self.levels()

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use x25519_dalek::{PublicKey, StaticSecret};
 
-use super::prg::{Keystream, pairwise_seed};
-use super::shamir::{P, Share, reconstruct};
+use super::prg::{Keystream, pairwise_seed, seed_commitment};
+use super::shamir::{P, Share, reconstruct_checked};
 use super::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,9 +256,12 @@ impl Server {
         Ok(())
     }
 
-    /// Ends Unmasking: every secret the sum needs, rebuilt and checked, with the survivors'
-    /// masked inputs. Fails cleanly when some secret has fewer than `t` shares or a rebuilt key
-    /// does not match its public key. The model-sized work, adding the vectors and removing the
+    /// Ends Unmasking: every secret the sum needs, rebuilt from every share the survivors
+    /// returned and checked, with the survivors' masked inputs. A self-mask seed must match its
+    /// owner's commitment and a dropped client's key its public key; with spare shares, a
+    /// holder that returned a wrong one is found and left out ([`Unmasking::inconsistent`]).
+    /// Fails cleanly when some secret has fewer than `t` shares or none of its candidates
+    /// checks out: a wrong share never turns the sum into noise that commits. The model-sized work, adding the vectors and removing the
     /// masks, is [`Unmasking::sum`]'s, which cannot fail: a caller runs it where it costs
     /// nobody (the coordinator: off its driver task).
     pub fn finish(&mut self) -> Result<Unmasking, SecAggError> {
@@ -268,12 +271,9 @@ impl Server {
         let t = self.config.t as usize;
         let gather =
             |select: &dyn Fn(&UnmaskResponse) -> Option<Share>| -> Vec<(ClientIdx, Share)> {
-                self.responses
-                    .iter()
-                    .filter_map(|(&i, r)| select(r).map(|s| (i, s)))
-                    .take(t)
-                    .collect()
+                self.responses.iter().filter_map(|(&i, r)| select(r).map(|s| (i, s))).collect()
             };
+        let mut inconsistent = BTreeSet::new();
         let mut masks = Vec::new();
         for &j in &self.survivors {
             let shares = gather(&|r| r.seed_shares.get(&j).copied());
@@ -284,11 +284,16 @@ impl Server {
                     need: t,
                 });
             }
-            let seed = reconstruct(&shares).ok_or_else(|| SecAggError::BadMessage {
-                client: j,
-                why: "seed shares are inconsistent".into(),
-            })?;
-            masks.push(MaskRemoval { seed, stream: 3, add: false });
+            let commitment = self.keys[&j].seed_commitment;
+            let session = self.config.session;
+            let accept = |seed: &[u8; 32]| seed_commitment(seed, j, &session) == commitment;
+            let rebuilt =
+                reconstruct_checked(&shares, t, accept).ok_or_else(|| SecAggError::BadMessage {
+                    client: j,
+                    why: "its seed shares rebuild no seed that matches its commitment".into(),
+                })?;
+            inconsistent.extend(rebuilt.inconsistent);
+            masks.push(MaskRemoval { seed: rebuilt.secret, stream: 3, add: false });
         }
         for &j in self.shared.difference(&self.survivors) {
             let shares = gather(&|r| r.key_shares.get(&j).copied());
@@ -299,16 +304,17 @@ impl Server {
                     need: t,
                 });
             }
-            let key = reconstruct(&shares).map(StaticSecret::from);
-            let key = match key {
-                Some(k) if PublicKey::from(&k).to_bytes() == self.keys[&j].mask_pk => k,
-                _ => {
-                    return Err(SecAggError::BadMessage {
-                        client: j,
-                        why: "rebuilt mask key does not match its public key".into(),
-                    });
-                }
+            let mask_pk = self.keys[&j].mask_pk;
+            let accept =
+                |k: &[u8; 32]| PublicKey::from(&StaticSecret::from(*k)).to_bytes() == mask_pk;
+            let Some(rebuilt) = reconstruct_checked(&shares, t, accept) else {
+                return Err(SecAggError::BadMessage {
+                    client: j,
+                    why: "rebuilt mask key does not match its public key".into(),
+                });
             };
+            inconsistent.extend(rebuilt.inconsistent);
+            let key = StaticSecret::from(rebuilt.secret);
             for &i in self.graph[&j].intersection(&self.survivors) {
                 if self.rejections.get(&i).is_some_and(|r| r.contains(&j)) {
                     // i could not open j's shares, so it never added their pairwise mask.
@@ -332,6 +338,7 @@ impl Server {
             withdrawn: self.withdrawn.clone(),
             masks,
             survivors: self.survivors.clone(),
+            inconsistent,
         })
     }
 }
@@ -354,9 +361,17 @@ pub struct Unmasking {
     withdrawn: BTreeSet<ClientIdx>,
     masks: Vec<MaskRemoval>,
     survivors: BTreeSet<ClientIdx>,
+    /// Survivors that returned a share off its polynomial (left out of the rebuild).
+    inconsistent: BTreeSet<ClientIdx>,
 }
 
 impl Unmasking {
+    /// Survivors that returned a wrong share in Unmasking: found among spare shares and left
+    /// out, so the sum is right; the caller names them.
+    pub fn inconsistent(&self) -> &BTreeSet<ClientIdx> {
+        &self.inconsistent
+    }
+
     /// The clients whose inputs are in the sum.
     pub fn survivors(&self) -> &BTreeSet<ClientIdx> {
         &self.survivors
@@ -404,6 +419,7 @@ impl std::fmt::Debug for Unmasking {
             .field("withdrawn", &self.withdrawn)
             .field("survivors", &self.survivors)
             .field("masks", &self.masks.len())
+            .field("inconsistent", &self.inconsistent)
             .finish_non_exhaustive()
     }
 }

@@ -92,20 +92,95 @@ pub(super) fn share(
         .collect()
 }
 
-/// The secret from exactly the given shares (at distinct non-zero points).
-pub(super) fn reconstruct(shares: &[(ClientIdx, Share)]) -> Option<[u8; 32]> {
-    let mut values = [0u64; CHUNKS];
-    for (i, (xi, share)) in shares.iter().enumerate() {
-        let mut basis = 1;
-        for (j, (xj, _)) in shares.iter().enumerate() {
-            if i != j {
-                let (xi, xj) = (u64::from(*xi), u64::from(*xj));
-                basis = mul(basis, mul(xj, inv(sub(xj, xi))));
+/// Lagrange interpolation through shares at fixed points: the `t` inversions are done once,
+/// then each point the polynomials are evaluated at costs `t²` multiplications.
+struct Lagrange<'a> {
+    shares: &'a [(ClientIdx, Share)],
+    /// `1 / Π_{j≠i} (x_j − x_i)` for each share `i`.
+    inverse_denominators: Vec<u64>,
+}
+
+impl<'a> Lagrange<'a> {
+    /// Through exactly `shares` (at distinct non-zero points).
+    fn through(shares: &'a [(ClientIdx, Share)]) -> Self {
+        let x = |i: usize| u64::from(shares[i].0);
+        let inverse_denominators = (0..shares.len())
+            .map(|i| {
+                let d =
+                    (0..shares.len()).filter(|&j| j != i).fold(1, |d, j| mul(d, sub(x(j), x(i))));
+                inv(d)
+            })
+            .collect();
+        Lagrange { shares, inverse_denominators }
+    }
+
+    /// The shared polynomials' values at `at`.
+    fn at(&self, at: u64) -> [u64; CHUNKS] {
+        let mut values = [0u64; CHUNKS];
+        for (i, (_, share)) in self.shares.iter().enumerate() {
+            let numerator = self
+                .shares
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .fold(1, |n, (_, (xj, _))| mul(n, sub(u64::from(*xj), at)));
+            let basis = mul(numerator, self.inverse_denominators[i]);
+            for c in 0..CHUNKS {
+                values[c] = add(values[c], mul(share[c], basis));
             }
         }
-        for c in 0..CHUNKS {
-            values[c] = add(values[c], mul(share[c], basis));
-        }
+        values
     }
-    unchunk(&values)
+}
+
+/// The secret from exactly the given shares (at distinct non-zero points), unchecked.
+#[cfg(test)]
+pub(super) fn reconstruct(shares: &[(ClientIdx, Share)]) -> Option<[u8; 32]> {
+    unchunk(&Lagrange::through(shares).at(0))
+}
+
+/// A secret rebuilt from more shares than it needs, with the holders whose shares were off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Rebuilt {
+    pub(super) secret: [u8; 32],
+    /// Holders whose shares do not lie on the polynomial that rebuilds `secret`.
+    pub(super) inconsistent: Vec<ClientIdx>,
+}
+
+/// The secret of a `t`-of-`k` sharing that `accept` recognizes (it checks the secret against
+/// a commitment or public key), from all the `shares` gathered (at least `t`). The first `t`
+/// rebuild a candidate; if `accept` refuses it and there are spare shares, the candidates
+/// leaving out one share each are tried, so a single holder that returned a wrong share is
+/// found and left out. Every share not on the accepted polynomial is named. `None` when no
+/// candidate is accepted: the shares cannot be trusted, and nothing may be rebuilt from them.
+pub(super) fn reconstruct_checked(
+    shares: &[(ClientIdx, Share)],
+    t: usize,
+    accept: impl Fn(&[u8; 32]) -> bool,
+) -> Option<Rebuilt> {
+    if t == 0 || shares.len() < t {
+        return None;
+    }
+    let rebuilt = |basis: &[(ClientIdx, Share)]| -> Option<Rebuilt> {
+        let polynomial = Lagrange::through(basis);
+        let secret = unchunk(&polynomial.at(0)).filter(|s| accept(s))?;
+        let inconsistent = shares
+            .iter()
+            .filter(|share| !basis.contains(share) && polynomial.at(u64::from(share.0)) != share.1)
+            .map(|(x, _)| *x)
+            .collect();
+        Some(Rebuilt { secret, inconsistent })
+    };
+    rebuilt(&shares[..t]).or_else(|| {
+        (0..shares.len().min(t + 1)).filter(|_| shares.len() > t).find_map(|left_out| {
+            let others: Vec<(ClientIdx, Share)> = shares
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != left_out)
+                .map(|(_, s)| *s)
+                .take(t)
+                .collect();
+            rebuilt(&others)
+        })
+    })
 }

@@ -7,7 +7,7 @@ use chacha20::cipher::StreamCipher;
 use proptest::prelude::*;
 
 use super::prg::Keystream;
-use super::shamir::{reconstruct, share};
+use super::shamir::{self, reconstruct, reconstruct_checked, share};
 use super::*;
 
 fn bytes<const N: usize>(seed: u64, stream: u8) -> [u8; N] {
@@ -30,12 +30,26 @@ struct Script {
     /// A sealed share (from, to) whose ciphertext is garbled: well-formed, but it does not
     /// open.
     garble: Option<(ClientIdx, ClientIdx)>,
+    /// A survivor (holder) that returns its share of another's (owner's) self-mask seed with
+    /// one chunk shifted.
+    shift_seed_share: Option<(ClientIdx, ClientIdx)>,
 }
 
 type Outcome = Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError>;
 
 /// Runs one round end to end in memory; the sum and survivors, and each client's input.
 fn run(config: &Config, seed: u64, script: &Script) -> (Outcome, BTreeMap<ClientIdx, Vec<u32>>) {
+    let (outcome, inputs, _) = run_naming(config, seed, script);
+    (outcome, inputs)
+}
+
+/// [`run`], and the survivors the server found returning wrong shares.
+fn run_naming(
+    config: &Config,
+    seed: u64,
+    script: &Script,
+) -> (Outcome, BTreeMap<ClientIdx, Vec<u32>>, BTreeSet<ClientIdx>) {
+    let mut inconsistent = BTreeSet::new();
     let mut server = Server::new(*config, bytes(seed, 9)).unwrap();
     let mut clients = BTreeMap::new();
     let mut inputs = BTreeMap::new();
@@ -83,13 +97,20 @@ fn run(config: &Config, seed: u64, script: &Script) -> (Outcome, BTreeMap<Client
             if script.after_mask.contains(&i) {
                 continue;
             }
-            let response = clients.get_mut(&i).unwrap().unmask(request.clone())?;
+            let mut response = clients.get_mut(&i).unwrap().unmask(request.clone())?;
+            if let Some((holder, owner)) = script.shift_seed_share
+                && holder == i
+            {
+                let share = response.seed_shares.get_mut(&owner).expect("holds a share");
+                share[0] = (share[0] + 1) % shamir::P;
+            }
             server.receive_unmask(i, response)?;
         }
         let unmasking = server.finish()?;
+        inconsistent = unmasking.inconsistent().clone();
         Ok((unmasking.sum(|j| sent.get(&j).cloned())?, unmasking.survivors().clone()))
     })();
-    (result, inputs)
+    (result, inputs, inconsistent)
 }
 
 fn plain_sum(
@@ -146,6 +167,7 @@ fn dropouts_at_every_stage_up_to_the_threshold() {
         after_mask: [7, 8].into(),
         corrupt_share: None,
         garble: None,
+        shift_seed_share: None,
     };
     let (result, inputs) = run(&config, 21, &script);
     let (sum, survivors) = result.unwrap();
@@ -343,4 +365,54 @@ proptest! {
             Err(e) => prop_assert!(false, "unexpected failure {e}"),
         }
     }
+}
+
+/// A holder returning a wrong share of a survivor's self-mask seed made the sum noise that
+/// committed. Each seed now must match its owner's commitment: with a spare share the holder
+/// is named and left out and the sum is exact; with exactly `t` shares the round fails.
+#[test]
+fn a_wrong_seed_share_is_named_with_spares_and_fails_the_round_without() {
+    let config = Config { session: [3; 16], n: 5, k: 4, t: 3, len: 16 };
+    let liar = Script { shift_seed_share: Some((2, 1)), ..Script::default() };
+    let (outcome, inputs, inconsistent) = run_naming(&config, 21, &liar);
+    let (sum, survivors) = outcome.expect("four shares of each seed: one to spare");
+    assert_eq!(sum, plain_sum(&inputs, &survivors, config.len));
+    assert_eq!(inconsistent, BTreeSet::from([2]));
+
+    // Client 5 leaves before Unmasking: client 1's seed has exactly t = 3 shares left.
+    let no_spare = Script { after_mask: BTreeSet::from([5]), ..liar };
+    let (outcome, ..) = run_naming(&config, 21, &no_spare);
+    match outcome {
+        Err(SecAggError::BadMessage { client: 1, why }) => assert!(why.contains("commitment")),
+        other => panic!("a seed rebuilt from a wrong share must fail the round: {other:?}"),
+    }
+    // The same departure with honest shares sums exactly.
+    let honest = Script { after_mask: BTreeSet::from([5]), ..Script::default() };
+    let (outcome, inputs) = run(&config, 21, &honest);
+    let (sum, survivors) = outcome.unwrap();
+    assert_eq!(sum, plain_sum(&inputs, &survivors, config.len));
+}
+
+#[test]
+fn checked_rebuilds_name_the_one_wrong_share_among_spares() {
+    let secret = bytes::<32>(5, 2);
+    let holders: Vec<ClientIdx> = (1..=6).collect();
+    let shares = share(&secret, 3, &holders, &mut Keystream::new(&bytes(6, 1), 1));
+    let accept = |s: &[u8; 32]| *s == secret;
+    for liar in 1..=6 {
+        let mut given: Vec<(ClientIdx, shamir::Share)> = shares.clone().into_iter().collect();
+        given[liar as usize - 1].1[2] ^= 1;
+        let rebuilt = reconstruct_checked(&given, 3, accept).expect("one wrong share of six");
+        assert_eq!((rebuilt.secret, rebuilt.inconsistent), (secret, vec![liar]));
+        // Without spares the wrong share cannot be outvoted: nothing is rebuilt.
+        let exact: Vec<_> =
+            given.iter().copied().filter(|(x, _)| *x <= 3 || *x == liar).take(3).collect();
+        if exact.iter().any(|(x, _)| *x == liar) {
+            assert_eq!(reconstruct_checked(&exact, 3, accept), None);
+        }
+    }
+    assert_eq!(
+        reconstruct_checked(&shares.into_iter().take(2).collect::<Vec<_>>(), 3, accept),
+        None
+    );
 }

@@ -280,7 +280,8 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
     let mut sessions = advertise_all(&devices, &tasks, run).await?;
     // Device 5 sends a second, different set of keys: refused (its first keys stay in), and it
     // then drops out before sharing.
-    let other = secagg::AdvertiseKeys { cipher_pk: [7; 32], mask_pk: [8; 32] };
+    let other =
+        secagg::AdvertiseKeys { cipher_pk: [7; 32], mask_pk: [8; 32], seed_commitment: [9; 32] };
     let twice = devices[5].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(other)).await;
     assert_eq!(api_code(twice), Some(ErrorCode::InvalidField));
     let shared = sessions[..5].iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
