@@ -733,6 +733,9 @@ mod secure_rounds {
     }
 
     /// Devices 1..=10 and their secrets; the records the machine asked to persist.
+    /// What a poisoning device masks instead of its encoded update, given the fleet.
+    pub(super) type Poison = fn(&Fleet, Vec<u32>) -> Vec<u32>;
+
     pub(super) struct Fleet {
         m: RunMachine,
         now: Millis,
@@ -749,7 +752,7 @@ mod secure_rounds {
         garble: Option<i64>,
         /// A device that masks ring elements of its own choosing instead of its encoded update
         /// (made from what the honest survivors encode).
-        pub(super) poison: Option<(i64, fn(&Fleet, Vec<u32>) -> Vec<u32>)>,
+        pub(super) poison: Option<(i64, Poison)>,
         /// Why the driver could not finish the handed-over sum, when it could not.
         pub(super) refused: Option<AggregateError>,
     }
@@ -1574,13 +1577,13 @@ fn a_device_in_three_refused_rounds_in_a_row_is_not_selected_again() {
 /// committed. The unmasked sum is now checked against what the survivors' inputs inside the
 /// quantization range can add up to, and such a round fails, never commits.
 mod poisoned_secure_sums {
-    use super::secure_rounds::{Fleet, run_fleet_with};
+    use super::secure_rounds::{Fleet, Poison, run_fleet_with};
     use super::*;
 
     /// The survivors of `run_fleet` (9 and 10 drop while training).
     const SURVIVORS: std::ops::RangeInclusive<i64> = 1..=8;
 
-    fn refused(poison: fn(&Fleet, Vec<u32>) -> Vec<u32>) -> AggregateError {
+    fn refused(poison: Poison) -> AggregateError {
         let mut f = Fleet::new();
         f.poison = Some((3, poison));
         let f = run_fleet_with(false, f);
