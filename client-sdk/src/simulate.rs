@@ -18,6 +18,7 @@ use starling_core::{DeviceId, RunId};
 use crate::backend::Backend;
 use crate::data::{DataError, Dataset, FederatedData, Partition, federated_data};
 use crate::evaluate::CentralEvaluator;
+use crate::examples::Examples;
 use crate::participant::{Outcome, Participant};
 use crate::protocol::{AdminClient, ClientError, TlsSettings};
 
@@ -314,7 +315,7 @@ pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) 
 /// train whichever run of it is open.
 pub async fn simulate(
     config: SimulationConfig,
-    mut on_round: impl FnMut(&RoundResult),
+    on_round: impl FnMut(&RoundResult),
 ) -> Result<SimulationReport, SimulationError> {
     if !(0.0..1.0).contains(&config.holdout) {
         return Err(SimulationError::Invalid(format!(
@@ -328,8 +329,6 @@ pub async fn simulate(
             p.fraction
         )));
     }
-    let attackers = config.poisoning.map_or(0, |p| p.attackers(config.clients));
-    let slow_devices = |s: &Slowdown| s.slow_devices(config.clients);
     let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
         config.dataset,
         &config.data_dir,
@@ -352,6 +351,48 @@ pub async fn simulate(
     // after a lost answer.
     let uses = config.clients as i64 + 8;
     let token = admin.enrollment_token_for(uses, &[population.as_str()]).await?.token;
+    let plan = simulation_plan(&config, &name, &population, &spec);
+    // The store refuses the run while another trains the population (a constraint, so two
+    // simulations cannot both take it).
+    let run = match admin.create_run(&plan).await {
+        Ok(view) => RunId(view.id),
+        Err(ClientError::Api { body, .. }) if body.code == ErrorCode::Conflict => {
+            return Err(SimulationError::PopulationBusy { population, why: body.message });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut fleet = Fleet::spawn(&config, &population, &token, &train_set, parts)?;
+    // Observe: evaluate each committed model on the test set, and report it as the central
+    // evaluation of the "simulator".
+    let evaluator = CentralEvaluator::new(
+        admin.clone(),
+        run,
+        SIMULATOR_EVALUATOR,
+        spec.clone(),
+        test_set,
+        config.backend.clone(),
+    )
+    .map_err(|e| SimulationError::Participant(e.to_string()))?;
+    let mut observed = Observed::default();
+    let outcome = observed.watch(&admin, run, &evaluator, &mut fleet, on_round).await;
+    let devices = fleet.stop();
+    let Observed { results, not_evaluated, .. } = observed;
+    outcome.map(|()| SimulationReport {
+        run_id: run,
+        population,
+        devices,
+        rounds: results,
+        not_evaluated,
+    })
+}
+
+/// The simulation's plan: the model, its training and pacing, and what the config turns on.
+fn simulation_plan(
+    config: &SimulationConfig,
+    name: &str,
+    population: &str,
+    spec: &ModelSpec,
+) -> serde_json::Value {
     let pacing = config.pacing;
     let mut plan = serde_json::json!({
         "name": name,
@@ -388,129 +429,149 @@ pub async fn simulate(
             "stage_timeout_secs": 10.0,
         });
     }
-    // The store refuses the run while another trains the population (a constraint, so two
-    // simulations cannot both take it).
-    let run = match admin.create_run(&plan).await {
-        Ok(view) => RunId(view.id),
-        Err(ClientError::Api { body, .. }) if body.code == ErrorCode::Conflict => {
-            return Err(SimulationError::PopulationBusy { population, why: body.message });
-        }
-        Err(e) => return Err(e.into()),
-    };
+    plan
+}
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let enrolled = Arc::new(std::sync::Mutex::new(vec![]));
-    let mut tasks = vec![];
-    for (i, idx) in parts.into_iter().enumerate() {
-        let local = train_set.subset(&idx);
-        let (local_train, local_holdout) =
-            local.split_holdout(config.holdout, config.seed + i as u64);
-        let mut participant = Participant::new(
-            &config.url,
-            &population,
-            local_train,
-            local_holdout,
-            config.backend.training_device(),
-        )
-        .with_tls(&config.tls)?;
-        if let Some(p) = config.poisoning.filter(|_| i < attackers) {
-            participant = participant.tampering(Arc::new(move |delta| p.attack.apply(delta)));
-        }
-        if let Some(slow) = config.slowdown.filter(|s| i >= config.clients - slow_devices(s)) {
-            participant = participant.slowed(slow.factor);
-        }
-        let (token, stop) = (token.clone(), stop.clone());
-        let enrolled = enrolled.clone();
-        tasks.push(tokio::spawn(async move {
-            let device = participant.enroll(&token).await.map_err(|e| e.to_string())?;
-            enrolled.lock().expect("no task panics holding it").push(device);
-            while !stop.load(Ordering::Relaxed) {
-                match participant.participate(Box::new(|_| {})).await {
-                    Ok(Outcome::ComeBackLater(d)) => {
-                        tokio::time::sleep(d.min(Duration::from_secs(1))).await
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(client = i, error = %e, "participation failed");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
+/// The simulated devices, each a task that enrolls and participates until stopped.
+struct Fleet {
+    tasks: Vec<tokio::task::JoinHandle<Result<(), String>>>,
+    stop: Arc<AtomicBool>,
+    enrolled: Arc<std::sync::Mutex<Vec<DeviceId>>>,
+}
+
+impl Fleet {
+    /// One device per client's part of `train_set`, the attackers and slow devices among them
+    /// as the config says.
+    fn spawn(
+        config: &SimulationConfig,
+        population: &str,
+        token: &str,
+        train_set: &Examples,
+        parts: Vec<Vec<usize>>,
+    ) -> Result<Self, SimulationError> {
+        let attackers = config.poisoning.map_or(0, |p| p.attackers(config.clients));
+        let slow_devices = |s: &Slowdown| s.slow_devices(config.clients);
+        let stop = Arc::new(AtomicBool::new(false));
+        let enrolled = Arc::new(std::sync::Mutex::new(vec![]));
+        let mut tasks = vec![];
+        for (i, idx) in parts.into_iter().enumerate() {
+            let local = train_set.subset(&idx);
+            let (local_train, local_holdout) =
+                local.split_holdout(config.holdout, config.seed + i as u64);
+            let mut participant = Participant::new(
+                &config.url,
+                population,
+                local_train,
+                local_holdout,
+                config.backend.training_device(),
+            )
+            .with_tls(&config.tls)?;
+            if let Some(p) = config.poisoning.filter(|_| i < attackers) {
+                participant = participant.tampering(Arc::new(move |delta| p.attack.apply(delta)));
+            }
+            if let Some(slow) = config.slowdown.filter(|s| i >= config.clients - slow_devices(s)) {
+                participant = participant.slowed(slow.factor);
+            }
+            let (token, stop) = (token.to_owned(), stop.clone());
+            let enrolled = enrolled.clone();
+            tasks.push(tokio::spawn(async move {
+                let device = participant.enroll(&token).await.map_err(|e| e.to_string())?;
+                enrolled.lock().expect("no task panics holding it").push(device);
+                while !stop.load(Ordering::Relaxed) {
+                    match participant.participate(Box::new(|_| {})).await {
+                        Ok(Outcome::ComeBackLater(d)) => {
+                            tokio::time::sleep(d.min(Duration::from_secs(1))).await
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(client = i, error = %e, "participation failed");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
                     }
                 }
-            }
-            Ok::<_, String>(())
-        }));
+                Ok::<_, String>(())
+            }));
+        }
+        Ok(Fleet { tasks, stop, enrolled })
     }
 
-    // Observe: evaluate each committed model on the test set, and report it as the central
-    // evaluation of the "simulator".
-    let evaluator = CentralEvaluator::new(
-        admin.clone(),
-        run,
-        SIMULATOR_EVALUATOR,
-        spec.clone(),
-        test_set,
-        config.backend.clone(),
-    )
-    .map_err(|e| SimulationError::Participant(e.to_string()))?;
-    let mut results: Vec<RoundResult> = vec![];
-    // The newest version evaluated or passed over, and those passed over.
-    let (mut seen, mut not_evaluated) = (0, vec![]);
-    let outcome = 'observe: loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let models = admin.models(run).await?;
-        let rounds = admin.rounds(run).await?;
-        let newer = models.iter().position(|m| m.version > seen).unwrap_or(models.len());
-        for m in &models[newer..] {
-            seen = m.version;
-            // A version its checkpoint interval gave up before it was reached is passed over.
-            let eval = match evaluator.evaluate_version(m.version).await {
-                Ok(Some(eval)) => eval,
-                Ok(None) => {
-                    not_evaluated.push(m.version);
+    /// A device task's error, once one has ended.
+    async fn failed(&mut self) -> Option<String> {
+        let ended = self.tasks.iter().position(|t| t.is_finished())?;
+        self.tasks.remove(ended).await.expect("participant task panicked").err()
+    }
+
+    /// Stops every device; the devices that enrolled, sorted.
+    fn stop(self) -> Vec<DeviceId> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.abort();
+        }
+        let mut devices = self.enrolled.lock().expect("no task panics holding it").clone();
+        devices.sort();
+        devices
+    }
+}
+
+/// What the simulation saw of its run's models.
+#[derive(Default)]
+struct Observed {
+    results: Vec<RoundResult>,
+    /// The newest version evaluated or passed over.
+    seen: i64,
+    /// Versions passed over (given up by the checkpoint interval before they were reached).
+    not_evaluated: Vec<i64>,
+}
+
+impl Observed {
+    /// Evaluates each model `run` commits, in order, until the run ends or a device fails.
+    async fn watch(
+        &mut self,
+        admin: &AdminClient,
+        run: RunId,
+        evaluator: &CentralEvaluator,
+        fleet: &mut Fleet,
+        mut on_round: impl FnMut(&RoundResult),
+    ) -> Result<(), SimulationError> {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let models = admin.models(run).await?;
+            let rounds = admin.rounds(run).await?;
+            let newer = models.iter().position(|m| m.version > self.seen).unwrap_or(models.len());
+            for m in &models[newer..] {
+                self.seen = m.version;
+                let Some(eval) = evaluator
+                    .evaluate_version(m.version)
+                    .await
+                    .map_err(|e| SimulationError::Participant(e.to_string()))?
+                else {
+                    self.not_evaluated.push(m.version);
                     continue;
-                }
-                Err(e) => break 'observe Err(SimulationError::Participant(e.to_string())),
-            };
-            let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
-            let result = RoundResult {
-                version: m.version,
-                test_accuracy: eval.accuracy,
-                test_loss: eval.loss,
-                train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
-                reported: round.map_or(0, |r| r.n_reported),
-                dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
-            };
-            on_round(&result);
-            results.push(result);
-        }
-        let view = admin.run(run).await?;
-        let status = view.status;
-        if status != "running" && seen == view.model_version {
-            break if status == "finished" {
-                Ok(())
-            } else {
-                Err(SimulationError::RunEnded(status))
-            };
-        }
-        if let Some(failed) = tasks.iter().position(|t| t.is_finished()) {
-            let res = tasks.remove(failed).await.expect("participant task panicked");
-            if let Err(e) = res {
-                break Err(SimulationError::Participant(e));
+                };
+                let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
+                let result = RoundResult {
+                    version: m.version,
+                    test_accuracy: eval.accuracy,
+                    test_loss: eval.loss,
+                    train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
+                    reported: round.map_or(0, |r| r.n_reported),
+                    dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
+                };
+                on_round(&result);
+                self.results.push(result);
+            }
+            let view = admin.run(run).await?;
+            if view.status != "running" && self.seen == view.model_version {
+                return match view.status.as_str() {
+                    "finished" => Ok(()),
+                    _ => Err(SimulationError::RunEnded(view.status)),
+                };
+            }
+            if let Some(e) = fleet.failed().await {
+                return Err(SimulationError::Participant(e));
             }
         }
-    };
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.abort();
     }
-    let mut devices = enrolled.lock().expect("no task panics holding it").clone();
-    devices.sort();
-    outcome.map(|()| SimulationReport {
-        run_id: run,
-        population,
-        devices,
-        rounds: results,
-        not_evaluated,
-    })
 }
 
 /// Eight random hex digits, so that two simulations' runs and populations never share a name.
