@@ -533,7 +533,11 @@ impl<F: ModelFactory> Participant<F> {
         let upload = UploadRequest {
             model_version: task.model_version,
             example_count: trained.examples,
-            metrics: [("loss".to_owned(), trained.loss)].into(),
+            // A DP run takes no metrics: they would leave it un-noised.
+            metrics: match task.withhold_metrics {
+                true => Default::default(),
+                false => [("loss".to_owned(), trained.loss)].into(),
+            },
             delta: TensorPayload {
                 schema_id: task.schema.schema_id(),
                 data: encoded.expect("a plain round encodes its delta"),
@@ -662,6 +666,10 @@ impl<F: ModelFactory> Participant<F> {
             return Ok(None);
         }
         let Some(evaluation) = self.evaluate(task, global).await? else { return Ok(None) };
+        if task.withhold_metrics {
+            // Kept on the device: a DP run takes no evaluation.
+            return Ok(Some(evaluation));
+        }
         let report = EvaluationReport {
             model_version: task.model_version,
             example_count: evaluation.examples,

@@ -598,6 +598,16 @@ impl ValidatedPlan {
         self.privacy.as_ref()
     }
 
+    /// Whether the run releases what devices report beside their noised updates: training
+    /// metrics (a round's example-weighted loss), their federated evaluations and a secure
+    /// round's pooled evaluation. A DP run does not: none of it is clipped or noised, so it would
+    /// leave the run outside the ε it reports. Its devices are told to send none
+    /// ([`TaskAssignment::withhold_metrics`](crate::wire::TaskAssignment::withhold_metrics)),
+    /// and the coordinator commits none and refuses their evaluations.
+    pub fn releases_device_metrics(&self) -> bool {
+        self.privacy.is_none()
+    }
+
     /// A round's empty accumulator: folding updates of [`Self::update_len`] values, bounding
     /// each as the strategy says (with `state`'s clip norm for DP).
     pub fn accumulator(

@@ -200,6 +200,11 @@ pub struct TaskAssignment {
     /// the decoded values and send the delta against them.
     #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
     pub model_download: crate::compression::Compression,
+    /// Set in a differentially private run: send no metrics with the update and report no
+    /// evaluation (they are not noised, so they would be released outside the run's ε); absent:
+    /// report them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub withhold_metrics: bool,
 }
 
 /// Where a selected device uploads when its run goes through the aggregator tier.

@@ -71,7 +71,10 @@ impl CloseTask {
                 let on_thread = plan.clone();
                 let prepared = tokio::task::spawn_blocking(move || {
                     let plan = &on_thread;
-                    let metrics = aggregate.metrics.clone();
+                    // A DP run releases nothing beside the noised model.
+                    let released = plan.releases_device_metrics();
+                    let metrics =
+                        if released { aggregate.metrics.clone() } else { BTreeMap::new() };
                     let (values, state) = next_model(
                         &NextModel { store: reader, handle, run_id, round_idx, plan },
                         &global,
@@ -91,6 +94,7 @@ impl CloseTask {
                 .expect("aggregation task panicked");
                 match prepared {
                     Ok((model, payload, metrics, state_bytes)) => {
+                        let evaluation = evaluation.filter(|_| plan.releases_device_metrics());
                         let new = NewModel {
                             model,
                             payload: Bytes::from(payload),

@@ -426,6 +426,11 @@ async fn evaluation(
             "the run aggregates securely: a device's evaluation travels inside its masked input, never in clear",
         ));
     }
+    if !plan.releases_device_metrics() {
+        return Err(ApiError::invalid(
+            "the run is differentially private: a device's evaluation is not noised, so it is not taken (it would be released outside the run's epsilon)",
+        ));
+    }
     let ModelVersion(version) = report.model_version;
     if state.store().model_hash(run_id, report.model_version).await?.is_none() {
         return Err(ApiError::not_found(format!("run {run_id} has no model version {version}")));

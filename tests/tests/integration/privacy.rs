@@ -68,8 +68,9 @@ fn the_accountant_agrees_with_google_dp_accounting_to_1e_10() {
 
 /// A DP-FedAvg run over HTTP: each update is clipped and counts once, the committed model is the
 /// clipped mean plus Gaussian noise of the stated scale, ε after each round is the accountant's
-/// (run view and /metrics), and the run stops when one more round would pass its ε budget. A
-/// budget no round fits is refused with the figure.
+/// (run view and /metrics), nothing un-noised (training metrics, evaluations) is released, and
+/// the run stops when one more round would pass its ε budget. A budget no round fits is refused
+/// with the figure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
     const N: usize = 5;
@@ -101,6 +102,7 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
         let global = model_values(&devices[0], &hash, &schema).await.unwrap();
         wait_round_open(&c.admin, run, round).await.unwrap();
         let tasks = expect_tasks(&devices).await.unwrap();
+        assert!(tasks.iter().all(|t| t.withhold_metrics), "devices are told to send no metrics");
         let uploads: Vec<Vec<f32>> = (0..N).map(|i| delta(i, round, PARAMS)).collect();
         for ((d, t), (i, u)) in devices.iter().zip(&tasks).zip(uploads.iter().enumerate()) {
             // Weights differ, but DP counts every update once.
@@ -143,6 +145,26 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
         .await
         .unwrap();
     assert_eq!(view.rounds_committed, 2);
+    // Nothing un-noised leaves the run: the uploads carried a loss each, and no round shows
+    // one; a device's evaluation is refused, not stored.
+    for r in c.admin.rounds(run).await.unwrap() {
+        assert!(
+            r.metrics.as_ref().is_none_or(|m| m.is_empty()),
+            "round {}: {:?}",
+            r.round_idx,
+            r.metrics
+        );
+    }
+    let report = starling_core::wire::EvaluationReport {
+        model_version: starling_core::ModelVersion(1),
+        example_count: 10,
+        metrics: [("accuracy".to_owned(), 0.9)].into(),
+    };
+    let refused = devices[0].evaluate(run, &report).await.unwrap_err().to_string();
+    assert!(refused.contains("differentially private"), "{refused}");
+    for m in c.admin.models(run).await.unwrap() {
+        assert_eq!(m.n_evaluations, 0, "model {}: no device's evaluation is shown", m.version);
+    }
     let spent = view.privacy.unwrap();
     assert!(spent.epsilon <= budget && spent.epsilon == accountant.epsilon(2, delta_dp));
     let metrics = reqwest::Client::new()
