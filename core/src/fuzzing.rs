@@ -132,6 +132,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         eligibility: Default::default(),
         evaluation_only: false,
         each_update_direct: false,
+        poisson_rate: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         secure: Some(SecureRoundConfig {

@@ -92,8 +92,8 @@ pub struct Plan {
     /// How contributions become the next model; absent: FedAvg with `server_learning_rate`.
     #[serde(default)]
     pub strategy: Strategy,
-    /// How each round's cohort is drawn from the devices checking in: `random` (default) or
-    /// `first_come`.
+    /// How each round's cohort is drawn from the devices checking in: `random` (default),
+    /// `first_come` or `poisson` (with differential privacy).
     #[serde(default)]
     pub selection: SelectionPolicy,
     /// How devices encode their deltas for upload: `f32` (default), `f16`, `bf16`, `int8`
@@ -252,6 +252,9 @@ pub struct RoundConfig {
     /// How the cohort is drawn from the devices that check in.
     #[serde(default = "SelectionPolicy::first_come")]
     pub selection: SelectionPolicy,
+    /// With Poisson selection, each device's chance of being drawn in a round.
+    #[serde(default)]
+    pub poisson_rate: Option<f64>,
     /// FedBuff: a "round" is one buffer of `cohort_size` updates, `target_selected` is the
     /// concurrency, and devices selected in earlier rounds may still report.
     #[serde(default)]
@@ -270,6 +273,12 @@ pub enum SelectionPolicy {
     /// The first devices to check in, until the target: fastest, but it favours the devices
     /// that check in first.
     FirstCome,
+    /// Poisson sampling, for differential privacy: each eligible device checking in during
+    /// selection is drawn once per round, independently, with the DP accountant's sampling
+    /// rate q, and the cohort is however many are drawn (up to the plan's selected count: a
+    /// device arriving after that is not drawn, which only lowers its chance). No fill late
+    /// in the window, so q is the chance of every device, whatever the population.
+    Poisson,
 }
 
 impl SelectionPolicy {
@@ -524,6 +533,15 @@ impl Plan {
                 || !self.compression.is_f32()
                 || self.asynchronous.is_some(),
             selection: self.selection,
+            poisson_rate: match self.selection {
+                SelectionPolicy::Poisson => Some(privacy.map(|p| p.sampling_rate).ok_or_else(|| {
+                    field(
+                        "selection",
+                        "poisson draws each device with differential_privacy's sampling rate: it needs differential_privacy",
+                    )
+                })?),
+                _ => None,
+            },
             asynchronous: self.asynchronous,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })

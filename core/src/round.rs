@@ -152,6 +152,7 @@ impl ActiveRound {
     /// (exactly so when each checks in once and `online` is right). In the second half of the
     /// selection window, and once every online device was considered, the cohort is filled
     /// with whoever checks in, so an overestimated `online` delays a round, never stalls it.
+    /// `poisson` draws each device once per round, with the accountant's sampling rate.
     fn wins_draw(
         &mut self,
         device: DeviceId,
@@ -164,6 +165,10 @@ impl ActiveRound {
             || pacing.selects_whoever_comes()
         {
             return true;
+        }
+        if let Some(rate) = config.poisson_rate {
+            // One independent draw per device and round, at the accountant's rate; no fill.
+            return self.considered.insert(device) && self.lottery.unit() < rate;
         }
         let remaining = config.target_selected.saturating_sub(self.selected.len() as u32);
         let late = now - self.opened.opened_at >= config.selection_timeout_ms / 2;

@@ -272,6 +272,16 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     assert!(budgeted.privacy().unwrap().epsilon_after(u64::from(allowed)) <= 3.0);
     let err = refused(with(serde_json::json!({"differential_privacy": dp, "norm_bound": 1.0})));
     assert!(err.contains("does not combine"), "{err}");
+    // Poisson selection draws at the accountant's rate, and needs DP for that rate.
+    let mut poisson = with(serde_json::json!({"differential_privacy": dp}));
+    poisson["selection"] = "poisson".into();
+    let poisson = parse(poisson).unwrap();
+    assert_eq!(poisson.round_config().poisson_rate, Some(0.13));
+    assert_eq!(private.round_config().poisson_rate, None, "random selection draws no rate");
+    let mut no_dp = plan_json();
+    no_dp["selection"] = "poisson".into();
+    let err = refused(no_dp);
+    assert!(err.contains("selection") && err.contains("needs differential_privacy"), "{err}");
     // Whoever checks in first is no sample of the population: no ε holds for it.
     let mut first_come = with(serde_json::json!({"differential_privacy": dp}));
     first_come["selection"] = "first_come".into();

@@ -57,6 +57,7 @@ fn config() -> RoundConfig {
         secure: None,
         evaluation_only: false,
         each_update_direct: false,
+        poisson_rate: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
     }
@@ -601,6 +602,7 @@ fn simulation_never_hangs() {
         eligibility: Default::default(),
         evaluation_only: false,
         each_update_direct: false,
+        poisson_rate: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         secure: None,
@@ -715,6 +717,7 @@ mod secure_rounds {
             eligibility: Default::default(),
             evaluation_only: false,
             each_update_direct: false,
+            poisson_rate: None,
             selection: crate::plan::SelectionPolicy::FirstCome,
             asynchronous: None,
             secure: Some(SecureRoundConfig {
@@ -1382,6 +1385,47 @@ fn random_selection_draws_a_uniform_cohort_whatever_the_arrival_order() {
     assert!(early < 3, "three of a million drawn early");
     let late: Vec<bool> = (4..=6).map(|d| check_in(&mut m, d, 600)).collect();
     assert_eq!(late.iter().filter(|s| **s).count(), 3 - early);
+}
+
+/// Poisson selection draws each device once per round at the accountant's rate, whatever the
+/// population and the arrival order, and never fills late: q is every device's chance, which
+/// is what the DP accountant assumes.
+#[test]
+fn poisson_selection_draws_each_device_once_at_the_rate_with_no_fill() {
+    use crate::plan::SelectionPolicy;
+    let machine = |entropy: [u8; 32]| {
+        let config = RoundConfig {
+            target_selected: 1_000,
+            selection: SelectionPolicy::Poisson,
+            poisson_rate: Some(0.3),
+            ..config()
+        };
+        let mut m = RunMachine::start(RunId(1), config, 0, entropy);
+        while m.poll_action().is_some() {}
+        m
+    };
+    // 1 000 devices check in early, then again late in the window: the second check-in of a
+    // device that lost its draw never selects it, and nothing fills the cohort.
+    let mut counts = [0u32; 21];
+    for trial in 0..200u32 {
+        let mut entropy = [0u8; 32];
+        entropy[..4].copy_from_slice(&trial.to_le_bytes());
+        let mut m = machine(entropy);
+        let first: Vec<i64> =
+            (1..=1_000).filter(|&d| lottery_check_in(&mut m, d, 10, 10)).collect();
+        let again = (1..=1_000).filter(|d| !first.contains(d));
+        let late: Vec<i64> = again.filter(|&d| lottery_check_in(&mut m, d, 900, 10)).collect();
+        assert!(late.is_empty(), "trial {trial}: {} drawn again late", late.len());
+        // 0.3 of 1 000 is 300 ± 4σ (σ ≈ 14.5).
+        assert!((242..=358).contains(&first.len()), "trial {trial}: {} drawn", first.len());
+        for d in first.into_iter().filter(|&d| d <= 20) {
+            counts[d as usize] += 1;
+        }
+    }
+    // Each of the first twenty devices: 0.3 of 200 rounds is 60 ± 4σ (σ ≈ 6.5).
+    for (d, &n) in counts.iter().enumerate().skip(1) {
+        assert!((34..=86).contains(&n), "device {d} drawn {n} times in 200 rounds");
+    }
 }
 
 /// FedBuff. Three devices train at once; a buffer commits every two durable

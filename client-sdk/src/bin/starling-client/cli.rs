@@ -210,7 +210,7 @@ struct SimulateArgs {
     /// privacy, e.g. '{"optimizer": {"kind": "fed_adam", "lr": 0.01}}' [default: FedAvg].
     #[arg(long)]
     strategy: Option<String>,
-    /// How each round's cohort is drawn: `random` or `first_come`.
+    /// How each round's cohort is drawn: `random`, `first_come` or `poisson` (with DP).
     #[arg(long, default_value = "random", value_parser = parse_selection)]
     selection: starling_core::plan::SelectionPolicy,
     /// Make some devices poison their updates: `scale:FACTOR` (a boosted delta) or
@@ -406,7 +406,7 @@ fn parse_asynchronous(text: &str) -> Result<starling_core::plan::AsynchronousPla
 
 fn parse_selection(text: &str) -> Result<starling_core::plan::SelectionPolicy, String> {
     serde_json::from_value(serde_json::Value::String(text.to_owned()))
-        .map_err(|_| format!("{text:?} is not a selection policy: random or first_come"))
+        .map_err(|_| format!("{text:?} is not a selection policy: random, first_come or poisson"))
 }
 
 fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyhow::Result<()> {
