@@ -56,70 +56,62 @@ impl CloseTask {
         let replayable = !matches!(finish, Finish::Unmask(_)) && plan.privacy().is_none();
         let (aggregate, evaluation) =
             finish.aggregate(commits, &store, run_id, round_idx, (&plan, &optimizer_state)).await;
-        let (closing, outcome) = match (closing.outcome, aggregate) {
-            (RoundOutcome::Commit, Ok(aggregate)) if plan.plan().evaluation_only => {
-                // The devices' reports pooled; the model stays as it is.
-                let pooled = PooledEvaluation {
+        // What a round asked to commit records: the devices' reports pooled, or the next model.
+        let made = async {
+            let aggregate = aggregate?;
+            if plan.plan().evaluation_only {
+                // The model stays as it is.
+                return Ok::<_, AggregateError>(EndOutcome::Evaluated(PooledEvaluation {
                     n_devices: aggregate.n_updates,
                     example_count: aggregate.total_weight,
                     metrics: aggregate.metrics,
+                }));
+            }
+            // A DP run releases nothing beside the noised model.
+            let released = plan.releases_device_metrics();
+            let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
+            let on_thread = plan.clone();
+            let (model, payload, metrics, state_bytes) = tokio::task::spawn_blocking(move || {
+                let plan = &on_thread;
+                let metrics = if released { aggregate.metrics.clone() } else { BTreeMap::new() };
+                let (values, state) = next_model(
+                    &NextModel { store: reader, handle, run_id, round_idx, plan },
+                    &global,
+                    aggregate,
+                    &optimizer_state,
+                )?;
+                let EncodedModel { payload, hash, state: state_bytes } =
+                    encoded(plan, &values, &state);
+                let model = CommittedModel {
+                    values: Arc::new(values),
+                    hash,
+                    optimizer_state: Arc::new(state),
                 };
-                (closing, EndOutcome::Evaluated(pooled))
-            }
-            (RoundOutcome::Commit, Ok(aggregate)) => {
-                let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
-                let on_thread = plan.clone();
-                let prepared = tokio::task::spawn_blocking(move || {
-                    let plan = &on_thread;
-                    // A DP run releases nothing beside the noised model.
-                    let released = plan.releases_device_metrics();
-                    let metrics =
-                        if released { aggregate.metrics.clone() } else { BTreeMap::new() };
-                    let (values, state) = next_model(
-                        &NextModel { store: reader, handle, run_id, round_idx, plan },
-                        &global,
-                        aggregate,
-                        &optimizer_state,
-                    )?;
-                    let EncodedModel { payload, hash, state: state_bytes } =
-                        encoded(plan, &values, &state);
-                    let model = CommittedModel {
-                        values: Arc::new(values),
-                        hash,
-                        optimizer_state: Arc::new(state),
-                    };
-                    Ok::<_, AggregateError>((model, payload, metrics, state_bytes))
-                })
-                .await
-                .expect("aggregation task panicked");
-                match prepared {
-                    Ok((model, payload, metrics, state_bytes)) => {
-                        let evaluation = evaluation.filter(|_| plan.releases_device_metrics());
-                        let new = NewModel {
-                            model,
-                            payload: Bytes::from(payload),
-                            state_bytes,
-                            metrics,
-                            evaluation,
-                            replayable,
-                            plan,
-                        };
-                        (closing, EndOutcome::Committed(Box::new(new)))
-                    }
-                    Err(e) => {
-                        tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
-                        // Stored as what happened, not as the commit the machine asked for.
-                        let outcome = RoundOutcome::AggregateRejected;
-                        (RoundClosing { outcome, ..closing }, EndOutcome::Failed)
-                    }
+                Ok::<_, AggregateError>((model, payload, metrics, state_bytes))
+            })
+            .await
+            .expect("aggregation task panicked")?;
+            Ok(EndOutcome::Committed(Box::new(NewModel {
+                model,
+                payload: Bytes::from(payload),
+                state_bytes,
+                metrics,
+                evaluation: evaluation.filter(|_| released),
+                replayable,
+                plan: plan.clone(),
+            })))
+        };
+        let (closing, outcome) = match closing.outcome {
+            RoundOutcome::Commit => match made.await {
+                Ok(outcome) => (closing, outcome),
+                Err(e) => {
+                    tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
+                    // Stored as what happened, not as the commit the machine asked for.
+                    let outcome = RoundOutcome::AggregateRejected;
+                    (RoundClosing { outcome, ..closing }, EndOutcome::Failed)
                 }
-            }
-            (RoundOutcome::Commit, Err(e)) => {
-                tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
-                let outcome = RoundOutcome::AggregateRejected;
-                (RoundClosing { outcome, ..closing }, EndOutcome::Failed)
-            }
-            (_, _) => (closing, EndOutcome::Failed),
+            },
+            _ => (closing, EndOutcome::Failed),
         };
         ends.send(RoundEnd { closing, outcome, opened_at, closing_started }).await;
     }

@@ -134,7 +134,7 @@ pub(super) struct RunWriter {
     durable: Arc<AtomicU64>,
     /// The batch that opened the run's newest round.
     round_opened_in: u64,
-    effects: WriterParts,
+    parts: WriterParts,
 }
 
 /// What the writer writes with, and whom it tells.
@@ -153,12 +153,12 @@ impl RunWriter {
     /// Starts the writer of a run; it ends when its handle and every close task's sender are
     /// dropped and its queue is written, or when a write is fenced off (then it tells the
     /// driver).
-    pub(super) fn spawn(effects: WriterParts) -> Self {
+    pub(super) fn spawn(parts: WriterParts) -> Self {
         let (tx, rx) = mpsc::channel::<Job>(QUEUED_BATCHES);
         let durable = Arc::new(AtomicU64::new(0));
-        let task = Writer { effects: effects.clone(), durable: durable.clone(), model_write: None };
+        let task = Writer { parts: parts.clone(), durable: durable.clone(), model_write: None };
         let task = tokio::spawn(task.run(rx));
-        RunWriter { tx, task, queued: 0, durable, round_opened_in: 0, effects }
+        RunWriter { tx, task, queued: 0, durable, round_opened_in: 0, parts }
     }
 
     /// The batch being built opens a round: payloads for it wait until that batch is durable.
@@ -175,7 +175,8 @@ impl RunWriter {
         what: &'static str,
         write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
     ) {
-        let WriterParts { run_id, observer, internal, .. } = self.effects.clone();
+        let run_id = self.parts.run_id;
+        let (observer, internal) = (self.parts.observer.clone(), self.parts.internal.clone());
         let write = Box::pin(async move {
             let started = std::time::Instant::now();
             let res = write.await;
@@ -235,7 +236,7 @@ pub(super) struct Deposed;
 
 /// The writer task's state.
 struct Writer {
-    effects: WriterParts,
+    parts: WriterParts,
     durable: Arc<AtomicU64>,
     /// The bytes of the last committed model, being written; the next commit waits for them.
     model_write: Option<JoinHandle<Result<(), Deposed>>>,
@@ -268,7 +269,7 @@ impl Writer {
             if done.is_err() {
                 // A successor leads: nothing later is written, nobody hears of it, and the
                 // driver stops.
-                let _ = self.effects.internal.send(Internal::Deposed);
+                let _ = self.parts.internal.send(Internal::Deposed);
                 return;
             }
             if next.is_none() {
@@ -284,7 +285,7 @@ impl Writer {
     /// Makes the batches' transitions durable in one transaction, then starts their payload
     /// writes and closings and sends their replies.
     async fn batches(&mut self, batches: Vec<(Batch, Millis, u64)>) -> Result<(), Deposed> {
-        let WriterParts { run_id, store, observer, .. } = &self.effects;
+        let WriterParts { run_id, store, observer, .. } = &self.parts;
         let transitions: Vec<(&[Transition], Millis)> = batches
             .iter()
             .filter(|(batch, ..)| !batch.transitions.is_empty())
@@ -319,11 +320,9 @@ impl Writer {
     /// Records a round's end after the previous model's bytes, publishes its model, tells the
     /// driver, and starts the new model's bytes write when it was committed by its hash.
     async fn end_round(&mut self, end: RoundEnd) -> Result<(), Deposed> {
-        if let Some(write) = self.model_write.take() {
-            write.await.expect("a model write panicked")?;
-        }
+        self.previous_model_written().await?;
         let RoundEnd { closing, outcome, opened_at, closing_started } = end;
-        let WriterParts { run_id, store, observer, models, .. } = &self.effects;
+        let WriterParts { run_id, store, observer, models, .. } = &self.parts;
         let (run_id, round_idx) = (*run_id, closing.round_idx);
         let mut deferred = None;
         let (label, committed) = match outcome {
@@ -362,7 +361,7 @@ impl Writer {
                 let version = ModelVersion(closing.model_version.0 + 1);
                 if !replayable {
                     // Written in the commit: this round's payloads live on in it.
-                    self.release_payloads(version..=version);
+                    self.parts.release_payloads(version..=version);
                 } else {
                     // Until its bytes are in the store (with the run's next checkpoint, if not
                     // now), only the cache can serve it.
@@ -406,13 +405,13 @@ impl Writer {
         // Registered before the driver hears of the commit: a shutdown from then on waits for
         // the write.
         let in_flight = match deferred {
-            Some(_) => Some(self.effects.writes_in_flight.0.clone().read_owned().await),
+            Some(_) => Some(self.parts.writes_in_flight.0.clone().read_owned().await),
             None => None,
         };
-        let _ = self.effects.internal.send(Internal::RoundClosed { run_id, round_idx, committed });
+        let _ = self.parts.internal.send(Internal::RoundClosed { run_id, round_idx, committed });
         // The next round is open; its commit waits for this write.
         if let Some((version, hash, model, state, made_from)) = deferred {
-            let writer = self.effects.clone();
+            let writer = self.parts.clone();
             self.model_write = Some(tokio::spawn(async move {
                 let written =
                     writer.write_model(version, &hash, &model, state.as_deref(), made_from).await;
@@ -428,11 +427,9 @@ impl Writer {
 
     /// Writes a stopped run's newest model's bytes, unless they are in the store already.
     async fn last_model(&mut self, last: LastModel) -> Result<(), Deposed> {
-        if let Some(write) = self.model_write.take() {
-            write.await.expect("a model write panicked")?;
-        }
+        self.previous_model_written().await?;
         let LastModel { plan, version, hash, values, optimizer_state, in_flight } = last;
-        let WriterParts { run_id, store, .. } = &self.effects;
+        let WriterParts { run_id, store, .. } = &self.parts;
         let run_id = *run_id;
         match store.model_still_to_be_written(run_id, version).await {
             Ok(false) => return Ok(()),
@@ -454,14 +451,18 @@ impl Writer {
             return Ok(());
         }
         let made_from = plan.versions_written_by(version);
-        self.effects.write_model(version, &hash, &payload, state.as_deref(), made_from).await?;
+        self.parts.write_model(version, &hash, &payload, state.as_deref(), made_from).await?;
         tracing::info!(%run_id, %version, "a stopped run's last model written");
         drop(in_flight);
         Ok(())
     }
 
-    fn release_payloads(&self, versions: std::ops::RangeInclusive<ModelVersion>) {
-        self.effects.release_payloads(versions);
+    /// Waits for the bytes of the model committed before, which every later write follows.
+    async fn previous_model_written(&mut self) -> Result<(), Deposed> {
+        match self.model_write.take() {
+            Some(write) => write.await.expect("a model write panicked"),
+            None => Ok(()),
+        }
     }
 }
 

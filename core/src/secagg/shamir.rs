@@ -171,16 +171,21 @@ pub(super) fn reconstruct_checked(
             .collect();
         Some(Rebuilt { secret, inconsistent })
     };
-    rebuilt(&shares[..t]).or_else(|| {
-        (0..shares.len().min(t + 1)).filter(|_| shares.len() > t).find_map(|left_out| {
-            let others: Vec<(ClientIdx, Share)> = shares
-                .iter()
-                .enumerate()
-                .filter(|&(i, _)| i != left_out)
-                .map(|(_, s)| *s)
-                .take(t)
-                .collect();
-            rebuilt(&others)
-        })
+    if let Some(found) = rebuilt(&shares[..t]) {
+        return Some(found);
+    }
+    if shares.len() == t {
+        return None;
+    }
+    // Leaving out a share past the first t would rebuild from the same t again.
+    (0..t).find_map(|left_out| {
+        let others: Vec<(ClientIdx, Share)> = shares
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != left_out)
+            .map(|(_, s)| *s)
+            .take(t)
+            .collect();
+        rebuilt(&others)
     })
 }
