@@ -137,8 +137,8 @@ pub struct RunView {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrivacyView {
-    /// ε spent at `delta` over the committed rounds (RDP accountant, Poisson-subsampled
-    /// Gaussian).
+    /// ε spent at `delta` over the committed rounds (RDP accountant of the sampling that runs,
+    /// `accounting`).
     pub epsilon: f64,
     /// The plan's δ.
     pub delta: f64,
@@ -146,8 +146,12 @@ pub struct PrivacyView {
     pub epsilon_budget: Option<f64>,
     /// Rounds the run may commit within its budget (the plan's rounds without one).
     pub rounds_allowed: u32,
-    /// Sampling rate q accounted: devices selected per round over the population.
+    /// Sampling rate q accounted: devices selected per round over the population (with a
+    /// fixed-size draw, the largest any committed round had: each measured at least the
+    /// population).
     pub sampling_rate: f64,
+    /// The mechanism the accountant composes: the sampling and the neighbouring relation.
+    pub accounting: String,
     /// Noise multiplier z accounted.
     pub noise_multiplier: f64,
     /// Where updates are clipped and noise is added.
@@ -164,6 +168,7 @@ impl PrivacyView {
             epsilon_budget: privacy.plan.epsilon_budget,
             rounds_allowed: privacy.rounds_allowed,
             sampling_rate: privacy.sampling_rate,
+            accounting: privacy.sampling.describe().into(),
             noise_multiplier: privacy.plan.noise_multiplier,
             mechanism: if secure {
                 "devices clip; central Gaussian noise on the unmasked secure sum".into()

@@ -133,6 +133,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         evaluation_only: false,
         each_update_direct: false,
         poisson_rate: None,
+        min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         secure: Some(SecureRoundConfig {

@@ -12,7 +12,7 @@ use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
-use crate::privacy::Privacy;
+use crate::privacy::{Privacy, Sampling};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use training::{LocalOptimizer, TrainingPlan};
@@ -255,6 +255,11 @@ pub struct RoundConfig {
     /// With Poisson selection, each device's chance of being drawn in a round.
     #[serde(default)]
     pub poisson_rate: Option<f64>,
+    /// Random selection with differential privacy: the round waits out its selection window,
+    /// then draws its cohort uniformly from the eligible devices that checked in, and selects
+    /// no one if they were fewer than this (the accountant's population).
+    #[serde(default)]
+    pub min_population: Option<u64>,
     /// FedBuff: a "round" is one buffer of `cohort_size` updates, `target_selected` is the
     /// concurrency, and devices selected in earlier rounds may still report.
     #[serde(default)]
@@ -267,7 +272,10 @@ pub struct RoundConfig {
 #[serde(rename_all = "snake_case")]
 pub enum SelectionPolicy {
     /// Uniformly at random (selection sampling over the devices online), so that fast or
-    /// always-connected devices are not favoured; the default.
+    /// always-connected devices are not favoured; the default. With differential privacy, the
+    /// draw is exact: the round waits out its selection window and draws its cohort uniformly
+    /// without replacement from the eligible devices that checked in (at least the plan's
+    /// `population`, or it selects no one).
     #[default]
     Random,
     /// The first devices to check in, until the target: fastest, but it favours the devices
@@ -513,9 +521,16 @@ impl Plan {
         };
         let privacy = match &self.strategy.differential_privacy {
             None => None,
-            Some(dp) => Some(dp.resolve(target_selected, self.rounds).map_err(|(name, why)| {
-                field("strategy.differential_privacy", format!("{name}: {why}"))
-            })?),
+            Some(dp) => {
+                let sampling = match self.selection {
+                    SelectionPolicy::Poisson => Sampling::Poisson,
+                    // first_come with DP is refused above.
+                    SelectionPolicy::Random | SelectionPolicy::FirstCome => Sampling::FixedSize,
+                };
+                Some(dp.resolve(target_selected, self.rounds, sampling).map_err(
+                    |(name, why)| field("strategy.differential_privacy", format!("{name}: {why}")),
+                )?)
+            }
         };
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
@@ -542,6 +557,9 @@ impl Plan {
                 })?),
                 _ => None,
             },
+            min_population: privacy
+                .filter(|p| p.sampling == Sampling::FixedSize)
+                .map(|p| p.plan.population),
             asynchronous: self.asynchronous,
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })

@@ -13,14 +13,26 @@
 //! `z = (z_Δ⁻² + (2σ_b)⁻²)^(-1/2)` (Andrew et al., Theorem 1), so the plan's `noise_multiplier`
 //! is `z` and the update noise is derived from it.
 //!
-//! **Accounting.** Each round is the Poisson-subsampled Gaussian mechanism with sampling rate
-//! `q = devices selected per round / population` and noise multiplier `z`; rounds compose in
-//! Rényi DP (Mironov, Talwar and Zhang 2019, computed exactly as Google's `dp-accounting`
-//! `RdpAccountant` does, over the same orders), and ε at the plan's δ follows Canonne, Kamath and
-//! Steinke (2020). The guarantee assumes every device of the population is equally likely to be
-//! selected, which the random cohort draw approximates; `population` is the operator's
-//! statement of how many devices that is. Only committed rounds release anything: a failed
-//! round's noised sum is never stored or served.
+//! **Accounting matches the selection that runs.** Rounds compose in Rényi DP (Mironov 2017),
+//! computed exactly as Google's `dp-accounting` `RdpAccountant` does over the same orders, and
+//! ε at the plan's δ follows Canonne, Kamath and Steinke (2020). Which mechanism a round is
+//! depends on how its cohort is drawn ([`Sampling`]):
+//!
+//! - `selection: poisson` draws each eligible device that checks in with probability
+//!   `q = devices selected per round / population`, independently: the Poisson-subsampled
+//!   Gaussian under add/remove adjacency (Mironov, Talwar and Zhang 2019). A device that does
+//!   not check in has a smaller chance than q, which only helps it.
+//! - `selection: random` (the default) waits out the selection window, counts the eligible
+//!   devices that checked in (the round's measured population `N`) and draws exactly `m` of
+//!   them uniformly without replacement: the sampled Gaussian under replace-one adjacency
+//!   (Wang, Balle and Kasiviswanathan 2019, Theorem 27). Replacing one device's update moves
+//!   the clipped sum by up to `2C`, so the accountant's noise multiplier is `z / 2`. A round
+//!   that measures fewer than the plan's `population` selects no one and releases nothing, so
+//!   every committed round's `m / N` is at most the `q = m / population` accounted: the ε shown
+//!   is an upper bound of the one the rounds spent.
+//!
+//! Only committed rounds release anything: a failed round's noised sum is never stored or
+//! served.
 //!
 //! **With SecAgg** the coordinator only sees the masked sum, so devices clip to `C` themselves
 //! before masking, every update weighs 1 (`secure_aggregation.max_examples = 1`), and the
@@ -42,8 +54,10 @@ pub struct DifferentialPrivacy {
     pub noise_multiplier: f64,
     /// The L2 bound each update is clipped to; with adaptive clipping, where it starts.
     pub clip_norm: f64,
-    /// How many devices could be selected (the population the cohort is drawn from): the
-    /// sampling rate is the devices selected per round over this.
+    /// The population the cohort is sampled from, `q = devices selected per round / population`.
+    /// With `random` selection the coordinator measures each round's population (eligible
+    /// devices that checked in during selection) and a round measuring fewer than this selects
+    /// no one; with `poisson` selection q is each device's chance per round.
     pub population: u64,
     /// δ of the (ε, δ) guarantee; well below 1/population.
     pub delta: f64,
@@ -78,12 +92,46 @@ fn default_clip_lr() -> f64 {
     0.2
 }
 
+/// How a DP round's cohort is drawn, which fixes the mechanism the accountant composes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampling {
+    /// Each device independently with probability q; add/remove adjacency.
+    Poisson,
+    /// Exactly the selected count, uniformly without replacement from the round's measured
+    /// population (at least the plan's); replace-one adjacency, sensitivity 2C.
+    FixedSize,
+}
+
+impl Sampling {
+    /// The accountant of one round of this sampling at rate `q` with noise multiplier `z`
+    /// (noise over the clip norm).
+    pub fn accountant(self, q: f64, z: f64) -> RdpAccountant {
+        match self {
+            Sampling::Poisson => RdpAccountant::new(q, z),
+            // Replace-one: one device's update can move the clipped sum by 2C.
+            Sampling::FixedSize => RdpAccountant::without_replacement(q, z / 2.0),
+        }
+    }
+
+    /// What the run view says was accounted.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Sampling::Poisson => "Poisson sampling, add/remove adjacency (sensitivity C)",
+            Sampling::FixedSize => {
+                "fixed-size sampling without replacement from the measured population, replace-one adjacency (sensitivity 2C)"
+            }
+        }
+    }
+}
+
 /// A plan's privacy settings, resolved against its cohort and checked.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Privacy {
     /// The plan's settings.
     pub plan: DifferentialPrivacy,
-    /// Sampling rate q.
+    /// How cohorts are drawn, and so what is accounted.
+    pub sampling: Sampling,
+    /// Sampling rate q accounted (with fixed-size sampling, the largest any round can have).
     pub sampling_rate: f64,
     /// Noise multiplier of the update sum, z_Δ (= z without adaptive clipping).
     pub update_noise_multiplier: f64,
@@ -94,9 +142,14 @@ pub struct Privacy {
 }
 
 impl DifferentialPrivacy {
-    /// Checks the settings for a run selecting `selected` devices per round over `rounds`
-    /// rounds, and resolves the derived quantities. The message names the bad field.
-    pub fn resolve(&self, selected: u32, rounds: u32) -> Result<Privacy, (&'static str, String)> {
+    /// Checks the settings for a run drawing `selected` devices per round by `sampling` over
+    /// `rounds` rounds, and resolves the derived quantities. The message names the bad field.
+    pub fn resolve(
+        &self,
+        selected: u32,
+        rounds: u32,
+        sampling: Sampling,
+    ) -> Result<Privacy, (&'static str, String)> {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !(positive(self.noise_multiplier) && self.noise_multiplier <= 1e4) {
             return Err(("noise_multiplier", "must be in (0, 1e4]".into()));
@@ -142,7 +195,7 @@ impl DifferentialPrivacy {
                 (rest.powf(-0.5), Some(sigma_b))
             }
         };
-        let accountant = RdpAccountant::new(sampling_rate, self.noise_multiplier);
+        let accountant = sampling.accountant(sampling_rate, self.noise_multiplier);
         let rounds_allowed = match self.epsilon_budget {
             None => rounds,
             Some(budget) => {
@@ -166,6 +219,7 @@ impl DifferentialPrivacy {
         };
         Ok(Privacy {
             plan: *self,
+            sampling,
             sampling_rate,
             update_noise_multiplier,
             count_stddev,
@@ -177,7 +231,8 @@ impl DifferentialPrivacy {
 impl Privacy {
     /// ε spent at the plan's δ after `rounds` committed rounds.
     pub fn epsilon_after(&self, rounds: u64) -> f64 {
-        RdpAccountant::new(self.sampling_rate, self.plan.noise_multiplier)
+        self.sampling
+            .accountant(self.sampling_rate, self.plan.noise_multiplier)
             .epsilon(rounds, self.plan.delta)
     }
 
@@ -254,7 +309,7 @@ pub fn rdp_orders() -> Vec<f64> {
     orders
 }
 
-/// RDP accountant for repeated Poisson-subsampled Gaussian mechanisms of one (q, z).
+/// RDP accountant for repeated subsampled Gaussian mechanisms of one (q, z).
 #[derive(Debug, Clone)]
 pub struct RdpAccountant {
     orders: Vec<f64>,
@@ -263,10 +318,22 @@ pub struct RdpAccountant {
 }
 
 impl RdpAccountant {
-    /// The accountant of a mechanism with sampling rate `q` and noise multiplier `z`.
+    /// The accountant of a Poisson-subsampled Gaussian mechanism with sampling rate `q` and
+    /// noise multiplier `z` (noise over the add/remove sensitivity), `dp-accounting`'s
+    /// `PoissonSampledDpEvent(q, GaussianDpEvent(z))`.
     pub fn new(q: f64, z: f64) -> Self {
         let orders = rdp_orders();
         let per_step = orders.iter().map(|&a| rdp_subsampled_gaussian(q, z, a)).collect();
+        RdpAccountant { orders, per_step }
+    }
+
+    /// The accountant of a Gaussian mechanism on a sample of fixed size `m` drawn without
+    /// replacement from `n` (`q = m / n`), under replace-one adjacency, with noise multiplier
+    /// `z` over the replace-one sensitivity: `dp-accounting`'s
+    /// `SampledWithoutReplacementDpEvent(n, m, GaussianDpEvent(z))` with `REPLACE_ONE`.
+    pub fn without_replacement(q: f64, z: f64) -> Self {
+        let orders = rdp_orders();
+        let per_step = orders.iter().map(|&a| rdp_sampled_without_replacement(q, z, a)).collect();
         RdpAccountant { orders, per_step }
     }
 
@@ -291,13 +358,19 @@ impl RdpAccountant {
     }
 }
 
-/// The smallest noise multiplier (to 0.1 %) whose mechanism, sampling `q` for `steps` steps,
-/// spends at most `epsilon` at `delta`: how an operator (or a benchmark) sizes `z` for a
-/// target privacy budget. Bisection over the accountant, since ε falls as `z` grows. `None`
-/// when even `z` = 1e4, the largest a plan accepts, spends more.
-pub fn noise_multiplier_for(q: f64, steps: u64, delta: f64, epsilon: f64) -> Option<f64> {
+/// The smallest noise multiplier (to 0.1 %) whose mechanism, sampling at rate `q` by
+/// `sampling` for `steps` steps, spends at most `epsilon` at `delta`: how an operator (or a
+/// benchmark) sizes `z` for a target privacy budget. Bisection over the accountant, since ε
+/// falls as `z` grows. `None` when even `z` = 1e4, the largest a plan accepts, spends more.
+pub fn noise_multiplier_for(
+    sampling: Sampling,
+    q: f64,
+    steps: u64,
+    delta: f64,
+    epsilon: f64,
+) -> Option<f64> {
     const MAX_Z: f64 = 1e4;
-    let spends = |z: f64| RdpAccountant::new(q, z).epsilon(steps, delta);
+    let spends = |z: f64| sampling.accountant(q, z).epsilon(steps, delta);
     if spends(MAX_Z) > epsilon {
         return None;
     }
@@ -384,6 +457,97 @@ fn log_a_frac(q: f64, z: f64, alpha: f64) -> f64 {
     }
     // Not converged: the order is left out of the minimum, as dp-accounting does.
     f64::INFINITY
+}
+
+/// RDP at order `alpha` of the Gaussian mechanism with noise multiplier `z` on a sample drawn
+/// without replacement at rate `q`, replace-one adjacency: Wang, Balle and Kasiviswanathan
+/// (2019), Theorem 27, computed as `dp-accounting` does (exactly up to order 256, with the
+/// cruder bound of each term above; fractional orders interpolate the CGF between their
+/// integer neighbours, their Corollary 10).
+pub fn rdp_sampled_without_replacement(q: f64, z: f64, alpha: f64) -> f64 {
+    if q == 0.0 {
+        return 0.0;
+    }
+    if q == 1.0 {
+        return alpha / (2.0 * z * z);
+    }
+    if alpha.is_infinite() {
+        return f64::INFINITY;
+    }
+    if alpha.fract() == 0.0 {
+        return log_a_without_replacement(q, z, alpha as u64) / (alpha - 1.0);
+    }
+    let (lo, hi) = (alpha.floor(), alpha.ceil());
+    let x = log_a_without_replacement(q, z, lo as u64);
+    let y = log_a_without_replacement(q, z, hi as u64);
+    let t = alpha - lo;
+    ((1.0 - t) * x + t * y) / (alpha - 1.0)
+}
+
+/// ln A_α of Theorem 27 for an integer order: 1 + Σ_{i≥2} C(α, i)·qⁱ·(bound of term i).
+fn log_a_without_replacement(q: f64, z: f64, alpha: u64) -> f64 {
+    /// Above it, each term takes the bound 2·e^{(i−1)·rdp(i)}, which needs no differences.
+    const EXACT_UP_TO: u64 = 256;
+    if alpha <= 1 {
+        return 0.0;
+    }
+    // x·rdp(x + 1) of the Gaussian mechanism, and its RDP.
+    let cgf = |x: f64| x * (x + 1.0) / (2.0 * z * z);
+    let rdp = |x: f64| x / (2.0 * z * z);
+    let fa = alpha as f64;
+    let log_f2m1 = rdp(2.0) + (-(-rdp(2.0)).exp()).ln_1p();
+    let second =
+        2.0 * q.ln() + log_comb(fa, 2.0) + (4f64.ln() + log_f2m1).min(rdp(2.0) + 2f64.ln());
+    let mut log_a = log_add(0.0, second);
+    let deltas = (alpha <= EXACT_UP_TO).then(|| forward_differences(cgf, alpha as usize));
+    for i in 3..=alpha {
+        let fi = i as f64;
+        let mut s = 2f64.ln() + cgf(fi - 1.0);
+        if let Some(deltas) = &deltas {
+            let lo = deltas[2 * (i as usize / 2) - 1];
+            let hi = deltas[2 * (i as usize).div_ceil(2) - 1];
+            s = s.min(4f64.ln() + 0.5 * (lo + hi));
+        }
+        log_a = log_add(log_a, s + (fi * q.ln() + log_comb(fa, fi)));
+    }
+    log_a
+}
+
+/// ln|Δⁱ| at 0 of the sequence (1, e^{f(0)}, e^{f(1)}, …, e^{f(n)}) for i = 1..=n+2, in
+/// log magnitude, as `dp-accounting`'s `_get_forward_diffs` takes them (Wang et al.,
+/// Theorem 27), differenced in place in log space with signs.
+fn forward_differences(f: impl Fn(f64) -> f64, n: usize) -> Vec<f64> {
+    let mut values = vec![0.0; n + 3];
+    let mut positive = vec![true; n + 3];
+    for (i, v) in values.iter_mut().enumerate().skip(1) {
+        *v = f((i - 1) as f64);
+    }
+    let mut deltas = vec![0.0; n + 2];
+    for (i, delta) in deltas.iter_mut().enumerate() {
+        for j in 0..n + 2 - i {
+            if positive[j] == positive[j + 1] {
+                let (sign, magnitude) = log_sub_sign(values[j + 1], values[j]);
+                values[j] = magnitude;
+                positive[j] = if positive[j + 1] { sign } else { !sign };
+            } else {
+                values[j] = log_add(values[j], values[j + 1]);
+                positive[j] = positive[j + 1];
+            }
+        }
+        *delta = values[0];
+    }
+    deltas
+}
+
+/// ln|e^a − e^b| and whether e^a ≥ e^b.
+fn log_sub_sign(a: f64, b: f64) -> (bool, f64) {
+    if a > b {
+        (true, a + (-(b - a).exp()).ln_1p())
+    } else if a < b {
+        (false, b + (-(a - b).exp()).ln_1p())
+    } else {
+        (true, f64::NEG_INFINITY)
+    }
 }
 
 /// Terms of the fractional-order series before an order is given up on.

@@ -132,6 +132,8 @@ struct ActiveRound {
     lottery: crate::rng::SplitMix64,
     /// When each device was selected (an asynchronous run's task deadlines run from there).
     selected_at: BTreeMap<DeviceId, Millis>,
+    /// A fixed-size DP draw: whether the cohort was drawn from `considered` yet.
+    drawn: bool,
 }
 
 /// The selection lottery's generator for one round.
@@ -152,7 +154,9 @@ impl ActiveRound {
     /// (exactly so when each checks in once and `online` is right). In the second half of the
     /// selection window, and once every online device was considered, the cohort is filled
     /// with whoever checks in, so an overestimated `online` delays a round, never stalls it.
-    /// `poisson` draws each device once per round, with the accountant's sampling rate.
+    /// `poisson` draws each device once per round, with the accountant's sampling rate. With
+    /// `min_population` (random selection with DP) no device wins on arrival: see
+    /// [`RunMachine::draw_cohort`].
     fn wins_draw(
         &mut self,
         device: DeviceId,
@@ -165,6 +169,12 @@ impl ActiveRound {
             || pacing.selects_whoever_comes()
         {
             return true;
+        }
+        if config.min_population.is_some() {
+            // A fixed-size draw: every eligible device joins the measured population, and the
+            // cohort is drawn from it when the selection window ends.
+            self.considered.insert(device);
+            return false;
         }
         if let Some(rate) = config.poisson_rate {
             // One independent draw per device and round, at the accountant's rate; no fill.
@@ -217,6 +227,9 @@ struct PaceSteering {
     selection_timeout_ms: i64,
     /// Devices heard from lately.
     online: u32,
+    /// A fixed-size DP draw measures its population in each window: every device comes back
+    /// within the next one.
+    everyone_each_window: bool,
 }
 
 impl PaceSteering {
@@ -227,7 +240,10 @@ impl PaceSteering {
     /// devices that checked in together do not come back together. The jitter comes from
     /// `seed` (the device, run and time): reproducible, as everything of the machine.
     fn come_back_after(self, base_ms: i64, seed: u64) -> i64 {
-        let per_window = 2 * i64::from(self.target_selected.max(1));
+        let per_window = match self.everyone_each_window {
+            true => i64::from(self.online.max(1)),
+            false => 2 * i64::from(self.target_selected.max(1)),
+        };
         let spread = (i64::from(self.online) * self.selection_timeout_ms / per_window)
             .clamp(MIN_BACKOFF_MS, MAX_BACKOFF_MS);
         let jitter = (crate::rng::SplitMix64(seed).next_u64() % spread as u64) as i64;
@@ -300,6 +316,10 @@ impl RunMachine {
                 // Selection times are not stored: a restart gives the open round's tasks a full
                 // reporting timeout from now.
                 let selected_at = open.selected.iter().map(|&d| (d, now)).collect();
+                // A fixed-size DP draw's population is not stored: a round restored before its
+                // draw measures again in what is left of its window (and most likely fails,
+                // releasing nothing); one restored after it keeps its cohort.
+                let drawn = !open.selected.is_empty();
                 let mut round = ActiveRound {
                     opened: open.round,
                     phase: Phase::Open,
@@ -318,6 +338,7 @@ impl RunMachine {
                     considered: BTreeSet::new(),
                     lottery: lottery_for(&m.entropy, open.round.round_idx),
                     selected_at,
+                    drawn,
                 };
                 m.next_round_idx = RoundIdx(open.round.round_idx.0 + 1);
                 m.restore_secure(&mut round, open.secure_records);
@@ -530,6 +551,7 @@ impl RunMachine {
             assigned: BTreeMap::new(),
             shards_reported: BTreeSet::new(),
             selected_at: BTreeMap::new(),
+            drawn: false,
         };
         self.actions.push_back(Action::OpenRound(opened));
         if self.config.secure.is_some() {
@@ -582,6 +604,7 @@ impl RunMachine {
             target_selected: self.config.target_selected,
             selection_timeout_ms: self.config.selection_timeout_ms,
             online,
+            everyone_each_window: self.config.min_population.is_some(),
         };
         let seed = (device.0 as u64).rotate_left(32) ^ (self.run_id.0 as u64) ^ now as u64;
         let pace = |base_ms: i64| steering.come_back_after(base_ms, seed);
@@ -600,6 +623,14 @@ impl RunMachine {
             _ if !eligible => {
                 CheckInDecision::ComeBackLater { after_ms: pace(steering.selection_timeout_ms) }
             }
+            // A fixed-size DP draw: come back just after the window, to hear whether drawn.
+            Some(r) if selecting && self.config.min_population.is_some() => {
+                let jitter =
+                    (crate::rng::SplitMix64(seed).next_u64() % MIN_BACKOFF_MS as u64) as i64;
+                CheckInDecision::ComeBackLater {
+                    after_ms: r.opened.selection_deadline - now + jitter,
+                }
+            }
             // Random selection: a device that loses the draw comes back for a later round (or
             // for the fill, late in the window).
             Some(r) if selecting && !r.selected.contains(&device) && !wins_draw => {
@@ -613,16 +644,7 @@ impl RunMachine {
                     && !r.reported.contains(&device)
                     && !r.in_flight_for(device) =>
             {
-                r.selected.insert(device);
-                r.selected_at.insert(device, now);
-                if let Some(s) = r.secure.as_mut() {
-                    s.select(device);
-                }
-                if let Some(a) = aggregator {
-                    r.assigned.insert(device, a);
-                }
-                let round_idx = r.opened.round_idx;
-                self.actions.push_back(Action::PersistSelection { round_idx, device, aggregator });
+                self.actions.push_back(r.select(device, aggregator, now));
                 r.selected_decision(device, task_ms)
             }
             // Come back within one selection window (the next round may open as soon as this
@@ -864,6 +886,7 @@ impl RunMachine {
         let now = self.now;
         let min_quorum = self.config.min_quorum;
         let grace_ms = self.report_grace_ms();
+        self.draw_cohort();
         let Some(r) = self.round.as_mut() else { return };
         if r.phase == Phase::Open {
             let selection_over = r.selected.len() >= self.config.target_selected as usize
@@ -907,7 +930,64 @@ impl RunMachine {
     }
 }
 
+impl RunMachine {
+    /// A fixed-size DP draw, once the selection window is over: the eligible devices that
+    /// checked in during it are the round's measured population `N`; if `N` is at least the
+    /// plan's population, `min(target, N)` of them are drawn uniformly without replacement
+    /// (a partial Fisher–Yates shuffle over the round's lottery), otherwise no one is selected
+    /// and the round fails, releasing nothing. The drawn devices were told to come back just
+    /// after the window and find their task then.
+    fn draw_cohort(&mut self) {
+        let now = self.now;
+        let Some(minimum) = self.config.min_population else { return };
+        let target = self.config.target_selected as usize;
+        let Some(r) = self.round.as_mut() else { return };
+        if r.drawn || r.phase != Phase::Open || now < r.opened.selection_deadline {
+            return;
+        }
+        r.drawn = true;
+        let mut pool: Vec<DeviceId> = r.considered.iter().copied().collect();
+        let measured = pool.len() as u32;
+        if (pool.len() as u64) < minimum {
+            r.early_failure = Some(RoundOutcome::PopulationTooSmall { measured, minimum });
+            r.phase = Phase::Closing;
+            return;
+        }
+        for i in 0..target.min(pool.len()) {
+            let j = i + r.lottery.below(pool.len() - i);
+            pool.swap(i, j);
+        }
+        pool.truncate(target);
+        let at = r.opened.selection_deadline;
+        for device in pool {
+            let aggregator = self.aggregator_for(device);
+            let r = self.round.as_mut().expect("the round is open");
+            let persist = r.select(device, aggregator, at);
+            self.actions.push_back(persist);
+        }
+    }
+}
+
 impl ActiveRound {
+    /// Selects `device` (through `aggregator`, if the tier takes its update); returns the
+    /// action that persists the selection.
+    fn select(
+        &mut self,
+        device: DeviceId,
+        aggregator: Option<AggregatorId>,
+        now: Millis,
+    ) -> Action {
+        self.selected.insert(device);
+        self.selected_at.insert(device, now);
+        if let Some(s) = self.secure.as_mut() {
+            s.select(device);
+        }
+        if let Some(a) = aggregator {
+            self.assigned.insert(device, a);
+        }
+        Action::PersistSelection { round_idx: self.opened.round_idx, device, aggregator }
+    }
+
     /// The task `device` holds. With `task_ms` (an asynchronous run's reporting timeout) its
     /// deadline runs from its own selection, not the round's opening.
     fn selected_decision(&self, device: DeviceId, task_ms: Option<i64>) -> CheckInDecision {

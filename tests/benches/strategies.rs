@@ -29,7 +29,7 @@ use starling_client::simulate::{
 };
 use starling_core::compression::Compression;
 use starling_core::plan::AsynchronousPlan;
-use starling_core::privacy::noise_multiplier_for;
+use starling_core::privacy::{Sampling, noise_multiplier_for};
 use starling_tests::{digits_simulation, sqlite_db, start_in_process_with};
 
 /// Clients and reports per round: the FedAvg paper's MNIST 2NN setting.
@@ -243,7 +243,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         })
         .chain([1.0, 4.0, 8.0].into_iter().map(|epsilon| {
             let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
-            let z = noise_multiplier_for(q, u64::from(rounds), DELTA, epsilon)
+            let z = noise_multiplier_for(Sampling::FixedSize, q, u64::from(rounds), DELTA, epsilon)
                 .expect("these budgets are reachable");
             let dp = serde_json::json!({"differential_privacy": {
                     "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,

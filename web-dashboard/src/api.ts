@@ -21,6 +21,8 @@ export interface RunView {
     sampling_rate: number;
     noise_multiplier: number;
     mechanism: string;
+    /** The sampling and neighbouring relation the accountant composes. */
+    accounting: string;
   };
 }
 

@@ -262,10 +262,14 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     let private = parse(with(serde_json::json!({"differential_privacy": dp}))).unwrap();
     let privacy = private.privacy().unwrap();
     assert_eq!(privacy.sampling_rate, 0.13, "13 selected (over-selection 1.3) of 100");
+    // Random selection with DP: an exact draw of 13 from at least the 100 accounted.
+    assert_eq!(privacy.sampling, crate::privacy::Sampling::FixedSize);
+    assert_eq!(private.round_config().min_population, Some(100));
     assert_eq!(private.round_config().total_rounds, 3);
     let mut budgeted = with(serde_json::json!({"differential_privacy": dp}));
     budgeted["rounds"] = 1000.into();
     budgeted["strategy"]["differential_privacy"]["epsilon_budget"] = 3.0.into();
+    budgeted["strategy"]["differential_privacy"]["noise_multiplier"] = 4.0.into();
     let budgeted = parse(budgeted).unwrap();
     let allowed = budgeted.round_config().total_rounds;
     assert!((1..1000).contains(&allowed), "{allowed}");
@@ -277,6 +281,8 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     poisson["selection"] = "poisson".into();
     let poisson = parse(poisson).unwrap();
     assert_eq!(poisson.round_config().poisson_rate, Some(0.13));
+    assert_eq!(poisson.round_config().min_population, None, "Poisson draws on arrival");
+    assert_eq!(poisson.privacy().unwrap().sampling, crate::privacy::Sampling::Poisson);
     assert_eq!(private.round_config().poisson_rate, None, "random selection draws no rate");
     let mut no_dp = plan_json();
     no_dp["selection"] = "poisson".into();

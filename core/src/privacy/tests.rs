@@ -63,7 +63,7 @@ fn epsilon_follows_the_conversion_and_grows_with_rounds() {
 #[test]
 fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
     let plan = DifferentialPrivacy { epsilon_budget: Some(2.0), ..dp(1.0) };
-    let p = plan.resolve(10, 5000).unwrap();
+    let p = plan.resolve(10, 5000, Sampling::Poisson).unwrap();
     let acc = RdpAccountant::new(0.01, 1.0);
     assert!(p.rounds_allowed < 5000);
     assert!(acc.epsilon(u64::from(p.rounds_allowed), 1e-5) <= 2.0);
@@ -75,20 +75,23 @@ fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
     // A budget the plan's rounds stay within leaves them alone.
     assert_eq!(
         DifferentialPrivacy { epsilon_budget: Some(1e6), ..dp(1.0) }
-            .resolve(10, 50)
+            .resolve(10, 50, Sampling::Poisson)
             .unwrap()
             .rounds_allowed,
         50
     );
-    let (field, why) =
-        DifferentialPrivacy { epsilon_budget: Some(0.001), ..dp(0.5) }.resolve(100, 5).unwrap_err();
+    let (field, why) = DifferentialPrivacy { epsilon_budget: Some(0.001), ..dp(0.5) }
+        .resolve(100, 5, Sampling::Poisson)
+        .unwrap_err();
     assert_eq!(field, "epsilon_budget");
     assert!(why.contains("one round already spends"), "{why}");
 }
 
 #[test]
 fn settings_are_checked_by_name() {
-    let bad = |p: DifferentialPrivacy, selected| p.resolve(selected, 10).unwrap_err().0;
+    let bad = |p: DifferentialPrivacy, selected| {
+        p.resolve(selected, 10, Sampling::Poisson).unwrap_err().0
+    };
     assert_eq!(bad(dp(0.0), 10), "noise_multiplier");
     assert_eq!(bad(DifferentialPrivacy { clip_norm: -1.0, ..dp(1.0) }, 10), "clip_norm");
     assert_eq!(bad(DifferentialPrivacy { population: 5, ..dp(1.0) }, 10), "population");
@@ -107,7 +110,7 @@ fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
     let adaptive =
         AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(2.0) };
     let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1.0) }
-        .resolve(40, 10)
+        .resolve(40, 10, Sampling::Poisson)
         .unwrap();
     // z_Δ = (1 − 1/16)^(-1/2).
     assert!((p.update_noise_multiplier - (15.0f64 / 16.0).powf(-0.5)).abs() < 1e-12);
@@ -117,7 +120,7 @@ fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
         adaptive_clipping: Some(AdaptiveClipping { count_stddev: None, ..adaptive }),
         ..dp(1.0)
     }
-    .resolve(40, 10)
+    .resolve(40, 10, Sampling::Poisson)
     .unwrap();
     assert_eq!(p.count_stddev, Some(2.0));
 }
@@ -128,7 +131,7 @@ fn the_clip_norm_moves_toward_the_target_quantile() {
     let adaptive =
         AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(1e-9) };
     let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1e-10) }
-        .resolve(10, 10)
+        .resolve(10, 10, Sampling::Poisson)
         .unwrap();
     let mut g = Gaussian::new([1; 32]);
     // All within: shrink by e^{-0.1}; none within: grow by e^{0.1}; at the quantile: stay.
@@ -136,7 +139,10 @@ fn the_clip_norm_moves_toward_the_target_quantile() {
     assert!((p.next_clip_norm(2.0, 0, 10, &mut g) - 2.0 * 0.1f64.exp()).abs() < 1e-9);
     assert!((p.next_clip_norm(2.0, 5, 10, &mut g) - 2.0).abs() < 1e-9);
     // Without adaptive clipping the norm stays.
-    assert_eq!(dp(1.0).resolve(10, 10).unwrap().next_clip_norm(2.0, 0, 10, &mut g), 2.0);
+    assert_eq!(
+        dp(1.0).resolve(10, 10, Sampling::Poisson).unwrap().next_clip_norm(2.0, 0, 10, &mut g),
+        2.0
+    );
 }
 
 #[test]
@@ -148,7 +154,7 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "mean {mean}, var {var}");
     // The same seed gives the same noise; noise on the mean of 4 updates with C = 2, z = 1.5
     // has standard deviation 1.5·2/4.
-    let p = dp(1.5).resolve(10, 10).unwrap();
+    let p = dp(1.5).resolve(10, 10, Sampling::Poisson).unwrap();
     let mut a = vec![0.0; 100_000];
     p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]));
     let mut b = vec![0.0; 100_000];
@@ -161,13 +167,63 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
 #[test]
 fn the_noise_multiplier_for_a_budget_is_the_smallest_that_fits_it() {
     for (q, steps, eps) in [(0.1, 100, 1.0), (0.1, 100, 8.0), (0.01, 1000, 2.0), (1.0, 1, 4.0)] {
-        let z = noise_multiplier_for(q, steps, 1e-5, eps).unwrap();
+        let z = noise_multiplier_for(Sampling::Poisson, q, steps, 1e-5, eps).unwrap();
         let acc = |z: f64| RdpAccountant::new(q, z).epsilon(steps, 1e-5);
         assert!(acc(z) <= eps, "q {q}: z {z} spends {} > {eps}", acc(z));
         assert!(acc(z / 1.002) > eps, "q {q}: a smaller z than {z} also fits {eps}");
     }
     // More budget, less noise; no multiplier a plan accepts buys an absurd budget.
-    let z = |eps| noise_multiplier_for(0.1, 100, 1e-5, eps).unwrap();
+    let z = |eps| noise_multiplier_for(Sampling::Poisson, 0.1, 100, 1e-5, eps).unwrap();
     assert!(z(1.0) > z(4.0) && z(4.0) > z(8.0));
-    assert_eq!(noise_multiplier_for(1.0, 1_000_000, 1e-10, 1e-9), None);
+    assert_eq!(noise_multiplier_for(Sampling::Poisson, 1.0, 1_000_000, 1e-10, 1e-9), None);
+}
+
+#[test]
+fn without_replacement_order_two_matches_theorem_27() {
+    // α = 2: A = 1 + q²·min(4(e^{ε(2)} − 1), 2e^{ε(2)}) with ε(2) = 1/z² the Gaussian's.
+    for (q, z) in [(0.05f64, 1.3f64), (0.5, 0.4), (0.001, 3.0)] {
+        let e2 = 1.0 / (z * z);
+        let want = (1.0 + q * q * (4.0 * e2.exp_m1()).min(2.0 * e2.exp())).ln();
+        let got = rdp_sampled_without_replacement(q, z, 2.0);
+        assert!((got - want).abs() <= 1e-15 * want.max(1.0), "q {q} z {z}: {got} vs {want}");
+    }
+    // No sampling: the Gaussian mechanism; fractional orders between their neighbours.
+    assert_eq!(rdp_sampled_without_replacement(1.0, 2.0, 7.5), 7.5 / 8.0);
+    let mut last = 0.0;
+    for alpha in rdp_orders() {
+        let r = rdp_sampled_without_replacement(0.02, 1.1, alpha);
+        assert!(r.is_finite() && r >= last - 1e-12, "α = {alpha}: {r} after {last}");
+        last = r;
+    }
+}
+
+#[test]
+fn fixed_size_sampling_accounts_replace_one_and_grows_with_the_rate() {
+    // Replace-one moves the sum by 2C: the accountant sees z / 2.
+    let (q, z) = (0.1, 1.2);
+    assert_eq!(
+        Sampling::FixedSize.accountant(q, z).epsilon(30, 1e-5),
+        RdpAccountant::without_replacement(q, z / 2.0).epsilon(30, 1e-5)
+    );
+    // A round that measured more than the stated population had a lower rate, and so spent
+    // less: every term of Theorem 27's A_α grows with q, so at each order the bound at the
+    // stated population bounds every round's (below q = 1, where the exact Gaussian applies).
+    let rates = [0.001, 0.01, 0.05, 0.1, 0.3, 0.7, 0.99];
+    for alpha in rdp_orders() {
+        let rdp: Vec<f64> =
+            rates.iter().map(|&q| rdp_sampled_without_replacement(q, z / 2.0, alpha)).collect();
+        assert!(rdp.windows(2).all(|w| w[0] < w[1]), "α = {alpha}: {rdp:?}");
+    }
+    // The same plan spends more under the fixed-size draw than under Poisson sampling, so its
+    // budget allows fewer rounds.
+    let plan = DifferentialPrivacy { epsilon_budget: Some(4.0), ..dp(3.0) };
+    let poisson = plan.resolve(100, 1000, Sampling::Poisson).unwrap();
+    let fixed = plan.resolve(100, 1000, Sampling::FixedSize).unwrap();
+    assert_eq!(fixed.sampling, Sampling::FixedSize);
+    assert!(fixed.rounds_allowed < poisson.rounds_allowed, "{fixed:?} vs {poisson:?}");
+    assert!(fixed.epsilon_after(u64::from(fixed.rounds_allowed)) <= 4.0);
+    assert!(fixed.epsilon_after(u64::from(fixed.rounds_allowed) + 1) > 4.0);
+    let z = noise_multiplier_for(Sampling::FixedSize, 0.1, 30, 1e-5, 4.0).unwrap();
+    assert!(Sampling::FixedSize.accountant(0.1, z).epsilon(30, 1e-5) <= 4.0);
+    assert!(z > noise_multiplier_for(Sampling::Poisson, 0.1, 30, 1e-5, 4.0).unwrap());
 }

@@ -356,6 +356,15 @@ pub enum RoundOutcome {
         /// Quorum.
         quorum: u32,
     },
+    /// A differentially private round drawing a fixed-size cohort measured fewer eligible
+    /// devices in its selection window than the accountant's population: it selected no one
+    /// and released nothing.
+    PopulationTooSmall {
+        /// Eligible devices that checked in during selection.
+        measured: u32,
+        /// The plan's population.
+        minimum: u64,
+    },
     /// Too few durable updates by the reporting deadline.
     TooFewReports {
         /// Durable updates.
@@ -382,6 +391,7 @@ impl RoundOutcome {
         match self {
             RoundOutcome::Commit => "committed",
             RoundOutcome::TooFewSelected { .. } => "too_few_selected",
+            RoundOutcome::PopulationTooSmall { .. } => "population_too_small",
             RoundOutcome::TooFewReports { .. } => "too_few_reports",
             RoundOutcome::SecureAggregationFailed { .. } => "secure_aggregation_failed",
             RoundOutcome::AggregateRejected => "aggregate_rejected",

@@ -58,6 +58,7 @@ fn config() -> RoundConfig {
         evaluation_only: false,
         each_update_direct: false,
         poisson_rate: None,
+        min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
     }
@@ -603,6 +604,7 @@ fn simulation_never_hangs() {
         evaluation_only: false,
         each_update_direct: false,
         poisson_rate: None,
+        min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         secure: None,
@@ -718,6 +720,7 @@ mod secure_rounds {
             evaluation_only: false,
             each_update_direct: false,
             poisson_rate: None,
+            min_population: None,
             selection: crate::plan::SelectionPolicy::FirstCome,
             asynchronous: None,
             secure: Some(SecureRoundConfig {
@@ -1668,4 +1671,98 @@ mod poisoned_secure_sums {
         assert_eq!(closing.outcome, RoundOutcome::Commit);
         assert_eq!(aggregate.n_updates, 8);
     }
+}
+
+/// Random selection with DP draws exactly the target, uniformly without replacement, from the
+/// eligible devices that checked in during the window (the measured population), once the
+/// window is over: each device checking in is told to come back just after it, and the drawn
+/// ones find their task then. A window that measured fewer than the plan's population selects
+/// no one and fails the round: nothing is released.
+#[test]
+fn a_fixed_size_dp_draw_is_uniform_over_the_measured_population_or_fails() {
+    const POOL: i64 = 20;
+    let machine = |entropy: [u8; 32], min_population: u64| {
+        let config = RoundConfig {
+            cohort_size: 5,
+            target_selected: 5,
+            selection: crate::plan::SelectionPolicy::Random,
+            min_population: Some(min_population),
+            ..config()
+        };
+        let mut m = RunMachine::start(RunId(1), config, 0, entropy);
+        while m.poll_action().is_some() {}
+        m
+    };
+    let mut counts = [0u32; POOL as usize + 1];
+    for trial in 0..400u32 {
+        let mut entropy = [0u8; 32];
+        entropy[..4].copy_from_slice(&trial.to_le_bytes());
+        let mut m = machine(entropy, POOL as u64);
+        // Twice each: a device counts once.
+        for base in [10, 500] {
+            for d in 1..=POOL {
+                let at = base + d;
+                m.handle(
+                    at,
+                    Input::CheckIn {
+                        request: RequestId(d as u64),
+                        device: DeviceId(d),
+                        attributes: Default::default(),
+                        online: POOL as u32,
+                    },
+                );
+                let reply = std::iter::from_fn(|| m.poll_action()).last();
+                let Some(Action::ReplyCheckIn {
+                    decision: CheckInDecision::ComeBackLater { after_ms },
+                    ..
+                }) = reply
+                else {
+                    panic!("trial {trial}: device {d} got {reply:?} before the draw");
+                };
+                assert!(at + after_ms >= 1_000, "device {d} comes back before the draw");
+            }
+        }
+        assert_eq!(m.poll_timeout(), Some(1_000), "the machine wakes at the window's end");
+        m.handle_timeout(1_000);
+        let drawn: Vec<i64> = std::iter::from_fn(|| m.poll_action())
+            .filter_map(|a| match a {
+                Action::PersistSelection { device, .. } => Some(device.0),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(drawn.len(), 5, "trial {trial}: exactly the target is drawn");
+        for d in 1..=POOL {
+            assert!(m.has_task_for(DeviceId(d)) == drawn.contains(&d), "trial {trial}: {d}");
+            if trial == 0 {
+                let selected = lottery_check_in(&mut m, d, 1_100, POOL as u32);
+                assert_eq!(selected, drawn.contains(&d), "device {d} coming back after the draw");
+            }
+        }
+        for d in drawn {
+            counts[d as usize] += 1;
+        }
+    }
+    // Each device: 5/20 of 400 rounds is 100 ± 4σ (σ ≈ 8.7).
+    for (d, &n) in counts.iter().enumerate().skip(1) {
+        assert!((65..=135).contains(&n), "device {d} drawn {n} times in 400 rounds");
+    }
+
+    // Nineteen of a stated twenty: no one is selected and the round fails, saying what it
+    // measured.
+    let mut m = machine([3; 32], POOL as u64);
+    for d in 1..POOL {
+        lottery_check_in(&mut m, d, 10 + d, POOL as u32);
+    }
+    m.handle_timeout(1_000);
+    let actions: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(!actions.iter().any(|a| matches!(a, Action::PersistSelection { .. })), "{actions:?}");
+    let closing = actions.iter().find_map(|a| match a {
+        Action::CloseRound { closing, .. } => Some(closing.outcome),
+        _ => None,
+    });
+    assert_eq!(
+        closing,
+        Some(RoundOutcome::PopulationTooSmall { measured: 19, minimum: 20 }),
+        "{actions:?}"
+    );
 }

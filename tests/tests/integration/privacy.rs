@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use starling_core::privacy::RdpAccountant;
+use starling_core::privacy::{RdpAccountant, Sampling};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
 
@@ -24,65 +24,118 @@ const GRID: &[(f64, f64, u64, f64)] = &[
 ];
 
 /// Google's reference: the RDP accountant of `dp-accounting`, over its default orders (the same
-/// as ours), composing a Poisson-sampled Gaussian event.
+/// as ours), composing a Poisson-sampled Gaussian event (add/remove adjacency) or, for a
+/// fixed-size cohort of m of n, a sampled-without-replacement one (replace-one adjacency).
 const REFERENCE: &str = r#"
 import json, sys
 import dp_accounting
 grid = json.loads(sys.argv[1])
 out = []
-for q, z, steps, delta in grid:
-    acc = dp_accounting.rdp.RdpAccountant()
-    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+for kind, q, z, steps, delta in grid:
+    if kind == "poisson":
+        acc = dp_accounting.rdp.RdpAccountant()
+        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    else:
+        n = 100000
+        acc = dp_accounting.rdp.RdpAccountant(
+            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        event = dp_accounting.SampledWithoutReplacementDpEvent(
+            n, round(q * n), dp_accounting.GaussianDpEvent(z))
     acc.compose(event, int(steps))
     out.append(acc.get_epsilon(delta))
 print(json.dumps(out))
 "#;
 
-#[test]
-fn the_accountant_agrees_with_google_dp_accounting_to_1e_10() {
-    let Some(python) = python_with(&["dp_accounting"]) else { return };
-    let grid: Vec<(f64, f64, u64, f64)> = GRID.to_vec();
+/// ε of `kind` ("poisson" or "without_replacement") over `grid`, by `dp-accounting`; `None`
+/// (a recorded skip) without it.
+fn reference(kind: &str, grid: &[(f64, f64, u64, f64)]) -> Option<Vec<f64>> {
+    let python = python_with(&["dp_accounting"])?;
+    let grid: Vec<(&str, f64, f64, u64, f64)> =
+        grid.iter().map(|&(q, z, steps, delta)| (kind, q, z, steps, delta)).collect();
     let output = Command::new(python)
         .args(["-c", REFERENCE, &serde_json::to_string(&grid).unwrap()])
         .output()
         .expect("running Python");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let reference: Vec<f64> = serde_json::from_slice(&output.stdout).expect("a list of ε");
+    Some(serde_json::from_slice(&output.stdout).expect("a list of ε"))
+}
+
+/// Ours against the reference on `grid`. The same orders and the same closed forms: they agree
+/// to rounding (worst seen about 1e-13), so a 1e-10 tolerance catches any real change to the
+/// accounting.
+fn agrees(kind: &str, grid: &[(f64, f64, u64, f64)], ours: impl Fn(f64, f64) -> RdpAccountant) {
+    let Some(reference) = reference(kind, grid) else { return };
     let mut worst = 0.0f64;
-    for (&(q, z, steps, delta), want) in GRID.iter().zip(reference) {
-        let got = RdpAccountant::new(q, z).epsilon(steps, delta);
+    for (&(q, z, steps, delta), want) in grid.iter().zip(reference) {
+        let got = ours(q, z).epsilon(steps, delta);
         let rel = (got - want).abs() / want.abs().max(1e-12);
         eprintln!(
-            "q={q} z={z} steps={steps} δ={delta}: ours {got:.6}, dp-accounting {want:.6}, rel {rel:.2e}"
+            "{kind} q={q} z={z} steps={steps} δ={delta}: ours {got:.6}, dp-accounting {want:.6}, rel {rel:.2e}"
         );
-        // The same orders and the same closed forms: they agree to rounding (worst seen 1e-13),
-        // so a 1 % tolerance would have hidden any real change to the accounting.
         assert!(
             rel <= 1e-10,
-            "q={q} z={z} steps={steps} δ={delta}: ε {got} vs dp-accounting {want}"
+            "{kind} q={q} z={z} steps={steps} δ={delta}: ε {got} vs dp-accounting {want}"
         );
         worst = worst.max(rel);
     }
-    eprintln!("worst relative difference {worst:.2e}");
+    eprintln!("{kind}: worst relative difference {worst:.2e}");
 }
 
-/// A DP-FedAvg run over HTTP: each update is clipped and counts once, the committed model is the
-/// clipped mean plus Gaussian noise of the stated scale, ε after each round is the accountant's
-/// (run view and /metrics), nothing un-noised (training metrics, evaluations) is released, and
-/// the run stops when one more round would pass its ε budget. A budget no round fits is refused
-/// with the figure.
+#[test]
+fn the_poisson_accountant_agrees_with_google_dp_accounting_to_1e_10() {
+    agrees("poisson", GRID, RdpAccountant::new);
+}
+
+#[test]
+fn the_fixed_size_accountant_agrees_with_google_dp_accounting_to_1e_10() {
+    // Every rate of the grid is m / 100 000 for a whole m; q = 1 is the Gaussian mechanism.
+    let grid: Vec<(f64, f64, u64, f64)> = GRID
+        .iter()
+        .copied()
+        .chain([(0.13, 3.0, 30, 1e-5), (0.1, 0.5, 30, 1e-5), (0.003, 2.0, 2000, 1e-6)])
+        .collect();
+    agrees("without_replacement", &grid, RdpAccountant::without_replacement);
+}
+
+/// Checks in, as a device does, until it is handed a task: a fixed-size DP draw answers only
+/// once its selection window is over, and until then the device comes back when the
+/// coordinator says. Fails after 30 s.
+async fn drawn_task(
+    device: &starling_client::protocol::FleetClient,
+) -> anyhow::Result<starling_core::wire::TaskAssignment> {
+    use starling_core::wire::CheckInResponse;
+    let checking_in = async {
+        loop {
+            match device.check_in("default").await? {
+                CheckInResponse::Task(t) => return anyhow::Ok(t),
+                CheckInResponse::ComeBackLater { retry_after_secs } => {
+                    tokio::time::sleep(std::time::Duration::from_secs(retry_after_secs.into()))
+                        .await
+                }
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), checking_in).await?
+}
+
+/// A DP-FedAvg run over HTTP: its cohort is drawn from the devices measured in each selection
+/// window (here all five of five: q = 1, accounted as such), each update is clipped and counts
+/// once, the committed model is the clipped mean plus Gaussian noise of the stated scale, ε
+/// after each round is the replace-one accountant's (run view and /metrics), nothing un-noised
+/// (training metrics, evaluations) is released, and the run stops when one more round would
+/// pass its ε budget. A budget no round fits is refused with the figure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
     const N: usize = 5;
     const PARAMS: usize = 2_000;
-    let (z, clip, population, delta_dp) = (1.0, 0.5, 50u64, 1e-5);
-    let accountant = RdpAccountant::new(N as f64 / population as f64, z);
+    let (z, clip, population, delta_dp) = (2.0, 0.5, N as u64, 1e-5);
+    let accountant = Sampling::FixedSize.accountant(1.0, z);
     // Room for two rounds, not three.
     let budget = (accountant.epsilon(2, delta_dp) + accountant.epsilon(3, delta_dp)) / 2.0;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, N).await.unwrap();
-    let spec = PlanSpec::all_of(N, PARAMS, 5);
+    let spec = PlanSpec { selection_secs: 1.0, ..PlanSpec::all_of(N, PARAMS, 5) };
     let mut plan = spec.json();
     let dp = serde_json::json!({
         "noise_multiplier": z, "clip_norm": clip, "population": population, "delta": delta_dp,
@@ -94,14 +147,16 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
     assert_eq!(created.total_rounds, 2, "the budget allows two of the five rounds");
     let privacy = created.privacy.expect("a DP run shows its privacy");
     assert_eq!((privacy.epsilon, privacy.rounds_allowed), (0.0, 2));
-    assert_eq!(privacy.sampling_rate, 0.1);
+    assert_eq!(privacy.sampling_rate, 1.0);
+    assert!(privacy.accounting.contains("replace-one"), "{}", privacy.accounting);
 
     let schema = spec.schema();
     let mut hash = c.admin.models(run).await.unwrap()[0].content_hash.clone();
     for round in 0..2i64 {
         let global = model_values(&devices[0], &hash, &schema).await.unwrap();
         wait_round_open(&c.admin, run, round).await.unwrap();
-        let tasks = expect_tasks(&devices).await.unwrap();
+        let tasks =
+            futures_util::future::try_join_all(devices.iter().map(drawn_task)).await.unwrap();
         assert!(tasks.iter().all(|t| t.withhold_metrics), "devices are told to send no metrics");
         let uploads: Vec<Vec<f32>> = (0..N).map(|i| delta(i, round, PARAMS)).collect();
         for ((d, t), (i, u)) in devices.iter().zip(&tasks).zip(uploads.iter().enumerate()) {
@@ -189,5 +244,44 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
     plan["strategy"]["differential_privacy"]["epsilon_budget"] = 0.01.into();
     let err = c.admin.create_run(&plan).await.unwrap_err().to_string();
     assert!(err.contains("epsilon_budget") && err.contains("one round already spends"), "{err}");
+    c.running.shutdown().await.unwrap();
+}
+
+/// The population is measured, not taken on trust: a plan that states 6 devices, with 5
+/// online, has each round draw from the 5 that checked in, find them fewer than 6, select no
+/// one and fail as `population_too_small` with what it measured. Nothing is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dp_round_that_measures_fewer_devices_than_its_population_releases_nothing() {
+    const N: usize = 5;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, N).await.unwrap();
+    let mut plan = PlanSpec { selection_secs: 0.5, ..PlanSpec::all_of(N, 16, 3) }.json();
+    plan["strategy"] = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": 2.0, "clip_norm": 0.5, "population": N + 1, "delta": 1e-5}});
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let failed = wait_for("a round to fail", std::time::Duration::from_secs(30), || async {
+        for d in &devices {
+            // Every device keeps checking in, and none is ever handed a task.
+            let answer = d.check_in("default").await?;
+            assert!(
+                !matches!(answer, starling_core::wire::CheckInResponse::Task(_)),
+                "a device was drawn from too small a population"
+            );
+        }
+        let rounds = c.admin.rounds(run).await?;
+        Ok(rounds.into_iter().find(|r| r.state == "failed"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        failed.outcome,
+        Some(serde_json::json!({"outcome": "population_too_small", "measured": 5, "minimum": 6}))
+    );
+    assert_eq!(failed.n_selected, 0);
+    let view = c.admin.run(run).await.unwrap();
+    assert_eq!(view.rounds_committed, 0);
+    assert_eq!(view.privacy.unwrap().epsilon, 0.0, "nothing released, nothing spent");
+    assert_eq!(c.admin.models(run).await.unwrap().len(), 1, "only the initial model");
     c.running.shutdown().await.unwrap();
 }
