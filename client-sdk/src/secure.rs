@@ -92,8 +92,8 @@ impl SecureSession {
     /// MaskedInputCollection: waits for the neighbours' sealed shares, then sends the masked,
     /// quantized, example-weighted `delta`, and with it this device's `evaluation` of the
     /// round's model when the round's vectors carry evaluations (the coordinator learns only
-    /// the cohort's pooled evaluation). Neighbours whose shares did not open are named, so the
-    /// coordinator leaves them out of the sum.
+    /// the cohort's pooled evaluation). Neighbours whose shares did not open are accused, with
+    /// the evidence the coordinator checks before it leaves them out of the sum.
     pub async fn send_masked(
         &mut self,
         fleet: &FleetClient,
@@ -117,11 +117,12 @@ impl SecureSession {
         }
         let masked = self.client.masked_input(request, &input)?;
         let masked = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let rejected_shares = self.client.rejected().clone();
-        if !rejected_shares.is_empty() {
-            tracing::warn!(run = %self.run_id, round = %self.round_idx, ?rejected_shares, "sealed shares from these neighbours did not open");
+        let accusations = self.client.accusations();
+        if !accusations.is_empty() {
+            let accused: Vec<_> = accusations.iter().map(|a| a.accused).collect();
+            tracing::warn!(run = %self.run_id, round = %self.round_idx, ?accused, "sealed shares from these neighbours did not open");
         }
-        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked, rejected_shares }).await
+        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked, accusations }).await
     }
 
     /// Unmasking: waits for the survivors list, then sends the shares that remove the masks.

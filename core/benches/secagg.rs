@@ -83,11 +83,11 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
         let t = Instant::now();
         let client = clients.get_mut(&i).unwrap();
         let y = client.masked_input(request, &input).unwrap();
-        let rejected = client.rejected().clone();
+        let accusations = client.accusations();
         client_time += t.elapsed();
         sent += y.len() * 4 + 8;
         let t = Instant::now();
-        server.receive_masked(i, y, rejected).unwrap();
+        server.receive_masked(i, y, &accusations).unwrap();
         server_time += t.elapsed();
     }
     let t = Instant::now();

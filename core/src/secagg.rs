@@ -8,18 +8,22 @@
 //! of degree `k` on a random ring (the complete graph, i.e. SecAgg of Bonawitz et al., when
 //! `k ≥ n − 1`).
 //!
-//! Crypto: X25519 key agreement, HKDF-SHA256, ChaCha20-Poly1305 for the client-to-client share
-//! messages the server relays, Shamir `t`-of-`k` sharing over GF(2^61 − 1), and the ChaCha20
+//! Crypto: X25519 key agreement for pairwise masks, Diffie–Hellman over Ristretto255 for the
+//! client-to-client share channel (so that a client can prove the channel's key when it accuses
+//! a neighbour of sending shares that do not open; `channel`), HKDF-SHA256, ChaCha20-Poly1305
+//! for the share messages the server relays, Shamir `t`-of-`k` sharing over GF(2^61 − 1), and the ChaCha20
 //! keystream as the mask generator. Arithmetic on masked vectors is in the ring Z/2^32.
 
 //!
 //! * [`quantize`]: fixed-point encoding into the ring, and what a secure vector carries;
-//! * `shamir`, `prg`: secret sharing, key agreement and the mask generator (private);
+//! * `shamir`, `prg`, `channel`: secret sharing, key agreement, the mask generator and the
+//!   share channel with its accusation evidence (private);
 //! * [`graph`]: the neighbour graph; [`messages`]: what each stage sends;
 //! * [`client`], [`server`]: the two state machines.
 
 use serde::{Deserialize, Serialize};
 
+mod channel;
 pub mod client;
 pub mod graph;
 pub mod messages;
@@ -28,6 +32,7 @@ pub mod quantize;
 pub mod server;
 mod shamir;
 
+pub use channel::{Accusation, ChannelProof};
 pub use client::Client;
 pub use graph::neighbours;
 pub use messages::{

@@ -263,9 +263,10 @@ pub enum SecAggUpload {
         #[serde(with = "serde_bytes")]
         masked: Vec<u8>,
         /// Neighbours whose sealed shares the device could not open (it added no pairwise mask
-        /// with them); the server leaves them out of the sum.
-        #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
-        rejected_shares: std::collections::BTreeSet<secagg::ClientIdx>,
+        /// with them), each with the evidence: the server checks it and leaves them out of the
+        /// sum, or refuses the input of a device that accuses without proof.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        accusations: Vec<secagg::Accusation>,
     },
     /// Unmasking: shares that remove masks, never both secrets of one neighbour.
     Unmask(secagg::UnmaskResponse),

@@ -344,7 +344,7 @@ impl SecureRound {
         let res = match message {
             SecAggUpload::AdvertiseKeys(keys) => self.server.receive_keys(idx, keys),
             SecAggUpload::ShareKeys(shares) => self.server.receive_shares(idx, shares),
-            SecAggUpload::MaskedInput { masked, rejected_shares, .. } => {
+            SecAggUpload::MaskedInput { masked, accusations, .. } => {
                 if masked.len() != self.config.len * 4 {
                     Err(SecAggError::BadMessage {
                         client: idx,
@@ -355,7 +355,7 @@ impl SecureRound {
                         ),
                     })
                 } else {
-                    self.server.receive_masked(idx, ring_elements(&masked), rejected_shares)
+                    self.server.receive_masked(idx, ring_elements(&masked), &accusations)
                 }
             }
             SecAggUpload::Unmask(response) => self.server.receive_unmask(idx, response),

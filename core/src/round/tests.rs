@@ -912,7 +912,7 @@ mod secure_rounds {
                     SecAggUpload::MaskedInput {
                         model_version: ModelVersion(0),
                         masked: y.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                        rejected_shares: client.rejected().clone(),
+                        accusations: client.accusations(),
                     }
                 }
                 SecAggInstruction::Unmask(r) => {

@@ -1,15 +1,15 @@
 //! One device's side of a round: its secrets, its shares for its neighbours, its masked input,
 //! and the unmasking shares it reveals (never both of one neighbour's secrets).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use chacha20::cipher::StreamCipher;
-use chacha20poly1305::aead::{Aead, Payload};
 use x25519_dalek::{PublicKey, StaticSecret};
 
+use super::channel::{Accusation, ChannelSecret};
 use super::messages::Shares;
-use super::prg::{Keystream, pairwise_seed, seed_commitment, share_cipher, share_nonce};
-use super::shamir::{P, share};
+use super::prg::{Keystream, open, pairwise_seed, seal, seed_commitment};
+use super::shamir::share;
 use super::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,7 +24,7 @@ enum ClientStage {
 pub struct Client {
     me: ClientIdx,
     config: Config,
-    cipher_sk: StaticSecret,
+    channel: ChannelSecret,
     mask_sk: StaticSecret,
     self_seed: [u8; 32],
     coefficients: [u8; 32],
@@ -33,8 +33,9 @@ pub struct Client {
     /// Shares received from each neighbour that completed ShareKeys.
     held: BTreeMap<ClientIdx, Shares>,
     /// Neighbours whose sealed shares arrived but did not open: this client added no pairwise
-    /// mask with them, and must say so with its masked input (see [`Client::rejected`]).
-    rejected: BTreeSet<ClientIdx>,
+    /// mask with them, and must say so with its masked input, with the evidence (see
+    /// [`Client::accusations`]).
+    accusations: BTreeMap<ClientIdx, Accusation>,
 }
 
 impl Client {
@@ -51,14 +52,17 @@ impl Client {
         let part = |i: usize| -> [u8; 32] {
             randomness[32 * i..32 * i + 32].try_into().expect("32 bytes")
         };
-        let cipher_sk = StaticSecret::from(part(0));
+        // The channel secret is a scalar: 64 bytes reduced, from the first part expanded.
+        let mut wide = [0u8; 64];
+        Keystream::new(&part(0), 5).0.apply_keystream(&mut wide);
+        let channel = ChannelSecret::from_wide(&wide);
         let mask_sk = StaticSecret::from(part(1));
         // The self-mask seed and the sharing polynomials come from the third part, expanded.
         let mut expand = Keystream::new(&part(2), 1);
         let mut self_seed = [0u8; 32];
         expand.0.apply_keystream(&mut self_seed);
         let advert = AdvertiseKeys {
-            cipher_pk: PublicKey::from(&cipher_sk).to_bytes(),
+            cipher_pk: channel.public(),
             mask_pk: PublicKey::from(&mask_sk).to_bytes(),
             seed_commitment: seed_commitment(&self_seed, me, &config.session),
         };
@@ -67,14 +71,14 @@ impl Client {
         let client = Client {
             me,
             config,
-            cipher_sk,
+            channel,
             mask_sk,
             self_seed,
             coefficients,
             stage: ClientStage::Advertised,
             keys: BTreeMap::new(),
             held: BTreeMap::new(),
-            rejected: BTreeSet::new(),
+            accusations: BTreeMap::new(),
         };
         Ok((client, advert))
     }
@@ -110,22 +114,11 @@ impl Client {
         let seed_shares = share(&self.self_seed, self.config.t, &holders, &mut rng);
         let mut out = Vec::with_capacity(holders.len());
         for (&to, advert) in &neighbours.keys {
-            let plain = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
-            let plain = crate::codec::to_vec(&plain).expect("shares encode");
-            let cipher = share_cipher(
-                &self.cipher_sk,
-                self.me,
-                &PublicKey::from(advert.cipher_pk),
-                to,
-                &self.config.session,
-            );
-            let ciphertext = cipher
-                .encrypt(
-                    &share_nonce(self.me, to).into(),
-                    Payload { msg: &plain, aad: &self.config.session },
-                )
-                .expect("encryption into a Vec cannot fail");
-            out.push(SealedShares { from: self.me, to, ciphertext });
+            let shared = self.channel.agree(&advert.cipher_pk).ok_or_else(|| {
+                SecAggError::BadMessage { client: to, why: "its channel key is not a point".into() }
+            })?;
+            let shares = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
+            out.push(seal(&shared, &shares, &self.config.session));
         }
         self.keys = neighbours.keys;
         self.stage = ClientStage::Shared;
@@ -134,9 +127,9 @@ impl Client {
 
     /// MaskedInputCollection: `input` (quantized) plus the self mask plus pairwise masks with
     /// every neighbour whose shares arrived. A neighbour whose shares fail to open gets no
-    /// pairwise mask and is listed in [`Client::rejected`], which the masked input must carry:
-    /// the server then leaves that neighbour out of the sum instead of letting its
-    /// uncancelled mask corrupt it. Too few valid shares left fails.
+    /// pairwise mask and is accused in [`Client::accusations`], which the masked input must
+    /// carry: the server checks the evidence and then leaves that neighbour out of the sum
+    /// instead of letting its uncancelled mask corrupt it. Too few valid shares left fails.
     pub fn masked_input(
         &mut self,
         request: MaskRequest,
@@ -156,35 +149,23 @@ impl Client {
             let Some(advert) = self.keys.get(&sealed.from) else { continue };
             if sealed.to != self.me
                 || self.held.contains_key(&sealed.from)
-                || self.rejected.contains(&sealed.from)
+                || self.accusations.contains_key(&sealed.from)
             {
                 continue;
             }
-            let cipher = share_cipher(
-                &self.cipher_sk,
-                self.me,
-                &PublicKey::from(advert.cipher_pk),
-                sealed.from,
-                &self.config.session,
-            );
-            let opened = cipher
-                .decrypt(
-                    &share_nonce(sealed.from, self.me).into(),
-                    Payload { msg: &sealed.ciphertext, aad: &self.config.session },
-                )
-                .ok()
-                .and_then(|plain| crate::codec::decode::<Shares>(&plain).ok())
-                .filter(|shares| {
-                    shares.from == sealed.from
-                        && shares.to == self.me
-                        && shares.key.iter().chain(&shares.seed).all(|&v| v < P)
-                });
-            match opened {
+            // Its key was checked to be a point when this client shared to it.
+            let Some(shared) = self.channel.agree(&advert.cipher_pk) else { continue };
+            match open(&shared, &sealed, &self.config.session) {
                 Some(shares) => {
                     self.held.insert(sealed.from, shares);
                 }
                 None => {
-                    self.rejected.insert(sealed.from);
+                    let proof = self
+                        .channel
+                        .prove(&advert.cipher_pk, &shared)
+                        .expect("a key this client agreed with is a point");
+                    let accusation = Accusation { accused: sealed.from, shared, proof };
+                    self.accusations.insert(sealed.from, accusation);
                 }
             }
         }
@@ -206,9 +187,10 @@ impl Client {
         Ok(y)
     }
 
-    /// Neighbours whose sealed shares did not open (known once the masked input is made).
-    pub fn rejected(&self) -> &BTreeSet<ClientIdx> {
-        &self.rejected
+    /// Neighbours whose sealed shares did not open, each with the evidence the server checks
+    /// (known once the masked input is made).
+    pub fn accusations(&self) -> Vec<Accusation> {
+        self.accusations.values().copied().collect()
     }
 
     /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share

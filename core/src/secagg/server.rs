@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use x25519_dalek::{PublicKey, StaticSecret};
 
-use super::prg::{Keystream, pairwise_seed, seed_commitment};
+use super::channel::{self, Accusation};
+use super::prg::{Keystream, open, pairwise_seed, seed_commitment};
 use super::shamir::{P, Share, reconstruct_checked};
 use super::*;
 
@@ -27,6 +28,7 @@ pub struct Server {
     stage: ServerStage,
     keys: BTreeMap<ClientIdx, AdvertiseKeys>,
     graph: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
+    /// The sealed shares relayed, by recipient: kept to check accusations against.
     sealed: BTreeMap<ClientIdx, Vec<SealedShares>>,
     shared: BTreeSet<ClientIdx>,
     /// Who sent a masked input.
@@ -37,7 +39,7 @@ pub struct Server {
     /// their shares): the caller of [`Unmasking::sum`] hands their vectors back.
     withdrawn: BTreeSet<ClientIdx>,
     /// For each masked input, the neighbours its sender could not open shares from (and so
-    /// added no pairwise mask with).
+    /// added no pairwise mask with), each accusation checked.
     rejections: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
     survivors: BTreeSet<ClientIdx>,
     responses: BTreeMap<ClientIdx, UnmaskResponse>,
@@ -89,6 +91,9 @@ impl Server {
         self.expect(ServerStage::Advertise, "AdvertiseKeys")?;
         if client == 0 || client > self.config.n || self.keys.contains_key(&client) {
             return Err(self.bad(client, "unknown index or keys sent twice"));
+        }
+        if !channel::is_point(&advert.cipher_pk) {
+            return Err(self.bad(client, "its channel key is not a point"));
         }
         if advert.cipher_pk == advert.mask_pk
             || self
@@ -160,23 +165,29 @@ impl Server {
             .map(|&i| {
                 let shares = self
                     .sealed
-                    .remove(&i)
-                    .unwrap_or_default()
+                    .get(&i)
                     .into_iter()
+                    .flatten()
                     .filter(|s| shared.contains(&s.from))
+                    .cloned()
                     .collect();
                 (i, MaskRequest { shares })
             })
             .collect())
     }
 
-    /// A masked input from `client`, with the neighbours whose shares it could not open
-    /// ([`Client::rejected`]); those must be neighbours that shared.
+    /// A masked input from `client`, with its accusations: the neighbours whose shares it
+    /// could not open ([`Client::accusations`]), each with its evidence. The server checks each
+    /// one: the accused must be a neighbour that shared, the proof must show the revealed point
+    /// is the Diffie–Hellman of the two advertised channel keys, and the sealed shares relayed
+    /// from the accused must indeed not open under it. A masked input with an accusation that
+    /// fails any check is refused, and its sender excluded, so no device can take a neighbour
+    /// out of the sum without proof.
     pub fn receive_masked(
         &mut self,
         client: ClientIdx,
         y: Vec<u32>,
-        rejected: BTreeSet<ClientIdx>,
+        accusations: &[Accusation],
     ) -> Result<(), SecAggError> {
         self.expect(ServerStage::Collect, "MaskedInputCollection")?;
         if !self.shared.contains(&client)
@@ -185,8 +196,12 @@ impl Server {
         {
             return Err(self.bad(client, "unexpected masked input or wrong length"));
         }
-        if !rejected.iter().all(|j| self.graph[&client].contains(j) && self.shared.contains(j)) {
-            return Err(self.bad(client, "rejects shares from clients that sent it none"));
+        let mut accused = BTreeSet::new();
+        for a in accusations {
+            if let Err(why) = self.check_accusation(client, a, &accused) {
+                return Err(self.bad(client, why));
+            }
+            accused.insert(a.accused);
         }
         if self.sum.is_empty() {
             self.sum = y;
@@ -196,7 +211,30 @@ impl Server {
             }
         }
         self.masked.insert(client);
-        self.rejections.insert(client, rejected);
+        self.rejections.insert(client, accused);
+        Ok(())
+    }
+
+    /// Why `client`'s accusation `a` does not hold, if it does not (`earlier`: the neighbours
+    /// it accused before in the same message).
+    fn check_accusation(
+        &self,
+        client: ClientIdx,
+        a: &Accusation,
+        earlier: &BTreeSet<ClientIdx>,
+    ) -> Result<(), String> {
+        let j = a.accused;
+        if !(self.graph[&client].contains(&j) && self.shared.contains(&j)) || earlier.contains(&j) {
+            return Err(format!("accuses {j}, which sent it no shares"));
+        }
+        let (mine, theirs) = (&self.keys[&client].cipher_pk, &self.keys[&j].cipher_pk);
+        if !channel::verify(mine, theirs, &a.shared, &a.proof) {
+            return Err(format!("accuses {j} with a channel point it does not prove"));
+        }
+        let sealed = self.sealed[&client].iter().find(|s| s.from == j);
+        if sealed.is_some_and(|s| open(&a.shared, s, &self.config.session).is_some()) {
+            return Err(format!("accuses {j} falsely: its shares open"));
+        }
         Ok(())
     }
 

@@ -30,6 +30,9 @@ struct Script {
     /// A sealed share (from, to) whose ciphertext is garbled: well-formed, but it does not
     /// open.
     garble: Option<(ClientIdx, ClientIdx)>,
+    /// A sealed share (from, to) garbled after the server relayed it: the recipient cannot
+    /// open it, but the server's copy opens, so the recipient's accusation is false.
+    garble_relayed: Option<(ClientIdx, ClientIdx)>,
     /// A survivor (holder) that returns its share of another's (owner's) self-mask seed with
     /// one chunk shifted.
     shift_seed_share: Option<(ClientIdx, ClientIdx)>,
@@ -83,14 +86,26 @@ fn run_naming(
         // What each client sent, as the coordinator's store keeps it: the running sum needs a
         // withdrawn client's vector back.
         let mut sent = BTreeMap::new();
-        for (i, request) in server.close_share_keys()? {
+        for (i, mut request) in server.close_share_keys()? {
             if script.after_share.contains(&i) {
                 continue;
             }
+            for s in request.shares.iter_mut() {
+                if script.garble_relayed == Some((s.from, s.to)) {
+                    s.ciphertext[0] ^= 0xff;
+                }
+            }
             let client = clients.get_mut(&i).unwrap();
             let y = client.masked_input(request, &inputs[&i])?;
-            sent.insert(i, y.clone());
-            server.receive_masked(i, y, client.rejected().clone())?;
+            match server.receive_masked(i, y.clone(), &client.accusations()) {
+                Ok(()) => {
+                    sent.insert(i, y);
+                }
+                // A false accuser's input is refused; the round goes on without it.
+                Err(SecAggError::BadMessage { client, .. })
+                    if script.garble_relayed.is_some_and(|(_, to)| to == client) => {}
+                Err(e) => return Err(e),
+            }
         }
         let request = server.close_masked()?;
         for &i in &request.survivors {
@@ -165,9 +180,7 @@ fn dropouts_at_every_stage_up_to_the_threshold() {
         after_advertise: [3, 4].into(),
         after_share: [5, 6].into(),
         after_mask: [7, 8].into(),
-        corrupt_share: None,
-        garble: None,
-        shift_seed_share: None,
+        ..Default::default()
     };
     let (result, inputs) = run(&config, 21, &script);
     let (sum, survivors) = result.unwrap();
@@ -232,9 +245,11 @@ fn a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
     }
 }
 
-#[test]
-fn a_client_cannot_reject_shares_it_never_got() {
-    let config = Config::with_defaults([2; 16], 6, 4);
+/// A round of six at MaskedInputCollection in which client 2's sealed shares to client 1 were
+/// garbled on the way (so 1 cannot open them), with every client's mask request.
+fn collecting_with_a_garbled_share()
+-> (Server, BTreeMap<ClientIdx, Client>, BTreeMap<ClientIdx, MaskRequest>) {
+    let config = Config { session: [2; 16], n: 6, k: 4, t: 3, len: 4 };
     let mut server = Server::new(config, bytes(1, 9)).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=6 {
@@ -242,14 +257,74 @@ fn a_client_cannot_reject_shares_it_never_got() {
         server.receive_keys(i, advert).unwrap();
         clients.insert(i, client);
     }
-    for (i, keys) in server.close_advertise().unwrap() {
-        let sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
+    let graph = server.close_advertise().unwrap();
+    assert!(graph[&1].keys.contains_key(&2), "the test needs 1 and 2 to be neighbours");
+    for (i, keys) in graph {
+        let mut sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
+        for s in sealed.iter_mut().filter(|s| (s.from, s.to) == (2, 1)) {
+            s.ciphertext[0] ^= 0xff;
+        }
         server.receive_shares(i, sealed).unwrap();
     }
-    server.close_share_keys().unwrap();
-    let err = server.receive_masked(1, vec![0; 4], [1].into()).unwrap_err();
-    assert!(matches!(err, SecAggError::BadMessage { client: 1, .. }), "{err}");
-    assert!(server.excluded().contains(&1));
+    let requests = server.close_share_keys().unwrap();
+    (server, clients, requests)
+}
+
+/// What a test does to a client's accusations before the server sees them.
+type Tamper = dyn Fn(&mut Vec<Accusation>);
+
+/// An accusation removes a neighbour only with evidence the server checks itself: the proven
+/// channel point of the two, under which the relayed shares do not open. Accusing a client
+/// that sent no shares, revealing a point the proof does not cover, or tampering with the
+/// proof gets the accuser's input refused (and the accuser excluded); the accused stays.
+#[test]
+fn an_accusation_without_evidence_is_refused_and_one_with_it_holds() {
+    let accuse = |tamper: &Tamper| {
+        let (mut server, mut clients, mut requests) = collecting_with_a_garbled_share();
+        let client = clients.get_mut(&1).unwrap();
+        client.masked_input(requests.remove(&1).unwrap(), &[0; 4]).unwrap();
+        let mut accusations = client.accusations();
+        assert_eq!(accusations.iter().map(|a| a.accused).collect::<Vec<_>>(), [2]);
+        tamper(&mut accusations);
+        let result = server.receive_masked(1, vec![0; 4], &accusations);
+        (result, server)
+    };
+    // The honest accusation holds.
+    let (result, server) = accuse(&|_| {});
+    result.unwrap();
+    assert!(server.accused().contains(&2) && server.excluded().is_empty());
+    // Evidence that does not hold: each refused, the accuser excluded, no one accused.
+    let cases: [(&str, &Tamper); 4] = [
+        ("a client that sent no shares", &|a| a[0].accused = 1),
+        ("the same neighbour twice", &|a| a.push(a[0])),
+        ("a tampered proof", &|a| a[0].proof.response[5] ^= 1),
+        ("another point", &|a| a[0].shared = crate::secagg::channel::tests::some_point()),
+    ];
+    for (what, tamper) in cases {
+        let (result, server) = accuse(tamper);
+        let err = result.unwrap_err();
+        assert!(matches!(err, SecAggError::BadMessage { client: 1, .. }), "{what}: {err}");
+        assert!(server.excluded().contains(&1), "{what}");
+        assert!(server.accused().is_empty(), "{what}");
+    }
+}
+
+/// A client that accuses a neighbour whose shares do open (here the relay garbled them on the
+/// way to it, which the server, holding what it relayed, can tell) is the one left out: the
+/// accused stays in the sum, and the sum is the others' exactly.
+#[test]
+fn a_false_accusation_leaves_out_the_accuser_not_the_accused() {
+    let config = Config { session: [5; 16], n: 8, k: 6, t: 4, len: 6 };
+    let seed = 11;
+    let graph = neighbours(&(1..=config.n).collect(), config.k, &bytes(seed, 9));
+    let (from, to) = (3, *graph[&3].iter().next().unwrap());
+    let script = Script { garble_relayed: Some((from, to)), ..Default::default() };
+    let (result, inputs) = run(&config, seed, &script);
+    let (sum, survivors) = result.unwrap();
+    assert!(survivors.contains(&from), "the accused stays in");
+    assert!(!survivors.contains(&to), "the false accuser is left out");
+    assert_eq!(survivors.len() as u32, config.n - 1);
+    assert_eq!(sum, plain_sum(&inputs, &survivors, config.len));
 }
 
 #[test]

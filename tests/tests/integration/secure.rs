@@ -271,7 +271,7 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
     let early = SecAggUpload::MaskedInput {
         model_version: ModelVersion(0),
         masked: vec![0; 4],
-        rejected_shares: Default::default(),
+        accusations: Vec::new(),
     };
     assert_eq!(
         api_code(devices[0].secagg_send(run, round, &early).await),
@@ -291,7 +291,7 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
     let short = SecAggUpload::MaskedInput {
         model_version: ModelVersion(0),
         masked: vec![1; task.config.len * 4 - 4],
-        rejected_shares: Default::default(),
+        accusations: Vec::new(),
     };
     // Wait (at the pace the coordinator asks for) until the stage is MaskedInput, then send it.
     let told = next_instruction(&devices[4], run, round).await?;
@@ -365,19 +365,27 @@ async fn next_instruction(
     }
 }
 
-/// The coordinator adds masked inputs into one running sum as they arrive. A device
-/// whose sealed share its neighbour cannot open is in that sum when the neighbour reports it,
-/// so at commit its masked vector is read back from the round's records and taken out; the
-/// round commits the others' mean. Every device here runs core's protocol client itself, so
-/// that one can garble a share.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum() -> anyhow::Result<()>
-{
-    const N: usize = 5;
+/// What a device running core's protocol client itself does wrong in [`round_of_core_clients`].
+#[derive(Clone, Copy)]
+enum Misbehaviour {
+    /// Device 0 garbles its sealed shares to its first neighbour.
+    GarbledShare,
+    /// Device 1 accuses device 2 of shares that did not open, with made-up evidence.
+    UnprovenAccusation,
+}
+
+/// One secure round of `n` devices over HTTP, each running core's protocol client itself so
+/// that one can misbehave; returns the devices told they are excluded, the committed model's
+/// distance from the mean of `expected` and the round's reported count.
+async fn round_of_core_clients(
+    n: usize,
+    misbehaviour: Misbehaviour,
+    expected: &[usize],
+) -> anyhow::Result<(Vec<usize>, i64)> {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await?;
-    let devices = enroll(&c.url, &c.admin, N).await?;
-    let run = RunId(c.admin.create_run(&secure_plan(N as u32, 3, 30.0, None)).await?.id);
+    let devices = enroll(&c.url, &c.admin, n).await?;
+    let run = RunId(c.admin.create_run(&secure_plan(n as u32, 3, 30.0, None)).await?.id);
     wait_round_open(&c.admin, run, 0).await?;
     let tasks = expect_tasks(&devices).await?;
     let round = tasks[0].round_idx;
@@ -391,18 +399,18 @@ async fn a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum() ->
         devices[i].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(keys)).await?;
         clients.push(client);
     }
-    for i in 0..N {
+    for i in 0..n {
         let SecAggInstruction::ShareKeys(keys) = next_instruction(&devices[i], run, round).await?
         else {
             anyhow::bail!("device {i} was not asked to share keys");
         };
         let mut sealed = clients[i].share_keys(keys)?;
-        if i == 0 {
+        if i == 0 && matches!(misbehaviour, Misbehaviour::GarbledShare) {
             sealed[0].ciphertext[0] ^= 0xff;
         }
         devices[i].secagg_send(run, round, &SecAggUpload::ShareKeys(sealed)).await?;
     }
-    for i in 0..N {
+    for i in 0..n {
         let SecAggInstruction::MaskedInput(request) =
             next_instruction(&devices[i], run, round).await?
         else {
@@ -414,31 +422,72 @@ async fn a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum() ->
             secagg::append_evaluation(&q, &mut input, None, cap);
         }
         let masked = clients[i].masked_input(request, &input)?;
+        let mut accusations = clients[i].accusations();
+        if i == 1 && matches!(misbehaviour, Misbehaviour::UnprovenAccusation) {
+            // A point that is some other channel's, and a proof of nothing.
+            let (_, keys) = secagg::Client::new(secure[1].index, secure[1].config, [9; 96])?;
+            let proof = secagg::ChannelProof { challenge: [0; 32], response: [0; 32] };
+            accusations.push(secagg::Accusation {
+                accused: secure[2].index,
+                shared: keys.cipher_pk,
+                proof,
+            });
+        }
         let upload = SecAggUpload::MaskedInput {
             model_version: ModelVersion(0),
             masked: masked.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            rejected_shares: clients[i].rejected().clone(),
+            accusations,
         };
-        devices[i].secagg_send(run, round, &upload).await?;
+        let sent = devices[i].secagg_send(run, round, &upload).await;
+        if i == 1 && matches!(misbehaviour, Misbehaviour::UnprovenAccusation) {
+            assert_eq!(api_code(sent), Some(ErrorCode::InvalidField), "the accusation is refused");
+        } else {
+            sent?;
+        }
     }
-    let told = next_instruction(&devices[0], run, round).await?;
-    assert!(
-        matches!(&told, SecAggInstruction::Excluded { reason } if reason.contains("could not open")),
-        "{told:?}"
-    );
-    for i in 1..N {
-        let SecAggInstruction::Unmask(request) = next_instruction(&devices[i], run, round).await?
-        else {
-            anyhow::bail!("device {i} was not asked to unmask");
-        };
-        let response = clients[i].unmask(request)?;
-        devices[i].secagg_send(run, round, &SecAggUpload::Unmask(response)).await?;
+    let mut excluded = vec![];
+    for i in 0..n {
+        match next_instruction(&devices[i], run, round).await? {
+            SecAggInstruction::Unmask(request) => {
+                let response = clients[i].unmask(request)?;
+                devices[i].secagg_send(run, round, &SecAggUpload::Unmask(response)).await?;
+            }
+            SecAggInstruction::Excluded { reason } => {
+                eprintln!("device {i} excluded: {reason}");
+                excluded.push(i);
+            }
+            other => anyhow::bail!("device {i} was told {other:?}"),
+        }
     }
     let hash = wait_model(&c.admin, run, 1).await?;
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
-    assert_close(&committed, &expected_model(&global, &[1, 2, 3, 4]), 2e-6);
-    let round = &c.admin.rounds(run).await?[0];
-    assert_eq!(round.n_reported, 4);
+    assert_close(&committed, &expected_model(&global, expected), 2e-6);
+    let reported = c.admin.rounds(run).await?[0].n_reported;
     c.running.shutdown().await?;
+    Ok((excluded, reported))
+}
+
+/// The coordinator adds masked inputs into one running sum as they arrive. A device
+/// whose sealed share its neighbour cannot open is in that sum when the neighbour reports it
+/// (with the proven channel point under which the share does not open), so at commit its masked
+/// vector is read back from the round's records and taken out; the round commits the others'
+/// mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_whose_share_does_not_open_is_taken_out_of_the_running_sum() -> anyhow::Result<()>
+{
+    let (excluded, reported) =
+        round_of_core_clients(5, Misbehaviour::GarbledShare, &[1, 2, 3, 4]).await?;
+    assert_eq!((excluded, reported), (vec![0], 4));
+    Ok(())
+}
+
+/// A device cannot take a neighbour out of the sum by saying its shares did not open: an
+/// accusation whose evidence does not check out is refused, the accuser is left out, and the
+/// accused's update is in the committed mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unproven_accusation_leaves_out_the_accuser_not_the_accused() -> anyhow::Result<()> {
+    let (excluded, reported) =
+        round_of_core_clients(6, Misbehaviour::UnprovenAccusation, &[0, 2, 3, 4, 5]).await?;
+    assert_eq!((excluded, reported), (vec![1], 5));
     Ok(())
 }
