@@ -152,6 +152,11 @@ pub struct PrivacyView {
     pub sampling_rate: f64,
     /// The mechanism the accountant composes: the sampling and the neighbouring relation.
     pub accounting: String,
+    /// ε by the Rényi DP accountant.
+    pub epsilon_rdp: f64,
+    /// ε by the privacy loss distribution accountant (Poisson sampling only); `epsilon` is
+    /// the smaller of the two.
+    pub epsilon_pld: Option<f64>,
     /// Noise multiplier z accounted.
     pub noise_multiplier: f64,
     /// Where updates are clipped and noise is added.
@@ -169,6 +174,8 @@ impl PrivacyView {
             rounds_allowed: privacy.rounds_allowed,
             sampling_rate: privacy.sampling_rate,
             accounting: privacy.sampling.describe().into(),
+            epsilon_rdp: privacy.epsilon_rdp(rounds_committed),
+            epsilon_pld: privacy.epsilon_pld(rounds_committed),
             noise_multiplier: privacy.plan.noise_multiplier,
             mechanism: if secure {
                 "devices clip; central Gaussian noise on the unmasked secure sum".into()

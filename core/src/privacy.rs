@@ -31,6 +31,11 @@
 //!   every committed round's `m / N` is at most the `q = m / population` accounted: the ε shown
 //!   is an upper bound of the one the rounds spent.
 //!
+//! With Poisson sampling the privacy loss distribution accountant ([`pld`], as
+//! `dp-accounting`'s `PLDAccountant`) bounds ε too, usually tighter; the run reports the
+//! tighter of the two. Budgets (`epsilon_budget`, [`noise_multiplier_for`]) use the RDP
+//! bound, which only stops a run earlier.
+//!
 //! Only committed rounds release anything: a failed round's noised sum is never stored or
 //! served.
 //!
@@ -229,11 +234,31 @@ impl DifferentialPrivacy {
 }
 
 impl Privacy {
-    /// ε spent at the plan's δ after `rounds` committed rounds.
+    /// ε spent at the plan's δ after `rounds` committed rounds: the tighter of the RDP and
+    /// (with Poisson sampling) PLD accountants' bounds.
     pub fn epsilon_after(&self, rounds: u64) -> f64 {
+        let rdp = self.epsilon_rdp(rounds);
+        self.epsilon_pld(rounds).map_or(rdp, |pld| pld.min(rdp))
+    }
+
+    /// ε after `rounds` by the Rényi DP accountant.
+    pub fn epsilon_rdp(&self, rounds: u64) -> f64 {
         self.sampling
             .accountant(self.sampling_rate, self.plan.noise_multiplier)
             .epsilon(rounds, self.plan.delta)
+    }
+
+    /// ε after `rounds` by the privacy loss distribution accountant, which `dp-accounting` has
+    /// for Poisson sampling only (`None` for the fixed-size draw).
+    pub fn epsilon_pld(&self, rounds: u64) -> Option<f64> {
+        (self.sampling == Sampling::Poisson).then(|| {
+            pld::epsilon_remembered(
+                self.sampling_rate,
+                self.plan.noise_multiplier,
+                rounds,
+                self.plan.delta,
+            )
+        })
     }
 
     /// Adds the round's noise to the mean of `n_updates` clipped updates:
@@ -575,6 +600,8 @@ fn log_erfc(x: f64) -> f64 {
         -x2 - x.ln() - 0.5 * std::f64::consts::PI.ln() + series.ln()
     }
 }
+
+pub mod pld;
 
 #[cfg(test)]
 mod tests;

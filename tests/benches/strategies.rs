@@ -11,8 +11,9 @@
 //! with the rounds it committed (`done` < rounds): a run whose rounds keep failing never ends.
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
-//! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only NAME] [--partition iid]` (default:
-//! every experiment, 100 rounds each, on `shards:2`; the dev profile optimizes burn and every other dependency, and spares the
+//! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only TEXT] [--partition iid]` (default:
+//! every experiment, 100 rounds each, on `shards:2`; `--only` keeps the cases whose name contains
+//! TEXT; the dev profile optimizes burn and every other dependency, and spares the
 //! release build of burn that takes 20 minutes here). Every configuration prints one row:
 //! rounds to 90 % and 95 % test accuracy (`-` when not reached) and the wall-clock seconds
 //! from the run's creation to 95 %, the best and the final accuracy and the mean of the last
@@ -93,7 +94,7 @@ fn main() -> anyhow::Result<()> {
     let cases: Vec<Case> = experiments
         .iter()
         .flat_map(|e| cases(e, rounds))
-        .filter(|c| only.as_ref().is_none_or(|o| c.name == *o))
+        .filter(|c| only.as_ref().is_none_or(|o| c.name.contains(o.as_str())))
         .collect();
     let out = std::env::var_os("STARLING_BENCH_OUT");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -68,10 +68,12 @@ fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
     assert!(p.rounds_allowed < 5000);
     assert!(acc.epsilon(u64::from(p.rounds_allowed), 1e-5) <= 2.0);
     assert!(acc.epsilon(u64::from(p.rounds_allowed) + 1, 1e-5) > 2.0);
+    // The budget is held by the RDP bound; the ε reported may be tighter still (PLD).
     assert_eq!(
-        p.epsilon_after(u64::from(p.rounds_allowed)),
+        p.epsilon_rdp(u64::from(p.rounds_allowed)),
         acc.epsilon(u64::from(p.rounds_allowed), 1e-5)
     );
+    assert!(p.epsilon_after(u64::from(p.rounds_allowed)) <= 2.0);
     // A budget the plan's rounds stay within leaves them alone.
     assert_eq!(
         DifferentialPrivacy { epsilon_budget: Some(1e6), ..dp(1.0) }
@@ -226,4 +228,17 @@ fn fixed_size_sampling_accounts_replace_one_and_grows_with_the_rate() {
     let z = noise_multiplier_for(Sampling::FixedSize, 0.1, 30, 1e-5, 4.0).unwrap();
     assert!(Sampling::FixedSize.accountant(0.1, z).epsilon(30, 1e-5) <= 4.0);
     assert!(z > noise_multiplier_for(Sampling::Poisson, 0.1, 30, 1e-5, 4.0).unwrap());
+}
+
+#[test]
+fn a_poisson_run_reports_the_tighter_of_rdp_and_pld() {
+    let p = dp(1.0).resolve(10, 100, Sampling::Poisson).unwrap();
+    let (rdp, pld) = (p.epsilon_rdp(50), p.epsilon_pld(50).unwrap());
+    assert!(pld < rdp, "PLD {pld} is the tighter here, RDP {rdp}");
+    assert_eq!(p.epsilon_after(50), pld);
+    assert_eq!(p.epsilon_after(0), 0.0);
+    // dp-accounting has no PLD for the fixed-size draw: RDP alone.
+    let fixed = dp(3.0).resolve(10, 100, Sampling::FixedSize).unwrap();
+    assert_eq!(fixed.epsilon_pld(50), None);
+    assert_eq!(fixed.epsilon_after(50), fixed.epsilon_rdp(50));
 }
