@@ -422,10 +422,12 @@ fn simulation_plan(
         plan["checkpoint_interval"] = config.checkpoint_interval.into();
     }
     if config.secure {
-        // Deltas of these models stay well inside ±1 (weighted by examples / max_examples).
+        // Deltas of these models stay well inside ±1 (weighted by examples / max_examples);
+        // with DP every update weighs the same.
+        let dp = !config.strategy["differential_privacy"].is_null();
         plan["secure_aggregation"] = serde_json::json!({
             "clip": 1.0,
-            "max_examples": 10_000,
+            "max_examples": if dp { 1 } else { 10_000 },
             "stage_timeout_secs": 10.0,
         });
     }

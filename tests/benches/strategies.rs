@@ -7,7 +7,8 @@
 //! needs many devices per round to drown its noise, so the privacy experiment spreads the same
 //! data over 1 000 clients and takes 100 per round (the same q = 0.1).
 //!
-//! A case that has not finished after 10 s per round (plus a minute) is stopped and reported
+//! A case that has not finished after 10 s per round (20 with DP, whose rounds wait out their
+//! selection window; plus a minute) is stopped and reported
 //! with the rounds it committed (`done` < rounds): a run whose rounds keep failing never ends.
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
@@ -342,7 +343,9 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
     };
     let curve = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
     let seen = curve.clone();
-    let budget = Duration::from_secs(10 * u64::from(rounds) + 60);
+    // A DP round waits out its whole selection window before it draws.
+    let per_round = if case.name.starts_with("dp ") { 20 } else { 10 };
+    let budget = Duration::from_secs(per_round * u64::from(rounds) + 60);
     let started = Instant::now();
     let simulation = simulate(config, move |r| {
         let elapsed = started.elapsed().as_secs_f64();

@@ -309,3 +309,45 @@ async fn a_dp_round_that_measures_fewer_devices_than_its_population_releases_not
     assert_eq!(c.admin.models(run).await.unwrap().len(), 1, "only the initial model");
     c.running.shutdown().await.unwrap();
 }
+
+/// Secure aggregation with DP and the fixed-size draw, end to end with the SDK's participants:
+/// every round waits out its window, draws its cohort from the ten devices it measured, runs
+/// SecAgg+ with the drawn devices clipping before masking, commits, and the run reports the
+/// replace-one accountant's ε for the rounds it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
+    use starling_client::simulate::{Pacing, SimulationConfig, simulate};
+    const CLIENTS: usize = 10;
+    let (z, rounds) = (4.0, 3);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let config = SimulationConfig {
+        secure: true,
+        strategy: serde_json::json!({"differential_privacy": {
+            "noise_multiplier": z, "clip_norm": 1.0, "population": CLIENTS, "delta": 1e-5}}),
+        pacing: Pacing {
+            over_selection: 1.0,
+            min_quorum: Some(4),
+            selection_timeout_secs: 2.0,
+            reporting_timeout_secs: 60.0,
+        },
+        ..digits_simulation(&c.url, CLIENTS, 5, rounds, 3)
+    };
+    let results =
+        simulate(config, |r| eprintln!("model {}: accuracy {:.3}", r.version, r.test_accuracy))
+            .await
+            .unwrap()
+            .rounds;
+    assert_eq!(results.len(), rounds as usize);
+    let run = c.admin.runs().await.unwrap().into_iter().next().expect("the simulation's run");
+    let view = c.admin.run(RunId(run.id)).await.unwrap();
+    assert_eq!(view.rounds_committed, i64::from(rounds));
+    for r in c.admin.rounds(RunId(run.id)).await.unwrap() {
+        assert_eq!(r.n_selected, 5, "round {}: exactly the target drawn", r.round_idx);
+    }
+    let privacy = view.privacy.expect("a DP run shows its privacy");
+    let want = Sampling::FixedSize.accountant(0.5, z).epsilon(u64::from(rounds), 1e-5);
+    assert!((privacy.epsilon - want).abs() <= 1e-12 * want, "ε {} vs {want}", privacy.epsilon);
+    assert!(privacy.mechanism.contains("secure"), "{}", privacy.mechanism);
+    c.running.shutdown().await.unwrap();
+}
