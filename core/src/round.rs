@@ -227,8 +227,9 @@ struct PaceSteering {
     selection_timeout_ms: i64,
     /// Devices heard from lately.
     online: u32,
-    /// A fixed-size DP draw measures its population in each window: every device comes back
-    /// within the next one.
+    /// A DP run's selection is the accountant's only if every device of the population gets
+    /// its chance each round (a fixed-size draw measures them all, Poisson sampling draws each
+    /// one): every device comes back within the next window.
     everyone_each_window: bool,
 }
 
@@ -604,7 +605,8 @@ impl RunMachine {
             target_selected: self.config.target_selected,
             selection_timeout_ms: self.config.selection_timeout_ms,
             online,
-            everyone_each_window: self.config.min_population.is_some(),
+            everyone_each_window: self.config.min_population.is_some()
+                || self.config.poisson_rate.is_some(),
         };
         let seed = (device.0 as u64).rotate_left(32) ^ (self.run_id.0 as u64) ^ now as u64;
         let pace = |base_ms: i64| steering.come_back_after(base_ms, seed);

@@ -30,7 +30,7 @@ use starling_client::simulate::{
     Attack, ModelKind, Pacing, Poisoning, SimulationConfig, Slowdown, simulate,
 };
 use starling_core::compression::Compression;
-use starling_core::plan::AsynchronousPlan;
+use starling_core::plan::{AsynchronousPlan, SelectionPolicy};
 use starling_core::privacy::{Sampling, noise_multiplier_for};
 use starling_tests::{digits_simulation, sqlite_db, start_in_process_with};
 
@@ -70,6 +70,8 @@ struct Case {
     asynchronous: Option<AsynchronousPlan>,
     /// Slow devices.
     slowdown: Option<Slowdown>,
+    /// How cohorts are drawn.
+    selection: SelectionPolicy,
 }
 
 /// What a case measured.
@@ -174,6 +176,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         cohort: COHORT,
         asynchronous: None,
         slowdown: None,
+        selection: SelectionPolicy::Random,
     };
     let optimizer = |o: serde_json::Value| serde_json::json!({ "optimizer": o });
     let aggregation = |a: serde_json::Value| serde_json::json!({ "aggregation": a });
@@ -235,28 +238,43 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
             }
             all
         }
-        // z sized so that the whole run spends exactly the budget (q = cohort / clients); the
-        // first case is the same fleet without DP, the mark each budget is read against.
+        // z sized so that the whole run spends exactly the budget (q = cohort / clients), by the
+        // accountant of each selection: the exact fixed-size draw (replace-one) and Poisson
+        // sampling (add/remove). The first case is the same fleet without DP, the mark each
+        // budget is read against.
         "privacy" => std::iter::once(Case {
             over_selection: 1.0,
             clients: DP_CLIENTS,
             cohort: DP_COHORT,
             ..case("no dp", serde_json::Value::Null, None)
         })
-        .chain([1.0, 4.0, 8.0].into_iter().map(|epsilon| {
-            let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
-            let z = noise_multiplier_for(Sampling::FixedSize, q, u64::from(rounds), DELTA, epsilon)
-                .expect("these budgets are reachable");
-            let dp = serde_json::json!({"differential_privacy": {
-                    "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
-                    "delta": DELTA}});
-            Case {
-                over_selection: 1.0,
-                clients: DP_CLIENTS,
-                cohort: DP_COHORT,
-                ..case(&format!("dp ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
-            }
-        }))
+        .chain(
+            [
+                (SelectionPolicy::Random, Sampling::FixedSize),
+                (SelectionPolicy::Poisson, Sampling::Poisson),
+            ]
+            .into_iter()
+            .flat_map(|selection| [1.0, 4.0, 8.0].map(|epsilon| (selection, epsilon)))
+            .map(|((selection, sampling), epsilon)| {
+                let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
+                let z = noise_multiplier_for(sampling, q, u64::from(rounds), DELTA, epsilon)
+                    .expect("these budgets are reachable");
+                let dp = serde_json::json!({"differential_privacy": {
+                        "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                        "delta": DELTA}});
+                let how = match sampling {
+                    Sampling::FixedSize => "fixed",
+                    Sampling::Poisson => "poisson",
+                };
+                Case {
+                    over_selection: 1.0,
+                    clients: DP_CLIENTS,
+                    cohort: DP_COHORT,
+                    selection,
+                    ..case(&format!("dp {how} ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
+                }
+            }),
+        )
         .collect(),
         // FedAvg uploading in each encoding; top-k devices keep what they did not send. Then
         // the model downloaded compressed too (`down:` the download encoding).
@@ -333,6 +351,7 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
         model_download: case.model_download,
         asynchronous: case.asynchronous,
         slowdown: case.slowdown,
+        selection: case.selection,
         pacing: Pacing {
             over_selection: case.over_selection,
             min_quorum: Some(case.cohort * 8 / 10),

@@ -555,6 +555,18 @@ fn pace_steering_spreads_returns_by_population_with_jitter() {
     assert!(small < 4_000, "20 devices come back within a few seconds: {small}");
     assert!((25_000..34_000).contains(&medium), "{medium}");
     assert!(large > medium && large <= 60_000, "{large}");
+    // A DP run's sampling needs every device each round: 2,000 online still come back within
+    // the next window, not over a minute.
+    let poisson = RoundConfig {
+        target_selected: 1_000,
+        selection: crate::plan::SelectionPolicy::Poisson,
+        poisson_rate: Some(0.3),
+        ..config()
+    };
+    let mut m = RunMachine::start(RunId(1), poisson, 0, [0; 32]);
+    let (waits, selected) = check_ins(&mut m, 10, 0..2_000, &Default::default(), 2_000);
+    assert!((450..=750).contains(&selected.len()), "{} of 2 000 drawn at 0.3", selected.len());
+    assert!(waits.iter().all(|w| (1_000..=2_000).contains(w)), "{waits:?}");
 }
 
 /// A plan's eligibility: a device that does not report what the plan requires is told to come
