@@ -1,4 +1,5 @@
-//! The share channel between two neighbours, and the evidence an accusation carries.
+//! The share channel between two neighbours (sealing and opening shares), and the evidence an
+//! accusation carries.
 //!
 //! Neighbours seal their shares to each other under a key from Diffie–Hellman over
 //! Ristretto255. A device whose neighbour's sealed shares do not open reveals that one
@@ -8,6 +9,8 @@
 //! and a false one removes the accuser. Revealing the point opens that one channel and no
 //! other: whichever of the two lied already knew what it carries.
 
+use chacha20poly1305::ChaCha20Poly1305;
+use chacha20poly1305::aead::KeyInit;
 use curve25519_dalek::constants::RISTRETTO_BASEPOINT_POINT;
 use curve25519_dalek::ristretto::{CompressedRistretto, RistrettoPoint};
 use curve25519_dalek::scalar::Scalar;
@@ -15,6 +18,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha512};
 
 use super::ClientIdx;
+use super::messages::{SealedShares, Shares};
+use super::prg::derive;
 
 /// A device's secret for its share channels, one per round.
 pub(super) struct ChannelSecret(Scalar);
@@ -118,6 +123,52 @@ fn challenge(
     h.update(commit_g.compress().as_bytes());
     h.update(commit_b.compress().as_bytes());
     Scalar::from_bytes_mod_order_wide(&h.finalize().into())
+}
+
+/// The AEAD of the share channel between `a` and `b` (either way round) whose shared point is
+/// `shared`.
+fn share_cipher(
+    shared: &[u8; 32],
+    a: ClientIdx,
+    b: ClientIdx,
+    session: &[u8; 16],
+) -> ChaCha20Poly1305 {
+    ChaCha20Poly1305::new(&derive(shared, b"share", a, b, session).into())
+}
+
+/// Seals `shares` on the channel with point `shared`.
+pub(super) fn seal(shared: &[u8; 32], shares: &Shares, session: &[u8; 16]) -> SealedShares {
+    use chacha20poly1305::aead::{Aead, Payload};
+    let plain = crate::codec::to_vec(shares).expect("shares encode");
+    let ciphertext = share_cipher(shared, shares.from, shares.to, session)
+        .encrypt(&share_nonce(shares.from, shares.to).into(), Payload { msg: &plain, aad: session })
+        .expect("encryption into a Vec cannot fail");
+    SealedShares { from: shares.from, to: shares.to, ciphertext }
+}
+
+/// The shares `sealed` carries if it opens on the channel with point `shared` and holds what it
+/// says: shares from its sender to its recipient, every value in the field. The recipient and
+/// the coordinator checking an accusation ask the same question.
+pub(super) fn open(shared: &[u8; 32], sealed: &SealedShares, session: &[u8; 16]) -> Option<Shares> {
+    use chacha20poly1305::aead::{Aead, Payload};
+    let plain = share_cipher(shared, sealed.from, sealed.to, session)
+        .decrypt(
+            &share_nonce(sealed.from, sealed.to).into(),
+            Payload { msg: &sealed.ciphertext, aad: session },
+        )
+        .ok()?;
+    crate::codec::decode::<Shares>(&plain).ok().filter(|shares| {
+        shares.from == sealed.from
+            && shares.to == sealed.to
+            && shares.key.iter().chain(&shares.seed).all(|&v| v < super::shamir::P)
+    })
+}
+
+fn share_nonce(from: ClientIdx, to: ClientIdx) -> [u8; 12] {
+    let mut n = [0u8; 12];
+    n[..4].copy_from_slice(&from.to_le_bytes());
+    n[4..8].copy_from_slice(&to.to_le_bytes());
+    n
 }
 
 #[cfg(test)]

@@ -7,8 +7,9 @@ use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{Accusation, ChannelSecret};
+use super::channel::{open, seal};
 use super::messages::Shares;
-use super::prg::{Keystream, open, pairwise_seed, seal, seed_commitment};
+use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::share;
 use super::*;
 

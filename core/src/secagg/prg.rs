@@ -1,15 +1,11 @@
-//! Key agreement, key derivation, share encryption and the mask generator: X25519 for pairwise
-//! masks, HKDF-SHA256, ChaCha20-Poly1305 for relayed shares (keyed by the share channel's
-//! point, see `channel`), and the ChaCha20 keystream as the PRG.
+//! Key agreement, key derivation and the mask generator: X25519 for pairwise masks, HKDF-SHA256,
+//! and the ChaCha20 keystream as the PRG (the share channel's encryption is `channel`'s).
 
 use chacha20::cipher::{KeyIvInit, StreamCipher};
-use chacha20poly1305::ChaCha20Poly1305;
-use chacha20poly1305::aead::KeyInit;
 use sha2::Sha256;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::ClientIdx;
-use super::messages::{SealedShares, Shares};
 
 /// The ChaCha20 keystream under a 32-byte seed: a cryptographic PRG.
 pub(super) struct Keystream(pub(super) chacha20::ChaCha20);
@@ -42,7 +38,7 @@ impl Keystream {
     }
 }
 
-fn derive(
+pub(super) fn derive(
     shared: &[u8; 32],
     label: &[u8],
     a: ClientIdx,
@@ -84,50 +80,4 @@ pub(super) fn pairwise_seed(
     session: &[u8; 16],
 ) -> [u8; 32] {
     derive(secret.diffie_hellman(other_pk).as_bytes(), b"mask", me, other, session)
-}
-
-/// The AEAD of the share channel between `a` and `b` (either way round) whose shared point is
-/// `shared`.
-fn share_cipher(
-    shared: &[u8; 32],
-    a: ClientIdx,
-    b: ClientIdx,
-    session: &[u8; 16],
-) -> ChaCha20Poly1305 {
-    ChaCha20Poly1305::new(&derive(shared, b"share", a, b, session).into())
-}
-
-/// Seals `shares` on the channel with point `shared`.
-pub(super) fn seal(shared: &[u8; 32], shares: &Shares, session: &[u8; 16]) -> SealedShares {
-    use chacha20poly1305::aead::{Aead, Payload};
-    let plain = crate::codec::to_vec(shares).expect("shares encode");
-    let ciphertext = share_cipher(shared, shares.from, shares.to, session)
-        .encrypt(&share_nonce(shares.from, shares.to).into(), Payload { msg: &plain, aad: session })
-        .expect("encryption into a Vec cannot fail");
-    SealedShares { from: shares.from, to: shares.to, ciphertext }
-}
-
-/// The shares `sealed` carries if it opens on the channel with point `shared` and holds what it
-/// says: shares from its sender to its recipient, every value in the field. The recipient and
-/// the coordinator checking an accusation ask the same question.
-pub(super) fn open(shared: &[u8; 32], sealed: &SealedShares, session: &[u8; 16]) -> Option<Shares> {
-    use chacha20poly1305::aead::{Aead, Payload};
-    let plain = share_cipher(shared, sealed.from, sealed.to, session)
-        .decrypt(
-            &share_nonce(sealed.from, sealed.to).into(),
-            Payload { msg: &sealed.ciphertext, aad: session },
-        )
-        .ok()?;
-    crate::codec::decode::<Shares>(&plain).ok().filter(|shares| {
-        shares.from == sealed.from
-            && shares.to == sealed.to
-            && shares.key.iter().chain(&shares.seed).all(|&v| v < super::shamir::P)
-    })
-}
-
-fn share_nonce(from: ClientIdx, to: ClientIdx) -> [u8; 12] {
-    let mut n = [0u8; 12];
-    n[..4].copy_from_slice(&from.to_le_bytes());
-    n[4..8].copy_from_slice(&to.to_le_bytes());
-    n
 }

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use x25519_dalek::{PublicKey, StaticSecret};
 
-use super::channel::{self, Accusation};
-use super::prg::{Keystream, open, pairwise_seed, seed_commitment};
+use super::channel::{self, Accusation, open};
+use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::{P, Share, reconstruct_checked};
 use super::*;
 
