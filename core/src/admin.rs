@@ -167,15 +167,16 @@ impl PrivacyView {
     /// The view of `privacy` after `rounds_committed` rounds; `secure` when devices clip and the
     /// noise goes onto the unmasked sum.
     pub fn new(privacy: &crate::privacy::Privacy, rounds_committed: u64, secure: bool) -> Self {
+        let spent = privacy.spent(rounds_committed);
         PrivacyView {
-            epsilon: privacy.epsilon_after(rounds_committed),
+            epsilon: spent.epsilon(),
             delta: privacy.plan.delta,
             epsilon_budget: privacy.plan.epsilon_budget,
             rounds_allowed: privacy.rounds_allowed,
             sampling_rate: privacy.sampling_rate,
             accounting: privacy.sampling.describe().into(),
-            epsilon_rdp: privacy.epsilon_rdp(rounds_committed),
-            epsilon_pld: privacy.epsilon_pld(rounds_committed),
+            epsilon_rdp: spent.rdp,
+            epsilon_pld: spent.pld,
             noise_multiplier: privacy.plan.noise_multiplier,
             mechanism: if secure {
                 "devices clip; central Gaussian noise on the unmasked secure sum".into()

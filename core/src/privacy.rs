@@ -237,8 +237,12 @@ impl Privacy {
     /// ε spent at the plan's δ after `rounds` committed rounds: the tighter of the RDP and
     /// (with Poisson sampling) PLD accountants' bounds.
     pub fn epsilon_after(&self, rounds: u64) -> f64 {
-        let rdp = self.epsilon_rdp(rounds);
-        self.epsilon_pld(rounds).map_or(rdp, |pld| pld.min(rdp))
+        self.spent(rounds).epsilon()
+    }
+
+    /// Each accountant's ε at the plan's δ after `rounds` committed rounds.
+    pub fn spent(&self, rounds: u64) -> Spent {
+        Spent { rdp: self.epsilon_rdp(rounds), pld: self.epsilon_pld(rounds) }
     }
 
     /// ε after `rounds` by the Rényi DP accountant.
@@ -291,6 +295,22 @@ impl Privacy {
         };
         let share = (within as f64 + sigma_b * noise.sample()) / n_updates.max(1) as f64;
         (clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9)
+    }
+}
+
+/// What a run has spent, by each accountant that covers its sampling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spent {
+    /// ε by the Rényi DP accountant.
+    pub rdp: f64,
+    /// ε by the privacy loss distribution accountant (Poisson sampling only).
+    pub pld: Option<f64>,
+}
+
+impl Spent {
+    /// The tighter of the two bounds: the ε the run reports.
+    pub fn epsilon(&self) -> f64 {
+        self.pld.map_or(self.rdp, |pld| pld.min(self.rdp))
     }
 }
 

@@ -6,8 +6,7 @@ use std::collections::BTreeMap;
 use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
-use super::channel::{Accusation, ChannelSecret};
-use super::channel::{open, seal};
+use super::channel::{Accusation, ChannelSecret, open, seal};
 use super::messages::Shares;
 use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::share;
@@ -31,6 +30,8 @@ pub struct Client {
     coefficients: [u8; 32],
     stage: ClientStage,
     keys: BTreeMap<ClientIdx, AdvertiseKeys>,
+    /// The shared point of this client's channel with each neighbour, from ShareKeys.
+    channels: BTreeMap<ClientIdx, [u8; 32]>,
     /// Shares received from each neighbour that completed ShareKeys.
     held: BTreeMap<ClientIdx, Shares>,
     /// Neighbours whose sealed shares arrived but did not open: this client added no pairwise
@@ -78,6 +79,7 @@ impl Client {
             coefficients,
             stage: ClientStage::Advertised,
             keys: BTreeMap::new(),
+            channels: BTreeMap::new(),
             held: BTreeMap::new(),
             accusations: BTreeMap::new(),
         };
@@ -120,6 +122,7 @@ impl Client {
             })?;
             let shares = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
             out.push(seal(&shared, &shares, &self.config.session));
+            self.channels.insert(to, shared);
         }
         self.keys = neighbours.keys;
         self.stage = ClientStage::Shared;
@@ -154,8 +157,7 @@ impl Client {
             {
                 continue;
             }
-            // Its key was checked to be a point when this client shared to it.
-            let Some(shared) = self.channel.agree(&advert.cipher_pk) else { continue };
+            let shared = self.channels[&sealed.from];
             match open(&shared, &sealed, &self.config.session) {
                 Some(shares) => {
                     self.held.insert(sealed.from, shares);
