@@ -6,7 +6,7 @@ use starling_core::codec;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use starling_core::secagg::{Client, ClientIdx, Config, Server};
+use starling_core::secagg::{Client, ClientIdx, Config, DeviceIdentity, Server};
 
 fn randomness<const N: usize>(seed: u64) -> [u8; N] {
     // Benchmark-only stand-in for OS randomness: distinct, reproducible bytes.
@@ -47,7 +47,8 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
     let mut clients = BTreeMap::new();
     for i in 1..=n {
         let t = Instant::now();
-        let (client, advert) = Client::new(i, config, randomness(u64::from(i))).unwrap();
+        let identity = DeviceIdentity::from_secret(randomness::<32>(u64::from(i) << 32));
+        let (client, advert) = Client::new(i, config, identity, randomness(u64::from(i))).unwrap();
         client_time += t.elapsed();
         sent += size(&advert);
         let t = Instant::now();
@@ -91,9 +92,22 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
         server_time += t.elapsed();
     }
     let t = Instant::now();
-    let request = server.close_masked().unwrap();
+    let check = server.close_masked().unwrap();
     server_time += t.elapsed();
-    for &i in &request.survivors {
+    for &i in &check.survivors {
+        received += size(&check);
+        let t = Instant::now();
+        let signature = clients.get_mut(&i).unwrap().sign_survivors(check.clone()).unwrap();
+        client_time += t.elapsed();
+        sent += size(&signature);
+        let t = Instant::now();
+        server.receive_signature(i, signature).unwrap();
+        server_time += t.elapsed();
+    }
+    let t = Instant::now();
+    let request = server.close_consistency().unwrap();
+    server_time += t.elapsed();
+    for &i in request.signatures.keys() {
         received += size(&request);
         let t = Instant::now();
         let response = clients.get_mut(&i).unwrap().unmask(request.clone()).unwrap();

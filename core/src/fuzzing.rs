@@ -84,22 +84,23 @@ pub fn plan_json(data: &[u8]) {
 /// without panicking.
 pub fn secagg_message(data: &[u8]) {
     use crate::secagg::{
-        AdvertiseKeys, Client, Config, MaskRequest, NeighbourKeys, SealedShares, Server,
-        UnmaskRequest, UnmaskResponse,
+        AdvertiseKeys, Client, ConsistencyRequest, Config, DeviceIdentity, MaskRequest,
+        NeighbourKeys, SealedShares, Server, UnmaskRequest, UnmaskResponse,
     };
+    let identity = |i: u8| DeviceIdentity::from_secret([i; 32]);
     let config = Config { session: [0; 16], n: 4, k: 3, t: 2, len: 4 };
     if let Ok(advert) = codec::decode::<AdvertiseKeys>(data) {
         let mut server = Server::new(config, [1; 32]).expect("valid config");
         let _ = server.receive_keys(1, advert);
     }
     if let Ok(neighbours) = codec::decode::<NeighbourKeys>(data) {
-        let (mut client, _) = Client::new(1, config, [7; 96]).expect("valid config");
+        let (mut client, _) = Client::new(1, config, identity(1), [7; 96]).expect("valid config");
         let _ = client.share_keys(neighbours);
     }
     if let Ok(shares) = codec::decode::<Vec<SealedShares>>(data) {
         let mut server = Server::new(config, [1; 32]).expect("valid config");
         for i in 1..=4u8 {
-            let (_, advert) = Client::new(u32::from(i), config, [i; 96]).expect("valid config");
+            let (_, advert) = Client::new(u32::from(i), config, identity(i), [i; 96]).expect("valid config");
             let _ = server.receive_keys(u32::from(i), advert);
         }
         if server.close_advertise().is_ok() {
@@ -107,6 +108,7 @@ pub fn secagg_message(data: &[u8]) {
         }
     }
     let _ = codec::decode::<MaskRequest>(data);
+    let _ = codec::decode::<ConsistencyRequest>(data);
     let _ = codec::decode::<UnmaskRequest>(data);
     let _ = codec::decode::<UnmaskResponse>(data);
     let _ = codec::decode::<crate::wire::SecAggInstruction>(data);

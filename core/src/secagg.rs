@@ -4,11 +4,18 @@
 //!
 //! Sans-IO: [`Client`] and [`Server`] take the previous stage's messages (and randomness the
 //! caller draws from the OS) and return the next stage's; the coordinator and SDK carry them.
-//! Stages: AdvertiseKeys → ShareKeys → MaskedInputCollection → Unmasking, over a Harary graph
-//! of degree `k` on a random ring (the complete graph, i.e. SecAgg of Bonawitz et al., when
-//! `k ≥ n − 1`).
+//! Stages: AdvertiseKeys → ShareKeys → MaskedInputCollection → ConsistencyCheck → Unmasking,
+//! over a Harary graph of degree `k` on a random ring (the complete graph, i.e. SecAgg of
+//! Bonawitz et al., when `k ≥ n − 1`).
 //!
-//! Crypto: X25519 key agreement for pairwise masks, Diffie–Hellman over Ristretto255 for the
+//! Against a malicious server (Bonawitz et al. 2017, §6): every device signs its key
+//! advertisement, bound to the round and its seat, with the Ed25519 identity it registered at
+//! enrollment, and neighbours refuse keys that are not so signed; in the consistency check
+//! every survivor signs the survivor set it was shown, and a device reveals unmasking shares
+//! only for the set it signed, once, after checking that at least `t` of the devices it knows
+//! signed that same set. It never reveals both secrets of one neighbour.
+//!
+//! Crypto: Ed25519 device signatures, X25519 key agreement for pairwise masks, Diffie–Hellman over Ristretto255 for the
 //! client-to-client share channel (so that a client can prove the channel's key when it accuses
 //! a neighbour of sending shares that do not open; `channel`), HKDF-SHA256, ChaCha20-Poly1305
 //! for the share messages the server relays, Shamir `t`-of-`k` sharing over GF(2^61 − 1), and the ChaCha20
@@ -18,6 +25,7 @@
 //! * [`quantize`]: fixed-point encoding into the ring, and what a secure vector carries;
 //! * `shamir`, `prg`, `channel`: secret sharing, key agreement, the mask generator and the
 //!   share channel with its accusation evidence (private);
+//! * `identity`: device identities and what they sign;
 //! * [`graph`]: the neighbour graph; [`messages`]: what each stage sends;
 //! * [`client`], [`server`]: the two state machines.
 
@@ -26,6 +34,7 @@ use serde::{Deserialize, Serialize};
 mod channel;
 pub mod client;
 pub mod graph;
+mod identity;
 pub mod messages;
 mod prg;
 pub mod quantize;
@@ -35,8 +44,10 @@ mod shamir;
 pub use channel::{Accusation, ChannelProof};
 pub use client::Client;
 pub use graph::neighbours;
+pub use identity::{DeviceIdentity, Signature};
 pub use messages::{
-    AdvertiseKeys, MaskRequest, NeighbourKeys, SealedShares, UnmaskRequest, UnmaskResponse,
+    AdvertiseKeys, ConsistencyRequest, MaskRequest, NeighbourKeys, SealedShares, UnmaskRequest,
+    UnmaskResponse,
 };
 pub use quantize::{
     EVALUATION_ENTRIES, EvaluationInput, Quantizer, SECURE_LOSS_CAP, append_evaluation,

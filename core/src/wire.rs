@@ -251,7 +251,7 @@ impl SecureAggregationTask {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SecAggUpload {
-    /// AdvertiseKeys: the device's two public keys.
+    /// AdvertiseKeys: the device's two public keys, signed with its enrolled identity.
     AdvertiseKeys(secagg::AdvertiseKeys),
     /// ShareKeys: one sealed share message per neighbour, for the server to relay.
     ShareKeys(Vec<secagg::SealedShares>),
@@ -268,6 +268,8 @@ pub enum SecAggUpload {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         accusations: Vec<secagg::Accusation>,
     },
+    /// ConsistencyCheck: the device's signature over the survivor set it was shown.
+    SignSurvivors(secagg::Signature),
     /// Unmasking: shares that remove masks, never both secrets of one neighbour.
     Unmask(secagg::UnmaskResponse),
 }
@@ -285,7 +287,9 @@ pub enum SecAggInstruction {
     ShareKeys(secagg::NeighbourKeys),
     /// Open these shares, then send your masked input.
     MaskedInput(secagg::MaskRequest),
-    /// Send the unmasking shares for these survivors.
+    /// Sign this survivor set (once).
+    SignSurvivors(secagg::ConsistencyRequest),
+    /// Check the survivors' signatures over the set you signed, then send the unmasking shares.
     Unmask(secagg::UnmaskRequest),
     /// Your part is complete.
     Done,

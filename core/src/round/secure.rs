@@ -12,7 +12,9 @@
 //! * ShareKeys: `stage_timeout` after AdvertiseKeys closed;
 //! * MaskedInputCollection (devices train meanwhile): until the round's reporting deadline, and
 //!   at least `stage_timeout` after ShareKeys closed;
-//! * Unmasking: `stage_timeout` after MaskedInputCollection closed.
+//! * ConsistencyCheck (survivors sign the survivor set): `stage_timeout` after
+//!   MaskedInputCollection closed;
+//! * Unmasking: `stage_timeout` after ConsistencyCheck closed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -25,7 +27,8 @@ use crate::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::SecureRoundConfig;
 use crate::secagg::{
-    self, ClientIdx, MaskRequest, NeighbourKeys, Quantizer, SecAggError, UnmaskRequest,
+    self, ClientIdx, ConsistencyRequest, MaskRequest, NeighbourKeys, Quantizer, SecAggError,
+    UnmaskRequest,
 };
 use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
 
@@ -39,7 +42,9 @@ pub enum Stage {
     ShareKeys,
     /// Devices send masked inputs.
     MaskedInput,
-    /// Survivors send the shares that remove the masks.
+    /// Survivors sign the survivor set.
+    ConsistencyCheck,
+    /// Signers send the shares that remove the masks.
     Unmasking,
 }
 
@@ -49,6 +54,7 @@ impl Stage {
             SecAggUpload::AdvertiseKeys(_) => Stage::AdvertiseKeys,
             SecAggUpload::ShareKeys(_) => Stage::ShareKeys,
             SecAggUpload::MaskedInput { .. } => Stage::MaskedInput,
+            SecAggUpload::SignSurvivors(_) => Stage::ConsistencyCheck,
             SecAggUpload::Unmask(_) => Stage::Unmasking,
         }
     }
@@ -57,7 +63,8 @@ impl Stage {
         match self {
             Stage::AdvertiseKeys => Some(Stage::ShareKeys),
             Stage::ShareKeys => Some(Stage::MaskedInput),
-            Stage::MaskedInput => Some(Stage::Unmasking),
+            Stage::MaskedInput => Some(Stage::ConsistencyCheck),
+            Stage::ConsistencyCheck => Some(Stage::Unmasking),
             Stage::Unmasking => None,
         }
     }
@@ -134,6 +141,7 @@ pub(super) struct SecureRound {
     excluded: BTreeMap<ClientIdx, String>,
     neighbours: BTreeMap<ClientIdx, NeighbourKeys>,
     mask_requests: BTreeMap<ClientIdx, MaskRequest>,
+    consistency_request: Option<ConsistencyRequest>,
     unmask_request: Option<UnmaskRequest>,
     outcome: Option<Result<(), SecureFailure>>,
     /// The checked unmasking of a round that ended with a sum, until the machine hands it on.
@@ -202,6 +210,7 @@ impl SecureRound {
             excluded: BTreeMap::new(),
             neighbours: BTreeMap::new(),
             mask_requests: BTreeMap::new(),
+            consistency_request: None,
             unmask_request: None,
             outcome: None,
             sum: None,
@@ -263,7 +272,7 @@ impl SecureRound {
     /// The devices whose masked input is in (and, once MaskedInputCollection closed, counts:
     /// a device a neighbour could not open shares from is left out).
     pub fn masked_devices(&self) -> impl Iterator<Item = DeviceId> + '_ {
-        let counted = match &self.unmask_request {
+        let counted = match &self.consistency_request {
             Some(r) => r.survivors.clone(),
             None => self.done(Stage::MaskedInput),
         };
@@ -358,6 +367,7 @@ impl SecureRound {
                     self.server.receive_masked(idx, ring_elements(&masked), &accusations)
                 }
             }
+            SecAggUpload::SignSurvivors(signature) => self.server.receive_signature(idx, signature),
             SecAggUpload::Unmask(response) => self.server.receive_unmask(idx, response),
         };
         match res {
@@ -397,10 +407,15 @@ impl SecureRound {
                 Some(r) => SecAggInstruction::MaskedInput(r.clone()),
                 None => excluded("missed ShareKeys"),
             },
+            Some(Stage::ConsistencyCheck) if did(Stage::ConsistencyCheck) => wait(),
+            Some(Stage::ConsistencyCheck) => match &self.consistency_request {
+                Some(r) if r.survivors.contains(&idx) => SecAggInstruction::SignSurvivors(r.clone()),
+                _ => excluded("missed MaskedInputCollection"),
+            },
             Some(Stage::Unmasking) if did(Stage::Unmasking) => SecAggInstruction::Done,
             Some(Stage::Unmasking) => match &self.unmask_request {
-                Some(r) if r.survivors.contains(&idx) => SecAggInstruction::Unmask(r.clone()),
-                _ => excluded("missed MaskedInputCollection"),
+                Some(r) if r.signatures.contains_key(&idx) => SecAggInstruction::Unmask(r.clone()),
+                _ => excluded("did not sign the survivor set in time"),
             },
             None => match &self.outcome {
                 Some(Ok(_)) if did(Stage::Unmasking) => SecAggInstruction::Done,
@@ -435,7 +450,10 @@ impl SecureRound {
                 Stage::AdvertiseKeys => self.devices.len(),
                 Stage::ShareKeys => self.neighbours.len(),
                 Stage::MaskedInput => self.mask_requests.len(),
-                Stage::Unmasking => self.unmask_request.as_ref().map_or(0, |r| r.survivors.len()),
+                Stage::ConsistencyCheck => {
+                    self.consistency_request.as_ref().map_or(0, |r| r.survivors.len())
+                }
+                Stage::Unmasking => self.unmask_request.as_ref().map_or(0, |r| r.signatures.len()),
             };
             let answered = self.count(stage)
                 + self.excluded.keys().filter(|i| self.expected_in(stage, **i)).count();
@@ -454,8 +472,11 @@ impl SecureRound {
             Stage::AdvertiseKeys => true,
             Stage::ShareKeys => self.neighbours.contains_key(&idx),
             Stage::MaskedInput => self.mask_requests.contains_key(&idx),
+            Stage::ConsistencyCheck => {
+                self.consistency_request.as_ref().is_some_and(|r| r.survivors.contains(&idx))
+            }
             Stage::Unmasking => {
-                self.unmask_request.as_ref().is_some_and(|r| r.survivors.contains(&idx))
+                self.unmask_request.as_ref().is_some_and(|r| r.signatures.contains_key(&idx))
             }
         }
     }
@@ -476,7 +497,7 @@ impl SecureRound {
                         "a neighbour could not open the shares this device sealed".into()
                     });
                 }
-                self.unmask_request = Some(r);
+                self.consistency_request = Some(r);
                 if survivors < self.min_quorum {
                     return Err(SecAggError::BelowThreshold {
                         stage: "MaskedInputCollection (quorum)",
@@ -486,6 +507,9 @@ impl SecureRound {
                 }
                 Ok(())
             }),
+            Stage::ConsistencyCheck => {
+                self.server.close_consistency().map(|r| self.unmask_request = Some(r))
+            }
             Stage::Unmasking => self.finish(),
         };
         if let Err(e) = res {

@@ -873,7 +873,8 @@ mod secure_rounds {
                 use sha2::Digest;
                 part.copy_from_slice(&sha2::Sha256::digest([device as u8, i as u8]));
             }
-            let (client, keys) = Client::new(task.index, task.config, randomness).unwrap();
+            let identity = secagg::DeviceIdentity::from_secret([device as u8; 32]);
+            let (client, keys) = Client::new(task.index, task.config, identity, randomness).unwrap();
             self.clients.insert(device, client);
             self.task = Some(task);
             self.send(device, SecAggUpload::AdvertiseKeys(keys)).unwrap();
@@ -927,6 +928,9 @@ mod secure_rounds {
                         accusations: client.accusations(),
                     }
                 }
+                SecAggInstruction::SignSurvivors(r) => SecAggUpload::SignSurvivors(
+                    self.clients.get_mut(&device).unwrap().sign_survivors(r).unwrap(),
+                ),
                 SecAggInstruction::Unmask(r) => {
                     SecAggUpload::Unmask(self.clients.get_mut(&device).unwrap().unmask(r).unwrap())
                 }
@@ -1017,13 +1021,18 @@ mod secure_rounds {
         assert!(matches!(f.poll(9), SecAggInstruction::MaskedInput(_)));
         assert!(matches!(f.poll(1), SecAggInstruction::Wait { .. }));
         f.advance(5_000);
-        // Device 8 drops before unmasking; the rest answer.
+        // Device 8 drops before the consistency check; the rest sign the survivor set.
         for d in 1..=7 {
             f.step(d);
         }
         assert!(matches!(f.poll(9), SecAggInstruction::Excluded { .. }));
         assert!(f.aggregate.is_none());
+        // The signing deadline passes without 8; every signer unmasks.
         f.advance(6_000);
+        for d in 1..=7 {
+            f.step(d);
+        }
+        f.advance(7_000);
         f
     }
 
@@ -1079,14 +1088,16 @@ mod secure_rounds {
                 f.step(d);
             }
         }
-        // Unmasking: the sender is told why it is out; the others answer.
+        // Consistency check: the sender is told why it is out; the others sign, then unmask.
         let told = f.poll(3);
         assert!(
             matches!(&told, SecAggInstruction::Excluded { reason } if reason.contains("could not open")),
             "{told:?}"
         );
-        for d in (1..=10).filter(|&d| d != 3) {
-            f.step(d);
+        for _sign_then_unmask in 0..2 {
+            for d in (1..=10).filter(|&d| d != 3) {
+                f.step(d);
+            }
         }
         f.advance(6_000);
         let closing = f.closing.expect("the round closed");

@@ -1,12 +1,14 @@
 //! One device's side of a round: its secrets, its shares for its neighbours, its masked input,
-//! and the unmasking shares it reveals (never both of one neighbour's secrets).
+//! its signature over the survivor set, and the unmasking shares it reveals (never both of one
+//! neighbour's secrets, and only for the set it signed).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{Accusation, ChannelSecret, open, seal};
+use super::identity::{DeviceIdentity, advert_is_signed, advert_message, survivors_message, verify};
 use super::messages::Shares;
 use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::share;
@@ -17,6 +19,7 @@ enum ClientStage {
     Advertised,
     Shared,
     Masked,
+    Signed,
     Done,
 }
 
@@ -24,6 +27,7 @@ enum ClientStage {
 pub struct Client {
     me: ClientIdx,
     config: Config,
+    identity: DeviceIdentity,
     channel: ChannelSecret,
     mask_sk: StaticSecret,
     self_seed: [u8; 32],
@@ -38,13 +42,18 @@ pub struct Client {
     /// mask with them, and must say so with its masked input, with the evidence (see
     /// [`Client::accusations`]).
     accusations: BTreeMap<ClientIdx, Accusation>,
+    /// The survivor set this client signed in the consistency check: the only one it unmasks
+    /// for.
+    signed: Option<BTreeSet<ClientIdx>>,
 }
 
 impl Client {
-    /// Client `me` with 96 bytes of OS randomness; its [`AdvertiseKeys`].
+    /// Client `me`, the device `identity`, with 96 bytes of OS randomness; its
+    /// [`AdvertiseKeys`], signed.
     pub fn new(
         me: ClientIdx,
         config: Config,
+        identity: DeviceIdentity,
         randomness: [u8; 96],
     ) -> Result<(Self, AdvertiseKeys), SecAggError> {
         config.validate()?;
@@ -63,16 +72,20 @@ impl Client {
         let mut expand = Keystream::new(&part(2), 1);
         let mut self_seed = [0u8; 32];
         expand.0.apply_keystream(&mut self_seed);
-        let advert = AdvertiseKeys {
+        let mut advert = AdvertiseKeys {
+            identity: identity.public(),
             cipher_pk: channel.public(),
             mask_pk: PublicKey::from(&mask_sk).to_bytes(),
             seed_commitment: seed_commitment(&self_seed, me, &config.session),
+            signature: Signature { r: [0; 32], s: [0; 32] },
         };
+        advert.signature = identity.sign(&advert_message(&config.session, me, &advert));
         let mut coefficients = [0u8; 32];
         expand.0.apply_keystream(&mut coefficients);
         let client = Client {
             me,
             config,
+            identity,
             channel,
             mask_sk,
             self_seed,
@@ -82,12 +95,16 @@ impl Client {
             channels: BTreeMap::new(),
             held: BTreeMap::new(),
             accusations: BTreeMap::new(),
+            signed: None,
         };
         Ok((client, advert))
     }
 
     /// ShareKeys: shares of this client's mask key and self-mask seed for each neighbour,
-    /// sealed to that neighbour.
+    /// sealed to that neighbour. Every neighbour's keys must carry its identity's signature for
+    /// its seat in this round: keys the server substituted, or replayed from another round or
+    /// seat, are refused before anything is shared. (That the identity is the neighbour's is
+    /// the coordinator's check, against the key the device enrolled with.)
     pub fn share_keys(
         &mut self,
         neighbours: NeighbourKeys,
@@ -102,6 +119,24 @@ impl Client {
             return Err(SecAggError::BadMessage {
                 client: 0,
                 why: "neighbour list is not a neighbourhood".into(),
+            });
+        }
+        let session = &self.config.session;
+        if let Some((&j, _)) =
+            neighbours.keys.iter().find(|(j, keys)| !advert_is_signed(session, **j, keys))
+        {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: format!("neighbour {j}'s keys are not signed by its identity for this round"),
+            });
+        }
+        let mut identities: BTreeSet<[u8; 32]> =
+            neighbours.keys.values().map(|keys| keys.identity).collect();
+        identities.insert(self.identity.public());
+        if identities.len() != neighbours.keys.len() + 1 {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: "one identity holds two seats of the round".into(),
             });
         }
         if neighbours.keys.len() < self.config.t as usize {
@@ -196,22 +231,69 @@ impl Client {
         self.accusations.values().copied().collect()
     }
 
-    /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share
-    /// if it did not. A request naming this client as dropped, or asked twice, is refused.
-    pub fn unmask(&mut self, request: UnmaskRequest) -> Result<UnmaskResponse, SecAggError> {
+    /// ConsistencyCheck: this client's signature over the survivor set it is shown. It signs
+    /// once; the set must hold this client and at least `t` members.
+    pub fn sign_survivors(&mut self, request: ConsistencyRequest) -> Result<Signature, SecAggError> {
         if self.stage != ClientStage::Masked {
-            return Err(SecAggError::WrongStage("Unmasking"));
+            return Err(SecAggError::WrongStage("ConsistencyCheck"));
         }
-        if !request.survivors.contains(&self.me) {
+        self.check_survivors(&request.survivors)?;
+        let signature = self.identity.sign(&survivors_message(&self.config.session, &request.survivors));
+        self.signed = Some(request.survivors);
+        self.stage = ClientStage::Signed;
+        Ok(signature)
+    }
+
+    fn check_survivors(&self, survivors: &BTreeSet<ClientIdx>) -> Result<(), SecAggError> {
+        if !survivors.contains(&self.me) || survivors.iter().any(|&j| j == 0 || j > self.config.n)
+        {
             return Err(SecAggError::BadMessage {
                 client: 0,
-                why: "the survivors list leaves out this client".into(),
+                why: "the survivor set leaves out this client or names no member".into(),
             });
         }
-        if request.survivors.len() < self.config.t as usize {
+        if survivors.len() < self.config.t as usize {
             return Err(SecAggError::BelowThreshold {
-                stage: "Unmasking",
-                have: request.survivors.len(),
+                stage: "ConsistencyCheck",
+                have: survivors.len(),
+                need: self.config.t as usize,
+            });
+        }
+        Ok(())
+    }
+
+    /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share
+    /// if it did not. Refused unless the survivor set is the one this client signed and at
+    /// least `t` of the members it knows (itself and its neighbours) signed that same set, so a
+    /// server that shows different sets to different devices gets too few signatures on each;
+    /// and asked a second time, whatever the set.
+    pub fn unmask(&mut self, request: UnmaskRequest) -> Result<UnmaskResponse, SecAggError> {
+        if self.stage != ClientStage::Signed {
+            return Err(SecAggError::WrongStage("Unmasking"));
+        }
+        if self.signed.as_ref() != Some(&request.survivors) {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: "the survivor set differs from the one this client signed".into(),
+            });
+        }
+        let message = survivors_message(&self.config.session, &request.survivors);
+        let me = self.identity.public();
+        let vouching = request
+            .signatures
+            .iter()
+            .filter(|(j, signature)| {
+                let identity = if **j == self.me { Some(&me) } else { self.keys.get(j).map(|k| &k.identity) };
+                request.survivors.contains(j)
+                    && identity.is_some_and(|id| verify(id, &message, signature))
+            })
+            .count();
+        if vouching < self.config.t as usize {
+            // Honest or not, the round cannot end well: fewer than t of this client's
+            // neighbours will unmask, so its own self mask cannot be rebuilt.
+            return Err(SecAggError::BelowThreshold {
+                stage: "Unmasking (signers of the survivor set among this client's neighbours)",
+                have: vouching,
                 need: self.config.t as usize,
             });
         }

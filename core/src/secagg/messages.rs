@@ -5,11 +5,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::ClientIdx;
+use super::identity::Signature;
 use super::shamir::Share;
 
-/// Stage 0, client → server: the client's two public keys.
+/// Stage 0, client → server: the client's two public keys, signed with its identity for its
+/// seat in this round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdvertiseKeys {
+    /// The device's identity key, as registered at enrollment: the coordinator checks it is
+    /// the sender's, neighbours check the signature with it.
+    pub identity: [u8; 32],
     /// For the share channel.
     pub cipher_pk: [u8; 32],
     /// For pairwise masks.
@@ -17,6 +22,8 @@ pub struct AdvertiseKeys {
     /// A hash of the client's self-mask seed (bound to the session and its index), which the
     /// seed rebuilt from its neighbours' shares must match.
     pub seed_commitment: [u8; 32],
+    /// The identity's signature over the keys, the session and the client's index.
+    pub signature: Signature,
 }
 
 /// Stage 1, server → client: its neighbours' keys (those that advertised) and the graph seed.
@@ -45,14 +52,26 @@ pub struct MaskRequest {
     pub shares: Vec<SealedShares>,
 }
 
-/// Stage 3, server → client: who sent a masked input.
+/// Stage 3 (consistency check), server → client: who sent a masked input. Each survivor signs
+/// the set it was shown, once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UnmaskRequest {
+pub struct ConsistencyRequest {
     /// Clients whose masked input the server holds.
     pub survivors: BTreeSet<ClientIdx>,
 }
 
-/// Stage 3, client → server: for each neighbour, the share of its self-mask seed (survivors)
+/// Stage 4, server → client: the survivor set with the signatures the survivors made over it;
+/// a client unmasks only for the set it signed, and only once at least `t` of the cohort it
+/// knows (itself and its neighbours) signed that same set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmaskRequest {
+    /// Clients whose masked input the server holds.
+    pub survivors: BTreeSet<ClientIdx>,
+    /// Survivor → its signature over the set.
+    pub signatures: BTreeMap<ClientIdx, Signature>,
+}
+
+/// Stage 4, client → server: for each neighbour, the share of its self-mask seed (survivors)
 /// or of its mask key (dropped after sharing), never both.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnmaskResponse {

@@ -1,12 +1,14 @@
 //! The server's side of a round: it relays sealed shares, adds masked inputs into one running
 //! sum in the ring (memory of one vector, whatever the cohort), leaves out clients a neighbour
-//! could not open shares from, and rebuilds only what the sum needs.
+//! could not open shares from, gathers the survivors' signatures over the survivor set, and
+//! rebuilds only what the sum needs.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{self, Accusation, open};
+use super::identity::{Signature, advert_is_signed, survivors_message, verify};
 use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::{P, Share, reconstruct_checked};
 use super::*;
@@ -16,6 +18,7 @@ enum ServerStage {
     Advertise,
     Share,
     Collect,
+    Consistency,
     Unmask,
     Done,
 }
@@ -42,6 +45,8 @@ pub struct Server {
     /// added no pairwise mask with), each accusation checked.
     rejections: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
     survivors: BTreeSet<ClientIdx>,
+    /// Survivors' signatures over `survivors`, each checked.
+    signatures: BTreeMap<ClientIdx, Signature>,
     responses: BTreeMap<ClientIdx, UnmaskResponse>,
     excluded: BTreeSet<ClientIdx>,
 }
@@ -63,6 +68,7 @@ impl Server {
             withdrawn: BTreeSet::new(),
             rejections: BTreeMap::new(),
             survivors: BTreeSet::new(),
+            signatures: BTreeMap::new(),
             responses: BTreeMap::new(),
             excluded: BTreeSet::new(),
         })
@@ -82,7 +88,8 @@ impl Server {
         if self.stage == stage { Ok(()) } else { Err(SecAggError::WrongStage(what)) }
     }
 
-    /// AdvertiseKeys from `client`.
+    /// AdvertiseKeys from `client`, signed by its identity for its seat in this round. (Whether
+    /// the identity is the device's, as enrolled, is the caller's check.)
     pub fn receive_keys(
         &mut self,
         client: ClientIdx,
@@ -92,14 +99,18 @@ impl Server {
         if client == 0 || client > self.config.n || self.keys.contains_key(&client) {
             return Err(self.bad(client, "unknown index or keys sent twice"));
         }
+        if !advert_is_signed(&self.config.session, client, &advert) {
+            return Err(self.bad(client, "its keys are not signed by its identity for this seat"));
+        }
         if !channel::is_point(&advert.cipher_pk) {
             return Err(self.bad(client, "its channel key is not a point"));
         }
         if advert.cipher_pk == advert.mask_pk
-            || self
-                .keys
-                .values()
-                .any(|k| k.mask_pk == advert.mask_pk || k.cipher_pk == advert.cipher_pk)
+            || self.keys.values().any(|k| {
+                k.mask_pk == advert.mask_pk
+                    || k.cipher_pk == advert.cipher_pk
+                    || k.identity == advert.identity
+            })
         {
             return Err(self.bad(client, "reused public key"));
         }
@@ -245,9 +256,9 @@ impl Server {
         self.rejections.values().flatten().copied().collect()
     }
 
-    /// Ends MaskedInputCollection: the survivors every one of them is told (everyone who sent
-    /// a masked input, but clients a neighbour could not open shares from).
-    pub fn close_masked(&mut self) -> Result<UnmaskRequest, SecAggError> {
+    /// Ends MaskedInputCollection: the survivors every one of them is told, to sign (everyone
+    /// who sent a masked input, but clients a neighbour could not open shares from).
+    pub fn close_masked(&mut self) -> Result<ConsistencyRequest, SecAggError> {
         self.expect(ServerStage::Collect, "the end of MaskedInputCollection")?;
         let accused = self.accused();
         for &j in &accused {
@@ -259,20 +270,47 @@ impl Server {
         }
         self.at_least("MaskedInputCollection", self.masked.len())?;
         self.survivors = self.masked.clone();
-        self.stage = ServerStage::Unmask;
-        Ok(UnmaskRequest { survivors: self.survivors.clone() })
+        self.stage = ServerStage::Consistency;
+        Ok(ConsistencyRequest { survivors: self.survivors.clone() })
     }
 
-    /// An unmasking response from a survivor: seed shares only for surviving neighbours, key
-    /// shares only for neighbours that shared and then dropped.
+    /// A survivor's signature over the survivor set, checked against its identity.
+    pub fn receive_signature(
+        &mut self,
+        client: ClientIdx,
+        signature: Signature,
+    ) -> Result<(), SecAggError> {
+        self.expect(ServerStage::Consistency, "ConsistencyCheck")?;
+        if !self.survivors.contains(&client) || self.signatures.contains_key(&client) {
+            return Err(self.bad(client, "not a survivor, or signed twice"));
+        }
+        let message = survivors_message(&self.config.session, &self.survivors);
+        if !verify(&self.keys[&client].identity, &message, &signature) {
+            return Err(self.bad(client, "its signature over the survivor set does not verify"));
+        }
+        self.signatures.insert(client, signature);
+        Ok(())
+    }
+
+    /// Ends the consistency check: the survivor set with every signature over it, for each
+    /// signer to check before it unmasks.
+    pub fn close_consistency(&mut self) -> Result<UnmaskRequest, SecAggError> {
+        self.expect(ServerStage::Consistency, "the end of ConsistencyCheck")?;
+        self.at_least("ConsistencyCheck", self.signatures.len())?;
+        self.stage = ServerStage::Unmask;
+        Ok(UnmaskRequest { survivors: self.survivors.clone(), signatures: self.signatures.clone() })
+    }
+
+    /// An unmasking response from a survivor that signed the survivor set: seed shares only for
+    /// surviving neighbours, key shares only for neighbours that shared and then dropped.
     pub fn receive_unmask(
         &mut self,
         client: ClientIdx,
         response: UnmaskResponse,
     ) -> Result<(), SecAggError> {
         self.expect(ServerStage::Unmask, "Unmasking")?;
-        if !self.survivors.contains(&client) || self.responses.contains_key(&client) {
-            return Err(self.bad(client, "not a survivor, or answered twice"));
+        if !self.signatures.contains_key(&client) || self.responses.contains_key(&client) {
+            return Err(self.bad(client, "not a signer of the survivor set, or answered twice"));
         }
         let ns = &self.graph[&client];
         let seeds_ok =

@@ -10,6 +10,8 @@ use super::prg::Keystream;
 use super::shamir::{self, reconstruct, reconstruct_checked, share};
 use super::*;
 
+mod malicious_server;
+
 fn bytes<const N: usize>(seed: u64, stream: u8) -> [u8; N] {
     let mut key = [0u8; 32];
     key[..8].copy_from_slice(&seed.to_le_bytes());
@@ -38,6 +40,11 @@ struct Script {
     shift_seed_share: Option<(ClientIdx, ClientIdx)>,
 }
 
+/// Client `i`'s device identity in the round drawn from `seed`.
+fn identity(seed: u64, i: ClientIdx) -> DeviceIdentity {
+    DeviceIdentity::from_secret(bytes(seed ^ u64::from(i) << 40, 7))
+}
+
 type Outcome = Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError>;
 
 /// Runs one round end to end in memory; the sum and survivors, and each client's input.
@@ -58,7 +65,8 @@ fn run_naming(
     let mut inputs = BTreeMap::new();
     for i in 1..=config.n {
         let (client, advert) =
-            Client::new(i, *config, bytes(seed ^ u64::from(i) << 32, 1)).unwrap();
+            Client::new(i, *config, identity(seed, i), bytes(seed ^ u64::from(i) << 32, 1))
+                .unwrap();
         let input: Vec<u32> = (0..config.len)
             .map(|j| (u64::from(i) * 7919 + j as u64 * 104_729 + seed) as u32 % 1000)
             .collect();
@@ -107,11 +115,16 @@ fn run_naming(
                 Err(e) => return Err(e),
             }
         }
-        let request = server.close_masked()?;
-        for &i in &request.survivors {
+        let check = server.close_masked()?;
+        for &i in &check.survivors {
             if script.after_mask.contains(&i) {
                 continue;
             }
+            let signature = clients.get_mut(&i).unwrap().sign_survivors(check.clone())?;
+            server.receive_signature(i, signature)?;
+        }
+        let request = server.close_consistency()?;
+        for &i in request.signatures.keys() {
             let mut response = clients.get_mut(&i).unwrap().unmask(request.clone())?;
             if let Some((holder, owner)) = script.shift_seed_share
                 && holder == i
@@ -253,7 +266,8 @@ fn collecting_with_a_garbled_share()
     let mut server = Server::new(config, bytes(1, 9)).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=6 {
-        let (client, advert) = Client::new(i, config, bytes(u64::from(i), 1)).unwrap();
+        let (client, advert) =
+            Client::new(i, config, identity(1, i), bytes(u64::from(i), 1)).unwrap();
         server.receive_keys(i, advert).unwrap();
         clients.insert(i, client);
     }

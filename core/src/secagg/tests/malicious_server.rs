@@ -1,0 +1,202 @@
+//! A malicious server against honest devices: it substitutes or replays key advertisements,
+//! claims a survivor dropped to get both of its secrets, or shows different survivor sets to
+//! different devices. Each time the honest devices refuse, and the server ends up with fewer
+//! than `t` shares of any secret that would reveal one device's input.
+
+use super::*;
+
+const N: u32 = 7;
+
+/// A complete-graph round of seven (t = 4): SecAgg, where the threshold is over the cohort.
+fn config(session: u8) -> Config {
+    Config { session: [session; 16], n: N, k: N - 1, t: 4, len: 4 }
+}
+
+/// Seven honest clients at the end of MaskedInputCollection, and who survived it.
+struct Collected {
+    clients: BTreeMap<ClientIdx, Client>,
+    survivors: BTreeSet<ClientIdx>,
+}
+
+fn advertised(config: Config, seed: u64) -> (Server, BTreeMap<ClientIdx, Client>) {
+    let mut server = Server::new(config, bytes(seed, 9)).unwrap();
+    let mut clients = BTreeMap::new();
+    for i in 1..=config.n {
+        let (client, advert) =
+            Client::new(i, config, identity(seed, i), bytes(seed ^ u64::from(i) << 32, 1)).unwrap();
+        server.receive_keys(i, advert).unwrap();
+        clients.insert(i, client);
+    }
+    (server, clients)
+}
+
+fn collected(seed: u64) -> Collected {
+    let (mut server, mut clients) = advertised(config(1), seed);
+    for (i, keys) in server.close_advertise().unwrap() {
+        let sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
+        server.receive_shares(i, sealed).unwrap();
+    }
+    for (i, request) in server.close_share_keys().unwrap() {
+        let client = clients.get_mut(&i).unwrap();
+        let y = client.masked_input(request, &[i; 4]).unwrap();
+        server.receive_masked(i, y, &[]).unwrap();
+    }
+    let survivors = server.close_masked().unwrap().survivors;
+    Collected { clients, survivors }
+}
+
+impl Collected {
+    /// Shows `survivors` to `devices` and collects their signatures over it.
+    fn signatures(
+        &mut self,
+        devices: impl IntoIterator<Item = ClientIdx>,
+        survivors: &BTreeSet<ClientIdx>,
+    ) -> BTreeMap<ClientIdx, Signature> {
+        let request = ConsistencyRequest { survivors: survivors.clone() };
+        devices
+            .into_iter()
+            .map(|i| (i, self.clients.get_mut(&i).unwrap().sign_survivors(request.clone()).unwrap()))
+            .collect()
+    }
+
+    /// Asks `devices` to unmask for `request`: the responses of those that did not refuse.
+    fn unmask(
+        &mut self,
+        devices: impl IntoIterator<Item = ClientIdx>,
+        request: &UnmaskRequest,
+    ) -> Vec<Result<UnmaskResponse, SecAggError>> {
+        devices
+            .into_iter()
+            .map(|i| self.clients.get_mut(&i).unwrap().unmask(request.clone()))
+            .collect()
+    }
+}
+
+/// How many shares of `owner`'s self-mask seed and of its mask key the server gathered.
+fn gathered(responses: &[UnmaskResponse], owner: ClientIdx) -> (usize, usize) {
+    let seeds = responses.iter().filter(|r| r.seed_shares.contains_key(&owner)).count();
+    let keys = responses.iter().filter(|r| r.key_shares.contains_key(&owner)).count();
+    (seeds, keys)
+}
+
+fn refused_by_every_device(results: Vec<Result<UnmaskResponse, SecAggError>>) -> bool {
+    results.iter().all(|r| r.is_err())
+}
+
+/// A server that swaps a neighbour's mask or channel key for one of its own (to sit in the
+/// middle of a channel, or to learn a pairwise mask) is caught by the signature: the device
+/// refuses the whole neighbourhood and seals nothing. An honest server refuses such an
+/// advertisement from a device too.
+#[test]
+fn a_substituted_public_key_is_refused_before_anything_is_shared() {
+    let (mut server, mut clients) = advertised(config(2), 3);
+    let graph = server.close_advertise().unwrap();
+    let substitutions: [(&str, fn(&mut AdvertiseKeys, &AdvertiseKeys)); 3] = [
+        ("mask key", |k, m| k.mask_pk = m.mask_pk),
+        ("channel key", |k, m| k.cipher_pk = m.cipher_pk),
+        ("seed commitment", |k, m| k.seed_commitment = m.seed_commitment),
+    ];
+    // Keys the server made for itself.
+    let (_, servers_keys) = Client::new(2, config(2), identity(99, 2), bytes(99, 1)).unwrap();
+    for (what, substitute) in substitutions {
+        let mut keys = graph[&1].clone();
+        substitute(keys.keys.get_mut(&2).unwrap(), &servers_keys);
+        let mut victim = Client::new(1, config(2), identity(3, 1), bytes(3 ^ 1 << 32, 1)).unwrap().0;
+        let err = victim.share_keys(keys).unwrap_err();
+        assert!(err.to_string().contains("not signed by its identity"), "{what}: {err}");
+    }
+    // The real neighbourhood is accepted by the same client.
+    clients.get_mut(&1).unwrap().share_keys(graph[&1].clone()).unwrap();
+    // A device whose advertisement was altered on its way in is refused by an honest server.
+    let mut fresh = Server::new(config(2), bytes(3, 9)).unwrap();
+    let (_, mut advert) = Client::new(1, config(2), identity(3, 1), bytes(5, 1)).unwrap();
+    advert.mask_pk = servers_keys.mask_pk;
+    assert!(matches!(fresh.receive_keys(1, advert), Err(SecAggError::BadMessage { client: 1, .. })));
+}
+
+/// Advertisements are bound to the round and the seat: the server cannot replay a device's
+/// keys from an earlier round (whose secrets it may have learned since), nor present one
+/// device's keys in another's seat, nor seat one identity twice.
+#[test]
+fn an_advertisement_replayed_from_another_round_or_seat_is_refused() {
+    let (mut earlier, _) = advertised(config(3), 4);
+    let earlier_graph = earlier.close_advertise().unwrap();
+    let (mut server, _) = advertised(config(4), 4);
+    let graph = server.close_advertise().unwrap();
+    let victim = || Client::new(1, config(4), identity(4, 1), bytes(4 ^ 1 << 32, 1)).unwrap().0;
+
+    let mut replayed = graph[&1].clone();
+    replayed.keys.insert(2, earlier_graph[&1].keys[&2]);
+    let err = victim().share_keys(replayed).unwrap_err();
+    assert!(err.to_string().contains("neighbour 2's keys are not signed"), "{err}");
+
+    let mut reseated = graph[&1].clone();
+    reseated.keys.insert(3, graph[&1].keys[&2]);
+    let err = victim().share_keys(reseated).unwrap_err();
+    assert!(err.to_string().contains("neighbour 3's keys are not signed"), "{err}");
+
+    // An honest server refuses the replay too.
+    let mut fresh = Server::new(config(4), bytes(4, 9)).unwrap();
+    assert!(fresh.receive_keys(2, earlier_graph[&1].keys[&2]).is_err());
+    // And two seats for one identity, even with each advertisement signed for its own seat.
+    let mut twice = Server::new(config(4), bytes(4, 9)).unwrap();
+    let (_, first) = Client::new(1, config(4), identity(4, 1), bytes(6, 1)).unwrap();
+    let (_, second) = Client::new(2, config(4), identity(4, 1), bytes(7, 1)).unwrap();
+    twice.receive_keys(1, first).unwrap();
+    assert!(twice.receive_keys(2, second).is_err());
+}
+
+/// The server holds every masked input and claims that survivor 7 dropped, to get its mask
+/// key's shares (which strip its pairwise masks), then asks again with 7 among the survivors
+/// for its self-mask seed's. Every device unmasks once, for the one set it signed: the server
+/// gets the key shares and no seed share, and 7's input stays behind its self mask.
+#[test]
+fn a_survivor_claimed_dropped_cannot_also_be_claimed_alive() {
+    let mut round = collected(5);
+    let everyone = round.survivors.clone();
+    let mut without_7 = everyone.clone();
+    without_7.remove(&7);
+    let signatures = round.signatures(1..=6, &without_7);
+    let claimed_dropped = UnmaskRequest { survivors: without_7, signatures };
+    let responses: Vec<_> =
+        round.unmask(1..=6, &claimed_dropped).into_iter().map(Result::unwrap).collect();
+    assert_eq!(gathered(&responses, 7), (0, 6), "7's key shares, as for any dropout");
+
+    // Now 7 "survived": the same devices, the full set, 7's own signature included.
+    let mut signatures = round.signatures([7], &everyone);
+    signatures.extend(claimed_dropped.signatures.clone());
+    let claimed_alive = UnmaskRequest { survivors: everyone, signatures };
+    assert!(refused_by_every_device(round.unmask(1..=6, &claimed_alive)));
+}
+
+/// The server shows the full set to devices 1, 2, 3 and 7, and a set without 7 to 4, 5 and 6,
+/// hoping for 7's seed shares from the first group and its key shares from the second. Each
+/// device signs once: the second group holds three signatures on its set (forged ones and
+/// signatures moved from the other set do not verify), fewer than t = 4, and refuses; the
+/// first group reveals three seed shares of 7, fewer than t. Nothing of 7 can be rebuilt, and
+/// asking the second group with the first group's set is refused because they did not sign it.
+#[test]
+fn two_survivor_sets_shown_to_two_groups_reveal_nothing() {
+    let mut round = collected(6);
+    let everyone = round.survivors.clone();
+    let mut without_7 = everyone.clone();
+    without_7.remove(&7);
+    let on_everyone = round.signatures([1, 2, 3, 7], &everyone);
+    let on_without_7 = round.signatures([4, 5, 6], &without_7);
+
+    let first = UnmaskRequest { survivors: everyone.clone(), signatures: on_everyone.clone() };
+    let revealed: Vec<_> = round.unmask([1, 2, 3], &first).into_iter().map(Result::unwrap).collect();
+
+    let mut padded = on_without_7.clone();
+    padded.extend(on_everyone.iter().filter(|(i, _)| **i != 7).map(|(i, s)| (*i, *s)));
+    padded.insert(7, Signature { r: [1; 32], s: [2; 32] });
+    let second = UnmaskRequest { survivors: without_7, signatures: padded };
+    let results = round.unmask([4, 5, 6], &second);
+    for r in &results {
+        let err = r.as_ref().unwrap_err().to_string();
+        assert!(err.contains("only 3 clients remain at Unmasking (signers"), "{err}");
+    }
+    assert!(refused_by_every_device(round.unmask([4, 5, 6], &first)));
+    let (seeds, keys) = gathered(&revealed, 7);
+    assert!(seeds < 4 && keys == 0, "the server has {seeds} seed and {keys} key shares of 7");
+}
