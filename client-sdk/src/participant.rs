@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::model_spec::ModelSpec;
 use starling_core::rng::SplitMix64;
+use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::{TensorPayload, TensorSchema};
 use starling_core::wire::{
     CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest,
@@ -29,7 +30,7 @@ use crate::examples::Examples;
 use crate::model::{
     Classifier, ModelError, ModelIo, SpecModel, load_parameters, parameters_of, schema_of,
 };
-use crate::protocol::{ClientError, FleetClient, TlsSettings, retrying};
+use crate::protocol::{self, ClientError, FleetClient, TlsSettings, retrying};
 use crate::secure::{SecureError, SecureSession};
 use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train};
 
@@ -239,6 +240,10 @@ pub struct ParticipantState {
     pub device_id: Option<DeviceId>,
     /// The device credential, once enrolled.
     pub credential: Option<String>,
+    /// The secret of the identity key registered at enrollment, which signs the device's keys
+    /// in secure rounds; `None` for a device enrolled before identities (plain runs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<[u8; 32]>,
     /// The last model version evaluated, so it is reported once.
     pub last_evaluated: Option<(RunId, ModelVersion)>,
     /// What top-k compression has not sent yet, for the run it was computed in: added to
@@ -374,6 +379,7 @@ impl<F: ModelFactory> Participant<F> {
     pub fn with_tls(mut self, tls: &TlsSettings) -> Result<Self, ClientError> {
         let mut fleet = FleetClient::with_tls(&self.url, tls)?;
         fleet.set_credential(self.fleet.credential());
+        fleet.set_identity(self.fleet.identity().cloned());
         self.fleet = fleet;
         Ok(self)
     }
@@ -381,6 +387,7 @@ impl<F: ModelFactory> Participant<F> {
     /// Restores a saved state (credential included).
     pub fn restore(mut self, state: ParticipantState) -> Self {
         self.fleet.set_credential(state.credential.as_deref());
+        self.fleet.set_identity(state.identity.map(DeviceIdentity::from_secret));
         self.state = state;
         self
     }
@@ -392,6 +399,9 @@ impl<F: ModelFactory> Participant<F> {
 
     /// Enrolls with an operator-issued token.
     pub async fn enroll(&mut self, enrollment_token: &str) -> Result<DeviceId, ParticipantError> {
+        // One identity for every attempt: the one registered is the one kept.
+        let identity = protocol::new_identity();
+        self.fleet.set_identity(Some(identity.clone()));
         let res = retrying(TRIES, || {
             let mut fleet = self.fleet.clone();
             async move { fleet.enroll(enrollment_token).await }
@@ -400,6 +410,7 @@ impl<F: ModelFactory> Participant<F> {
         self.fleet.set_credential(Some(&res.credential));
         self.state.device_id = Some(res.device_id);
         self.state.credential = Some(res.credential);
+        self.state.identity = Some(identity.secret());
         Ok(res.device_id)
     }
 

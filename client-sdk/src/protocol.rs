@@ -13,6 +13,7 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use starling_core::eligibility::DeviceAttributes;
+use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::path;
 use starling_core::wire::{
@@ -179,6 +180,15 @@ pub struct FleetClient {
     http: reqwest::Client,
     base: String,
     credential: Option<String>,
+    /// The key this device signs its secure-aggregation keys with, registered at enrollment.
+    identity: Option<DeviceIdentity>,
+}
+
+/// A fresh device identity from the OS's randomness.
+pub fn new_identity() -> DeviceIdentity {
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).expect("the OS random source failed");
+    DeviceIdentity::from_secret(secret)
 }
 
 impl FleetClient {
@@ -195,6 +205,7 @@ impl FleetClient {
             http: http_client(tls)?,
             base: base.trim_end_matches('/').to_owned(),
             credential: None,
+            identity: None,
         })
     }
 
@@ -213,11 +224,22 @@ impl FleetClient {
         self.credential.as_deref()
     }
 
-    /// Trades an enrollment token for a credential, and keeps it.
+    /// The identity this device signs with in secure rounds, if it has one.
+    pub fn identity(&self) -> Option<&DeviceIdentity> {
+        self.identity.as_ref()
+    }
+
+    /// The same connection settings, signing with `identity` (restored with the credential).
+    pub fn set_identity(&mut self, identity: Option<DeviceIdentity>) {
+        self.identity = identity;
+    }
+
+    /// Trades an enrollment token for a credential, and keeps it. The device registers its
+    /// identity key with it (a fresh one, unless this client already holds one).
     pub async fn enroll(&mut self, enrollment_token: &str) -> Result<EnrollResponse, ClientError> {
-        let res: EnrollResponse = self
-            .post(path::ENROLL, &EnrollRequest { enrollment_token: enrollment_token.to_owned() })
-            .await?;
+        let identity_key = Some(self.identity.get_or_insert_with(new_identity).public());
+        let request = EnrollRequest { enrollment_token: enrollment_token.to_owned(), identity_key };
+        let res: EnrollResponse = self.post(path::ENROLL, &request).await?;
         self.credential = Some(res.credential.clone());
         Ok(res)
     }

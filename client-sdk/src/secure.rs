@@ -1,9 +1,10 @@
 //! A device's side of a secure round: SecAgg+'s client state machine from `core`, driven
 //! through the stages over the fleet API, with secrets drawn from the OS.
 //!
-//! The device advertises its keys as soon as it is selected and seals its shares before it
-//! trains (those stages are short); its masked input follows training, and its unmasking shares
-//! follow the cohort's masked inputs. The coordinator only ever sees the masked vector.
+//! The device advertises its keys (signed with its enrolled identity) as soon as it is selected
+//! and seals its shares before it trains (those stages are short); its masked input follows
+//! training, and its signature over the survivor set and then its unmasking shares follow the
+//! cohort's masked inputs. The coordinator only ever sees the masked vector.
 
 use std::time::Duration;
 
@@ -30,6 +31,10 @@ pub enum SecureError {
     /// too few neighbours); nothing secret was sent.
     #[error("secure aggregation: {0}")]
     Secagg(#[from] SecAggError),
+    /// The device has no identity key to sign its keys with: it enrolled before identities, or
+    /// was given a credential alone. Enrolling it again registers one.
+    #[error("this device has no identity key, which secure runs need: enroll it again")]
+    NoIdentity,
     /// The coordinator asked for another stage than the one this device is in.
     #[error("the coordinator asked for {got} while the device waited for {want}")]
     OutOfStep {
@@ -59,16 +64,18 @@ impl std::fmt::Debug for SecureSession {
 }
 
 impl SecureSession {
-    /// AdvertiseKeys: draws this round's secrets from the OS and publishes the public keys.
+    /// AdvertiseKeys: draws this round's secrets from the OS and publishes the public keys,
+    /// signed with the device's enrolled identity.
     pub async fn advertise(
         fleet: &FleetClient,
         run_id: RunId,
         round_idx: RoundIdx,
         task: SecureAggregationTask,
     ) -> Result<Self, SecureError> {
+        let identity = fleet.identity().cloned().ok_or(SecureError::NoIdentity)?;
         let mut randomness = [0u8; 96];
         getrandom::fill(&mut randomness).expect("the OS random source failed");
-        let (client, keys) = secagg::Client::new(task.index, task.config, randomness)?;
+        let (client, keys) = secagg::Client::new(task.index, task.config, identity, randomness)?;
         let session = SecureSession { run_id, round_idx, task, client };
         session.send(fleet, SecAggUpload::AdvertiseKeys(keys)).await?;
         Ok(session)
@@ -125,8 +132,17 @@ impl SecureSession {
         self.send(fleet, SecAggUpload::MaskedInput { model_version, masked, accusations }).await
     }
 
-    /// Unmasking: waits for the survivors list, then sends the shares that remove the masks.
+    /// ConsistencyCheck and Unmasking: waits for the survivor set and signs it, then waits for
+    /// the survivors' signatures over it and, once at least the threshold of its neighbourhood
+    /// signed the same set, sends the shares that remove the masks. A coordinator that shows
+    /// this device a set the others did not sign gets no shares.
     pub async fn unmask(&mut self, fleet: &FleetClient) -> Result<(), SecureError> {
+        let check = match self.next_instruction(fleet, "SignSurvivors").await? {
+            SecAggInstruction::SignSurvivors(r) => r,
+            other => return Err(out_of_step("SignSurvivors", &other)),
+        };
+        let signature = self.client.sign_survivors(check)?;
+        self.send(fleet, SecAggUpload::SignSurvivors(signature)).await?;
         let request = match self.next_instruction(fleet, "Unmask").await? {
             SecAggInstruction::Unmask(r) => r,
             other => return Err(out_of_step("Unmask", &other)),
@@ -172,6 +188,7 @@ fn out_of_step(want: &'static str, got: &SecAggInstruction) -> SecureError {
         SecAggInstruction::Wait { .. } => "wait",
         SecAggInstruction::ShareKeys(_) => "ShareKeys",
         SecAggInstruction::MaskedInput(_) => "MaskedInput",
+        SecAggInstruction::SignSurvivors(_) => "SignSurvivors",
         SecAggInstruction::Unmask(_) => "Unmask",
         SecAggInstruction::Done => "done",
         SecAggInstruction::Excluded { .. } => "excluded",

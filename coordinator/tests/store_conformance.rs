@@ -62,6 +62,7 @@ conformance!(
     models_between_checkpoints_are_given_up_once_a_later_one_is_written,
     a_model_read_while_its_bytes_are_written_is_pending_or_there,
     devices_may_join_only_the_populations_their_token_names,
+    a_device_keeps_the_identity_key_it_enrolled_with,
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
 );
@@ -195,7 +196,7 @@ async fn devices(store: &SqlStore) -> [DeviceId; 3] {
     store.create_enrollment_token("many", 0, None, None, None).await.unwrap();
     let mut out = [DeviceId(0); 3];
     for (i, d) in out.iter_mut().enumerate() {
-        *d = store.enroll_device("many", &format!("credential-{i}"), 5).await.unwrap();
+        *d = store.enroll_device("many", &format!("credential-{i}"), None, 5).await.unwrap();
     }
     out
 }
@@ -252,17 +253,26 @@ async fn enrollment_spends_tokens_and_revocation_is_immediate(store: SqlStore) {
     // A token with one use enrolls one device; expired and unknown tokens do not.
     store.create_enrollment_token("tok1", 0, None, Some(1), None).await.unwrap();
     store.create_enrollment_token("expired", 0, Some(10), None, None).await.unwrap();
-    let d1 = store.enroll_device("tok1", "cred1", 5).await.unwrap();
-    assert!(matches!(store.enroll_device("tok1", "cred2", 5).await, Err(StoreError::InvalidToken)));
+    let d1 = store.enroll_device("tok1", "cred1", None, 5).await.unwrap();
     assert!(matches!(
-        store.enroll_device("expired", "cred2", 11).await,
+        store.enroll_device("tok1", "cred2", None, 5).await,
         Err(StoreError::InvalidToken)
     ));
-    assert!(matches!(store.enroll_device("nope", "cred2", 5).await, Err(StoreError::InvalidToken)));
+    assert!(matches!(
+        store.enroll_device("expired", "cred2", None, 11).await,
+        Err(StoreError::InvalidToken)
+    ));
+    assert!(matches!(
+        store.enroll_device("nope", "cred2", None, 5).await,
+        Err(StoreError::InvalidToken)
+    ));
     store.create_enrollment_token("tok2", 0, None, None, None).await.unwrap();
-    let d2 = store.enroll_device("tok2", "cred2", 5).await.unwrap();
-    let d3 = store.enroll_device("tok2", "cred3", 5).await.unwrap();
-    assert!(matches!(store.enroll_device("tok2", "cred3", 5).await, Err(StoreError::Conflict)));
+    let d2 = store.enroll_device("tok2", "cred2", None, 5).await.unwrap();
+    let d3 = store.enroll_device("tok2", "cred3", None, 5).await.unwrap();
+    assert!(matches!(
+        store.enroll_device("tok2", "cred3", None, 5).await,
+        Err(StoreError::Conflict)
+    ));
     assert_eq!(store.device_by_credential("cred2").await.unwrap(), Some(d2));
     assert_eq!(store.device_by_credential("unknown").await.unwrap(), None);
     // Revocation: the credential stops working at once, for that device only.
@@ -844,8 +854,8 @@ async fn devices_may_join_only_the_populations_their_token_names(store: SqlStore
     let named = ["fleet-a".to_owned(), "fleet-b".to_owned()];
     store.create_enrollment_token("named", 0, None, Some(2), Some(&named)).await.unwrap();
     store.create_enrollment_token("legacy", 0, None, Some(1), None).await.unwrap();
-    let d = store.enroll_device("named", "cred-named", 1).await.unwrap();
-    let old = store.enroll_device("legacy", "cred-legacy", 1).await.unwrap();
+    let d = store.enroll_device("named", "cred-named", None, 1).await.unwrap();
+    let old = store.enroll_device("legacy", "cred-legacy", None, 1).await.unwrap();
     let access = store.device_access("cred-named").await.unwrap().unwrap();
     assert_eq!(access.device, d);
     assert_eq!(access.populations.as_deref(), Some(&named[..]));
@@ -855,6 +865,20 @@ async fn devices_may_join_only_the_populations_their_token_names(store: SqlStore
     assert_eq!((legacy.device, legacy.populations.clone()), (old, None));
     assert!(legacy.may_join("anything"));
     assert_eq!(store.device_access("unknown").await.unwrap(), None);
+}
+
+/// The identity key a device enrolls with comes back with every authentication, so the fleet
+/// API can check that its secure-aggregation keys are signed by it; a device enrolled without
+/// one has none.
+async fn a_device_keeps_the_identity_key_it_enrolled_with(store: SqlStore) {
+    store.create_enrollment_token("tok", 0, None, Some(2), None).await.unwrap();
+    let key: [u8; 32] = std::array::from_fn(|i| i as u8 * 7);
+    let d = store.enroll_device("tok", "cred-signing", Some(key), 1).await.unwrap();
+    let bare = store.enroll_device("tok", "cred-bare", None, 1).await.unwrap();
+    let access = store.device_access("cred-signing").await.unwrap().unwrap();
+    assert_eq!((access.device, access.identity_key), (d, Some(key)));
+    let access = store.device_access("cred-bare").await.unwrap().unwrap();
+    assert_eq!((access.device, access.identity_key), (bare, None));
 }
 
 /// A run created with `exclusive_population` claims its population: no other run starts there

@@ -84,7 +84,7 @@ pub fn plan_json(data: &[u8]) {
 /// without panicking.
 pub fn secagg_message(data: &[u8]) {
     use crate::secagg::{
-        AdvertiseKeys, Client, ConsistencyRequest, Config, DeviceIdentity, MaskRequest,
+        AdvertiseKeys, Client, Config, ConsistencyRequest, DeviceIdentity, MaskRequest,
         NeighbourKeys, SealedShares, Server, UnmaskRequest, UnmaskResponse,
     };
     let identity = |i: u8| DeviceIdentity::from_secret([i; 32]);
@@ -100,7 +100,8 @@ pub fn secagg_message(data: &[u8]) {
     if let Ok(shares) = codec::decode::<Vec<SealedShares>>(data) {
         let mut server = Server::new(config, [1; 32]).expect("valid config");
         for i in 1..=4u8 {
-            let (_, advert) = Client::new(u32::from(i), config, identity(i), [i; 96]).expect("valid config");
+            let (_, advert) =
+                Client::new(u32::from(i), config, identity(i), [i; 96]).expect("valid config");
             let _ = server.receive_keys(u32::from(i), advert);
         }
         if server.close_advertise().is_ok() {

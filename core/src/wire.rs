@@ -118,6 +118,10 @@ pub struct ErrorBody {
 pub struct EnrollRequest {
     /// The enrollment token as issued by the operator.
     pub enrollment_token: String,
+    /// The device's Ed25519 public key, with which it signs its keys in secure rounds; a device
+    /// that enrolls without one takes part in plain runs only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity_key: Option<[u8; 32]>,
 }
 
 /// Answer to [`EnrollRequest`].

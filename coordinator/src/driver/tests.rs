@@ -62,7 +62,8 @@ async fn enrolled(store: &SqlStore, n: usize) -> Vec<DeviceId> {
     store.create_enrollment_token("token", 0, None, None, None).await.unwrap();
     let mut devices = vec![];
     for i in 0..n {
-        devices.push(store.enroll_device("token", &format!("credential-{i}"), 0).await.unwrap());
+        devices
+            .push(store.enroll_device("token", &format!("credential-{i}"), None, 0).await.unwrap());
     }
     devices
 }

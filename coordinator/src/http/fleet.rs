@@ -113,6 +113,7 @@ async fn enroll(
         .enroll_device(
             &hex::encode(sha256(req.enrollment_token.as_bytes())),
             &hex::encode(sha256(credential.as_bytes())),
+            req.identity_key,
             now_ms(),
         )
         .await?;
@@ -326,7 +327,7 @@ async fn accept_upload(
 /// A stage message of a secure round (SecAgg+); answered once it is durable.
 #[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/secagg", tag = "fleet", security(("device" = [])),
     params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
-    request_body(content = Vec<u8>, content_type = "application/cbor", description = "a SecAggUpload: advertise_keys, share_keys, masked_input or unmask"),
+    request_body(content = Vec<u8>, content_type = "application/cbor", description = "a SecAggUpload: advertise_keys, share_keys, masked_input, sign_survivors or unmask"),
     responses(
         (status = 204, description = "accepted and durable"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
@@ -343,6 +344,7 @@ async fn accept_upload(
 async fn secagg_message(
     State(state): State<AppState>,
     DeviceAuth(device): DeviceAuth,
+    axum::Extension(access): axum::Extension<DeviceAccess>,
     Path((run_id, round_idx)): Path<(i64, i64)>,
     headers: HeaderMap,
     body: Body,
@@ -357,6 +359,23 @@ async fn secagg_message(
         .await
         .map_err(|e| ApiError::internal(&e))?
         .map_err(|e| ApiError::malformed(e.to_string()))?;
+    if let SecAggUpload::AdvertiseKeys(keys) = &message {
+        // The identity that signs the keys must be the one the device enrolled with: that is
+        // what lets its neighbours trust the signature, and not a key of the sender's choosing.
+        match access.identity_key {
+            None => {
+                return Err(ApiError::invalid(
+                    "this device enrolled without an identity key, which secure runs need: enroll it again",
+                ));
+            }
+            Some(enrolled) if enrolled != keys.identity => {
+                return Err(ApiError::invalid(
+                    "the keys are signed by another identity than the one this device enrolled with",
+                ));
+            }
+            Some(_) => {}
+        }
+    }
     state
         .driver()
         .call(|reply| Event::SecAgg { device, run_id, round_idx, message, reply })
@@ -369,7 +388,7 @@ async fn secagg_message(
 #[utoipa::path(get, path = "/v1/runs/{run_id}/rounds/{round_idx}/secagg", tag = "fleet", security(("device" = [])),
     params(("run_id" = i64, Path, description = "run"), ("round_idx" = i64, Path, description = "round")),
     responses(
-        (status = 200, description = "a SecAggInstruction: wait, share_keys, masked_input, unmask, done or excluded", body = Vec<u8>, content_type = "application/cbor"),
+        (status = 200, description = "a SecAggInstruction: wait, share_keys, masked_input, sign_survivors, unmask, done or excluded", body = Vec<u8>, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 403, description = "the device was not selected for this round", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),

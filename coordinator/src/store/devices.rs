@@ -12,6 +12,9 @@ pub struct DeviceAccess {
     /// The populations its enrollment token named; `None` for a device enrolled before tokens
     /// named populations (it may join any).
     pub populations: Option<Vec<String>>,
+    /// The Ed25519 public key it enrolled with, which signs its secure-aggregation keys; `None`
+    /// for a device enrolled without one (it may not join secure runs).
+    pub identity_key: Option<[u8; 32]>,
 }
 
 /// An enrollment token as the store keeps it, for the admin list (never the token).
@@ -111,11 +114,13 @@ impl SqlStore {
             .collect()
     }
 
-    /// Spends one use of an enrollment token and registers a device with `credential_hash`.
+    /// Spends one use of an enrollment token and registers a device with `credential_hash` and
+    /// the identity key it signs with, if it sent one.
     pub async fn enroll_device(
         &self,
         token_hash: &str,
         credential_hash: &str,
+        identity_key: Option<[u8; 32]>,
         now: Millis,
     ) -> StoreResult<DeviceId> {
         on_pool!(self, |pool| {
@@ -133,12 +138,13 @@ impl SqlStore {
             .map_err(map_err)?;
             let Some((populations,)) = spent else { return Err(StoreError::InvalidToken) };
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked, populations_json)
-                 VALUES ($1, $2, FALSE, $3) RETURNING id",
+                "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked, populations_json, identity_key)
+                 VALUES ($1, $2, FALSE, $3, $4) RETURNING id",
             )
             .bind(credential_hash)
             .bind(now)
             .bind(populations)
+            .bind(identity_key.map(hex::encode))
             .fetch_one(&mut *tx)
             .await
             .map_err(map_err)?;
@@ -159,16 +165,25 @@ impl SqlStore {
     /// revoked: one read per authenticated request.
     pub async fn device_access(&self, credential_hash: &str) -> StoreResult<Option<DeviceAccess>> {
         on_pool!(self, |pool| {
-            let row: Option<(i64, Option<String>)> = sqlx::query_as(
-                "SELECT id, populations_json FROM devices WHERE credential_hash = $1 AND revoked = FALSE",
+            let row: Option<(i64, Option<String>, Option<String>)> = sqlx::query_as(
+                "SELECT id, populations_json, identity_key FROM devices
+                 WHERE credential_hash = $1 AND revoked = FALSE",
             )
             .bind(credential_hash)
             .fetch_optional(pool)
             .await
             .map_err(map_err)?;
-            row.map(|(id, json)| {
+            row.map(|(id, json, identity)| {
                 let populations = populations(json, || format!("device {id}"))?;
-                Ok(DeviceAccess { device: DeviceId(id), populations })
+                let identity_key = identity
+                    .map(|hex| {
+                        let mut key = [0u8; 32];
+                        hex::decode_to_slice(&hex, &mut key).map(|()| key).map_err(|e| {
+                            StoreError::Corrupt(format!("device {id}'s identity key: {e}"))
+                        })
+                    })
+                    .transpose()?;
+                Ok(DeviceAccess { device: DeviceId(id), populations, identity_key })
             })
             .transpose()
         })

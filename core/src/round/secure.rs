@@ -409,12 +409,16 @@ impl SecureRound {
             },
             Some(Stage::ConsistencyCheck) if did(Stage::ConsistencyCheck) => wait(),
             Some(Stage::ConsistencyCheck) => match &self.consistency_request {
-                Some(r) if r.survivors.contains(&idx) => SecAggInstruction::SignSurvivors(r.clone()),
+                Some(r) if r.survivors.contains(&idx) => {
+                    SecAggInstruction::SignSurvivors(r.clone())
+                }
                 _ => excluded("missed MaskedInputCollection"),
             },
             Some(Stage::Unmasking) if did(Stage::Unmasking) => SecAggInstruction::Done,
             Some(Stage::Unmasking) => match &self.unmask_request {
-                Some(r) if r.signatures.contains_key(&idx) => SecAggInstruction::Unmask(r.clone()),
+                Some(r) if r.signatures.contains_key(&idx) => {
+                    SecAggInstruction::Unmask(self.unmask_request_for(idx, r))
+                }
                 _ => excluded("did not sign the survivor set in time"),
             },
             None => match &self.outcome {
@@ -422,6 +426,23 @@ impl SecureRound {
                 Some(Err(f)) => excluded(&format!("the round failed: {}", f.reason)),
                 _ => excluded("missed a stage"),
             },
+        }
+    }
+
+    /// `request` as `idx` needs it: the signatures of its neighbourhood only (the ones it can
+    /// check), so what each device downloads does not grow with the cohort.
+    fn unmask_request_for(&self, idx: ClientIdx, request: &UnmaskRequest) -> UnmaskRequest {
+        let known = |j: &ClientIdx| {
+            *j == idx || self.neighbours.get(&idx).is_some_and(|n| n.keys.contains_key(j))
+        };
+        UnmaskRequest {
+            survivors: request.survivors.clone(),
+            signatures: request
+                .signatures
+                .iter()
+                .filter(|(j, _)| known(j))
+                .map(|(j, s)| (*j, *s))
+                .collect(),
         }
     }
 

@@ -874,7 +874,8 @@ mod secure_rounds {
                 part.copy_from_slice(&sha2::Sha256::digest([device as u8, i as u8]));
             }
             let identity = secagg::DeviceIdentity::from_secret([device as u8; 32]);
-            let (client, keys) = Client::new(task.index, task.config, identity, randomness).unwrap();
+            let (client, keys) =
+                Client::new(task.index, task.config, identity, randomness).unwrap();
             self.clients.insert(device, client);
             self.task = Some(task);
             self.send(device, SecAggUpload::AdvertiseKeys(keys)).unwrap();

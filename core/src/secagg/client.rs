@@ -8,7 +8,9 @@ use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{Accusation, ChannelSecret, open, seal};
-use super::identity::{DeviceIdentity, advert_is_signed, advert_message, survivors_message, verify};
+use super::identity::{
+    DeviceIdentity, advert_is_signed, advert_message, survivors_message, verify,
+};
 use super::messages::Shares;
 use super::prg::{Keystream, pairwise_seed, seed_commitment};
 use super::shamir::share;
@@ -233,20 +235,23 @@ impl Client {
 
     /// ConsistencyCheck: this client's signature over the survivor set it is shown. It signs
     /// once; the set must hold this client and at least `t` members.
-    pub fn sign_survivors(&mut self, request: ConsistencyRequest) -> Result<Signature, SecAggError> {
+    pub fn sign_survivors(
+        &mut self,
+        request: ConsistencyRequest,
+    ) -> Result<Signature, SecAggError> {
         if self.stage != ClientStage::Masked {
             return Err(SecAggError::WrongStage("ConsistencyCheck"));
         }
         self.check_survivors(&request.survivors)?;
-        let signature = self.identity.sign(&survivors_message(&self.config.session, &request.survivors));
+        let signature =
+            self.identity.sign(&survivors_message(&self.config.session, &request.survivors));
         self.signed = Some(request.survivors);
         self.stage = ClientStage::Signed;
         Ok(signature)
     }
 
     fn check_survivors(&self, survivors: &BTreeSet<ClientIdx>) -> Result<(), SecAggError> {
-        if !survivors.contains(&self.me) || survivors.iter().any(|&j| j == 0 || j > self.config.n)
-        {
+        if !survivors.contains(&self.me) || survivors.iter().any(|&j| j == 0 || j > self.config.n) {
             return Err(SecAggError::BadMessage {
                 client: 0,
                 why: "the survivor set leaves out this client or names no member".into(),
@@ -283,7 +288,8 @@ impl Client {
             .signatures
             .iter()
             .filter(|(j, signature)| {
-                let identity = if **j == self.me { Some(&me) } else { self.keys.get(j).map(|k| &k.identity) };
+                let identity =
+                    if **j == self.me { Some(&me) } else { self.keys.get(j).map(|k| &k.identity) };
                 request.survivors.contains(j)
                     && identity.is_some_and(|id| verify(id, &message, signature))
             })

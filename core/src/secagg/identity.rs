@@ -68,7 +68,11 @@ pub(super) fn verify(identity: &[u8; 32], message: &[u8], signature: &Signature)
 
 /// What a device signs when it advertises its keys: the keys, bound to the round (the session)
 /// and to its index in it, so an advertisement is good for that one seat only.
-pub(super) fn advert_message(session: &[u8; 16], client: ClientIdx, keys: &AdvertiseKeys) -> Vec<u8> {
+pub(super) fn advert_message(
+    session: &[u8; 16],
+    client: ClientIdx,
+    keys: &AdvertiseKeys,
+) -> Vec<u8> {
     let mut m = Vec::with_capacity(160);
     m.extend_from_slice(b"starling secagg advertisement v1");
     m.extend_from_slice(session);
@@ -93,6 +97,10 @@ pub(super) fn survivors_message(session: &[u8; 16], survivors: &BTreeSet<ClientI
 }
 
 /// Whether `keys` carries its identity's signature for seat `client` of the round `session`.
-pub(super) fn advert_is_signed(session: &[u8; 16], client: ClientIdx, keys: &AdvertiseKeys) -> bool {
+pub(super) fn advert_is_signed(
+    session: &[u8; 16],
+    client: ClientIdx,
+    keys: &AdvertiseKeys,
+) -> bool {
     verify(&keys.identity, &advert_message(session, client, keys), &keys.signature)
 }

@@ -36,7 +36,8 @@ fn check_in_response_encoding_is_pinned() {
 fn malformed_and_trailing_bytes_are_errors() {
     assert!(matches!(decode::<EnrollRequest>(&[0xff, 0x00]), Err(CodecError::Malformed(_))));
     assert!(matches!(decode::<EnrollRequest>(&[]), Err(CodecError::Malformed(_))));
-    let mut bytes = to_vec(&EnrollRequest { enrollment_token: "t".into() }).unwrap();
+    let mut bytes =
+        to_vec(&EnrollRequest { enrollment_token: "t".into(), identity_key: None }).unwrap();
     bytes.push(0);
     let err = decode::<EnrollRequest>(&bytes).unwrap_err();
     assert_eq!(err.to_string(), "malformed cbor body: 1 trailing bytes after the message");

@@ -783,7 +783,11 @@ async fn rate_limits_answer_429_and_recover() {
     let http = http_client();
     let token = c.admin.enrollment_token(2).await.unwrap();
     let enroll = || async {
-        let body = codec::to_vec(&wire::EnrollRequest { enrollment_token: token.clone() }).unwrap();
+        let body = codec::to_vec(&wire::EnrollRequest {
+            enrollment_token: token.clone(),
+            identity_key: None,
+        })
+        .unwrap();
         let res = http
             .post(format!("{}/v1/enroll", c.url))
             .header("content-type", wire::CBOR_MEDIA_TYPE)
@@ -837,7 +841,11 @@ async fn rate_limits_answer_429_and_recover() {
     };
     let c = start_in_process_with(&db2, limits).await.unwrap();
     let bad_enroll = || {
-        let body = codec::to_vec(&wire::EnrollRequest { enrollment_token: "nope".into() }).unwrap();
+        let body = codec::to_vec(&wire::EnrollRequest {
+            enrollment_token: "nope".into(),
+            identity_key: None,
+        })
+        .unwrap();
         http.post(format!("{}/v1/enroll", c.url))
             .header("content-type", wire::CBOR_MEDIA_TYPE)
             .body(body)

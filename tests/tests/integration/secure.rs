@@ -278,12 +278,29 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
         Some(ErrorCode::Conflict)
     );
     let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    let task5 = tasks[5].secure_aggregation.expect("a secure task");
     // Device 5 sends a second, different set of keys: refused (its first keys stay in), and it
     // then drops out before sharing.
-    let other =
-        secagg::AdvertiseKeys { cipher_pk: [7; 32], mask_pk: [8; 32], seed_commitment: [9; 32] };
+    let other = secagg::AdvertiseKeys {
+        identity: devices[5].identity().expect("enrolled with an identity").public(),
+        cipher_pk: [7; 32],
+        mask_pk: [8; 32],
+        seed_commitment: [9; 32],
+        signature: secagg::Signature { r: [1; 32], s: [2; 32] },
+    };
     let twice = devices[5].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(other)).await;
     assert_eq!(api_code(twice), Some(ErrorCode::InvalidField));
+    // Keys signed by any identity but the one the device enrolled with are refused at the door.
+    let stranger = secagg::DeviceIdentity::from_secret([3; 32]);
+    let (_, foreign) = secagg::Client::new(task5.index, task5.config, stranger, [4; 96])?;
+    let refused = devices[5].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(foreign)).await;
+    match refused {
+        Err(starling_client::protocol::ClientError::Api { body, .. }) => {
+            assert_eq!(body.code, ErrorCode::InvalidField);
+            assert!(body.message.contains("another identity"), "{}", body.message);
+        }
+        other => panic!("keys of a foreign identity were not refused: {other:?}"),
+    }
     let shared = sessions[..5].iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
     join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
     // Device 4 sends a masked input of the wrong length: excluded, and told so afterwards.
@@ -395,7 +412,8 @@ async fn round_of_core_clients(
     for (i, s) in secure.iter().enumerate() {
         // Test-only randomness, distinct per device and per secret.
         let randomness = std::array::from_fn(|j| (j as u8).wrapping_mul(7) ^ (i as u8 * 31 + 1));
-        let (client, keys) = secagg::Client::new(s.index, s.config, randomness)?;
+        let identity = devices[i].identity().cloned().expect("enrolled with an identity");
+        let (client, keys) = secagg::Client::new(s.index, s.config, identity, randomness)?;
         devices[i].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(keys)).await?;
         clients.push(client);
     }
@@ -425,7 +443,9 @@ async fn round_of_core_clients(
         let mut accusations = clients[i].accusations();
         if i == 1 && matches!(misbehaviour, Misbehaviour::UnprovenAccusation) {
             // A point that is some other channel's, and a proof of nothing.
-            let (_, keys) = secagg::Client::new(secure[1].index, secure[1].config, [9; 96])?;
+            let stranger = secagg::DeviceIdentity::from_secret([9; 32]);
+            let (_, keys) =
+                secagg::Client::new(secure[1].index, secure[1].config, stranger, [9; 96])?;
             let proof = secagg::ChannelProof { challenge: [0; 32], response: [0; 32] };
             accusations.push(secagg::Accusation {
                 accused: secure[2].index,
@@ -448,9 +468,9 @@ async fn round_of_core_clients(
     let mut excluded = vec![];
     for i in 0..n {
         match next_instruction(&devices[i], run, round).await? {
-            SecAggInstruction::Unmask(request) => {
-                let response = clients[i].unmask(request)?;
-                devices[i].secagg_send(run, round, &SecAggUpload::Unmask(response)).await?;
+            SecAggInstruction::SignSurvivors(request) => {
+                let signature = clients[i].sign_survivors(request)?;
+                devices[i].secagg_send(run, round, &SecAggUpload::SignSurvivors(signature)).await?;
             }
             SecAggInstruction::Excluded { reason } => {
                 eprintln!("device {i} excluded: {reason}");
@@ -458,6 +478,14 @@ async fn round_of_core_clients(
             }
             other => anyhow::bail!("device {i} was told {other:?}"),
         }
+    }
+    for i in (0..n).filter(|i| !excluded.contains(i)) {
+        let SecAggInstruction::Unmask(request) = next_instruction(&devices[i], run, round).await?
+        else {
+            anyhow::bail!("device {i} was not asked to unmask");
+        };
+        let response = clients[i].unmask(request)?;
+        devices[i].secagg_send(run, round, &SecAggUpload::Unmask(response)).await?;
     }
     let hash = wait_model(&c.admin, run, 1).await?;
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;

@@ -55,7 +55,9 @@ impl Collected {
         let request = ConsistencyRequest { survivors: survivors.clone() };
         devices
             .into_iter()
-            .map(|i| (i, self.clients.get_mut(&i).unwrap().sign_survivors(request.clone()).unwrap()))
+            .map(|i| {
+                (i, self.clients.get_mut(&i).unwrap().sign_survivors(request.clone()).unwrap())
+            })
             .collect()
     }
 
@@ -83,6 +85,9 @@ fn refused_by_every_device(results: Vec<Result<UnmaskResponse, SecAggError>>) ->
     results.iter().all(|r| r.is_err())
 }
 
+/// How the server swaps a part of an advertisement for its own.
+type Substitute = fn(&mut AdvertiseKeys, &AdvertiseKeys);
+
 /// A server that swaps a neighbour's mask or channel key for one of its own (to sit in the
 /// middle of a channel, or to learn a pairwise mask) is caught by the signature: the device
 /// refuses the whole neighbourhood and seals nothing. An honest server refuses such an
@@ -91,7 +96,7 @@ fn refused_by_every_device(results: Vec<Result<UnmaskResponse, SecAggError>>) ->
 fn a_substituted_public_key_is_refused_before_anything_is_shared() {
     let (mut server, mut clients) = advertised(config(2), 3);
     let graph = server.close_advertise().unwrap();
-    let substitutions: [(&str, fn(&mut AdvertiseKeys, &AdvertiseKeys)); 3] = [
+    let substitutions: [(&str, Substitute); 3] = [
         ("mask key", |k, m| k.mask_pk = m.mask_pk),
         ("channel key", |k, m| k.cipher_pk = m.cipher_pk),
         ("seed commitment", |k, m| k.seed_commitment = m.seed_commitment),
@@ -101,7 +106,8 @@ fn a_substituted_public_key_is_refused_before_anything_is_shared() {
     for (what, substitute) in substitutions {
         let mut keys = graph[&1].clone();
         substitute(keys.keys.get_mut(&2).unwrap(), &servers_keys);
-        let mut victim = Client::new(1, config(2), identity(3, 1), bytes(3 ^ 1 << 32, 1)).unwrap().0;
+        let mut victim =
+            Client::new(1, config(2), identity(3, 1), bytes(3 ^ 1 << 32, 1)).unwrap().0;
         let err = victim.share_keys(keys).unwrap_err();
         assert!(err.to_string().contains("not signed by its identity"), "{what}: {err}");
     }
@@ -111,7 +117,10 @@ fn a_substituted_public_key_is_refused_before_anything_is_shared() {
     let mut fresh = Server::new(config(2), bytes(3, 9)).unwrap();
     let (_, mut advert) = Client::new(1, config(2), identity(3, 1), bytes(5, 1)).unwrap();
     advert.mask_pk = servers_keys.mask_pk;
-    assert!(matches!(fresh.receive_keys(1, advert), Err(SecAggError::BadMessage { client: 1, .. })));
+    assert!(matches!(
+        fresh.receive_keys(1, advert),
+        Err(SecAggError::BadMessage { client: 1, .. })
+    ));
 }
 
 /// Advertisements are bound to the round and the seat: the server cannot replay a device's
@@ -185,7 +194,8 @@ fn two_survivor_sets_shown_to_two_groups_reveal_nothing() {
     let on_without_7 = round.signatures([4, 5, 6], &without_7);
 
     let first = UnmaskRequest { survivors: everyone.clone(), signatures: on_everyone.clone() };
-    let revealed: Vec<_> = round.unmask([1, 2, 3], &first).into_iter().map(Result::unwrap).collect();
+    let revealed: Vec<_> =
+        round.unmask([1, 2, 3], &first).into_iter().map(Result::unwrap).collect();
 
     let mut padded = on_without_7.clone();
     padded.extend(on_everyone.iter().filter(|(i, _)| **i != 7).map(|(i, s)| (*i, *s)));

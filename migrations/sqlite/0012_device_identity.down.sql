@@ -1,0 +1,1 @@
+ALTER TABLE devices DROP COLUMN identity_key;
