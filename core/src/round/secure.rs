@@ -416,9 +416,10 @@ impl SecureRound {
             },
             Some(Stage::Unmasking) if did(Stage::Unmasking) => SecAggInstruction::Done,
             Some(Stage::Unmasking) => match &self.unmask_request {
-                Some(r) if r.signatures.contains_key(&idx) => {
-                    SecAggInstruction::Unmask(self.unmask_request_for(idx, r))
-                }
+                Some(r) if r.signatures.contains_key(&idx) => match self.neighbours.get(&idx) {
+                    Some(n) => SecAggInstruction::Unmask(r.for_client(idx, n)),
+                    None => excluded("missed AdvertiseKeys"),
+                },
                 _ => excluded("did not sign the survivor set in time"),
             },
             None => match &self.outcome {
@@ -426,23 +427,6 @@ impl SecureRound {
                 Some(Err(f)) => excluded(&format!("the round failed: {}", f.reason)),
                 _ => excluded("missed a stage"),
             },
-        }
-    }
-
-    /// `request` as `idx` needs it: the signatures of its neighbourhood only (the ones it can
-    /// check), so what each device downloads does not grow with the cohort.
-    fn unmask_request_for(&self, idx: ClientIdx, request: &UnmaskRequest) -> UnmaskRequest {
-        let known = |j: &ClientIdx| {
-            *j == idx || self.neighbours.get(&idx).is_some_and(|n| n.keys.contains_key(j))
-        };
-        UnmaskRequest {
-            survivors: request.survivors.clone(),
-            signatures: request
-                .signatures
-                .iter()
-                .filter(|(j, _)| known(j))
-                .map(|(j, s)| (*j, *s))
-                .collect(),
         }
     }
 

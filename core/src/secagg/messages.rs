@@ -71,6 +71,22 @@ pub struct UnmaskRequest {
     pub signatures: BTreeMap<ClientIdx, Signature>,
 }
 
+impl UnmaskRequest {
+    /// The request as `client`, with `neighbours`, needs it: only the signatures it can check
+    /// (its own and its neighbours'), so what a device downloads does not grow with the cohort.
+    pub fn for_client(&self, client: ClientIdx, neighbours: &NeighbourKeys) -> UnmaskRequest {
+        UnmaskRequest {
+            survivors: self.survivors.clone(),
+            signatures: self
+                .signatures
+                .iter()
+                .filter(|(j, _)| **j == client || neighbours.keys.contains_key(j))
+                .map(|(j, s)| (*j, *s))
+                .collect(),
+        }
+    }
+}
+
 /// Stage 4, client → server: for each neighbour, the share of its self-mask seed (survivors)
 /// or of its mask key (dropped after sharing), never both.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
