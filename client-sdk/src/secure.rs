@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use starling_core::privacy::distributed;
 use starling_core::secagg::{self, SecAggError};
 use starling_core::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
 use starling_core::{ModelVersion, RoundIdx, RunId};
@@ -114,14 +115,30 @@ impl SecureSession {
             other => return Err(out_of_step("MaskedInput", &other)),
         };
         let task = self.task;
-        let q = task.quantizer();
-        // A differentially private round bounds each device's contribution before masking.
-        let clipped = task.clip_norm.map(|bound| starling_core::robust::clip_to_norm(delta, bound));
-        let delta = clipped.as_deref().unwrap_or(delta);
-        let mut input = secagg::encode_weighted(&q, delta, example_count, task.max_examples);
-        if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
-            secagg::append_evaluation(&q, &mut input, evaluation, task.max_examples);
-        }
+        let input = match &task.distributed_noise {
+            // Distributed DP: clipped, rotated, rounded and noised here; the coordinator only
+            // ever unmasks the cohort's noisy sum.
+            Some(noise) => {
+                let mut seed = [0u8; 32];
+                getrandom::fill(&mut seed).expect("the OS random source failed");
+                let rotation = distributed::rotation_seed(&task.config.session);
+                noise.encode(delta, &rotation, &mut distributed::NoiseSource::new(seed))
+            }
+            None => {
+                let q = task.quantizer();
+                // A differentially private round bounds each device's contribution before
+                // masking.
+                let clipped =
+                    task.clip_norm.map(|bound| starling_core::robust::clip_to_norm(delta, bound));
+                let delta = clipped.as_deref().unwrap_or(delta);
+                let mut input =
+                    secagg::encode_weighted(&q, delta, example_count, task.max_examples);
+                if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
+                    secagg::append_evaluation(&q, &mut input, evaluation, task.max_examples);
+                }
+                input
+            }
+        };
         let masked = self.client.masked_input(request, &input)?;
         let masked = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
         let accusations = self.client.accusations();

@@ -174,11 +174,13 @@ impl PrivacyView {
             epsilon_budget: privacy.plan.epsilon_budget,
             rounds_allowed: privacy.rounds_allowed,
             sampling_rate: privacy.sampling_rate,
-            accounting: privacy.sampling.describe().into(),
+            accounting: privacy.describe(),
             epsilon_rdp: spent.rdp,
             epsilon_pld: spent.pld,
             noise_multiplier: privacy.plan.noise_multiplier,
-            mechanism: if secure {
+            mechanism: if privacy.distributed.is_some() {
+                "devices clip and add discrete Gaussian noise before masking; the coordinator unmasks a noisy sum".into()
+            } else if secure {
                 "devices clip; central Gaussian noise on the unmasked secure sum".into()
             } else if privacy.plan.adaptive_clipping.is_some() {
                 "coordinator clips (adaptive clip norm); central Gaussian noise on the sum".into()

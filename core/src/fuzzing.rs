@@ -146,6 +146,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
             t: 2,
             n_params: 3,
             clip_norm: None,
+            distributed: None,
             vector_len: 4,
             stage_timeout_ms: 1_000,
         }),

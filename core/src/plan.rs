@@ -318,13 +318,17 @@ pub struct SecureRoundConfig {
     /// With differential privacy: the L2 norm devices clip their delta to before masking.
     #[serde(default)]
     pub clip_norm: Option<f64>,
+    /// With distributed DP: the noise each device adds before masking, and how the coordinator
+    /// decodes the sum (the vectors are then the rotated, padded model and nothing else).
+    #[serde(default)]
+    pub distributed: Option<crate::privacy::DistributedNoise>,
 }
 
 impl SecureRoundConfig {
     /// Whether masked vectors of `len` entries carry the devices' evaluation after the weighted
     /// delta and its weight (a round begun before evaluations went through the sum does not).
     pub fn carries_evaluation(&self, len: usize) -> bool {
-        len == self.n_params + 1 + crate::secagg::EVALUATION_ENTRIES
+        self.distributed.is_none() && len == self.n_params + 1 + crate::secagg::EVALUATION_ENTRIES
     }
 }
 
@@ -512,13 +516,7 @@ impl Plan {
             .aggregation
             .check_memory(target_selected)
             .map_err(|why| field("strategy.aggregation", why))?;
-        let secure = match &self.secure_aggregation {
-            None => None,
-            Some(s) => Some(SecureRoundConfig {
-                clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
-                ..s.resolve(target_selected, schema.numel() as usize)?
-            }),
-        };
+        let n_params = schema.numel() as usize;
         let privacy = match &self.strategy.differential_privacy {
             None => None,
             Some(dp) => {
@@ -527,15 +525,37 @@ impl Plan {
                     // first_come with DP is refused above.
                     SelectionPolicy::Random | SelectionPolicy::FirstCome => Sampling::FixedSize,
                 };
-                Some(dp.resolve(target_selected, self.rounds, sampling).map_err(
+                Some(dp.resolve(target_selected, self.rounds, sampling, n_params).map_err(
                     |(name, why)| field("strategy.differential_privacy", format!("{name}: {why}")),
                 )?)
+            }
+        };
+        let distributed = privacy.and_then(|p| p.distributed);
+        if distributed.is_some() && self.secure_aggregation.is_none() {
+            return Err(field(
+                "strategy.differential_privacy.noise",
+                "distributed noise is added by each device before it masks its update: it needs secure_aggregation",
+            ));
+        }
+        let secure = match &self.secure_aggregation {
+            None => None,
+            Some(s) => {
+                let resolved = s.resolve(target_selected, n_params)?;
+                Some(SecureRoundConfig {
+                    clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
+                    // The devices' noisy, rotated integers and nothing else: no weight (each
+                    // weighs one) and no evaluation (a DP run releases none).
+                    vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len),
+                    distributed,
+                    ..resolved
+                })
             }
         };
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
             target_selected,
-            min_quorum: quorum,
+            // With distributed noise a round needs the survivors whose noise it counts on.
+            min_quorum: distributed.map_or(quorum, |d| quorum.max(d.min_survivors)),
             selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
             reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
             total_rounds: privacy.map_or(self.rounds, |p| p.rounds_allowed),
@@ -618,6 +638,7 @@ impl SecureAggregationPlan {
             vector_len,
             stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
             clip_norm: None,
+            distributed: None,
         })
     }
 }

@@ -72,6 +72,28 @@ pub struct DifferentialPrivacy {
     /// Move the clip norm toward a quantile of the update norms.
     #[serde(default)]
     pub adaptive_clipping: Option<AdaptiveClipping>,
+    /// Where the noise goes on: `central` (the coordinator's, on the sum; the default) or
+    /// `distributed` (each device's, before masking: needs secure aggregation).
+    #[serde(default)]
+    pub noise: NoisePlacement,
+    /// With distributed noise, the fewest survivors the guarantee counts on: each device adds
+    /// the noise of 1/`min_survivors` of the sum's, and a round with fewer survivors fails
+    /// before anything is unmasked.
+    #[serde(default)]
+    pub min_survivors: Option<u32>,
+}
+
+/// Where a DP run's noise goes on.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoisePlacement {
+    /// The coordinator adds Gaussian noise to the sum (after unmasking, in a secure run).
+    #[default]
+    Central,
+    /// Each device adds discrete Gaussian noise before masking (the distributed discrete
+    /// Gaussian; [`distributed`]): the coordinator unmasks an already-noisy sum.
+    Distributed,
 }
 
 /// Adaptive clipping's parameters (Andrew et al. 2021; their defaults).
@@ -144,16 +166,20 @@ pub struct Privacy {
     pub count_stddev: Option<f64>,
     /// Rounds the run may commit: the plan's, or fewer where the ε budget runs out.
     pub rounds_allowed: u32,
+    /// With distributed noise, what devices add and the coordinator decodes.
+    pub distributed: Option<DistributedNoise>,
 }
 
 impl DifferentialPrivacy {
     /// Checks the settings for a run drawing `selected` devices per round by `sampling` over
-    /// `rounds` rounds, and resolves the derived quantities. The message names the bad field.
+    /// `rounds` rounds, training `n_params` parameters, and resolves the derived quantities.
+    /// The message names the bad field.
     pub fn resolve(
         &self,
         selected: u32,
         rounds: u32,
         sampling: Sampling,
+        n_params: usize,
     ) -> Result<Privacy, (&'static str, String)> {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !(positive(self.noise_multiplier) && self.noise_multiplier <= 1e4) {
@@ -200,7 +226,32 @@ impl DifferentialPrivacy {
                 (rest.powf(-0.5), Some(sigma_b))
             }
         };
-        let accountant = sampling.accountant(sampling_rate, self.noise_multiplier);
+        let distributed = match (self.noise, self.min_survivors) {
+            (NoisePlacement::Central, None) => None,
+            (NoisePlacement::Central, Some(_)) => {
+                return Err(("min_survivors", "is for distributed noise only".into()));
+            }
+            (NoisePlacement::Distributed, None) => {
+                return Err((
+                    "min_survivors",
+                    "is needed with distributed noise: the fewest survivors whose noise the guarantee counts on".into(),
+                ));
+            }
+            (NoisePlacement::Distributed, Some(min)) => Some(
+                DistributedNoise::for_plan(
+                    self.noise_multiplier,
+                    self.clip_norm,
+                    n_params,
+                    selected,
+                    min,
+                )
+                .map_err(|why| ("min_survivors", why))?,
+            ),
+        };
+        let accountant = match &distributed {
+            Some(d) => d.accountant(sampling, sampling_rate),
+            None => sampling.accountant(sampling_rate, self.noise_multiplier),
+        };
         let rounds_allowed = match self.epsilon_budget {
             None => rounds,
             Some(budget) => {
@@ -229,6 +280,7 @@ impl DifferentialPrivacy {
             update_noise_multiplier,
             count_stddev,
             rounds_allowed,
+            distributed,
         })
     }
 }
@@ -245,17 +297,37 @@ impl Privacy {
         Spent { rdp: self.epsilon_rdp(rounds), pld: self.epsilon_pld(rounds) }
     }
 
+    /// The Rényi DP accountant of one round: the sampled Gaussian, or with distributed noise
+    /// the sampled distributed discrete Gaussian.
+    pub fn accountant(&self) -> RdpAccountant {
+        match &self.distributed {
+            Some(d) => d.accountant(self.sampling, self.sampling_rate),
+            None => self.sampling.accountant(self.sampling_rate, self.plan.noise_multiplier),
+        }
+    }
+
     /// ε after `rounds` by the Rényi DP accountant.
     pub fn epsilon_rdp(&self, rounds: u64) -> f64 {
-        self.sampling
-            .accountant(self.sampling_rate, self.plan.noise_multiplier)
-            .epsilon(rounds, self.plan.delta)
+        self.accountant().epsilon(rounds, self.plan.delta)
+    }
+
+    /// What the accountant composes, for the run view.
+    pub fn describe(&self) -> String {
+        match &self.distributed {
+            Some(d) => format!(
+                "distributed discrete Gaussian (noise of at least {} survivors), {}",
+                d.min_survivors,
+                self.sampling.describe()
+            ),
+            None => self.sampling.describe().into(),
+        }
     }
 
     /// ε after `rounds` by the privacy loss distribution accountant, which `dp-accounting` has
-    /// for Poisson sampling only (`None` for the fixed-size draw).
+    /// for the Poisson-sampled Gaussian only (`None` for the fixed-size draw and for
+    /// distributed noise).
     pub fn epsilon_pld(&self, rounds: u64) -> Option<f64> {
-        (self.sampling == Sampling::Poisson).then(|| {
+        (self.sampling == Sampling::Poisson && self.distributed.is_none()).then(|| {
             pld::epsilon_remembered(
                 self.sampling_rate,
                 self.plan.noise_multiplier,
@@ -266,7 +338,8 @@ impl Privacy {
     }
 
     /// Adds the round's noise to the mean of `n_updates` clipped updates:
-    /// `N(0, (z_Δ·C)²) / n` per coordinate (noise on the sum, divided like the sum).
+    /// `N(0, (z_Δ·C)²) / n` per coordinate (noise on the sum, divided like the sum). With
+    /// distributed noise the devices added it before masking, and this adds none.
     pub fn noise_mean(
         &self,
         mean: &mut [f64],
@@ -274,6 +347,9 @@ impl Privacy {
         clip_norm: f64,
         noise: &mut Gaussian,
     ) {
+        if self.distributed.is_some() {
+            return;
+        }
         let sd = self.update_noise_multiplier * clip_norm / n_updates.max(1) as f64;
         for v in mean {
             *v += sd * noise.sample();
@@ -414,8 +490,12 @@ pub fn noise_multiplier_for(
     delta: f64,
     epsilon: f64,
 ) -> Option<f64> {
+    smallest_noise(|z| sampling.accountant(q, z).epsilon(steps, delta), epsilon)
+}
+
+/// The smallest noise multiplier (to 0.1 %) up to 1e4 whose run `spends` at most `epsilon`.
+fn smallest_noise(spends: impl Fn(f64) -> f64, epsilon: f64) -> Option<f64> {
     const MAX_Z: f64 = 1e4;
-    let spends = |z: f64| sampling.accountant(q, z).epsilon(steps, delta);
     if spends(MAX_Z) > epsilon {
         return None;
     }
@@ -621,7 +701,10 @@ fn log_erfc(x: f64) -> f64 {
     }
 }
 
+pub mod distributed;
 pub mod pld;
+
+pub use distributed::DistributedNoise;
 
 #[cfg(test)]
 mod tests;

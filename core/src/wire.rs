@@ -239,9 +239,13 @@ pub struct SecureAggregationTask {
     /// Example counts above this weigh as much as this.
     pub max_examples: u64,
     /// With differential privacy: scale the delta to at most this L2 norm before anything
-    /// else (the coordinator noises the unmasked sum for it).
+    /// else (the coordinator noises the unmasked sum for it, unless the noise is distributed).
     #[serde(default)]
     pub clip_norm: Option<f64>,
+    /// With distributed DP: encode the delta with this noise (clipped, rotated, rounded to its
+    /// grid, discrete Gaussian noise added) instead of the weighted quantization.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distributed_noise: Option<crate::privacy::DistributedNoise>,
 }
 
 impl SecureAggregationTask {

@@ -31,7 +31,7 @@ use starling_client::simulate::{
 };
 use starling_core::compression::Compression;
 use starling_core::plan::{AsynchronousPlan, SelectionPolicy};
-use starling_core::privacy::{Sampling, noise_multiplier_for};
+use starling_core::privacy::{DistributedNoise, Sampling, noise_multiplier_for};
 use starling_tests::{digits_simulation, sqlite_db, start_in_process_with};
 
 /// Clients and reports per round: the FedAvg paper's MNIST 2NN setting.
@@ -44,6 +44,11 @@ const DP_COHORT: u32 = 100;
 const DELTA: f64 = 1e-5;
 /// The clip norm of the privacy experiment (the 2NN's honest updates are of this order here).
 const CLIP_NORM: f64 = 1.0;
+/// The 2NN's parameters (784·200 + 200 + 200·200 + 200 + 200·10 + 10), which size the
+/// distributed noise's rotation.
+const MNIST_2NN_PARAMS: usize = 199_210;
+/// The survivors a secure round's distributed noise counts on (the rounds' quorum).
+const DP_MIN_SURVIVORS: u32 = 80;
 
 /// The experiments, in the order they run.
 const EXPERIMENTS: [&str; 5] = ["optimizers", "attacks", "privacy", "compression", "asynchrony"];
@@ -72,6 +77,8 @@ struct Case {
     slowdown: Option<Slowdown>,
     /// How cohorts are drawn.
     selection: SelectionPolicy,
+    /// Secure aggregation (SecAgg+) over the cohort.
+    secure: bool,
 }
 
 /// What a case measured.
@@ -177,6 +184,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
         asynchronous: None,
         slowdown: None,
         selection: SelectionPolicy::Random,
+        secure: false,
     };
     let optimizer = |o: serde_json::Value| serde_json::json!({ "optimizer": o });
     let aggregation = |a: serde_json::Value| serde_json::json!({ "aggregation": a });
@@ -275,6 +283,48 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 }
             }),
         )
+        .chain(
+            // Poisson sampling through secure aggregation: the coordinator's noise on the
+            // unmasked sum against each device's discrete Gaussian noise before masking (counting
+            // on 80 survivors), each z sized by its own accountant for the same ε.
+            [1.0, 4.0, 8.0].into_iter().flat_map(|epsilon| {
+                let q = f64::from(DP_COHORT) / DP_CLIENTS as f64;
+                let central =
+                    noise_multiplier_for(Sampling::Poisson, q, u64::from(rounds), DELTA, epsilon)
+                        .expect("these budgets are reachable");
+                let shape = DistributedNoise::for_plan(
+                    1.0,
+                    CLIP_NORM,
+                    MNIST_2NN_PARAMS,
+                    DP_COHORT,
+                    DP_MIN_SURVIVORS,
+                )
+                .expect("the survivors fit the cohort");
+                let distributed = shape
+                    .noise_multiplier_for(Sampling::Poisson, q, u64::from(rounds), DELTA, epsilon)
+                    .expect("these budgets are reachable");
+                [("central", central), ("distributed", distributed)].map(|(noise, z)| {
+                    let mut dp = serde_json::json!({
+                        "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                        "delta": DELTA, "noise": noise});
+                    if noise == "distributed" {
+                        dp["min_survivors"] = DP_MIN_SURVIVORS.into();
+                    }
+                    Case {
+                        over_selection: 1.0,
+                        clients: DP_CLIENTS,
+                        cohort: DP_COHORT,
+                        selection: SelectionPolicy::Poisson,
+                        secure: true,
+                        ..case(
+                            &format!("dp secure {noise} ε={epsilon} z={z:.3}"),
+                            serde_json::json!({"differential_privacy": dp}),
+                            None,
+                        )
+                    }
+                })
+            }),
+        )
         .collect(),
         // FedAvg uploading in each encoding; top-k devices keep what they did not send. Then
         // the model downloaded compressed too (`down:` the download encoding).
@@ -352,6 +402,7 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
         asynchronous: case.asynchronous,
         slowdown: case.slowdown,
         selection: case.selection,
+        secure: case.secure,
         pacing: Pacing {
             over_selection: case.over_selection,
             min_quorum: Some(case.cohort * 8 / 10),
@@ -363,7 +414,13 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
     let curve = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
     let seen = curve.clone();
     // A DP round waits out its whole selection window before it draws.
-    let per_round = if case.name.starts_with("dp ") { 20 } else { 10 };
+    let per_round = if case.secure {
+        40
+    } else if case.name.starts_with("dp ") {
+        20
+    } else {
+        10
+    };
     let budget = Duration::from_secs(per_round * u64::from(rounds) + 60);
     let started = Instant::now();
     let simulation = simulate(config, move |r| {

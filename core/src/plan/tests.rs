@@ -118,6 +118,41 @@ fn secure_aggregation_resolves_and_checks_its_bounds() {
     assert!(parse(tiny).unwrap_err().to_string().contains("3..="));
 }
 
+/// Distributed DP: each device's vector is the rotated model padded to a power of two (no
+/// weight, no evaluation), the rounds need the survivors the noise counts on, and the plan
+/// must say how many that is and turn secure aggregation on.
+#[test]
+fn distributed_noise_resolves_into_the_secure_rounds() {
+    let mut v = plan_json();
+    v["over_selection"] = serde_json::json!(1.0);
+    v["min_quorum"] = serde_json::json!(6);
+    v["secure_aggregation"] = serde_json::json!({"clip": 1.0, "max_examples": 1});
+    v["strategy"] = serde_json::json!({"differential_privacy": {"noise_multiplier": 1.0,
+        "clip_norm": 0.5, "population": 100, "delta": 1e-5, "noise": "distributed",
+        "min_survivors": 8}});
+    let plan = parse(v.clone()).unwrap();
+    let secure = plan.round_config().secure.unwrap();
+    let noise = secure.distributed.expect("devices add the noise");
+    assert_eq!((noise.n_params, noise.padded_len, secure.vector_len), (16, 16, 16));
+    assert!(!secure.carries_evaluation(16) && !secure.carries_evaluation(20));
+    assert_eq!(noise.local_stddev, 0.5 / 8f64.sqrt());
+    assert_eq!(plan.round_config().min_quorum, 8, "the survivors the noise counts on");
+    assert_eq!(plan.privacy().unwrap().epsilon_pld(3), None);
+
+    let mut missing = v.clone();
+    missing["strategy"]["differential_privacy"]["min_survivors"] = serde_json::Value::Null;
+    assert!(parse(missing).unwrap_err().to_string().contains("min_survivors"));
+    let mut too_many = v.clone();
+    too_many["strategy"]["differential_privacy"]["min_survivors"] = 11.into();
+    assert!(parse(too_many).unwrap_err().to_string().contains("min_survivors"));
+    let mut plain = v.clone();
+    plain["secure_aggregation"] = serde_json::Value::Null;
+    assert!(parse(plain).unwrap_err().to_string().contains("needs secure_aggregation"));
+    let mut central = v;
+    central["strategy"]["differential_privacy"]["noise"] = "central".into();
+    assert!(parse(central).unwrap_err().to_string().contains("distributed noise only"));
+}
+
 /// `init` (and a layer of a spec) with a unit `kind` accepted any other field, so a
 /// typo such as `{"kind": "zeros", "seed": 3}` passed silently. Every variant now refuses them.
 #[test]

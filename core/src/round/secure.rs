@@ -299,6 +299,7 @@ impl SecureRound {
             clip: self.settings.clip,
             max_examples: self.settings.max_examples,
             clip_norm: self.settings.clip_norm,
+            distributed_noise: self.settings.distributed,
         })
     }
 
@@ -536,6 +537,7 @@ impl SecureRound {
         let inconsistent =
             unmasking.inconsistent().iter().map(|&i| self.devices[i as usize - 1]).collect();
         self.sum = Some(SecureSum {
+            session: self.config.session,
             unmasking: Arc::new(unmasking),
             withdrawn,
             inconsistent,
@@ -558,6 +560,8 @@ fn ring_elements(bytes: &[u8]) -> Vec<u32> {
 /// runs it: never on the task that drives every run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SecureSum {
+    /// The round's session (with distributed noise, the rotation's seed comes from it).
+    session: [u8; 16],
     unmasking: Arc<secagg::Unmasking>,
     /// Devices whose masked input must come back out of the running sum, with their indices.
     withdrawn: BTreeMap<DeviceId, ClientIdx>,
@@ -644,6 +648,9 @@ impl SecureSum {
             .sum(|i| withdrawn.get(by_index.get(&i)?).cloned())
             .map_err(|e| AggregateError::Secure(e.to_string()))?;
         let count = self.survivors();
+        if let Some(noise) = &self.settings.distributed {
+            return self.finish_distributed(noise, &sum, count);
+        }
         let q = Quantizer::for_cohort(self.settings.clip, self.cohort);
         self.check_plausible(&q, &sum, count)?;
         let (model_part, evaluation) = if self.settings.carries_evaluation(sum.len()) {
@@ -670,6 +677,37 @@ impl SecureSum {
             metrics: BTreeMap::new(),
         };
         Ok((aggregate, evaluation))
+    }
+}
+
+impl SecureSum {
+    /// A distributed-DP round's mean: the survivors' noisy sum decoded (it carries the noise of
+    /// at least `min_survivors` devices: the coordinator adds none) over their count, after the
+    /// sum is checked against what honest contributions can make. No evaluation travels.
+    fn finish_distributed(
+        &self,
+        noise: &crate::privacy::DistributedNoise,
+        sum: &[u32],
+        count: u32,
+    ) -> Result<(Aggregate, Option<PooledEvaluation>), AggregateError> {
+        if count < noise.min_survivors {
+            return Err(AggregateError::Secure(format!(
+                "{count} survivors, fewer than the {} whose noise the guarantee counts on",
+                noise.min_survivors
+            )));
+        }
+        noise.check_sum(sum, count).map_err(AggregateError::Secure)?;
+        let rotation = crate::privacy::distributed::rotation_seed(&self.session);
+        let n = f64::from(count);
+        let mean_delta = noise.decode_sum(sum, &rotation).into_iter().map(|v| v / n).collect();
+        let aggregate = Aggregate {
+            mean_delta,
+            total_weight: u64::from(count),
+            n_updates: u64::from(count),
+            n_within_bound: u64::from(count),
+            metrics: BTreeMap::new(),
+        };
+        Ok((aggregate, None))
     }
 }
 

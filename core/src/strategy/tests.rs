@@ -170,6 +170,8 @@ fn a_dp_runs_clip_norm_travels_with_the_state() {
             learning_rate: 0.2,
             count_stddev: None,
         }),
+        noise: Default::default(),
+        min_survivors: None,
     };
     let with_dp =
         Strategy { differential_privacy: Some(dp), ..strategy(ServerOptimizer::FedAdam(ADAPTIVE)) };
@@ -191,6 +193,8 @@ fn a_dp_runs_clip_norm_travels_with_the_state() {
     let fixed = Strategy {
         differential_privacy: Some(crate::privacy::DifferentialPrivacy {
             adaptive_clipping: None,
+            noise: Default::default(),
+            min_survivors: None,
             ..dp
         }),
         ..Strategy::default()
