@@ -12,7 +12,7 @@ use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
-use crate::privacy::{Privacy, Sampling};
+use crate::privacy::{Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use training::{LocalOptimizer, TrainingPlan};
@@ -517,6 +517,11 @@ impl Plan {
             .check_memory(target_selected)
             .map_err(|why| field("strategy.aggregation", why))?;
         let n_params = schema.numel() as usize;
+        // The accountant's rate stays the expected cohort's.
+        let protocol_size = match (self.selection, &self.secure_aggregation) {
+            (SelectionPolicy::Poisson, Some(_)) => secure_poisson_cap(target_selected),
+            _ => target_selected,
+        };
         let privacy = match &self.strategy.differential_privacy {
             None => None,
             Some(dp) => {
@@ -525,9 +530,10 @@ impl Plan {
                     // first_come with DP is refused above.
                     SelectionPolicy::Random | SelectionPolicy::FirstCome => Sampling::FixedSize,
                 };
-                Some(dp.resolve(target_selected, self.rounds, sampling, n_params).map_err(
-                    |(name, why)| field("strategy.differential_privacy", format!("{name}: {why}")),
-                )?)
+                let sizes = Sizes { selected: target_selected, protocol: protocol_size, n_params };
+                Some(dp.resolve(sizes, self.rounds, sampling).map_err(|(name, why)| {
+                    field("strategy.differential_privacy", format!("{name}: {why}"))
+                })?)
             }
         };
         let distributed = privacy.and_then(|p| p.distributed);
@@ -540,7 +546,7 @@ impl Plan {
         let secure = match &self.secure_aggregation {
             None => None,
             Some(s) => {
-                let resolved = s.resolve(target_selected, n_params)?;
+                let resolved = s.resolve(protocol_size, n_params)?;
                 Some(SecureRoundConfig {
                     clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
                     // The devices' noisy, rotated integers and nothing else: no weight (each
@@ -553,7 +559,7 @@ impl Plan {
         };
         let rounds = RoundConfig {
             cohort_size: self.cohort_size,
-            target_selected,
+            target_selected: protocol_size,
             // With distributed noise a round needs the survivors whose noise it counts on.
             min_quorum: distributed.map_or(quorum, |d| quorum.max(d.min_survivors)),
             selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
@@ -584,6 +590,14 @@ impl Plan {
         };
         Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
     }
+}
+
+/// The most devices a secure round with Poisson selection holds when it expects `expected`: a
+/// secure round's protocol has a fixed size, so the draw through it is capped, at the expected
+/// cohort plus eight standard deviations and eight, which the binomial draw from the stated
+/// population exceeds with probability below 1e-12. (A plain Poisson round has no cap.)
+pub fn secure_poisson_cap(expected: u32) -> u32 {
+    expected + (8.0 * f64::from(expected).sqrt()).ceil() as u32 + 8
 }
 
 /// Largest secure cohort: beyond it the quantizer keeps too few bits (and such cohorts belong

@@ -151,6 +151,25 @@ impl Sampling {
     }
 }
 
+/// What a DP run's rounds hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizes {
+    /// Devices selected per round (with Poisson sampling, the expected number): q's numerator.
+    pub selected: u32,
+    /// The most devices a round's secure aggregation holds (a Poisson draw's cap), which the
+    /// ring of distributed noise is sized for; `selected` otherwise.
+    pub protocol: u32,
+    /// The model's parameters.
+    pub n_params: usize,
+}
+
+impl Sizes {
+    /// A round of `selected` devices (no cap above it) training `n_params` parameters.
+    pub fn of(selected: u32, n_params: usize) -> Self {
+        Sizes { selected, protocol: selected, n_params }
+    }
+}
+
 /// A plan's privacy settings, resolved against its cohort and checked.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Privacy {
@@ -171,16 +190,15 @@ pub struct Privacy {
 }
 
 impl DifferentialPrivacy {
-    /// Checks the settings for a run drawing `selected` devices per round by `sampling` over
-    /// `rounds` rounds, training `n_params` parameters, and resolves the derived quantities.
-    /// The message names the bad field.
+    /// Checks the settings for a run of `sizes` drawing its cohorts by `sampling` over
+    /// `rounds` rounds, and resolves the derived quantities. The message names the bad field.
     pub fn resolve(
         &self,
-        selected: u32,
+        sizes: Sizes,
         rounds: u32,
         sampling: Sampling,
-        n_params: usize,
     ) -> Result<Privacy, (&'static str, String)> {
+        let selected = sizes.selected;
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !(positive(self.noise_multiplier) && self.noise_multiplier <= 1e4) {
             return Err(("noise_multiplier", "must be in (0, 1e4]".into()));
@@ -241,8 +259,8 @@ impl DifferentialPrivacy {
                 DistributedNoise::for_plan(
                     self.noise_multiplier,
                     self.clip_norm,
-                    n_params,
-                    selected,
+                    sizes.n_params,
+                    sizes.protocol,
                     min,
                 )
                 .map_err(|why| ("min_survivors", why))?,

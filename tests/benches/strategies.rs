@@ -292,11 +292,13 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 let central =
                     noise_multiplier_for(Sampling::Poisson, q, u64::from(rounds), DELTA, epsilon)
                         .expect("these budgets are reachable");
+                // The ring is sized for the secure Poisson round's cap, as the plan sizes it.
+                let protocol = starling_core::plan::secure_poisson_cap(DP_COHORT);
                 let shape = DistributedNoise::for_plan(
                     1.0,
                     CLIP_NORM,
                     MNIST_2NN_PARAMS,
-                    DP_COHORT,
+                    protocol,
                     DP_MIN_SURVIVORS,
                 )
                 .expect("the survivors fit the cohort");

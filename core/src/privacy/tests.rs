@@ -65,7 +65,7 @@ fn epsilon_follows_the_conversion_and_grows_with_rounds() {
 #[test]
 fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
     let plan = DifferentialPrivacy { epsilon_budget: Some(2.0), ..dp(1.0) };
-    let p = plan.resolve(10, 5000, Sampling::Poisson, 100).unwrap();
+    let p = plan.resolve(Sizes::of(10, 100), 5000, Sampling::Poisson).unwrap();
     let acc = RdpAccountant::new(0.01, 1.0);
     assert!(p.rounds_allowed < 5000);
     assert!(acc.epsilon(u64::from(p.rounds_allowed), 1e-5) <= 2.0);
@@ -79,13 +79,13 @@ fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
     // A budget the plan's rounds stay within leaves them alone.
     assert_eq!(
         DifferentialPrivacy { epsilon_budget: Some(1e6), ..dp(1.0) }
-            .resolve(10, 50, Sampling::Poisson, 100)
+            .resolve(Sizes::of(10, 100), 50, Sampling::Poisson)
             .unwrap()
             .rounds_allowed,
         50
     );
     let (field, why) = DifferentialPrivacy { epsilon_budget: Some(0.001), ..dp(0.5) }
-        .resolve(100, 5, Sampling::Poisson, 100)
+        .resolve(Sizes::of(100, 100), 5, Sampling::Poisson)
         .unwrap_err();
     assert_eq!(field, "epsilon_budget");
     assert!(why.contains("one round already spends"), "{why}");
@@ -94,7 +94,7 @@ fn a_budget_caps_the_rounds_and_one_that_fits_none_is_refused() {
 #[test]
 fn settings_are_checked_by_name() {
     let bad = |p: DifferentialPrivacy, selected| {
-        p.resolve(selected, 10, Sampling::Poisson, 100).unwrap_err().0
+        p.resolve(Sizes::of(selected, 100), 10, Sampling::Poisson).unwrap_err().0
     };
     assert_eq!(bad(dp(0.0), 10), "noise_multiplier");
     assert_eq!(bad(DifferentialPrivacy { clip_norm: -1.0, ..dp(1.0) }, 10), "clip_norm");
@@ -114,7 +114,7 @@ fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
     let adaptive =
         AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(2.0) };
     let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1.0) }
-        .resolve(40, 10, Sampling::Poisson, 100)
+        .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
         .unwrap();
     // z_Δ = (1 − 1/16)^(-1/2).
     assert!((p.update_noise_multiplier - (15.0f64 / 16.0).powf(-0.5)).abs() < 1e-12);
@@ -126,7 +126,7 @@ fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
         min_survivors: None,
         ..dp(1.0)
     }
-    .resolve(40, 10, Sampling::Poisson, 100)
+    .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
     .unwrap();
     assert_eq!(p.count_stddev, Some(2.0));
 }
@@ -137,7 +137,7 @@ fn the_clip_norm_moves_toward_the_target_quantile() {
     let adaptive =
         AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(1e-9) };
     let p = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1e-10) }
-        .resolve(10, 10, Sampling::Poisson, 100)
+        .resolve(Sizes::of(10, 100), 10, Sampling::Poisson)
         .unwrap();
     let mut g = Gaussian::new([1; 32]);
     // All within: shrink by e^{-0.1}; none within: grow by e^{0.1}; at the quantile: stay.
@@ -146,7 +146,10 @@ fn the_clip_norm_moves_toward_the_target_quantile() {
     assert!((p.next_clip_norm(2.0, 5, 10, &mut g) - 2.0).abs() < 1e-9);
     // Without adaptive clipping the norm stays.
     assert_eq!(
-        dp(1.0).resolve(10, 10, Sampling::Poisson, 100).unwrap().next_clip_norm(2.0, 0, 10, &mut g),
+        dp(1.0)
+            .resolve(Sizes::of(10, 100), 10, Sampling::Poisson)
+            .unwrap()
+            .next_clip_norm(2.0, 0, 10, &mut g),
         2.0
     );
 }
@@ -160,7 +163,7 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "mean {mean}, var {var}");
     // The same seed gives the same noise; noise on the mean of 4 updates with C = 2, z = 1.5
     // has standard deviation 1.5·2/4.
-    let p = dp(1.5).resolve(10, 10, Sampling::Poisson, 100).unwrap();
+    let p = dp(1.5).resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
     let mut a = vec![0.0; 100_000];
     p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]));
     let mut b = vec![0.0; 100_000];
@@ -223,8 +226,8 @@ fn fixed_size_sampling_accounts_replace_one_and_grows_with_the_rate() {
     // The same plan spends more under the fixed-size draw than under Poisson sampling, so its
     // budget allows fewer rounds.
     let plan = DifferentialPrivacy { epsilon_budget: Some(4.0), ..dp(3.0) };
-    let poisson = plan.resolve(100, 1000, Sampling::Poisson, 100).unwrap();
-    let fixed = plan.resolve(100, 1000, Sampling::FixedSize, 100).unwrap();
+    let poisson = plan.resolve(Sizes::of(100, 100), 1000, Sampling::Poisson).unwrap();
+    let fixed = plan.resolve(Sizes::of(100, 100), 1000, Sampling::FixedSize).unwrap();
     assert_eq!(fixed.sampling, Sampling::FixedSize);
     assert!(fixed.rounds_allowed < poisson.rounds_allowed, "{fixed:?} vs {poisson:?}");
     assert!(fixed.epsilon_after(u64::from(fixed.rounds_allowed)) <= 4.0);
@@ -236,13 +239,13 @@ fn fixed_size_sampling_accounts_replace_one_and_grows_with_the_rate() {
 
 #[test]
 fn a_poisson_run_reports_the_tighter_of_rdp_and_pld() {
-    let p = dp(1.0).resolve(10, 100, Sampling::Poisson, 100).unwrap();
+    let p = dp(1.0).resolve(Sizes::of(10, 100), 100, Sampling::Poisson).unwrap();
     let (rdp, pld) = (p.epsilon_rdp(50), p.epsilon_pld(50).unwrap());
     assert!(pld < rdp, "PLD {pld} is the tighter here, RDP {rdp}");
     assert_eq!(p.epsilon_after(50), pld);
     assert_eq!(p.epsilon_after(0), 0.0);
     // dp-accounting has no PLD for the fixed-size draw: RDP alone.
-    let fixed = dp(3.0).resolve(10, 100, Sampling::FixedSize, 100).unwrap();
+    let fixed = dp(3.0).resolve(Sizes::of(10, 100), 100, Sampling::FixedSize).unwrap();
     assert_eq!(fixed.epsilon_pld(50), None);
     assert_eq!(fixed.epsilon_after(50), fixed.epsilon_rdp(50));
 }

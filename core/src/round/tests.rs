@@ -569,6 +569,34 @@ fn pace_steering_spreads_returns_by_population_with_jitter() {
     assert!(waits.iter().all(|w| (1_000..=2_000).contains(w)), "{waits:?}");
 }
 
+/// Poisson selection has no cap outside secure aggregation: every device that wins its draw
+/// in the window is in, however many that is, since a cap would let one device's presence push
+/// another out (a replacement its add/remove accountant does not cover). A secure round's
+/// protocol size caps it.
+#[test]
+fn a_plain_poisson_round_takes_every_device_that_wins_its_draw() {
+    let poisson = RoundConfig {
+        cohort_size: 50,
+        target_selected: 50,
+        min_quorum: 1,
+        selection: crate::plan::SelectionPolicy::Poisson,
+        poisson_rate: Some(0.3),
+        ..config()
+    };
+    let mut m = RunMachine::start(RunId(1), poisson.clone(), 0, [0; 32]);
+    let (_, selected) = check_ins(&mut m, 10, 0..1_000, &Default::default(), 1_000);
+    assert!(
+        selected.len() > 200,
+        "{} of 1 000 drawn at 0.3, beyond the target of 50",
+        selected.len()
+    );
+    assert!(m.is_selecting(20), "the window is still open");
+    let capped = RoundConfig { secure: secure_rounds::secure_config().secure, ..poisson };
+    let mut m = RunMachine::start(RunId(1), capped, 0, [0; 32]);
+    let (_, selected) = check_ins(&mut m, 10, 0..1_000, &Default::default(), 1_000);
+    assert_eq!(selected.len(), 50, "a secure round's protocol size caps the draw");
+}
+
 /// A plan's eligibility: a device that does not report what the plan requires is told to come
 /// back later, even while the round selects; one that does is selected.
 #[test]
@@ -720,7 +748,7 @@ mod secure_rounds {
 
     const LEN: usize = 20;
 
-    fn secure_config() -> RoundConfig {
+    pub(super) fn secure_config() -> RoundConfig {
         RoundConfig {
             cohort_size: 10,
             target_selected: 10,

@@ -1,7 +1,7 @@
 //! Lockstep rounds: a round selects until its target or its selection deadline, fails at
 //! that deadline with fewer than the quorum selected, and closes when `cohort_size` updates
 //! are durable, when every selected device reported after selection ended, or at the reporting
-//! deadline (waiting up to the tier's grace for partials still missing). A secure round closes
+//! deadline (a plain Poisson round has no target and no early close at `cohort_size`) (waiting up to the tier's grace for partials still missing). A secure round closes
 //! when its protocol ends, with its checked sum.
 
 use std::collections::BTreeSet;
@@ -14,8 +14,18 @@ use super::super::{ActiveRound, Phase, RoundOutcome, RoundSum};
 /// Whether a check-in at `now` could be selected into `r`.
 pub(super) fn is_selecting(r: &ActiveRound, config: &RoundConfig, now: Millis) -> bool {
     r.phase == Phase::Open
-        && r.selected.len() < config.target_selected as usize
+        && (r.selected.len() < config.target_selected as usize || !caps_cohort(config))
         && now < r.opened.selection_deadline
+}
+
+/// Whether the round's cohort stops at the target: selection at `target_selected`, and the
+/// round at `cohort_size` updates. Not for Poisson selection outside secure aggregation: every
+/// device that wins its draw during the window is in, and every update that arrives in time
+/// counts, since a cap would let one device's presence push another out, which its add/remove
+/// accountant does not cover. (A secure round's cohort is capped by its protocol's size; the
+/// plan sizes it so that the cap binds with negligible probability.)
+fn caps_cohort(config: &RoundConfig) -> bool {
+    config.poisson_rate.is_none() || config.secure.is_some()
 }
 
 /// Moves the open round `r` to `Closing` when one of the rules above says it is over.
@@ -26,8 +36,8 @@ pub(super) fn close_when_due(
     grace_ms: i64,
 ) {
     let (n_selected, n_reported) = (r.selected.len(), r.reported.len());
-    let selection_over =
-        n_selected >= config.target_selected as usize || now >= r.opened.selection_deadline;
+    let selection_over = (caps_cohort(config) && n_selected >= config.target_selected as usize)
+        || now >= r.opened.selection_deadline;
     if now >= r.opened.selection_deadline && n_selected < config.min_quorum as usize {
         r.early_failure = Some(RoundOutcome::TooFewSelected {
             selected: n_selected as u32,
@@ -57,7 +67,7 @@ pub(super) fn close_when_due(
                 r.phase = Phase::Closing;
             }
         }
-    } else if n_reported >= config.cohort_size as usize
+    } else if (caps_cohort(config) && n_reported >= config.cohort_size as usize)
         || (selection_over && n_reported == n_selected)
         || (now >= r.opened.reporting_deadline
             && (!r.shards_pending() || now >= r.opened.reporting_deadline + grace_ms))
