@@ -40,11 +40,12 @@
 //! served.
 //!
 //! **With SecAgg** the coordinator only sees the masked sum, so devices clip to `C` themselves
-//! before masking, every update weighs 1 (`secure_aggregation.max_examples = 1`), and the
-//! coordinator adds the same central noise to the unmasked sum before anything else reads it
-//! (documented central noise after unmasking — not distributed noise: a coordinator that
-//! deviated from the protocol could read the un-noised sum). Adaptive clipping needs each
-//! device's clip bit in the clear and is refused with SecAgg.
+//! before masking and every update weighs 1 (`secure_aggregation.max_examples = 1`). With
+//! central noise the coordinator adds it to the unmasked sum before anything else reads it (so
+//! it holds the un-noised sum for a moment); with distributed noise ([`distributed`]) each
+//! device adds discrete Gaussian noise before masking and the coordinator never holds an
+//! un-noised sum. Adaptive clipping needs each device's clip bit in the clear and is refused
+//! with SecAgg.
 
 use chacha20::cipher::{KeyIvInit, StreamCipher};
 use serde::{Deserialize, Serialize};

@@ -310,28 +310,27 @@ async fn a_dp_round_that_measures_fewer_devices_than_its_population_releases_not
     c.running.shutdown().await.unwrap();
 }
 
-/// Secure aggregation with DP and the fixed-size draw, end to end with the SDK's participants:
-/// every round waits out its window, draws its cohort from the ten devices it measured, runs
-/// SecAgg+ with the drawn devices clipping before masking, commits, and the run reports the
-/// replace-one accountant's ε for the rounds it committed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
+/// The devices of the secure DP simulations.
+const SECURE_DP_CLIENTS: usize = 10;
+
+/// A secure DP simulation with `strategy`: ten digits devices, five drawn per round (a quorum
+/// of four), for `rounds` rounds; the run and its view once every round committed.
+async fn secure_dp_run(
+    c: &InProcess,
+    strategy: serde_json::Value,
+    rounds: u32,
+) -> (RunId, starling_core::admin::RunView) {
     use starling_client::simulate::{Pacing, SimulationConfig, simulate};
-    const CLIENTS: usize = 10;
-    let (z, rounds) = (4.0, 3);
-    let (_dir, db) = sqlite_db();
-    let c = start_in_process(&db).await.unwrap();
     let config = SimulationConfig {
         secure: true,
-        strategy: serde_json::json!({"differential_privacy": {
-            "noise_multiplier": z, "clip_norm": 1.0, "population": CLIENTS, "delta": 1e-5}}),
+        strategy,
         pacing: Pacing {
             over_selection: 1.0,
             min_quorum: Some(4),
             selection_timeout_secs: 2.0,
             reporting_timeout_secs: 60.0,
         },
-        ..digits_simulation(&c.url, CLIENTS, 5, rounds, 3)
+        ..digits_simulation(&c.url, SECURE_DP_CLIENTS, 5, rounds, 3)
     };
     let results =
         simulate(config, |r| eprintln!("model {}: accuracy {:.3}", r.version, r.test_accuracy))
@@ -342,7 +341,22 @@ async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
     let run = c.admin.runs().await.unwrap().into_iter().next().expect("the simulation's run");
     let view = c.admin.run(RunId(run.id)).await.unwrap();
     assert_eq!(view.rounds_committed, i64::from(rounds));
-    for r in c.admin.rounds(RunId(run.id)).await.unwrap() {
+    (RunId(run.id), view)
+}
+
+/// Secure aggregation with DP and the fixed-size draw, end to end with the SDK's participants:
+/// every round waits out its window, draws its cohort from the ten devices it measured, runs
+/// SecAgg+ with the drawn devices clipping before masking, commits, and the run reports the
+/// replace-one accountant's ε for the rounds it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
+    let (z, rounds) = (4.0, 3);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let dp = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5}});
+    let (run, view) = secure_dp_run(&c, dp, rounds).await;
+    for r in c.admin.rounds(run).await.unwrap() {
         assert_eq!(r.n_selected, 5, "round {}: exactly the target drawn", r.round_idx);
     }
     let privacy = view.privacy.expect("a DP run shows its privacy");
@@ -477,35 +491,14 @@ fn the_distributed_dp_accountant_agrees_with_the_papers_formulas_to_1e_9() {
 /// on, is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_distributed_dp_run_commits_noisy_sums_and_reports_their_epsilon() {
-    use starling_client::simulate::{Pacing, SimulationConfig, simulate};
     use starling_core::privacy::DistributedNoise;
-    const CLIENTS: usize = 10;
     let (z, rounds) = (1.0, 3);
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let dp = serde_json::json!({"differential_privacy": {
-        "noise_multiplier": z, "clip_norm": 1.0, "population": CLIENTS, "delta": 1e-5,
+        "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5,
         "noise": "distributed", "min_survivors": 4}});
-    let config = SimulationConfig {
-        secure: true,
-        strategy: dp.clone(),
-        pacing: Pacing {
-            over_selection: 1.0,
-            min_quorum: Some(4),
-            selection_timeout_secs: 2.0,
-            reporting_timeout_secs: 60.0,
-        },
-        ..digits_simulation(&c.url, CLIENTS, 5, rounds, 3)
-    };
-    let results =
-        simulate(config, |r| eprintln!("model {}: accuracy {:.3}", r.version, r.test_accuracy))
-            .await
-            .unwrap()
-            .rounds;
-    assert_eq!(results.len(), rounds as usize);
-    let run = c.admin.runs().await.unwrap().into_iter().next().expect("the simulation's run");
-    let view = c.admin.run(RunId(run.id)).await.unwrap();
-    assert_eq!(view.rounds_committed, i64::from(rounds));
+    let (_, view) = secure_dp_run(&c, dp.clone(), rounds).await;
     let privacy = view.privacy.expect("a DP run shows its privacy");
     // The digits MLP: 64·64 + 64 + 64·64 + 64 + 64·10 + 10 parameters.
     let noise = DistributedNoise::for_plan(z, 1.0, 8970, 5, 4).unwrap();
@@ -515,7 +508,7 @@ async fn a_distributed_dp_run_commits_noisy_sums_and_reports_their_epsilon() {
     assert!(privacy.accounting.contains("at least 4 survivors"), "{}", privacy.accounting);
     assert_eq!(privacy.epsilon_pld, None);
 
-    let mut plain = PlanSpec::all_of(CLIENTS, 16, 3).json();
+    let mut plain = PlanSpec::all_of(SECURE_DP_CLIENTS, 16, 3).json();
     plain["strategy"] = dp.clone();
     let err = c.admin.create_run(&plain).await.unwrap_err().to_string();
     assert!(err.contains("needs secure_aggregation"), "{err}");
