@@ -356,9 +356,20 @@ impl Privacy {
         })
     }
 
-    /// Adds the round's noise to the mean of `n_updates` clipped updates:
-    /// `N(0, (z_Δ·C)²) / n` per coordinate (noise on the sum, divided like the sum). With
-    /// distributed noise the devices added it before masking, and this adds none.
+    /// What a round's noisy sum is divided by: the number of updates with the fixed-size draw
+    /// (the cohort's size is fixed, so it reveals nothing), the expected cohort with Poisson
+    /// sampling (McMahan et al.'s fixed denominator: dividing by how many were drawn would
+    /// release that number, which the accountant does not cover).
+    fn denominator(&self, n_updates: u64) -> f64 {
+        match self.sampling {
+            Sampling::FixedSize => n_updates.max(1) as f64,
+            Sampling::Poisson => self.sampling_rate * self.plan.population as f64,
+        }
+    }
+
+    /// Turns the mean of `n_updates` clipped updates into the round's release: the noisy sum
+    /// over [`Privacy::denominator`]. Adds `N(0, (z_Δ·C)²)` per coordinate of the sum, unless
+    /// the noise is distributed (the devices added it before masking).
     pub fn noise_mean(
         &self,
         mean: &mut [f64],
@@ -366,10 +377,17 @@ impl Privacy {
         clip_norm: f64,
         noise: &mut Gaussian,
     ) {
+        let denominator = self.denominator(n_updates);
+        let rescale = n_updates as f64 / denominator;
+        if rescale != 1.0 {
+            for v in mean.iter_mut() {
+                *v *= rescale;
+            }
+        }
         if self.distributed.is_some() {
             return;
         }
-        let sd = self.update_noise_multiplier * clip_norm / n_updates.max(1) as f64;
+        let sd = self.update_noise_multiplier * clip_norm / denominator;
         for v in mean {
             *v += sd * noise.sample();
         }
@@ -388,7 +406,7 @@ impl Privacy {
         let (Some(a), Some(sigma_b)) = (self.plan.adaptive_clipping, self.count_stddev) else {
             return clip_norm;
         };
-        let share = (within as f64 + sigma_b * noise.sample()) / n_updates.max(1) as f64;
+        let share = (within as f64 + sigma_b * noise.sample()) / self.denominator(n_updates);
         (clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9)
     }
 }

@@ -161,9 +161,9 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     let mean = draws.iter().sum::<f64>() / draws.len() as f64;
     let var = draws.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / draws.len() as f64;
     assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "mean {mean}, var {var}");
-    // The same seed gives the same noise; noise on the mean of 4 updates with C = 2, z = 1.5
-    // has standard deviation 1.5·2/4.
-    let p = dp(1.5).resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
+    // The same seed gives the same noise; noise on the mean of 4 updates of a fixed-size draw
+    // with C = 2, z = 1.5 has standard deviation 1.5·2/4.
+    let p = dp(1.5).resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
     let mut a = vec![0.0; 100_000];
     p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]));
     let mut b = vec![0.0; 100_000];
@@ -248,4 +248,26 @@ fn a_poisson_run_reports_the_tighter_of_rdp_and_pld() {
     let fixed = dp(3.0).resolve(Sizes::of(10, 100), 100, Sampling::FixedSize).unwrap();
     assert_eq!(fixed.epsilon_pld(50), None);
     assert_eq!(fixed.epsilon_after(50), fixed.epsilon_rdp(50));
+}
+
+/// With Poisson sampling the round's release divides by the expected cohort, not by how many
+/// were drawn: the count would be a release of its own, outside the accountant. Twelve updates
+/// drawn where ten are expected: the mean is scaled by 12/10 and the noise is that of a sum
+/// over ten. With the fixed-size draw the count is fixed and the mean is left as it is.
+#[test]
+fn a_poisson_round_divides_by_its_expected_cohort() {
+    let poisson = dp(1.0).resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
+    let tiny = DifferentialPrivacy { noise_multiplier: 1e-9, ..dp(1.0) };
+    let quiet = tiny.resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
+    let mut mean = vec![0.5; 4];
+    quiet.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]));
+    assert!(mean.iter().all(|v| (v - 0.6).abs() < 1e-6), "{mean:?}");
+    let mut noise_only = vec![0.0; 100_000];
+    poisson.noise_mean(&mut noise_only, 12, 1.0, &mut Gaussian::new([2; 32]));
+    let sd = (noise_only.iter().map(|x| x * x).sum::<f64>() / noise_only.len() as f64).sqrt();
+    assert!((sd - 0.1).abs() < 0.002, "noise of a sum over the expected ten: {sd}");
+    let fixed = tiny.resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
+    let mut mean = vec![0.5; 4];
+    fixed.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]));
+    assert!(mean.iter().all(|v| (v - 0.5).abs() < 1e-6), "{mean:?}");
 }
