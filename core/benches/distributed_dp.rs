@@ -12,7 +12,9 @@ use starling_core::secagg::{Quantizer, decode_weighted_mean, encode_weighted};
 
 /// A deterministic delta of `m` values of norm about 2 (clipped to 1 by the encoding).
 fn delta(m: usize, device: u32) -> Vec<f32> {
-    (0..m).map(|j| ((j as u32 * 2_654_435_761 ^ device) % 1000) as f32 / 1000.0 - 0.5).collect()
+    (0..m)
+        .map(|j| (((j as u32).wrapping_mul(2_654_435_761) ^ device) % 1000) as f32 / 1000.0 - 0.5)
+        .collect()
 }
 
 /// The mean of `runs` timings of `f`.
