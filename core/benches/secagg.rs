@@ -146,7 +146,16 @@ fn main() {
     let cases: &[(u32, usize, f64)] = if quick {
         &[(50, 100_000, 0.0)]
     } else {
-        &[(50, 100_000, 0.0), (500, 100_000, 0.0), (500, 100_000, 0.1), (1000, 100_000, 0.0)]
+        // 131 072: a 100 000-parameter model as distributed DP pads it for its rotation.
+        &[
+            (50, 100_000, 0.0),
+            (100, 100_000, 0.1),
+            (100, 131_072, 0.1),
+            (500, 100_000, 0.0),
+            (500, 100_000, 0.1),
+            (500, 131_072, 0.1),
+            (1000, 100_000, 0.0),
+        ]
     };
     println!(
         "| n | m | dropout | k | t | survivors | client time | server time | of which secrets / unmasking | client sends | client receives |"
