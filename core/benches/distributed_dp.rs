@@ -59,7 +59,7 @@ fn main() {
         let ms = |t: Duration| format!("{:.1} ms", t.as_secs_f64() * 1e3);
         println!(
             "| {n} | {m} | {} | {} | {} | {} | {} | {:.1} KiB | {:.1} KiB |",
-            noise.padded_len,
+            noise.padded_len(),
             ms(plain_encode),
             ms(distributed_encode),
             ms(plain_decode),

@@ -551,7 +551,7 @@ impl Plan {
                     clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
                     // The devices' noisy, rotated integers and nothing else: no weight (each
                     // weighs one) and no evaluation (a DP run releases none).
-                    vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len),
+                    vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len()),
                     distributed,
                     ..resolved
                 })

@@ -637,35 +637,50 @@ pub fn rdp_sampled_without_replacement(q: f64, z: f64, alpha: f64) -> f64 {
         return f64::INFINITY;
     }
     if alpha.fract() == 0.0 {
-        return log_a_without_replacement(q, z, alpha as u64) / (alpha - 1.0);
+        return log_a_gaussian_without_replacement(q, z, alpha as u64) / (alpha - 1.0);
     }
     let (lo, hi) = (alpha.floor(), alpha.ceil());
-    let x = log_a_without_replacement(q, z, lo as u64);
-    let y = log_a_without_replacement(q, z, hi as u64);
+    let x = log_a_gaussian_without_replacement(q, z, lo as u64);
+    let y = log_a_gaussian_without_replacement(q, z, hi as u64);
     let t = alpha - lo;
     ((1.0 - t) * x + t * y) / (alpha - 1.0)
 }
 
-/// ln A_α of Theorem 27 for an integer order: 1 + Σ_{i≥2} C(α, i)·qⁱ·(bound of term i).
-fn log_a_without_replacement(q: f64, z: f64, alpha: u64) -> f64 {
+/// ln A_α of Theorem 27 for the Gaussian mechanism at an integer order: the general bound
+/// ([`log_a_without_replacement`]) with each term tightened by the forward differences of the
+/// Gaussian's CGF, up to order 256.
+fn log_a_gaussian_without_replacement(q: f64, z: f64, alpha: u64) -> f64 {
     /// Above it, each term takes the bound 2·e^{(i−1)·rdp(i)}, which needs no differences.
     const EXACT_UP_TO: u64 = 256;
+    // x·rdp(x + 1) of the Gaussian mechanism.
+    let cgf = |x: f64| x * (x + 1.0) / (2.0 * z * z);
+    let deltas =
+        (2..=EXACT_UP_TO).contains(&alpha).then(|| forward_differences(cgf, alpha as usize));
+    log_a_without_replacement(q, alpha, &|x| x / (2.0 * z * z), deltas.as_deref())
+}
+
+/// ln A_α of Wang, Balle and Kasiviswanathan (2019), Theorem 9, for an integer order and a
+/// mechanism of replace-one RDP `rdp` (with ε(∞) = ∞, each term's min takes its finite side):
+/// 1 + Σ_{i≥2} C(α, i)·qⁱ·(bound of term i), the terms from the third on tightened by
+/// `deltas`, the forward differences of Theorem 27, where the mechanism has them.
+fn log_a_without_replacement(
+    q: f64,
+    alpha: u64,
+    rdp: &dyn Fn(f64) -> f64,
+    deltas: Option<&[f64]>,
+) -> f64 {
     if alpha <= 1 {
         return 0.0;
     }
-    // x·rdp(x + 1) of the Gaussian mechanism, and its RDP.
-    let cgf = |x: f64| x * (x + 1.0) / (2.0 * z * z);
-    let rdp = |x: f64| x / (2.0 * z * z);
     let fa = alpha as f64;
-    let log_f2m1 = rdp(2.0) + (-(-rdp(2.0)).exp()).ln_1p();
-    let second =
-        2.0 * q.ln() + log_comb(fa, 2.0) + (4f64.ln() + log_f2m1).min(rdp(2.0) + 2f64.ln());
+    let e2 = rdp(2.0);
+    let log_f2m1 = e2 + (-(-e2).exp()).ln_1p();
+    let second = 2.0 * q.ln() + log_comb(fa, 2.0) + (4f64.ln() + log_f2m1).min(e2 + 2f64.ln());
     let mut log_a = log_add(0.0, second);
-    let deltas = (alpha <= EXACT_UP_TO).then(|| forward_differences(cgf, alpha as usize));
     for i in 3..=alpha {
         let fi = i as f64;
-        let mut s = 2f64.ln() + cgf(fi - 1.0);
-        if let Some(deltas) = &deltas {
+        let mut s = 2f64.ln() + (fi - 1.0) * rdp(fi);
+        if let Some(deltas) = deltas {
             let lo = deltas[2 * (i as usize / 2) - 1];
             let hi = deltas[2 * (i as usize).div_ceil(2) - 1];
             s = s.min(4f64.ln() + 0.5 * (lo + hi));

@@ -133,7 +133,7 @@ fn distributed_noise_resolves_into_the_secure_rounds() {
     let plan = parse(v.clone()).unwrap();
     let secure = plan.round_config().secure.unwrap();
     let noise = secure.distributed.expect("devices add the noise");
-    assert_eq!((noise.n_params, noise.padded_len, secure.vector_len), (16, 16, 16));
+    assert_eq!((noise.n_params, noise.padded_len(), secure.vector_len), (16, 16, 16));
     assert!(!secure.carries_evaluation(16) && !secure.carries_evaluation(20));
     assert_eq!(noise.local_stddev, 0.5 / 8f64.sqrt());
     assert_eq!(plan.round_config().min_quorum, 8, "the survivors the noise counts on");

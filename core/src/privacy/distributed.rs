@@ -23,7 +23,7 @@ use chacha20::cipher::{KeyIvInit, StreamCipher};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{RdpAccountant, Sampling, log_add, log_comb};
+use super::{RdpAccountant, Sampling, log_a_without_replacement, log_add, log_comb};
 
 /// Bits of the ring the masked sum lives in (SecAgg's Z/2^32).
 const RING_BITS: i32 = 32;
@@ -49,8 +49,6 @@ pub struct DistributedNoise {
     pub gamma: f64,
     /// The model's parameters.
     pub n_params: usize,
-    /// The rotation's dimension: the parameters, padded to a power of two.
-    pub padded_len: usize,
     /// The fewest survivors the guarantee counts on: a round with fewer fails unreleased.
     pub min_survivors: u32,
     /// The devices selected per round: the ring is sized for their sum.
@@ -71,27 +69,18 @@ impl DistributedNoise {
         if min_survivors == 0 || min_survivors > cohort {
             return Err(format!("min_survivors must be in 1..={cohort}, the devices selected"));
         }
-        let padded_len = n_params.max(1).next_power_of_two();
         let local_stddev = z * clip_norm / f64::from(min_survivors).sqrt();
         // The paper's Eq. 61 (its `heuristic_scale_factor`, ρ = 1): k standard deviations of
         // each coordinate of the sum — signal n·C/√d at worst, noise √n·σ, rounding √n·γ/2 —
         // within the ring's half-width.
-        let (n, k, d) = (f64::from(cohort), RING_STDDEVS, padded_len as f64);
+        let (n, k, d) = (f64::from(cohort), RING_STDDEVS, padded(n_params) as f64);
         let room = 2f64.powi(2 * RING_BITS) - n * k * k;
         let spread = (clip_norm * clip_norm * n * n / d + n * local_stddev * local_stddev).sqrt();
         let gamma = 2.0 * k * spread / room.sqrt();
         if !(gamma.is_finite() && gamma > 0.0) {
             return Err(format!("no integer grid fits a sum of {cohort} devices in the ring"));
         }
-        Ok(DistributedNoise {
-            clip_norm,
-            local_stddev,
-            gamma,
-            n_params,
-            padded_len,
-            min_survivors,
-            cohort,
-        })
+        Ok(DistributedNoise { clip_norm, local_stddev, gamma, n_params, min_survivors, cohort })
     }
 
     /// The smallest noise multiplier (to 0.1 %) with which this noise, sampled by `sampling` at
@@ -118,6 +107,12 @@ impl DistributedNoise {
         self.accountant(sampling, q).epsilon(rounds, delta)
     }
 
+    /// The rotation's dimension: the parameters, padded to a power of two (what each device
+    /// masks).
+    pub fn padded_len(&self) -> usize {
+        padded(self.n_params)
+    }
+
     /// Each device's noise standard deviation on the integer grid.
     fn grid_stddev(&self) -> f64 {
         self.local_stddev / self.gamma
@@ -127,7 +122,7 @@ impl DistributedNoise {
     /// by the rounding (the paper's Theorem 1 / its `rounded_l2_norm_bound`).
     pub fn rounded_l2_bound(&self) -> f64 {
         let c = self.clip_norm / self.gamma;
-        let d = self.padded_len as f64;
+        let d = self.padded_len() as f64;
         let loose = c + d.sqrt();
         let tight =
             (c * c + d / 4.0 + (2.0 * (1.0 / BETA).ln()).sqrt() * (c + d.sqrt() / 2.0)).sqrt();
@@ -154,7 +149,7 @@ impl DistributedNoise {
     /// Rényi DP at integer order `alpha` of one round's noisy sum, before sampling (the paper's
     /// Proposition 14): add/remove adjacency, or replace-one (sensitivities doubled).
     pub fn rdp(&self, alpha: f64, replace_one: bool) -> f64 {
-        let d = self.padded_len as f64;
+        let d = self.padded_len() as f64;
         let l2 = self.rounded_l2_bound();
         // In the grid, where coordinates are integers, L1 ≤ min(√d·L2, L2²).
         let l1 = l2 * d.sqrt().min(l2);
@@ -194,7 +189,7 @@ impl DistributedNoise {
         let norm = delta.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
         let shrink = if norm > self.clip_norm { self.clip_norm / norm } else { 1.0 };
         let mut x: Vec<f64> = delta.iter().map(|&v| f64::from(v) * shrink).collect();
-        x.resize(self.padded_len, 0.0);
+        x.resize(self.padded_len(), 0.0);
         rotate(&mut x, rotation);
         for v in x.iter_mut() {
             *v /= self.gamma;
@@ -231,7 +226,7 @@ impl DistributedNoise {
     /// deviations of slack. A device that masked ring elements of its own choosing, or a sum
     /// that wrapped the ring, fails the round here.
     pub fn check_sum(&self, sum: &[u32], count: u32) -> Result<(), String> {
-        let d = self.padded_len as f64;
+        let d = self.padded_len() as f64;
         let n = f64::from(count);
         let norm = sum.iter().map(|&s| f64::from(s as i32).powi(2)).sum::<f64>().sqrt();
         let noise = self.grid_stddev() * (n * d).sqrt() * (1.0 + 10.0 / (2.0 * d).sqrt());
@@ -243,6 +238,11 @@ impl DistributedNoise {
         }
         Ok(())
     }
+}
+
+/// `n_params` padded to a power of two, as the Walsh–Hadamard rotation needs.
+fn padded(n_params: usize) -> usize {
+    n_params.max(1).next_power_of_two()
 }
 
 /// The Rényi orders of the discrete Gaussian's accountant: integers, as its bounds need (the
@@ -270,21 +270,12 @@ fn poisson_subsampled(q: f64, alpha: u64, base: &dyn Fn(f64) -> f64) -> f64 {
 }
 
 /// Wang, Balle and Kasiviswanathan (2019), Theorem 9: RDP at integer order `alpha` of a
-/// mechanism with replace-one RDP `base` on a sample drawn without replacement at rate `q`
-/// (with ε(∞) = ∞: each term's min takes its finite side).
+/// mechanism with replace-one RDP `base` on a sample drawn without replacement at rate `q`.
 fn sampled_without_replacement(q: f64, alpha: u64, base: &dyn Fn(f64) -> f64) -> f64 {
     if q >= 1.0 {
         return base(alpha as f64);
     }
-    let a = alpha as f64;
-    let e2 = base(2.0);
-    let second = (4f64.ln() + e2 + (-(-e2).exp()).ln_1p()).min(2f64.ln() + e2);
-    let mut log_a = log_add(0.0, 2.0 * q.ln() + log_comb(a, 2.0) + second);
-    for j in 3..=alpha {
-        let j = j as f64;
-        log_a = log_add(log_a, j * q.ln() + log_comb(a, j) + 2f64.ln() + (j - 1.0) * base(j));
-    }
-    log_a / (a - 1.0)
+    log_a_without_replacement(q, alpha, base, None) / (alpha as f64 - 1.0)
 }
 
 /// The round's rotation seed, from its session: public, the same for every device and the

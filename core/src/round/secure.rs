@@ -678,9 +678,7 @@ impl SecureSum {
         };
         Ok((aggregate, evaluation))
     }
-}
 
-impl SecureSum {
     /// A distributed-DP round's mean: the survivors' noisy sum decoded (it carries the noise of
     /// at least `min_survivors` devices: the coordinator adds none) over their count, after the
     /// sum is checked against what honest contributions can make. No evaluation travels.

@@ -428,7 +428,6 @@ fn the_distributed_dp_accountant_agrees_with_the_papers_formulas_to_1e_9() {
             local_stddev: sigma_on_grid * gamma,
             gamma,
             n_params: d,
-            padded_len: d,
             min_survivors: n,
             cohort: n,
         }
@@ -455,7 +454,7 @@ fn the_distributed_dp_accountant_agrees_with_the_papers_formulas_to_1e_9() {
                     d.clip_norm,
                     d.local_stddev,
                     d.gamma,
-                    d.padded_len,
+                    d.padded_len(),
                     d.min_survivors,
                     *q,
                     *steps,
@@ -476,7 +475,7 @@ fn the_distributed_dp_accountant_agrees_with_the_papers_formulas_to_1e_9() {
             eprintln!(
                 "{kind} σ/γ={:.3e} d={} n={} q={q} steps={steps}: ours {got:.6}, reference {want:.6}, rel {rel:.1e}",
                 noise.local_stddev / noise.gamma,
-                noise.padded_len,
+                noise.padded_len(),
                 noise.min_survivors
             );
             assert!(rel <= 1e-9, "{kind}: ε {got} vs {want}");

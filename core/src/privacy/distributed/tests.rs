@@ -108,9 +108,9 @@ fn delta(device: u32, n_params: usize) -> Vec<f32> {
 fn a_cohort_sum_decodes_to_the_clipped_sum_plus_the_promised_noise() {
     let (n, n_params, z) = (20u32, 3000usize, 0.8);
     let noise = DistributedNoise::for_plan(z, 1.0, n_params, n, n).unwrap();
-    assert_eq!(noise.padded_len, 4096);
+    assert_eq!(noise.padded_len(), 4096);
     let rotation = rotation_seed(&[7; 16]);
-    let mut sum = vec![0u32; noise.padded_len];
+    let mut sum = vec![0u32; noise.padded_len()];
     let mut clipped_sum = vec![0f64; n_params];
     for device in 0..n {
         let mut source = NoiseSource::new([device as u8 + 1; 32]);
