@@ -10,6 +10,7 @@
 //! with [`OwnModule`]. Either way the module's schema must equal the task's before anything runs.
 
 use starling_core::eligibility::DeviceAttributes;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -544,11 +545,7 @@ impl<F: ModelFactory> Participant<F> {
         let upload = UploadRequest {
             model_version: task.model_version,
             example_count: trained.examples,
-            // A DP run takes no metrics: they would leave it un-noised.
-            metrics: match task.withhold_metrics {
-                true => Default::default(),
-                false => [("loss".to_owned(), trained.loss)].into(),
-            },
+            metrics: upload_metrics(&task, trained.loss, evaluation.as_ref()),
             delta: TensorPayload {
                 schema_id: task.schema.schema_id(),
                 data: encoded.expect("a plain round encodes its delta"),
@@ -677,8 +674,9 @@ impl<F: ModelFactory> Participant<F> {
             return Ok(None);
         }
         let Some(evaluation) = self.evaluate(task, global).await? else { return Ok(None) };
-        if task.withhold_metrics {
-            // Kept on the device: a DP run takes no evaluation.
+        if task.withhold_metrics || task.evaluation_in_update {
+            // A DP run takes no evaluation on its own: it withholds it, or it rides with the
+            // update to be noised with the cohort's.
             return Ok(Some(evaluation));
         }
         let report = EvaluationReport {
@@ -694,6 +692,26 @@ impl<F: ModelFactory> Participant<F> {
         self.state.last_evaluated = Some((task.run_id, task.model_version));
         Ok(Some(evaluation))
     }
+}
+
+/// The metrics a plain round's upload carries: the training loss, and this version's
+/// evaluation when the run noises it with the cohort's; none when a DP run withholds them
+/// (they would leave it un-noised).
+fn upload_metrics(
+    task: &TaskAssignment,
+    train_loss: f64,
+    evaluation: Option<&Evaluation>,
+) -> BTreeMap<String, f64> {
+    if task.withhold_metrics {
+        return BTreeMap::new();
+    }
+    let mut metrics = BTreeMap::from([("loss".to_owned(), train_loss)]);
+    if let (true, Some(e)) = (task.evaluation_in_update, evaluation) {
+        use starling_core::privacy::metrics::{UPLOAD_EVAL_ACCURACY, UPLOAD_EVAL_LOSS};
+        metrics.insert(UPLOAD_EVAL_ACCURACY.to_owned(), e.accuracy);
+        metrics.insert(UPLOAD_EVAL_LOSS.to_owned(), e.loss);
+    }
+    metrics
 }
 
 /// A secure round this device could not finish: missing it is an outcome, anything else an

@@ -134,7 +134,13 @@ impl SecureSession {
                 let mut input =
                     secagg::encode_weighted(&q, delta, example_count, task.max_examples);
                 if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
-                    secagg::append_evaluation(&q, &mut input, evaluation, task.max_examples);
+                    secagg::append_evaluation(
+                        &q,
+                        &mut input,
+                        evaluation,
+                        task.max_examples,
+                        task.evaluation_loss_cap(),
+                    );
                 }
                 input
             }

@@ -747,7 +747,9 @@ impl RunEntry {
                 report_deadline_ms: report_deadline,
                 secure_aggregation: secure,
                 evaluate_only: self.plan.plan().evaluation_only,
-                withhold_metrics: !self.plan.releases_device_metrics(),
+                withhold_metrics: !self.plan.releases_device_metrics()
+                    && !self.plan.noises_device_metrics(),
+                evaluation_in_update: self.plan.noises_device_metrics(),
                 upload_to: aggregator
                     .and_then(|a| tier?.target(run_id, round_idx, model_version, device, a)),
                 compression: self.plan.compression(),

@@ -161,6 +161,9 @@ pub struct PrivacyView {
     pub noise_multiplier: f64,
     /// Where updates are clipped and noise is added.
     pub mechanism: String,
+    /// What the run releases beside its noised model: nothing, or the cohort's training loss
+    /// and pooled evaluation noised in the same accounting (with the noise on each).
+    pub metrics: String,
 }
 
 impl PrivacyView {
@@ -186,6 +189,13 @@ impl PrivacyView {
                 "coordinator clips (adaptive clip norm); central Gaussian noise on the sum".into()
             } else {
                 "coordinator clips; central Gaussian noise on the sum".into()
+            },
+            metrics: match (privacy.plan.metrics, privacy.metrics_stddev) {
+                (crate::privacy::MetricsRelease::Noised(m), Some(sd)) => format!(
+                    "noised: the cohort's training loss (clipped to {}) and pooled evaluation, each sum with N(0, {sd}²) inside the accounted mechanism; update noise multiplier {:.4}",
+                    m.loss_bound, privacy.update_noise_multiplier
+                ),
+                _ => "withheld: devices send no metrics or evaluations".into(),
             },
         }
     }

@@ -96,6 +96,16 @@ impl ValidatedUpdate {
         self
     }
 
+    /// The same update with its metrics replaced by `f` of them (a DP run's metrics block,
+    /// [`ValidatedPlan::metrics_to_fold`](crate::plan::ValidatedPlan::metrics_to_fold)).
+    pub fn map_metrics(
+        mut self,
+        f: impl FnOnce(BTreeMap<String, f64>) -> BTreeMap<String, f64>,
+    ) -> Self {
+        self.metrics = f(std::mem::take(&mut self.metrics));
+        self
+    }
+
     /// Local metrics.
     pub fn metrics(&self) -> &BTreeMap<String, f64> {
         &self.metrics
@@ -205,7 +215,8 @@ pub struct Aggregate {
     pub n_updates: u64,
     /// Updates whose norm was within the accumulator's bound (all of them without one).
     pub n_within_bound: u64,
-    /// Example-weighted means of the local metrics.
+    /// Example-weighted means of the local metrics (unweighted in a DP run, whose updates count
+    /// once each).
     pub metrics: BTreeMap<String, f64>,
 }
 
@@ -220,6 +231,14 @@ pub struct PooledEvaluation {
     pub example_count: u64,
     /// Example-weighted means.
     pub metrics: BTreeMap<String, f64>,
+}
+
+impl From<crate::privacy::metrics::NoisedEvaluation> for PooledEvaluation {
+    /// A DP round's noised evaluation: every device weighs 1, so its example count is its
+    /// noisy device count.
+    fn from(e: crate::privacy::metrics::NoisedEvaluation) -> Self {
+        PooledEvaluation { n_devices: e.n_devices, example_count: e.n_devices, metrics: e.metrics }
+    }
 }
 
 /// Why an aggregate could not be applied.
@@ -300,7 +319,11 @@ impl FedAvgAccumulator {
         let updates: Vec<(&ValidatedUpdate, f64)> = updates
             .into_iter()
             .map(|(update, discount)| {
-                self.metrics.add(update.example_count, &update.metrics);
+                // A DP run's updates count once each, and so do their metrics (the noised
+                // metrics block's sums are its means times the count).
+                let unweighted = self.bound.is_some_and(|b| b.unweighted);
+                let weight = if unweighted { 1 } else { update.example_count };
+                self.metrics.add(weight, &update.metrics);
                 (update, self.factor(update, discount))
             })
             .collect();

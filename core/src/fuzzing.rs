@@ -147,6 +147,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
             n_params: 3,
             clip_norm: None,
             distributed: None,
+            evaluation_loss_cap: None,
             vector_len: 4,
             stage_timeout_ms: 1_000,
         }),

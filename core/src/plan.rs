@@ -4,6 +4,7 @@
 //! [`Plan::validate`] turns it into a [`ValidatedPlan`], the only form the rest of the system
 //! takes, with defaults filled in and every bound checked.
 
+use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
 use serde::{Deserialize, Serialize};
@@ -12,7 +13,7 @@ use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
-use crate::privacy::{Privacy, Sampling, Sizes};
+use crate::privacy::{MetricsRelease, Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use training::{LocalOptimizer, TrainingPlan};
@@ -322,9 +323,19 @@ pub struct SecureRoundConfig {
     /// decodes the sum (the vectors are then the rotated, padded model and nothing else).
     #[serde(default)]
     pub distributed: Option<crate::privacy::DistributedNoise>,
+    /// Evaluation losses are capped here in the masked vector; absent:
+    /// [`secagg::SECURE_LOSS_CAP`](crate::secagg::SECURE_LOSS_CAP). A DP plan's noised metrics
+    /// use their `loss_bound`, so the noise on the released loss scales with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_loss_cap: Option<f64>,
 }
 
 impl SecureRoundConfig {
+    /// The cap on evaluation losses in the masked vector.
+    pub fn evaluation_loss_cap(&self) -> f64 {
+        self.evaluation_loss_cap.unwrap_or(crate::secagg::SECURE_LOSS_CAP)
+    }
+
     /// Whether masked vectors of `len` entries carry the devices' evaluation after the weighted
     /// delta and its weight (a round begun before evaluations went through the sum does not).
     pub fn carries_evaluation(&self, len: usize) -> bool {
@@ -553,6 +564,10 @@ impl Plan {
                     // weighs one) and no evaluation (a DP run releases none).
                     vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len()),
                     distributed,
+                    evaluation_loss_cap: privacy.and_then(|p| match p.plan.metrics {
+                        crate::privacy::MetricsRelease::Noised(m) => Some(m.loss_bound),
+                        crate::privacy::MetricsRelease::Withheld => None,
+                    }),
                     ..resolved
                 })
             }
@@ -653,6 +668,7 @@ impl SecureAggregationPlan {
             stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
             clip_norm: None,
             distributed: None,
+            evaluation_loss_cap: None,
         })
     }
 }
@@ -669,14 +685,34 @@ impl ValidatedPlan {
         self.privacy.as_ref()
     }
 
-    /// Whether the run releases what devices report beside their noised updates: training
-    /// metrics (a round's example-weighted loss), their federated evaluations and a secure
-    /// round's pooled evaluation. A DP run does not: none of it is clipped or noised, so it would
-    /// leave the run outside the ε it reports. Its devices are told to send none
-    /// ([`TaskAssignment::withhold_metrics`](crate::wire::TaskAssignment::withhold_metrics)),
-    /// and the coordinator commits none and refuses their evaluations.
+    /// Whether the run releases what devices report as they report it: training metrics (a
+    /// round's example-weighted loss), their federated evaluations and a secure round's pooled
+    /// evaluation. A DP run does not: what it releases beside its noised model is either
+    /// nothing (`metrics: withheld`, its devices told to send none,
+    /// [`TaskAssignment::withhold_metrics`](crate::wire::TaskAssignment::withhold_metrics)) or
+    /// the cohort's metrics clipped and noised in its accounting (`metrics: noised`,
+    /// [`Self::noises_device_metrics`]); devices' own evaluation reports are refused either way.
     pub fn releases_device_metrics(&self) -> bool {
         self.privacy.is_none()
+    }
+
+    /// Whether the run is DP and releases its cohort's metrics noised
+    /// ([`crate::privacy::metrics`]).
+    pub fn noises_device_metrics(&self) -> bool {
+        self.privacy.is_some_and(|p| matches!(p.plan.metrics, MetricsRelease::Noised(_)))
+    }
+
+    /// The metrics of a device's plain upload as the round folds and stores them: as sent
+    /// without DP; in a DP run, the device's clipped metrics block when the plan noises metrics
+    /// and nothing when it withholds them.
+    pub fn metrics_to_fold(&self, metrics: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+        match self.privacy.map(|p| p.plan.metrics) {
+            None => metrics,
+            Some(MetricsRelease::Withheld) => BTreeMap::new(),
+            Some(MetricsRelease::Noised(m)) => {
+                crate::privacy::metrics::block_of_upload(&metrics, m.loss_bound)
+            }
+        }
     }
 
     /// A round's empty accumulator: folding updates of [`Self::update_len`] values, bounding

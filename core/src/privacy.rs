@@ -13,6 +13,12 @@
 //! `z = (z_Δ⁻² + (2σ_b)⁻²)^(-1/2)` (Andrew et al., Theorem 1), so the plan's `noise_multiplier`
 //! is `z` and the update noise is derived from it.
 //!
+//! **Metrics.** By default a DP run releases nothing beside the noised model: devices send no
+//! metrics or evaluations. With `metrics: noised` the cohort's training loss and pooled
+//! evaluation are clipped per device and noised as one more part of the same Gaussian
+//! mechanism ([`metrics`]), so the plan's `z` covers them too and the update noise `z_Δ` is
+//! derived after their share.
+//!
 //! **Accounting matches the selection that runs.** Rounds compose in Rényi DP (Mironov 2017),
 //! computed exactly as Google's `dp-accounting` `RdpAccountant` does over the same orders, and
 //! ε at the plan's δ follows Canonne, Kamath and Steinke (2020). Which mechanism a round is
@@ -82,6 +88,11 @@ pub struct DifferentialPrivacy {
     /// before anything is unmasked.
     #[serde(default)]
     pub min_survivors: Option<u32>,
+    /// What the run releases beside its noised model: `withheld` (nothing; the default) or
+    /// `noised` (the cohort's training loss and pooled evaluation, clipped and noised inside
+    /// the same accounting; [`metrics`]).
+    #[serde(default)]
+    pub metrics: MetricsRelease,
 }
 
 /// Where a DP run's noise goes on.
@@ -184,6 +195,8 @@ pub struct Privacy {
     pub update_noise_multiplier: f64,
     /// σ_b, with adaptive clipping.
     pub count_stddev: Option<f64>,
+    /// σ_m, the noise on each sum of the metrics block, with `metrics: noised`.
+    pub metrics_stddev: Option<f64>,
     /// Rounds the run may commit: the plan's, or fewer where the ε budget runs out.
     pub rounds_allowed: u32,
     /// With distributed noise, what devices add and the coordinator decodes.
@@ -217,8 +230,11 @@ impl DifferentialPrivacy {
             return Err(("delta", "must be in (0, 1)".into()));
         }
         let sampling_rate = f64::from(selected) / self.population as f64;
-        let (update_noise_multiplier, count_stddev) = match self.adaptive_clipping {
-            None => (self.noise_multiplier, None),
+        // z⁻² = z_Δ⁻² + (2σ_b)⁻² + (σ_m/2)⁻²: the clip count's and the metrics' noise each
+        // spend part of the budget (Andrew et al. 2021, Theorem 1).
+        let mut rest = self.noise_multiplier.powi(-2);
+        let count_stddev = match self.adaptive_clipping {
+            None => None,
             Some(a) => {
                 if !(0.0..=1.0).contains(&a.target_quantile) {
                     return Err(("adaptive_clipping.target_quantile", "must be in [0, 1]".into()));
@@ -230,8 +246,7 @@ impl DifferentialPrivacy {
                 if !positive(sigma_b) {
                     return Err(("adaptive_clipping.count_stddev", "must be positive".into()));
                 }
-                // z⁻² = z_Δ⁻² + (2σ_b)⁻²: the count's noise spends part of the budget.
-                let rest = self.noise_multiplier.powi(-2) - (2.0 * sigma_b).powi(-2);
+                rest -= (2.0 * sigma_b).powi(-2);
                 if rest <= 0.0 {
                     return Err((
                         "adaptive_clipping.count_stddev",
@@ -242,8 +257,48 @@ impl DifferentialPrivacy {
                         ),
                     ));
                 }
-                (rest.powf(-0.5), Some(sigma_b))
+                Some(sigma_b)
             }
+        };
+        let metrics_stddev = match self.metrics {
+            MetricsRelease::Withheld => None,
+            MetricsRelease::Noised(m) => {
+                if self.noise == NoisePlacement::Distributed {
+                    return Err((
+                        "metrics",
+                        "noised metrics need central noise: with distributed noise the run \
+                         withholds its metrics"
+                            .into(),
+                    ));
+                }
+                if !(positive(m.loss_bound) && m.loss_bound <= 1e6) {
+                    return Err(("metrics.noised.loss_bound", "must be in (0, 1e6]".into()));
+                }
+                let sigma_m = m.stddev.unwrap_or(f64::from(selected) / 10.0);
+                if !positive(sigma_m) {
+                    return Err(("metrics.noised.stddev", "must be positive".into()));
+                }
+                rest -= (sigma_m / metrics::BLOCK_SENSITIVITY).powi(-2);
+                if rest <= 0.0 {
+                    let floor = (self.noise_multiplier.powi(-2)
+                        - count_stddev.map_or(0.0, |s| (2.0 * s).powi(-2)))
+                    .max(0.0)
+                    .powf(-0.5)
+                        * metrics::BLOCK_SENSITIVITY;
+                    return Err((
+                        "metrics.noised.stddev",
+                        format!(
+                            "{sigma_m} leaves no budget for the update noise: it must exceed \
+                             {floor:.4}"
+                        ),
+                    ));
+                }
+                Some(sigma_m)
+            }
+        };
+        let update_noise_multiplier = match (count_stddev, metrics_stddev) {
+            (None, None) => self.noise_multiplier,
+            _ => rest.powf(-0.5),
         };
         let distributed = match (self.noise, self.min_survivors) {
             (NoisePlacement::Central, None) => None,
@@ -298,6 +353,7 @@ impl DifferentialPrivacy {
             sampling_rate,
             update_noise_multiplier,
             count_stddev,
+            metrics_stddev,
             rounds_allowed,
             distributed,
         })
@@ -390,6 +446,28 @@ impl Privacy {
         let sd = self.update_noise_multiplier * clip_norm / denominator;
         for v in mean {
             *v += sd * noise.sample();
+        }
+    }
+
+    /// What the round releases beside its model: with `metrics: noised`, the block sums
+    /// (`means` over `n_updates` devices, [`metrics::block`]) noised and turned into the
+    /// cohort's training loss and pooled evaluation; nothing otherwise.
+    pub fn release_metrics(
+        &self,
+        means: &std::collections::BTreeMap<String, f64>,
+        n_updates: u64,
+        noise: &mut Gaussian,
+    ) -> metrics::Released {
+        match (self.plan.metrics, self.metrics_stddev) {
+            (MetricsRelease::Noised(settings), Some(stddev)) => metrics::release(
+                means,
+                n_updates,
+                self.denominator(n_updates),
+                &settings,
+                stddev,
+                noise,
+            ),
+            _ => metrics::Released::default(),
         }
     }
 
@@ -754,9 +832,11 @@ fn log_erfc(x: f64) -> f64 {
 }
 
 pub mod distributed;
+pub mod metrics;
 pub mod pld;
 
 pub use distributed::DistributedNoise;
+pub use metrics::{MetricsRelease, NoisedMetrics};
 
 #[cfg(test)]
 mod tests;

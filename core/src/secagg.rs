@@ -51,7 +51,7 @@ pub use messages::{
 };
 pub use quantize::{
     EVALUATION_ENTRIES, EvaluationInput, Quantizer, SECURE_LOSS_CAP, append_evaluation,
-    decode_evaluation, decode_weighted_mean, encode_weighted,
+    decode_evaluation, decode_weighted_mean, encode_weighted, evaluation_sums,
 };
 pub use server::{Server, Unmasking};
 pub use shamir::Share;

@@ -204,11 +204,16 @@ pub struct TaskAssignment {
     /// the decoded values and send the delta against them.
     #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
     pub model_download: crate::compression::Compression,
-    /// Set in a differentially private run: send no metrics with the update and report no
-    /// evaluation (they are not noised, so they would be released outside the run's ε); absent:
-    /// report them.
+    /// Set in a differentially private run that withholds its metrics: send no metrics with
+    /// the update and report no evaluation (they would be released outside the run's ε);
+    /// absent: report them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub withhold_metrics: bool,
+    /// Set in a differentially private run that noises its metrics: send this model version's
+    /// evaluation with the update (`eval_accuracy`, `eval_loss` beside `loss`) instead of
+    /// reporting it on its own; the coordinator clips and noises them with the cohort's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub evaluation_in_update: bool,
 }
 
 /// Where a selected device uploads when its run goes through the aggregator tier.
@@ -246,9 +251,18 @@ pub struct SecureAggregationTask {
     /// grid, discrete Gaussian noise added) instead of the weighted quantization.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distributed_noise: Option<crate::privacy::DistributedNoise>,
+    /// The cap on the evaluation loss in the masked vector; absent:
+    /// [`secagg::SECURE_LOSS_CAP`](crate::secagg::SECURE_LOSS_CAP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_loss_cap: Option<f64>,
 }
 
 impl SecureAggregationTask {
+    /// The cap on the evaluation loss in the masked vector.
+    pub fn evaluation_loss_cap(&self) -> f64 {
+        self.evaluation_loss_cap.unwrap_or(secagg::SECURE_LOSS_CAP)
+    }
+
     /// The quantizer every member of the round uses.
     pub fn quantizer(&self) -> secagg::Quantizer {
         secagg::Quantizer::for_cohort(self.clip, self.config.n)

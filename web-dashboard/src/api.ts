@@ -23,6 +23,8 @@ export interface RunView {
     mechanism: string;
     /** The sampling and neighbouring relation the accountant composes. */
     accounting: string;
+    /** What the run releases beside its model: withheld, or noised in the same accounting. */
+    metrics: string;
   };
 }
 

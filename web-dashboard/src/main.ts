@@ -268,7 +268,7 @@ function privacyText(run: RunView): string {
   return (
     `differential privacy: ε = ${p.epsilon.toFixed(3)} at δ = ${p.delta} (${budget}, ` +
     `${p.rounds_allowed} rounds allowed; q = ${p.sampling_rate}, z = ${p.noise_multiplier}; ` +
-    `${p.mechanism}; accounted as ${p.accounting}); ${secure}`
+    `${p.mechanism}; accounted as ${p.accounting}; metrics ${p.metrics}); ${secure}`
   );
 }
 

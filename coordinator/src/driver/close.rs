@@ -67,36 +67,42 @@ impl CloseTask {
                     metrics: aggregate.metrics,
                 }));
             }
-            // A DP run releases nothing beside the noised model.
-            let released = plan.releases_device_metrics();
+            // A DP run releases only what was noised: its model, and its metrics when the plan
+            // says so.
+            let in_clear = plan.releases_device_metrics();
             let (reader, handle) = (store.clone(), tokio::runtime::Handle::current());
             let on_thread = plan.clone();
-            let (model, payload, metrics, state_bytes) = tokio::task::spawn_blocking(move || {
-                let plan = &on_thread;
-                let metrics = if released { aggregate.metrics.clone() } else { BTreeMap::new() };
-                let (values, state) = next_model(
-                    &NextModel { store: reader, handle, run_id, round_idx, plan },
-                    &global,
-                    aggregate,
-                    &optimizer_state,
-                )?;
-                let EncodedModel { payload, hash, state: state_bytes } =
-                    encoded(plan, &values, &state);
-                let model = CommittedModel {
-                    values: Arc::new(values),
-                    hash,
-                    optimizer_state: Arc::new(state),
-                };
-                Ok::<_, AggregateError>((model, payload, metrics, state_bytes))
-            })
-            .await
-            .expect("aggregation task panicked")?;
+            let (model, payload, (metrics, evaluation), state_bytes) =
+                tokio::task::spawn_blocking(move || {
+                    let plan = &on_thread;
+                    let clear_metrics = in_clear.then(|| aggregate.metrics.clone());
+                    let (values, state, noised) = next_model(
+                        &NextModel { store: reader, handle, run_id, round_idx, plan },
+                        &global,
+                        aggregate,
+                        &optimizer_state,
+                    )?;
+                    let released = match clear_metrics {
+                        Some(metrics) => (metrics, evaluation),
+                        None => (noised.metrics, noised.evaluation.map(PooledEvaluation::from)),
+                    };
+                    let EncodedModel { payload, hash, state: state_bytes } =
+                        encoded(plan, &values, &state);
+                    let model = CommittedModel {
+                        values: Arc::new(values),
+                        hash,
+                        optimizer_state: Arc::new(state),
+                    };
+                    Ok::<_, AggregateError>((model, payload, released, state_bytes))
+                })
+                .await
+                .expect("aggregation task panicked")?;
             Ok(EndOutcome::Committed(Box::new(NewModel {
                 model,
                 payload: Bytes::from(payload),
                 state_bytes,
                 metrics,
-                evaluation: evaluation.filter(|_| released),
+                evaluation,
                 replayable,
                 plan: plan.clone(),
             })))

@@ -8,6 +8,7 @@ use starling_core::backoff::Backoff;
 use starling_core::codec;
 use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
 use starling_core::plan::ValidatedPlan;
+use starling_core::privacy::metrics::Released;
 use starling_core::robust::TileReader;
 use starling_core::strategy::{OptimizerState, RoundEnd};
 use starling_core::tier::PartialReport;
@@ -83,13 +84,14 @@ pub(super) struct NextModel<'a> {
 
 /// The next model and server state from a round's aggregate, on a blocking thread: core's
 /// [`Strategy::next_model`](starling_core::strategy::Strategy::next_model), with the round's
-/// updates read back from the store and a DP run's noise seeded from the OS.
+/// updates read back from the store and a DP run's noise seeded from the OS. Also what a DP
+/// round releases beside the model.
 pub(super) fn next_model(
     ctx: &NextModel<'_>,
     global: &[f32],
     aggregate: Aggregate,
     state: &OptimizerState,
-) -> Result<(Vec<f32>, OptimizerState), AggregateError> {
+) -> Result<(Vec<f32>, OptimizerState, Released), AggregateError> {
     let plan = ctx.plan.plan();
     let end = RoundEnd {
         privacy: ctx.plan.privacy(),
@@ -103,7 +105,7 @@ pub(super) fn next_model(
     if let Some(combined) = &next.combined {
         tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = plan.strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
     }
-    Ok((next.values, next.state))
+    Ok((next.values, next.state, next.released))
 }
 
 /// The round's stored updates, read back tile by tile for an order statistic.

@@ -236,7 +236,7 @@ async fn rebuild_model(
     let (reader, handle, plan) = (store.clone(), tokio::runtime::Handle::current(), plan.clone());
     let (encoded, hash, state_bytes) = tokio::task::spawn_blocking(move || {
         let ctx = NextModel { store: reader, handle, run_id, round_idx, plan: &plan };
-        let (values, next) = next_model(&ctx, &previous, aggregate, &state)?;
+        let (values, next, _released) = next_model(&ctx, &previous, aggregate, &state)?;
         let EncodedModel { payload, hash, state } = encoded(&plan, &values, &next);
         Ok::<_, AggregateError>((payload, hash, state))
     })

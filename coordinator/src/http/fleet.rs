@@ -306,8 +306,10 @@ async fn accept_upload(
         let req: UploadRequest =
             codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let model_version = req.model_version;
-        let update =
-            validate_update(&update_schema, plan.compression(), req)?.capped(plan.max_examples());
+        // A DP run keeps only the clipped metrics block it may noise, or nothing.
+        let update = validate_update(&update_schema, plan.compression(), req)?
+            .capped(plan.max_examples())
+            .map_metrics(|m| plan.metrics_to_fold(m));
         Ok::<_, ApiError>((model_version, update))
     })
     .await
@@ -447,7 +449,7 @@ async fn evaluation(
     }
     if !plan.releases_device_metrics() {
         return Err(ApiError::invalid(
-            "the run is differentially private: a device's evaluation is not noised, so it is not taken (it would be released outside the run's epsilon)",
+            "the run is differentially private: a device's evaluation is not taken on its own (it would be released outside the run's epsilon); with metrics: noised it rides in the update and only the cohort's noised evaluation is released",
         ));
     }
     let ModelVersion(version) = report.model_version;

@@ -13,6 +13,7 @@ fn dp(z: f64) -> DifferentialPrivacy {
         adaptive_clipping: None,
         noise: Default::default(),
         min_survivors: None,
+        metrics: Default::default(),
     }
 }
 
@@ -129,6 +130,76 @@ fn adaptive_clipping_spends_part_of_the_noise_on_the_count() {
     .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
     .unwrap();
     assert_eq!(p.count_stddev, Some(2.0));
+}
+
+#[test]
+fn noised_metrics_spend_part_of_the_noise_and_are_refused_where_they_cannot_fit() {
+    let noised = |stddev| MetricsRelease::Noised(NoisedMetrics { stddev, loss_bound: 5.0 });
+    let adaptive =
+        AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(2.0) };
+    // z⁻² = z_Δ⁻² + (2σ_b)⁻² + (σ_m/2)⁻²: with z = 1, σ_b = 2, σ_m = 8, z_Δ⁻² = 1 − 1/16 − 1/16.
+    let p = DifferentialPrivacy {
+        adaptive_clipping: Some(adaptive),
+        metrics: noised(Some(8.0)),
+        ..dp(1.0)
+    }
+    .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
+    .unwrap();
+    assert!((p.update_noise_multiplier - (14.0f64 / 16.0).powf(-0.5)).abs() < 1e-12);
+    assert_eq!(p.metrics_stddev, Some(8.0));
+    // The accountant still composes z: the metrics ride inside it.
+    assert_eq!(
+        p.epsilon_after(10),
+        dp(1.0).resolve(Sizes::of(40, 100), 10, Sampling::Poisson).unwrap().epsilon_after(10)
+    );
+    // The default σ_m is selected / 10.
+    let p = DifferentialPrivacy { metrics: noised(None), ..dp(1.0) }
+        .resolve(Sizes::of(40, 100), 10, Sampling::FixedSize)
+        .unwrap();
+    assert_eq!(p.metrics_stddev, Some(4.0));
+    assert!((p.update_noise_multiplier - (0.75f64).powf(-0.5)).abs() < 1e-12);
+    // σ_m = 2 would take all of z = 1: refused, naming the floor.
+    let (field, why) = DifferentialPrivacy { metrics: noised(Some(2.0)), ..dp(1.0) }
+        .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
+        .unwrap_err();
+    assert_eq!(field, "metrics.noised.stddev");
+    assert!(why.contains("must exceed 2.0000"), "{why}");
+    let (field, _) = DifferentialPrivacy {
+        metrics: MetricsRelease::Noised(NoisedMetrics { stddev: Some(8.0), loss_bound: 0.0 }),
+        ..dp(1.0)
+    }
+    .resolve(Sizes::of(40, 100), 10, Sampling::Poisson)
+    .unwrap_err();
+    assert_eq!(field, "metrics.noised.loss_bound");
+    // Distributed noise has no coordinator to noise the metrics: refused.
+    let distributed = DifferentialPrivacy {
+        noise: NoisePlacement::Distributed,
+        min_survivors: Some(30),
+        metrics: noised(Some(8.0)),
+        ..dp(1.0)
+    };
+    assert_eq!(
+        distributed.resolve(Sizes::of(40, 100), 10, Sampling::Poisson).unwrap_err().0,
+        "metrics"
+    );
+    // Withheld (the default) changes nothing.
+    let plain = dp(1.0).resolve(Sizes::of(40, 100), 10, Sampling::Poisson).unwrap();
+    assert_eq!((plain.update_noise_multiplier, plain.metrics_stddev), (1.0, None));
+    let mut g = Gaussian::new([3; 32]);
+    let means = [(metrics::TRAIN_LOSS.to_owned(), 0.5)].into();
+    assert_eq!(plain.release_metrics(&means, 40, &mut g), metrics::Released::default());
+}
+
+#[test]
+fn the_plans_metrics_choice_reads_as_documented() {
+    let read = |json: &str| serde_json::from_str::<MetricsRelease>(json).unwrap();
+    assert_eq!(read(r#""withheld""#), MetricsRelease::Withheld);
+    assert_eq!(
+        read(r#"{"noised": {"stddev": 3}}"#),
+        MetricsRelease::Noised(NoisedMetrics { stddev: Some(3.0), loss_bound: 10.0 })
+    );
+    assert!(serde_json::from_str::<MetricsRelease>(r#"{"noised": {"sigma": 3}}"#).is_err());
+    assert!(serde_json::from_str::<MetricsRelease>(r#""clear""#).is_err());
 }
 
 #[test]

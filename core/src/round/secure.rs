@@ -26,6 +26,7 @@ use super::UploadRejection;
 use crate::fedavg::{Aggregate, AggregateError, PooledEvaluation};
 use crate::ids::{DeviceId, Millis, ModelVersion, RoundIdx, RunId};
 use crate::plan::SecureRoundConfig;
+use crate::privacy::metrics;
 use crate::secagg::{
     self, ClientIdx, ConsistencyRequest, MaskRequest, NeighbourKeys, Quantizer, SecAggError,
     UnmaskRequest,
@@ -300,6 +301,7 @@ impl SecureRound {
             max_examples: self.settings.max_examples,
             clip_norm: self.settings.clip_norm,
             distributed_noise: self.settings.distributed,
+            evaluation_loss_cap: self.settings.evaluation_loss_cap,
         })
     }
 
@@ -659,13 +661,24 @@ impl SecureSum {
             (&sum[..], &[][..])
         };
         let max_examples = self.settings.max_examples;
-        let evaluation = secagg::decode_evaluation(&q, evaluation, count, max_examples).map(
-            |(examples, accuracy, loss)| PooledEvaluation {
-                n_devices: u64::from(count),
-                example_count: examples.round() as u64,
-                metrics: [("accuracy".to_owned(), accuracy), ("loss".to_owned(), loss)].into(),
-            },
-        );
+        let loss_cap = self.settings.evaluation_loss_cap();
+        // A DP round's pooled evaluation is not released as it is: its sums go on as the
+        // metrics block, which the run noises if its plan says so and drops otherwise.
+        let (metrics, evaluation) = if self.settings.clip_norm.is_some() {
+            let block = secagg::evaluation_sums(&q, evaluation, count).map(|sums| {
+                let names = [metrics::EVALUATED, metrics::ACCURACY, metrics::EVAL_LOSS];
+                names.iter().zip(sums).map(|(n, s)| (n.to_string(), s / f64::from(count))).collect()
+            });
+            (block.unwrap_or_default(), None)
+        } else {
+            let pooled = secagg::decode_evaluation(&q, evaluation, count, max_examples, loss_cap)
+                .map(|(examples, accuracy, loss)| PooledEvaluation {
+                    n_devices: u64::from(count),
+                    example_count: examples.round() as u64,
+                    metrics: [("accuracy".to_owned(), accuracy), ("loss".to_owned(), loss)].into(),
+                });
+            (BTreeMap::new(), pooled)
+        };
         let mean_delta = secagg::decode_weighted_mean(&q, model_part, count)
             .ok_or(AggregateError::ZeroWeight)?;
         let weight = q.dequantize_sum(*model_part.last().expect("len ≥ 1"), count) / q.clip;
@@ -674,7 +687,7 @@ impl SecureSum {
             total_weight: (weight * self.settings.max_examples as f64).round() as u64,
             n_updates: u64::from(count),
             n_within_bound: u64::from(count),
-            metrics: BTreeMap::new(),
+            metrics,
         };
         Ok((aggregate, evaluation))
     }

@@ -766,6 +766,7 @@ mod secure_rounds {
             secure: Some(SecureRoundConfig {
                 clip_norm: None,
                 distributed: None,
+                evaluation_loss_cap: None,
                 clip: 1.0,
                 max_examples: 100,
                 // Each device loses at most 3 of its 8 neighbours below: 5 shares remain.

@@ -73,7 +73,8 @@ pub struct EvaluationInput {
     pub examples: u64,
     /// Accuracy, in [0, 1].
     pub accuracy: f64,
-    /// Mean loss (capped at [`SECURE_LOSS_CAP`]).
+    /// Mean loss (capped at the round's loss cap, [`SECURE_LOSS_CAP`] unless a DP plan's
+    /// noised metrics set another).
     pub loss: f64,
 }
 
@@ -82,29 +83,40 @@ pub struct EvaluationInput {
 /// (scaled) loss.
 pub const EVALUATION_ENTRIES: usize = 3;
 
-/// Losses above this count as this in a secure evaluation: the quantizer needs a range.
+/// Losses above this count as this in a secure evaluation (the quantizer needs a range),
+/// unless the round's settings give another cap.
 pub const SECURE_LOSS_CAP: f64 = 100.0;
 
 /// Appends a device's evaluation to its [`encode_weighted`] vector (zero weight when it has
-/// none, e.g. no held-out examples): `e·clip`, `e·accuracy·clip` and `e·(loss/cap)·clip` with
-/// `e = examples / max_examples` in [0, 1], so every entry stays inside the clipping range.
+/// none, e.g. no held-out examples): `e·clip`, `e·accuracy·clip` and `e·(loss/loss_cap)·clip`
+/// with `e = examples / max_examples` in [0, 1], so every entry stays inside the clipping range.
 pub fn append_evaluation(
     q: &Quantizer,
     vector: &mut Vec<u32>,
     evaluation: Option<EvaluationInput>,
     max_examples: u64,
+    loss_cap: f64,
 ) {
     let (e, accuracy, loss) = match evaluation {
         Some(ev) => (
             ev.examples.min(max_examples) as f64 / max_examples.max(1) as f64,
             if ev.accuracy.is_finite() { ev.accuracy.clamp(0.0, 1.0) } else { 0.0 },
-            if ev.loss.is_finite() { ev.loss.clamp(0.0, SECURE_LOSS_CAP) } else { SECURE_LOSS_CAP },
+            if ev.loss.is_finite() { ev.loss.clamp(0.0, loss_cap) } else { loss_cap },
         ),
         None => (0.0, 0.0, 0.0),
     };
     vector.push(q.quantize(e * q.clip));
     vector.push(q.quantize(e * accuracy * q.clip));
-    vector.push(q.quantize(e * loss / SECURE_LOSS_CAP * q.clip));
+    vector.push(q.quantize(e * loss / loss_cap * q.clip));
+}
+
+/// The unmasked sums of `count` vectors' evaluation entries (the last [`EVALUATION_ENTRIES`]),
+/// in units of one device: `Σe`, `Σe·accuracy` and `Σe·loss/loss_cap`, each in `[0, count]`
+/// (a DP round noises these as its metrics block).
+pub fn evaluation_sums(q: &Quantizer, entries: &[u32], count: u32) -> Option<[f64; 3]> {
+    let [weight, accuracy, loss] = entries else { return None };
+    let unit = |s: u32| (q.dequantize_sum(s, count) / q.clip).clamp(0.0, f64::from(count));
+    Some([unit(*weight), unit(*accuracy), unit(*loss)])
 }
 
 /// The cohort's pooled evaluation from the unmasked sum of `count` vectors' evaluation entries
@@ -115,6 +127,7 @@ pub fn decode_evaluation(
     entries: &[u32],
     count: u32,
     max_examples: u64,
+    loss_cap: f64,
 ) -> Option<(f64, f64, f64)> {
     let [weight, accuracy, loss] = entries else { return None };
     let total = q.dequantize_sum(*weight, count) / q.clip;
@@ -123,7 +136,6 @@ pub fn decode_evaluation(
         return None;
     }
     let accuracy = (q.dequantize_sum(*accuracy, count) / q.clip / total).clamp(0.0, 1.0);
-    let loss = (q.dequantize_sum(*loss, count) / q.clip / total * SECURE_LOSS_CAP)
-        .clamp(0.0, SECURE_LOSS_CAP);
+    let loss = (q.dequantize_sum(*loss, count) / q.clip / total * loss_cap).clamp(0.0, loss_cap);
     Some((examples, accuracy, loss))
 }

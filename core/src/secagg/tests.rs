@@ -395,12 +395,13 @@ fn evaluation_pools_through_the_ring() {
             correct += ev.examples as f64 * ev.accuracy;
             loss_sum += ev.examples as f64 * ev.loss;
         }
-        append_evaluation(&q, &mut v, ev, 100);
+        append_evaluation(&q, &mut v, ev, 100, SECURE_LOSS_CAP);
         for (s, x) in sum.iter_mut().zip(v) {
             *s = s.wrapping_add(x);
         }
     }
-    let (weight, accuracy, loss) = decode_evaluation(&q, &sum[2..], n, 100).unwrap();
+    let (weight, accuracy, loss) =
+        decode_evaluation(&q, &sum[2..], n, 100, SECURE_LOSS_CAP).unwrap();
     assert!((weight - examples).abs() < 0.01, "{weight} vs {examples}");
     assert!((accuracy - correct / examples).abs() < 1e-5, "{accuracy}");
     assert!((loss - loss_sum / examples).abs() < 1e-3, "{loss}");
@@ -410,12 +411,12 @@ fn evaluation_pools_through_the_ring() {
     let mut nobody = [0u32; EVALUATION_ENTRIES];
     for _ in 0..n {
         let mut v = vec![];
-        append_evaluation(&q, &mut v, None, 100);
+        append_evaluation(&q, &mut v, None, 100, SECURE_LOSS_CAP);
         for (s, x) in nobody.iter_mut().zip(v) {
             *s = s.wrapping_add(x);
         }
     }
-    assert_eq!(decode_evaluation(&q, &nobody, n, 100), None);
+    assert_eq!(decode_evaluation(&q, &nobody, n, 100, SECURE_LOSS_CAP), None);
 }
 
 proptest! {

@@ -1,12 +1,14 @@
 //! A round's end as pure code: from the round's folded aggregate to the next model and server
 //! state. An order statistic replaces the streamed mean (reading the round's updates back a
 //! tile at a time through the caller's reader), a DP run's noise goes on the mean of its
-//! clipped updates and its clip norm moves, then the server optimizer steps.
+//! clipped updates, its clip norm moves and its metrics are noised (when it releases them),
+//! then the server optimizer steps.
 //!
 //! The coordinator supplies the IO: a tile reader over its store and a noise seed from the OS.
 //! A new robust aggregator or server optimizer changes this directory and `robust.rs` only.
 
 use crate::fedavg::{Aggregate, AggregateError};
+use crate::privacy::metrics::Released;
 use crate::privacy::{Gaussian, Privacy};
 use crate::robust::{Combined, TileReader, combine, tile_len};
 
@@ -37,6 +39,9 @@ pub struct NextModel {
     /// The order statistic's result, when the strategy has one (its delta moved into the
     /// aggregate).
     pub combined: Option<Combined>,
+    /// What a DP round releases beside the model (its noised metrics, if the plan says so);
+    /// empty without DP, whose metrics are the aggregate's.
+    pub released: Released,
 }
 
 impl Strategy {
@@ -62,15 +67,17 @@ impl Strategy {
             combined = Some(result);
         }
         let mut clip_norm = state.clip_norm;
+        let mut released = Released::default();
         if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
             let mut noise = Gaussian::new(noise_seed());
             privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
             let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
             clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
+            released = privacy.release_metrics(&aggregate.metrics, n, &mut noise);
         }
         let (values, mut next) =
             self.optimizer.step(global, &aggregate, state, server_learning_rate)?;
         next.clip_norm = clip_norm;
-        Ok(NextModel { values, state: next, combined })
+        Ok(NextModel { values, state: next, combined, released })
     }
 }

@@ -172,6 +172,7 @@ fn a_dp_runs_clip_norm_travels_with_the_state() {
         }),
         noise: Default::default(),
         min_survivors: None,
+        metrics: Default::default(),
     };
     let with_dp =
         Strategy { differential_privacy: Some(dp), ..strategy(ServerOptimizer::FedAdam(ADAPTIVE)) };

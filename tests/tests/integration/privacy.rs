@@ -1,6 +1,7 @@
 //! Differential privacy: the accountant against Google's `dp-accounting`, and DP-FedAvg runs
 //! that report the ε they spent and stop at their budget.
 
+use std::collections::BTreeMap;
 use std::process::Command;
 
 use starling_core::privacy::{RdpAccountant, Sampling};
@@ -271,6 +272,104 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
     c.running.shutdown().await.unwrap();
 }
 
+/// A DP run whose plan says `metrics: noised` releases its cohort's training loss and pooled
+/// evaluation, each noised inside the accounted mechanism: devices are told to send their
+/// evaluation with the update, the coordinator clips each device's block, the model's noise is
+/// the update share `z_Δ = (z⁻² − (σ_m/2)⁻²)^(-1/2)` that is left (more than `z`), the ε is
+/// still `z`'s, the released loss and accuracy are the cohort's within their stated noise,
+/// and a device's own evaluation is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dp_run_that_noises_its_metrics_releases_them_inside_its_epsilon() {
+    const N: usize = 40;
+    const PARAMS: usize = 2_000;
+    let (z, clip, sigma_m, loss_bound, delta_dp) = (0.5f64, 0.5, 2.0, 2.0, 1e-5);
+    let z_update = (z.powi(-2) - (sigma_m / 2.0f64).powi(-2)).powf(-0.5);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, N).await.unwrap();
+    let spec = PlanSpec { selection_secs: 1.0, ..PlanSpec::all_of(N, PARAMS, 1) };
+    let mut plan = spec.json();
+    plan["strategy"] = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": z, "clip_norm": clip, "population": N, "delta": delta_dp,
+        "metrics": {"noised": {"stddev": sigma_m, "loss_bound": loss_bound}},
+    }});
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let privacy = c.admin.run(run).await.unwrap().privacy.expect("a DP run shows its privacy");
+    assert!(privacy.metrics.starts_with("noised"), "{}", privacy.metrics);
+
+    let schema = spec.schema();
+    let hash = c.admin.models(run).await.unwrap()[0].content_hash.clone();
+    let global = model_values(&devices[0], &hash, &schema).await.unwrap();
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let tasks = futures_util::future::try_join_all(devices.iter().map(drawn_task)).await.unwrap();
+    assert!(
+        tasks.iter().all(|t| t.evaluation_in_update && !t.withhold_metrics),
+        "devices are told to send their metrics and evaluation with the update"
+    );
+    // Every device trained to loss 1.5 and evaluated at 80 % with loss 0.5, except one that
+    // claims a loss of 1e9 and 500 % (its block is clipped, not trusted).
+    let uploads: Vec<Vec<f32>> = (0..N).map(|i| delta(i, 0, PARAMS)).collect();
+    for (i, ((d, t), u)) in devices.iter().zip(&tasks).zip(&uploads).enumerate() {
+        let (loss, accuracy) = if i == 0 { (1e9, 5.0) } else { (1.5, 0.8) };
+        let mut request = upload_request(t, u, weight(i));
+        request.metrics = [
+            ("loss".to_owned(), loss),
+            ("eval_accuracy".to_owned(), accuracy),
+            ("eval_loss".to_owned(), 0.5),
+            ("secret".to_owned(), 42.0),
+        ]
+        .into();
+        d.upload(run, RoundIdx(0), &request).await.unwrap();
+    }
+    let hash = wait_model(&c.admin, run, 1).await.unwrap();
+    let got = model_values(&devices[0], &hash, &schema).await.unwrap();
+    let clipped: Vec<Vec<f32>> =
+        uploads.iter().map(|u| starling_core::robust::clip_to_norm(u, clip)).collect();
+    let noise: Vec<f64> = (0..PARAMS)
+        .map(|j| {
+            let mean = clipped.iter().map(|u| f64::from(u[j])).sum::<f64>() / N as f64;
+            f64::from(got[j]) - f64::from(global[j]) - mean
+        })
+        .collect();
+    let sd = (noise.iter().map(|x| x * x).sum::<f64>() / PARAMS as f64).sqrt();
+    let want = z_update * clip / N as f64;
+    assert!((sd / want - 1.0).abs() < 0.08, "noise sd {sd}, the update share's {want}");
+
+    // Released: the mean training loss (true (39 · 1.5 + 2) / 40 = 1.5125 after clipping to
+    // 2), with noise sd 2 · 2 / 40 = 0.1; nothing else the devices sent.
+    let rounds = c.admin.rounds(run).await.unwrap();
+    let metrics = rounds[0].metrics.clone().expect("the round releases its noised metrics");
+    assert_eq!(metrics.keys().collect::<Vec<_>>(), ["loss"], "{metrics:?}");
+    assert!((metrics["loss"] - 1.5125).abs() < 0.5, "{metrics:?}");
+    // The pooled evaluation of the model the round trained: 40 devices (noise sd 2), accuracy
+    // (39 · 0.8 + 1) / 40 = 0.805 as a ratio of noisy sums (sd about 0.06).
+    let models = c.admin.models(run).await.unwrap();
+    let trained = models.iter().find(|m| m.version == 0).unwrap();
+    assert!((trained.n_evaluations as f64 - 40.0).abs() <= 10.0, "{trained:?}");
+    let accuracy = trained.evaluation["accuracy"];
+    assert!((accuracy - 0.805).abs() < 0.3, "{trained:?}");
+    assert!(trained.evaluation["loss"] <= loss_bound, "{trained:?}");
+    // A device's own evaluation is still refused.
+    let report = starling_core::wire::EvaluationReport {
+        model_version: starling_core::ModelVersion(1),
+        example_count: 10,
+        metrics: [("accuracy".to_owned(), 0.9)].into(),
+    };
+    let refused = devices[0].evaluate(run, &report).await.unwrap_err().to_string();
+    assert!(refused.contains("differentially private"), "{refused}");
+    // The metrics ride inside the accounted mechanism: ε is z's, one round at q = 1.
+    let view = wait_for("the run to finish", std::time::Duration::from_secs(30), || async {
+        let view = c.admin.run(run).await?;
+        Ok((view.status == "finished").then_some(view))
+    })
+    .await
+    .unwrap();
+    let expected = Sampling::FixedSize.accountant(1.0, z).epsilon(1, delta_dp);
+    let eps = view.privacy.unwrap().epsilon;
+    assert!((eps - expected).abs() <= 1e-12 * expected, "ε {eps} vs {expected}");
+    c.running.shutdown().await.unwrap();
+}
+
 /// The population is measured, not taken on trust: a plan that states 6 devices, with 5
 /// online, has each round draw from the 5 that checked in, find them fewer than 6, select no
 /// one and fail as `population_too_small` with what it measured. Nothing is committed.
@@ -314,12 +413,13 @@ async fn a_dp_round_that_measures_fewer_devices_than_its_population_releases_not
 const SECURE_DP_CLIENTS: usize = 10;
 
 /// A secure DP simulation with `strategy`: ten digits devices, five drawn per round (a quorum
-/// of four), for `rounds` rounds; the run and its view once every round committed.
+/// of four), for `rounds` rounds; the run, its view once every round committed, and each
+/// committed model's central test accuracy by version.
 async fn secure_dp_run(
     c: &InProcess,
     strategy: serde_json::Value,
     rounds: u32,
-) -> (RunId, starling_core::admin::RunView) {
+) -> (RunId, starling_core::admin::RunView, BTreeMap<i64, f64>) {
     use starling_client::simulate::{Pacing, SimulationConfig, simulate};
     let config = SimulationConfig {
         secure: true,
@@ -341,7 +441,8 @@ async fn secure_dp_run(
     let run = c.admin.runs().await.unwrap().into_iter().next().expect("the simulation's run");
     let view = c.admin.run(RunId(run.id)).await.unwrap();
     assert_eq!(view.rounds_committed, i64::from(rounds));
-    (RunId(run.id), view)
+    let accuracy = results.iter().map(|r| (r.version, r.test_accuracy)).collect();
+    (RunId(run.id), view, accuracy)
 }
 
 /// Secure aggregation with DP and the fixed-size draw, end to end with the SDK's participants:
@@ -355,7 +456,7 @@ async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
     let c = start_in_process(&db).await.unwrap();
     let dp = serde_json::json!({"differential_privacy": {
         "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5}});
-    let (run, view) = secure_dp_run(&c, dp, rounds).await;
+    let (run, view, _) = secure_dp_run(&c, dp, rounds).await;
     for r in c.admin.rounds(run).await.unwrap() {
         assert_eq!(r.n_selected, 5, "round {}: exactly the target drawn", r.round_idx);
     }
@@ -363,6 +464,45 @@ async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
     let want = Sampling::FixedSize.accountant(0.5, z).epsilon(u64::from(rounds), 1e-5);
     assert!((privacy.epsilon - want).abs() <= 1e-12 * want, "ε {} vs {want}", privacy.epsilon);
     assert!(privacy.mechanism.contains("secure"), "{}", privacy.mechanism);
+    c.running.shutdown().await.unwrap();
+}
+
+/// A secure DP run with `metrics: noised`: each device's evaluation rides in its masked input
+/// with the plan's loss bound as the cap, the coordinator noises the unmasked sums of the
+/// evaluation entries and releases the cohort's pooled evaluation (and no training loss,
+/// which a secure vector does not carry); a run that withholds its metrics releases neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_dp_run_releases_a_noised_pooled_evaluation_only_when_its_plan_says_so() {
+    let (z, sigma_m, loss_bound, rounds) = (0.05, 0.12, 5.0, 2);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let dp = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5,
+        "metrics": {"noised": {"stddev": sigma_m, "loss_bound": loss_bound}}}});
+    let (run, _, central) = secure_dp_run(&c, dp, rounds).await;
+    for r in c.admin.rounds(run).await.unwrap() {
+        assert!(r.metrics.as_ref().is_none_or(|m| m.is_empty()), "{:?}", r.metrics);
+    }
+    let models = c.admin.models(run).await.unwrap();
+    // Version 1 was scored centrally and evaluated by round 1's cohort of five on their
+    // held-out examples (without noise the two differ by about 0.07). The count's noise sd is
+    // 0.12 and the accuracy's about 0.03.
+    let pooled = models.iter().find(|m| m.version == 1).unwrap();
+    assert!((pooled.n_evaluations as f64 - 5.0).abs() <= 1.0, "{pooled:?}");
+    let accuracy = pooled.evaluation["accuracy"];
+    assert!((accuracy - central[&1]).abs() < 0.25, "pooled {accuracy} vs central {}", central[&1]);
+    assert!((0.0..=loss_bound).contains(&pooled.evaluation["loss"]), "{pooled:?}");
+    c.running.shutdown().await.unwrap();
+
+    // Withheld (the default): the same run releases no evaluation at all.
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let dp = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5}});
+    let (run, _, _) = secure_dp_run(&c, dp, 1).await;
+    for m in c.admin.models(run).await.unwrap() {
+        assert_eq!(m.n_evaluations, 0, "model {}: {:?}", m.version, m.evaluation);
+    }
     c.running.shutdown().await.unwrap();
 }
 
@@ -497,7 +637,7 @@ async fn a_distributed_dp_run_commits_noisy_sums_and_reports_their_epsilon() {
     let dp = serde_json::json!({"differential_privacy": {
         "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5,
         "noise": "distributed", "min_survivors": 4}});
-    let (_, view) = secure_dp_run(&c, dp.clone(), rounds).await;
+    let (_, view, _) = secure_dp_run(&c, dp.clone(), rounds).await;
     let privacy = view.privacy.expect("a DP run shows its privacy");
     // The digits MLP: 64·64 + 64 + 64·64 + 64 + 64·10 + 10 parameters.
     let noise = DistributedNoise::for_plan(z, 1.0, 8970, 5, 4).unwrap();

@@ -437,7 +437,7 @@ async fn round_of_core_clients(
         let (q, cap) = (secure[i].quantizer(), secure[i].max_examples);
         let mut input = secagg::encode_weighted(&q, &delta(i, 0, PARAMS), weight(i), cap);
         if secure[i].config.len == input.len() + secagg::EVALUATION_ENTRIES {
-            secagg::append_evaluation(&q, &mut input, None, cap);
+            secagg::append_evaluation(&q, &mut input, None, cap, secagg::SECURE_LOSS_CAP);
         }
         let masked = clients[i].masked_input(request, &input)?;
         let mut accusations = clients[i].accusations();
