@@ -299,6 +299,10 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     /// A simulated slow device: after training it waits this many times its training time
     /// more (see `simulate::Slowdown`); never set outside the simulator.
     slowdown: Option<f64>,
+    /// A simulated device whose training seeds depend on this key and the round only, not on
+    /// the ids the coordinator gave it and its run (see `simulate::SimulationConfig`'s seeded
+    /// cohorts); never set outside the simulator.
+    seed_key: Option<u64>,
 }
 
 /// A change to a trained delta before upload: how the simulator makes a device misbehave.
@@ -327,6 +331,7 @@ impl Participant<FromPlan> {
             attributes: DeviceAttributes::default(),
             tamper: None,
             slowdown: None,
+            seed_key: None,
         }
     }
 }
@@ -347,6 +352,7 @@ impl<F: ModelFactory> Participant<F> {
             attributes: self.attributes,
             tamper: self.tamper,
             slowdown: self.slowdown,
+            seed_key: self.seed_key,
         }
     }
 
@@ -365,6 +371,14 @@ impl<F: ModelFactory> Participant<F> {
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub(crate) fn slowed(mut self, factor: f64) -> Self {
         self.slowdown = Some(factor);
+        self
+    }
+
+    /// The same participant deriving its training seeds from `key` and the round alone, so
+    /// that a simulation repeated with the same seed trains the same batches in every round.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
+    pub(crate) fn seeded_as(mut self, key: u64) -> Self {
+        self.seed_key = Some(key);
         self
     }
 
@@ -483,7 +497,10 @@ impl<F: ModelFactory> Participant<F> {
         let mut config = TrainingPlan::from_json(&task.training_config)
             .map_err(|e| TrainError::Config(e.to_string()))?;
         // The plan's seed is the run's; each device shuffles differently in every round.
-        config.seed = round_seed(config.seed, self.state.device_id, run_id, round_idx);
+        config.seed = match self.seed_key {
+            Some(key) => round_seed(config.seed, Some(DeviceId(key as i64)), RunId(0), round_idx),
+            None => round_seed(config.seed, self.state.device_id, run_id, round_idx),
+        };
         let (train_set, device) = (self.train_set.clone(), self.device.clone());
         let (factory, spec, schema) =
             (self.factory.clone(), task.model_spec.clone(), task.schema.clone());

@@ -158,6 +158,124 @@ pub struct SimulationConfig {
     /// How often the run's model bytes are written (the plan's `checkpoint_interval`; 1:
     /// every version).
     pub checkpoint_interval: u32,
+    /// Which committed models are scored on the test set, and on how much of it.
+    pub scoring: Scoring,
+    /// Draw each round's cohort from `seed` in the simulator (exactly `cohort` clients, the
+    /// same ones for the same seed) and derive each client's per-round training seed from
+    /// `seed`, its index and the round, so that the same seed repeats a run bit for bit on an
+    /// idle machine. Not with DP (the coordinator draws a DP cohort, and its noise is secret)
+    /// or asynchronous runs (their updates race by design).
+    pub seeded_cohorts: bool,
+}
+
+/// Which committed models a simulation scores on the test set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scoring {
+    /// Score every `every`-th version (and the run's last); 1 scores them all.
+    pub every: u32,
+    /// Score on this many test examples (a seeded sample), not the whole test set.
+    pub examples: Option<usize>,
+}
+
+impl Default for Scoring {
+    fn default() -> Self {
+        Scoring { every: 1, examples: None }
+    }
+}
+
+impl Scoring {
+    /// Whether version `version` of a run of `total` versions is scored.
+    pub fn scores(&self, version: i64, total: i64) -> bool {
+        version == total || version % i64::from(self.every.max(1)) == 0
+    }
+}
+
+/// The FedAvg paper's MNIST settings (McMahan et al. 2017: 100 clients of 600 examples, C =
+/// 0.1, B = 10; E = 1 for the 2NN, 5 for the CNN), as `starling-client simulate --preset`
+/// offers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// The 2NN (two hidden layers of 200), E = 1, B = 10, η = 0.1.
+    #[value(name = "fedavg-mnist-2nn")]
+    FedAvgMnist2nn,
+    /// The CNN (two 5×5 convolutions, 512-unit dense), E = 5, B = 10, η = 0.05.
+    #[value(name = "fedavg-mnist-cnn")]
+    FedAvgMnistCnn,
+}
+
+/// The settings a simulation starts from: the simulator's own defaults, or a preset's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    /// Simulated devices (the paper's K).
+    pub clients: usize,
+    /// Reports per round (C·K).
+    pub cohort: u32,
+    /// Rounds.
+    pub rounds: u32,
+    /// Dataset.
+    pub dataset: Dataset,
+    /// Split over clients.
+    pub partition: Partition,
+    /// Model.
+    pub model: ModelKind,
+    /// Local epochs (E).
+    pub epochs: u32,
+    /// Local batch size (B).
+    pub batch_size: u32,
+    /// Local learning rate (η).
+    pub lr: f64,
+    /// Share of each client's examples held out for federated evaluation.
+    pub holdout: f64,
+    /// Devices selected per round, as a multiple of the cohort.
+    pub over_selection: f64,
+    /// Fewest reports a round commits with (`None`: 80 % of the cohort).
+    pub min_quorum: Option<u32>,
+}
+
+impl Settings {
+    /// The simulator's defaults: a quick run on the bundled digits.
+    pub fn simulator_defaults(clients: Option<usize>) -> Self {
+        let clients = clients.unwrap_or(24);
+        Settings {
+            clients,
+            cohort: (clients / 2).max(1) as u32,
+            rounds: 15,
+            dataset: Dataset::Digits,
+            partition: Partition::Iid,
+            model: ModelKind::Mlp,
+            epochs: 5,
+            batch_size: 10,
+            lr: 0.1,
+            holdout: 0.1,
+            over_selection: Pacing::default().over_selection,
+            min_quorum: None,
+        }
+    }
+}
+
+impl Preset {
+    /// The preset's settings: MNIST over 100 clients (600 examples each, IID), exactly 10 of
+    /// them per round (no over-selection, every one must report), no examples held out.
+    pub fn settings(self) -> Settings {
+        let (model, epochs, lr, rounds) = match self {
+            Preset::FedAvgMnist2nn => (ModelKind::Mlp, 1, 0.1, 200),
+            Preset::FedAvgMnistCnn => (ModelKind::Cnn, 5, 0.05, 100),
+        };
+        Settings {
+            clients: 100,
+            cohort: 10,
+            rounds,
+            dataset: Dataset::Mnist,
+            partition: Partition::Iid,
+            model,
+            epochs,
+            batch_size: 10,
+            lr,
+            holdout: 0.0,
+            over_selection: 1.0,
+            min_quorum: Some(10),
+        }
+    }
 }
 
 /// A fleet's heterogeneity: a share of the devices takes `factor` times as long to train.
@@ -252,6 +370,42 @@ pub struct RoundResult {
     pub reported: i64,
     /// Selected devices that did not report.
     pub dropped: i64,
+    /// Seconds since the simulation created its run, when the model was scored.
+    pub elapsed_secs: f64,
+    /// Seconds the round that produced it was open.
+    pub round_secs: Option<f64>,
+    /// Bytes of the updates that round took.
+    pub upload_bytes: Option<u64>,
+    /// ε spent once this model was committed, in a DP run (the run's own accountant).
+    pub epsilon: Option<f64>,
+    /// The model's content hash (two runs that repeat each other commit the same ones).
+    pub content_hash: String,
+}
+
+impl RoundResult {
+    /// The CSV header of [`RoundResult::csv_row`].
+    pub const CSV_HEADER: &'static str = "version,test_accuracy,test_loss,train_loss,reported,dropped,elapsed_secs,round_secs,upload_bytes,epsilon,content_hash";
+
+    /// One CSV row (empty fields where a value is absent).
+    pub fn csv_row(&self) -> String {
+        fn opt<T: ToString>(v: Option<T>) -> String {
+            v.map_or(String::new(), |v| v.to_string())
+        }
+        format!(
+            "{},{},{},{},{},{},{:.3},{},{},{},{}",
+            self.version,
+            self.test_accuracy,
+            self.test_loss,
+            opt(self.train_loss),
+            self.reported,
+            self.dropped,
+            self.elapsed_secs,
+            opt(self.round_secs),
+            opt(self.upload_bytes),
+            opt(self.epsilon),
+            self.content_hash
+        )
+    }
 }
 
 /// Why a simulation failed.
@@ -329,6 +483,29 @@ pub async fn simulate(
             p.fraction
         )));
     }
+    if config.scoring.every == 0 || config.scoring.examples == Some(0) {
+        return Err(SimulationError::Invalid(
+            "scoring needs a positive interval and example count".into(),
+        ));
+    }
+    if config.seeded_cohorts {
+        if !config.strategy["differential_privacy"].is_null() {
+            return Err(SimulationError::Invalid(
+                "a DP run cannot repeat bit for bit: the coordinator draws its cohorts and its noise is secret".into(),
+            ));
+        }
+        if config.asynchronous.is_some() {
+            return Err(SimulationError::Invalid(
+                "an asynchronous run cannot repeat bit for bit: its updates race by design".into(),
+            ));
+        }
+        if config.cohort as usize > config.clients {
+            return Err(SimulationError::Invalid(format!(
+                "a cohort of {} from {} clients",
+                config.cohort, config.clients
+            )));
+        }
+    }
     let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
         config.dataset,
         &config.data_dir,
@@ -338,6 +515,10 @@ pub async fn simulate(
         config.seed,
     )?;
     let spec = model_spec(config.model, train_set.input());
+    let test_set = match config.scoring.examples {
+        Some(n) if n < test_set.len() => test_set.subset(&sample(test_set.len(), n, config.seed)),
+        _ => test_set,
+    };
     let admin = AdminClient::with_tls(&config.url, &config.operator_token, &config.tls)?;
     let name = format!(
         "simulate-{:?}-{:?}-{}",
@@ -352,6 +533,14 @@ pub async fn simulate(
     let uses = config.clients as i64 + 8;
     let token = admin.enrollment_token_for(uses, &[population.as_str()]).await?.token;
     let plan = simulation_plan(&config, &name, &population, &spec);
+    // The run's own accountant, for the ε each committed model has spent.
+    let privacy = serde_json::from_value::<starling_core::plan::Plan>(plan.clone())
+        .map_err(|e| SimulationError::Invalid(format!("the simulation's plan: {e}")))?
+        .validate()
+        .map_err(|e| SimulationError::Invalid(format!("the simulation's plan: {e}")))?
+        .privacy()
+        .copied();
+    let started = Some(std::time::Instant::now());
     // The store refuses the run while another trains the population (a constraint, so two
     // simulations cannot both take it).
     let run = match admin.create_run(&plan).await {
@@ -361,7 +550,13 @@ pub async fn simulate(
         }
         Err(e) => return Err(e.into()),
     };
-    let mut fleet = Fleet::spawn(&config, &population, &token, &train_set, parts)?;
+    let roster = config
+        .seeded_cohorts
+        .then(|| Arc::new(Roster::new(config.seed, config.clients, config.cohort as usize)));
+    let mut fleet = Fleet::spawn(&config, &population, &token, &train_set, parts, roster.clone())?;
+    // Seeded cohorts follow the run's open round, watched apart from scoring so that a slow
+    // score never holds up training.
+    let following = roster.map(|roster| tokio::spawn(roster.follow(admin.clone(), run)));
     // Observe: evaluate each committed model on the test set, and report it as the central
     // evaluation of the "simulator".
     let evaluator = CentralEvaluator::new(
@@ -373,8 +568,11 @@ pub async fn simulate(
         config.backend.clone(),
     )
     .map_err(|e| SimulationError::Participant(e.to_string()))?;
-    let mut observed = Observed::default();
+    let mut observed = Observed { scoring: config.scoring, privacy, started, ..Default::default() };
     let outcome = observed.watch(&admin, run, &evaluator, &mut fleet, on_round).await;
+    if let Some(following) = following {
+        following.abort();
+    }
     let devices = fleet.stop();
     let Observed { results, not_evaluated, .. } = observed;
     outcome.map(|()| SimulationReport {
@@ -393,7 +591,18 @@ fn simulation_plan(
     population: &str,
     spec: &ModelSpec,
 ) -> serde_json::Value {
-    let pacing = config.pacing;
+    let mut pacing = config.pacing;
+    let mut training = config.training.clone();
+    if training.get("seed").is_none() && training.is_object() {
+        // Batch orders follow the simulation's seed.
+        training["seed"] = config.seed.into();
+    }
+    if config.seeded_cohorts {
+        // The simulator draws each cohort: exactly those clients check in, all are taken and
+        // every one must report.
+        pacing.over_selection = 1.0;
+        pacing.min_quorum = Some(config.cohort);
+    }
     let mut plan = serde_json::json!({
         "name": name,
         "population": population,
@@ -401,7 +610,7 @@ fn simulation_plan(
         // simulations checking first could both pass the check).
         "exclusive_population": true,
         "model": {"spec": spec, "init": {"kind": "seeded", "seed": config.seed}},
-        "training": config.training,
+        "training": training,
         "cohort_size": config.cohort,
         "over_selection": pacing.over_selection,
         "min_quorum": pacing.min_quorum.unwrap_or((config.cohort * 4 / 5).max(1)),
@@ -412,6 +621,9 @@ fn simulation_plan(
         "compression": config.compression,
         "model_download": config.model_download,
     });
+    if config.seeded_cohorts {
+        plan["selection"] = "first_come".into();
+    }
     if !config.strategy.is_null() {
         plan["strategy"] = config.strategy.clone();
     }
@@ -450,6 +662,7 @@ impl Fleet {
         token: &str,
         train_set: &Examples,
         parts: Vec<Vec<usize>>,
+        roster: Option<Arc<Roster>>,
     ) -> Result<Self, SimulationError> {
         let attackers = config.poisoning.map_or(0, |p| p.attackers(config.clients));
         let slow_devices = |s: &Slowdown| s.slow_devices(config.clients);
@@ -474,17 +687,38 @@ impl Fleet {
             if let Some(slow) = config.slowdown.filter(|s| i >= config.clients - slow_devices(s)) {
                 participant = participant.slowed(slow.factor);
             }
+            if roster.is_some() {
+                // Training seeds from the simulation's seed, the client and the round only.
+                participant = participant.seeded_as(i as u64);
+            }
             let (token, stop) = (token.to_owned(), stop.clone());
-            let enrolled = enrolled.clone();
+            let (enrolled, roster) = (enrolled.clone(), roster.clone());
             tasks.push(tokio::spawn(async move {
                 let device = participant.enroll(&token).await.map_err(|e| e.to_string())?;
                 enrolled.lock().expect("no task panics holding it").push(device);
+                // With seeded cohorts: the last round this client took part in.
+                let mut done: Option<i64> = None;
                 while !stop.load(Ordering::Relaxed) {
+                    if let Some(roster) = &roster
+                        && !roster.due(i, done)
+                    {
+                        tokio::time::sleep(Roster::POLL).await;
+                        continue;
+                    }
                     match participant.participate(Box::new(|_| {})).await {
                         Ok(Outcome::ComeBackLater(d)) => {
-                            tokio::time::sleep(d.min(Duration::from_secs(1))).await
+                            let most = if roster.is_some() {
+                                Roster::POLL
+                            } else {
+                                Duration::from_secs(1)
+                            };
+                            tokio::time::sleep(d.min(most)).await
                         }
-                        Ok(_) => {}
+                        Ok(
+                            Outcome::Uploaded { round_idx, .. }
+                            | Outcome::Evaluated { round_idx, .. }
+                            | Outcome::RoundMissed { round_idx, .. },
+                        ) => done = Some(round_idx.0),
                         Err(e) => {
                             tracing::warn!(client = i, error = %e, "participation failed");
                             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -515,6 +749,71 @@ impl Fleet {
     }
 }
 
+/// Each round's cohort drawn from the simulation's seed, and the round the run has open.
+struct Roster {
+    seed: u64,
+    clients: usize,
+    cohort: usize,
+    /// The run's open round, as last seen (−1: none yet).
+    open: std::sync::atomic::AtomicI64,
+}
+
+impl Roster {
+    /// How often clients and the watcher look again.
+    const POLL: Duration = Duration::from_millis(50);
+
+    fn new(seed: u64, clients: usize, cohort: usize) -> Self {
+        Roster { seed, clients, cohort, open: std::sync::atomic::AtomicI64::new(-1) }
+    }
+
+    /// Round `round`'s cohort: `cohort` of the clients, drawn from the seed and the round.
+    fn cohort(&self, round: i64) -> Vec<usize> {
+        let mut rng = starling_core::rng::SplitMix64(self.seed);
+        rng.0 = rng.next_u64() ^ round as u64;
+        let mut clients: Vec<usize> = (0..self.clients).collect();
+        // A partial Fisher–Yates shuffle: the first `cohort` are the draw.
+        for k in 0..self.cohort.min(self.clients) {
+            let j = k + (rng.next_u64() % (self.clients - k) as u64) as usize;
+            clients.swap(k, j);
+        }
+        clients.truncate(self.cohort);
+        clients
+    }
+
+    /// Whether client `i`, which last took part in round `done`, should check in now: the open
+    /// round is newer and drew it.
+    fn due(&self, i: usize, done: Option<i64>) -> bool {
+        let open = self.open.load(Ordering::Relaxed);
+        open >= 0 && done.is_none_or(|d| open > d) && self.cohort(open).contains(&i)
+    }
+
+    /// Keeps `open` at the run's open round until aborted.
+    async fn follow(self: Arc<Self>, admin: AdminClient, run: RunId) {
+        loop {
+            if let Ok(rounds) = admin.rounds(run).await
+                && let Some(open) =
+                    rounds.iter().filter(|r| r.state == "open").map(|r| r.round_idx).max()
+            {
+                self.open.store(open, Ordering::Relaxed);
+            }
+            tokio::time::sleep(Self::POLL).await;
+        }
+    }
+}
+
+/// `n` distinct indices below `len`, drawn from `seed` (a partial Fisher–Yates shuffle), sorted.
+fn sample(len: usize, n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = starling_core::rng::SplitMix64(seed ^ 0x5c0_12e5);
+    let mut idx: Vec<usize> = (0..len).collect();
+    for k in 0..n.min(len) {
+        let j = k + (rng.next_u64() % (len - k) as u64) as usize;
+        idx.swap(k, j);
+    }
+    idx.truncate(n);
+    idx.sort_unstable();
+    idx
+}
+
 /// What the simulation saw of its run's models.
 #[derive(Default)]
 struct Observed {
@@ -523,6 +822,12 @@ struct Observed {
     seen: i64,
     /// Versions passed over (given up by the checkpoint interval before they were reached).
     not_evaluated: Vec<i64>,
+    /// Which versions are scored.
+    scoring: Scoring,
+    /// The run's privacy, for ε per model.
+    privacy: Option<starling_core::privacy::Privacy>,
+    /// When the run was created.
+    started: Option<std::time::Instant>,
 }
 
 impl Observed {
@@ -539,9 +844,13 @@ impl Observed {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let models = admin.models(run).await?;
             let rounds = admin.rounds(run).await?;
+            let total = i64::from(admin.run(run).await?.total_rounds);
             let newer = models.iter().position(|m| m.version > self.seen).unwrap_or(models.len());
             for m in &models[newer..] {
                 self.seen = m.version;
+                if !self.scoring.scores(m.version, total) {
+                    continue;
+                }
                 let Some(eval) = evaluator
                     .evaluate_version(m.version)
                     .await
@@ -558,6 +867,12 @@ impl Observed {
                     train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
                     reported: round.map_or(0, |r| r.n_reported),
                     dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
+                    elapsed_secs: self.started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                    round_secs: round
+                        .and_then(|r| Some((r.closed_at_ms? - r.opened_at_ms) as f64 / 1000.0)),
+                    upload_bytes: round.and_then(|r| r.upload_bytes),
+                    epsilon: self.privacy.map(|p| p.epsilon_after(m.version.max(0) as u64)),
+                    content_hash: m.content_hash.clone(),
                 };
                 on_round(&result);
                 self.results.push(result);

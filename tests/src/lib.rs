@@ -511,6 +511,8 @@ pub fn digits_simulation(
         asynchronous: None,
         slowdown: None,
         checkpoint_interval: 1,
+        scoring: Default::default(),
+        seeded_cohorts: false,
     }
 }
 

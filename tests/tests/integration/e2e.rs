@@ -595,6 +595,63 @@ async fn federated_shakespeare_roles_learn_next_characters() {
     c.running.shutdown().await.unwrap();
 }
 
+/// A seeded simulation repeats itself: the simulator draws each round's cohort from the seed
+/// (exactly the cohort, every one reporting) and each client's training seed from the seed, its
+/// index and the round, so two runs on one coordinator commit the same models and score the
+/// same curve, bit for bit; another seed does not. The curve also carries each round's time
+/// and bytes, and scoring every second model on a sample of the test set scores those only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeded_simulation_repeats_bit_for_bit() {
+    use starling_client::simulate::{Scoring, SimulationConfig, simulate};
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let config = SimulationConfig {
+        seeded_cohorts: true,
+        training: serde_json::json!({"epochs": 1, "batch_size": 10, "lr": 0.1}),
+        ..digits_simulation(&c.url, 8, 3, 3, 7)
+    };
+    let first = simulate(config.clone(), |_| {}).await.unwrap();
+    let second = simulate(config.clone(), |_| {}).await.unwrap();
+    let other = simulate(SimulationConfig { seed: 8, ..config.clone() }, |_| {}).await.unwrap();
+    assert_eq!(first.rounds.len(), 3);
+    let curve = |r: &starling_client::simulate::SimulationReport| -> Vec<(String, u64, u64)> {
+        r.rounds
+            .iter()
+            .map(|r| (r.content_hash.clone(), r.test_accuracy.to_bits(), r.test_loss.to_bits()))
+            .collect()
+    };
+    assert_eq!(curve(&first), curve(&second), "the same seed, the same models and scores");
+    assert_ne!(curve(&first), curve(&other), "another seed, another run");
+    for report in [&first, &second] {
+        for (a, b) in report.rounds.iter().zip(&first.rounds) {
+            // The training loss is a mean over the round's reports in arrival order: equal to
+            // the last bits of its sum.
+            let (a, b) = (a.train_loss.unwrap(), b.train_loss.unwrap());
+            assert!((a - b).abs() <= 1e-12 * b.abs(), "{a} vs {b}");
+        }
+        for r in c.admin.rounds(report.run_id).await.unwrap() {
+            assert_eq!(
+                (r.n_selected, r.n_reported),
+                (3, 3),
+                "round {}: exactly the cohort",
+                r.round_idx
+            );
+        }
+    }
+    let row = &first.rounds[1];
+    assert!(row.round_secs.is_some_and(|s| s > 0.0) && row.upload_bytes.is_some_and(|b| b > 0));
+    assert!(row.elapsed_secs > first.rounds[0].elapsed_secs);
+    assert_eq!(row.epsilon, None, "no DP, no ε");
+
+    // Scoring every second model on 100 test examples: versions 2 and 3 (the last) only.
+    let scoring = Scoring { every: 2, examples: Some(100) };
+    let sparse = simulate(SimulationConfig { scoring, ..config }, |_| {}).await.unwrap();
+    let versions: Vec<i64> = sparse.rounds.iter().map(|r| r.version).collect();
+    assert_eq!(versions, [2, 3]);
+    assert_eq!(sparse.rounds[0].content_hash, first.rounds[1].content_hash, "the same model");
+    c.running.shutdown().await.unwrap();
+}
+
 /// Two simulations at once on one coordinator, one IID and one pathologically
 /// non-IID, each train only their own run. Every device the admin API records in a round of a
 /// run is one of that simulation's devices (before, both used the population `default` and each

@@ -18,7 +18,10 @@ use starling_client::data::{Dataset, Partition};
 use starling_client::evaluate::{EvaluatorConfig, evaluate_run};
 use starling_client::participant::{Outcome, Participant, ParticipantError, ParticipantState};
 use starling_client::protocol::TlsSettings;
-use starling_client::simulate::{Attack, ModelKind, Pacing, Poisoning, SimulationConfig, simulate};
+use starling_client::simulate::{
+    Attack, ModelKind, Pacing, Poisoning, Preset, RoundResult, Scoring, Settings, SimulationConfig,
+    simulate,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "starling-client", version, about = "Starling client SDK tools")]
@@ -31,7 +34,7 @@ struct Cli {
 enum Command {
     /// Run N real SDK clients against a coordinator and print the global model's test accuracy
     /// round by round.
-    Simulate(SimulateArgs),
+    Simulate(Box<SimulateArgs>),
     /// Take part in training as this device: enroll once (the credential is kept in --state),
     /// then check in, train on the local examples and upload, round after round.
     Participate(ParticipateArgs),
@@ -148,38 +151,70 @@ struct SimulateArgs {
     #[arg(long, env = "STARLING_OPERATOR_TOKEN", hide_env_values = true)]
     operator_token: String,
     /// Simulated devices.
-    #[arg(long, default_value_t = 24)]
-    clients: usize,
+    #[arg(long)]
+    clients: Option<usize>,
     /// Reports per round [default: half the clients].
     #[arg(long)]
     cohort: Option<u32>,
-    /// Rounds to commit.
-    #[arg(long, default_value_t = 15)]
-    rounds: u32,
-    /// Dataset.
-    #[arg(long, value_enum, default_value = "digits")]
-    dataset: Dataset,
+    /// Rounds to commit [default: 15].
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Dataset [default: digits].
+    #[arg(long, value_enum)]
+    dataset: Option<Dataset>,
     /// The shared data folder.
     #[arg(long, env = "STARLING_DATA_DIR", default_value = "../shared/data")]
     data_dir: PathBuf,
-    /// iid, dirichlet:ALPHA or shards:N.
-    #[arg(long, default_value = "iid")]
-    partition: Partition,
-    /// Model.
-    #[arg(long, value_enum, default_value = "mlp")]
-    model: ModelKind,
-    /// Local epochs (the FedAvg paper's E).
-    #[arg(long, default_value_t = 5)]
-    epochs: u32,
-    /// Local batch size (the FedAvg paper's B).
-    #[arg(long, default_value_t = 10)]
-    batch_size: u32,
-    /// Local learning rate.
-    #[arg(long, default_value_t = 0.1)]
-    lr: f64,
-    /// Seed.
+    /// iid, dirichlet:ALPHA or shards:N [default: iid].
+    #[arg(long)]
+    partition: Option<Partition>,
+    /// Model [default: mlp].
+    #[arg(long, value_enum)]
+    model: Option<ModelKind>,
+    /// Local epochs (the FedAvg paper's E) [default: 5].
+    #[arg(long)]
+    epochs: Option<u32>,
+    /// Local batch size (the FedAvg paper's B) [default: 10].
+    #[arg(long)]
+    batch_size: Option<u32>,
+    /// Local learning rate [default: 0.1].
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Start from the FedAvg paper's MNIST settings (100 clients of 600 examples, 10 per
+    /// round, B = 10, no holdout; the 2NN at E = 1, the CNN at E = 5); flags given beside it
+    /// override it.
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    /// Seed of the data split, the initial model and batch orders. Given, the run repeats bit
+    /// for bit: the simulator draws each round's cohort from it too (exactly --cohort clients,
+    /// all of which must report). Not with DP or --asynchronous [default: 1, cohorts drawn by
+    /// the coordinator].
+    #[arg(long, conflicts_with = "seeds")]
+    seed: Option<u64>,
+    /// Run the same setting once per seed (each repeatable, as --seed), and report the mean and
+    /// spread of the rounds each took to reach --target.
+    #[arg(long, value_delimiter = ',', requires = "target")]
+    seeds: Option<Vec<u64>>,
+    /// Test accuracy (0 to 1) whose first round is reported with --seeds.
+    #[arg(long)]
+    target: Option<f64>,
+    /// Score every K-th committed model (and the last) on the test set.
     #[arg(long, default_value_t = 1)]
-    seed: u64,
+    eval_every: u32,
+    /// Score on this many test examples (a seeded sample) instead of the whole test set.
+    #[arg(long)]
+    eval_examples: Option<usize>,
+    /// Train with differential privacy at this ε over the run's rounds: the noise multiplier is
+    /// the smallest the run's own accountant allows (with --delta; the population is the
+    /// clients, the clip norm --clip-norm).
+    #[arg(long, requires = "delta")]
+    epsilon: Option<f64>,
+    /// δ of --epsilon.
+    #[arg(long, requires = "epsilon")]
+    delta: Option<f64>,
+    /// The L2 norm each update is clipped to, with --epsilon.
+    #[arg(long, default_value_t = 1.0, requires = "epsilon")]
+    clip_norm: f64,
     /// Use at most this many training examples (0: all).
     #[arg(long, default_value_t = 0)]
     max_examples: usize,
@@ -190,9 +225,9 @@ struct SimulateArgs {
     /// its run]. Refused while another run trains it: its devices would join that run too.
     #[arg(long)]
     population: Option<String>,
-    /// Devices selected per round, as a multiple of the cohort.
-    #[arg(long, default_value_t = Pacing::default().over_selection)]
-    over_selection: f64,
+    /// Devices selected per round, as a multiple of the cohort [default: 1.3].
+    #[arg(long)]
+    over_selection: Option<f64>,
     /// Fewest reports a round commits with [default: 80 % of the cohort].
     #[arg(long)]
     min_quorum: Option<u32>,
@@ -203,9 +238,10 @@ struct SimulateArgs {
     /// training (raise it for CNNs on CPUs).
     #[arg(long, default_value_t = Pacing::default().reporting_timeout_secs)]
     reporting_timeout_secs: f64,
-    /// Fraction of each device's examples held out for federated evaluation (0: train on all).
-    #[arg(long, default_value_t = 0.1)]
-    holdout: f64,
+    /// Fraction of each device's examples held out for federated evaluation (0: train on all)
+    /// [default: 0.1].
+    #[arg(long)]
+    holdout: Option<f64>,
     /// The plan's strategy as JSON, or @FILE: server optimizer, robust aggregation, differential
     /// privacy, e.g. '{"optimizer": {"kind": "fed_adam", "lr": 0.01}}' [default: FedAvg].
     #[arg(long)]
@@ -246,7 +282,8 @@ struct SimulateArgs {
     backend: BackendChoice,
     #[command(flatten)]
     tls: TlsArgs,
-    /// Write the curve here (`.json` for JSON, anything else CSV).
+    /// Write the curve here as each model is scored (`.json` for JSON, anything else CSV);
+    /// with --seeds one file per seed (`NAME-seedN.csv`) and the summary in `NAME-summary.csv`.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -259,7 +296,7 @@ pub(crate) fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     match cli.command {
-        Command::Simulate(args) => run_simulation(&runtime, args),
+        Command::Simulate(args) => run_simulation(&runtime, *args),
         Command::Participate(args) => runtime.block_on(participate(args)),
         Command::Evaluate(args) => runtime.block_on(central_evaluation(args)),
     }
@@ -410,41 +447,56 @@ fn parse_selection(text: &str) -> Result<starling_core::plan::SelectionPolicy, S
 }
 
 fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyhow::Result<()> {
-    let config = SimulationConfig {
-        url: args.url,
-        operator_token: args.operator_token,
+    let settings = settings(&args);
+    let seeds = args.seeds.clone().unwrap_or_else(|| vec![args.seed.unwrap_or(1)]);
+    let seeded_cohorts = args.seed.is_some() || args.seeds.is_some();
+    let mut strategy = match &args.strategy {
+        None => serde_json::Value::Null,
+        Some(text) => {
+            let text = match text.strip_prefix('@') {
+                Some(path) => std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the strategy from {path}"))?,
+                None => text.clone(),
+            };
+            serde_json::from_str(&text).context("--strategy is not JSON")?
+        }
+    };
+    if let (Some(epsilon), Some(delta)) = (args.epsilon, args.delta) {
+        anyhow::ensure!(
+            strategy["differential_privacy"].is_null(),
+            "--epsilon and a differential_privacy in --strategy: give one"
+        );
+        let dp = dp_for_epsilon(&settings, args.selection, epsilon, delta, args.clip_norm)?;
+        if strategy.is_null() {
+            strategy = serde_json::json!({});
+        }
+        strategy["differential_privacy"] = dp;
+    }
+    let base = SimulationConfig {
+        url: args.url.clone(),
+        operator_token: args.operator_token.clone(),
         tls: args.tls.settings()?,
-        clients: args.clients,
-        cohort: args.cohort.unwrap_or((args.clients / 2).max(1) as u32),
-        rounds: args.rounds,
-        dataset: args.dataset,
-        data_dir: args.data_dir,
-        partition: args.partition,
-        model: args.model,
-        training: serde_json::json!({"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr}),
-        seed: args.seed,
+        clients: settings.clients,
+        cohort: settings.cohort,
+        rounds: settings.rounds,
+        dataset: settings.dataset,
+        data_dir: args.data_dir.clone(),
+        partition: settings.partition,
+        model: settings.model,
+        training: serde_json::json!({"epochs": settings.epochs, "batch_size": settings.batch_size, "lr": settings.lr}),
+        seed: seeds[0],
         max_examples: args.max_examples,
         backend: backend::select(args.backend)?,
         secure: args.secure,
-        population: args.population,
+        population: args.population.clone(),
         pacing: Pacing {
-            over_selection: args.over_selection,
-            min_quorum: args.min_quorum,
+            over_selection: settings.over_selection,
+            min_quorum: settings.min_quorum,
             selection_timeout_secs: args.selection_timeout_secs,
             reporting_timeout_secs: args.reporting_timeout_secs,
         },
-        holdout: args.holdout,
-        strategy: match &args.strategy {
-            None => serde_json::Value::Null,
-            Some(text) => {
-                let text = match text.strip_prefix('@') {
-                    Some(path) => std::fs::read_to_string(path)
-                        .with_context(|| format!("reading the strategy from {path}"))?,
-                    None => text.clone(),
-                };
-                serde_json::from_str(&text).context("--strategy is not JSON")?
-            }
-        },
+        holdout: settings.holdout,
+        strategy,
         selection: args.selection,
         poisoning: args.attack.map(|attack| Poisoning { fraction: args.attackers, attack }),
         compression: args.compression,
@@ -452,35 +504,189 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         asynchronous: args.asynchronous,
         slowdown: args.slow,
         checkpoint_interval: args.checkpoint_interval,
+        scoring: Scoring { every: args.eval_every, examples: args.eval_examples },
+        seeded_cohorts,
     };
+    print_settings(&base, &settings, &args);
+    let mut reached = vec![];
+    for &seed in &seeds {
+        let config = SimulationConfig { seed, ..base.clone() };
+        let out = args.out.as_ref().map(|path| match &args.seeds {
+            Some(_) => with_suffix(path, &format!("-seed{seed}")),
+            None => path.clone(),
+        });
+        if args.seeds.is_some() {
+            println!("seed {seed}");
+        }
+        let results = simulate_once(runtime, config, out.as_deref())?;
+        if let Some(target) = args.target {
+            let first = results.iter().find(|r| r.test_accuracy >= target).map(|r| r.version);
+            match first {
+                Some(v) => println!(
+                    "seed {seed}: {:.2} % test accuracy first at round {v}",
+                    target * 100.0
+                ),
+                None => println!(
+                    "seed {seed}: {:.2} % not reached in {} rounds",
+                    target * 100.0,
+                    settings.rounds
+                ),
+            }
+            reached.push((seed, first));
+        }
+    }
+    if let (Some(_), Some(target)) = (&args.seeds, args.target) {
+        let summary = RoundsToTarget::of(&reached);
+        println!("{}", summary.describe(target, args.eval_every));
+        if let Some(path) = &args.out {
+            let path = with_suffix(&path.with_extension("csv"), "-summary");
+            std::fs::write(&path, summary.csv(&reached))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The settings a simulation runs with: a flag given, else the preset's, else the simulator's.
+fn settings(args: &SimulateArgs) -> Settings {
+    let base = match args.preset {
+        Some(preset) => preset.settings(),
+        None => Settings::simulator_defaults(args.clients),
+    };
+    let clients = args.clients.unwrap_or(base.clients);
+    Settings {
+        clients,
+        cohort: args.cohort.unwrap_or(match args.preset {
+            Some(_) => base.cohort,
+            None => (clients / 2).max(1) as u32,
+        }),
+        rounds: args.rounds.unwrap_or(base.rounds),
+        dataset: args.dataset.unwrap_or(base.dataset),
+        partition: args.partition.unwrap_or(base.partition),
+        model: args.model.unwrap_or(base.model),
+        epochs: args.epochs.unwrap_or(base.epochs),
+        batch_size: args.batch_size.unwrap_or(base.batch_size),
+        lr: args.lr.unwrap_or(base.lr),
+        holdout: args.holdout.unwrap_or(base.holdout),
+        over_selection: args.over_selection.unwrap_or(base.over_selection),
+        min_quorum: args.min_quorum.or(base.min_quorum),
+    }
+}
+
+/// `strategy.differential_privacy` for ε at δ over the run: the smallest noise multiplier the
+/// accountant of the selection that runs allows (fixed-size draws from the clients with
+/// `random`, Poisson sampling with `poisson`).
+fn dp_for_epsilon(
+    settings: &Settings,
+    selection: starling_core::plan::SelectionPolicy,
+    epsilon: f64,
+    delta: f64,
+    clip_norm: f64,
+) -> anyhow::Result<serde_json::Value> {
+    use starling_core::plan::SelectionPolicy;
+    use starling_core::privacy::{Sampling, noise_multiplier_for};
+    let sampling = match selection {
+        SelectionPolicy::Poisson => Sampling::Poisson,
+        SelectionPolicy::Random => Sampling::FixedSize,
+        SelectionPolicy::FirstCome => anyhow::bail!(
+            "first_come selection cannot be accounted: use random or poisson with --epsilon"
+        ),
+    };
+    anyhow::ensure!(epsilon > 0.0 && epsilon.is_finite(), "--epsilon must be positive");
+    let q = f64::from(settings.cohort) / settings.clients as f64;
+    let z = noise_multiplier_for(sampling, q, u64::from(settings.rounds), delta, epsilon)
+        .with_context(|| {
+            format!(
+                "no noise multiplier up to 1e4 keeps {} rounds within ε = {epsilon}",
+                settings.rounds
+            )
+        })?;
+    Ok(serde_json::json!({
+        "noise_multiplier": z, "clip_norm": clip_norm, "population": settings.clients, "delta": delta,
+    }))
+}
+
+/// Prints what the simulation will do, every setting it uses included.
+fn print_settings(config: &SimulationConfig, settings: &Settings, args: &SimulateArgs) {
     let (model, partition) = match config.dataset {
         Dataset::Shakespeare => ("Lstm".to_owned(), "one client per speaking role".to_owned()),
         _ => (format!("{:?}", config.model), format!("{:?}", config.partition)),
     };
+    let preset = args.preset.map_or(String::new(), |p| format!(" (preset {p:?})"));
     println!(
-        "simulating {} clients ({:?}, {model}, {partition}), cohort {}, {} rounds against {}",
+        "simulating {} clients ({:?}, {model}, {partition}){preset}, cohort {}, {} rounds against {}",
         config.clients, config.dataset, config.cohort, config.rounds, config.url
     );
-    println!("training on {}", config.backend);
+    let quorum = settings.min_quorum.unwrap_or((settings.cohort * 4 / 5).max(1));
+    let seed = match &args.seeds {
+        Some(_) => "each seed".to_owned(),
+        None => format!("seed {}", config.seed),
+    };
+    let cohorts = if config.seeded_cohorts {
+        format!("cohorts drawn from {seed} (exactly {}, all must report)", config.cohort)
+    } else {
+        format!(
+            "cohorts drawn by the coordinator ({:?}, over-selection ×{}, quorum {quorum})",
+            config.selection, settings.over_selection
+        )
+    };
     println!(
-        "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}",
-        "model", "test acc", "test loss", "train loss", "reported", "dropped"
+        "E = {}, B = {}, η = {}, holdout {}, {cohorts}, max examples {}, scoring every {} model(s) on {}",
+        settings.epochs,
+        settings.batch_size,
+        settings.lr,
+        settings.holdout,
+        if config.max_examples == 0 { "all".to_owned() } else { config.max_examples.to_string() },
+        config.scoring.every,
+        config
+            .scoring
+            .examples
+            .map_or("the whole test set".to_owned(), |n| format!("{n} test examples")),
+    );
+    if let Some(dp) = config.strategy.get("differential_privacy").filter(|d| !d.is_null()) {
+        println!("differential privacy: {dp}");
+    }
+    println!("training on {}", config.backend);
+}
+
+/// One simulation, its curve printed and written to `out` row by row as models are scored.
+fn simulate_once(
+    runtime: &tokio::runtime::Runtime,
+    config: SimulationConfig,
+    out: Option<&std::path::Path>,
+) -> anyhow::Result<Vec<RoundResult>> {
+    let mut writer = out.map(CurveWriter::create).transpose()?;
+    let dp = config.strategy.get("differential_privacy").is_some_and(|d| !d.is_null());
+    println!(
+        "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}  {:>8}{}",
+        "model",
+        "test acc",
+        "test loss",
+        "train loss",
+        "reported",
+        "dropped",
+        "round s",
+        if dp { "        ε" } else { "" }
     );
     let bar = indicatif::ProgressBar::new(u64::from(config.rounds));
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} rounds {elapsed} {msg}")
             .expect("the template is valid"),
     );
+    let mut write_error = None;
     let results = runtime.block_on(simulate(config, |r| {
         let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
+        let round = r.round_secs.map_or("-".to_owned(), |s| format!("{s:.1}"));
+        let eps = r.epsilon.map_or(String::new(), |e| format!("  {e:>7.3}"));
         let row = format!(
-            "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}",
+            "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}  {:>8}{eps}",
             r.version,
             r.test_accuracy * 100.0,
             r.test_loss,
             train,
             r.reported,
-            r.dropped
+            r.dropped,
+            round
         );
         // A hidden bar (output is not a terminal) drops println: print the row directly then.
         if bar.is_hidden() {
@@ -490,9 +696,17 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             bar.println(row);
         }
         bar.set_message(format!("test accuracy {:.2}%", r.test_accuracy * 100.0));
-        bar.inc(1);
+        bar.set_position(r.version.max(0) as u64);
+        if let Some(w) = writer.as_mut()
+            && let Err(e) = w.append(r)
+        {
+            write_error.get_or_insert(e);
+        }
     }));
     bar.finish_and_clear();
+    if let Some(e) = write_error {
+        return Err(e);
+    }
     let report = results?;
     println!("run {} trained population {:?}", report.run_id, report.population);
     if !report.not_evaluated.is_empty() {
@@ -502,30 +716,240 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             versions.join(", ")
         );
     }
-    let results = report.rounds;
-    if let Some(path) = args.out {
-        let text = if path.extension().is_some_and(|e| e == "json") {
-            serde_json::to_string_pretty(&results)?
-        } else {
-            let mut csv =
-                "version,test_accuracy,test_loss,train_loss,reported,dropped\n".to_owned();
-            for r in &results {
-                let train = r.train_loss.map_or(String::new(), |l| l.to_string());
-                csv += &format!(
-                    "{},{},{},{},{},{}\n",
-                    r.version, r.test_accuracy, r.test_loss, train, r.reported, r.dropped
-                );
-            }
-            csv
-        };
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(report.rounds)
+}
+
+/// The curve file, written as each model is scored: a CSV row appended and flushed, or the
+/// JSON array rewritten, so a stopped run leaves every row it scored.
+struct CurveWriter {
+    path: PathBuf,
+    json: Option<Vec<RoundResult>>,
+    csv: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl CurveWriter {
+    fn create(path: &std::path::Path) -> anyhow::Result<Self> {
+        let context = || format!("writing {}", path.display());
+        if path.extension().is_some_and(|e| e == "json") {
+            std::fs::write(path, "[]\n").with_context(context)?;
+            return Ok(CurveWriter { path: path.to_owned(), json: Some(vec![]), csv: None });
+        }
+        let mut file = std::io::BufWriter::new(std::fs::File::create(path).with_context(context)?);
+        writeln!(file, "{}", RoundResult::CSV_HEADER).with_context(context)?;
+        file.flush().with_context(context)?;
+        Ok(CurveWriter { path: path.to_owned(), json: None, csv: Some(file) })
     }
-    Ok(())
+
+    fn append(&mut self, r: &RoundResult) -> anyhow::Result<()> {
+        let context = || format!("writing {}", self.path.display());
+        if let Some(rows) = self.json.as_mut() {
+            rows.push(r.clone());
+            let text = serde_json::to_string_pretty(rows)?;
+            // Whole or not at all: a reader never sees half an array.
+            let partial = self.path.with_extension("json.partial");
+            std::fs::write(&partial, text).with_context(context)?;
+            std::fs::rename(&partial, &self.path).with_context(context)?;
+        }
+        if let Some(file) = self.csv.as_mut() {
+            writeln!(file, "{}", r.csv_row()).with_context(context)?;
+            file.flush().with_context(context)?;
+        }
+        Ok(())
+    }
+}
+
+/// `path` with `suffix` before its extension.
+fn with_suffix(path: &std::path::Path, suffix: &str) -> PathBuf {
+    let stem = path.file_stem().map_or(String::new(), |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}{suffix}.{}", ext.to_string_lossy()),
+        None => format!("{stem}{suffix}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Rounds to a target accuracy over several seeds.
+#[derive(Debug, PartialEq)]
+struct RoundsToTarget {
+    /// Runs that reached it.
+    reached: usize,
+    /// Runs in all.
+    runs: usize,
+    /// Mean and sample standard deviation of the rounds, over the runs that reached it.
+    mean: Option<f64>,
+    sd: Option<f64>,
+    /// Fewest and most.
+    range: Option<(i64, i64)>,
+}
+
+impl RoundsToTarget {
+    fn of(runs: &[(u64, Option<i64>)]) -> Self {
+        let rounds: Vec<f64> = runs.iter().filter_map(|(_, r)| r.map(|r| r as f64)).collect();
+        let n = rounds.len() as f64;
+        let mean = (!rounds.is_empty()).then(|| rounds.iter().sum::<f64>() / n);
+        let sd = mean
+            .filter(|_| rounds.len() > 1)
+            .map(|m| (rounds.iter().map(|r| (r - m).powi(2)).sum::<f64>() / (n - 1.0)).sqrt());
+        let reached: Vec<i64> = runs.iter().filter_map(|(_, r)| *r).collect();
+        let range = reached.iter().min().zip(reached.iter().max()).map(|(a, b)| (*a, *b));
+        RoundsToTarget { reached: rounds.len(), runs: runs.len(), mean, sd, range }
+    }
+
+    fn describe(&self, target: f64, eval_every: u32) -> String {
+        let mut text = format!(
+            "rounds to {:.2} %: reached in {} of {} runs",
+            target * 100.0,
+            self.reached,
+            self.runs
+        );
+        if let (Some(mean), Some((lo, hi))) = (self.mean, self.range) {
+            text += &format!(", mean {mean:.1}");
+            if let Some(sd) = self.sd {
+                text += &format!(", sd {sd:.1}");
+            }
+            text += &format!(", range {lo}–{hi}");
+        }
+        if eval_every > 1 {
+            text += &format!(" (scored every {eval_every} models: each is an upper bound)");
+        }
+        text
+    }
+
+    fn csv(&self, runs: &[(u64, Option<i64>)]) -> String {
+        let mut csv = "seed,rounds_to_target\n".to_owned();
+        for (seed, rounds) in runs {
+            csv += &format!("{seed},{}\n", rounds.map_or(String::new(), |r| r.to_string()));
+        }
+        let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
+        csv += &format!("mean,{}\nsd,{}\n", opt(self.mean), opt(self.sd));
+        csv
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn simulate_args(extra: &[&str]) -> SimulateArgs {
+        let mut argv = vec!["starling-client", "simulate", "--operator-token", "t"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Simulate(args) => *args,
+            _ => panic!("not the simulate command"),
+        }
+    }
+
+    #[test]
+    fn a_preset_sets_the_papers_settings_and_flags_beside_it_win() {
+        let s = settings(&simulate_args(&["--preset", "fedavg-mnist-2nn"]));
+        assert_eq!(s, Preset::FedAvgMnist2nn.settings());
+        assert_eq!((s.clients, s.cohort, s.epochs, s.batch_size, s.holdout), (100, 10, 1, 10, 0.0));
+        assert_eq!((s.over_selection, s.min_quorum, s.dataset), (1.0, Some(10), Dataset::Mnist));
+        let s = settings(&simulate_args(&[
+            "--preset",
+            "fedavg-mnist-cnn",
+            "--partition",
+            "shards:2",
+            "--epochs",
+            "1",
+        ]));
+        assert_eq!((s.model, s.epochs, s.partition), (ModelKind::Cnn, 1, Partition::Shards(2)));
+        // Without a preset: the simulator's defaults, the cohort half the clients.
+        let s = settings(&simulate_args(&["--clients", "40"]));
+        assert_eq!(
+            (s.clients, s.cohort, s.epochs, s.holdout, s.dataset),
+            (40, 20, 5, 0.1, Dataset::Digits)
+        );
+    }
+
+    #[test]
+    fn epsilon_and_delta_give_the_smallest_noise_the_runs_accountant_allows() {
+        use starling_core::privacy::Sampling;
+        let s = settings(&simulate_args(&["--preset", "fedavg-mnist-2nn", "--rounds", "30"]));
+        let dp = dp_for_epsilon(&s, starling_core::plan::SelectionPolicy::Random, 4.0, 1e-5, 0.5)
+            .unwrap();
+        let z = dp["noise_multiplier"].as_f64().unwrap();
+        let spent = |z: f64| Sampling::FixedSize.accountant(0.1, z).epsilon(30, 1e-5);
+        assert!(spent(z) <= 4.0 && spent(z / 1.01) > 4.0, "z {z}: ε {}", spent(z));
+        assert_eq!((dp["population"].as_u64(), dp["clip_norm"].as_f64()), (Some(100), Some(0.5)));
+        let poisson =
+            dp_for_epsilon(&s, starling_core::plan::SelectionPolicy::Poisson, 4.0, 1e-5, 0.5)
+                .unwrap()["noise_multiplier"]
+                .as_f64()
+                .unwrap();
+        assert!(poisson < z, "add/remove needs less noise than replace-one: {poisson} vs {z}");
+        assert!(
+            dp_for_epsilon(&s, starling_core::plan::SelectionPolicy::FirstCome, 4.0, 1e-5, 0.5)
+                .is_err()
+        );
+        assert!(
+            Cli::try_parse_from([
+                "starling-client",
+                "simulate",
+                "--operator-token",
+                "t",
+                "--epsilon",
+                "1"
+            ])
+            .is_err(),
+            "--epsilon needs --delta"
+        );
+    }
+
+    #[test]
+    fn rounds_to_target_summarize_mean_spread_and_misses() {
+        let runs = [(1, Some(50)), (2, Some(54)), (3, None), (4, Some(58))];
+        let s = RoundsToTarget::of(&runs);
+        assert_eq!(
+            (s.reached, s.runs, s.mean, s.sd, s.range),
+            (3, 4, Some(54.0), Some(4.0), Some((50, 58)))
+        );
+        assert_eq!(
+            s.describe(0.97, 1),
+            "rounds to 97.00 %: reached in 3 of 4 runs, mean 54.0, sd 4.0, range 50–58"
+        );
+        assert_eq!(s.csv(&runs), "seed,rounds_to_target\n1,50\n2,54\n3,\n4,58\nmean,54\nsd,4\n");
+        assert_eq!(
+            RoundsToTarget::of(&[(1, None)]).describe(0.5, 1),
+            "rounds to 50.00 %: reached in 0 of 1 runs"
+        );
+        assert_eq!(
+            with_suffix(std::path::Path::new("out/curve.csv"), "-seed3"),
+            PathBuf::from("out/curve-seed3.csv")
+        );
+    }
+
+    #[test]
+    fn the_curve_is_on_disk_after_every_scored_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = |version| RoundResult {
+            version,
+            test_accuracy: 0.5,
+            test_loss: 1.0,
+            train_loss: None,
+            reported: 10,
+            dropped: 0,
+            elapsed_secs: 1.5,
+            round_secs: Some(1.25),
+            upload_bytes: Some(2048),
+            epsilon: None,
+            content_hash: "ab".into(),
+        };
+        let csv = dir.path().join("curve.csv");
+        let mut w = CurveWriter::create(&csv).unwrap();
+        w.append(&row(1)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&csv).unwrap(),
+            format!("{}\n1,0.5,1,,10,0,1.500,1.25,2048,,ab\n", RoundResult::CSV_HEADER)
+        );
+        let json = dir.path().join("curve.json");
+        let mut w = CurveWriter::create(&json).unwrap();
+        w.append(&row(1)).unwrap();
+        w.append(&row(2)).unwrap();
+        let rows: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(rows.as_array().unwrap().len(), 2);
+    }
 
     #[test]
     fn asynchronous_settings_parse_with_a_default_exponent_and_name_what_is_wrong() {
