@@ -187,8 +187,8 @@ struct SimulateArgs {
     preset: Option<Preset>,
     /// Seed of the data split, the initial model and batch orders. Given, the run repeats bit
     /// for bit: the simulator draws each round's cohort from it too (exactly --cohort clients,
-    /// all of which must report). Not with DP or --asynchronous [default: 1, cohorts drawn by
-    /// the coordinator].
+    /// all of which must report); with DP or --asynchronous the coordinator still draws the
+    /// cohorts [default: 1, cohorts drawn by the coordinator].
     #[arg(long, conflicts_with = "seeds")]
     seed: Option<u64>,
     /// Run the same setting once per seed (each repeatable, as --seed), and report the mean and
@@ -449,7 +449,6 @@ fn parse_selection(text: &str) -> Result<starling_core::plan::SelectionPolicy, S
 fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyhow::Result<()> {
     let settings = settings(&args);
     let seeds = args.seeds.clone().unwrap_or_else(|| vec![args.seed.unwrap_or(1)]);
-    let seeded_cohorts = args.seed.is_some() || args.seeds.is_some();
     let mut strategy = match &args.strategy {
         None => serde_json::Value::Null,
         Some(text) => {
@@ -471,6 +470,17 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             strategy = serde_json::json!({});
         }
         strategy["differential_privacy"] = dp;
+    }
+    // A seed repeats a run, except where the coordinator must draw (DP) or updates race
+    // (asynchronous): there it fixes the data, the initial model and batch orders only.
+    let dp = !strategy["differential_privacy"].is_null();
+    let repeatable = !dp && args.asynchronous.is_none();
+    let seeded_cohorts = (args.seed.is_some() || args.seeds.is_some()) && repeatable;
+    if (args.seed.is_some() || args.seeds.is_some()) && !repeatable {
+        println!(
+            "a {} run does not repeat bit for bit: the seed fixes the data, the initial model and batch orders; the coordinator draws the cohorts",
+            if dp { "differentially private" } else { "asynchronous" }
+        );
     }
     let base = SimulationConfig {
         url: args.url.clone(),
@@ -656,6 +666,7 @@ fn simulate_once(
     out: Option<&std::path::Path>,
 ) -> anyhow::Result<Vec<RoundResult>> {
     let mut writer = out.map(CurveWriter::create).transpose()?;
+    let every = config.scoring.every;
     let dp = config.strategy.get("differential_privacy").is_some_and(|d| !d.is_null());
     println!(
         "{:>5}  {:>9}  {:>9}  {:>10}  {:>8}  {:>7}  {:>8}{}",
@@ -709,6 +720,12 @@ fn simulate_once(
     }
     let report = results?;
     println!("run {} trained population {:?}", report.run_id, report.population);
+    if every > 1 {
+        println!(
+            "{} models scored: every {every}th and the last (--eval-every skipped the others)",
+            report.rounds.len()
+        );
+    }
     if !report.not_evaluated.is_empty() {
         let versions: Vec<String> = report.not_evaluated.iter().map(i64::to_string).collect();
         println!(
