@@ -235,9 +235,9 @@ struct SimulateArgs {
     #[arg(long, default_value_t = Pacing::default().selection_timeout_secs)]
     selection_timeout_secs: f64,
     /// Longest time from a round's opening to its close, in seconds; it must cover local
-    /// training (raise it for CNNs on CPUs).
-    #[arg(long, default_value_t = Pacing::default().reporting_timeout_secs)]
-    reporting_timeout_secs: f64,
+    /// training [default: 120; 900 with the CNN preset].
+    #[arg(long)]
+    reporting_timeout_secs: Option<f64>,
     /// Fraction of each device's examples held out for federated evaluation (0: train on all)
     /// [default: 0.1].
     #[arg(long)]
@@ -503,7 +503,7 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
             over_selection: settings.over_selection,
             min_quorum: settings.min_quorum,
             selection_timeout_secs: args.selection_timeout_secs,
-            reporting_timeout_secs: args.reporting_timeout_secs,
+            reporting_timeout_secs: settings.reporting_timeout_secs,
         },
         holdout: settings.holdout,
         strategy,
@@ -580,6 +580,7 @@ fn settings(args: &SimulateArgs) -> Settings {
         holdout: args.holdout.unwrap_or(base.holdout),
         over_selection: args.over_selection.unwrap_or(base.over_selection),
         min_quorum: args.min_quorum.or(base.min_quorum),
+        reporting_timeout_secs: args.reporting_timeout_secs.unwrap_or(base.reporting_timeout_secs),
     }
 }
 
@@ -871,6 +872,7 @@ mod tests {
             "1",
         ]));
         assert_eq!((s.model, s.epochs, s.partition), (ModelKind::Cnn, 1, Partition::Shards(2)));
+        assert_eq!(s.reporting_timeout_secs, 900.0, "a CNN round takes minutes on a CPU");
         // Without a preset: the simulator's defaults, the cohort half the clients.
         let s = settings(&simulate_args(&["--clients", "40"]));
         assert_eq!(
