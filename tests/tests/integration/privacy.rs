@@ -143,6 +143,33 @@ async fn drawn_task(
     tokio::time::timeout(std::time::Duration::from_secs(30), checking_in).await?
 }
 
+/// A device's own evaluation report to a DP run is refused, naming why.
+async fn assert_own_evaluation_refused(
+    device: &starling_client::protocol::FleetClient,
+    run: RunId,
+) {
+    let report = starling_core::wire::EvaluationReport {
+        model_version: starling_core::ModelVersion(1),
+        example_count: 10,
+        metrics: [("accuracy".to_owned(), 0.9)].into(),
+    };
+    let refused = device.evaluate(run, &report).await.unwrap_err().to_string();
+    assert!(refused.contains("differentially private"), "{refused}");
+}
+
+/// What a DP round added beside the unweighted mean of its `uploads` clipped to `clip`: the
+/// committed model `got` less the round's model `global` and that mean, per value.
+fn dp_noise(global: &[f32], got: &[f32], uploads: &[Vec<f32>], clip: f64) -> Vec<f64> {
+    let clipped: Vec<Vec<f32>> =
+        uploads.iter().map(|u| starling_core::robust::clip_to_norm(u, clip)).collect();
+    (0..global.len())
+        .map(|j| {
+            let mean = clipped.iter().map(|u| f64::from(u[j])).sum::<f64>() / uploads.len() as f64;
+            f64::from(got[j]) - f64::from(global[j]) - mean
+        })
+        .collect()
+}
+
 /// A DP-FedAvg run over HTTP: its cohort is drawn from the devices measured in each selection
 /// window (here all five of five: q = 1, accounted as such), each update is clipped and counts
 /// once, the committed model is the clipped mean plus Gaussian noise of the stated scale, ε
@@ -190,15 +217,7 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
         }
         hash = wait_model(&c.admin, run, round + 1).await.unwrap();
         let got = model_values(&devices[0], &hash, &schema).await.unwrap();
-        // The unweighted mean of the updates clipped to `clip`; what is left is the noise.
-        let clipped: Vec<Vec<f32>> =
-            uploads.iter().map(|u| starling_core::robust::clip_to_norm(u, clip)).collect();
-        let noise: Vec<f64> = (0..PARAMS)
-            .map(|j| {
-                let mean = clipped.iter().map(|u| f64::from(u[j])).sum::<f64>() / N as f64;
-                f64::from(got[j]) - f64::from(global[j]) - mean
-            })
-            .collect();
+        let noise = dp_noise(&global, &got, &uploads, clip);
         let mean = noise.iter().sum::<f64>() / PARAMS as f64;
         let sd = (noise.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / PARAMS as f64).sqrt();
         let want = z * clip / N as f64;
@@ -235,13 +254,7 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
             r.metrics
         );
     }
-    let report = starling_core::wire::EvaluationReport {
-        model_version: starling_core::ModelVersion(1),
-        example_count: 10,
-        metrics: [("accuracy".to_owned(), 0.9)].into(),
-    };
-    let refused = devices[0].evaluate(run, &report).await.unwrap_err().to_string();
-    assert!(refused.contains("differentially private"), "{refused}");
+    assert_own_evaluation_refused(&devices[0], run).await;
     for m in c.admin.models(run).await.unwrap() {
         assert_eq!(m.n_evaluations, 0, "model {}: no device's evaluation is shown", m.version);
     }
@@ -323,14 +336,7 @@ async fn a_dp_run_that_noises_its_metrics_releases_them_inside_its_epsilon() {
     }
     let hash = wait_model(&c.admin, run, 1).await.unwrap();
     let got = model_values(&devices[0], &hash, &schema).await.unwrap();
-    let clipped: Vec<Vec<f32>> =
-        uploads.iter().map(|u| starling_core::robust::clip_to_norm(u, clip)).collect();
-    let noise: Vec<f64> = (0..PARAMS)
-        .map(|j| {
-            let mean = clipped.iter().map(|u| f64::from(u[j])).sum::<f64>() / N as f64;
-            f64::from(got[j]) - f64::from(global[j]) - mean
-        })
-        .collect();
+    let noise = dp_noise(&global, &got, &uploads, clip);
     let sd = (noise.iter().map(|x| x * x).sum::<f64>() / PARAMS as f64).sqrt();
     let want = z_update * clip / N as f64;
     assert!((sd / want - 1.0).abs() < 0.08, "noise sd {sd}, the update share's {want}");
@@ -350,13 +356,7 @@ async fn a_dp_run_that_noises_its_metrics_releases_them_inside_its_epsilon() {
     assert!((accuracy - 0.805).abs() < 0.3, "{trained:?}");
     assert!(trained.evaluation["loss"] <= loss_bound, "{trained:?}");
     // A device's own evaluation is still refused.
-    let report = starling_core::wire::EvaluationReport {
-        model_version: starling_core::ModelVersion(1),
-        example_count: 10,
-        metrics: [("accuracy".to_owned(), 0.9)].into(),
-    };
-    let refused = devices[0].evaluate(run, &report).await.unwrap_err().to_string();
-    assert!(refused.contains("differentially private"), "{refused}");
+    assert_own_evaluation_refused(&devices[0], run).await;
     // The metrics ride inside the accounted mechanism: ε is z's, one round at q = 1.
     let view = wait_for("the run to finish", std::time::Duration::from_secs(30), || async {
         let view = c.admin.run(run).await?;
