@@ -546,7 +546,7 @@ pub async fn simulate(
         .map_err(|e| SimulationError::Invalid(format!("the simulation's plan: {e}")))?
         .privacy()
         .copied();
-    let started = Some(std::time::Instant::now());
+    let started = std::time::Instant::now();
     // The store refuses the run while another trains the population (a constraint, so two
     // simulations cannot both take it).
     let run = match admin.create_run(&plan).await {
@@ -574,7 +574,14 @@ pub async fn simulate(
         config.backend.clone(),
     )
     .map_err(|e| SimulationError::Participant(e.to_string()))?;
-    let mut observed = Observed { scoring: config.scoring, privacy, started, ..Default::default() };
+    let mut observed = Observed {
+        results: vec![],
+        seen: 0,
+        not_evaluated: vec![],
+        scoring: config.scoring,
+        privacy,
+        started,
+    };
     let outcome = observed.watch(&admin, run, &evaluator, &mut fleet, on_round).await;
     if let Some(following) = following {
         following.abort();
@@ -777,12 +784,7 @@ impl Roster {
         let mut rng = starling_core::rng::SplitMix64(self.seed);
         rng.0 = rng.next_u64() ^ round as u64;
         let mut clients: Vec<usize> = (0..self.clients).collect();
-        // A partial Fisher–Yates shuffle: the first `cohort` are the draw.
-        for k in 0..self.cohort.min(self.clients) {
-            let j = k + (rng.next_u64() % (self.clients - k) as u64) as usize;
-            clients.swap(k, j);
-        }
-        clients.truncate(self.cohort);
+        rng.choose(&mut clients, self.cohort);
         clients
     }
 
@@ -807,21 +809,15 @@ impl Roster {
     }
 }
 
-/// `n` distinct indices below `len`, drawn from `seed` (a partial Fisher–Yates shuffle), sorted.
+/// `n` distinct indices below `len`, drawn from `seed`, sorted.
 fn sample(len: usize, n: usize, seed: u64) -> Vec<usize> {
-    let mut rng = starling_core::rng::SplitMix64(seed ^ 0x5c0_12e5);
     let mut idx: Vec<usize> = (0..len).collect();
-    for k in 0..n.min(len) {
-        let j = k + (rng.next_u64() % (len - k) as u64) as usize;
-        idx.swap(k, j);
-    }
-    idx.truncate(n);
+    starling_core::rng::SplitMix64(seed ^ 0x5c0_12e5).choose(&mut idx, n);
     idx.sort_unstable();
     idx
 }
 
 /// What the simulation saw of its run's models.
-#[derive(Default)]
 struct Observed {
     results: Vec<RoundResult>,
     /// The newest version evaluated or passed over.
@@ -833,7 +829,7 @@ struct Observed {
     /// The run's privacy, for ε per model.
     privacy: Option<starling_core::privacy::Privacy>,
     /// When the run was created.
-    started: Option<std::time::Instant>,
+    started: std::time::Instant,
 }
 
 impl Observed {
@@ -848,9 +844,12 @@ impl Observed {
     ) -> Result<(), SimulationError> {
         loop {
             tokio::time::sleep(Duration::from_millis(200)).await;
+            // The view first: if it shows the run ended, the models read after it are all of
+            // them.
+            let view = admin.run(run).await?;
             let models = admin.models(run).await?;
             let rounds = admin.rounds(run).await?;
-            let total = i64::from(admin.run(run).await?.total_rounds);
+            let total = i64::from(view.total_rounds);
             let newer = models.iter().position(|m| m.version > self.seen).unwrap_or(models.len());
             for m in &models[newer..] {
                 self.seen = m.version;
@@ -873,7 +872,7 @@ impl Observed {
                     train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
                     reported: round.map_or(0, |r| r.n_reported),
                     dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
-                    elapsed_secs: self.started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                    elapsed_secs: self.started.elapsed().as_secs_f64(),
                     round_secs: round
                         .and_then(|r| Some((r.closed_at_ms? - r.opened_at_ms) as f64 / 1000.0)),
                     upload_bytes: round.and_then(|r| r.upload_bytes),
@@ -883,7 +882,6 @@ impl Observed {
                 on_round(&result);
                 self.results.push(result);
             }
-            let view = admin.run(run).await?;
             if view.status != "running" && self.seen == view.model_version {
                 return match view.status.as_str() {
                     "finished" => Ok(()),

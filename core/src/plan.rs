@@ -13,7 +13,7 @@ use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError};
-use crate::privacy::{MetricsRelease, Privacy, Sampling, Sizes};
+use crate::privacy::{Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use training::{LocalOptimizer, TrainingPlan};
@@ -564,10 +564,9 @@ impl Plan {
                     // weighs one) and no evaluation (a DP run releases none).
                     vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len()),
                     distributed,
-                    evaluation_loss_cap: privacy.and_then(|p| match p.plan.metrics {
-                        crate::privacy::MetricsRelease::Noised(m) => Some(m.loss_bound),
-                        crate::privacy::MetricsRelease::Withheld => None,
-                    }),
+                    evaluation_loss_cap: privacy
+                        .and_then(|p| p.plan.metrics.noised())
+                        .map(|m| m.loss_bound),
                     ..resolved
                 })
             }
@@ -699,19 +698,17 @@ impl ValidatedPlan {
     /// Whether the run is DP and releases its cohort's metrics noised
     /// ([`crate::privacy::metrics`]).
     pub fn noises_device_metrics(&self) -> bool {
-        self.privacy.is_some_and(|p| matches!(p.plan.metrics, MetricsRelease::Noised(_)))
+        self.privacy.is_some_and(|p| p.plan.metrics.noised().is_some())
     }
 
     /// The metrics of a device's plain upload as the round folds and stores them: as sent
     /// without DP; in a DP run, the device's clipped metrics block when the plan noises metrics
     /// and nothing when it withholds them.
     pub fn metrics_to_fold(&self, metrics: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
-        match self.privacy.map(|p| p.plan.metrics) {
+        match self.privacy.map(|p| p.plan.metrics.noised()) {
             None => metrics,
-            Some(MetricsRelease::Withheld) => BTreeMap::new(),
-            Some(MetricsRelease::Noised(m)) => {
-                crate::privacy::metrics::block_of_upload(&metrics, m.loss_bound)
-            }
+            Some(None) => BTreeMap::new(),
+            Some(Some(m)) => crate::privacy::metrics::block_of_upload(&metrics, m.loss_bound),
         }
     }
 

@@ -278,13 +278,11 @@ impl DifferentialPrivacy {
                 if !positive(sigma_m) {
                     return Err(("metrics.noised.stddev", "must be positive".into()));
                 }
+                // What the update and the metrics share: σ_m must leave some of it.
+                let shared = rest;
                 rest -= (sigma_m / metrics::BLOCK_SENSITIVITY).powi(-2);
                 if rest <= 0.0 {
-                    let floor = (self.noise_multiplier.powi(-2)
-                        - count_stddev.map_or(0.0, |s| (2.0 * s).powi(-2)))
-                    .max(0.0)
-                    .powf(-0.5)
-                        * metrics::BLOCK_SENSITIVITY;
+                    let floor = shared.powf(-0.5) * metrics::BLOCK_SENSITIVITY;
                     return Err((
                         "metrics.noised.stddev",
                         format!(
@@ -458,8 +456,8 @@ impl Privacy {
         n_updates: u64,
         noise: &mut Gaussian,
     ) -> metrics::Released {
-        match (self.plan.metrics, self.metrics_stddev) {
-            (MetricsRelease::Noised(settings), Some(stddev)) => metrics::release(
+        match (self.plan.metrics.noised(), self.metrics_stddev) {
+            (Some(settings), Some(stddev)) => metrics::release(
                 means,
                 n_updates,
                 self.denominator(n_updates),

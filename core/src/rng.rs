@@ -31,4 +31,41 @@ impl SplitMix64 {
             items.swap(i, self.below(i + 1));
         }
     }
+
+    /// Keeps `n` of `items` drawn uniformly without replacement, in draw order (a partial
+    /// Fisher–Yates shuffle); all of them when there are no more than `n`.
+    pub fn choose<T>(&mut self, items: &mut Vec<T>, n: usize) {
+        for i in 0..n.min(items.len()) {
+            let j = i + self.below(items.len() - i);
+            items.swap(i, j);
+        }
+        items.truncate(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choose_keeps_n_distinct_items_the_same_for_the_same_seed() {
+        let drawn = |seed| {
+            let mut items: Vec<u32> = (0..50).collect();
+            SplitMix64(seed).choose(&mut items, 7);
+            items
+        };
+        let a = drawn(3);
+        assert_eq!(a.len(), 7);
+        let mut distinct = a.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 7);
+        assert!(a.iter().all(|&x| x < 50));
+        assert_eq!(a, drawn(3));
+        assert_ne!(a, drawn(4));
+        let mut few = vec![1, 2];
+        SplitMix64(1).choose(&mut few, 5);
+        few.sort_unstable();
+        assert_eq!(few, [1, 2], "no more than there are");
+    }
 }

@@ -955,11 +955,7 @@ impl RunMachine {
             r.phase = Phase::Closing;
             return;
         }
-        for i in 0..target.min(pool.len()) {
-            let j = i + r.lottery.below(pool.len() - i);
-            pool.swap(i, j);
-        }
-        pool.truncate(target);
+        r.lottery.choose(&mut pool, target);
         let at = r.opened.selection_deadline;
         for device in pool {
             let aggregator = self.aggregator_for(device);

@@ -73,19 +73,27 @@ fn default_loss_bound() -> f64 {
     10.0
 }
 
-/// One device's block, each entry in `[0, 1]`: its training loss (`None` where the round's
-/// vectors carry none, as in a secure round) and its evaluation (accuracy, loss) if it made
-/// one. Non-finite values count as the worst case.
+impl MetricsRelease {
+    /// The noised metrics' settings; `None` when they are withheld.
+    pub fn noised(self) -> Option<NoisedMetrics> {
+        match self {
+            MetricsRelease::Withheld => None,
+            MetricsRelease::Noised(m) => Some(m),
+        }
+    }
+}
+
+/// One device's block, each entry in `[0, 1]`: its training loss and its evaluation
+/// (accuracy, loss) if it made one. Non-finite values count as the worst case. (A secure
+/// round's block, which carries no training loss, comes from its masked evaluation sums.)
 pub fn block(
-    train_loss: Option<f64>,
+    train_loss: f64,
     evaluation: Option<(f64, f64)>,
     loss_bound: f64,
 ) -> BTreeMap<String, f64> {
     let unit = |x: f64, worst: f64| if x.is_finite() { x.clamp(0.0, 1.0) } else { worst };
     let mut block = BTreeMap::new();
-    if let Some(loss) = train_loss {
-        block.insert(TRAIN_LOSS.to_owned(), unit(loss / loss_bound, 1.0));
-    }
+    block.insert(TRAIN_LOSS.to_owned(), unit(train_loss / loss_bound, 1.0));
     let (evaluated, accuracy, loss) = match evaluation {
         Some((accuracy, loss)) => (1.0, unit(accuracy, 0.0), unit(loss / loss_bound, 1.0)),
         None => (0.0, 0.0, 0.0),
@@ -105,7 +113,7 @@ pub fn block_of_upload(metrics: &BTreeMap<String, f64>, loss_bound: f64) -> BTre
         (Some(&accuracy), Some(&loss)) => Some((accuracy, loss)),
         _ => None,
     };
-    block(Some(train_loss), evaluation, loss_bound)
+    block(train_loss, evaluation, loss_bound)
 }
 
 /// What a DP round releases beside its model.
@@ -177,9 +185,9 @@ mod tests {
     #[test]
     fn a_device_block_is_clipped_into_the_unit_cube_and_bounded_by_its_sensitivity() {
         let worst = [
-            block(Some(1e9), Some((7.0, 1e9)), 5.0),
-            block(Some(f64::NAN), Some((f64::NAN, f64::INFINITY)), 5.0),
-            block(Some(-3.0), Some((-1.0, -2.0)), 5.0),
+            block(1e9, Some((7.0, 1e9)), 5.0),
+            block(f64::NAN, Some((f64::NAN, f64::INFINITY)), 5.0),
+            block(-3.0, Some((-1.0, -2.0)), 5.0),
             block_of_upload(&[("loss".to_owned(), 2.5), ("other".to_owned(), 9.0)].into(), 5.0),
         ];
         for b in &worst {

@@ -475,8 +475,9 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
     // (asynchronous): there it fixes the data, the initial model and batch orders only.
     let dp = !strategy["differential_privacy"].is_null();
     let repeatable = !dp && args.asynchronous.is_none();
-    let seeded_cohorts = (args.seed.is_some() || args.seeds.is_some()) && repeatable;
-    if (args.seed.is_some() || args.seeds.is_some()) && !repeatable {
+    let seeded = args.seed.is_some() || args.seeds.is_some();
+    let seeded_cohorts = seeded && repeatable;
+    if seeded && !repeatable {
         println!(
             "a {} run does not repeat bit for bit: the seed fixes the data, the initial model and batch orders; the coordinator draws the cohorts",
             if dp { "differentially private" } else { "asynchronous" }
@@ -563,13 +564,9 @@ fn settings(args: &SimulateArgs) -> Settings {
         Some(preset) => preset.settings(),
         None => Settings::simulator_defaults(args.clients),
     };
-    let clients = args.clients.unwrap_or(base.clients);
     Settings {
-        clients,
-        cohort: args.cohort.unwrap_or(match args.preset {
-            Some(_) => base.cohort,
-            None => (clients / 2).max(1) as u32,
-        }),
+        clients: args.clients.unwrap_or(base.clients),
+        cohort: args.cohort.unwrap_or(base.cohort),
         rounds: args.rounds.unwrap_or(base.rounds),
         dataset: args.dataset.unwrap_or(base.dataset),
         partition: args.partition.unwrap_or(base.partition),
