@@ -754,6 +754,7 @@ impl RunEntry {
                     .and_then(|a| tier?.target(run_id, round_idx, model_version, device, a)),
                 compression: self.plan.compression(),
                 model_download: self.plan.model_download(),
+                eligibility: self.plan.plan().eligibility.clone(),
             }),
             CheckInDecision::ComeBackLater { after_ms } => CheckInResponse::ComeBackLater {
                 retry_after_secs: ((after_ms + 999) / 1000).clamp(1, 3600) as u32,

@@ -1,9 +1,12 @@
-//! Device eligibility: the conditions a device reports at check-in (charging, unmetered
-//! network, idle, app version, free storage) and a plan's requirements on them, so that
-//! training runs only where it costs the user nothing they would notice.
+//! Device eligibility: the conditions a device reports at check-in (charging, battery level,
+//! unmetered network, idle, app version, free storage) and a plan's requirements on them, so
+//! that training runs only where it costs the user nothing they would notice.
 //!
 //! A device that reports nothing meets no requirement: a plan that asks for charging devices
-//! gets only devices that say they are charging.
+//! gets only devices that say they are charging. The coordinator applies the requirements at
+//! check-in; the task carries them, and the client SDK checks them again against the device's
+//! conditions of that moment before it trains (a phone unplugged after its check-in does not
+//! train).
 
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +18,9 @@ pub struct DeviceAttributes {
     /// On external power.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub charging: Option<bool>,
+    /// Battery charge, percent (0 to 100; a larger value meets no requirement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub battery_percent: Option<u8>,
     /// On an unmetered network (Wi-Fi, Ethernet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unmetered_network: Option<bool>,
@@ -37,6 +43,9 @@ pub struct Eligibility {
     /// Only devices that say they are charging.
     #[serde(default)]
     pub charging: bool,
+    /// Only devices whose battery is at least this full, percent (at most 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_battery_percent: Option<u8>,
     /// Only devices that say they are on an unmetered network.
     #[serde(default)]
     pub unmetered_network: bool,
@@ -73,10 +82,15 @@ fn at_least(a: &[u64], b: &[u64]) -> bool {
 impl Eligibility {
     /// Whether these requirements are well formed; `Err` names what is not.
     pub fn check(&self) -> Result<(), String> {
-        match &self.min_app_version {
-            Some(v) if parse_version(v).is_none() => Err(format!(
+        if let Some(v) = &self.min_app_version
+            && parse_version(v).is_none()
+        {
+            return Err(format!(
                 "min_app_version {v:?} is not a dotted version of numbers (like 4.12.1)"
-            )),
+            ));
+        }
+        match self.min_battery_percent {
+            Some(p) if p > 100 => Err(format!("min_battery_percent {p} is over 100")),
             _ => Ok(()),
         }
     }
@@ -89,6 +103,12 @@ impl Eligibility {
     /// Whether a device with `attributes` qualifies. An attribute the device did not report
     /// does not meet a requirement on it, nor does an app version that does not parse.
     pub fn admits(&self, attributes: &DeviceAttributes) -> bool {
+        self.unmet(attributes).is_empty()
+    }
+
+    /// The requirements a device with `attributes` does not meet, named as in the plan
+    /// (`charging`, `min_battery_percent`, ...); empty when it qualifies.
+    pub fn unmet(&self, attributes: &DeviceAttributes) -> Vec<&'static str> {
         let flag = |required: bool, reported: Option<bool>| !required || reported == Some(true);
         let version_ok = match &self.min_app_version {
             None => true,
@@ -103,11 +123,20 @@ impl Eligibility {
         let storage_ok = self
             .min_free_storage_bytes
             .is_none_or(|min| attributes.free_storage_bytes.is_some_and(|free| free >= min));
-        flag(self.charging, attributes.charging)
-            && flag(self.unmetered_network, attributes.unmetered_network)
-            && flag(self.idle, attributes.idle)
-            && version_ok
-            && storage_ok
+        let battery_ok = self.min_battery_percent.is_none_or(|min| {
+            attributes.battery_percent.is_some_and(|level| level >= min && level <= 100)
+        });
+        [
+            (flag(self.charging, attributes.charging), "charging"),
+            (battery_ok, "min_battery_percent"),
+            (flag(self.unmetered_network, attributes.unmetered_network), "unmetered_network"),
+            (flag(self.idle, attributes.idle), "idle"),
+            (version_ok, "min_app_version"),
+            (storage_ok, "min_free_storage_bytes"),
+        ]
+        .into_iter()
+        .filter_map(|(met, name)| (!met).then_some(name))
+        .collect()
     }
 }
 
@@ -118,6 +147,7 @@ mod tests {
     fn device(charging: Option<bool>, version: Option<&str>) -> DeviceAttributes {
         DeviceAttributes {
             charging,
+            battery_percent: Some(80),
             unmetered_network: Some(true),
             idle: None,
             app_version: version.map(str::to_owned),
@@ -148,6 +178,35 @@ mod tests {
         let unmetered = Eligibility { unmetered_network: true, ..Default::default() };
         assert!(unmetered.admits(&device(None, None)));
         assert!(!unmetered.admits(&DeviceAttributes::default()));
+    }
+
+    #[test]
+    fn a_battery_requirement_needs_a_reported_level_at_least_as_full() {
+        let half = Eligibility { min_battery_percent: Some(50), ..Default::default() };
+        assert!(half.check().is_ok());
+        assert!(half.admits(&device(None, None)), "80 % meets 50 %");
+        for (level, ok) in [(Some(50), true), (Some(49), false), (None, false), (Some(101), false)]
+        {
+            let attributes = DeviceAttributes { battery_percent: level, ..device(None, None) };
+            assert_eq!(half.admits(&attributes), ok, "{level:?}");
+        }
+        let over = Eligibility { min_battery_percent: Some(101), ..Default::default() };
+        assert!(over.check().unwrap_err().contains("101"));
+    }
+
+    #[test]
+    fn unmet_requirements_are_named_as_in_the_plan() {
+        let plan = Eligibility {
+            charging: true,
+            min_battery_percent: Some(90),
+            unmetered_network: true,
+            ..Default::default()
+        };
+        let unplugged = DeviceAttributes { charging: Some(false), ..device(None, None) };
+        assert_eq!(plan.unmet(&unplugged), ["charging", "min_battery_percent"]);
+        let ready =
+            DeviceAttributes { charging: Some(true), battery_percent: Some(95), ..unplugged };
+        assert!(plan.unmet(&ready).is_empty() && plan.admits(&ready));
     }
 
     #[test]

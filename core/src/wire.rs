@@ -214,6 +214,12 @@ pub struct TaskAssignment {
     /// reporting it on its own; the coordinator clips and noises them with the cohort's.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub evaluation_in_update: bool,
+    /// The plan's requirements on the device's conditions (charging, battery, network, ...),
+    /// which the device met when it checked in. The device checks them again with its
+    /// conditions of the moment before it trains, and leaves the round when they no longer
+    /// hold; absent: none.
+    #[serde(default, skip_serializing_if = "crate::eligibility::Eligibility::is_open")]
+    pub eligibility: crate::eligibility::Eligibility,
 }
 
 /// Where a selected device uploads when its run goes through the aggregator tier.

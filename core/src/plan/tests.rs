@@ -212,6 +212,10 @@ fn eligibility_is_validated_and_reaches_the_rounds() {
     let err = parse(plan).unwrap_err().to_string();
     assert!(err.contains("eligibility") && err.contains("4.x"), "{err}");
     let mut plan = plan_json();
+    plan["eligibility"] = serde_json::json!({"min_battery_percent": 120});
+    let err = parse(plan).unwrap_err().to_string();
+    assert!(err.contains("min_battery_percent 120"), "{err}");
+    let mut plan = plan_json();
     plan["eligibility"] = serde_json::json!({"charing": true});
     assert!(
         serde_json::from_value::<Plan>(plan).unwrap_err().to_string().contains("unknown field")
