@@ -2,8 +2,14 @@
 //! evaluate it on local held-out data, train on local examples, upload the delta.
 //!
 //! The examples never leave the device: only the parameter delta, the example count and
-//! metrics do. The participant's durable state ([`ParticipantState`]) is small and
-//! `Serialize`, so an app that gets killed saves it and restores it on the next start.
+//! metrics do. The participant's durable state ([`ParticipantState`]) is `Serialize`, so an app
+//! that gets killed saves it and restores it on the next start. A device is not always on: with
+//! a state file ([`Participant::keeping_state_in`]) a trained update is written there before it
+//! is sent, and a device killed before the acknowledgement sends that same update on its next
+//! participation instead of training again (the coordinator takes one update per device and
+//! task). The plan's requirements on the device's conditions (charging, battery, network) are
+//! checked again with the conditions of the moment before the model is downloaded, evaluated
+//! and trained.
 //!
 //! What is trained comes from a [`ModelFactory`]: by default [`FromPlan`] builds the run's
 //! declarative spec (a new model needs no app release); a Rust app may bring its own burn module
@@ -11,8 +17,8 @@
 
 use starling_core::eligibility::DeviceAttributes;
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::tensor::Device;
@@ -21,9 +27,9 @@ use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::model_spec::ModelSpec;
 use starling_core::rng::SplitMix64;
 use starling_core::secagg::DeviceIdentity;
-use starling_core::tensor::{TensorPayload, TensorSchema};
+use starling_core::tensor::{SchemaId, TensorPayload, TensorSchema};
 use starling_core::wire::{
-    CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest,
+    CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest, UploadTarget,
 };
 use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
@@ -105,6 +111,18 @@ pub enum Outcome {
         run_id: RunId,
         /// Round.
         round_idx: RoundIdx,
+    },
+    /// Selected, but the device's conditions (as last set) no longer meet the run's
+    /// requirements: it left the round before training (and before downloading or evaluating,
+    /// when they changed earlier). Check in again when they change.
+    ConditionsNotMet {
+        /// Run.
+        run_id: RunId,
+        /// Round.
+        round_idx: RoundIdx,
+        /// The requirements not met, named as in the plan's `eligibility` (`charging`,
+        /// `min_battery_percent`, `unmetered_network`, ...).
+        unmet: Vec<&'static str>,
     },
 }
 
@@ -251,6 +269,71 @@ pub struct ParticipantState {
     /// that run's next delta (error feedback), dropped when another run's task comes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_feedback: Option<(RunId, ErrorFeedback)>,
+    /// A trained update not yet acknowledged: written before it is sent, cleared once it is
+    /// acknowledged or can no longer be, so that a device killed in between sends this same
+    /// update on its next participation instead of checking in and training again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_upload: Option<PendingUpload>,
+}
+
+/// An update trained for a task and not yet acknowledged (see
+/// [`ParticipantState::pending_upload`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingUpload {
+    /// Run.
+    pub run_id: RunId,
+    /// Round.
+    pub round_idx: RoundIdx,
+    /// The aggregator the task sent the update to, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload_to: Option<UploadTarget>,
+    /// The model version trained from.
+    pub model_version: ModelVersion,
+    /// Examples trained on.
+    pub example_count: u64,
+    /// The metrics sent with the update.
+    pub metrics: BTreeMap<String, f64>,
+    /// The schema the delta is encoded in.
+    pub schema_id: SchemaId,
+    /// The encoded delta, as sent (base64 in the state file).
+    #[serde(with = "base64_bytes")]
+    pub delta: Vec<u8>,
+    /// Mean local training loss.
+    pub train_loss: f64,
+    /// The global model's evaluation on held-out data, when it was evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<Evaluation>,
+    /// Top-k's residual once this update is in (error feedback); kept only then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_feedback: Option<ErrorFeedback>,
+}
+
+impl PendingUpload {
+    fn request(&self) -> UploadRequest {
+        UploadRequest {
+            model_version: self.model_version,
+            example_count: self.example_count,
+            metrics: self.metrics.clone(),
+            delta: TensorPayload { schema_id: self.schema_id, data: self.delta.clone() },
+        }
+    }
+}
+
+/// Bytes as base64 text: a pending delta in the JSON state file takes 4/3 of its size, not the
+/// 3–4 characters a byte takes as a JSON array.
+mod base64_bytes {
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
 }
 
 impl ParticipantState {
@@ -292,7 +375,13 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     state: ParticipantState,
     cached_model: Option<(String, Arc<Vec<f32>>)>,
     factory: Arc<F>,
-    attributes: DeviceAttributes,
+    /// The device's conditions: reported at check-in, and checked against the task's
+    /// requirements before downloading, evaluating and training. Shared, so that an app can change
+    /// them while a participation runs on another thread.
+    attributes: Arc<Mutex<DeviceAttributes>>,
+    /// Where the state is saved at each point a kill must not lose (see
+    /// [`Participant::keeping_state_in`]).
+    state_file: Option<PathBuf>,
     /// What a simulated poisoning device does to its honest delta before uploading (see
     /// `simulate::Attack`); never set outside the simulator.
     tamper: Option<Tamper>,
@@ -328,7 +417,8 @@ impl Participant<FromPlan> {
             state: ParticipantState::default(),
             cached_model: None,
             factory: Arc::new(FromPlan),
-            attributes: DeviceAttributes::default(),
+            attributes: Arc::default(),
+            state_file: None,
             tamper: None,
             slowdown: None,
             seed_key: None,
@@ -350,6 +440,7 @@ impl<F: ModelFactory> Participant<F> {
             cached_model: self.cached_model,
             factory: Arc::new(factory),
             attributes: self.attributes,
+            state_file: self.state_file,
             tamper: self.tamper,
             slowdown: self.slowdown,
             seed_key: self.seed_key,
@@ -386,7 +477,46 @@ impl<F: ModelFactory> Participant<F> {
     /// version, free storage): runs whose plan requires some select only devices that say so.
     /// An app updates them as they change.
     pub fn set_attributes(&mut self, attributes: DeviceAttributes) {
-        self.attributes = attributes;
+        *lock(&self.attributes) = attributes;
+    }
+
+    /// The same participant reading its conditions from `shared`, which the app updates as
+    /// they change, also while a participation runs: one unplugged between its check-in and
+    /// its training leaves the round instead of training.
+    pub fn with_shared_attributes(mut self, shared: Arc<Mutex<DeviceAttributes>>) -> Self {
+        self.attributes = shared;
+        self
+    }
+
+    /// The same participant saving its state to `path` itself whenever a kill must not lose
+    /// it: once an update is trained (before it is sent) and once it is acknowledged. The app
+    /// still saves after enrollment and after each participation, as before.
+    pub fn keeping_state_in(mut self, path: impl Into<PathBuf>) -> Self {
+        self.state_file = Some(path.into());
+        self
+    }
+
+    fn attributes(&self) -> DeviceAttributes {
+        lock(&self.attributes).clone()
+    }
+
+    /// Writes the state to the state file, when there is one.
+    fn persist(&self) -> Result<(), ParticipantError> {
+        match &self.state_file {
+            Some(path) => self.state.save(path),
+            None => Ok(()),
+        }
+    }
+
+    /// The outcome of leaving `task` because the device's conditions no longer meet its
+    /// requirements; `None` while they do.
+    fn conditions_unmet(&self, task: &TaskAssignment) -> Option<Outcome> {
+        let unmet = task.eligibility.unmet(&self.attributes());
+        (!unmet.is_empty()).then_some(Outcome::ConditionsNotMet {
+            run_id: task.run_id,
+            round_idx: task.round_idx,
+            unmet,
+        })
     }
 
     /// The same participant verifying the coordinator (and presenting a device certificate)
@@ -429,7 +559,9 @@ impl<F: ModelFactory> Participant<F> {
         Ok(res.device_id)
     }
 
-    /// One participation: check in, and if selected, evaluate, train and upload.
+    /// One participation: check in, and if selected, evaluate, train and upload. A device
+    /// holding an update it trained and could not yet deliver sends that instead, without
+    /// checking in.
     pub async fn participate(
         &mut self,
         on_progress: ProgressCallback,
@@ -443,19 +575,25 @@ impl<F: ModelFactory> Participant<F> {
             let progress = progress.clone();
             move |p: ParticipantProgress| (progress.lock().expect("progress callback panicked"))(p)
         };
+        if let Some(pending) = self.state.pending_upload.clone() {
+            report(ParticipantProgress::Phase(Phase::Uploading));
+            return self.deliver(pending).await;
+        }
         report(ParticipantProgress::Phase(Phase::CheckingIn));
-        let population = self.population.clone();
-        let task = match retrying(TRIES, || self.fleet.check_in_with(&population, &self.attributes))
-            .await?
-        {
-            CheckInResponse::ComeBackLater { retry_after_secs } => {
-                return Ok(Outcome::ComeBackLater(Duration::from_secs(u64::from(
-                    retry_after_secs,
-                ))));
-            }
-            CheckInResponse::Task(task) => task,
-        };
+        let (population, attributes) = (self.population.clone(), self.attributes());
+        let task =
+            match retrying(TRIES, || self.fleet.check_in_with(&population, &attributes)).await? {
+                CheckInResponse::ComeBackLater { retry_after_secs } => {
+                    return Ok(Outcome::ComeBackLater(Duration::from_secs(u64::from(
+                        retry_after_secs,
+                    ))));
+                }
+                CheckInResponse::Task(task) => task,
+            };
         let (run_id, round_idx) = (task.run_id, task.round_idx);
+        if let Some(left) = self.conditions_unmet(&task) {
+            return Ok(left);
+        }
         // A secure round's short key stages come before training; the masked input after it.
         let mut secure = match task.secure_aggregation {
             None => None,
@@ -483,6 +621,10 @@ impl<F: ModelFactory> Participant<F> {
             }
             Err(e) => return Err(e),
         };
+        // The conditions may have changed while the model downloaded (the phone unplugged).
+        if let Some(left) = self.conditions_unmet(&task) {
+            return Ok(left);
+        }
         report(ParticipantProgress::Phase(Phase::Evaluating));
         if task.evaluate_only {
             return self.report_evaluation_round(&task, &global).await;
@@ -493,6 +635,10 @@ impl<F: ModelFactory> Participant<F> {
             Some(_) => self.evaluate(&task, &global).await?,
             None => self.evaluate_once(&task, &global).await?,
         };
+        // And while it was evaluated.
+        if let Some(left) = self.conditions_unmet(&task) {
+            return Ok(left);
+        }
         report(ParticipantProgress::Phase(Phase::Training));
         let mut config = TrainingPlan::from_json(&task.training_config)
             .map_err(|e| TrainError::Config(e.to_string()))?;
@@ -536,8 +682,10 @@ impl<F: ModelFactory> Participant<F> {
         if let Some(factor) = self.slowdown {
             tokio::time::sleep(training_started.elapsed().mul_f64(factor - 1.0)).await;
         }
-        report(ParticipantProgress::Phase(Phase::Uploading));
         if let Some(session) = secure.as_mut() {
+            // A secure round's update is masked for keys that live only in this session: it
+            // cannot be sent after a restart, so it is not kept.
+            report(ParticipantProgress::Phase(Phase::Uploading));
             let sent = async {
                 let pooled = evaluation.map(|e| starling_core::secagg::EvaluationInput {
                     examples: e.examples,
@@ -559,17 +707,34 @@ impl<F: ModelFactory> Participant<F> {
                 Err(e) => secure_outcome(run_id, round_idx, e),
             };
         }
-        let upload = UploadRequest {
+        let pending = PendingUpload {
+            run_id,
+            round_idx,
+            upload_to: task.upload_to.clone(),
             model_version: task.model_version,
             example_count: trained.examples,
             metrics: upload_metrics(&task, trained.loss, evaluation.as_ref()),
-            delta: TensorPayload {
-                schema_id: task.schema.schema_id(),
-                data: encoded.expect("a plain round encodes its delta"),
-            },
+            schema_id: task.schema.schema_id(),
+            delta: encoded.expect("a plain round encodes its delta"),
+            train_loss: trained.loss,
+            evaluation,
+            // Only what reached the coordinator leaves the residual.
+            error_feedback: matches!(compression, Compression::TopK { .. }).then_some(feedback),
         };
+        self.state.pending_upload = Some(pending.clone());
+        self.persist()?;
+        report(ParticipantProgress::Phase(Phase::Uploading));
+        self.deliver(pending).await
+    }
+
+    /// Sends a trained update and clears it from the state once it is in, or once it can no
+    /// longer be (its round closed, the coordinator refused it for good). A transient failure
+    /// keeps it for the next participation.
+    async fn deliver(&mut self, pending: PendingUpload) -> Result<Outcome, ParticipantError> {
+        let (run_id, round_idx) = (pending.run_id, pending.round_idx);
+        let upload = pending.request();
         let sent = retrying(TRIES, || async {
-            match &task.upload_to {
+            match &pending.upload_to {
                 Some(target) => {
                     self.fleet.upload_to_aggregator(target, run_id, round_idx, &upload).await
                 }
@@ -577,30 +742,38 @@ impl<F: ModelFactory> Participant<F> {
             }
         })
         .await;
-        match sent {
-            // A retried upload whose first attempt landed is a duplicate: it is in.
+        let outcome = match sent {
+            // A resent update whose first attempt landed is a duplicate: it is in.
             Ok(_)
             | Err(ClientError::Api {
                 body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
                 ..
             }) => {
-                // Only what reached the coordinator leaves the residual.
-                if matches!(compression, Compression::TopK { .. }) {
+                if let Some(feedback) = pending.error_feedback {
                     self.state.error_feedback = Some((run_id, feedback));
                 }
-                Ok(Outcome::Uploaded { run_id, round_idx, train_loss: trained.loss, evaluation })
+                Ok(Outcome::Uploaded {
+                    run_id,
+                    round_idx,
+                    train_loss: pending.train_loss,
+                    evaluation: pending.evaluation,
+                })
             }
             Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }
             // An aggregator that is gone takes its round's shard with it: like a round closed
             // under the device, not an error of the device's.
-            Err(e) if task.upload_to.is_some() && e.is_transient() => {
+            Err(e) if pending.upload_to.is_some() && e.is_transient() => {
                 tracing::warn!(%run_id, %round_idx, error = %e, "the assigned aggregator is unreachable; round missed");
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }
+            Err(e) if e.is_transient() => return Err(e.into()),
             Err(e) => Err(e.into()),
-        }
+        };
+        self.state.pending_upload = None;
+        self.persist()?;
+        outcome
     }
 
     /// An evaluation-only round: evaluate the model on the held-out examples (on all local
@@ -709,6 +882,11 @@ impl<F: ModelFactory> Participant<F> {
         self.state.last_evaluated = Some((task.run_id, task.model_version));
         Ok(Some(evaluation))
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The attributes are replaced whole: a panic elsewhere cannot leave them half-written.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The metrics a plain round's upload carries: the training loss, and this version's

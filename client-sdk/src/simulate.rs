@@ -730,7 +730,8 @@ impl Fleet {
                         Ok(
                             Outcome::Uploaded { round_idx, .. }
                             | Outcome::Evaluated { round_idx, .. }
-                            | Outcome::RoundMissed { round_idx, .. },
+                            | Outcome::RoundMissed { round_idx, .. }
+                            | Outcome::ConditionsNotMet { round_idx, .. },
                         ) => done = Some(round_idx.0),
                         Err(e) => {
                             tracing::warn!(client = i, error = %e, "participation failed");

@@ -74,7 +74,7 @@ pub struct TrainReport {
 }
 
 /// Loss and accuracy on a set of examples.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Evaluation {
     /// Mean cross-entropy.
     pub loss: f64,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use starling_client::data;
-use starling_client::participant::{Outcome, Participant};
+use starling_client::participant::{Outcome, Participant, ParticipantProgress, Phase};
 use starling_client::{Device, examples::Examples};
 use starling_core::RunId;
 use starling_core::tensor::safetensors;
@@ -275,11 +275,13 @@ async fn model_export_and_central_evaluations_refuse_bad_requests() {
     c.running.shutdown().await.unwrap();
 }
 
-/// A plan that requires charging devices on an unmetered network, over real HTTP: a device
-/// that says nothing, or is on battery, is told to come back later while the round selects;
-/// once it reports qualifying conditions it is selected and trains.
+/// A plan that requires charging devices with half a battery on an unmetered network, over
+/// real HTTP: a device that says nothing, or is on battery, is told to come back later while
+/// the round selects. One that qualifies is selected, and when it is unplugged while the model
+/// downloads it leaves the round before training (the SDK checks the conditions of the moment,
+/// not only those of its check-in). Plugged in again, it trains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plan_selects_only_devices_that_qualify() {
+async fn a_plan_selects_only_devices_that_qualify_and_they_train_only_while_they_do() {
     use starling_core::eligibility::DeviceAttributes;
     let (_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
@@ -287,32 +289,58 @@ async fn a_plan_selects_only_devices_that_qualify() {
     let mut plan = mlp_plan(digits.input(), 1, 1);
     plan["cohort_size"] = 1.into();
     plan["min_quorum"] = 1.into();
-    plan["eligibility"] = serde_json::json!({"charging": true, "unmetered_network": true});
+    plan["eligibility"] =
+        serde_json::json!({"charging": true, "unmetered_network": true, "min_battery_percent": 50});
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
     assert_eq!(c.admin.run(run).await.unwrap().plan["eligibility"]["charging"], true);
     let token = c.admin.enrollment_token(1).await.unwrap();
     let (train, hold) = digits.subset(&(0..200).collect::<Vec<_>>()).split_holdout(0.2, 1);
-    let mut device = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
+    let conditions = Arc::new(std::sync::Mutex::new(DeviceAttributes::default()));
+    let mut device = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff())
+        .with_shared_attributes(conditions.clone());
     device.enroll(&token).await.unwrap();
-    let on_battery = DeviceAttributes {
-        charging: Some(false),
+    let qualified = DeviceAttributes {
+        charging: Some(true),
+        battery_percent: Some(80),
         unmetered_network: Some(true),
-        ..Default::default()
+        idle: Some(false),
+        app_version: Some("1.0".into()),
+        free_storage_bytes: Some(1 << 30),
     };
-    for attributes in [DeviceAttributes::default(), on_battery] {
+    let on_battery = DeviceAttributes { charging: Some(false), ..qualified.clone() };
+    let nearly_empty = DeviceAttributes { battery_percent: Some(49), ..qualified.clone() };
+    for attributes in [DeviceAttributes::default(), on_battery.clone(), nearly_empty] {
         device.set_attributes(attributes.clone());
         let outcome = device.participate(Box::new(|_| {})).await.unwrap();
         assert!(matches!(outcome, Outcome::ComeBackLater(_)), "{attributes:?}: {outcome:?}");
     }
     let rounds = c.admin.rounds(run).await.unwrap();
     assert_eq!(rounds[0].n_selected, 0, "nobody qualified yet");
-    device.set_attributes(DeviceAttributes {
-        charging: Some(true),
-        unmetered_network: Some(true),
-        idle: Some(false),
-        app_version: Some("1.0".into()),
-        free_storage_bytes: Some(1 << 30),
-    });
+
+    // Selected while qualified; unplugged while the model downloads.
+    device.set_attributes(qualified.clone());
+    let phases = Arc::new(std::sync::Mutex::new(vec![]));
+    let (seen, shared) = (phases.clone(), conditions.clone());
+    let outcome = device
+        .participate(Box::new(move |p| {
+            if let ParticipantProgress::Phase(phase) = p {
+                seen.lock().unwrap().push(phase);
+                if phase == Phase::Downloading {
+                    *shared.lock().unwrap() = on_battery.clone();
+                }
+            }
+        }))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&outcome, Outcome::ConditionsNotMet { unmet, .. } if unmet == &["charging"]),
+        "{outcome:?}"
+    );
+    assert_eq!(*phases.lock().unwrap(), [Phase::CheckingIn, Phase::Downloading], "nothing trained");
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!((rounds[0].n_selected, rounds[0].n_reported), (1, 0));
+
+    device.set_attributes(qualified);
     let outcome = device.participate(Box::new(|_| {})).await.unwrap();
     assert!(matches!(outcome, Outcome::Uploaded { .. }), "{outcome:?}");
     starling_tests::wait_model(&c.admin, run, 1).await.unwrap();

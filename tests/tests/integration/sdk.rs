@@ -1,5 +1,6 @@
-//! The client SDK against a real coordinator: one that disappears mid-round, and a run whose
-//! model is the app's own burn module rather than a spec.
+//! The client SDK against a real coordinator: one that disappears mid-round, a device killed
+//! between training and upload, and a run whose model is the app's own burn module rather
+//! than a spec.
 
 use std::path::Path;
 
@@ -11,16 +12,18 @@ use starling_client::burn::tensor::activation::relu;
 use starling_client::data;
 use starling_client::model::{Batch, Classifier, ModelIo, schema_of};
 use starling_client::participant::{
-    Outcome, OwnModule, Participant, ParticipantError, ParticipantProgress, Phase,
+    Outcome, OwnModule, Participant, ParticipantError, ParticipantProgress, ParticipantState,
+    Phase, ProgressCallback,
 };
 use starling_client::train::evaluate;
 use starling_client::{Device, examples::Examples};
-use starling_core::RunId;
 use starling_core::model_spec::InputSpec;
+use starling_core::{RoundIdx, RunId};
 use starling_tests::{
     ChildCoordinator, OPERATOR_TOKEN, free_addr, mlp_plan, shared_data, sqlite_db,
     start_in_process, wait_model,
 };
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn participant_survives_a_coordinator_that_disappears_mid_round() {
@@ -172,7 +175,9 @@ async fn an_apps_own_burn_module_trains_federated_and_a_mismatched_one_is_refuse
                     Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
                         tokio::time::sleep(std::time::Duration::from_millis(100)).await
                     }
-                    other @ Outcome::Evaluated { .. } => panic!("a training run: {other:?}"),
+                    other @ (Outcome::Evaluated { .. } | Outcome::ConditionsNotMet { .. }) => {
+                        panic!("a training run open to every device: {other:?}")
+                    }
                 }
             }
         }));
@@ -203,4 +208,147 @@ async fn accuracy(
     let values = starling_client::participant::decode_model(&schema_of(&module), &payload).unwrap();
     let module = starling_client::model::load_parameters(module, &values).unwrap();
     evaluate(&module, DIGITS_IO, test_set, &device).unwrap().accuracy
+}
+
+/// The phases a participation reported, from its progress events.
+fn phases_of(events: &[ParticipantProgress]) -> Vec<Phase> {
+    events
+        .iter()
+        .filter_map(|e| if let ParticipantProgress::Phase(p) = e { Some(*p) } else { None })
+        .collect()
+}
+
+/// A participation that records its progress events in the returned list.
+fn recording() -> (std::sync::Arc<std::sync::Mutex<Vec<ParticipantProgress>>>, ProgressCallback) {
+    let events = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let sink = events.clone();
+    (events, Box::new(move |p| sink.lock().unwrap().push(p)))
+}
+
+/// A device is not always on. This one trains, and its process dies before its upload is
+/// answered (the coordinator is stopped when training starts, so the upload hangs; then the
+/// participation is dropped mid-request). What it left on disk is the state file: restarted
+/// from that file alone, it sends the update it trained, without checking in or training
+/// again, and the round takes it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_killed_between_training_and_upload_sends_that_update_on_restart() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let (dir, db) = sqlite_db();
+    let log = dir.path().join("coordinator.log");
+    let coordinator = ChildCoordinator::spawn(bin, &db, free_addr(), &log).await.unwrap();
+    let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 1);
+    plan["cohort_size"] = 1.into();
+    plan["min_quorum"] = 1.into();
+    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    let token = admin.enrollment_token(1).await.unwrap();
+    let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    let state_file = dir.path().join("device.json");
+    let device = Device::flex().autodiff();
+    let mut first =
+        Participant::new(&coordinator.url, "default", train.clone(), hold.clone(), device.clone())
+            .keeping_state_in(&state_file);
+    first.enroll(&token).await.unwrap();
+    first.state().save(&state_file).unwrap();
+
+    let pid = coordinator.pid();
+    let stop_coordinator = move |p: ParticipantProgress| {
+        if p == ParticipantProgress::Phase(Phase::Training) {
+            let stopped =
+                std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+            assert!(stopped.unwrap().success());
+        }
+    };
+    let participation =
+        tokio::spawn(async move { first.participate(Box::new(stop_coordinator)).await });
+    let pending = starling_tests::wait_for(
+        "the trained update in the state file",
+        Duration::from_secs(120),
+        || {
+            let state_file = state_file.clone();
+            async move { Ok(ParticipantState::load(&state_file)?.and_then(|s| s.pending_upload)) }
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!((pending.run_id, pending.round_idx), (run, RoundIdx(0)));
+    participation.abort();
+    assert!(participation.await.unwrap_err().is_cancelled(), "the upload was still unanswered");
+    coordinator.signal("CONT").unwrap();
+
+    let saved = ParticipantState::load(&state_file).unwrap().unwrap();
+    let mut restarted = Participant::new(&coordinator.url, "default", train, hold, device)
+        .keeping_state_in(&state_file)
+        .restore(saved);
+    let (events, progress) = recording();
+    let outcome = restarted.participate(progress).await.unwrap();
+    assert!(
+        matches!(outcome, Outcome::Uploaded { train_loss, .. } if train_loss == pending.train_loss),
+        "{outcome:?}"
+    );
+    assert_eq!(phases_of(&events.lock().unwrap()), [Phase::Uploading], "no check-in, no training");
+    assert_eq!(ParticipantState::load(&state_file).unwrap().unwrap().pending_upload, None);
+    wait_model(&admin, run, 1).await.unwrap();
+    let rounds = admin.rounds(run).await.unwrap();
+    assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 1));
+}
+
+/// A device killed after its upload landed but before it cleared the update from its state
+/// sends it again on restart: the coordinator answers that it already has it, the device
+/// counts it as delivered and clears it, and the round holds one update from it, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_resent_after_a_restart_is_taken_once() {
+    let (dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let run = RunId(c.admin.create_run(&mlp_plan(digits.input(), 1, 1)).await.unwrap().id);
+    let token = c.admin.enrollment_token(2).await.unwrap();
+    let half = |k: usize| {
+        digits.subset(&(k * 150..k * 150 + 150).collect::<Vec<_>>()).split_holdout(0.2, 1)
+    };
+    let device = || Device::flex().autodiff();
+    let state_file = dir.path().join("device-a.json");
+    let snapshot = dir.path().join("device-a-before-the-ack.json");
+    let (a_train, a_hold) = half(0);
+    let mut a = Participant::new(&c.url, "default", a_train.clone(), a_hold.clone(), device())
+        .keeping_state_in(&state_file);
+    a.enroll(&token).await.unwrap();
+    // The state file as a kill right after the upload was sent would leave it.
+    let (from, to) = (state_file.clone(), snapshot.clone());
+    let outcome = a
+        .participate(Box::new(move |p| {
+            if p == ParticipantProgress::Phase(Phase::Uploading) {
+                std::fs::copy(&from, &to).unwrap();
+            }
+        }))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Uploaded { .. }), "{outcome:?}");
+    assert_eq!(ParticipantState::load(&state_file).unwrap().unwrap().pending_upload, None);
+
+    let saved = ParticipantState::load(&snapshot).unwrap().unwrap();
+    assert!(saved.pending_upload.is_some(), "the update is on disk before it is sent");
+    let mut restarted = Participant::new(&c.url, "default", a_train, a_hold, device())
+        .keeping_state_in(&snapshot)
+        .restore(saved);
+    let (events, progress) = recording();
+    let outcome = restarted.participate(progress).await.unwrap();
+    assert!(matches!(outcome, Outcome::Uploaded { .. }), "{outcome:?}");
+    assert_eq!(phases_of(&events.lock().unwrap()), [Phase::Uploading]);
+    assert_eq!(ParticipantState::load(&snapshot).unwrap().unwrap().pending_upload, None);
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!((rounds[0].n_selected, rounds[0].n_reported), (1, 1), "one update from the device");
+    // Checking in again in the same round gets no second task.
+    let outcome = restarted.participate(Box::new(|_| {})).await.unwrap();
+    assert!(matches!(outcome, Outcome::ComeBackLater(_)), "{outcome:?}");
+
+    let (b_train, b_hold) = half(1);
+    let mut b = Participant::new(&c.url, "default", b_train, b_hold, device());
+    b.enroll(&token).await.unwrap();
+    assert!(matches!(b.participate(Box::new(|_| {})).await.unwrap(), Outcome::Uploaded { .. }));
+    wait_model(&c.admin, run, 1).await.unwrap();
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 2));
+    c.running.shutdown().await.unwrap();
 }

@@ -352,9 +352,18 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
         holdout,
         backend.training_device(),
     )
-    .with_tls(&args.tls.settings()?)?;
+    .with_tls(&args.tls.settings()?)?
+    .keeping_state_in(&args.state);
     match ParticipantState::load(&args.state)?.filter(|s| s.credential.is_some()) {
-        Some(state) => device = device.restore(state),
+        Some(state) => {
+            if let Some(pending) = &state.pending_upload {
+                println!(
+                    "run {} round {}: sending the update trained before the last stop first",
+                    pending.run_id, pending.round_idx
+                );
+            }
+            device = device.restore(state)
+        }
         None => {
             let token = args.enrollment_token.as_deref().context(
                 "this device is not enrolled yet: pass --enrollment-token (or STARLING_ENROLLMENT_TOKEN)",
@@ -394,6 +403,15 @@ async fn participate(args: ParticipateArgs) -> anyhow::Result<()> {
             }
             Ok(Outcome::RoundMissed { run_id, round_idx }) => {
                 println!("run {run_id} round {round_idx}: closed before the update arrived");
+            }
+            Ok(Outcome::ConditionsNotMet { run_id, round_idx, unmet }) => {
+                // A command-line device reports no conditions, so this needs a plan whose
+                // requirements it cannot meet; say which, and wait as for any other no.
+                println!(
+                    "run {run_id} round {round_idx}: left, the device does not meet {}",
+                    unmet.join(", ")
+                );
+                tokio::time::sleep(Duration::from_secs(args.max_wait_secs)).await;
             }
             Err(ParticipantError::Protocol(e)) if e.is_transient() => {
                 failures += 1;
