@@ -18,15 +18,17 @@ use starling_core::model_spec::InputSpec;
 
 uniffi::setup_scaffolding!();
 
-/// What went wrong, as a typed exception in Kotlin, Swift and Python.
+/// What went wrong, as a typed exception in Kotlin, Swift and Python. The explanation is
+/// `reason`: a field named `message` would clash with Kotlin's `Throwable.message`, and the
+/// generated Kotlin would not compile.
 #[derive(Debug, thiserror::Error, uniffi::Error)]
 pub enum StarlingError {
     /// An argument is unusable (wrong lengths, a non-finite value, a bad URL, a shape that
     /// does not fit the run's model).
-    #[error("invalid input: {message}")]
+    #[error("invalid input: {reason}")]
     InvalidInput {
         /// What is wrong.
-        message: String,
+        reason: String,
     },
     /// There are no examples to train on.
     #[error("the example store is empty: add examples first")]
@@ -35,34 +37,34 @@ pub enum StarlingError {
     #[error("not enrolled: create the device with a credential, or call enroll")]
     NotEnrolled,
     /// The coordinator could not be reached; try again later.
-    #[error("the coordinator is unreachable: {message}")]
+    #[error("the coordinator is unreachable: {reason}")]
     Unreachable {
         /// The transport's explanation.
-        message: String,
+        reason: String,
     },
     /// The coordinator answered with an error.
-    #[error("the coordinator refused: {message}")]
+    #[error("the coordinator refused: {reason}")]
     Refused {
         /// Its explanation.
-        message: String,
+        reason: String,
     },
     /// The run's model cannot be built or does not match.
-    #[error("model: {message}")]
+    #[error("model: {reason}")]
     Model {
         /// What does not fit.
-        message: String,
+        reason: String,
     },
     /// Local training failed.
-    #[error("training failed: {message}")]
+    #[error("training failed: {reason}")]
     Training {
         /// Why.
-        message: String,
+        reason: String,
     },
     /// The storage directory could not be read or written.
-    #[error("storage: {message}")]
+    #[error("storage: {reason}")]
     Storage {
         /// Why.
-        message: String,
+        reason: String,
     },
 }
 
@@ -157,22 +159,42 @@ pub enum ParticipationOutcome {
         /// Round.
         round_idx: i64,
     },
+    /// Selected, but the conditions last set (`set_conditions`) no longer meet the run's
+    /// requirements: the device left the round before downloading or training anything.
+    ConditionsNotMet {
+        /// Run.
+        run_id: i64,
+        /// Round.
+        round_idx: i64,
+        /// The requirements not met, named as in the plan (`charging`, `min_battery_percent`,
+        /// `unmetered_network`, `idle`, `min_app_version`, `min_free_storage_bytes`).
+        unmet: Vec<String>,
+    },
 }
 
 /// The device's conditions, reported at every check-in: runs whose plan requires some (say,
-/// charging on Wi-Fi) select only devices that report them. Unreported conditions meet no
-/// requirement.
+/// charging on Wi-Fi) select only devices that report them. The SDK checks them again before
+/// it downloads and before it trains, so a device unplugged after its check-in leaves the round
+/// ([`ParticipationOutcome::ConditionsNotMet`]). Unreported conditions meet no requirement.
 #[derive(Debug, Clone, Default, uniffi::Record)]
 pub struct DeviceConditions {
     /// On external power.
+    #[uniffi(default)]
     pub charging: Option<bool>,
+    /// Battery charge, percent (0 to 100).
+    #[uniffi(default)]
+    pub battery_percent: Option<u8>,
     /// On an unmetered network (Wi-Fi, Ethernet).
+    #[uniffi(default)]
     pub unmetered_network: Option<bool>,
     /// Not in use.
+    #[uniffi(default)]
     pub idle: Option<bool>,
     /// The app's version, dotted numbers (`4.12.1`).
+    #[uniffi(default)]
     pub app_version: Option<String>,
     /// Free storage, in bytes.
+    #[uniffi(default)]
     pub free_storage_bytes: Option<u64>,
 }
 
@@ -180,6 +202,7 @@ impl From<DeviceConditions> for starling_core::eligibility::DeviceAttributes {
     fn from(c: DeviceConditions) -> Self {
         Self {
             charging: c.charging,
+            battery_percent: c.battery_percent,
             unmetered_network: c.unmetered_network,
             idle: c.idle,
             app_version: c.app_version,
@@ -231,7 +254,9 @@ pub struct StarlingDevice {
     activity: Mutex<Activity>,
     listener: Mutex<Option<Arc<dyn ProgressListener>>>,
     tls: Mutex<TlsSettings>,
-    conditions: Mutex<DeviceConditions>,
+    /// Shared with the participation that runs, which reads them before it downloads and
+    /// before it trains.
+    conditions: Arc<Mutex<starling_core::eligibility::DeviceAttributes>>,
 }
 
 /// What the device did since it was created; the rest of [`DeviceStatus`] is read from the
@@ -298,7 +323,7 @@ impl StarlingDevice {
             activity: Mutex::default(),
             listener: Mutex::new(None),
             tls: Mutex::default(),
-            conditions: Mutex::default(),
+            conditions: Arc::default(),
         };
         device.save_state()?;
         Ok(Arc::new(device))
@@ -323,9 +348,14 @@ impl StarlingDevice {
     }
 
     /// The device's conditions from now on (the app calls this as they change: power,
-    /// network, use).
-    pub fn set_conditions(&self, conditions: DeviceConditions) {
-        *lock(&self.conditions) = conditions;
+    /// battery, network, use), also while `participate` runs on another thread. A battery level
+    /// over 100 is refused and changes nothing.
+    pub fn set_conditions(&self, conditions: DeviceConditions) -> Result<(), StarlingError> {
+        if let Some(level) = conditions.battery_percent.filter(|&l| l > 100) {
+            return Err(invalid(format!("battery_percent {level} is over 100")));
+        }
+        *lock(&self.conditions) = conditions.into();
+        Ok(())
     }
 
     /// Trades an operator-issued enrollment token for a credential (stored); the device id.
@@ -420,6 +450,13 @@ impl StarlingDevice {
             Outcome::RoundMissed { run_id, round_idx } => {
                 ParticipationOutcome::RoundMissed { run_id: run_id.0, round_idx: round_idx.0 }
             }
+            Outcome::ConditionsNotMet { run_id, round_idx, unmet } => {
+                ParticipationOutcome::ConditionsNotMet {
+                    run_id: run_id.0,
+                    round_idx: round_idx.0,
+                    unmet: unmet.into_iter().map(str::to_owned).collect(),
+                }
+            }
         })
     }
 
@@ -482,7 +519,7 @@ impl StarlingDevice {
         train_set: Examples,
         holdout: Examples,
     ) -> Result<Participant, StarlingError> {
-        let mut participant = Participant::new(
+        let participant = Participant::new(
             &self.url,
             &self.population,
             train_set,
@@ -490,8 +527,11 @@ impl StarlingDevice {
             self.backend.training_device(),
         )
         .with_tls(&lock(&self.tls))
-        .map_err(|e| invalid(e.to_string()))?;
-        participant.set_attributes(lock(&self.conditions).clone().into());
+        .map_err(|e| invalid(e.to_string()))?
+        .with_shared_attributes(self.conditions.clone())
+        // A trained update is on disk before it is sent: an app killed before the
+        // acknowledgement sends it on its next `participate`.
+        .keeping_state_in(&self.state_path);
         Ok(participant.restore(lock(&self.state).clone()))
     }
 }
@@ -512,26 +552,26 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn invalid(message: String) -> StarlingError {
-    StarlingError::InvalidInput { message }
+    StarlingError::InvalidInput { reason: message }
 }
 
 fn storage(e: impl std::fmt::Display) -> StarlingError {
-    StarlingError::Storage { message: e.to_string() }
+    StarlingError::Storage { reason: e.to_string() }
 }
 
 fn map_error(e: ParticipantError) -> StarlingError {
     match e {
         ParticipantError::Protocol(c) if c.is_transient() => {
-            StarlingError::Unreachable { message: c.to_string() }
+            StarlingError::Unreachable { reason: c.to_string() }
         }
-        ParticipantError::Protocol(c) => StarlingError::Refused { message: c.to_string() },
+        ParticipantError::Protocol(c) => StarlingError::Refused { reason: c.to_string() },
         ParticipantError::NotEnrolled => StarlingError::NotEnrolled,
         e @ ParticipantError::StateFile { .. } => storage(e),
         ParticipantError::Train(TrainError::NoExamples) => StarlingError::NoExamples,
         ParticipantError::Train(
             e @ (TrainError::InputMismatch { .. } | TrainError::Label { .. }),
         ) => invalid(e.to_string()),
-        ParticipantError::Train(e) => StarlingError::Training { message: e.to_string() },
-        e => StarlingError::Model { message: e.to_string() },
+        ParticipantError::Train(e) => StarlingError::Training { reason: e.to_string() },
+        e => StarlingError::Model { reason: e.to_string() },
     }
 }

@@ -152,8 +152,7 @@ class MobileBindings(unittest.TestCase):
         device.set_progress_listener(listener)
         # The plan wants charging devices of app 2.0 or later: until it says so, it waits.
         self.assertIsInstance(device.participate(), sm.ParticipationOutcome.COME_BACK_LATER)
-        device.set_conditions(sm.DeviceConditions(
-            charging=True, unmetered_network=None, idle=None, app_version="2.3.1", free_storage_bytes=None))
+        device.set_conditions(sm.DeviceConditions(charging=True, app_version="2.3.1"))
 
         accuracies = []
         while len(accuracies) < 4:
@@ -178,6 +177,46 @@ class MobileBindings(unittest.TestCase):
         self.assertEqual(again.status().device_id, device_id)
         self.assertEqual(json.loads(again.export_state())["credential"], json.loads(device.export_state())["credential"])
 
+    def test_a_device_unplugged_after_its_check_in_does_not_train(self):
+        self.c.admin("POST", "/v1/admin/runs", {
+            "population": "tablets",
+            "model": {"spec": {
+                "input": {"kind": "image", "channels": 1, "height": 8, "width": 8},
+                "layers": [{"kind": "flatten"}, {"kind": "linear", "out": 10}],
+            }, "init": {"kind": "seeded", "seed": 3}},
+            "training": {"epochs": 1, "batch_size": 10, "lr": 0.1},
+            "cohort_size": 1, "min_quorum": 1, "over_selection": 1.0,
+            "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": 1,
+            "eligibility": {"charging": True, "min_battery_percent": 30},
+        })
+        token = self.c.admin(
+            "POST", "/v1/admin/enrollment-tokens", {"uses": 1, "populations": ["tablets"]}
+        )["token"]
+        device = sm.StarlingDevice(self.c.url, "tablets", None, tempfile.mkdtemp(), SHAPE)
+        device.enroll(token)
+        device.add_examples([v for row in self.features[:200] for v in row], self.labels[:200])
+        device.set_conditions(sm.DeviceConditions(charging=True, battery_percent=80))
+
+        class Unplug(Phases):
+            def on_phase(self, phase):
+                super().on_phase(phase)
+                if phase == "downloading":
+                    device.set_conditions(sm.DeviceConditions(charging=False, battery_percent=80))
+
+        listener = Unplug()
+        device.set_progress_listener(listener)
+        deadline = time.time() + 120
+        while True:
+            self.assertLess(time.time(), deadline, "never selected")
+            outcome = device.participate()
+            if isinstance(outcome, sm.ParticipationOutcome.CONDITIONS_NOT_MET):
+                self.assertEqual(outcome.unmet, ["charging"])
+                break
+            self.assertIsInstance(outcome, sm.ParticipationOutcome.COME_BACK_LATER)
+            time.sleep(0.2)
+        self.assertNotIn("training", listener.phases)
+        self.assertEqual((listener.steps, device.status().uploads), (0, 0))
+
     def test_bad_input_raises_typed_errors(self):
         storage = tempfile.mkdtemp()
         device = sm.StarlingDevice(self.c.url, "nobody", "not-a-real-credential", storage, SHAPE)
@@ -188,6 +227,8 @@ class MobileBindings(unittest.TestCase):
         with self.assertRaises(sm.StarlingError.InvalidInput):
             device.add_examples([float("nan")] * 64, [1])
         self.assertEqual(device.status().examples, 0)
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.set_conditions(sm.DeviceConditions(battery_percent=101))
         device.add_examples(self.features[0], [self.labels[0]])
         with self.assertRaises(sm.StarlingError.Refused):
             device.participate()  # the coordinator does not know this credential

@@ -8,7 +8,8 @@
 //!   (`xtask/python-requirements.txt`) go into a virtual environment beside the build.
 //!   `.ci/run` calls exactly this.
 //!   After the Rust tests it builds the dashboard and runs its browser tests, and generates the
-//!   mobile bindings and runs the Python-bindings tests.
+//!   mobile bindings and runs the Python- and Kotlin-bindings tests (the Kotlin compiler comes
+//!   from the npm registry, JNA and a JDK from Debian's packages, when missing).
 //! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
 //!   client SDK's simulator federating a real model on real data against it.
 
@@ -28,12 +29,14 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("demo") => demo(&args[1..]),
+        // The mobile bindings' tests alone, on an existing build (the last part of `test`).
+        Some("mobile-tests") => mobile_tests(),
         Some("postgres") => {
             println!("DATABASE_URL={}", ensure_postgres()?);
             Ok(())
         }
         _ => bail!(
-            "usage: cargo xtask test | cargo xtask demo [simulate flags...] | cargo xtask postgres"
+            "usage: cargo xtask test | cargo xtask demo [simulate flags...] | cargo xtask mobile-tests | cargo xtask postgres"
         ),
     }
 }
@@ -182,8 +185,10 @@ fn free_bytes(path: &Path) -> Option<u64> {
     Some(available_kib * 1024)
 }
 
-/// Generates the mobile bindings from the built library (Kotlin and Swift must generate; they
-/// cannot be compiled here) and runs the Python-bindings tests against a live coordinator.
+/// Generates the mobile bindings from the built library and runs the Python- and
+/// Kotlin-bindings tests against a live coordinator; the Android sample app is type-checked
+/// against the Kotlin bindings with stubs for the `android.*` it uses. Swift generates only:
+/// no Swift compiler runs on Linux build machines here.
 fn mobile_tests() -> anyhow::Result<()> {
     let root = repo_root()?;
     let target = target_dir(&root);
@@ -207,7 +212,95 @@ fn mobile_tests() -> anyhow::Result<()> {
         .env("STARLING_COORDINATOR_BIN", debug.join("starling-coordinator"))
         .env("STARLING_DIGITS_DIR", root.join("client-sdk").join("data").join("sklearn_digits"));
     wgpu_env(&mut test)?;
-    step("mobile bindings tests (Python)", &mut test)
+    step("mobile bindings tests (Python)", &mut test)?;
+    kotlin_tests(&root, &debug, &out)
+}
+
+/// The Kotlin compiler `kotlin_tests` uses: the npm registry's `kotlin-compiler` package is the
+/// JetBrains command-line compiler (JVM target, kotlin-stdlib included). Pinned: the generated
+/// bindings are checked against this version.
+const KOTLIN_COMPILER: &str = "kotlin-compiler@2.4.20";
+/// Debian's JNA (`libjna-java`), which UniFFI's Kotlin loads the library through.
+const JNA_JAR: &str = "/usr/share/java/jna.jar";
+
+/// Compiles the generated Kotlin, runs `mobile/tests/kotlin/BindingsTest.kt` on the JVM against
+/// a live coordinator, and type-checks the Android sample app against the same bindings.
+fn kotlin_tests(root: &Path, debug: &Path, bindings: &Path) -> anyhow::Result<()> {
+    let kotlinc = ensure_kotlin_compiler(&target_dir(root))?;
+    let tests = root.join("mobile").join("tests").join("kotlin");
+    let out = bindings.join("kotlin-jars");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).context("creating the Kotlin output directory")?;
+    let generated = bindings.join("kotlin").join("uniffi").join("starling_mobile");
+    let bindings_jar = out.join("starling-bindings.jar");
+    let mut compile = Command::new(&kotlinc);
+    compile.arg(generated.join("starling_mobile.kt")).args(["-cp", JNA_JAR, "-d"]);
+    step("Kotlin bindings compile", compile.arg(&bindings_jar))?;
+    let classpath = |extra: &[&Path]| {
+        let mut parts = vec![bindings_jar.clone(), JNA_JAR.into()];
+        parts.extend(extra.iter().map(|p| p.to_path_buf()));
+        std::env::join_paths(parts).context("a classpath")
+    };
+    let test_jar = out.join("bindings-test.jar");
+    let mut compile = Command::new(&kotlinc);
+    compile.arg(tests.join("BindingsTest.kt")).arg("-cp").arg(classpath(&[])?).arg("-d");
+    step("Kotlin bindings test compile", compile.arg(&test_jar))?;
+    let stdlib = kotlinc.parent().and_then(Path::parent).context("kotlinc's home")?;
+    let stdlib = stdlib.join("lib").join("kotlin-stdlib.jar");
+    let mut test = Command::new("java");
+    test.arg(format!("-Djna.library.path={}", debug.display()))
+        .arg("-cp")
+        .arg(classpath(&[&test_jar, &stdlib])?)
+        .arg("dev.starling.bindingstest.BindingsTestKt")
+        .env("STARLING_COORDINATOR_BIN", debug.join("starling-coordinator"))
+        .env("STARLING_DIGITS_DIR", root.join("client-sdk").join("data").join("sklearn_digits"));
+    wgpu_env(&mut test)?;
+    step("mobile bindings tests (Kotlin, JVM)", &mut test)?;
+    let sample = root.join("mobile").join("android").join("sample").join("src").join("main");
+    let mut check = Command::new(&kotlinc);
+    check.arg(
+        sample.join("java").join("dev").join("starling").join("sample").join("MainActivity.kt"),
+    );
+    for stub in std::fs::read_dir(tests.join("android-stubs")).context("the Android stubs")? {
+        check.arg(stub?.path());
+    }
+    check.arg("-cp").arg(classpath(&[])?).arg("-d").arg(out.join("android-sample.jar"));
+    step("Android sample type-check (stubs for android.*)", &mut check)
+}
+
+/// kotlinc from the npm registry (beside the build, fetched once), with a JDK and Debian's JNA
+/// installed when missing; returns kotlinc's path.
+fn ensure_kotlin_compiler(target: &Path) -> anyhow::Result<std::path::PathBuf> {
+    if !Command::new("java").arg("-version").output().is_ok_and(|o| o.status.success()) {
+        apt_install("default-jdk-headless")?;
+    }
+    if !Path::new(JNA_JAR).exists() {
+        apt_install("libjna-java")?;
+    }
+    let home = target.join("kotlin-tools").join(KOTLIN_COMPILER);
+    let kotlinc = home.join("package").join("bin").join("kotlinc");
+    if kotlinc.exists() {
+        return Ok(kotlinc);
+    }
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).context("creating the Kotlin tools directory")?;
+    // npm checks the tarball against the registry's integrity hash.
+    step(
+        "fetch the Kotlin compiler",
+        Command::new("npm").current_dir(&home).args(["pack", "--silent", KOTLIN_COMPILER]),
+    )?;
+    let tarball = std::fs::read_dir(&home)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "tgz"))
+        .context("npm pack left no tarball")?;
+    step(
+        "unpack the Kotlin compiler",
+        Command::new("tar").current_dir(&home).arg("xzf").arg(&tarball),
+    )?;
+    let _ = std::fs::remove_file(&tarball);
+    anyhow::ensure!(kotlinc.exists(), "{KOTLIN_COMPILER} has no {}", kotlinc.display());
+    Ok(kotlinc)
 }
 
 /// wgpu's runtime wants `XDG_RUNTIME_DIR`; its shader and autotune cache stays out of the home

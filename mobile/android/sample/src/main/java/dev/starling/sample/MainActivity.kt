@@ -46,8 +46,12 @@ class MainActivity : Activity() {
                     is ParticipationOutcome.Uploaded -> show(
                         "round ${outcome.roundIdx}: loss %.4f, global accuracy %s".format(
                             outcome.trainLoss, outcome.evaluation?.accuracy ?: "-"))
+                    is ParticipationOutcome.Evaluated -> show(
+                        "round ${outcome.roundIdx}: evaluated, accuracy %.3f".format(outcome.evaluation.accuracy))
                     is ParticipationOutcome.ComeBackLater -> Thread.sleep(outcome.afterSecs.toLong() * 1000)
                     is ParticipationOutcome.RoundMissed -> show("round ${outcome.roundIdx} missed")
+                    // Unplugged (or off Wi-Fi) since the check-in: nothing was trained.
+                    is ParticipationOutcome.ConditionsNotMet -> show("round ${outcome.roundIdx}: waiting for ${outcome.unmet}")
                 }
             }
         } catch (e: StarlingException) {
