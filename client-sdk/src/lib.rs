@@ -32,7 +32,6 @@ pub mod data;
 pub mod evaluate;
 pub mod examples;
 pub mod model;
-#[cfg(feature = "tools")]
 pub mod participant;
 pub mod protocol;
 pub mod secure;
