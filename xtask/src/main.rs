@@ -62,6 +62,12 @@ fn test() -> anyhow::Result<()> {
             "warnings",
         ]),
     )?;
+    // The mobile library as an app's build compiles it: alone, not with the features the
+    // workspace unifies (it once compiled only there, using a module gated behind `tools`).
+    step(
+        "mobile library alone",
+        build_cargo(&cargo).args(["check", "-q", "-p", "starling-mobile", "--lib"]),
+    )?;
     let nextest = Command::new(&cargo)
         .args(["nextest", "--version"])
         .output()
