@@ -768,7 +768,10 @@ impl<F: ModelFactory> Participant<F> {
                 tracing::warn!(%run_id, %round_idx, error = %e, "the assigned aggregator is unreachable; round missed");
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }
+            // Kept for the next participation: the coordinator may take it yet.
             Err(e) if e.is_transient() => return Err(e.into()),
+            // Refused for good (a revoked credential, an update it will never take): sending it
+            // again cannot help, so it is dropped and the device checks in afresh next time.
             Err(e) => Err(e.into()),
         };
         self.state.pending_upload = None;
