@@ -308,17 +308,6 @@ pub struct PendingUpload {
     pub error_feedback: Option<ErrorFeedback>,
 }
 
-impl PendingUpload {
-    fn request(&self) -> UploadRequest {
-        UploadRequest {
-            model_version: self.model_version,
-            example_count: self.example_count,
-            metrics: self.metrics.clone(),
-            delta: TensorPayload { schema_id: self.schema_id, data: self.delta.clone() },
-        }
-    }
-}
-
 /// Bytes as base64 text: a pending delta in the JSON state file takes 4/3 of its size, not the
 /// 3–4 characters a byte takes as a JSON array.
 mod base64_bytes {
@@ -575,7 +564,7 @@ impl<F: ModelFactory> Participant<F> {
             let progress = progress.clone();
             move |p: ParticipantProgress| (progress.lock().expect("progress callback panicked"))(p)
         };
-        if let Some(pending) = self.state.pending_upload.clone() {
+        if let Some(pending) = self.state.pending_upload.take() {
             report(ParticipantProgress::Phase(Phase::Uploading));
             return self.deliver(pending).await;
         }
@@ -721,18 +710,29 @@ impl<F: ModelFactory> Participant<F> {
             // Only what reached the coordinator leaves the residual.
             error_feedback: matches!(compression, Compression::TopK { .. }).then_some(feedback),
         };
-        self.state.pending_upload = Some(pending.clone());
+        // On disk before it is sent; `deliver` clears it from the state once it is in.
+        self.state.pending_upload = Some(pending);
         self.persist()?;
+        let pending = self.state.pending_upload.take().expect("just set");
         report(ParticipantProgress::Phase(Phase::Uploading));
         self.deliver(pending).await
     }
 
-    /// Sends a trained update and clears it from the state once it is in, or once it can no
-    /// longer be (its round closed, the coordinator refused it for good). A transient failure
-    /// keeps it for the next participation.
-    async fn deliver(&mut self, pending: PendingUpload) -> Result<Outcome, ParticipantError> {
+    /// Sends a trained update (taken out of the state, still in the state file) and saves the
+    /// state without it once it is in, or once it can no longer be (its round closed, the
+    /// coordinator refused it for good). A transient failure puts it back for the next
+    /// participation. The model-sized delta moves into the request and back, never copied.
+    async fn deliver(&mut self, mut pending: PendingUpload) -> Result<Outcome, ParticipantError> {
         let (run_id, round_idx) = (pending.run_id, pending.round_idx);
-        let upload = pending.request();
+        let upload = UploadRequest {
+            model_version: pending.model_version,
+            example_count: pending.example_count,
+            metrics: std::mem::take(&mut pending.metrics),
+            delta: TensorPayload {
+                schema_id: pending.schema_id,
+                data: std::mem::take(&mut pending.delta),
+            },
+        };
         let sent = retrying(TRIES, || async {
             match &pending.upload_to {
                 Some(target) => {
@@ -769,12 +769,16 @@ impl<F: ModelFactory> Participant<F> {
                 Ok(Outcome::RoundMissed { run_id, round_idx })
             }
             // Kept for the next participation: the coordinator may take it yet.
-            Err(e) if e.is_transient() => return Err(e.into()),
+            Err(e) if e.is_transient() => {
+                pending.metrics = upload.metrics;
+                pending.delta = upload.delta.data;
+                self.state.pending_upload = Some(pending);
+                return Err(e.into());
+            }
             // Refused for good (a revoked credential, an update it will never take): sending it
             // again cannot help, so it is dropped and the device checks in afresh next time.
             Err(e) => Err(e.into()),
         };
-        self.state.pending_upload = None;
         self.persist()?;
         outcome
     }

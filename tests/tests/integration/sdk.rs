@@ -352,3 +352,58 @@ async fn an_update_resent_after_a_restart_is_taken_once() {
     assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 2));
     c.running.shutdown().await.unwrap();
 }
+
+/// An upload that fails for a while (the coordinator is gone when the device sends it) keeps
+/// the trained update, in memory and in the state file: once the coordinator is back, the next
+/// participation sends it without training again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_fails_for_a_while_is_kept_and_sent_later() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let (dir, db) = sqlite_db();
+    let (log, listen) = (dir.path().join("coordinator.log"), free_addr());
+    let coordinator = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
+    let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 1);
+    plan["cohort_size"] = 1.into();
+    plan["min_quorum"] = 1.into();
+    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    let token = admin.enrollment_token(1).await.unwrap();
+    let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    let state_file = dir.path().join("device.json");
+    let mut device =
+        Participant::new(&coordinator.url, "default", train, hold, Device::flex().autodiff())
+            .keeping_state_in(&state_file);
+    device.enroll(&token).await.unwrap();
+
+    // The coordinator is killed as the upload starts.
+    let pid = coordinator.pid();
+    let kill_coordinator = move |p: ParticipantProgress| {
+        if p == ParticipantProgress::Phase(Phase::Uploading) {
+            let killed =
+                std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            assert!(killed.unwrap().success());
+        }
+    };
+    let err = device.participate(Box::new(kill_coordinator)).await.unwrap_err();
+    assert!(matches!(err, ParticipantError::Protocol(ref e) if e.is_transient()), "{err}");
+    let kept = device.state().pending_upload.clone().expect("the update is kept");
+    assert_eq!((kept.run_id, kept.round_idx), (run, RoundIdx(0)));
+    let on_disk = ParticipantState::load(&state_file).unwrap().unwrap().pending_upload;
+    assert_eq!(on_disk.as_ref(), Some(&kept));
+    drop(coordinator);
+
+    let _coordinator = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
+    let (events, progress) = recording();
+    let outcome = device.participate(progress).await.unwrap();
+    assert!(
+        matches!(outcome, Outcome::Uploaded { train_loss, .. } if train_loss == kept.train_loss),
+        "{outcome:?}"
+    );
+    assert_eq!(phases_of(&events.lock().unwrap()), [Phase::Uploading], "no training again");
+    assert_eq!(device.state().pending_upload, None);
+    assert_eq!(ParticipantState::load(&state_file).unwrap().unwrap().pending_upload, None);
+    wait_model(&admin, run, 1).await.unwrap();
+    let rounds = admin.rounds(run).await.unwrap();
+    assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 1));
+}
