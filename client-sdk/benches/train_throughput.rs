@@ -8,7 +8,8 @@
 //! only go faster on a faster multiply (or a GPU).
 //!
 //! Run with `cargo bench -p starling-client --bench train_throughput` (add `--profile dev` to
-//! reuse the test build: dependencies, burn included, are optimized there too).
+//! reuse the test build: dependencies, burn included, are optimized there too). Set
+//! `STARLING_BENCH_BACKENDS=cpu` to leave wgpu out; `vs_pytorch.sh` runs it beside PyTorch.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -36,7 +37,12 @@ fn main() {
         "backend", "model", "batch", "examples", "examples/s"
     );
     let mut backends = vec![backend::select(BackendChoice::Cpu).expect("flex is built in")];
-    match backend::select(BackendChoice::Wgpu) {
+    let cpu_only = std::env::var("STARLING_BENCH_BACKENDS").is_ok_and(|b| b == "cpu");
+    match if cpu_only {
+        Err("STARLING_BENCH_BACKENDS=cpu".into())
+    } else {
+        backend::select(BackendChoice::Wgpu).map_err(|e| e.to_string())
+    } {
         Ok(wgpu) => {
             println!("wgpu adapter: {wgpu}");
             backends.push(wgpu);
