@@ -381,7 +381,72 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     /// the ids the coordinator gave it and its run (see `simulate::SimulationConfig`'s seeded
     /// cohorts); never set outside the simulator.
     seed_key: Option<u64>,
+    /// Simulated devices sharing one machine take a slot here to train, so that no more of
+    /// them train at once than it has cores (see `Participant::sharing_cores`); never set
+    /// outside the simulator.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
+    training_slots: Option<Arc<TrainingSlots>>,
 }
+
+/// The cores of one machine, shared by the simulated devices on it: a device trains only
+/// while it holds a slot, and a slot is one core (a single-threaded rayon pool that flex's
+/// kernels run in), so at most one thread per core trains and none waits on another's pool.
+#[cfg(feature = "tools")]
+pub(crate) struct TrainingSlots {
+    free: Mutex<Vec<Arc<rayon::ThreadPool>>>,
+    available: tokio::sync::Semaphore,
+}
+
+#[cfg(feature = "tools")]
+impl TrainingSlots {
+    /// One slot per core of this machine.
+    pub(crate) fn one_per_core() -> std::io::Result<Arc<Self>> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pools = (0..cores)
+            .map(|i| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .thread_name(move |_| format!("training-slot-{i}"))
+                    .build()
+                    .map(Arc::new)
+                    .map_err(std::io::Error::other)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(TrainingSlots {
+            free: Mutex::new(pools),
+            available: tokio::sync::Semaphore::new(cores),
+        }))
+    }
+
+    /// Waits for a free slot.
+    async fn take(self: &Arc<Self>) -> TrainingSlot {
+        let permit = self.available.acquire().await.expect("never closed");
+        permit.forget();
+        let pool = self.free.lock().expect("no panic holding it").pop().expect("one per permit");
+        TrainingSlot { slots: self.clone(), pool: Some(pool) }
+    }
+}
+
+/// A slot held: the pool goes back, and the next device may train, when it is dropped.
+#[cfg(feature = "tools")]
+struct TrainingSlot {
+    slots: Arc<TrainingSlots>,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+#[cfg(feature = "tools")]
+impl Drop for TrainingSlot {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            self.slots.free.lock().expect("no panic holding it").push(pool);
+        }
+        self.slots.available.add_permits(1);
+    }
+}
+
+/// Without the simulator, no device shares its cores.
+#[cfg(not(feature = "tools"))]
+pub(crate) enum TrainingSlots {}
 
 /// A change to a trained delta before upload: how the simulator makes a device misbehave.
 pub(crate) type Tamper = Arc<dyn Fn(&mut [f32]) + Send + Sync>;
@@ -411,6 +476,7 @@ impl Participant<FromPlan> {
             tamper: None,
             slowdown: None,
             seed_key: None,
+            training_slots: None,
         }
     }
 }
@@ -433,6 +499,7 @@ impl<F: ModelFactory> Participant<F> {
             tamper: self.tamper,
             slowdown: self.slowdown,
             seed_key: self.seed_key,
+            training_slots: self.training_slots,
         }
     }
 
@@ -451,6 +518,15 @@ impl<F: ModelFactory> Participant<F> {
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub(crate) fn slowed(mut self, factor: f64) -> Self {
         self.slowdown = Some(factor);
+        self
+    }
+
+    /// The same participant training only while it holds one of `slots`: simulated devices on
+    /// one machine then train as many at a time as it has cores, not all at once, each round
+    /// of theirs taking its slot for the whole of its local training.
+    #[cfg(feature = "tools")]
+    pub(crate) fn sharing_cores(mut self, slots: Arc<TrainingSlots>) -> Self {
+        self.training_slots = Some(slots);
         self
     }
 
@@ -652,8 +728,15 @@ impl<F: ModelFactory> Participant<F> {
         let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
         // A secure round masks the f32 delta itself: nothing to encode.
         let plain = secure.is_none();
+        #[cfg(feature = "tools")]
+        let slot = match &self.training_slots {
+            Some(slots) => Some(slots.take().await),
+            None => None,
+        };
+        #[cfg(feature = "tools")]
+        let pool = slot.as_ref().and_then(|s| s.pool.clone());
         let training_started = std::time::Instant::now();
-        let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
+        let training = move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
             let (model, io) =
                 task_model(&*factory, spec.as_ref(), &schema, &device, &trained_from)?;
@@ -665,9 +748,19 @@ impl<F: ModelFactory> Participant<F> {
             }
             let encoded = plain.then(|| compression.encode(&delta, &mut rounding, &mut feedback));
             Ok::<_, ParticipantError>((delta, encoded, feedback, report))
+        };
+        let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
+            // A simulated device trains in its slot's pool: flex's kernels stay on that core.
+            #[cfg(feature = "tools")]
+            if let Some(pool) = pool {
+                return pool.install(training);
+            }
+            training()
         })
         .await
         .expect("training task panicked")?;
+        #[cfg(feature = "tools")]
+        drop(slot);
         if let Some(factor) = self.slowdown {
             tokio::time::sleep(training_started.elapsed().mul_f64(factor - 1.0)).await;
         }

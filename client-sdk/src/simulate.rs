@@ -19,7 +19,7 @@ use crate::backend::Backend;
 use crate::data::{DataError, Dataset, FederatedData, Partition, federated_data};
 use crate::evaluate::CentralEvaluator;
 use crate::examples::Examples;
-use crate::participant::{Outcome, Participant};
+use crate::participant::{Outcome, Participant, TrainingSlots};
 use crate::protocol::{AdminClient, ClientError, TlsSettings};
 
 /// The name the simulator's evaluations of the global model are reported under.
@@ -258,13 +258,12 @@ impl Settings {
 
 impl Preset {
     /// The preset's settings: MNIST over 100 clients (600 examples each, IID), exactly 10 of
-    /// them per round (no over-selection, every one must report), no examples held out, and a
-    /// reporting deadline that covers a round on a two-core CPU (the CNN's takes about 2
-    /// minutes there).
+    /// them per round (no over-selection, every one must report), no examples held out, and the
+    /// default reporting deadline (the CNN's round takes under a minute on a two-core CPU).
     pub fn settings(self) -> Settings {
-        let (model, epochs, lr, rounds, deadline) = match self {
-            Preset::FedAvgMnist2nn => (ModelKind::Mlp, 1, 0.1, 200, 120.0),
-            Preset::FedAvgMnistCnn => (ModelKind::Cnn, 5, 0.05, 100, 900.0),
+        let (model, epochs, lr, rounds) = match self {
+            Preset::FedAvgMnist2nn => (ModelKind::Mlp, 1, 0.1, 200),
+            Preset::FedAvgMnistCnn => (ModelKind::Cnn, 5, 0.05, 100),
         };
         Settings {
             clients: 100,
@@ -279,7 +278,7 @@ impl Preset {
             holdout: 0.0,
             over_selection: 1.0,
             min_quorum: Some(10),
-            reporting_timeout_secs: deadline,
+            reporting_timeout_secs: Pacing::default().reporting_timeout_secs,
         }
     }
 }
@@ -681,6 +680,8 @@ impl Fleet {
         let slow_devices = |s: &Slowdown| s.slow_devices(config.clients);
         let stop = Arc::new(AtomicBool::new(false));
         let enrolled = Arc::new(std::sync::Mutex::new(vec![]));
+        let slots = TrainingSlots::one_per_core()
+            .map_err(|e| SimulationError::Invalid(format!("no training threads: {e}")))?;
         let mut tasks = vec![];
         for (i, idx) in parts.into_iter().enumerate() {
             let local = train_set.subset(&idx);
@@ -693,7 +694,8 @@ impl Fleet {
                 local_holdout,
                 config.backend.training_device(),
             )
-            .with_tls(&config.tls)?;
+            .with_tls(&config.tls)?
+            .sharing_cores(slots.clone());
             if let Some(p) = config.poisoning.filter(|_| i < attackers) {
                 participant = participant.tampering(Arc::new(move |delta| p.attack.apply(delta)));
             }
