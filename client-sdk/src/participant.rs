@@ -1079,4 +1079,32 @@ mod tests {
         assert_ne!(round_seed(8, Some(DeviceId(5)), RunId(3), RoundIdx(9)), seed(5, 9));
         assert_ne!(round_seed(7, Some(DeviceId(5)), RunId(4), RoundIdx(9)), seed(5, 9));
     }
+
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn simulated_devices_train_one_per_core_each_on_a_single_thread() {
+        let slots = TrainingSlots::one_per_core().unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut held = Vec::new();
+        for _ in 0..cores {
+            held.push(slots.take().await);
+        }
+        let threads: Vec<usize> = held
+            .iter()
+            .map(|slot| slot.pool.as_ref().unwrap().install(rayon::current_num_threads))
+            .collect();
+        assert_eq!(threads, vec![1; cores], "a slot's kernels run on one thread");
+        // Every core is taken: the next device waits until one is given back.
+        let next = tokio::spawn({
+            let slots = slots.clone();
+            async move { slots.take().await.pool.is_some() }
+        });
+        tokio::task::yield_now().await;
+        assert!(!next.is_finished(), "a device trained with every core taken");
+        held.pop();
+        let deadline = std::time::Duration::from_secs(10);
+        assert!(
+            tokio::time::timeout(deadline, next).await.expect("a freed slot is taken").unwrap()
+        );
+    }
 }
