@@ -22,7 +22,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Distribution, Int, Tensor};
 
 use starling_client::data::{Split, mnist};
-use starling_client::model::{ModelIo, SpecModel};
+use starling_client::model::{Batch, ModelIo, SpecModel};
 use starling_client::simulate::{ModelKind, model_spec};
 use starling_client::train::{TrainingPlan, train};
 
@@ -47,7 +47,9 @@ fn main() {
         );
         let rows = layer_rows(batch, &device);
         let step = whole_step_ms(batch, &examples, &device);
-        let layers: f64 = rows.iter().map(|r| r.forward_ms + r.backward_ms).sum();
+        // burn's own first convolution is shown for comparison; the step runs the SDK's.
+        let in_step = |r: &&Row| !r.name.ends_with("(burn)");
+        let layers: f64 = rows.iter().filter(in_step).map(|r| r.forward_ms + r.backward_ms).sum();
         for row in &rows {
             let ms = row.forward_ms + row.backward_ms;
             let rate =
@@ -89,6 +91,8 @@ struct Row {
 fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
     let same = PaddingConfig2d::Explicit(2, 2, 2, 2);
     let conv1: Conv2d = Conv2dConfig::new([1, 32], [5, 5]).with_padding(same.clone()).init(device);
+    let first_conv = first_conv_model(device);
+    let first_conv = first_conv_model(device);
     let conv2: Conv2d = Conv2dConfig::new([32, 64], [5, 5]).with_padding(same).init(device);
     let pool = MaxPool2dConfig::new([2, 2]).init();
     let fc1 = LinearConfig::new(3136, 512).init(device);
@@ -99,14 +103,23 @@ fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
     let targets =
         Tensor::<1, Int>::from_ints(&(0..b as i32).map(|i| i % 10).collect::<Vec<_>>()[..], device);
     vec![
-        // The first layer's input is data: no gradient flows to it.
+        // The first layer's input is data: no gradient flows to it. burn's convolution (not in
+        // the step's sum), then the SDK's (patches and one multiply) through a model of it alone.
         profile(
-            "conv1 1→32 5×5",
+            "conv1 1→32 5×5 (burn)",
             [b, 1, 28, 28],
             false,
             Some(2.0 * conv_flops(1, 32, 28)),
             device,
             |x| conv1.forward(x),
+        ),
+        profile(
+            "conv1 (the SDK's)",
+            [b, 1, 28, 28],
+            false,
+            Some(2.0 * conv_flops(1, 32, 28)),
+            device,
+            |x| first_conv.forward(Batch::Image(x)),
         ),
         profile("relu1", [b, 32, 28, 28], true, None, device, relu),
         profile("pool1 2×2", [b, 32, 28, 28], true, None, device, |x| pool.forward(x)),
@@ -129,6 +142,17 @@ fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
         }),
         profile_loss(b, device, |x| loss.forward(x, targets.clone())),
     ]
+}
+
+/// The CNN's first convolution alone, as the SDK builds and runs it (then flattened, since a
+/// model ends in flat outputs).
+fn first_conv_model(device: &Device) -> SpecModel {
+    let spec = serde_json::from_value(serde_json::json!({
+        "input": {"kind": "image", "channels": 1, "height": 28, "width": 28},
+        "layers": [{"kind": "conv2d", "out_channels": 32, "kernel": 5, "padding": 2}, {"kind": "flatten"}],
+    }))
+    .expect("a valid spec");
+    SpecModel::build(&spec, device).expect("a valid spec")
 }
 
 /// Best forward time and best forward-and-backward time of `layer` on a random input.

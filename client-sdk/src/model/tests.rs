@@ -64,3 +64,42 @@ fn forward_gives_logits_of_the_spec_shape() {
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; 12], [2, 6]), &device);
     assert_eq!(model.forward(Batch::Tokens(tokens)).dims(), [2, 20]);
 }
+
+/// The first layer's patch multiply (`conv2d`) against burn's own convolution: the same
+/// outputs and the same weight and bias gradients, for one and three input channels, with and
+/// without padding. Hidden layers (a tracked input) take burn's path.
+#[test]
+fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
+    use burn::tensor::Distribution;
+    let device = Device::flex().autodiff();
+    for (channels, kernel, padding) in [(1, 5, 2), (3, 3, 1), (2, 3, 0)] {
+        let conv = Conv2dConfig::new([channels, 6], [kernel, kernel])
+            .with_padding(PaddingConfig2d::Explicit(padding, padding, padding, padding))
+            .init(&device);
+        let x = Tensor::<4>::random([4, channels, 9, 11], Distribution::Normal(0.0, 1.0), &device);
+        let ours = conv2d(&conv, x.clone());
+        let burns = conv.forward(x);
+        assert_eq!(ours.dims(), burns.dims());
+        let weights = Tensor::<4>::random(ours.dims(), Distribution::Normal(0.0, 1.0), &device);
+        let ours_grads = (ours.clone() * weights.clone()).sum().backward();
+        let burns_grads = (burns.clone() * weights).sum().backward();
+        let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
+            assert_eq!(a.len(), b.len(), "{what}");
+            let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            assert!(worst < 1e-4, "{what}: differs by {worst} ({channels} channels, k {kernel})");
+        };
+        let values = |t: Tensor<4>| t.into_data().to_vec::<f32>().unwrap();
+        close(values(ours), values(burns), "output");
+        let weight_grad = |g| conv.weight.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        close(weight_grad(&ours_grads), weight_grad(&burns_grads), "weight gradient");
+        let bias = conv.bias.as_ref().unwrap();
+        let bias_grad = |g| bias.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        close(bias_grad(&ours_grads), bias_grad(&burns_grads), "bias gradient");
+    }
+    // A hidden layer's input is tracked: burn's convolution, the same tensor.
+    let conv = Conv2dConfig::new([2, 3], [3, 3]).init(&device);
+    let x =
+        Tensor::<4>::random([2, 2, 5, 5], Distribution::Normal(0.0, 1.0), &device).require_grad();
+    let ours = conv2d(&conv, x.clone()).into_data().to_vec::<f32>().unwrap();
+    assert_eq!(ours, conv.forward(x).into_data().to_vec::<f32>().unwrap());
+}
