@@ -92,7 +92,6 @@ fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
     let same = PaddingConfig2d::Explicit(2, 2, 2, 2);
     let conv1: Conv2d = Conv2dConfig::new([1, 32], [5, 5]).with_padding(same.clone()).init(device);
     let first_conv = first_conv_model(device);
-    let first_conv = first_conv_model(device);
     let conv2: Conv2d = Conv2dConfig::new([32, 64], [5, 5]).with_padding(same).init(device);
     let pool = MaxPool2dConfig::new([2, 2]).init();
     let fc1 = LinearConfig::new(3136, 512).init(device);

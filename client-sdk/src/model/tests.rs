@@ -88,18 +88,18 @@ fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
             let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
             assert!(worst < 1e-4, "{what}: differs by {worst} ({channels} channels, k {kernel})");
         };
-        let values = |t: Tensor<4>| t.into_data().to_vec::<f32>().unwrap();
+        let values = |t: Tensor<4>| t.into_data().try_to_vec::<f32>().unwrap();
         close(values(ours), values(burns), "output");
-        let weight_grad = |g| conv.weight.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        let weight_grad = |g| conv.weight.grad(g).unwrap().into_data().try_to_vec::<f32>().unwrap();
         close(weight_grad(&ours_grads), weight_grad(&burns_grads), "weight gradient");
         let bias = conv.bias.as_ref().unwrap();
-        let bias_grad = |g| bias.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        let bias_grad = |g| bias.grad(g).unwrap().into_data().try_to_vec::<f32>().unwrap();
         close(bias_grad(&ours_grads), bias_grad(&burns_grads), "bias gradient");
     }
     // A hidden layer's input is tracked: burn's convolution, the same tensor.
     let conv = Conv2dConfig::new([2, 3], [3, 3]).init(&device);
     let x =
         Tensor::<4>::random([2, 2, 5, 5], Distribution::Normal(0.0, 1.0), &device).require_grad();
-    let ours = conv2d(&conv, x.clone()).into_data().to_vec::<f32>().unwrap();
-    assert_eq!(ours, conv.forward(x).into_data().to_vec::<f32>().unwrap());
+    let ours = conv2d(&conv, x.clone()).into_data().try_to_vec::<f32>().unwrap();
+    assert_eq!(ours, conv.forward(x).into_data().try_to_vec::<f32>().unwrap());
 }
