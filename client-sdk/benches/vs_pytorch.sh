@@ -2,9 +2,10 @@
 # Starling's CPU training beside PyTorch's, on this machine, in one sitting: the anchor that the
 # `train_throughput` figures in docs/benchmarks.md are held to.
 #
-# PyTorch is installed from PyPI into a venv of its own under the build directory (once; about
-# 5 GiB, because PyPI's Linux wheel brings CUDA's libraries even for the CPU). The project's
-# runtime never needs it. The two benchmarks then run interleaved, Starling first, `ROUNDS`
+# PyTorch is installed from PyPI into a venv of its own (once; about 5 GiB, because PyPI's Linux
+# wheel brings CUDA's libraries even for the CPU), in `STARLING_BENCH_VENV` or else
+# /var/tmp/starling-bench/torch-venv: outside the build directory, whose size `cargo xtask test`
+# keeps under a budget. The project's runtime never needs it. The two benchmarks then run interleaved, Starling first, `ROUNDS`
 # times (default 2), with PyTorch on as many threads as the machine has cores, and the table
 # gives every pass and the ratio of the best rates.
 #
@@ -15,8 +16,7 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-target=${CARGO_TARGET_DIR:-$root/target}
-venv=$target/bench-tools/torch
+venv=${STARLING_BENCH_VENV:-/var/tmp/starling-bench/torch-venv}
 torch_version=2.15.0
 rounds=${ROUNDS:-2}
 threads=$(nproc)
