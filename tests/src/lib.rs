@@ -378,6 +378,11 @@ impl RestartableCoordinator {
         self.logs.path().join("coordinator.log")
     }
 
+    /// The running incarnation's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
     /// SIGKILL: no shutdown code runs.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         self.child.kill()

@@ -20,8 +20,8 @@ use starling_client::{Device, examples::Examples};
 use starling_core::model_spec::InputSpec;
 use starling_core::{RoundIdx, RunId};
 use starling_tests::{
-    ChildCoordinator, OPERATOR_TOKEN, free_addr, mlp_plan, shared_data, sqlite_db,
-    start_in_process, wait_model,
+    ChildCoordinator, OPERATOR_TOKEN, RestartableCoordinator, free_addr, mlp_plan, shared_data,
+    sqlite_db, start_in_process, wait_model,
 };
 use std::time::Duration;
 
@@ -225,6 +225,34 @@ fn recording() -> (std::sync::Arc<std::sync::Mutex<Vec<ParticipantProgress>>>, P
     (events, Box::new(move |p| sink.lock().unwrap().push(p)))
 }
 
+/// A run that takes one device a round, and what that device trains on: an enrollment token
+/// for it, and 240 digits to train on with 60 held out.
+async fn one_device_run(
+    admin: &starling_client::protocol::AdminClient,
+) -> (RunId, String, Examples, Examples) {
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 1);
+    plan["cohort_size"] = 1.into();
+    plan["min_quorum"] = 1.into();
+    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    let token = admin.enrollment_token(1).await.unwrap();
+    let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    (run, token, train, hold)
+}
+
+/// A progress callback that sends the coordinator process `pid` the signal `signal` (`STOP`,
+/// `KILL`) when the participation reaches `phase`.
+fn signal_at(pid: u32, phase: Phase, signal: &'static str) -> ProgressCallback {
+    Box::new(move |p: ParticipantProgress| {
+        if p == ParticipantProgress::Phase(phase) {
+            let sent = std::process::Command::new("kill")
+                .args([format!("-{signal}"), pid.to_string()])
+                .status();
+            assert!(sent.unwrap().success(), "kill -{signal} {pid}");
+        }
+    })
+}
+
 /// A device is not always on. This one trains, and its process dies before its upload is
 /// answered (the coordinator is stopped when training starts, so the upload hangs; then the
 /// participation is dropped mid-request). What it left on disk is the state file: restarted
@@ -237,13 +265,7 @@ async fn a_device_killed_between_training_and_upload_sends_that_update_on_restar
     let log = dir.path().join("coordinator.log");
     let coordinator = ChildCoordinator::spawn(bin, &db, free_addr(), &log).await.unwrap();
     let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
-    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
-    let mut plan = mlp_plan(digits.input(), 1, 1);
-    plan["cohort_size"] = 1.into();
-    plan["min_quorum"] = 1.into();
-    let run = RunId(admin.create_run(&plan).await.unwrap().id);
-    let token = admin.enrollment_token(1).await.unwrap();
-    let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    let (run, token, train, hold) = one_device_run(&admin).await;
     let state_file = dir.path().join("device.json");
     let device = Device::flex().autodiff();
     let mut first =
@@ -252,16 +274,8 @@ async fn a_device_killed_between_training_and_upload_sends_that_update_on_restar
     first.enroll(&token).await.unwrap();
     first.state().save(&state_file).unwrap();
 
-    let pid = coordinator.pid();
-    let stop_coordinator = move |p: ParticipantProgress| {
-        if p == ParticipantProgress::Phase(Phase::Training) {
-            let stopped =
-                std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status();
-            assert!(stopped.unwrap().success());
-        }
-    };
-    let participation =
-        tokio::spawn(async move { first.participate(Box::new(stop_coordinator)).await });
+    let stop_coordinator = signal_at(coordinator.pid(), Phase::Training, "STOP");
+    let participation = tokio::spawn(async move { first.participate(stop_coordinator).await });
     let pending = starling_tests::wait_for(
         "the trained update in the state file",
         Duration::from_secs(120),
@@ -360,40 +374,24 @@ async fn an_update_resent_after_a_restart_is_taken_once() {
 async fn an_upload_that_fails_for_a_while_is_kept_and_sent_later() {
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
     let (dir, db) = sqlite_db();
-    let (log, listen) = (dir.path().join("coordinator.log"), free_addr());
-    let coordinator = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
-    let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
-    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
-    let mut plan = mlp_plan(digits.input(), 1, 1);
-    plan["cohort_size"] = 1.into();
-    plan["min_quorum"] = 1.into();
-    let run = RunId(admin.create_run(&plan).await.unwrap().id);
-    let token = admin.enrollment_token(1).await.unwrap();
-    let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
+    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+    let (run, token, train, hold) = one_device_run(&coordinator.admin).await;
     let state_file = dir.path().join("device.json");
     let mut device =
-        Participant::new(&coordinator.url, "default", train, hold, Device::flex().autodiff())
+        Participant::new(coordinator.url(), "default", train, hold, Device::flex().autodiff())
             .keeping_state_in(&state_file);
     device.enroll(&token).await.unwrap();
 
     // The coordinator is killed as the upload starts.
-    let pid = coordinator.pid();
-    let kill_coordinator = move |p: ParticipantProgress| {
-        if p == ParticipantProgress::Phase(Phase::Uploading) {
-            let killed =
-                std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-            assert!(killed.unwrap().success());
-        }
-    };
-    let err = device.participate(Box::new(kill_coordinator)).await.unwrap_err();
+    let kill_coordinator = signal_at(coordinator.pid(), Phase::Uploading, "KILL");
+    let err = device.participate(kill_coordinator).await.unwrap_err();
     assert!(matches!(err, ParticipantError::Protocol(ref e) if e.is_transient()), "{err}");
     let kept = device.state().pending_upload.clone().expect("the update is kept");
     assert_eq!((kept.run_id, kept.round_idx), (run, RoundIdx(0)));
     let on_disk = ParticipantState::load(&state_file).unwrap().unwrap().pending_upload;
     assert_eq!(on_disk.as_ref(), Some(&kept));
-    drop(coordinator);
 
-    let _coordinator = ChildCoordinator::spawn(bin, &db, listen, &log).await.unwrap();
+    coordinator.respawn().await.unwrap();
     let (events, progress) = recording();
     let outcome = device.participate(progress).await.unwrap();
     assert!(
@@ -403,7 +401,7 @@ async fn an_upload_that_fails_for_a_while_is_kept_and_sent_later() {
     assert_eq!(phases_of(&events.lock().unwrap()), [Phase::Uploading], "no training again");
     assert_eq!(device.state().pending_upload, None);
     assert_eq!(ParticipantState::load(&state_file).unwrap().unwrap().pending_upload, None);
-    wait_model(&admin, run, 1).await.unwrap();
-    let rounds = admin.rounds(run).await.unwrap();
+    wait_model(&coordinator.admin, run, 1).await.unwrap();
+    let rounds = coordinator.admin.rounds(run).await.unwrap();
     assert_eq!((rounds[0].state.as_str(), rounds[0].n_reported), ("committed", 1));
 }
