@@ -394,7 +394,8 @@ pub struct Participant<F: ModelFactory = FromPlan> {
 #[cfg(feature = "tools")]
 pub(crate) struct TrainingSlots {
     free: Mutex<Vec<Arc<rayon::ThreadPool>>>,
-    available: tokio::sync::Semaphore,
+    /// One permit per pool in `free`.
+    available: Arc<tokio::sync::Semaphore>,
 }
 
 #[cfg(feature = "tools")]
@@ -414,33 +415,31 @@ impl TrainingSlots {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Arc::new(TrainingSlots {
             free: Mutex::new(pools),
-            available: tokio::sync::Semaphore::new(cores),
+            available: Arc::new(tokio::sync::Semaphore::new(cores)),
         }))
     }
 
     /// Waits for a free slot.
     async fn take(self: &Arc<Self>) -> TrainingSlot {
-        let permit = self.available.acquire().await.expect("never closed");
-        permit.forget();
+        let permit = self.available.clone().acquire_owned().await.expect("never closed");
         let pool = self.free.lock().expect("no panic holding it").pop().expect("one per permit");
-        TrainingSlot { slots: self.clone(), pool: Some(pool) }
+        TrainingSlot { slots: self.clone(), pool, _permit: permit }
     }
 }
 
-/// A slot held: the pool goes back, and the next device may train, when it is dropped.
+/// A slot held: its pool goes back when it is dropped, and then (the permit dropping after
+/// `drop` ran) the next device may take it.
 #[cfg(feature = "tools")]
 struct TrainingSlot {
     slots: Arc<TrainingSlots>,
-    pool: Option<Arc<rayon::ThreadPool>>,
+    pool: Arc<rayon::ThreadPool>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 #[cfg(feature = "tools")]
 impl Drop for TrainingSlot {
     fn drop(&mut self) {
-        if let Some(pool) = self.pool.take() {
-            self.slots.free.lock().expect("no panic holding it").push(pool);
-        }
-        self.slots.available.add_permits(1);
+        self.slots.free.lock().expect("no panic holding it").push(self.pool.clone());
     }
 }
 
@@ -734,7 +733,7 @@ impl<F: ModelFactory> Participant<F> {
             None => None,
         };
         #[cfg(feature = "tools")]
-        let pool = slot.as_ref().and_then(|s| s.pool.clone());
+        let pool = slot.as_ref().map(|s| s.pool.clone());
         let training_started = std::time::Instant::now();
         let training = move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
@@ -1089,15 +1088,13 @@ mod tests {
         for _ in 0..cores {
             held.push(slots.take().await);
         }
-        let threads: Vec<usize> = held
-            .iter()
-            .map(|slot| slot.pool.as_ref().unwrap().install(rayon::current_num_threads))
-            .collect();
+        let threads: Vec<usize> =
+            held.iter().map(|slot| slot.pool.install(rayon::current_num_threads)).collect();
         assert_eq!(threads, vec![1; cores], "a slot's kernels run on one thread");
         // Every core is taken: the next device waits until one is given back.
         let next = tokio::spawn({
             let slots = slots.clone();
-            async move { slots.take().await.pool.is_some() }
+            async move { slots.take().await.pool.current_num_threads() == 1 }
         });
         tokio::task::yield_now().await;
         assert!(!next.is_finished(), "a device trained with every core taken");
