@@ -14,6 +14,7 @@ Run by `vs_pytorch.sh`, which installs PyTorch into a venv of its own; by hand:
 """
 
 import gzip
+import math
 import struct
 import sys
 import time
@@ -55,7 +56,7 @@ def epoch(model, images, labels, batch, generator):
         loss = loss_fn(model(images[idx]), labels[idx])
         loss.backward()
         optimizer.step()
-        if not torch.isfinite(torch.tensor(loss.item())):
+        if not math.isfinite(loss.item()):
             raise SystemExit("training diverged")
 
 

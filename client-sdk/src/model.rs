@@ -296,12 +296,13 @@ impl ModuleMapper for Writer<'_> {
 mod tests;
 
 /// A convolution layer's forward pass. Where its input carries no gradient (the model's first
-/// layer, fed the batch) and has few channels, it gathers the input's patches and multiplies
-/// them by the kernels in one batched multiply; its backward pass is then a single multiply for
-/// the weight gradient. flex's own paths for such a layer (a direct convolution forward, and a
-/// weight gradient that convolves the input with the output gradient) reached 6 GFLOP/s on
-/// the FedAvg CNN's first layer, and this path trains that CNN 12–25 % faster (see
-/// docs/benchmarks.md). Anywhere else, and on wgpu alike, burn's convolution runs.
+/// layer, fed the batch) and has few channels, it gathers the input's patches into one matrix
+/// for the whole batch and multiplies the kernels by it; the backward pass is then one multiply
+/// for the weight gradient, and nothing for the patches. flex's own paths for such a layer (a
+/// direct convolution forward, and a weight gradient that convolves the input with the output
+/// gradient) ran the FedAvg CNN's first layer at 5–8 GFLOP/s; this path takes it 1.4–2× less
+/// time (docs/benchmarks.md, `train_profile`). Anywhere else, and on wgpu alike, burn's
+/// convolution runs.
 fn conv2d(c: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     /// Most bytes the gathered patches may take; past this burn's convolution runs.
     const MAX_PATCH_BYTES: usize = 64 << 20;
@@ -310,11 +311,18 @@ fn conv2d(c: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     let PaddingConfig2d::Explicit(p, p_left, p_bottom, p_right) = c.padding else {
         return c.forward(x);
     };
-    let square = k == kw && [p_left, p_bottom, p_right] == [p; 3];
     let (ho, wo) = ((h + 2 * p + 1).saturating_sub(k), (w + 2 * p + 1).saturating_sub(k));
     let patch_bytes = b * ch * k * k * ho * wo * std::mem::size_of::<f32>();
-    let suits = !x.is_tracked() && ch <= 4 && square && ho * wo > 0 && c.stride == [1, 1];
-    if !suits || c.dilation != [1, 1] || c.groups != 1 || patch_bytes > MAX_PATCH_BYTES {
+    let suits = !x.is_tracked()
+        && ch <= 4
+        && k == kw
+        && [p_left, p_bottom, p_right] == [p; 3]
+        && c.stride == [1, 1]
+        && c.dilation == [1, 1]
+        && c.groups == 1
+        && ho * wo > 0
+        && patch_bytes <= MAX_PATCH_BYTES;
+    if !suits {
         return c.forward(x);
     }
     // Batch second, so that the patches of the whole batch form one matrix and the layer is
