@@ -20,6 +20,10 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, SpecError};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 
+pub use transformer::{PositionEmbedding, TransformerBlock};
+
+mod transformer;
+
 /// Why a model could not be built or loaded.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
@@ -112,6 +116,8 @@ pub enum Layer {
     Gru(Gru),
     LayerNorm(LayerNorm),
     LastStep(LastStep),
+    PositionEmbedding(PositionEmbedding),
+    TransformerBlock(TransformerBlock),
 }
 
 /// Flattens all but the batch dimension.
@@ -178,6 +184,19 @@ impl SpecModel {
                     Layer::LayerNorm(LayerNormConfig::new(u(f)).init(device))
                 }
                 (LayerSpec::LastStep {}, _) => Layer::LastStep(LastStep),
+                (LayerSpec::PositionEmbedding {}, Activation::Sequence(t, f)) => {
+                    Layer::PositionEmbedding(PositionEmbedding::new(u(t), u(f), device))
+                }
+                (
+                    LayerSpec::TransformerBlock { heads, width, ffn, dropout },
+                    Activation::Sequence(..),
+                ) => Layer::TransformerBlock(TransformerBlock::new(
+                    u(heads),
+                    u(width),
+                    u(ffn),
+                    dropout,
+                    device,
+                )),
                 (layer, act) => unreachable!("spec validation admitted {layer:?} on {act:?}"),
             };
             layers.push(built);
@@ -236,6 +255,8 @@ impl Layer {
             (Layer::Gru(g), Batch::Sequence(t)) => Batch::Sequence(g.forward(t, None)),
             (Layer::LayerNorm(n), Batch::Flat(t)) => Batch::Flat(n.forward(t)),
             (Layer::LayerNorm(n), Batch::Sequence(t)) => Batch::Sequence(n.forward(t)),
+            (Layer::PositionEmbedding(p), Batch::Sequence(t)) => Batch::Sequence(p.forward(t)),
+            (Layer::TransformerBlock(b), Batch::Sequence(t)) => Batch::Sequence(b.forward(t)),
             (Layer::LastStep(_), Batch::Sequence(t)) => {
                 let [b, s, f] = t.dims();
                 Batch::Flat(t.slice([0..b, s - 1..s, 0..f]).reshape([b, f]))

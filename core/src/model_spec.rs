@@ -100,6 +100,22 @@ pub enum LayerSpec {
     LayerNorm {},
     /// Keeps only the last step of a sequence.
     LastStep {},
+    /// Learned position embeddings, one vector per step, added to a sequence.
+    PositionEmbedding {},
+    /// A pre-norm transformer decoder block: causal multi-head self-attention, then a GELU
+    /// feed-forward net, each behind a layer norm and inside a residual connection.
+    TransformerBlock {
+        /// Attention heads; they split `width` evenly.
+        heads: u64,
+        /// The block's width: it must equal the features of the sequence it takes (the residual
+        /// adds its output to its input).
+        width: u64,
+        /// Hidden width of the feed-forward net.
+        ffn: u64,
+        /// Dropout on the attention and feed-forward outputs while training.
+        #[serde(default)]
+        dropout: f64,
+    },
 }
 
 /// The shape of the activation between layers (per example, without the batch dimension).
@@ -180,6 +196,8 @@ impl LayerSpec {
             LayerSpec::Gru { .. } => "Gru",
             LayerSpec::LayerNorm {} => "LayerNorm",
             LayerSpec::LastStep {} => "LastStep",
+            LayerSpec::PositionEmbedding {} => "PositionEmbedding",
+            LayerSpec::TransformerBlock { .. } => "TransformerBlock",
         }
     }
 }
@@ -278,6 +296,14 @@ impl ModelSpec {
                     Activation::Sequence(t, _),
                 ) => Activation::Sequence(t, hidden),
                 (LayerSpec::LastStep {}, Activation::Sequence(_, f)) => Activation::Flat(f),
+                (LayerSpec::PositionEmbedding {}, a @ Activation::Sequence(..)) => a,
+                (
+                    LayerSpec::TransformerBlock { heads, width, ffn, dropout },
+                    a @ Activation::Sequence(_, f),
+                ) => {
+                    check_transformer_block(i, heads, width, ffn, dropout, f)?;
+                    a
+                }
                 _ => return Err(mismatch()),
             };
             check_dims(i, &dims_of(act))?;
@@ -389,6 +415,35 @@ impl ModelSpec {
                         }
                     }
                 }
+                (LayerSpec::PositionEmbedding {}, Activation::Sequence(t, f)) => {
+                    push("weight", vec![t, f], Init::Uniform(3f64.sqrt()));
+                }
+                (LayerSpec::TransformerBlock { width: w, ffn, .. }, Activation::Sequence(..)) => {
+                    // The field order of the SDK's `TransformerBlock`, which burn visits.
+                    let sublayers: [(&str, Option<(u64, u64)>); 8] = [
+                        ("norm_attention", None),
+                        ("query", Some((w, w))),
+                        ("key", Some((w, w))),
+                        ("value", Some((w, w))),
+                        ("output", Some((w, w))),
+                        ("norm_ffn", None),
+                        ("ffn_inner", Some((w, ffn))),
+                        ("ffn_outer", Some((ffn, w))),
+                    ];
+                    for (name, linear) in sublayers {
+                        match linear {
+                            Some((fan_in, out)) => {
+                                let bound = (1.0 / fan_in as f64).sqrt();
+                                push(&format!("{name}.weight"), vec![fan_in, out], Init::Uniform(bound));
+                                push(&format!("{name}.bias"), vec![out], Init::Constant(0.0));
+                            }
+                            None => {
+                                push(&format!("{name}.gamma"), vec![w], Init::Constant(1.0));
+                                push(&format!("{name}.beta"), vec![w], Init::Constant(0.0));
+                            }
+                        }
+                    }
+                }
                 _ => {}
             }
         }
@@ -448,6 +503,33 @@ fn check_dims(layer: usize, dims: &[u64]) -> Result<(), SpecError> {
         Some(d) => Err(bad(layer, &format!("dimension {d} is outside 1..={MAX_DIM}"))),
         None => Ok(()),
     }
+}
+
+/// A transformer block's sizes, against the `features` of the sequence it takes.
+fn check_transformer_block(
+    layer: usize,
+    heads: u64,
+    width: u64,
+    ffn: u64,
+    dropout: f64,
+    features: u64,
+) -> Result<(), SpecError> {
+    if width != features {
+        return Err(bad(
+            layer,
+            &format!("width {width} must equal the {features} features of the sequence it takes"),
+        ));
+    }
+    if heads == 0 || !width.is_multiple_of(heads) {
+        return Err(bad(layer, &format!("{heads} heads do not split width {width} evenly")));
+    }
+    if ffn == 0 || ffn > MAX_DIM {
+        return Err(bad(layer, &format!("ffn width must be in 1..={MAX_DIM}")));
+    }
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(bad(layer, "dropout probability must be in [0, 1)"));
+    }
+    Ok(())
 }
 
 fn bad(layer: usize, why: &str) -> SpecError {

@@ -26,9 +26,18 @@ fn recurrent() -> ModelSpec {
     ]}))
 }
 
+fn transformer() -> ModelSpec {
+    spec(serde_json::json!({"input": {"kind": "tokens", "vocab": 20, "length": 6}, "layers": [
+        {"kind": "embedding", "dim": 8}, {"kind": "position_embedding"},
+        {"kind": "transformer_block", "heads": 2, "width": 8, "ffn": 16, "dropout": 0.1},
+        {"kind": "transformer_block", "heads": 4, "width": 8, "ffn": 12},
+        {"kind": "layer_norm"}, {"kind": "last_step"}, {"kind": "linear", "out": 20}
+    ]}))
+}
+
 #[test]
 fn module_schema_equals_spec_schema() {
-    for spec in [cnn(), recurrent()] {
+    for spec in [cnn(), recurrent(), transformer()] {
         let model = SpecModel::build(&spec, &Device::flex()).unwrap();
         assert_eq!(model.schema(), spec.schema().unwrap());
     }
@@ -36,7 +45,7 @@ fn module_schema_equals_spec_schema() {
 
 #[test]
 fn coordinator_parameters_round_trip_through_the_module() {
-    for spec in [cnn(), recurrent()] {
+    for spec in [cnn(), recurrent(), transformer()] {
         let values = spec.initial_parameters(3).unwrap();
         let model = SpecModel::build(&spec, &Device::flex().autodiff())
             .unwrap()
@@ -62,6 +71,8 @@ fn forward_gives_logits_of_the_spec_shape() {
     assert_eq!(model.forward(Batch::Image(images)).dims(), [3, 10]);
     let model = SpecModel::build(&recurrent(), &device).unwrap();
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; 12], [2, 6]), &device);
+    assert_eq!(model.forward(Batch::Tokens(tokens.clone())).dims(), [2, 20]);
+    let model = SpecModel::build(&transformer(), &device).unwrap();
     assert_eq!(model.forward(Batch::Tokens(tokens)).dims(), [2, 20]);
 }
 
@@ -102,4 +113,21 @@ fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
         Tensor::<4>::random([2, 2, 5, 5], Distribution::Normal(0.0, 1.0), &device).require_grad();
     let ours = conv2d(&conv, x.clone()).into_data().try_to_vec::<f32>().unwrap();
     assert_eq!(ours, conv.forward(x).into_data().try_to_vec::<f32>().unwrap());
+}
+
+/// Changing the last steps of a sequence leaves a block's output at every earlier step as it
+/// was (causal attention), and does change it at the changed steps.
+#[test]
+fn a_transformer_block_never_attends_to_later_steps() {
+    use burn::tensor::Distribution;
+    let device = Device::flex();
+    let block = TransformerBlock::new(2, 8, 16, 0.0, &device);
+    let x = Tensor::<3>::random([3, 6, 8], Distribution::Normal(0.0, 1.0), &device);
+    let later = Tensor::<3>::random([3, 2, 8], Distribution::Normal(0.0, 1.0), &device);
+    let changed = Tensor::cat(vec![x.clone().slice([0..3, 0..4, 0..8]), later], 1);
+    let (a, b) = (block.forward(x), block.forward(changed));
+    let earlier = |t: Tensor<3>| t.slice([0..3, 0..4, 0..8]).into_data().to_vec::<f32>().unwrap();
+    let last = |t: Tensor<3>| t.slice([0..3, 4..6, 0..8]).into_data().to_vec::<f32>().unwrap();
+    assert_eq!(earlier(a.clone()), earlier(b.clone()));
+    assert_ne!(last(a), last(b));
 }

@@ -92,6 +92,100 @@ fn shakespeare_lstm() {
 }
 
 #[test]
+fn character_transformer() {
+    check(
+        serde_json::json!({"input": {"kind": "tokens", "vocab": 80, "length": 40}, "layers": [
+            {"kind": "embedding", "dim": 16}, {"kind": "position_embedding"},
+            {"kind": "transformer_block", "heads": 2, "width": 16, "ffn": 64, "dropout": 0.1},
+            {"kind": "layer_norm"}, {"kind": "last_step"}, {"kind": "linear", "out": 80}
+        ]}),
+        expect![[r#"
+            layers.0.Embedding.weight [80, 16]
+            layers.1.PositionEmbedding.weight [40, 16]
+            layers.2.TransformerBlock.norm_attention.gamma [16]
+            layers.2.TransformerBlock.norm_attention.beta [16]
+            layers.2.TransformerBlock.query.weight [16, 16]
+            layers.2.TransformerBlock.query.bias [16]
+            layers.2.TransformerBlock.key.weight [16, 16]
+            layers.2.TransformerBlock.key.bias [16]
+            layers.2.TransformerBlock.value.weight [16, 16]
+            layers.2.TransformerBlock.value.bias [16]
+            layers.2.TransformerBlock.output.weight [16, 16]
+            layers.2.TransformerBlock.output.bias [16]
+            layers.2.TransformerBlock.norm_ffn.gamma [16]
+            layers.2.TransformerBlock.norm_ffn.beta [16]
+            layers.2.TransformerBlock.ffn_inner.weight [16, 64]
+            layers.2.TransformerBlock.ffn_inner.bias [64]
+            layers.2.TransformerBlock.ffn_outer.weight [64, 16]
+            layers.2.TransformerBlock.ffn_outer.bias [16]
+            layers.3.LayerNorm.gamma [16]
+            layers.3.LayerNorm.beta [16]
+            layers.5.Linear.weight [16, 80]
+            layers.5.Linear.bias [80]
+        "#]],
+    );
+}
+
+/// A transformer block's sizes are checked against each other and the sequence it takes.
+#[test]
+fn bad_transformer_blocks_are_refused_by_name() {
+    let block = |heads: u64, width: u64, ffn: u64, dropout: f64| {
+        serde_json::json!({"input": {"kind": "tokens", "vocab": 10, "length": 4}, "layers": [
+            {"kind": "embedding", "dim": 8},
+            {"kind": "transformer_block", "heads": heads, "width": width, "ffn": ffn, "dropout": dropout},
+            {"kind": "last_step"}, {"kind": "linear", "out": 10}]})
+    };
+    check(block(2, 8, 16, 0.0), expect![[r#"
+        layers.0.Embedding.weight [10, 8]
+        layers.1.TransformerBlock.norm_attention.gamma [8]
+        layers.1.TransformerBlock.norm_attention.beta [8]
+        layers.1.TransformerBlock.query.weight [8, 8]
+        layers.1.TransformerBlock.query.bias [8]
+        layers.1.TransformerBlock.key.weight [8, 8]
+        layers.1.TransformerBlock.key.bias [8]
+        layers.1.TransformerBlock.value.weight [8, 8]
+        layers.1.TransformerBlock.value.bias [8]
+        layers.1.TransformerBlock.output.weight [8, 8]
+        layers.1.TransformerBlock.output.bias [8]
+        layers.1.TransformerBlock.norm_ffn.gamma [8]
+        layers.1.TransformerBlock.norm_ffn.beta [8]
+        layers.1.TransformerBlock.ffn_inner.weight [8, 16]
+        layers.1.TransformerBlock.ffn_inner.bias [16]
+        layers.1.TransformerBlock.ffn_outer.weight [16, 8]
+        layers.1.TransformerBlock.ffn_outer.bias [8]
+        layers.3.Linear.weight [8, 10]
+        layers.3.Linear.bias [10]
+    "#]]);
+    check(block(3, 8, 16, 0.0), expect![[r#"
+        error: layer 1: 3 heads do not split width 8 evenly
+    "#]]);
+    check(block(0, 8, 16, 0.0), expect![[r#"
+        error: layer 1: 0 heads do not split width 8 evenly
+    "#]]);
+    check(block(2, 16, 16, 0.0), expect![[r#"
+        error: layer 1: width 16 must equal the 8 features of the sequence it takes
+    "#]]);
+    check(block(2, 8, 0, 0.0), expect![[r#"
+        error: layer 1: ffn width must be in 1..=16777216
+    "#]]);
+    check(block(2, 8, u64::MAX, 0.0), expect![[r#"
+        error: layer 1: ffn width must be in 1..=16777216
+    "#]]);
+    check(block(2, 8, 16, 1.0), expect![[r#"
+        error: layer 1: dropout probability must be in [0, 1)
+    "#]]);
+    // A block takes a sequence, not flat features.
+    check(
+        serde_json::json!({"input": {"kind": "features", "size": 8}, "layers": [
+            {"kind": "transformer_block", "heads": 2, "width": 8, "ffn": 16},
+            {"kind": "linear", "out": 2}]}),
+        expect![[r#"
+            error: layer 0 (TransformerBlock) cannot take a Flat(8) activation
+        "#]],
+    );
+}
+
+#[test]
 fn shape_errors_name_the_layer() {
     let image = serde_json::json!({"kind": "image", "channels": 1, "height": 8, "width": 8});
     check(
@@ -211,6 +305,13 @@ mod random_specs {
             size().prop_map(|hidden| LayerSpec::Gru { hidden }),
             Just(LayerSpec::LayerNorm {}),
             Just(LayerSpec::LastStep {}),
+            Just(LayerSpec::PositionEmbedding {}),
+            (size(), size(), size()).prop_map(|(heads, width, ffn)| LayerSpec::TransformerBlock {
+                heads,
+                width,
+                ffn,
+                dropout: 0.0
+            }),
         ]
     }
 
