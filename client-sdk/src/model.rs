@@ -91,6 +91,32 @@ pub fn load_parameters<M: Module>(module: M, values: &[f32]) -> Result<M, ModelE
     Ok(module.map(&mut writer))
 }
 
+/// Like [`load_parameters`], then freezes every tensor `trains` (one flag per tensor, schema
+/// order) marks false: training computes no gradient for it and leaves its values as loaded.
+pub fn load_parameters_freezing<M: Module>(
+    module: M,
+    values: &[f32],
+    trains: &[bool],
+) -> Result<M, ModelError> {
+    let module = load_parameters(module, values)?;
+    let mut freezer = Freezer { trains, index: 0 };
+    Ok(module.map(&mut freezer))
+}
+
+/// Turns gradient tracking off for the tensors not marked as trained, in visiting order.
+struct Freezer<'a> {
+    trains: &'a [bool],
+    index: usize,
+}
+
+impl ModuleMapper for Freezer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let trains = self.trains.get(self.index).copied().unwrap_or(true);
+        self.index += 1;
+        if trains { param } else { param.set_require_grad(false) }
+    }
+}
+
 /// A model built from a spec.
 #[derive(Module, Debug)]
 pub struct SpecModel {

@@ -25,6 +25,7 @@ use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::model_spec::ModelSpec;
+use starling_core::plan::ModelParts;
 use starling_core::rng::SplitMix64;
 use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::{SchemaId, TensorPayload, TensorSchema};
@@ -35,11 +36,16 @@ use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 
 use crate::examples::Examples;
 use crate::model::{
-    Classifier, ModelError, ModelIo, SpecModel, load_parameters, parameters_of, schema_of,
+    Classifier, ModelError, ModelIo, SpecModel, load_parameters, load_parameters_freezing,
+    parameters_of, schema_of,
 };
 use crate::protocol::{self, ClientError, FleetClient, TlsSettings, retrying};
 use crate::secure::{SecureError, SecureSession};
 use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train};
+
+pub use local_part::{LocalPart, LocalTensor};
+
+mod local_part;
 
 /// Attempts per request on transient failures.
 const TRIES: u32 = 4;
@@ -225,13 +231,15 @@ pub fn round_seed(plan_seed: u64, device: Option<DeviceId>, run: RunId, round: R
     rng.next_u64()
 }
 
-/// Builds the task's module and loads `values` into it, after checking it has the task's schema.
+/// Builds the task's module and loads `values` into it, after checking it has the task's schema;
+/// with `trains` (one flag per tensor, schema order), the tensors it marks false are frozen.
 fn task_model<F: ModelFactory>(
     factory: &F,
     task_spec: Option<&ModelSpec>,
     schema: &TensorSchema,
     device: &Device,
     values: &[f32],
+    trains: Option<&[bool]>,
 ) -> Result<(F::Model, ModelIo), ParticipantError> {
     let (model, io) = factory.build(task_spec, device)?;
     let actual = schema_of(&model);
@@ -249,7 +257,38 @@ fn task_model<F: ModelFactory>(
             describe(&actual)
         )));
     }
-    Ok((load_parameters(model, values)?, io))
+    let model = match trains {
+        Some(trains) => load_parameters_freezing(model, values, trains)?,
+        None => load_parameters(model, values)?,
+    };
+    Ok((model, io))
+}
+
+/// Which of the task's tensors the device uploads and keeps; an update schema that is not part
+/// of the task's model is the coordinator's error, refused before anything trains.
+fn task_parts(task: &TaskAssignment) -> Result<ModelParts, ParticipantError> {
+    let update = task.update_schema.clone().unwrap_or_else(|| task.schema.clone());
+    ModelParts::of_update(&task.schema, update, task.local_tensors.clone()).ok_or_else(|| {
+        ParticipantError::SchemaMismatch(
+            "the task's update schema is not a part of its model's schema".into(),
+        )
+    })
+}
+
+/// One flag per tensor of the task's model: whether the device trains it (it is in the update
+/// or local); `None` when it trains them all.
+fn trained_tensors(task: &TaskAssignment, parts: &ModelParts) -> Option<Vec<bool>> {
+    if parts.is_whole() {
+        return None;
+    }
+    let update = parts.update_schema();
+    Some(
+        task.schema
+            .tensors
+            .iter()
+            .map(|t| update.tensors.contains(t) || parts.local().contains(&t.name))
+            .collect(),
+    )
 }
 
 /// What survives an app restart.
@@ -274,6 +313,10 @@ pub struct ParticipantState {
     /// update on its next participation instead of checking in and training again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_upload: Option<PendingUpload>,
+    /// The local tensors (personalization) of the runs this device trained most recently:
+    /// laid over each model of that run it downloads, never uploaded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_parts: Vec<LocalPart>,
 }
 
 /// An update trained for a task and not yet acknowledged (see
@@ -689,6 +732,9 @@ impl<F: ModelFactory> Participant<F> {
         if let Some(left) = self.conditions_unmet(&task) {
             return Ok(left);
         }
+        let parts = task_parts(&task)?;
+        // A personalized run's model is the global one with this device's own local tensors.
+        let global = self.with_local_part(&task, global);
         report(ParticipantProgress::Phase(Phase::Evaluating));
         if task.evaluate_only {
             return self.report_evaluation_round(&task, &global).await;
@@ -727,6 +773,8 @@ impl<F: ModelFactory> Participant<F> {
         let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
         // A secure round masks the f32 delta itself: nothing to encode.
         let plain = secure.is_none();
+        let trains = trained_tensors(&task, &parts);
+        let local = task.local_tensors.clone();
         #[cfg(feature = "tools")]
         let slot = match &self.training_slots {
             Some(slots) => Some(slots.take().await),
@@ -737,31 +785,47 @@ impl<F: ModelFactory> Participant<F> {
         let training_started = std::time::Instant::now();
         let training = move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
-            let (model, io) =
-                task_model(&*factory, spec.as_ref(), &schema, &device, &trained_from)?;
+            let (model, io) = task_model(
+                &*factory,
+                spec.as_ref(),
+                &schema,
+                &device,
+                &trained_from,
+                trains.as_deref(),
+            )?;
             let (model, report) = train(model, io, &train_set, &config, &device, &mut on_step)?;
-            let mut delta: Vec<f32> =
-                parameters_of(&model).iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
+            let trained = parameters_of(&model);
+            let local_part =
+                (!local.is_empty()).then(|| LocalPart::of(run_id, &schema, &trained, &local));
+            let delta: Vec<f32> =
+                trained.iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
+            // Only the update's tensors leave the device.
+            let mut delta = parts.update_of(&delta);
             if let Some(tamper) = tamper {
                 tamper(&mut delta);
             }
             let encoded = plain.then(|| compression.encode(&delta, &mut rounding, &mut feedback));
-            Ok::<_, ParticipantError>((delta, encoded, feedback, report))
+            Ok::<_, ParticipantError>((delta, encoded, feedback, report, parts, local_part))
         };
-        let (delta, encoded, feedback, trained) = tokio::task::spawn_blocking(move || {
-            // A simulated device trains in its slot's pool: flex's kernels stay on that core.
-            #[cfg(feature = "tools")]
-            if let Some(pool) = pool {
-                return pool.install(training);
-            }
-            training()
-        })
-        .await
-        .expect("training task panicked")?;
+        let (delta, encoded, feedback, trained, parts, local_part) =
+            tokio::task::spawn_blocking(move || {
+                // A simulated device trains in its slot's pool: flex's kernels stay on that core.
+                #[cfg(feature = "tools")]
+                if let Some(pool) = pool {
+                    return pool.install(training);
+                }
+                training()
+            })
+            .await
+            .expect("training task panicked")?;
         #[cfg(feature = "tools")]
         drop(slot);
         if let Some(factor) = self.slowdown {
             tokio::time::sleep(training_started.elapsed().mul_f64(factor - 1.0)).await;
+        }
+        // Kept whatever becomes of the upload: the device trained it, and it never travels.
+        if let Some(part) = local_part {
+            local_part::keep(&mut self.state.local_parts, part);
         }
         if let Some(session) = secure.as_mut() {
             // A secure round's update is masked for keys that live only in this session: it
@@ -795,7 +859,7 @@ impl<F: ModelFactory> Participant<F> {
             model_version: task.model_version,
             example_count: trained.examples,
             metrics: upload_metrics(&task, trained.loss, evaluation.as_ref()),
-            schema_id: task.schema.schema_id(),
+            schema_id: parts.update_schema().schema_id(),
             delta: encoded.expect("a plain round encodes its delta"),
             train_loss: trained.loss,
             evaluation,
@@ -906,6 +970,21 @@ impl<F: ModelFactory> Participant<F> {
         }
     }
 
+    /// `global` with this device's local part of the task's run laid over it, when the run has
+    /// local tensors and the device has trained them before.
+    fn with_local_part(&self, task: &TaskAssignment, global: Arc<Vec<f32>>) -> Arc<Vec<f32>> {
+        if task.local_tensors.is_empty() {
+            return global;
+        }
+        match self.state.local_parts.iter().find(|p| p.run_id == task.run_id) {
+            Some(part) => {
+                let model = Arc::unwrap_or_clone(global);
+                Arc::new(part.laid_over(&task.schema, model, &task.local_tensors))
+            }
+            None => global,
+        }
+    }
+
     /// The task's global model, from the cache when the hash matches.
     async fn global_model(
         &mut self,
@@ -946,7 +1025,8 @@ impl<F: ModelFactory> Participant<F> {
         let (factory, spec, schema) =
             (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
         tokio::task::spawn_blocking(move || {
-            let (model, io) = task_model(&*factory, spec.as_ref(), &schema, &device, &global)?;
+            let (model, io) =
+                task_model(&*factory, spec.as_ref(), &schema, &device, &global, None)?;
             Ok::<_, ParticipantError>(evaluate(&model, io, &examples, &device)?)
         })
         .await

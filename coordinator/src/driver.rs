@@ -729,6 +729,7 @@ impl RunEntry {
         decision: CheckInDecision,
         tier: Option<&AggregatorRegistry>,
     ) -> CheckInResponse {
+        let parts = self.plan.model_parts();
         match decision {
             CheckInDecision::Selected {
                 round_idx,
@@ -742,6 +743,8 @@ impl RunEntry {
                 model_version,
                 model_hash: self.model_hash.clone(),
                 schema: self.plan.schema().clone(),
+                update_schema: (!parts.is_whole()).then(|| parts.update_schema().clone()),
+                local_tensors: parts.local().to_vec(),
                 model_spec: self.plan.model_spec().cloned(),
                 training_config: self.training_config.clone(),
                 report_deadline_ms: report_deadline,

@@ -434,7 +434,11 @@ impl ModelSpec {
                         match linear {
                             Some((fan_in, out)) => {
                                 let bound = (1.0 / fan_in as f64).sqrt();
-                                push(&format!("{name}.weight"), vec![fan_in, out], Init::Uniform(bound));
+                                push(
+                                    &format!("{name}.weight"),
+                                    vec![fan_in, out],
+                                    Init::Uniform(bound),
+                                );
                                 push(&format!("{name}.bias"), vec![out], Init::Constant(0.0));
                             }
                             None => {

@@ -16,9 +16,11 @@ use crate::model_spec::{ModelSpec, SpecError};
 use crate::privacy::{Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
+pub use parts::{ModelParts, matches};
 pub use training::{LocalOptimizer, TrainingPlan};
 
 mod combinations;
+mod parts;
 mod training;
 
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
@@ -189,6 +191,14 @@ pub struct ModelPlan {
     pub spec: Option<ModelSpec>,
     /// How version 0 is made.
     pub init: InitSpec,
+    /// Name patterns (`*` matches any run of characters) of the tensors devices train; absent:
+    /// all. The rest are frozen at their initial values and never travel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable: Option<Vec<String>>,
+    /// Name patterns of trainable tensors each device keeps (personalization): trained on the
+    /// device and never uploaded, aggregated or stored by the coordinator.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local: Vec<String>,
 }
 
 /// How the initial model is made.
@@ -218,6 +228,7 @@ pub enum InitSpec {
 pub struct ValidatedPlan {
     plan: Plan,
     schema: TensorSchema,
+    parts: ModelParts,
     rounds: RoundConfig,
     privacy: Option<Privacy>,
 }
@@ -406,6 +417,7 @@ impl Plan {
             Feature::EvaluationOnly => self.evaluation_only,
             Feature::MaxExamples => self.max_examples.is_some(),
             Feature::FirstComeSelection => self.selection == SelectionPolicy::FirstCome,
+            Feature::PartialModel => self.model.trainable.is_some() || !self.model.local.is_empty(),
         }
     }
 
@@ -424,6 +436,8 @@ impl Plan {
             }
         };
         schema.validate()?;
+        let parts =
+            ModelParts::resolve(&schema, self.model.trainable.as_deref(), &self.model.local)?;
         if self.population.is_empty() || self.population.len() > 128 {
             return Err(field("population", "must be 1..=128 bytes"));
         }
@@ -527,7 +541,8 @@ impl Plan {
             .aggregation
             .check_memory(target_selected)
             .map_err(|why| field("strategy.aggregation", why))?;
-        let n_params = schema.numel() as usize;
+        // Secure aggregation and DP see the update, not the frozen or local tensors.
+        let n_params = parts.update_schema().numel() as usize;
         // The accountant's rate stays the expected cohort's.
         let protocol_size = match (self.selection, &self.secure_aggregation) {
             (SelectionPolicy::Poisson, Some(_)) => secure_poisson_cap(target_selected),
@@ -584,7 +599,8 @@ impl Plan {
             evaluation_only: self.evaluation_only,
             // The aggregator tier reduces f32 deltas only.
             // FedBuff weighs each update by its staleness.
-            each_update_direct: self.strategy.needs_each_update()
+            // The aggregator tier folds whole models.
+            each_update_direct: self.strategy.needs_each_update() || !parts.is_whole()
                 || !self.compression.is_f32()
                 || self.asynchronous.is_some(),
             selection: self.selection,
@@ -602,7 +618,7 @@ impl Plan {
                 .map(|p| p.plan.population),
             asynchronous: self.asynchronous,
         };
-        Ok(ValidatedPlan { plan: self, schema, rounds, privacy })
+        Ok(ValidatedPlan { plan: self, schema, parts, rounds, privacy })
     }
 }
 
@@ -727,19 +743,25 @@ impl ValidatedPlan {
         &self.schema
     }
 
-    /// The schema a device's upload must match: the model's, or none at all in an
+    /// The schema a device's upload must match: the model's trainable tensors that are not
+    /// local (the whole model without `trainable` and `local`), or none at all in an
     /// evaluation-only run (its uploads carry metrics and an example count, no delta).
     pub fn update_schema(&self) -> TensorSchema {
         if self.plan.evaluation_only {
             TensorSchema { tensors: vec![] }
         } else {
-            self.schema.clone()
+            self.parts.update_schema().clone()
         }
     }
 
-    /// Values in a device's upload: the model's parameters, or none in an evaluation-only run.
+    /// Values in a device's upload: the update's parameters, or none in an evaluation-only run.
     pub fn update_len(&self) -> usize {
-        if self.plan.evaluation_only { 0 } else { self.schema.numel() as usize }
+        if self.plan.evaluation_only { 0 } else { self.parts.update_schema().numel() as usize }
+    }
+
+    /// Which tensors devices train, send and keep.
+    pub fn model_parts(&self) -> &ModelParts {
+        &self.parts
     }
 
     /// The encoding devices upload their deltas in.

@@ -173,8 +173,17 @@ pub struct TaskAssignment {
     pub model_version: ModelVersion,
     /// Content hash of that model: `GET /v1/models/{model_hash}`.
     pub model_hash: String,
-    /// Schema of the model and of the expected update.
+    /// Schema of the model (and of the expected update, unless `update_schema` says otherwise).
     pub schema: TensorSchema,
+    /// Set when the run trains or sends only part of the model: the tensors to upload (the
+    /// delta's schema), in model order. The model's other tensors are frozen (not trained)
+    /// unless `local_tensors` names them; absent: the whole `schema`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_schema: Option<TensorSchema>,
+    /// Tensors the device trains and keeps (personalization): never uploaded; the device
+    /// trains and evaluates from its own values of them once it has any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_tensors: Vec<String>,
     /// The model to build, when the run's plan has a declarative spec.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]

@@ -78,7 +78,8 @@ impl TransformerBlock {
         let [batch, steps, width] = x.dims();
         let head_width = width / self.heads;
         // [batch, steps, width] → [batch, heads, steps, head_width]
-        let split = |t: Tensor<3>| t.reshape([batch, steps, self.heads, head_width]).swap_dims(1, 2);
+        let split =
+            |t: Tensor<3>| t.reshape([batch, steps, self.heads, head_width]).swap_dims(1, 2);
         let q = split(self.query.forward(x.clone()));
         let k = split(self.key.forward(x.clone()));
         let v = split(self.value.forward(x));

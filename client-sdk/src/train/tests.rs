@@ -210,3 +210,29 @@ fn a_transformer_learns_next_characters_of_a_shakespeare_role() {
     // A model that always predicts the role's most common character (a space, ~16%) is beaten.
     assert!(after.accuracy > 0.2, "accuracy {}", after.accuracy);
 }
+
+/// Frozen tensors keep their loaded values through training, with SGD and with Adam, while
+/// the others train; the loss still falls.
+#[test]
+fn frozen_tensors_keep_their_values_while_the_rest_trains() {
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let values = spec.initial_parameters(1).unwrap();
+    // layers.1 weight and bias frozen; layers.3 (the output layer) trains.
+    let trains = [false, false, true, true];
+    for optimizer in [LocalOptimizer::Sgd, LocalOptimizer::Adam] {
+        let model = SpecModel::build(&spec, &device).unwrap();
+        let model = crate::model::load_parameters_freezing(model, &values, &trains).unwrap();
+        let examples = digits().subset(&(0..400).collect::<Vec<_>>());
+        let before = evaluate(&model, io(&spec), &examples, &device).unwrap();
+        let config =
+            TrainingPlan { epochs: 3, batch_size: 16, lr: 0.05, optimizer, ..Default::default() };
+        let (model, _) = train(model, io(&spec), &examples, &config, &device, &mut |_| {}).unwrap();
+        let after = evaluate(&model, io(&spec), &examples, &device).unwrap();
+        let trained = model.parameters();
+        let hidden = 64 * 32 + 32;
+        assert_eq!(trained[..hidden], values[..hidden], "{optimizer:?}: frozen layer moved");
+        assert_ne!(trained[hidden..], values[hidden..], "{optimizer:?}: output layer still");
+        assert!(after.loss < before.loss, "{optimizer:?}: loss {} -> {}", before.loss, after.loss);
+    }
+}

@@ -93,10 +93,13 @@ pub(super) fn next_model(
     state: &OptimizerState,
 ) -> Result<(Vec<f32>, OptimizerState, Released), AggregateError> {
     let plan = ctx.plan.plan();
+    // The strategy steps the update's tensors alone; frozen and local ones keep their values.
+    let parts = ctx.plan.model_parts();
+    let trained_part = (!parts.is_whole()).then(|| parts.update_of(global));
     let end = RoundEnd {
         privacy: ctx.plan.privacy(),
         server_learning_rate: plan.server_learning_rate,
-        global,
+        global: trained_part.as_deref().unwrap_or(global),
         aggregate,
         state,
     };
@@ -105,7 +108,11 @@ pub(super) fn next_model(
     if let Some(combined) = &next.combined {
         tracing::info!(run_id = %ctx.run_id, round = %round_idx, aggregation = plan.strategy.aggregation.name(), scaled = combined.n_scaled, selected = ?combined.selected, "updates combined");
     }
-    Ok((next.values, next.state, next.released))
+    let values = match trained_part {
+        Some(_) => parts.with_update(global.to_vec(), &next.values),
+        None => next.values,
+    };
+    Ok((values, next.state, next.released))
 }
 
 /// The round's stored updates, read back tile by tile for an order statistic.

@@ -135,7 +135,9 @@ fn bad_transformer_blocks_are_refused_by_name() {
             {"kind": "transformer_block", "heads": heads, "width": width, "ffn": ffn, "dropout": dropout},
             {"kind": "last_step"}, {"kind": "linear", "out": 10}]})
     };
-    check(block(2, 8, 16, 0.0), expect![[r#"
+    check(
+        block(2, 8, 16, 0.0),
+        expect![[r#"
         layers.0.Embedding.weight [10, 8]
         layers.1.TransformerBlock.norm_attention.gamma [8]
         layers.1.TransformerBlock.norm_attention.beta [8]
@@ -155,25 +157,44 @@ fn bad_transformer_blocks_are_refused_by_name() {
         layers.1.TransformerBlock.ffn_outer.bias [8]
         layers.3.Linear.weight [8, 10]
         layers.3.Linear.bias [10]
-    "#]]);
-    check(block(3, 8, 16, 0.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(3, 8, 16, 0.0),
+        expect![[r#"
         error: layer 1: 3 heads do not split width 8 evenly
-    "#]]);
-    check(block(0, 8, 16, 0.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(0, 8, 16, 0.0),
+        expect![[r#"
         error: layer 1: 0 heads do not split width 8 evenly
-    "#]]);
-    check(block(2, 16, 16, 0.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(2, 16, 16, 0.0),
+        expect![[r#"
         error: layer 1: width 16 must equal the 8 features of the sequence it takes
-    "#]]);
-    check(block(2, 8, 0, 0.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(2, 8, 0, 0.0),
+        expect![[r#"
         error: layer 1: ffn width must be in 1..=16777216
-    "#]]);
-    check(block(2, 8, u64::MAX, 0.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(2, 8, u64::MAX, 0.0),
+        expect![[r#"
         error: layer 1: ffn width must be in 1..=16777216
-    "#]]);
-    check(block(2, 8, 16, 1.0), expect![[r#"
+    "#]],
+    );
+    check(
+        block(2, 8, 16, 1.0),
+        expect![[r#"
         error: layer 1: dropout probability must be in [0, 1)
-    "#]]);
+    "#]],
+    );
     // A block takes a sequence, not flat features.
     check(
         serde_json::json!({"input": {"kind": "features", "size": 8}, "layers": [

@@ -36,6 +36,8 @@ pub(super) enum Feature {
     MaxExamples,
     /// `selection: first_come`.
     FirstComeSelection,
+    /// `model.trainable` or `model.local`: devices train or send part of the model.
+    PartialModel,
 }
 
 /// `field` (of `feature`) is refused when the plan also has `with`, because `why`.
@@ -180,5 +182,11 @@ pub(super) const REFUSED: &[Refusal] = &[
         SecureAggregation,
         "max_examples",
         "a secure run takes its cap in secure_aggregation.max_examples",
+    ),
+    row(
+        PartialModel,
+        EvaluationOnly,
+        "model.trainable",
+        "an evaluation-only run trains nothing: trainable and local tensors select nothing in it",
     ),
 ];

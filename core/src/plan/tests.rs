@@ -551,3 +551,113 @@ fn training_sections_are_checked_at_plan_time() {
     let sent = TrainingPlan::from_json(&adam.training_config_json()).unwrap();
     assert_eq!((sent.optimizer, sent.lr, sent.epochs), (LocalOptimizer::Adam, 0.01, 1));
 }
+
+/// A model of three tensors, `model.trainable` and `model.local` set as given.
+fn partial_plan(
+    trainable: Option<serde_json::Value>,
+    local: serde_json::Value,
+) -> serde_json::Value {
+    let mut v = plan_json();
+    v["model"]["schema"] = serde_json::json!({"tensors": [
+        {"name": "body.weight", "shape": [4, 3], "dtype": "f32"},
+        {"name": "body.bias", "shape": [3], "dtype": "f32"},
+        {"name": "head.weight", "shape": [3, 2], "dtype": "f32"}
+    ]});
+    if let Some(trainable) = trainable {
+        v["model"]["trainable"] = trainable;
+    }
+    v["model"]["local"] = local;
+    v
+}
+
+#[test]
+fn name_patterns_match_with_stars_anywhere() {
+    for (pattern, name, expected) in [
+        ("body.weight", "body.weight", true),
+        ("body.weight", "body.weights", false),
+        ("body.*", "body.bias", true),
+        ("*.bias", "body.bias", true),
+        ("*.bias", "body.bias.x", false),
+        ("layers.*.lora_*", "layers.3.TransformerBlock.query.lora_a", true),
+        ("*", "anything", true),
+        ("a*b*a", "aba", true),
+        ("a*b*a", "ab", false),
+        ("*aa", "a", false),
+    ] {
+        assert_eq!(matches(pattern, name), expected, "{pattern} on {name}");
+    }
+}
+
+#[test]
+fn the_update_is_the_trainable_tensors_that_are_not_local() {
+    let names = |p: &ValidatedPlan| -> Vec<String> {
+        p.update_schema().tensors.iter().map(|t| t.name.clone()).collect()
+    };
+    let whole = parse(partial_plan(None, serde_json::json!([]))).unwrap();
+    assert!(whole.model_parts().is_whole());
+    assert_eq!(whole.update_len(), 12 + 3 + 6);
+
+    let head_only = parse(partial_plan(Some(serde_json::json!(["head.*"])), serde_json::json!([])));
+    let head_only = head_only.unwrap();
+    assert_eq!(names(&head_only), ["head.weight"]);
+    assert_eq!(head_only.update_len(), 6);
+
+    let personal = parse(partial_plan(None, serde_json::json!(["head.*"]))).unwrap();
+    assert_eq!(names(&personal), ["body.weight", "body.bias"]);
+    assert_eq!(personal.model_parts().local(), ["head.weight"]);
+    // DP and secure aggregation size themselves by the update too.
+    assert_eq!(personal.update_len(), 15);
+
+    // The update's values come out of the model and go back in its place; the rest stays.
+    let model: Vec<f32> = (0..21).map(|i| i as f32).collect();
+    let parts = personal.model_parts();
+    assert_eq!(parts.update_of(&model), model[..15].to_vec());
+    let parts = head_only.model_parts();
+    assert_eq!(parts.update_of(&model), model[15..].to_vec());
+    let next = parts.with_update(model.clone(), &[-1.0; 6]);
+    assert_eq!(next[..15], model[..15]);
+    assert_eq!(next[15..], [-1.0; 6]);
+}
+
+#[test]
+fn trainable_and_local_patterns_are_checked_against_the_model() {
+    let refused = |trainable: Option<serde_json::Value>, local: serde_json::Value| {
+        parse(partial_plan(trainable, local)).unwrap_err().to_string()
+    };
+    let err = refused(Some(serde_json::json!(["head.wieght"])), serde_json::json!([]));
+    assert_eq!(err, "model.trainable: pattern \"head.wieght\" matches no tensor of the model");
+    let err = refused(None, serde_json::json!(["tail.*"]));
+    assert_eq!(err, "model.local: pattern \"tail.*\" matches no tensor of the model");
+    let err = refused(Some(serde_json::json!([])), serde_json::json!([]));
+    assert_eq!(err, "model.trainable: must list at least one pattern");
+    let err = refused(Some(serde_json::json!(["body.*"])), serde_json::json!(["head.*"]));
+    assert_eq!(
+        err,
+        "model.local: head.weight is local but not trainable: a frozen tensor has nothing to keep"
+    );
+    let err = refused(None, serde_json::json!(["*"]));
+    assert_eq!(
+        err,
+        "model.local: every trainable tensor is local: the run would have nothing to aggregate"
+    );
+    let mut v = partial_plan(Some(serde_json::json!(["head.*"])), serde_json::json!([]));
+    v["evaluation_only"] = serde_json::json!(true);
+    let err = parse(v).unwrap_err().to_string();
+    assert!(err.starts_with("model.trainable: an evaluation-only run trains nothing"), "{err}");
+}
+
+/// A task's update schema is accepted only as a subsequence of the model's tensors.
+#[test]
+fn parts_rebuilt_from_a_task_need_an_update_inside_the_model() {
+    let plan = parse(partial_plan(None, serde_json::json!(["head.*"]))).unwrap();
+    let (schema, parts) = (plan.schema(), plan.model_parts());
+    let rebuilt =
+        ModelParts::of_update(schema, parts.update_schema().clone(), parts.local().to_vec());
+    assert_eq!(rebuilt.as_ref(), Some(parts));
+    let mut reversed = parts.update_schema().clone();
+    reversed.tensors.reverse();
+    assert_eq!(ModelParts::of_update(schema, reversed, vec![]), None);
+    let mut foreign = parts.update_schema().clone();
+    foreign.tensors[0].shape = vec![3, 4];
+    assert_eq!(ModelParts::of_update(schema, foreign, vec![]), None);
+}

@@ -9,6 +9,7 @@ mod compression;
 mod container;
 mod deploy;
 mod e2e;
+mod fine_tuning;
 mod hardening;
 mod operator;
 mod privacy;
