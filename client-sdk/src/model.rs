@@ -13,15 +13,17 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gru, GruConfig, LayerNorm, LayerNormConfig,
-    Linear, LinearConfig, Lstm, LstmConfig, PaddingConfig2d, Relu,
+    Lstm, LstmConfig, PaddingConfig2d, Relu,
 };
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, SpecError};
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 
+pub use linear::Linear;
 pub use transformer::{PositionEmbedding, TransformerBlock};
 
+mod linear;
 mod transformer;
 
 /// Why a model could not be built or loaded.
@@ -171,12 +173,17 @@ impl SpecModel {
     /// Builds the model for `spec` on `device`, with burn's default initialization.
     pub fn build(spec: &ModelSpec, device: &Device) -> Result<Self, ModelError> {
         let inputs = spec.layer_inputs()?;
+        // The schema checks the spec's LoRA section (targets, rank, alpha).
+        spec.schema()?;
+        let scale = spec.lora.as_ref().map_or(0.0, |l| l.scale());
+        let lora = |path: &str| spec.lora_rank(path).map(|rank| (rank as usize, scale));
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, layer) in spec.layers.iter().enumerate() {
             let u = |v: u64| v as usize;
             let built = match (*layer, inputs[i]) {
                 (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
-                    Layer::Linear(LinearConfig::new(u(f), u(out)).init(device))
+                    let lora = lora(&format!("layers.{i}.Linear"));
+                    Layer::Linear(Linear::new(u(f), u(out), lora, device))
                 }
                 (
                     LayerSpec::Conv2d { out_channels, kernel, padding },
@@ -221,6 +228,7 @@ impl SpecModel {
                     u(width),
                     u(ffn),
                     dropout,
+                    &|name| lora(&format!("layers.{i}.TransformerBlock.{name}")),
                     device,
                 )),
                 (layer, act) => unreachable!("spec validation admitted {layer:?} on {act:?}"),

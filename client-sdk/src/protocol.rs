@@ -509,6 +509,18 @@ impl AdminClient {
         retrying(MODEL_FILE_TRIES, || self.send_raw(reqwest::Method::GET, &path, None)).await
     }
 
+    /// Part of a committed model as a safetensors file: `all`, or for a LoRA run `merged` (its
+    /// base model with the adapters merged in) or `adapters`.
+    pub async fn model_part_file(
+        &self,
+        run: RunId,
+        version: i64,
+        part: &str,
+    ) -> Result<Vec<u8>, ClientError> {
+        let path = format!("{}?format=safetensors&part={part}", path::admin_model(run, version));
+        retrying(MODEL_FILE_TRIES, || self.send_raw(reqwest::Method::GET, &path, None)).await
+    }
+
     /// A committed model's values, downloaded with the operator's credential.
     pub async fn model_payload(
         &self,

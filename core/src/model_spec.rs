@@ -19,7 +19,46 @@ pub struct ModelSpec {
     pub input: InputSpec,
     /// Layers, applied in order; the last one must produce class logits.
     pub layers: Vec<LayerSpec>,
+    /// Low-rank adapters on some of the linear maps (LoRA); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
 }
+
+/// LoRA (Hu et al. 2021): each targeted linear map `x·W + b` becomes
+/// `x·W + b + (alpha / rank)·(x·A)·B`, with `A` (`lora_a`, `[in, rank]`, random) and `B`
+/// (`lora_b`, `[rank, out]`, zero, so that the adapted model starts as the base one) two more
+/// tensors after the map's own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSpec {
+    /// The adapters' rank, r.
+    pub rank: u64,
+    /// The scale's numerator: the update is `(alpha / rank)·A·B`.
+    pub alpha: f64,
+    /// Patterns (`*` matches any run of characters) over the linear maps' paths:
+    /// `layers.{i}.Linear` for a linear layer, `layers.{i}.TransformerBlock.{query, key, value,
+    /// output, ffn_inner, ffn_outer}` for a transformer block's. Each must match one.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    /// The update's scale, `alpha / rank`.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+}
+
+/// The linear maps of a transformer block, in parameter order (`None`: a layer norm).
+const BLOCK_SUBLAYERS: [(&str, bool); 8] = [
+    ("norm_attention", false),
+    ("query", true),
+    ("key", true),
+    ("value", true),
+    ("output", true),
+    ("norm_ffn", false),
+    ("ffn_inner", true),
+    ("ffn_outer", true),
+];
 
 /// The shape of one example.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,6 +215,9 @@ pub enum SpecError {
     /// The last layer does not produce flat class logits.
     #[error("the model must end in flat class logits, it ends in {0:?}")]
     BadOutput(Activation),
+    /// The `lora` section is out of range or targets nothing.
+    #[error("lora: {0}")]
+    Lora(String),
 }
 
 /// Largest size of any one dimension in a spec.
@@ -315,6 +357,115 @@ impl ModelSpec {
         }
     }
 
+    /// The paths of the linear maps LoRA may target, in model order (see [`LoraSpec::targets`]).
+    pub fn linear_paths(&self) -> Vec<String> {
+        let mut paths = vec![];
+        for (i, layer) in self.layers.iter().enumerate() {
+            match layer {
+                LayerSpec::Linear { .. } => paths.push(format!("layers.{i}.Linear")),
+                LayerSpec::TransformerBlock { .. } => paths.extend(
+                    BLOCK_SUBLAYERS
+                        .iter()
+                        .filter(|(_, is_linear)| *is_linear)
+                        .map(|(name, _)| format!("layers.{i}.TransformerBlock.{name}")),
+                ),
+                _ => {}
+            }
+        }
+        paths
+    }
+
+    /// The adapters' rank on the linear map at `path`, when the spec's LoRA targets it.
+    pub fn lora_rank(&self, path: &str) -> Option<u64> {
+        let lora = self.lora.as_ref()?;
+        lora.targets.iter().any(|p| crate::plan::matches(p, path)).then_some(lora.rank)
+    }
+
+    /// The spec without its adapters: the model a LoRA run's merged export is.
+    pub fn without_lora(&self) -> ModelSpec {
+        ModelSpec { lora: None, ..self.clone() }
+    }
+
+    /// A LoRA model's values merged into its base model's (the spec [`Self::without_lora`]):
+    /// each adapted weight becomes `W + (alpha / rank)·A·B`, the adapters go; every other
+    /// tensor as it is. `values` are the adapted model's, in schema order.
+    pub fn merge_lora(&self, values: &[f32]) -> Result<Vec<f32>, SpecError> {
+        let schema = self.schema()?;
+        let Some(lora) = &self.lora else { return Ok(values.to_vec()) };
+        let scale = lora.scale();
+        if values.len() as u64 != schema.numel() {
+            return Err(SpecError::Lora(format!(
+                "{} values given for a model of {}",
+                values.len(),
+                schema.numel()
+            )));
+        }
+        let mut tensors: Vec<(&TensorSpec, &[f32])> = vec![];
+        let mut offset = 0;
+        for t in &schema.tensors {
+            let n = t.numel() as usize;
+            tensors.push((t, &values[offset..offset + n]));
+            offset += n;
+        }
+        let mut out = Vec::with_capacity(values.len());
+        let mut i = 0;
+        while i < tensors.len() {
+            let (t, v) = tensors[i];
+            let adapted = t.name.strip_suffix(".weight").filter(|path| {
+                let a = tensors.get(i + 2).map(|(a, _)| a.name.as_str());
+                self.lora_rank(path).is_some() && a == Some(&format!("{path}.lora_a"))
+            });
+            match adapted {
+                // weight, bias, lora_a, lora_b
+                Some(_) => {
+                    let (fan_in, outs) = (t.shape[0] as usize, t.shape[1] as usize);
+                    let (a, b) = (tensors[i + 2].1, tensors[i + 3].1);
+                    let rank = lora.rank as usize;
+                    let mut w = v.to_vec();
+                    for row in 0..fan_in {
+                        for k in 0..rank {
+                            let ark = f64::from(a[row * rank + k]) * scale;
+                            for col in 0..outs {
+                                let m = &mut w[row * outs + col];
+                                *m = (f64::from(*m) + ark * f64::from(b[k * outs + col])) as f32;
+                            }
+                        }
+                    }
+                    out.extend_from_slice(&w);
+                    out.extend_from_slice(tensors[i + 1].1);
+                    i += 4;
+                }
+                None => {
+                    out.extend_from_slice(v);
+                    i += 1;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn check_lora(&self) -> Result<(), SpecError> {
+        let Some(lora) = &self.lora else { return Ok(()) };
+        if lora.rank == 0 || lora.rank > MAX_DIM {
+            return Err(SpecError::Lora(format!("rank must be in 1..={MAX_DIM}")));
+        }
+        if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+            return Err(SpecError::Lora("alpha must be positive and finite".into()));
+        }
+        if lora.targets.is_empty() || lora.targets.len() > 256 {
+            return Err(SpecError::Lora("targets must list 1..=256 patterns".into()));
+        }
+        let paths = self.linear_paths();
+        match lora.targets.iter().find(|p| !paths.iter().any(|path| crate::plan::matches(p, path)))
+        {
+            Some(p) => Err(SpecError::Lora(format!(
+                "target {p:?} matches no linear map (they are: {})",
+                paths.join(", ")
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The activation each layer takes: the input for layer 0, then each layer's output.
     pub fn layer_inputs(&self) -> Result<Vec<Activation>, SpecError> {
         let outputs = self.activations()?;
@@ -356,37 +507,31 @@ impl ModelSpec {
 
     fn parameters(&self) -> Result<Vec<(TensorSpec, Init)>, SpecError> {
         let inputs = self.layer_inputs()?;
-        let mut params = vec![];
+        self.check_lora()?;
+        let mut params = Params(vec![]);
         for (i, layer) in self.layers.iter().enumerate() {
             let prefix = format!("layers.{i}.{}", layer.variant());
-            let mut push = |name: &str, shape: Vec<u64>, init: Init| {
-                params.push((
-                    TensorSpec { name: format!("{prefix}.{name}"), shape, dtype: DType::F32 },
-                    init,
-                ));
-            };
             match (*layer, inputs[i]) {
                 (LayerSpec::Linear { out }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
-                    push("weight", vec![f, out], Init::Uniform((1.0 / f as f64).sqrt()));
-                    push("bias", vec![out], Init::Constant(0.0));
+                    params.linear(&prefix, f, out, self.lora_rank(&prefix));
                 }
                 (LayerSpec::Conv2d { out_channels, kernel, .. }, Activation::Image(c, _, _)) => {
                     // In f64: the product of three dimensions can exceed u64 before the size
                     // check below refuses the tensor.
                     let fan_in = c as f64 * kernel as f64 * kernel as f64;
-                    push(
+                    params.push(
+                        &prefix,
                         "weight",
                         vec![out_channels, c, kernel, kernel],
                         Init::Uniform((1.0 / fan_in).sqrt()),
                     );
-                    push("bias", vec![out_channels], Init::Constant(0.0));
+                    params.push(&prefix, "bias", vec![out_channels], Init::Constant(0.0));
                 }
                 (LayerSpec::Embedding { dim }, Activation::Tokens { vocab, .. }) => {
-                    push("weight", vec![vocab, dim], Init::Uniform(3f64.sqrt()));
+                    params.push(&prefix, "weight", vec![vocab, dim], Init::Uniform(3f64.sqrt()));
                 }
                 (LayerSpec::LayerNorm {}, Activation::Flat(f) | Activation::Sequence(_, f)) => {
-                    push("gamma", vec![f], Init::Constant(1.0));
-                    push("beta", vec![f], Init::Constant(0.0));
+                    params.layer_norm(&prefix, f);
                 }
                 (
                     LayerSpec::Lstm { hidden } | LayerSpec::Gru { hidden },
@@ -402,55 +547,40 @@ impl ModelSpec {
                             [("input_transform", f), ("hidden_transform", hidden)]
                         {
                             let bound = (6.0 / (fan_in + hidden) as f64).sqrt();
-                            push(
-                                &format!("{gate}.{transform}.weight"),
+                            let path = format!("{prefix}.{gate}.{transform}");
+                            params.push(
+                                &path,
+                                "weight",
                                 vec![fan_in, hidden],
                                 Init::Uniform(bound),
                             );
-                            push(
-                                &format!("{gate}.{transform}.bias"),
-                                vec![hidden],
-                                Init::Constant(0.0),
-                            );
+                            params.push(&path, "bias", vec![hidden], Init::Constant(0.0));
                         }
                     }
                 }
                 (LayerSpec::PositionEmbedding {}, Activation::Sequence(t, f)) => {
-                    push("weight", vec![t, f], Init::Uniform(3f64.sqrt()));
+                    params.push(&prefix, "weight", vec![t, f], Init::Uniform(3f64.sqrt()));
                 }
                 (LayerSpec::TransformerBlock { width: w, ffn, .. }, Activation::Sequence(..)) => {
                     // The field order of the SDK's `TransformerBlock`, which burn visits.
-                    let sublayers: [(&str, Option<(u64, u64)>); 8] = [
-                        ("norm_attention", None),
-                        ("query", Some((w, w))),
-                        ("key", Some((w, w))),
-                        ("value", Some((w, w))),
-                        ("output", Some((w, w))),
-                        ("norm_ffn", None),
-                        ("ffn_inner", Some((w, ffn))),
-                        ("ffn_outer", Some((ffn, w))),
-                    ];
-                    for (name, linear) in sublayers {
-                        match linear {
-                            Some((fan_in, out)) => {
-                                let bound = (1.0 / fan_in as f64).sqrt();
-                                push(
-                                    &format!("{name}.weight"),
-                                    vec![fan_in, out],
-                                    Init::Uniform(bound),
-                                );
-                                push(&format!("{name}.bias"), vec![out], Init::Constant(0.0));
-                            }
-                            None => {
-                                push(&format!("{name}.gamma"), vec![w], Init::Constant(1.0));
-                                push(&format!("{name}.beta"), vec![w], Init::Constant(0.0));
-                            }
+                    for (name, is_linear) in BLOCK_SUBLAYERS {
+                        let path = format!("{prefix}.{name}");
+                        let (fan_in, out) = match name {
+                            "ffn_inner" => (w, ffn),
+                            "ffn_outer" => (ffn, w),
+                            _ => (w, w),
+                        };
+                        if is_linear {
+                            params.linear(&path, fan_in, out, self.lora_rank(&path));
+                        } else {
+                            params.layer_norm(&path, w);
                         }
                     }
                 }
                 _ => {}
             }
         }
+        let params = params.0;
         if params.is_empty() {
             return Err(SpecError::BadLayer {
                 layer: 0,
@@ -483,6 +613,33 @@ impl ModelSpec {
             ));
         }
         Ok(params)
+    }
+}
+
+/// A model's parameters as they are listed, in burn's visiting order.
+struct Params(Vec<(TensorSpec, Init)>);
+
+impl Params {
+    fn push(&mut self, path: &str, field: &str, shape: Vec<u64>, init: Init) {
+        let name = format!("{path}.{field}");
+        self.0.push((TensorSpec { name, shape, dtype: DType::F32 }, init));
+    }
+
+    /// A linear map's weight and bias (Kaiming-uniform and zero, as burn's `Linear`), then its
+    /// LoRA adapters when it has a rank: `A` like the weight, `B` zero.
+    fn linear(&mut self, path: &str, fan_in: u64, out: u64, lora_rank: Option<u64>) {
+        let bound = (1.0 / fan_in as f64).sqrt();
+        self.push(path, "weight", vec![fan_in, out], Init::Uniform(bound));
+        self.push(path, "bias", vec![out], Init::Constant(0.0));
+        if let Some(rank) = lora_rank {
+            self.push(path, "lora_a", vec![fan_in, rank], Init::Uniform(bound));
+            self.push(path, "lora_b", vec![rank, out], Init::Constant(0.0));
+        }
+    }
+
+    fn layer_norm(&mut self, path: &str, width: u64) {
+        self.push(path, "gamma", vec![width], Init::Constant(1.0));
+        self.push(path, "beta", vec![width], Init::Constant(0.0));
     }
 }
 

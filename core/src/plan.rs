@@ -192,7 +192,8 @@ pub struct ModelPlan {
     /// How version 0 is made.
     pub init: InitSpec,
     /// Name patterns (`*` matches any run of characters) of the tensors devices train; absent:
-    /// all. The rest are frozen at their initial values and never travel.
+    /// all, or a LoRA spec's adapters (`*.lora_a`, `*.lora_b`). The rest are frozen at their
+    /// initial values and never travel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainable: Option<Vec<String>>,
     /// Name patterns of trainable tensors each device keeps (personalization): trained on the
@@ -417,7 +418,11 @@ impl Plan {
             Feature::EvaluationOnly => self.evaluation_only,
             Feature::MaxExamples => self.max_examples.is_some(),
             Feature::FirstComeSelection => self.selection == SelectionPolicy::FirstCome,
-            Feature::PartialModel => self.model.trainable.is_some() || !self.model.local.is_empty(),
+            Feature::PartialModel => {
+                self.model.trainable.is_some()
+                    || !self.model.local.is_empty()
+                    || self.model.spec.as_ref().is_some_and(|s| s.lora.is_some())
+            }
         }
     }
 
@@ -436,8 +441,12 @@ impl Plan {
             }
         };
         schema.validate()?;
-        let parts =
-            ModelParts::resolve(&schema, self.model.trainable.as_deref(), &self.model.local)?;
+        // A LoRA model trains its adapters alone unless the plan says otherwise.
+        let lora_adapters = || vec!["*.lora_a".to_owned(), "*.lora_b".to_owned()];
+        let trainable = self.model.trainable.clone().or_else(|| {
+            self.model.spec.as_ref().and_then(|s| s.lora.as_ref()).map(|_| lora_adapters())
+        });
+        let parts = ModelParts::resolve(&schema, trainable.as_deref(), &self.model.local)?;
         if self.population.is_empty() || self.population.len() > 128 {
             return Err(field("population", "must be 1..=128 bytes"));
         }
@@ -799,6 +808,42 @@ impl ValidatedPlan {
     pub fn max_delta_bytes(&self) -> u64 {
         let update_len = self.update_len();
         self.update_schema().byte_len().max(self.compression().max_encoded_len(update_len))
+    }
+
+    /// What an export of a model with `values` (laid out in [`Self::schema`]) holds for `part`:
+    /// the model as trained (`all`), or for a LoRA run its base model with the adapters merged
+    /// in (`merged`, `W + (alpha / rank)·A·B`) or the adapters alone (`adapters`). The schema
+    /// and the values laid out in it.
+    pub fn export_part(
+        &self,
+        part: &str,
+        values: &[f32],
+    ) -> Result<(TensorSchema, Vec<f32>), PlanError> {
+        let lora_spec = || {
+            self.model_spec().filter(|s| s.lora.is_some()).ok_or_else(|| {
+                field("part", format!("{part}: the run's model has no LoRA adapters"))
+            })
+        };
+        match part {
+            "all" => Ok((self.schema.clone(), values.to_vec())),
+            "merged" => {
+                let spec = lora_spec()?;
+                Ok((spec.without_lora().schema()?, spec.merge_lora(values)?))
+            }
+            "adapters" => {
+                lora_spec()?;
+                let adapters = TensorSchema {
+                    tensors: (self.schema.tensors.iter())
+                        .filter(|t| t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b"))
+                        .cloned()
+                        .collect(),
+                };
+                let parts = ModelParts::of_update(&self.schema, adapters.clone(), vec![])
+                    .expect("the adapters are tensors of the schema, in its order");
+                Ok((adapters, parts.update_of(values)))
+            }
+            other => Err(field("part", format!("{other:?}: use all, merged or adapters"))),
+        }
     }
 
     /// The model spec, if the plan has one.

@@ -35,9 +35,22 @@ fn transformer() -> ModelSpec {
     ]}))
 }
 
+/// The transformer with adapters on its attention's query and value maps and on its output
+/// layer.
+fn lora_transformer() -> ModelSpec {
+    let mut spec = transformer();
+    spec.lora = Some(
+        serde_json::from_value(serde_json::json!({
+            "rank": 2, "alpha": 6.0, "targets": ["*.query", "*.value", "layers.6.Linear"]
+        }))
+        .unwrap(),
+    );
+    spec
+}
+
 #[test]
 fn module_schema_equals_spec_schema() {
-    for spec in [cnn(), recurrent(), transformer()] {
+    for spec in [cnn(), recurrent(), transformer(), lora_transformer()] {
         let model = SpecModel::build(&spec, &Device::flex()).unwrap();
         assert_eq!(model.schema(), spec.schema().unwrap());
     }
@@ -45,7 +58,7 @@ fn module_schema_equals_spec_schema() {
 
 #[test]
 fn coordinator_parameters_round_trip_through_the_module() {
-    for spec in [cnn(), recurrent(), transformer()] {
+    for spec in [cnn(), recurrent(), transformer(), lora_transformer()] {
         let values = spec.initial_parameters(3).unwrap();
         let model = SpecModel::build(&spec, &Device::flex().autodiff())
             .unwrap()
@@ -121,7 +134,7 @@ fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
 fn a_transformer_block_never_attends_to_later_steps() {
     use burn::tensor::Distribution;
     let device = Device::flex();
-    let block = TransformerBlock::new(2, 8, 16, 0.0, &device);
+    let block = TransformerBlock::new(2, 8, 16, 0.0, &|_| None, &device);
     let x = Tensor::<3>::random([3, 6, 8], Distribution::Normal(0.0, 1.0), &device);
     let later = Tensor::<3>::random([3, 2, 8], Distribution::Normal(0.0, 1.0), &device);
     let changed = Tensor::cat(vec![x.clone().slice([0..3, 0..4, 0..8]), later], 1);
@@ -131,4 +144,54 @@ fn a_transformer_block_never_attends_to_later_steps() {
     let last = |t: Tensor<3>| t.slice([0..3, 4..6, 0..8]).into_data().try_to_vec::<f32>().unwrap();
     assert_eq!(earlier(a.clone()), earlier(b.clone()));
     assert_ne!(last(a), last(b));
+}
+
+/// An adapted model computes what core's merge of it computes as a plain model: the SDK's
+/// `x·W + b + s·(x·A)·B` and `x·(W + s·A·B) + b` agree, with adapters far from zero.
+#[test]
+fn an_adapted_model_equals_its_merged_base_model() {
+    let device = Device::flex();
+    let spec = lora_transformer();
+    let values: Vec<f32> = spec
+        .initial_parameters(5)
+        .unwrap()
+        .iter()
+        .enumerate()
+        // lora_b starts at zero; move every value so the adapters count.
+        .map(|(i, v)| v + ((i * 13 % 17) as f32 - 8.0) / 64.0)
+        .collect();
+    let adapted = SpecModel::build(&spec, &device).unwrap().load_parameters(&values).unwrap();
+    let base = spec.without_lora();
+    let merged = SpecModel::build(&base, &device)
+        .unwrap()
+        .load_parameters(&spec.merge_lora(&values).unwrap())
+        .unwrap();
+    let ids: Vec<i64> = (0..18).map(|i| i * 7 % 20).collect();
+    let tokens = || Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [3, 6]), &device);
+    let logits =
+        |m: &SpecModel| m.forward(Batch::Tokens(tokens())).into_data().try_to_vec::<f32>().unwrap();
+    let (a, m) = (logits(&adapted), logits(&merged));
+    let worst = a.iter().zip(&m).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-4, "largest difference {worst}");
+    // And the adapters matter: the base model without them computes something else.
+    let plain = SpecModel::build(&base, &device)
+        .unwrap()
+        .load_parameters(&strip_adapters(&spec, &values))
+        .unwrap();
+    let off = a.iter().zip(&logits(&plain)).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(off > 1e-2, "the adapters change nothing: {off}");
+}
+
+/// An adapted model's values without its adapters.
+fn strip_adapters(spec: &ModelSpec, values: &[f32]) -> Vec<f32> {
+    let mut out = vec![];
+    let mut offset = 0;
+    for t in &spec.schema().unwrap().tensors {
+        let n = t.numel() as usize;
+        if !t.name.contains(".lora_") {
+            out.extend_from_slice(&values[offset..offset + n]);
+        }
+        offset += n;
+    }
+    out
 }

@@ -3,11 +3,11 @@
 //! parameter paths are the names `ModelSpec::schema` computes.
 
 use burn::module::{Module, Param};
-use burn::nn::{
-    Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
-};
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Tensor};
+
+use super::Linear;
 
 /// A learned vector per step, added to a `[batch, steps, features]` sequence.
 #[derive(Module, Debug)]
@@ -47,18 +47,26 @@ pub struct TransformerBlock {
 
 impl TransformerBlock {
     /// A block of `width` features split over `heads` heads (the spec checked that they divide
-    /// it), with a feed-forward net `ffn` wide.
-    pub fn new(heads: usize, width: usize, ffn: usize, dropout: f64, device: &Device) -> Self {
-        let linear = |fan_in, out| LinearConfig::new(fan_in, out).init(device);
+    /// it), with a feed-forward net `ffn` wide; `lora` gives each linear map's adapters (rank,
+    /// scale) by its field name, `None` for none.
+    pub fn new(
+        heads: usize,
+        width: usize,
+        ffn: usize,
+        dropout: f64,
+        lora: &dyn Fn(&str) -> Option<(usize, f64)>,
+        device: &Device,
+    ) -> Self {
+        let linear = |name, fan_in, out| Linear::new(fan_in, out, lora(name), device);
         TransformerBlock {
             norm_attention: LayerNormConfig::new(width).init(device),
-            query: linear(width, width),
-            key: linear(width, width),
-            value: linear(width, width),
-            output: linear(width, width),
+            query: linear("query", width, width),
+            key: linear("key", width, width),
+            value: linear("value", width, width),
+            output: linear("output", width, width),
             norm_ffn: LayerNormConfig::new(width).init(device),
-            ffn_inner: linear(width, ffn),
-            ffn_outer: linear(ffn, width),
+            ffn_inner: linear("ffn_inner", width, ffn),
+            ffn_outer: linear("ffn_outer", ffn, width),
             dropout: DropoutConfig::new(dropout).init(),
             heads,
         }

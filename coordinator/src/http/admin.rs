@@ -25,7 +25,7 @@ use starling_core::admin::{
     NewEnrollmentToken, PrivacyView, RoundDeviceView, RoundView, RunView,
 };
 use starling_core::codec;
-use starling_core::tensor::{TensorPayload, safetensors};
+use starling_core::tensor::{TensorPayload, f32_from_le_bytes, f32_to_le_bytes, safetensors};
 use starling_core::wire;
 
 /// The admin routes, each with its OpenAPI operation.
@@ -395,6 +395,9 @@ struct ExportQuery {
     /// `safetensors` (the default; tensors named and shaped as the run's schema, f32) or
     /// `payload` (the model as devices download it: CBOR, the schema id and the raw bytes).
     format: Option<String>,
+    /// For safetensors: `all` (the default; the model as trained), or for a LoRA run `merged`
+    /// (its base model with the adapters merged in) or `adapters` (the adapters alone).
+    part: Option<String>,
 }
 
 /// A committed model, for the operator: as a safetensors file to load anywhere, or as the raw
@@ -405,7 +408,7 @@ struct ExportQuery {
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
         (status = 404, description = "no such resource", body = ErrorBody),
         (status = 410, description = "not kept: the run's checkpoint interval gave this version up (model_not_kept)", body = ErrorBody),
-        (status = 422, description = "unknown format", body = ErrorBody),
+        (status = 422, description = "unknown format or part, or a LoRA part of a run without adapters", body = ErrorBody),
         (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
 async fn export_model(
     State(state): State<AppState>,
@@ -429,7 +432,13 @@ async fn export_model(
         ))
         .expect("a plain header value")
     };
+    let part = query.part.unwrap_or_else(|| "all".to_owned());
     if format == "payload" {
+        if part != "all" {
+            return Err(ApiError::invalid(format!(
+                "part {part:?}: a payload is the whole model as devices download it"
+            )));
+        }
         let headers = [
             (header::CONTENT_TYPE, HeaderValue::from_static(wire::CBOR_MEDIA_TYPE)),
             (header::CONTENT_DISPOSITION, attachment("cbor")),
@@ -449,8 +458,15 @@ async fn export_model(
             ("starling.run".to_owned(), run_id.to_string()),
             ("starling.model_version".to_owned(), version.to_string()),
             ("starling.content_hash".to_owned(), payload.content_hash()),
+            ("starling.part".to_owned(), part.clone()),
         ]);
-        Ok(safetensors::to_safetensors(schema, &payload.data, &metadata))
+        if part == "all" {
+            return Ok(safetensors::to_safetensors(schema, &payload.data, &metadata));
+        }
+        let values = f32_from_le_bytes(&payload.data);
+        let (schema, values) =
+            plan.export_part(&part, &values).map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(safetensors::to_safetensors(&schema, &f32_to_le_bytes(&values), &metadata))
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;

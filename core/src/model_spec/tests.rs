@@ -351,7 +351,7 @@ mod random_specs {
     proptest! {
         #[test]
         fn inference_never_overflows(input in input(), layers in proptest::collection::vec(layer(), 1..6)) {
-            let spec = ModelSpec { input, layers };
+            let spec = ModelSpec { input, layers, lora: None };
             if let Ok(schema) = spec.schema() {
                 schema.validate().unwrap();
                 let mut total: u128 = 0;
@@ -365,4 +365,129 @@ mod random_specs {
             }
         }
     }
+}
+
+fn lora_transformer(lora: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({"input": {"kind": "tokens", "vocab": 10, "length": 4}, "layers": [
+        {"kind": "embedding", "dim": 4},
+        {"kind": "transformer_block", "heads": 2, "width": 4, "ffn": 8},
+        {"kind": "last_step"}, {"kind": "linear", "out": 10}], "lora": lora})
+}
+
+#[test]
+fn lora_adds_two_tensors_after_each_targeted_linear_map() {
+    let lora = serde_json::json!({"rank": 2, "alpha": 4.0, "targets": ["*.query", "*.value", "layers.3.Linear"]});
+    check(
+        lora_transformer(lora),
+        expect![[r#"
+            layers.0.Embedding.weight [10, 4]
+            layers.1.TransformerBlock.norm_attention.gamma [4]
+            layers.1.TransformerBlock.norm_attention.beta [4]
+            layers.1.TransformerBlock.query.weight [4, 4]
+            layers.1.TransformerBlock.query.bias [4]
+            layers.1.TransformerBlock.query.lora_a [4, 2]
+            layers.1.TransformerBlock.query.lora_b [2, 4]
+            layers.1.TransformerBlock.key.weight [4, 4]
+            layers.1.TransformerBlock.key.bias [4]
+            layers.1.TransformerBlock.value.weight [4, 4]
+            layers.1.TransformerBlock.value.bias [4]
+            layers.1.TransformerBlock.value.lora_a [4, 2]
+            layers.1.TransformerBlock.value.lora_b [2, 4]
+            layers.1.TransformerBlock.output.weight [4, 4]
+            layers.1.TransformerBlock.output.bias [4]
+            layers.1.TransformerBlock.norm_ffn.gamma [4]
+            layers.1.TransformerBlock.norm_ffn.beta [4]
+            layers.1.TransformerBlock.ffn_inner.weight [4, 8]
+            layers.1.TransformerBlock.ffn_inner.bias [8]
+            layers.1.TransformerBlock.ffn_outer.weight [8, 4]
+            layers.1.TransformerBlock.ffn_outer.bias [4]
+            layers.3.Linear.weight [4, 10]
+            layers.3.Linear.bias [10]
+            layers.3.Linear.lora_a [4, 2]
+            layers.3.Linear.lora_b [2, 10]
+        "#]],
+    );
+}
+
+#[test]
+fn bad_lora_sections_are_refused_by_name() {
+    for (lora, expect) in [
+        (
+            serde_json::json!({"rank": 2, "alpha": 4.0, "targets": ["*.qeury"]}),
+            expect![[r#"
+                error: lora: target "*.qeury" matches no linear map (they are: layers.1.TransformerBlock.query, layers.1.TransformerBlock.key, layers.1.TransformerBlock.value, layers.1.TransformerBlock.output, layers.1.TransformerBlock.ffn_inner, layers.1.TransformerBlock.ffn_outer, layers.3.Linear)
+            "#]],
+        ),
+        (
+            serde_json::json!({"rank": 0, "alpha": 4.0, "targets": ["*.query"]}),
+            expect![[r#"
+            error: lora: rank must be in 1..=16777216
+        "#]],
+        ),
+        (
+            serde_json::json!({"rank": 2, "alpha": 0.0, "targets": ["*.query"]}),
+            expect![[r#"
+            error: lora: alpha must be positive and finite
+        "#]],
+        ),
+        (
+            serde_json::json!({"rank": 2, "alpha": 1.0, "targets": []}),
+            expect![[r#"
+            error: lora: targets must list 1..=256 patterns
+        "#]],
+        ),
+    ] {
+        check(lora_transformer(lora), expect);
+    }
+}
+
+/// The merged model is `W + (alpha / rank)·A·B` for each adapted weight, computed here by
+/// definition (row by column, in f64), and every other tensor as it was; its length is the base
+/// spec's.
+#[test]
+fn merging_lora_adds_the_scaled_low_rank_product_to_each_adapted_weight() {
+    let spec: ModelSpec = serde_json::from_value(lora_transformer(
+        serde_json::json!({"rank": 2, "alpha": 3.0, "targets": ["*.query", "layers.3.Linear"]}),
+    ))
+    .unwrap();
+    let schema = spec.schema().unwrap();
+    let values: Vec<f32> =
+        (0..schema.numel()).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+    let merged = spec.merge_lora(&values).unwrap();
+    let base = spec.without_lora();
+    assert_eq!(merged.len() as u64, base.schema().unwrap().numel());
+    // Each tensor's values by name, in the adapted model and in the merged one.
+    let by_name = |schema: &TensorSchema, values: &[f32]| {
+        let mut out = std::collections::BTreeMap::new();
+        let mut offset = 0;
+        for t in &schema.tensors {
+            let n = t.numel() as usize;
+            out.insert(t.name.clone(), (t.shape.clone(), values[offset..offset + n].to_vec()));
+            offset += n;
+        }
+        out
+    };
+    let adapted = by_name(&schema, &values);
+    let merged = by_name(&base.schema().unwrap(), &merged);
+    for (name, (shape, got)) in &merged {
+        let path = name.strip_suffix(".weight");
+        match path.and_then(|p| adapted.get(&format!("{p}.lora_a")).map(|a| (p, a))) {
+            Some((path, (_, a))) => {
+                let (_, b) = &adapted[&format!("{path}.lora_b")];
+                let (_, w) = &adapted[name];
+                let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let ab: f64 = (0..2)
+                            .map(|k| f64::from(a[r * 2 + k]) * f64::from(b[k * cols + c]))
+                            .sum();
+                        let want = f64::from(w[r * cols + c]) + 1.5 * ab;
+                        assert!((f64::from(got[r * cols + c]) - want).abs() < 1e-6, "{name}");
+                    }
+                }
+            }
+            None => assert_eq!(got, &adapted[name].1, "{name} is not adapted"),
+        }
+    }
+    assert!(merged.keys().all(|n| !n.contains("lora")));
 }

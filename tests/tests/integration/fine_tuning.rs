@@ -177,3 +177,150 @@ fn plan_schema(plan: &serde_json::Value) -> TensorSchema {
         serde_json::from_value(plan["model"]["spec"].clone()).unwrap();
     spec.schema().unwrap()
 }
+
+/// A small character transformer, with LoRA adapters on its attention's query and value maps
+/// and on its output layer when `lora` is set.
+fn char_transformer(lora: bool) -> starling_core::model_spec::ModelSpec {
+    let mut spec = serde_json::json!({
+        "input": {"kind": "tokens", "vocab": 80, "length": 20},
+        "layers": [{"kind": "embedding", "dim": 16}, {"kind": "position_embedding"},
+            {"kind": "transformer_block", "heads": 2, "width": 16, "ffn": 32},
+            {"kind": "layer_norm"}, {"kind": "last_step"}, {"kind": "linear", "out": 80}]
+    });
+    if lora {
+        spec["lora"] = serde_json::json!({"rank": 4, "alpha": 8.0, "targets": ["*.query", "*.value", "layers.5.Linear"]});
+    }
+    serde_json::from_value(spec).unwrap()
+}
+
+/// A base model pretrained centrally on one Shakespeare role is fine-tuned federated with LoRA
+/// by SDK devices holding two other roles: devices upload the adapters alone, the base stays
+/// as pretrained in every model, and the run exports the merged model (`W + (alpha/r)·A·B`,
+/// as core computes it) and the adapters alone; the merged model predicts the devices' roles
+/// better than the base did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_fine_tuning_sends_only_adapters_and_exports_the_merged_model() {
+    use starling_client::model::{ModelIo, SpecModel};
+    use starling_client::train::{LocalOptimizer, TrainingPlan, evaluate, train};
+    use starling_core::tensor::safetensors;
+    let roles = data::shakespeare_roles(&shared_data().join("shakespeare_roles")).unwrap();
+    let role = |id: &str| roles.iter().find(|r| r.id == id).unwrap();
+    let examples = |id: &str| data::next_char_examples(&role(id).text, 20, 400);
+
+    // Pretraining, centrally, on Hamlet.
+    let (base, lora) = (char_transformer(false), char_transformer(true));
+    let io = ModelIo::of_spec(&base).unwrap();
+    let device = Device::flex().autodiff();
+    let model = SpecModel::build(&base, &device)
+        .unwrap()
+        .load_parameters(&base.initial_parameters(1).unwrap())
+        .unwrap();
+    let config = TrainingPlan {
+        epochs: 3,
+        batch_size: 32,
+        lr: 0.005,
+        optimizer: LocalOptimizer::Adam,
+        ..Default::default()
+    };
+    let hamlet = examples("hamlet/HAMLET");
+    let (pretrained, _) = train(model, io, &hamlet, &config, &device, &mut |_| {}).unwrap();
+    let pretrained = pretrained.parameters();
+    // The LoRA model starts as the pretrained one: its base tensors, adapters from the spec
+    // (B zero).
+    let lora_schema = lora.schema().unwrap();
+    let mut initial = lora.initial_parameters(2).unwrap();
+    let (mut at, mut from) = (0, 0);
+    for t in &lora_schema.tensors {
+        let n = t.numel() as usize;
+        if !t.name.contains(".lora_") {
+            initial[at..at + n].copy_from_slice(&pretrained[from..from + n]);
+            from += n;
+        }
+        at += n;
+    }
+    assert_eq!(from, pretrained.len());
+
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    use base64::Engine;
+    let plan = serde_json::json!({
+        "model": {"spec": lora, "init": {"kind": "parameters", "data_base64":
+            base64::engine::general_purpose::STANDARD.encode(starling_core::tensor::f32_to_le_bytes(&initial))}},
+        "training": {"epochs": 2, "batch_size": 32, "lr": 0.01, "optimizer": "adam"},
+        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 2,
+    });
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let token = c.admin.enrollment_token(2).await.unwrap();
+    let device_roles = ["romeo-and-juliet/ROMEO", "macbeth/MACBETH"];
+    let mut devices = vec![];
+    for id in device_roles {
+        let (train_set, hold) = examples(id).split_holdout(0.1, 1);
+        let mut p = Participant::new(&c.url, "default", train_set, hold, Device::flex().autodiff());
+        p.enroll(&token).await.unwrap();
+        devices.push(tokio::spawn(async move {
+            let mut uploaded = 0;
+            while uploaded < 2 {
+                match p.participate(Box::new(|_| {})).await.unwrap() {
+                    Outcome::Uploaded { .. } => uploaded += 1,
+                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
+                    other => panic!("a training run open to every device: {other:?}"),
+                }
+            }
+        }));
+    }
+    for d in devices {
+        d.await.unwrap();
+    }
+    let observer = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    let last = model_values(&observer, &wait_model(&c.admin, run, 2).await.unwrap(), &lora_schema)
+        .await
+        .unwrap();
+    let mut offset = 0;
+    for t in &lora_schema.tensors {
+        let n = t.numel() as usize;
+        let (was, is) = (&initial[offset..offset + n], &last[offset..offset + n]);
+        if t.name.ends_with(".lora_b") {
+            assert_ne!(was, is, "{} trains", t.name);
+        } else if !t.name.contains(".lora_") {
+            assert_eq!(was, is, "{} is the pretrained base's", t.name);
+        }
+        offset += n;
+    }
+
+    // The exports: the merged model in the base's schema, and the adapters alone.
+    let merged_file = c.admin.model_part_file(run, 2, "merged").await.unwrap();
+    let merged = f32_from_le_bytes(
+        &safetensors::from_safetensors(&base.schema().unwrap(), &merged_file).unwrap(),
+    );
+    assert_eq!(merged, lora.merge_lora(&last).unwrap());
+    let adapters_file = c.admin.model_part_file(run, 2, "adapters").await.unwrap();
+    let adapter_schema = TensorSchema {
+        tensors: lora_schema
+            .tensors
+            .iter()
+            .filter(|t| t.name.contains(".lora_"))
+            .cloned()
+            .collect(),
+    };
+    assert_eq!(adapter_schema.tensors.len(), 6);
+    safetensors::from_safetensors(&adapter_schema, &adapters_file).unwrap();
+    // A part of a model that has no adapters is refused by name.
+    let refused = c.admin.model_part_file(run, 2, "everything").await;
+    assert_eq!(api_code(refused), Some(ErrorCode::InvalidField));
+
+    // The merged model predicts the devices' roles better than the pretrained base did.
+    let flex = Device::flex();
+    let loss = |values: &[f32], id: &str| {
+        let model = SpecModel::build(&base, &flex).unwrap().load_parameters(values).unwrap();
+        evaluate(&model, io, &examples(id), &flex).unwrap().loss
+    };
+    for id in device_roles {
+        let (before, after) = (loss(&pretrained, id), loss(&merged, id));
+        eprintln!("{id}: next-character loss {before:.3} pretrained, {after:.3} fine-tuned");
+        assert!(after < before, "{id}: {before} -> {after}");
+    }
+    c.running.shutdown().await.unwrap();
+}

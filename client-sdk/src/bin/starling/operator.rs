@@ -108,6 +108,10 @@ enum ModelsCommand {
         /// `safetensors` (named f32 tensors) or `payload` (the CBOR payload devices download).
         #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "payload"])]
         format: String,
+        /// With safetensors: `all` (the model as trained), or for a LoRA run `merged` (the base
+        /// model with the adapters merged in) or `adapters` (the adapters alone).
+        #[arg(long, default_value = "all", value_parser = ["all", "merged", "adapters"])]
+        part: String,
         /// The file to write.
         #[arg(long, short)]
         out: PathBuf,
@@ -236,13 +240,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Models(ModelsCommand::Export { run, version, format, out: path }) => {
+        Command::Models(ModelsCommand::Export { run, version, format, part, out: path }) => {
             let run = RunId(run);
             let version = match version {
                 Some(v) => v,
                 None => admin.run(run).await?.model_version,
             };
-            let bytes = admin.model_file(run, version, &format).await?;
+            let bytes = match part.as_str() {
+                "all" => admin.model_file(run, version, &format).await?,
+                part if format == "safetensors" => {
+                    admin.model_part_file(run, version, part).await?
+                }
+                part => anyhow::bail!("--part {part} needs --format safetensors"),
+            };
             std::fs::write(&path, &bytes).with_context(|| format!("writing {}", path.display()))?;
             writeln!(
                 out,
