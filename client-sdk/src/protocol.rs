@@ -496,6 +496,41 @@ impl AdminClient {
         self.send(reqwest::Method::GET, &path::admin_models(run), None).await
     }
 
+    /// Imports a pretrained model, `file` a safetensors file of F32 tensors, under `name`; a
+    /// plan starts from it with `init` `{"kind": "base_model", "hash": <its content_hash>}`.
+    pub async fn import_base_model(
+        &self,
+        name: &str,
+        file: Vec<u8>,
+    ) -> Result<starling_core::admin::BaseModelView, ClientError> {
+        let url = reqwest::Url::parse_with_params(
+            &format!("{}/v1/admin/base-models", self.base),
+            [("name", name)],
+        )
+        .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let res = self
+            .http
+            .post(url)
+            .header(AUTHORIZATION, format!("Bearer {}", self.token))
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(file)
+            .send()
+            .await?;
+        let status = res.status();
+        let bytes = res.bytes().await?;
+        if !status.is_success() {
+            return Err(api_error(status, &bytes));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Every imported pretrained model.
+    pub async fn base_models(
+        &self,
+    ) -> Result<Vec<starling_core::admin::BaseModelView>, ClientError> {
+        self.send(reqwest::Method::GET, "/v1/admin/base-models", None).await
+    }
+
     /// A committed model as a file: `safetensors`, or `payload` (the CBOR devices download).
     pub async fn model_file(
         &self,

@@ -41,6 +41,7 @@ macro_rules! still_to_be_written {
     };
 }
 
+mod base_models;
 mod devices;
 mod evaluations;
 mod leadership;
@@ -49,6 +50,7 @@ mod runs;
 mod secure;
 mod updates;
 
+pub use base_models::BaseModelInfo;
 pub use devices::{DeviceAccess, EnrollmentTokenRow};
 pub use evaluations::{
     AggregateEvaluationRow, CENTRAL_EVALUATION_PREFIX, EVALUATION_ROUND_PREFIX, EvaluationRow,

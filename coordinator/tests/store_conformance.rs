@@ -65,6 +65,7 @@ conformance!(
     a_device_keeps_the_identity_key_it_enrolled_with,
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
+    an_imported_model_is_kept_once_by_its_hash,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -938,4 +939,28 @@ async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: 
     expected.round_ended([d1, d3], false);
     assert_eq!(strikes, expected);
     assert!(!strikes.quarantines(d1), "two refused rounds; the third failed otherwise");
+}
+
+/// An imported model comes back by its hash with its tensors and values; importing it again
+/// keeps the first import; the list has each model once, oldest first.
+async fn an_imported_model_is_kept_once_by_its_hash(store: SqlStore) {
+    use starling_core::tensor::{DType, TensorSchema, TensorSpec};
+    let schema = TensorSchema {
+        tensors: vec![
+            TensorSpec { name: "a".into(), shape: vec![2, 2], dtype: DType::F32 },
+            TensorSpec { name: "b".into(), shape: vec![3], dtype: DType::F32 },
+        ],
+    };
+    let data: Vec<u8> = (0..28).collect();
+    assert_eq!(store.base_model("h1").await.unwrap(), None);
+    store.put_base_model("h1", "first", &schema, &data, 1_000).await.unwrap();
+    store.put_base_model("h1", "again", &schema, &data, 2_000).await.unwrap();
+    store.put_base_model("h2", "second", &schema, &data[..16], 3_000).await.unwrap();
+    let (info, values) = store.base_model("h1").await.unwrap().unwrap();
+    assert_eq!((info.name.as_str(), info.bytes, info.created_at_ms), ("first", 28, 1_000));
+    assert_eq!(info.schema().unwrap(), schema);
+    assert_eq!(values, data);
+    let listed: Vec<(String, i64)> =
+        store.base_models().await.unwrap().into_iter().map(|b| (b.name, b.bytes)).collect();
+    assert_eq!(listed, [("first".to_owned(), 28), ("second".to_owned(), 16)]);
 }

@@ -266,6 +266,42 @@ pub struct ModelView {
     /// Central evaluations: the server side's held-out sets, by evaluator.
     #[serde(default)]
     pub central: Vec<CentralEvaluation>,
+    /// How the devices' own accuracies spread, each reporting device counting once (a
+    /// personalized run's devices evaluate with their own local tensors); absent without two
+    /// device reports of accuracy. Pooled reports (a secure cohort's) are not in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_accuracy: Option<DeviceSpread>,
+}
+
+/// How a metric spreads across devices, each counting once.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSpread {
+    /// Devices.
+    pub devices: u64,
+    /// Their mean (unweighted).
+    pub mean: f64,
+    /// Their standard deviation (population, around `mean`).
+    pub std: f64,
+    /// The lowest.
+    pub min: f64,
+    /// The highest.
+    pub max: f64,
+}
+
+impl DeviceSpread {
+    /// The spread of `values`; `None` for fewer than two.
+    pub fn of(values: &[f64]) -> Option<Self> {
+        if values.len() < 2 {
+            return None;
+        }
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        Some(DeviceSpread { devices: values.len() as u64, mean, std, min, max })
+    }
 }
 
 /// A central evaluator's evaluation of one model version on its held-out set
@@ -301,4 +337,21 @@ pub struct RoundDeviceView {
     pub reported: Option<String>,
     /// The example count (FedAvg weight) of its upload, for `update`.
     pub example_count: Option<i64>,
+}
+
+/// A pretrained model an operator imported (`POST /v1/admin/base-models`), which a plan's
+/// `init` names by `content_hash` (`{"kind": "base_model", "hash": ...}`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BaseModelView {
+    /// Content hash: SHA-256 of the schema id and the values, as a run's models are addressed.
+    pub content_hash: String,
+    /// The name it was imported under.
+    pub name: String,
+    /// Its tensors, in the order of their data in the file.
+    pub schema: crate::tensor::TensorSchema,
+    /// Its values' bytes.
+    pub bytes: u64,
+    /// Import time.
+    pub created_at_ms: i64,
 }

@@ -222,6 +222,18 @@ pub enum InitSpec {
         /// The encoded values.
         data_base64: String,
     },
+    /// A pretrained model the operator imported (`starling models import`), by content hash:
+    /// each tensor of the run's model takes the base's tensor of its name, which must have its
+    /// shape. The base must hold every tensor of the model but LoRA adapters, which start as
+    /// `seeded` with `seed` does; it may hold more (a model's head replaced, say), which are
+    /// left out.
+    BaseModel {
+        /// The imported model's content hash.
+        hash: String,
+        /// Seed of the adapters' initialization.
+        #[serde(default)]
+        seed: u64,
+    },
 }
 
 /// A plan that passed validation, with defaults resolved.
@@ -869,16 +881,52 @@ impl ValidatedPlan {
         serde_json::to_string(&self.plan.training).expect("a training plan serializes")
     }
 
+    /// The imported model `init` names, if it names one: what [`Self::initial_parameters`]
+    /// needs looked up.
+    pub fn base_model_hash(&self) -> Option<&str> {
+        match &self.plan.model.init {
+            InitSpec::BaseModel { hash, .. } => Some(hash),
+            _ => None,
+        }
+    }
+
     /// Builds model version 0.
     ///
     /// `decode_base64` is passed in because the core has no base64 dependency of its own;
-    /// it returns `None` on malformed input.
+    /// it returns `None` on malformed input. `base` is the imported model `init` names (its
+    /// tensors and values), looked up by the caller; `None` when it names none or it is not
+    /// imported.
+    pub fn initial_parameters_from(
+        &self,
+        decode_base64: impl FnOnce(&str) -> Option<Vec<u8>>,
+        base: Option<(&TensorSchema, &[f32])>,
+    ) -> Result<Vec<f32>, PlanError> {
+        let schema = self.schema();
+        if let InitSpec::BaseModel { hash, seed } = &self.plan.model.init {
+            let (base_schema, base_values) = base.ok_or_else(|| {
+                field("model.init.hash", format!("no imported model has content hash {hash}"))
+            })?;
+            let adapters = match self.model_spec() {
+                Some(spec) => spec.initial_parameters(*seed)?,
+                None => seeded_init(schema, *seed),
+            };
+            return parts::from_base(schema, base_schema, base_values, &adapters);
+        }
+        self.initial_parameters(decode_base64)
+    }
+
+    /// Builds model version 0 from anything but an imported model (see
+    /// [`Self::initial_parameters_from`]).
     pub fn initial_parameters(
         &self,
         decode_base64: impl FnOnce(&str) -> Option<Vec<u8>>,
     ) -> Result<Vec<f32>, PlanError> {
         let schema = self.schema();
         match &self.plan.model.init {
+            InitSpec::BaseModel { hash, .. } => Err(field(
+                "model.init.hash",
+                format!("model {hash} is imported: its values come from the store"),
+            )),
             InitSpec::Zeros {} => Ok(vec![0.0; schema.numel() as usize]),
             InitSpec::Seeded { seed } => match self.model_spec() {
                 Some(spec) => Ok(spec.initial_parameters(*seed)?),

@@ -58,6 +58,16 @@ export interface ModelView {
   evaluation: Record<string, number>;
   /** Central evaluations: evaluators' own held-out sets (`starling-client evaluate`, the simulator). */
   central?: CentralEvaluation[];
+  /** How devices' own accuracies spread (each device once; a personalized run's with its own local tensors). */
+  device_accuracy?: DeviceSpread;
+}
+
+export interface DeviceSpread {
+  devices: number;
+  mean: number;
+  std: number;
+  min: number;
+  max: number;
 }
 
 export interface CentralEvaluation {

@@ -3,7 +3,7 @@
 import uPlot from 'uplot';
 import 'uplot/dist/uPlot.min.css';
 import './style.css';
-import { Api, EnrollmentTokenView, LiveEvent, ModelFormat, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
+import { Api, DeviceSpread, EnrollmentTokenView, LiveEvent, ModelFormat, ModelView, PopulationSample, RoundView, RunView, Unauthorized } from './api';
 
 const TOKEN_KEY = 'starling-operator-token';
 const $ = <T extends HTMLElement>(id: string) => document.getElementById(id) as T;
@@ -180,6 +180,13 @@ function centralAccuracy(model: ModelView | undefined): number | undefined {
   return accuracies.length ? accuracies.reduce((a, b) => a + b, 0) / accuracies.length : undefined;
 }
 
+/** Devices' accuracies on a model: their mean ± standard deviation, and the lowest and highest. */
+function deviceSpread(spread: DeviceSpread | undefined): string {
+  if (!spread) return '–';
+  const p = (v: number) => (v * 100).toFixed(1);
+  return `${p(spread.mean)}% ± ${p(spread.std)} (${p(spread.min)}–${p(spread.max)}%, ${spread.devices} devices)`;
+}
+
 /** Committed models, newest first, each with its evaluations and downloads. */
 function renderModels(run: RunView, models: ModelView[]): void {
   const body = $('models').querySelector('tbody')!;
@@ -192,6 +199,7 @@ function renderModels(run: RunView, models: ModelView[]): void {
     cell(row, pct(m.evaluation.accuracy));
     cell(row, pct(centralAccuracy(m)));
     cell(row, (m.central ?? []).map((c) => c.evaluator).join(', ') || '–');
+    cell(row, deviceSpread(m.device_accuracy));
     const actions = row.insertCell();
     if (m.given_up) {
       // Its run's checkpoint interval gave its bytes up: nothing to download.

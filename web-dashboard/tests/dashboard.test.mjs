@@ -156,6 +156,13 @@ test('a run trains live: it appears, its curves fill in round by round without a
   const reported = models[ROUNDS].central[0].metrics.accuracy;
   await waitFor('the final model\'s central accuracy', async () =>
     (await finalCentral.textContent()) === `${(reported * 100).toFixed(1)}%`);
+  // Each model the devices evaluated shows how their accuracies spread, as the API computes it.
+  const spread = models.find((m) => m.device_accuracy);
+  assert.ok(spread, 'a model with two or more device evaluations');
+  const { mean, std, min, max, devices } = spread.device_accuracy;
+  const p = (v) => (v * 100).toFixed(1);
+  assert.equal(await page.locator(`#models tbody tr[data-version="${spread.version}"] td`).nth(5).textContent(),
+    `${p(mean)}% ± ${p(std)} (${p(min)}–${p(max)}%, ${devices} devices)`);
   await page.screenshot({ path: join(artifacts, 'finished-run.png'), fullPage: true });
 
   // Every committed model can be downloaded: the file is the model the admin API serves.

@@ -21,8 +21,9 @@ use crate::observe::RoundCounters;
 use crate::store::{CENTRAL_EVALUATION_PREFIX, ModelInfo, RoundRow, RunRow};
 use starling_core::DeviceId;
 use starling_core::admin::{
-    CentralEvaluation, DeviceView, EnrollmentToken, EnrollmentTokenView, ModelView,
-    NewEnrollmentToken, PrivacyView, RoundDeviceView, RoundView, RunView,
+    BaseModelView, CentralEvaluation, DeviceSpread, DeviceView, EnrollmentToken,
+    EnrollmentTokenView, ModelView, NewEnrollmentToken, PrivacyView, RoundDeviceView, RoundView,
+    RunView,
 };
 use starling_core::codec;
 use starling_core::tensor::{TensorPayload, f32_from_le_bytes, f32_to_le_bytes, safetensors};
@@ -39,6 +40,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(list_round_devices))
         .routes(routes!(list_models))
         .routes(routes!(export_model))
+        .routes(routes!(import_base_model, list_base_models))
         .routes(routes!(report_central_evaluation))
         .routes(routes!(stop_run))
         .routes(routes!(list_devices))
@@ -171,10 +173,20 @@ async fn create_run(
             ),
         ));
     }
+    // An imported base model is read before anything else is done with it.
+    let base = match plan.base_model_hash() {
+        Some(hash) => state.store().base_model(hash).await?,
+        None => None,
+    };
+    let base = match base {
+        Some((info, data)) => Some((info.schema()?, f32_from_le_bytes(&data))),
+        None => None,
+    };
     // Initialization and encoding are O(model): keep them off the async threads.
     let (plan, initial) = tokio::task::spawn_blocking(move || {
-        let values =
-            plan.initial_parameters(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())?;
+        let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s).ok();
+        let base = base.as_ref().map(|(schema, values)| (schema, values.as_slice()));
+        let values = plan.initial_parameters_from(decode, base)?;
         let initial = InitialModel::new(plan.schema(), values);
         Ok::<_, starling_core::plan::PlanError>((plan, initial))
     })
@@ -339,9 +351,13 @@ async fn list_models(
 ) -> Result<AppJson<Vec<ModelView>>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
     let mut evals: BTreeMap<i64, (u64, MetricsAccumulator)> = BTreeMap::new();
+    let mut device_accuracies: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
     for e in state.store().evaluations(run_id).await? {
         let metrics: BTreeMap<String, f64> =
             serde_json::from_str(&e.metrics_json).unwrap_or_default();
+        if let Some(&accuracy) = metrics.get("accuracy") {
+            device_accuracies.entry(e.model_version).or_default().push(accuracy);
+        }
         let entry = evals.entry(e.model_version).or_default();
         entry.0 += 1;
         entry.1.add(e.example_count as u64, &metrics);
@@ -382,6 +398,9 @@ async fn list_models(
                 n_evaluations: n,
                 evaluation: acc.finish(),
                 central: central.remove(&m.version).unwrap_or_default(),
+                device_accuracy: device_accuracies
+                    .get(&m.version)
+                    .and_then(|a| DeviceSpread::of(a)),
             }
         })
         .collect();
@@ -475,6 +494,81 @@ async fn export_model(
         (header::CONTENT_DISPOSITION, attachment("safetensors")),
     ];
     Ok((headers, file).into_response())
+}
+
+/// How `POST /v1/admin/base-models` names the model.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct ImportQuery {
+    /// A name for people (1..=128 bytes); the model is addressed by its content hash.
+    name: String,
+}
+
+/// Imports a pretrained model (a safetensors file of F32 tensors, as the body) for plans to
+/// start from (`init`: `{"kind": "base_model", "hash": ...}`); answers with its content hash.
+/// Importing the same model again answers with the first import.
+#[utoipa::path(post, path = "/v1/admin/base-models", tag = "admin", security(("operator" = [])),
+    params(ImportQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "a safetensors file of F32 tensors"),
+    responses((status = 201, description = "imported (or imported before)", body = BaseModelView),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 413, description = "larger than this coordinator's --max-model-bytes", body = ErrorBody),
+        (status = 422, description = "not a safetensors file of finite F32 tensors, or a bad name", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn import_base_model(
+    State(state): State<AppState>,
+    _op: Operator,
+    Query(query): Query<ImportQuery>,
+    body: axum::body::Body,
+) -> Result<(StatusCode, AppJson<BaseModelView>), ApiError> {
+    if query.name.is_empty() || query.name.len() > 128 {
+        return Err(ApiError::invalid("name must be 1..=128 bytes"));
+    }
+    // The header, at most a few hundred bytes a tensor, on top of the values.
+    let limit =
+        usize::try_from(state.inner.max_model_bytes).unwrap_or(usize::MAX).saturating_add(1 << 20);
+    let file = state.read_body(body, limit).await?;
+    let (schema, data, hash) = tokio::task::spawn_blocking(move || {
+        let (schema, data) =
+            safetensors::read_safetensors(&file).map_err(|e| ApiError::invalid(e.to_string()))?;
+        schema.check_f32_bytes(&data).map_err(|e| ApiError::invalid(e.to_string()))?;
+        // Addressed as a run's models are: a run started from it and its v0 share the hash.
+        let payload = TensorPayload { schema_id: schema.schema_id(), data };
+        let hash = payload.content_hash();
+        Ok::<_, ApiError>((schema, payload.data, hash))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    state.store().put_base_model(&hash, &query.name, &schema, &data, now_ms()).await?;
+    let (info, _) = state
+        .store()
+        .base_model(&hash)
+        .await?
+        .ok_or_else(|| ApiError::internal(&"an imported model vanished"))?;
+    Ok((StatusCode::CREATED, AppJson(base_model_view(&info)?)))
+}
+
+/// Every imported pretrained model, oldest first.
+#[utoipa::path(get, path = "/v1/admin/base-models", tag = "admin", security(("operator" = [])),
+    responses((status = 200, description = "the imported models", body = Vec<BaseModelView>),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn list_base_models(
+    State(state): State<AppState>,
+    _op: Operator,
+) -> Result<AppJson<Vec<BaseModelView>>, ApiError> {
+    let rows = state.store().base_models().await?;
+    Ok(AppJson(rows.iter().map(base_model_view).collect::<Result<_, _>>()?))
+}
+
+fn base_model_view(info: &crate::store::BaseModelInfo) -> Result<BaseModelView, ApiError> {
+    Ok(BaseModelView {
+        content_hash: info.content_hash.clone(),
+        name: info.name.clone(),
+        schema: info.schema()?,
+        bytes: info.bytes as u64,
+        created_at_ms: info.created_at_ms,
+    })
 }
 
 /// A central evaluator reports its evaluation of a committed model on its held-out set

@@ -168,3 +168,52 @@ impl ModelParts {
         model
     }
 }
+
+/// A model of `schema` whose tensors are the base's tensors of the same names (`base_values`,
+/// laid out in `base_schema`), and whose LoRA adapters, which no base has, are `adapters`'
+/// (a whole model's initialization, laid out in `schema`). A tensor of the model that the base
+/// lacks, or has in another shape, is refused by name.
+pub(super) fn from_base(
+    schema: &TensorSchema,
+    base_schema: &TensorSchema,
+    base_values: &[f32],
+    adapters: &[f32],
+) -> Result<Vec<f32>, PlanError> {
+    let mut in_base = std::collections::HashMap::new();
+    let mut offset = 0usize;
+    for t in &base_schema.tensors {
+        let n = t.numel() as usize;
+        in_base.insert(t.name.as_str(), (t, offset..offset + n));
+        offset += n;
+    }
+    let mut out = Vec::with_capacity(schema.numel() as usize);
+    let mut at = 0usize;
+    for t in &schema.tensors {
+        let n = t.numel() as usize;
+        match in_base.get(t.name.as_str()) {
+            Some((b, range)) if b.shape == t.shape => {
+                out.extend_from_slice(&base_values[range.clone()])
+            }
+            Some((b, _)) => {
+                return Err(field(
+                    "model.init.hash",
+                    format!(
+                        "the base model's {} is {:?}, the run's model needs {:?}",
+                        t.name, b.shape, t.shape
+                    ),
+                ));
+            }
+            None if t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b") => {
+                out.extend_from_slice(&adapters[at..at + n])
+            }
+            None => {
+                return Err(field(
+                    "model.init.hash",
+                    format!("the base model has no tensor {} of the run's model", t.name),
+                ));
+            }
+        }
+        at += n;
+    }
+    Ok(out)
+}

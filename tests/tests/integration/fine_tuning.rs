@@ -324,3 +324,111 @@ async fn lora_fine_tuning_sends_only_adapters_and_exports_the_merged_model() {
     }
     c.running.shutdown().await.unwrap();
 }
+
+/// Each model's view gives how the devices' own accuracies spread, each device once: here
+/// 0.5, 0.75 and 1.0, whose population standard deviation is √(2·0.25² / 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_view_gives_the_spread_of_its_device_accuracies() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let run = RunId(c.admin.create_run(&PlanSpec::all_of(3, 4, 1).json()).await.unwrap().id);
+    let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (device, (accuracy, examples)) in devices.iter().zip([(0.5, 10), (0.75, 200), (1.0, 30)]) {
+        let report = starling_core::wire::EvaluationReport {
+            model_version: tasks[0].model_version,
+            example_count: examples,
+            metrics: [("accuracy".to_owned(), accuracy), ("loss".to_owned(), 1.0)].into(),
+        };
+        device.evaluate(run, &report).await.unwrap();
+    }
+    let models = c.admin.models(run).await.unwrap();
+    let spread = models[0].device_accuracy.expect("three device evaluations");
+    assert_eq!((spread.devices, spread.min, spread.max), (3, 0.5, 1.0));
+    assert!((spread.mean - 0.75).abs() < 1e-12, "{spread:?}");
+    assert!((spread.std - (2.0 * 0.25f64.powi(2) / 3.0).sqrt()).abs() < 1e-12, "{spread:?}");
+    // The federated accuracy beside it stays example-weighted: (5 + 150 + 30) / 240.
+    assert!((models[0].evaluation["accuracy"] - 185.0 / 240.0).abs() < 1e-12);
+    c.running.shutdown().await.unwrap();
+}
+
+/// An operator imports a pretrained model as safetensors and a plan starts from it by content
+/// hash: version 0 holds the imported tensors by name (in the run's order, whatever the file's),
+/// and the LoRA adapters the base lacks start from the plan's seed. Importing it again gives
+/// the same hash; a file that is not one of F32 tensors, a hash nobody imported and a model
+/// with a tensor the base lacks are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_starts_from_an_imported_model_named_by_its_hash() {
+    use starling_core::tensor::safetensors;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let (base, lora) = (char_transformer(false), char_transformer(true));
+    let base_schema = base.schema().unwrap();
+    let pretrained: Vec<f32> =
+        (0..base_schema.numel()).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 2048.0).collect();
+    // The file lists the tensors in reverse: names, not positions, place them.
+    let reversed = TensorSchema { tensors: base_schema.tensors.iter().rev().cloned().collect() };
+    let mut by_name = vec![];
+    let mut offset = 0;
+    let mut chunks = vec![];
+    for t in &base_schema.tensors {
+        let n = t.numel() as usize;
+        chunks.push(pretrained[offset..offset + n].to_vec());
+        offset += n;
+    }
+    for chunk in chunks.iter().rev() {
+        by_name.extend_from_slice(chunk);
+    }
+    let file = safetensors::to_safetensors(
+        &reversed,
+        &starling_core::tensor::f32_to_le_bytes(&by_name),
+        &Default::default(),
+    );
+    let imported = c.admin.import_base_model("char transformer", file.clone()).await.unwrap();
+    assert_eq!(imported.schema.tensors.len(), base_schema.tensors.len());
+    let again = c.admin.import_base_model("the same again", file).await.unwrap();
+    assert_eq!(
+        (again.content_hash.as_str(), again.name.as_str()),
+        (imported.content_hash.as_str(), "char transformer")
+    );
+    assert_eq!(c.admin.base_models().await.unwrap().len(), 1);
+    let refused = c.admin.import_base_model("not a model", b"not safetensors".to_vec()).await;
+    assert_eq!(api_code(refused), Some(ErrorCode::InvalidField));
+
+    let plan = |spec: &starling_core::model_spec::ModelSpec, hash: &str| {
+        serde_json::json!({
+            "model": {"spec": spec, "init": {"kind": "base_model", "hash": hash, "seed": 4}},
+            "cohort_size": 1, "rounds": 1,
+        })
+    };
+    let run = RunId(c.admin.create_run(&plan(&lora, &imported.content_hash)).await.unwrap().id);
+    let observer = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    let lora_schema = lora.schema().unwrap();
+    let initial =
+        model_values(&observer, &wait_model(&c.admin, run, 0).await.unwrap(), &lora_schema)
+            .await
+            .unwrap();
+    let seeded = lora.initial_parameters(4).unwrap();
+    let (mut at, mut from) = (0, 0);
+    for t in &lora_schema.tensors {
+        let n = t.numel() as usize;
+        if t.name.contains(".lora_") {
+            assert_eq!(initial[at..at + n], seeded[at..at + n], "{} from the seed", t.name);
+        } else {
+            assert_eq!(initial[at..at + n], pretrained[from..from + n], "{} imported", t.name);
+            from += n;
+        }
+        at += n;
+    }
+
+    let refused = c.admin.create_run(&plan(&lora, &"0".repeat(64))).await;
+    let err = refused.unwrap_err().to_string();
+    assert!(err.contains("no imported model has content hash"), "{err}");
+    let mut wider = serde_json::to_value(&base).unwrap();
+    wider["layers"][2]["ffn"] = 64.into();
+    let wider: starling_core::model_spec::ModelSpec = serde_json::from_value(wider).unwrap();
+    let err =
+        c.admin.create_run(&plan(&wider, &imported.content_hash)).await.unwrap_err().to_string();
+    assert!(err.contains("ffn_inner.weight is [16, 32], the run's model needs [16, 64]"), "{err}");
+    c.running.shutdown().await.unwrap();
+}

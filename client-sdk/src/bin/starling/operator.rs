@@ -98,6 +98,22 @@ enum ModelsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Import a pretrained model (a safetensors file of F32 tensors) for plans to start
+    /// from: prints its content hash, which a plan's `init` names
+    /// (`{"kind": "base_model", "hash": ...}`).
+    Import {
+        /// The safetensors file.
+        file: PathBuf,
+        /// A name for people.
+        #[arg(long)]
+        name: String,
+    },
+    /// List the imported pretrained models.
+    Bases {
+        /// Print JSON rather than a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Download a committed model.
     Export {
         /// The run.
@@ -236,6 +252,37 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         percent(m.evaluation.get("accuracy").copied()),
                         percent(central_accuracy(m)),
                         &m.content_hash[..m.content_hash.len().min(16)]
+                    )?;
+                }
+            }
+        }
+        Command::Models(ModelsCommand::Import { file, name }) => {
+            let bytes =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let base = admin.import_base_model(&name, bytes).await?;
+            writeln!(
+                out,
+                "{} ({}: {} tensors, {} bytes)",
+                base.content_hash,
+                base.name,
+                base.schema.tensors.len(),
+                base.bytes
+            )?;
+        }
+        Command::Models(ModelsCommand::Bases { json }) => {
+            let bases = admin.base_models().await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&bases)?)?;
+            } else {
+                writeln!(out, "{:<64}  {:>8}  {:>12}  name", "content hash", "tensors", "bytes")?;
+                for b in bases {
+                    writeln!(
+                        out,
+                        "{:<64}  {:>8}  {:>12}  {}",
+                        b.content_hash,
+                        b.schema.tensors.len(),
+                        b.bytes,
+                        b.name
                     )?;
                 }
             }
