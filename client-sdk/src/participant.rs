@@ -45,6 +45,7 @@ use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, tra
 
 pub use local_part::{LocalPart, LocalTensor};
 
+mod base_model;
 mod local_part;
 
 /// Attempts per request on transient failures.
@@ -406,6 +407,8 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     device: Device,
     state: ParticipantState,
     cached_model: Option<(String, Arc<Vec<f32>>)>,
+    /// The pretrained model the last task's frozen tensors came from, by content hash.
+    cached_base: Option<(String, Arc<base_model::BaseModel>)>,
     factory: Arc<F>,
     /// The device's conditions: reported at check-in, and checked against the task's
     /// requirements before downloading, evaluating and training. Shared, so that an app can change
@@ -512,6 +515,7 @@ impl Participant<FromPlan> {
             device,
             state: ParticipantState::default(),
             cached_model: None,
+            cached_base: None,
             factory: Arc::new(FromPlan),
             attributes: Arc::default(),
             state_file: None,
@@ -535,6 +539,7 @@ impl<F: ModelFactory> Participant<F> {
             device: self.device,
             state: self.state,
             cached_model: self.cached_model,
+            cached_base: self.cached_base,
             factory: Arc::new(factory),
             attributes: self.attributes,
             state_file: self.state_file,
@@ -985,6 +990,37 @@ impl<F: ModelFactory> Participant<F> {
         }
     }
 
+    /// The imported model `hash`: in memory, on disk beside the state file, or downloaded (and
+    /// then kept there), verified against its hash each time it is read.
+    async fn base_model(
+        &mut self,
+        hash: &str,
+    ) -> Result<Arc<base_model::BaseModel>, ParticipantError> {
+        if let Some((cached, base)) = &self.cached_base
+            && cached == hash
+        {
+            return Ok(base.clone());
+        }
+        let file = self.state_file.as_deref().map(|f| base_model::BaseModel::cache_file(f, hash));
+        let kept = file.as_deref().and_then(|f| base_model::BaseModel::read_cached(f, hash));
+        let base = match kept {
+            Some(base) => base,
+            None => {
+                let download = retrying(TRIES, || self.fleet.base_model(hash)).await?;
+                if let Some(file) = &file {
+                    // A cache that cannot be written costs a download next time, nothing more.
+                    if let Err(e) = base_model::BaseModel::write_cache(file, &download) {
+                        tracing::warn!(file = %file.display(), error = %e, "base model not kept");
+                    }
+                }
+                base_model::BaseModel::verified(download, hash)?
+            }
+        };
+        let base = Arc::new(base);
+        self.cached_base = Some((hash.to_owned(), base.clone()));
+        Ok(base)
+    }
+
     /// The task's global model, from the cache when the hash matches.
     async fn global_model(
         &mut self,
@@ -994,6 +1030,15 @@ impl<F: ModelFactory> Participant<F> {
             && *hash == task.model_hash
         {
             return Ok(values.clone());
+        }
+        if let Some(base_hash) = &task.base_model {
+            // The frozen tensors from the base (fetched once), the trained ones from the round.
+            let base = self.base_model(base_hash).await?;
+            let trained =
+                retrying(TRIES, || self.fleet.trained_part(task.run_id, &task.model_hash)).await?;
+            let values = base.with_trained(task, &trained)?;
+            self.cached_model = Some((task.model_hash.clone(), values.clone()));
+            return Ok(values);
         }
         let payload =
             retrying(TRIES, || self.fleet.model_in(&task.model_hash, task.model_download)).await?;

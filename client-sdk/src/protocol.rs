@@ -270,6 +270,28 @@ impl FleetClient {
         decode_answer(status, &res.bytes().await?)
     }
 
+    /// Downloads an imported pretrained model (a task's `base_model`), unverified: the caller
+    /// checks its content hash.
+    pub async fn base_model(
+        &self,
+        hash: &str,
+    ) -> Result<starling_core::wire::BaseModelDownload, ClientError> {
+        let res = self
+            .authed(self.http.get(format!("{}{}", self.base, path::base_model(hash))))
+            .send()
+            .await?;
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
+    }
+
+    /// Downloads the tensors `run` trains of its model `hash` (f32).
+    pub async fn trained_part(&self, run: RunId, hash: &str) -> Result<TensorPayload, ClientError> {
+        let url = format!("{}{}", self.base, path::trained_part(run, hash));
+        let res = self.authed(self.http.get(url)).send().await?;
+        let status = res.status();
+        decode_answer(status, &res.bytes().await?)
+    }
+
     /// Downloads a model in a task's download encoding (`model_download`), still encoded:
     /// the payload's data is the model's values in `compression` ([`Self::model`] for f32).
     pub async fn model_in(

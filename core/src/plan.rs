@@ -890,6 +890,37 @@ impl ValidatedPlan {
         }
     }
 
+    /// The imported model devices may take every untrained tensor from: `init`'s, when the run
+    /// freezes tensors and none of them is a LoRA adapter (the one kind `init` does not take
+    /// from it). Devices then fetch it once and download only the trained tensors each round.
+    pub fn frozen_from_base(&self) -> Option<&str> {
+        let hash = self.base_model_hash()?;
+        let parts = &self.parts;
+        let trained = |name: &str| {
+            parts.update_schema().tensors.iter().any(|t| t.name == name)
+                || parts.local().iter().any(|l| l == name)
+        };
+        let mut frozen = self.schema.tensors.iter().filter(|t| !trained(&t.name)).peekable();
+        frozen.peek()?;
+        frozen
+            .all(|t| !(t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b")))
+            .then_some(hash)
+    }
+
+    /// The tensors devices train (the update's and the local ones), in model order: what
+    /// `GET /v1/runs/{run}/models/{hash}/trained` serves.
+    pub fn trained_schema(&self) -> TensorSchema {
+        let parts = &self.parts;
+        TensorSchema {
+            tensors: (self.schema.tensors.iter())
+                .filter(|t| {
+                    parts.update_schema().tensors.contains(t) || parts.local().contains(&t.name)
+                })
+                .cloned()
+                .collect(),
+        }
+    }
+
     /// Builds model version 0.
     ///
     /// `decode_base64` is passed in because the core has no base64 dependency of its own;

@@ -184,6 +184,12 @@ pub struct TaskAssignment {
     /// trains and evaluates from its own values of them once it has any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub local_tensors: Vec<String>,
+    /// Set when every tensor the run does not train is the imported pretrained model's tensor
+    /// of its name (its content hash): fetch that once (`GET /v1/base-models/{hash}`, the same
+    /// for every run started from it) and each round only the trained tensors of the model
+    /// (`GET /v1/runs/{run}/models/{model_hash}/trained`, in f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<String>,
     /// The model to build, when the run's plan has a declarative spec.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
@@ -360,6 +366,17 @@ pub struct UploadAck {
     pub run_id: RunId,
     /// Round the update was accepted into.
     pub round_idx: RoundIdx,
+}
+
+/// `GET /v1/base-models/{hash}`: an imported pretrained model, whose content hash is that of
+/// `payload` (SHA-256 of `schema`'s id and the values).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BaseModelDownload {
+    /// Its tensors, in the payload's order.
+    pub schema: TensorSchema,
+    /// Its values.
+    pub payload: TensorPayload,
 }
 
 /// `POST /v1/runs/{run}/evaluations`: metrics of a global model on a device's held-out data.

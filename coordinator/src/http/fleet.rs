@@ -11,7 +11,8 @@ use serde::de::DeserializeOwned;
 use starling_core::codec;
 use starling_core::compression::Compression;
 use starling_core::fedavg::{MAX_EXAMPLE_COUNT, validate_metrics, validate_update};
-use starling_core::tensor::TensorPayload;
+use starling_core::plan::ModelParts;
+use starling_core::tensor::{TensorPayload, f32_from_le_bytes};
 use starling_core::wire::{
     CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, EnrollRequest, EnrollResponse, ErrorBody,
     ErrorCode, EvaluationReport, SecAggInstruction, SecAggUpload, UploadAck, UploadRequest,
@@ -44,6 +45,8 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(enroll))
         .routes(routes!(check_in))
         .routes(routes!(model))
+        .routes(routes!(base_model))
+        .routes(routes!(trained_part))
         .merge(uploads)
         .routes(routes!(secagg_message, secagg_instruction))
         .routes(routes!(evaluation))
@@ -221,6 +224,82 @@ async fn model(
     }
     Ok((cache, [(header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE))], bytes)
         .into_response())
+}
+
+/// An imported pretrained model, for devices of runs that never train its tensors (their
+/// tasks name it): fetched once, the same for every run started from it.
+#[utoipa::path(get, path = "/v1/base-models/{hash}", tag = "fleet", security(("device" = [])),
+    params(("hash" = String, Path, description = "the imported model's content hash, 64 hex digits")),
+    responses(
+        (status = 200, description = "the model and its tensors (cacheable forever)", body = starling_core::wire::BaseModelDownload, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
+async fn base_model(
+    State(state): State<AppState>,
+    _device: DeviceAuth,
+    Path(hash): Path<String>,
+) -> Result<Response, ApiError> {
+    let (info, data) = state
+        .store()
+        .base_model(&hash)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no imported model with this hash"))?;
+    let schema = info.schema()?;
+    let body = tokio::task::spawn_blocking(move || {
+        let payload = TensorPayload { schema_id: schema.schema_id(), data };
+        codec::to_vec(&starling_core::wire::BaseModelDownload { schema, payload })
+            .map_err(|e| ApiError::internal(&e))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    let cache = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
+        (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
+    ];
+    Ok((cache, body).into_response())
+}
+
+/// The tensors a run trains of one of its models (the update's and the local ones, in f32):
+/// what a device whose task names a base model downloads each round instead of the whole model.
+#[utoipa::path(get, path = "/v1/runs/{run_id}/models/{hash}/trained", tag = "fleet", security(("device" = [])),
+    params(("run_id" = i64, Path, description = "run"), ("hash" = String, Path, description = "the model's content hash")),
+    responses(
+        (status = 200, description = "the trained tensors' values (cacheable forever)", body = TensorPayload, content_type = "application/cbor"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 410, description = "not kept (model_not_kept); the task is over", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
+async fn trained_part(
+    State(state): State<AppState>,
+    _device: DeviceAuth,
+    Path((run_id, hash)): Path<(i64, String)>,
+) -> Result<Response, ApiError> {
+    let plan = state.plan(RunId(run_id)).await?;
+    let bytes = state
+        .model_bytes_in(&hash, Compression::F32)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
+    let body = tokio::task::spawn_blocking(move || {
+        let payload: TensorPayload = codec::decode(&bytes).map_err(|e| ApiError::internal(&e))?;
+        if payload.schema_id != plan.schema().schema_id() {
+            return Err(ApiError::not_found("no model of this run has this hash"));
+        }
+        let trained = plan.trained_schema();
+        let parts = ModelParts::of_update(plan.schema(), trained.clone(), vec![])
+            .expect("the trained tensors are the model's, in its order");
+        let values = parts.update_of(&f32_from_le_bytes(&payload.data));
+        codec::to_vec(&trained.encode_f32(&values)).map_err(|e| ApiError::internal(&e))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    let cache = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
+        (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
+    ];
+    Ok((cache, body).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/updates", tag = "fleet", security(("device" = [])),

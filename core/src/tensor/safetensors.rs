@@ -109,6 +109,40 @@ pub fn from_safetensors(schema: &TensorSchema, file: &[u8]) -> Result<Vec<u8>, S
     Ok(out)
 }
 
+/// Reads a safetensors file whose schema is not known yet (an imported model): its tensors in
+/// the order of their data, and their values laid out in that order. Only F32 tensors are
+/// read; any other dtype is refused by name.
+pub fn read_safetensors(file: &[u8]) -> Result<(TensorSchema, Vec<u8>), SafetensorsError> {
+    let malformed = |why: String| SafetensorsError::Malformed(why);
+    let header_len = file
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or_else(|| malformed("shorter than 8 bytes".into()))?;
+    let header = usize::try_from(header_len)
+        .ok()
+        .and_then(|n| file.get(8..8usize.checked_add(n)?))
+        .ok_or_else(|| malformed("header longer than the file".into()))?;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| malformed(e.to_string()))?;
+    let mut tensors = vec![];
+    for (name, entry) in header.iter().filter(|(name, _)| *name != "__metadata__") {
+        let dtype = entry["dtype"].as_str().unwrap_or_default();
+        if dtype != dtype_name(DType::F32) {
+            return Err(malformed(format!("tensor {name} is {dtype:?}: only F32 is imported")));
+        }
+        let shape: Vec<u64> = serde_json::from_value(entry["shape"].clone())
+            .map_err(|_| malformed(format!("tensor {name} has no valid shape")))?;
+        let [start, _]: [u64; 2] = serde_json::from_value(entry["data_offsets"].clone())
+            .map_err(|_| malformed(format!("tensor {name} has no valid data_offsets")))?;
+        tensors.push((start, super::TensorSpec { name: name.clone(), shape, dtype: DType::F32 }));
+    }
+    tensors.sort_by_key(|(start, _)| *start);
+    let schema = TensorSchema { tensors: tensors.into_iter().map(|(_, t)| t).collect() };
+    schema.validate()?;
+    let data = from_safetensors(&schema, file)?;
+    Ok((schema, data))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,38 +190,4 @@ mod tests {
             Err(SafetensorsError::Mismatch(_))
         ));
     }
-}
-
-/// Reads a safetensors file whose schema is not known yet (an imported model): its tensors in
-/// the order of their data, and their values laid out in that order. Only F32 tensors are
-/// read; any other dtype is refused by name.
-pub fn read_safetensors(file: &[u8]) -> Result<(TensorSchema, Vec<u8>), SafetensorsError> {
-    let malformed = |why: String| SafetensorsError::Malformed(why);
-    let header_len = file
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .ok_or_else(|| malformed("shorter than 8 bytes".into()))?;
-    let header = usize::try_from(header_len)
-        .ok()
-        .and_then(|n| file.get(8..8usize.checked_add(n)?))
-        .ok_or_else(|| malformed("header longer than the file".into()))?;
-    let header: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(header).map_err(|e| malformed(e.to_string()))?;
-    let mut tensors = vec![];
-    for (name, entry) in header.iter().filter(|(name, _)| *name != "__metadata__") {
-        let dtype = entry["dtype"].as_str().unwrap_or_default();
-        if dtype != dtype_name(DType::F32) {
-            return Err(malformed(format!("tensor {name} is {dtype:?}: only F32 is imported")));
-        }
-        let shape: Vec<u64> = serde_json::from_value(entry["shape"].clone())
-            .map_err(|_| malformed(format!("tensor {name} has no valid shape")))?;
-        let [start, _]: [u64; 2] = serde_json::from_value(entry["data_offsets"].clone())
-            .map_err(|_| malformed(format!("tensor {name} has no valid data_offsets")))?;
-        tensors.push((start, super::TensorSpec { name: name.clone(), shape, dtype: DType::F32 }));
-    }
-    tensors.sort_by_key(|(start, _)| *start);
-    let schema = TensorSchema { tensors: tensors.into_iter().map(|(_, t)| t).collect() };
-    schema.validate()?;
-    let data = from_safetensors(&schema, file)?;
-    Ok((schema, data))
 }

@@ -13,6 +13,10 @@ pub const ENROLL: &str = "/v1/enroll";
 pub const CHECK_IN: &str = "/v1/check-in";
 /// `GET`: a model by content hash.
 pub const MODEL: &str = "/v1/models/{hash}";
+/// `GET`: an imported pretrained model by content hash (a run's frozen tensors).
+pub const BASE_MODEL: &str = "/v1/base-models/{hash}";
+/// `GET`: the tensors a run trains (the update's and the local ones) of one of its models.
+pub const TRAINED_PART: &str = "/v1/runs/{run_id}/models/{hash}/trained";
 /// `POST`: a device's update (to the coordinator, or to its aggregator).
 pub const UPLOAD: &str = "/v1/runs/{run_id}/rounds/{round_idx}/updates";
 /// `POST` a secure round's stage message; `GET` the device's next instruction.
@@ -47,6 +51,8 @@ pub const ADMIN_MODELS: &str = "/v1/admin/runs/{run_id}/models";
 pub const ADMIN_MODEL: &str = "/v1/admin/runs/{run_id}/models/{version}";
 /// `POST`: a central evaluator's evaluation of a model version.
 pub const ADMIN_MODEL_EVALUATIONS: &str = "/v1/admin/runs/{run_id}/models/{version}/evaluations";
+/// `POST` a pretrained model (safetensors); `GET` every imported one.
+pub const ADMIN_BASE_MODELS: &str = "/v1/admin/base-models";
 /// `POST`: stop a run.
 pub const ADMIN_STOP: &str = "/v1/admin/runs/{run_id}/stop";
 /// `GET`: every enrolled device.
@@ -71,6 +77,8 @@ pub const COORDINATOR: &[&str] = &[
     ENROLL,
     CHECK_IN,
     MODEL,
+    BASE_MODEL,
+    TRAINED_PART,
     UPLOAD,
     SECAGG,
     EVALUATIONS,
@@ -86,6 +94,7 @@ pub const COORDINATOR: &[&str] = &[
     ADMIN_MODELS,
     ADMIN_MODEL,
     ADMIN_MODEL_EVALUATIONS,
+    ADMIN_BASE_MODELS,
     ADMIN_STOP,
     ADMIN_DEVICES,
     ADMIN_REVOKE,
@@ -108,6 +117,16 @@ fn run(template: &str, run: RunId) -> String {
 /// [`MODEL`].
 pub fn model(hash: &str) -> String {
     MODEL.replace("{hash}", hash)
+}
+
+/// [`BASE_MODEL`] for `hash`.
+pub fn base_model(hash: &str) -> String {
+    BASE_MODEL.replace("{hash}", hash)
+}
+
+/// [`TRAINED_PART`] of model `hash` of `run`.
+pub fn trained_part(run: RunId, hash: &str) -> String {
+    TRAINED_PART.replace("{run_id}", &run.0.to_string()).replace("{hash}", hash)
 }
 
 /// [`UPLOAD`].

@@ -359,33 +359,12 @@ async fn a_models_view_gives_the_spread_of_its_device_accuracies() {
 /// with a tensor the base lacks are refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_starts_from_an_imported_model_named_by_its_hash() {
-    use starling_core::tensor::safetensors;
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let (base, lora) = (char_transformer(false), char_transformer(true));
-    let base_schema = base.schema().unwrap();
-    let pretrained: Vec<f32> =
-        (0..base_schema.numel()).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 2048.0).collect();
-    // The file lists the tensors in reverse: names, not positions, place them.
-    let reversed = TensorSchema { tensors: base_schema.tensors.iter().rev().cloned().collect() };
-    let mut by_name = vec![];
-    let mut offset = 0;
-    let mut chunks = vec![];
-    for t in &base_schema.tensors {
-        let n = t.numel() as usize;
-        chunks.push(pretrained[offset..offset + n].to_vec());
-        offset += n;
-    }
-    for chunk in chunks.iter().rev() {
-        by_name.extend_from_slice(chunk);
-    }
-    let file = safetensors::to_safetensors(
-        &reversed,
-        &starling_core::tensor::f32_to_le_bytes(&by_name),
-        &Default::default(),
-    );
+    let (file, pretrained) = char_transformer_file();
     let imported = c.admin.import_base_model("char transformer", file.clone()).await.unwrap();
-    assert_eq!(imported.schema.tensors.len(), base_schema.tensors.len());
+    assert_eq!(imported.schema.tensors.len(), base.schema().unwrap().tensors.len());
     let again = c.admin.import_base_model("the same again", file).await.unwrap();
     assert_eq!(
         (again.content_hash.as_str(), again.name.as_str()),
@@ -430,5 +409,140 @@ async fn a_run_starts_from_an_imported_model_named_by_its_hash() {
     let err =
         c.admin.create_run(&plan(&wider, &imported.content_hash)).await.unwrap_err().to_string();
     assert!(err.contains("ffn_inner.weight is [16, 32], the run's model needs [16, 64]"), "{err}");
+    c.running.shutdown().await.unwrap();
+}
+
+/// A pretrained [`char_transformer`] as a safetensors file whose tensors are in reverse order
+/// (names, not positions, place them), and its values in the model's order.
+fn char_transformer_file() -> (Vec<u8>, Vec<f32>) {
+    use starling_core::tensor::{f32_to_le_bytes, safetensors};
+    let schema = char_transformer(false).schema().unwrap();
+    let values: Vec<f32> =
+        (0..schema.numel()).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 2048.0).collect();
+    let mut chunks = vec![];
+    let mut offset = 0;
+    for t in &schema.tensors {
+        let n = t.numel() as usize;
+        chunks.push(&values[offset..offset + n]);
+        offset += n;
+    }
+    let reversed = TensorSchema { tensors: schema.tensors.iter().rev().cloned().collect() };
+    let data: Vec<f32> = chunks.iter().rev().flat_map(|c| c.iter().copied()).collect();
+    (safetensors::to_safetensors(&reversed, &f32_to_le_bytes(&data), &Default::default()), values)
+}
+
+/// A LoRA run from an imported model: its tasks name the model, whose tensors the run never
+/// trains, and each round's download is the trained tensors alone (the adapters). An SDK device
+/// fetches the imported model once and keeps it beside its state file (a restarted device reads
+/// it from there), and trains from the model it assembles: the base as imported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let lora = char_transformer(true);
+    let (file, pretrained) = char_transformer_file();
+    let hash = c.admin.import_base_model("char transformer", file).await.unwrap().content_hash;
+    let plan = serde_json::json!({
+        "model": {"spec": lora, "init": {"kind": "base_model", "hash": hash}},
+        "training": {"epochs": 1, "batch_size": 32, "lr": 0.01, "optimizer": "adam"},
+        "cohort_size": 2, "min_quorum": 2, "over_selection": 1.0,
+        "selection_timeout_secs": 60.0, "reporting_timeout_secs": 120.0, "rounds": 3,
+    });
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    // A raw device beside the SDK one: it reads the tasks and sends zero deltas.
+    let raw = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    let lora_schema = lora.schema().unwrap();
+    let adapters: usize = (lora_schema.tensors.iter())
+        .filter(|t| t.name.contains(".lora_"))
+        .map(|t| t.numel() as usize)
+        .sum();
+    let raw_device = tokio::spawn(async move {
+        for round in 0..3 {
+            let task = wait_for("a task", Duration::from_secs(60), || async {
+                Ok(match raw.check_in("default").await? {
+                    starling_core::wire::CheckInResponse::Task(t) => Some(t),
+                    _ => None,
+                })
+            })
+            .await
+            .unwrap();
+            assert_eq!(task.base_model.as_deref(), Some(hash.as_str()));
+            let update = task.update_schema.clone().unwrap();
+            let part = raw.trained_part(run, &task.model_hash).await.unwrap();
+            assert_eq!(part.data.len(), adapters * 4, "round {round}: the adapters alone");
+            let zeros = vec![0.0; update.numel() as usize];
+            let upload = UploadRequest {
+                model_version: task.model_version,
+                example_count: 1,
+                metrics: Default::default(),
+                delta: update.encode_f32(&zeros),
+            };
+            raw.upload(run, task.round_idx, &upload).await.unwrap();
+        }
+    });
+
+    let roles = data::shakespeare_roles(&shared_data().join("shakespeare_roles")).unwrap();
+    let text = &roles.iter().find(|r| r.id == "macbeth/MACBETH").unwrap().text;
+    let (train_set, hold) = data::next_char_examples(text, 20, 200).split_holdout(0.2, 1);
+    let state_dir = tempfile::tempdir().unwrap();
+    let state_file = state_dir.path().join("state.json");
+    let cache = state_dir
+        .path()
+        .join(format!("base-model-{}.cbor", plan["model"]["init"]["hash"].as_str().unwrap()));
+    let token = c.admin.enrollment_token(1).await.unwrap();
+    let participant = |state: Option<starling_client::participant::ParticipantState>| {
+        let p = Participant::new(
+            &c.url,
+            "default",
+            train_set.clone(),
+            hold.clone(),
+            Device::flex().autodiff(),
+        )
+        .keeping_state_in(&state_file);
+        match state {
+            Some(state) => p.restore(state),
+            None => p,
+        }
+    };
+    let until_uploaded = |mut p: Participant, n: u32| async move {
+        let mut uploaded = 0;
+        while uploaded < n {
+            match p.participate(Box::new(|_| {})).await.unwrap() {
+                Outcome::Uploaded { .. } => uploaded += 1,
+                Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                other => panic!("a training run open to every device: {other:?}"),
+            }
+        }
+        p
+    };
+    let mut first = participant(None);
+    first.enroll(&token).await.unwrap();
+    let first = until_uploaded(first, 1).await;
+    let fetched = std::fs::metadata(&cache).expect("the imported model kept").modified().unwrap();
+    let first = until_uploaded(first, 1).await;
+    // Restarted from its state file alone: the imported model is read from disk.
+    let state = starling_client::participant::ParticipantState::load(&state_file).unwrap().unwrap();
+    drop(first);
+    until_uploaded(participant(Some(state)), 1).await;
+    assert_eq!(std::fs::metadata(&cache).unwrap().modified().unwrap(), fetched, "fetched once");
+    raw_device.await.unwrap();
+
+    let observer = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    let last = model_values(&observer, &wait_model(&c.admin, run, 3).await.unwrap(), &lora_schema)
+        .await
+        .unwrap();
+    let (mut at, mut from) = (0, 0);
+    for t in &lora_schema.tensors {
+        let n = t.numel() as usize;
+        if t.name.ends_with(".lora_b") {
+            assert!(last[at..at + n].iter().any(|v| *v != 0.0), "{} trains", t.name);
+        } else if !t.name.contains(".lora_") {
+            assert_eq!(last[at..at + n], pretrained[from..from + n], "{} as imported", t.name);
+            from += n;
+        }
+        at += n;
+    }
     c.running.shutdown().await.unwrap();
 }
