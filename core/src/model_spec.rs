@@ -378,7 +378,7 @@ impl ModelSpec {
     /// The adapters' rank on the linear map at `path`, when the spec's LoRA targets it.
     pub fn lora_rank(&self, path: &str) -> Option<u64> {
         let lora = self.lora.as_ref()?;
-        lora.targets.iter().any(|p| crate::plan::matches(p, path)).then_some(lora.rank)
+        lora.targets.iter().any(|p| crate::tensor::name_matches(p, path)).then_some(lora.rank)
     }
 
     /// The spec without its adapters: the model a LoRA run's merged export is.
@@ -456,7 +456,10 @@ impl ModelSpec {
             return Err(SpecError::Lora("targets must list 1..=256 patterns".into()));
         }
         let paths = self.linear_paths();
-        match lora.targets.iter().find(|p| !paths.iter().any(|path| crate::plan::matches(p, path)))
+        match lora
+            .targets
+            .iter()
+            .find(|p| !paths.iter().any(|path| crate::tensor::name_matches(p, path)))
         {
             Some(p) => Err(SpecError::Lora(format!(
                 "target {p:?} matches no linear map (they are: {})",

@@ -16,7 +16,8 @@ use crate::model_spec::{ModelSpec, SpecError};
 use crate::privacy::{Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
-pub use parts::{ModelParts, matches};
+pub use crate::tensor::name_matches;
+pub use parts::ModelParts;
 pub use training::{LocalOptimizer, TrainingPlan};
 
 mod combinations;

@@ -288,6 +288,23 @@ impl TensorPayload {
     }
 }
 
+/// Whether `name` matches `pattern`, where `*` matches any run of characters (dots included)
+/// and everything else matches itself.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or_default();
+    let Some(mut rest) = name.strip_prefix(first) else { return false };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else { return rest.is_empty() };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
 /// Little-endian bytes of `values`.
 pub fn f32_to_le_bytes(values: &[f32]) -> Vec<u8> {
     // Into a buffer of the final length, a fixed-size copy per value: this compiles to a

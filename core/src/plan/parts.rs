@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use crate::tensor::{TensorSchema, TensorSpec};
+use crate::tensor::{TensorSchema, TensorSpec, name_matches};
 
 use super::{PlanError, field};
 
@@ -24,23 +24,6 @@ pub struct ModelParts {
     update_ranges: Vec<Range<usize>>,
     local: Vec<String>,
     whole: bool,
-}
-
-/// Whether `name` matches `pattern`, where `*` matches any run of characters (dots included)
-/// and everything else matches itself.
-pub fn matches(pattern: &str, name: &str) -> bool {
-    let mut parts = pattern.split('*');
-    let first = parts.next().unwrap_or_default();
-    let Some(mut rest) = name.strip_prefix(first) else { return false };
-    let parts: Vec<&str> = parts.collect();
-    let Some((last, middle)) = parts.split_last() else { return rest.is_empty() };
-    for part in middle {
-        match rest.find(part) {
-            Some(at) => rest = &rest[at + part.len()..],
-            None => return false,
-        }
-    }
-    rest.len() >= last.len() && rest.ends_with(last)
 }
 
 /// Most patterns a plan's `trainable` or `local` may list.
@@ -65,7 +48,8 @@ impl ModelParts {
             if patterns.len() > MAX_PATTERNS {
                 return Err(field(what, format!("at most {MAX_PATTERNS} patterns")));
             }
-            match patterns.iter().find(|p| !schema.tensors.iter().any(|t| matches(p, &t.name))) {
+            match patterns.iter().find(|p| !schema.tensors.iter().any(|t| name_matches(p, &t.name)))
+            {
                 Some(p) => {
                     Err(field(what, format!("pattern {p:?} matches no tensor of the model")))
                 }
@@ -80,8 +64,8 @@ impl ModelParts {
         }
         check(local, "model.local")?;
         let is_trainable =
-            |t: &TensorSpec| trainable.is_none_or(|ps| ps.iter().any(|p| matches(p, &t.name)));
-        let is_local = |t: &TensorSpec| local.iter().any(|p| matches(p, &t.name));
+            |t: &TensorSpec| trainable.is_none_or(|ps| ps.iter().any(|p| name_matches(p, &t.name)));
+        let is_local = |t: &TensorSpec| local.iter().any(|p| name_matches(p, &t.name));
         if let Some(t) = schema.tensors.iter().find(|t| is_local(t) && !is_trainable(t)) {
             return Err(field(
                 "model.local",

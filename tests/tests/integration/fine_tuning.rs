@@ -546,3 +546,60 @@ async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
     }
     c.running.shutdown().await.unwrap();
 }
+
+/// Secure aggregation over part of a model: SDK devices mask and send only the update's tensors
+/// (the hidden layer), the coordinator unmasks their sum alone, and the frozen first layer and
+/// the devices' own output layers keep their initial values in every model it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_run_sums_only_the_update_tensors() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let mut plan = mlp_plan(digits.input(), 1, 2);
+    plan["cohort_size"] = 3.into();
+    plan["min_quorum"] = 3.into();
+    plan["model"]["trainable"] = serde_json::json!(["layers.3.*", "layers.5.*"]);
+    plan["model"]["local"] = serde_json::json!(["layers.5.*"]);
+    plan["secure_aggregation"] =
+        serde_json::json!({"clip": 1.0, "max_examples": 10_000, "stage_timeout_secs": 10.0});
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let token = c.admin.enrollment_token(3).await.unwrap();
+    let mut devices = vec![];
+    for k in 0..3 {
+        let shard = digits.subset(&(k * 300..(k + 1) * 300).collect::<Vec<_>>());
+        let (train, hold) = shard.split_holdout(0.2, k as u64);
+        let mut p = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
+        p.enroll(&token).await.unwrap();
+        devices.push(tokio::spawn(async move {
+            let mut uploaded = 0;
+            while uploaded < 2 {
+                match p.participate(Box::new(|_| {})).await.unwrap() {
+                    Outcome::Uploaded { .. } => uploaded += 1,
+                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
+                    other => panic!("a training run open to every device: {other:?}"),
+                }
+            }
+        }));
+    }
+    for d in devices {
+        d.await.unwrap();
+    }
+    let schema = plan_schema(&plan);
+    let observer = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    let initial = model_values(&observer, &wait_model(&c.admin, run, 0).await.unwrap(), &schema)
+        .await
+        .unwrap();
+    let last = model_values(&observer, &wait_model(&c.admin, run, 2).await.unwrap(), &schema)
+        .await
+        .unwrap();
+    let range = |prefix| layer_range(&schema, prefix);
+    let (frozen, hidden, head) = (range("layers.1."), range("layers.3."), range("layers.5."));
+    assert_eq!(last[frozen.clone()], initial[frozen]);
+    assert_eq!(last[head.clone()], initial[head]);
+    assert_ne!(last[hidden.clone()], initial[hidden]);
+    let rounds = c.admin.rounds(run).await.unwrap();
+    assert_eq!(rounds.iter().filter(|r| r.state == "committed").count(), 2);
+    c.running.shutdown().await.unwrap();
+}
