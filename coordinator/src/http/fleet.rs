@@ -226,6 +226,15 @@ async fn model(
         .into_response())
 }
 
+/// A CBOR body addressed by content, which never changes: cacheable forever.
+fn immutable_cbor(body: Vec<u8>) -> Response {
+    let headers = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
+        (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
+    ];
+    (headers, body).into_response()
+}
+
 /// An imported pretrained model, for devices of runs that never train its tensors (their
 /// tasks name it): fetched once, the same for every run started from it.
 #[utoipa::path(get, path = "/v1/base-models/{hash}", tag = "fleet", security(("device" = [])),
@@ -254,11 +263,7 @@ async fn base_model(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    let cache = [
-        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
-        (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
-    ];
-    Ok((cache, body).into_response())
+    Ok(immutable_cbor(body))
 }
 
 /// The tensors a run trains of one of its models (the update's and the local ones, in f32):
@@ -295,11 +300,7 @@ async fn trained_part(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    let cache = [
-        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
-        (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
-    ];
-    Ok((cache, body).into_response())
+    Ok(immutable_cbor(body))
 }
 
 #[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/updates", tag = "fleet", security(("device" = [])),

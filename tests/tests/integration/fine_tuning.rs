@@ -111,19 +111,7 @@ async fn sdk_devices_freeze_what_the_plan_freezes_and_keep_their_heads() {
         let (train, hold) = shard.split_holdout(0.2, k as u64);
         let mut p = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
         p.enroll(&token).await.unwrap();
-        devices.push(tokio::spawn(async move {
-            let mut uploaded = 0;
-            while uploaded < 3 {
-                match p.participate(Box::new(|_| {})).await.unwrap() {
-                    Outcome::Uploaded { .. } => uploaded += 1,
-                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
-                        tokio::time::sleep(Duration::from_millis(100)).await
-                    }
-                    other => panic!("a training run open to every device: {other:?}"),
-                }
-            }
-            p
-        }));
+        devices.push(tokio::spawn(uploading(p, 3)));
     }
     let mut participants = vec![];
     for d in devices {
@@ -258,18 +246,7 @@ async fn lora_fine_tuning_sends_only_adapters_and_exports_the_merged_model() {
         let (train_set, hold) = examples(id).split_holdout(0.1, 1);
         let mut p = Participant::new(&c.url, "default", train_set, hold, Device::flex().autodiff());
         p.enroll(&token).await.unwrap();
-        devices.push(tokio::spawn(async move {
-            let mut uploaded = 0;
-            while uploaded < 2 {
-                match p.participate(Box::new(|_| {})).await.unwrap() {
-                    Outcome::Uploaded { .. } => uploaded += 1,
-                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
-                        tokio::time::sleep(Duration::from_millis(100)).await
-                    }
-                    other => panic!("a training run open to every device: {other:?}"),
-                }
-            }
-        }));
+        devices.push(tokio::spawn(uploading(p, 2)));
     }
     for d in devices {
         d.await.unwrap();
@@ -504,28 +481,15 @@ async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
             None => p,
         }
     };
-    let until_uploaded = |mut p: Participant, n: u32| async move {
-        let mut uploaded = 0;
-        while uploaded < n {
-            match p.participate(Box::new(|_| {})).await.unwrap() {
-                Outcome::Uploaded { .. } => uploaded += 1,
-                Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
-                    tokio::time::sleep(Duration::from_millis(100)).await
-                }
-                other => panic!("a training run open to every device: {other:?}"),
-            }
-        }
-        p
-    };
     let mut first = participant(None);
     first.enroll(&token).await.unwrap();
-    let first = until_uploaded(first, 1).await;
+    let first = uploading(first, 1).await;
     let fetched = std::fs::metadata(&cache).expect("the imported model kept").modified().unwrap();
-    let first = until_uploaded(first, 1).await;
+    let first = uploading(first, 1).await;
     // Restarted from its state file alone: the imported model is read from disk.
     let state = starling_client::participant::ParticipantState::load(&state_file).unwrap().unwrap();
     drop(first);
-    until_uploaded(participant(Some(state)), 1).await;
+    uploading(participant(Some(state)), 1).await;
     assert_eq!(std::fs::metadata(&cache).unwrap().modified().unwrap(), fetched, "fetched once");
     raw_device.await.unwrap();
 
@@ -570,18 +534,7 @@ async fn a_secure_run_sums_only_the_update_tensors() {
         let (train, hold) = shard.split_holdout(0.2, k as u64);
         let mut p = Participant::new(&c.url, "default", train, hold, Device::flex().autodiff());
         p.enroll(&token).await.unwrap();
-        devices.push(tokio::spawn(async move {
-            let mut uploaded = 0;
-            while uploaded < 2 {
-                match p.participate(Box::new(|_| {})).await.unwrap() {
-                    Outcome::Uploaded { .. } => uploaded += 1,
-                    Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
-                        tokio::time::sleep(Duration::from_millis(100)).await
-                    }
-                    other => panic!("a training run open to every device: {other:?}"),
-                }
-            }
-        }));
+        devices.push(tokio::spawn(uploading(p, 2)));
     }
     for d in devices {
         d.await.unwrap();
@@ -602,4 +555,19 @@ async fn a_secure_run_sums_only_the_update_tensors() {
     let rounds = c.admin.rounds(run).await.unwrap();
     assert_eq!(rounds.iter().filter(|r| r.state == "committed").count(), 2);
     c.running.shutdown().await.unwrap();
+}
+
+/// `p` once it has uploaded `n` updates, waiting as the coordinator asks between tries.
+async fn uploading(mut p: Participant, n: u32) -> Participant {
+    let mut uploaded = 0;
+    while uploaded < n {
+        match p.participate(Box::new(|_| {})).await.unwrap() {
+            Outcome::Uploaded { .. } => uploaded += 1,
+            Outcome::ComeBackLater(_) | Outcome::RoundMissed { .. } => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            other => panic!("a training run open to every device: {other:?}"),
+        }
+    }
+    p
 }
