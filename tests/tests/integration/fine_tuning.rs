@@ -409,7 +409,8 @@ fn char_transformer_file() -> (Vec<u8>, Vec<f32>) {
 }
 
 /// A LoRA run from an imported model: its tasks name the model, whose tensors the run never
-/// trains, and each round's download is the trained tensors alone (the adapters). An SDK device
+/// trains, each round's download is the trained tensors alone (the adapters), and adapters of
+/// another rank are refused as another schema. An SDK device
 /// fetches the imported model once and keeps it beside its state file (a restarted device reads
 /// it from there), and trains from the model it assembles: the base as imported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,14 +448,22 @@ async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
             let update = task.update_schema.clone().unwrap();
             let part = raw.trained_part(run, &task.model_hash).await.unwrap();
             assert_eq!(part.data.len(), adapters * 4, "round {round}: the adapters alone");
-            let zeros = vec![0.0; update.numel() as usize];
-            let upload = UploadRequest {
+            let upload = |schema: &TensorSchema| UploadRequest {
                 model_version: task.model_version,
                 example_count: 1,
                 metrics: Default::default(),
-                delta: update.encode_f32(&zeros),
+                delta: schema.encode_f32(&vec![0.0; schema.numel() as usize]),
             };
-            raw.upload(run, task.round_idx, &upload).await.unwrap();
+            // Adapters of another rank than the run's do not match its update: refused.
+            let mut other_rank = update.clone();
+            for t in &mut other_rank.tensors {
+                // A is [in, rank], B is [rank, out].
+                let rank_dim = if t.name.ends_with(".lora_b") { 0 } else { 1 };
+                t.shape[rank_dim] = 2;
+            }
+            let refused = raw.upload(run, task.round_idx, &upload(&other_rank)).await;
+            assert_eq!(api_code(refused), Some(ErrorCode::SchemaMismatch));
+            raw.upload(run, task.round_idx, &upload(&update)).await.unwrap();
         }
     });
 
