@@ -128,6 +128,14 @@ pub struct RunView {
     pub updated_at_ms: i64,
     /// The plan.
     pub plan: serde_json::Value,
+    /// How the devices' own accuracies spread on the latest model two or more devices
+    /// evaluated (a personalized run's devices evaluate with their own local tensors): see
+    /// [`ModelView::device_accuracy`]; absent before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_accuracy: Option<DeviceSpread>,
+    /// The model version `device_accuracy` is of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_accuracy_version: Option<i64>,
     /// What a differentially private run has spent; absent for other runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub privacy: Option<PrivacyView>,

@@ -133,6 +133,11 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
     });
     let model_hash =
         state.store().model_hash(RunId(row.id), ModelVersion(row.model_version)).await?;
+    let evaluations = state.store().evaluations(RunId(row.id)).await?;
+    let latest_spread = device_accuracies(&evaluations)
+        .into_iter()
+        .rev()
+        .find_map(|(version, accuracies)| DeviceSpread::of(&accuracies).map(|s| (version, s)));
     Ok(RunView {
         id: row.id,
         name: row.name,
@@ -145,8 +150,23 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
         created_at_ms: row.created_at_ms,
         updated_at_ms: row.updated_at_ms,
         plan,
+        device_accuracy: latest_spread.map(|(_, s)| s),
+        device_accuracy_version: latest_spread.map(|(v, _)| v),
         privacy,
     })
+}
+
+/// Each model version's device accuracies, one per device report that has one.
+fn device_accuracies(evaluations: &[crate::store::EvaluationRow]) -> BTreeMap<i64, Vec<f64>> {
+    let mut out: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    for e in evaluations {
+        let metrics: BTreeMap<String, f64> =
+            serde_json::from_str(&e.metrics_json).unwrap_or_default();
+        if let Some(&accuracy) = metrics.get("accuracy") {
+            out.entry(e.model_version).or_default().push(accuracy);
+        }
+    }
+    out
 }
 
 #[utoipa::path(post, path = "/v1/admin/runs", tag = "admin", security(("operator" = [])),
@@ -351,13 +371,11 @@ async fn list_models(
 ) -> Result<AppJson<Vec<ModelView>>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
     let mut evals: BTreeMap<i64, (u64, MetricsAccumulator)> = BTreeMap::new();
-    let mut device_accuracies: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
-    for e in state.store().evaluations(run_id).await? {
+    let evaluations = state.store().evaluations(run_id).await?;
+    let device_accuracies = device_accuracies(&evaluations);
+    for e in evaluations {
         let metrics: BTreeMap<String, f64> =
             serde_json::from_str(&e.metrics_json).unwrap_or_default();
-        if let Some(&accuracy) = metrics.get("accuracy") {
-            device_accuracies.entry(e.model_version).or_default().push(accuracy);
-        }
         let entry = evals.entry(e.model_version).or_default();
         entry.0 += 1;
         entry.1.add(e.example_count as u64, &metrics);

@@ -302,7 +302,8 @@ async fn lora_fine_tuning_sends_only_adapters_and_exports_the_merged_model() {
     c.running.shutdown().await.unwrap();
 }
 
-/// Each model's view gives how the devices' own accuracies spread, each device once: here
+/// Each model's view, and the run's for its latest, gives how the devices' own accuracies
+/// spread, each device once: here
 /// 0.5, 0.75 and 1.0, whose population standard deviation is √(2·0.25² / 3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_view_gives_the_spread_of_its_device_accuracies() {
@@ -326,6 +327,9 @@ async fn a_models_view_gives_the_spread_of_its_device_accuracies() {
     assert!((spread.std - (2.0 * 0.25f64.powi(2) / 3.0).sqrt()).abs() < 1e-12, "{spread:?}");
     // The federated accuracy beside it stays example-weighted: (5 + 150 + 30) / 240.
     assert!((models[0].evaluation["accuracy"] - 185.0 / 240.0).abs() < 1e-12);
+    // The run view gives the latest such spread, and its model version.
+    let view = c.admin.run(run).await.unwrap();
+    assert_eq!((view.device_accuracy, view.device_accuracy_version), (Some(spread), Some(0)));
     c.running.shutdown().await.unwrap();
 }
 
