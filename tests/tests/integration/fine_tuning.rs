@@ -168,7 +168,7 @@ fn plan_schema(plan: &serde_json::Value) -> TensorSchema {
 
 /// A small character transformer, with LoRA adapters on its attention's query and value maps
 /// and on its output layer when `lora` is set.
-fn char_transformer(lora: bool) -> starling_core::model_spec::ModelSpec {
+pub(crate) fn char_transformer(lora: bool) -> starling_core::model_spec::ModelSpec {
     let mut spec = serde_json::json!({
         "input": {"kind": "tokens", "vocab": 80, "length": 20},
         "layers": [{"kind": "embedding", "dim": 16}, {"kind": "position_embedding"},
@@ -395,7 +395,7 @@ async fn a_run_starts_from_an_imported_model_named_by_its_hash() {
 
 /// A pretrained [`char_transformer`] as a safetensors file whose tensors are in reverse order
 /// (names, not positions, place them), and its values in the model's order.
-fn char_transformer_file() -> (Vec<u8>, Vec<f32>) {
+pub(crate) fn char_transformer_file() -> (Vec<u8>, Vec<f32>) {
     use starling_core::tensor::{f32_to_le_bytes, safetensors};
     let schema = char_transformer(false).schema().unwrap();
     let values: Vec<f32> =

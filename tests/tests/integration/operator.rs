@@ -600,3 +600,67 @@ async fn a_central_evaluator_passes_over_versions_given_up_between_checkpoints()
     assert_eq!(not_kept, ["1"], "{table}");
     c.running.shutdown().await.unwrap();
 }
+
+/// The operator's command line imports a pretrained model (printing the hash a plan names),
+/// lists it, and exports a LoRA run's model merged into its base and its adapters alone; a part
+/// of a payload export is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_imports_a_base_and_exports_a_lora_runs_parts() {
+    use crate::fine_tuning::{char_transformer, char_transformer_file};
+    let (_db_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let url = &c.url;
+    let dir = tempfile::tempdir().unwrap();
+    let (file, pretrained) = char_transformer_file();
+    let base_file = dir.path().join("base.safetensors");
+    std::fs::write(&base_file, file).unwrap();
+    let imported = stdout(
+        &starling(url, &["models", "import", base_file.to_str().unwrap(), "--name", "chars"]).await,
+    );
+    let hash = imported.split_whitespace().next().unwrap().to_owned();
+    assert!(hash.len() == 64 && imported.contains("(chars: 22 tensors"), "{imported}");
+    let bases = stdout(&starling(url, &["models", "bases"]).await);
+    assert!(bases.lines().any(|l| l.starts_with(&hash) && l.ends_with("chars")), "{bases}");
+
+    let (base, lora) = (char_transformer(false), char_transformer(true));
+    let plan = serde_json::json!({
+        "model": {"spec": lora, "init": {"kind": "base_model", "hash": hash}},
+        "cohort_size": 1, "rounds": 1,
+    });
+    let run = c.admin.create_run(&plan).await.unwrap().id.to_string();
+    let export = |part: &'static str| {
+        let out = dir.path().join(format!("{part}.safetensors"));
+        let args = ["models", "export", &run, "--version", "0", "--part", part, "--out"];
+        let args: Vec<String> =
+            args.iter().map(|a| a.to_string()).chain([out.display().to_string()]).collect();
+        (args, out)
+    };
+    let (args, merged_file) = export("merged");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    stdout(&starling(url, &args).await);
+    // Version 0's adapters are B = 0: merged, it is the imported model.
+    let merged = safetensors::from_safetensors(
+        &base.schema().unwrap(),
+        &std::fs::read(&merged_file).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(starling_core::tensor::f32_from_le_bytes(&merged), pretrained);
+    let (args, adapters_file) = export("adapters");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    stdout(&starling(url, &args).await);
+    let (adapters, _) =
+        safetensors::read_safetensors(&std::fs::read(&adapters_file).unwrap()).unwrap();
+    assert!(adapters.tensors.iter().all(|t| t.name.contains(".lora_")), "{adapters:?}");
+    assert_eq!(adapters.tensors.len(), 6);
+    let refused = starling(
+        url,
+        &["models", "export", &run, "--part", "merged", "--format", "payload", "--out", "x"],
+    )
+    .await;
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr)
+            .contains("--part merged needs --format safetensors")
+    );
+    c.running.shutdown().await.unwrap();
+}
