@@ -282,14 +282,7 @@ fn trained_tensors(task: &TaskAssignment, parts: &ModelParts) -> Option<Vec<bool
     if parts.is_whole() {
         return None;
     }
-    let update = parts.update_schema();
-    Some(
-        task.schema
-            .tensors
-            .iter()
-            .map(|t| update.tensors.contains(t) || parts.local().contains(&t.name))
-            .collect(),
-    )
+    Some(task.schema.tensors.iter().map(|t| parts.trains(t)).collect())
 }
 
 /// What survives an app restart.
@@ -1036,7 +1029,7 @@ impl<F: ModelFactory> Participant<F> {
             let base = self.base_model(base_hash).await?;
             let trained =
                 retrying(TRIES, || self.fleet.trained_part(task.run_id, &task.model_hash)).await?;
-            let values = base.with_trained(task, &trained)?;
+            let values = base.with_trained(&task.schema, &task_parts(task)?, &trained)?;
             self.cached_model = Some((task.model_hash.clone(), values.clone()));
             return Ok(values);
         }

@@ -41,6 +41,11 @@ pub struct LoraSpec {
     pub targets: Vec<String>,
 }
 
+/// Whether `name` is a LoRA adapter's tensor (`...lora_a` or `...lora_b`).
+pub fn is_lora_adapter(name: &str) -> bool {
+    name.ends_with(".lora_a") || name.ends_with(".lora_b")
+}
+
 impl LoraSpec {
     /// The update's scale, `alpha / rank`.
     pub fn scale(&self) -> f64 {

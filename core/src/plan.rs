@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
-use crate::model_spec::{ModelSpec, SpecError};
+use crate::model_spec::{ModelSpec, SpecError, is_lora_adapter};
 use crate::privacy::{Privacy, Sampling, Sizes};
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
@@ -847,7 +847,7 @@ impl ValidatedPlan {
                 lora_spec()?;
                 let adapters = TensorSchema {
                     tensors: (self.schema.tensors.iter())
-                        .filter(|t| t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b"))
+                        .filter(|t| is_lora_adapter(&t.name))
                         .cloned()
                         .collect(),
                 };
@@ -896,29 +896,16 @@ impl ValidatedPlan {
     /// from it). Devices then fetch it once and download only the trained tensors each round.
     pub fn frozen_from_base(&self) -> Option<&str> {
         let hash = self.base_model_hash()?;
-        let parts = &self.parts;
-        let trained = |name: &str| {
-            parts.update_schema().tensors.iter().any(|t| t.name == name)
-                || parts.local().iter().any(|l| l == name)
-        };
-        let mut frozen = self.schema.tensors.iter().filter(|t| !trained(&t.name)).peekable();
+        let mut frozen = self.schema.tensors.iter().filter(|t| !self.parts.trains(t)).peekable();
         frozen.peek()?;
-        frozen
-            .all(|t| !(t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b")))
-            .then_some(hash)
+        frozen.all(|t| !is_lora_adapter(&t.name)).then_some(hash)
     }
 
     /// The tensors devices train (the update's and the local ones), in model order: what
     /// `GET /v1/runs/{run}/models/{hash}/trained` serves.
     pub fn trained_schema(&self) -> TensorSchema {
-        let parts = &self.parts;
         TensorSchema {
-            tensors: (self.schema.tensors.iter())
-                .filter(|t| {
-                    parts.update_schema().tensors.contains(t) || parts.local().contains(&t.name)
-                })
-                .cloned()
-                .collect(),
+            tensors: self.schema.tensors.iter().filter(|t| self.parts.trains(t)).cloned().collect(),
         }
     }
 

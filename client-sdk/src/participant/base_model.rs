@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use starling_core::codec;
+use starling_core::plan::ModelParts;
 use starling_core::tensor::{TensorPayload, TensorSchema};
-use starling_core::wire::{BaseModelDownload, TaskAssignment};
+use starling_core::wire::BaseModelDownload;
 
 use super::ParticipantError;
 
@@ -55,20 +56,16 @@ impl BaseModel {
         std::fs::rename(aside, file)
     }
 
-    /// The task's whole model: its trained tensors from `trained` (the task's update and local
-    /// tensors, in model order), every other from this model by name.
+    /// The whole model of `schema`: the tensors `parts` trains from `trained` (in model order),
+    /// every other from this model by name.
     pub(super) fn with_trained(
         &self,
-        task: &TaskAssignment,
+        schema: &TensorSchema,
+        parts: &ModelParts,
         trained: &TensorPayload,
     ) -> Result<Arc<Vec<f32>>, ParticipantError> {
-        let update = task.update_schema.as_ref().unwrap_or(&task.schema);
-        let is_trained = |name: &str| {
-            update.tensors.iter().any(|t| t.name == name)
-                || task.local_tensors.iter().any(|l| l == name)
-        };
         let trained_schema = TensorSchema {
-            tensors: task.schema.tensors.iter().filter(|t| is_trained(&t.name)).cloned().collect(),
+            tensors: schema.tensors.iter().filter(|t| parts.trains(t)).cloned().collect(),
         };
         let trained_values = trained_schema.decode_f32(trained).map_err(corrupt)?;
         let mut offsets = std::collections::HashMap::new();
@@ -77,11 +74,11 @@ impl BaseModel {
             offsets.insert(t.name.as_str(), (t, at));
             at += t.numel() as usize;
         }
-        let mut out = Vec::with_capacity(task.schema.numel() as usize);
+        let mut out = Vec::with_capacity(schema.numel() as usize);
         let mut from_trained = 0usize;
-        for t in &task.schema.tensors {
+        for t in &schema.tensors {
             let n = t.numel() as usize;
-            if is_trained(&t.name) {
+            if parts.trains(t) {
                 out.extend_from_slice(&trained_values[from_trained..from_trained + n]);
                 from_trained += n;
                 continue;

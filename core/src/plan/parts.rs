@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 
+use crate::model_spec::is_lora_adapter;
 use crate::tensor::{TensorSchema, TensorSpec, name_matches};
 
 use super::{PlanError, field};
@@ -30,12 +31,6 @@ pub struct ModelParts {
 const MAX_PATTERNS: usize = 256;
 
 impl ModelParts {
-    /// The whole model trained and sent.
-    pub fn whole(schema: &TensorSchema) -> Self {
-        ModelParts::of_update(schema, schema.clone(), vec![])
-            .expect("a schema is a subset of itself")
-    }
-
     /// Resolves a plan's patterns against `schema`: `trainable` (absent: every tensor) and
     /// `local`. Every pattern must match a tensor, a local tensor must be trainable, and the
     /// update must keep at least one tensor.
@@ -121,6 +116,11 @@ impl ModelParts {
         &self.local
     }
 
+    /// Whether devices train `tensor`: it is in the update or local (not frozen).
+    pub fn trains(&self, tensor: &TensorSpec) -> bool {
+        self.update.tensors.contains(tensor) || self.local.contains(&tensor.name)
+    }
+
     /// Whether the update is the whole model (nothing frozen, nothing local).
     pub fn is_whole(&self) -> bool {
         self.whole
@@ -187,9 +187,7 @@ pub(super) fn from_base(
                     ),
                 ));
             }
-            None if t.name.ends_with(".lora_a") || t.name.ends_with(".lora_b") => {
-                out.extend_from_slice(&adapters[at..at + n])
-            }
+            None if is_lora_adapter(&t.name) => out.extend_from_slice(&adapters[at..at + n]),
             None => {
                 return Err(field(
                     "model.init.hash",
