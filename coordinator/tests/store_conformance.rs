@@ -953,11 +953,13 @@ async fn an_imported_model_is_kept_once_by_its_hash(store: SqlStore) {
     };
     let data: Vec<u8> = (0..28).collect();
     assert_eq!(store.base_model("h1").await.unwrap(), None);
-    store.put_base_model("h1", "first", &schema, &data, 1_000).await.unwrap();
-    store.put_base_model("h1", "again", &schema, &data, 2_000).await.unwrap();
+    let first = store.put_base_model("h1", "first", &schema, &data, 1_000).await.unwrap();
+    let again = store.put_base_model("h1", "again", &schema, &data, 2_000).await.unwrap();
+    assert_eq!(again, first, "the first import stands");
     store.put_base_model("h2", "second", &schema, &data[..16], 3_000).await.unwrap();
     let (info, values) = store.base_model("h1").await.unwrap().unwrap();
     assert_eq!((info.name.as_str(), info.bytes, info.created_at_ms), ("first", 28, 1_000));
+    assert_eq!(info, first);
     assert_eq!(info.schema().unwrap(), schema);
     assert_eq!(values, data);
     let listed: Vec<(String, i64)> =

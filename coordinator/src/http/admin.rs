@@ -557,12 +557,7 @@ async fn import_base_model(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    state.store().put_base_model(&hash, &query.name, &schema, &data, now_ms()).await?;
-    let (info, _) = state
-        .store()
-        .base_model(&hash)
-        .await?
-        .ok_or_else(|| ApiError::internal(&"an imported model vanished"))?;
+    let info = state.store().put_base_model(&hash, &query.name, &schema, &data, now_ms()).await?;
     Ok((StatusCode::CREATED, AppJson(base_model_view(&info)?)))
 }
 

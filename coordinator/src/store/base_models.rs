@@ -30,8 +30,9 @@ impl BaseModelInfo {
 }
 
 impl SqlStore {
-    /// Stores an imported model under its content hash; importing the same model again keeps
-    /// the first import (its name included) and is not an error.
+    /// Stores an imported model under its content hash and answers with what is stored:
+    /// importing the same model again keeps the first import (its name included) and is not an
+    /// error.
     pub async fn put_base_model(
         &self,
         content_hash: &str,
@@ -39,7 +40,7 @@ impl SqlStore {
         schema: &TensorSchema,
         data: &[u8],
         now: Millis,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<BaseModelInfo> {
         let tensors_json = serde_json::to_string(schema).expect("a schema serializes");
         on_pool!(self, |pool| {
             sqlx::query(
@@ -54,7 +55,15 @@ impl SqlStore {
             .execute(pool)
             .await
             .map_err(map_err)?;
-            Ok(())
+            // Without the values: the caller has them.
+            sqlx::query_as(
+                "SELECT content_hash, name, tensors_json, CAST(LENGTH(data) AS BIGINT) AS bytes, created_at_ms
+                 FROM base_models WHERE content_hash = $1",
+            )
+            .bind(content_hash)
+            .fetch_one(pool)
+            .await
+            .map_err(map_err)
         })
     }
 
