@@ -66,6 +66,7 @@ conformance!(
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
     an_imported_model_is_kept_once_by_its_hash,
+    the_latest_accuracy_reports_are_of_the_newest_version_two_devices_scored,
 );
 
 /// The Postgres URL of the database `#[sqlx::test]` created for this test.
@@ -965,4 +966,22 @@ async fn an_imported_model_is_kept_once_by_its_hash(store: SqlStore) {
     let listed: Vec<(String, i64)> =
         store.base_models().await.unwrap().into_iter().map(|b| (b.name, b.bytes)).collect();
     assert_eq!(listed, [("first".to_owned(), 28), ("second".to_owned(), 16)]);
+}
+
+/// A run's latest accuracy reports: every report of the newest model version with two or more
+/// reports holding an accuracy; a newer version with one such report (and one without) is not it.
+async fn the_latest_accuracy_reports_are_of_the_newest_version_two_devices_scored(store: SqlStore) {
+    let (run, [d1, d2, _]) = run_with_open_round(&store).await;
+    assert!(store.latest_accuracy_reports(run).await.unwrap().is_empty());
+    for (version, d, metrics) in [
+        (0, d1, r#"{"accuracy":0.5,"loss":1.0}"#),
+        (0, d2, r#"{"accuracy":0.8,"loss":0.5}"#),
+        (1, d1, r#"{"accuracy":0.6,"loss":0.9}"#),
+        (1, d2, r#"{"top1_accuracy":0.9,"loss":0.4}"#),
+    ] {
+        store.insert_evaluation(run, d, ModelVersion(version), 10, metrics, 6_000).await.unwrap();
+    }
+    let latest = store.latest_accuracy_reports(run).await.unwrap();
+    assert_eq!(latest.iter().map(|e| e.model_version).collect::<Vec<_>>(), [0, 0]);
+    assert!(latest[0].metrics_json.contains("0.5") && latest[1].metrics_json.contains("0.8"));
 }

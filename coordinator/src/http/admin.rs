@@ -133,10 +133,10 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
     });
     let model_hash =
         state.store().model_hash(RunId(row.id), ModelVersion(row.model_version)).await?;
-    let evaluations = state.store().evaluations(RunId(row.id)).await?;
-    let latest_spread = device_accuracies(&evaluations)
+    // Only the latest version's reports: a run's list must not read every report it ever had.
+    let latest = state.store().latest_accuracy_reports(RunId(row.id)).await?;
+    let latest_spread = device_accuracies(&latest)
         .into_iter()
-        .rev()
         .find_map(|(version, accuracies)| DeviceSpread::of(&accuracies).map(|s| (version, s)));
     Ok(RunView {
         id: row.id,

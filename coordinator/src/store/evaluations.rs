@@ -143,6 +143,28 @@ impl SqlStore {
         })
     }
 
+    /// The device reports of the latest model version of a run that two or more devices
+    /// reported an accuracy for (what the run's view summarizes), without reading its others.
+    /// Metrics are stored as serde_json writes a map, so a report with an accuracy holds the
+    /// text `"accuracy":`.
+    pub async fn latest_accuracy_reports(&self, run_id: RunId) -> StoreResult<Vec<EvaluationRow>> {
+        on_pool!(self, |pool| {
+            sqlx::query_as(
+                r#"SELECT model_version, example_count, metrics_json FROM evaluations
+                 WHERE run_id = $1 AND model_version = (
+                     SELECT model_version FROM evaluations
+                     WHERE run_id = $1 AND metrics_json LIKE '%"accuracy":%'
+                     GROUP BY model_version HAVING COUNT(*) >= 2
+                     ORDER BY model_version DESC LIMIT 1)
+                 ORDER BY device_id"#,
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })
+    }
+
     /// All evaluation reports of a run.
     pub async fn evaluations(&self, run_id: RunId) -> StoreResult<Vec<EvaluationRow>> {
         on_pool!(self, |pool| {
