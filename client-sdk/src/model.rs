@@ -23,6 +23,7 @@ use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 pub use linear::Linear;
 pub use transformer::{PositionEmbedding, TransformerBlock};
 
+pub mod cpu_kernels;
 mod linear;
 mod transformer;
 
@@ -261,11 +262,40 @@ impl SpecModel {
 
 impl Classifier for SpecModel {
     fn forward(&self, input: Batch) -> Tensor<2> {
-        let out = self.layers.iter().fold(input, |x, layer| layer.forward(x));
-        match out {
+        let mut x = input;
+        let mut rest = &self.layers[..];
+        while let [layer, after @ ..] = rest {
+            (x, rest) = match (fused_pool(rest), x) {
+                (Some((relu, taken)), Batch::Image(t)) if cpu_kernels::flex_trains(&t.device()) => {
+                    (Batch::Image(cpu_kernels::max_pool_2x2(t, relu)), &rest[taken..])
+                }
+                (_, x) => (layer.forward(x), after),
+            };
+        }
+        match x {
             Batch::Flat(logits) => logits,
             other => unreachable!("spec validation guarantees flat logits, got {other:?}"),
         }
+    }
+}
+
+/// Whether `layers` begins with a 2×2, stride-2 max-pool that [`cpu_kernels::max_pool_2x2`] runs
+/// in one pass, with a ReLU just before or after it (the two commute: ReLU is monotone): whether
+/// that ReLU is there, and how many layers the pass stands for.
+fn fused_pool(layers: &[Layer]) -> Option<(bool, usize)> {
+    let plain_2x2 = |layer: &Layer| {
+        matches!(layer, Layer::MaxPool2d(p) if p.kernel_size == [2, 2]
+            && p.stride == [2, 2]
+            && p.dilation == [1, 1]
+            && !p.ceil_mode
+            && matches!(p.padding, PaddingConfig2d::Valid | PaddingConfig2d::Explicit(0, 0, 0, 0)))
+    };
+    match layers {
+        [Layer::Relu(_), pool, ..] | [pool, Layer::Relu(_), ..] if plain_2x2(pool) => {
+            Some((true, 2))
+        }
+        [pool, ..] if plain_2x2(pool) => Some((false, 1)),
+        _ => None,
     }
 }
 
@@ -350,26 +380,26 @@ impl ModuleMapper for Writer<'_> {
 #[cfg(test)]
 mod tests;
 
-/// A convolution layer's forward pass. Where its input carries no gradient (the model's first
-/// layer, fed the batch) and has few channels, it gathers the input's patches into one matrix
-/// for the whole batch and multiplies the kernels by it; the backward pass is then one multiply
-/// for the weight gradient, and nothing for the patches. flex's own paths for such a layer (a
-/// direct convolution forward, and a weight gradient that convolves the input with the output
-/// gradient) ran the FedAvg CNN's first layer at 5–8 GFLOP/s; this path takes it 1.4–2× less
-/// time (docs/benchmarks.md, `train_profile`). Anywhere else, and on wgpu alike, burn's
-/// convolution runs.
+/// A convolution layer's forward pass. On flex, a convolution with stride 1, a square kernel and
+/// the same padding on every side is one matrix multiply over the whole batch's patches
+/// ([`cpu_kernels::conv2d_by_patches`]), and so is each of its two gradients; the input's
+/// gradient is not computed where the input carries none (the model's first layer). flex's own
+/// convolution (a direct forward pass, an input gradient by transposed convolution and a weight
+/// gradient by convolving the input with the output gradient) ran the FedAvg CNN's layers at
+/// 5–8 GFLOP/s (first) and ~150–200 (second); docs/benchmarks.md has what this path reaches
+/// (`train_profile`). On wgpu, and for any other convolution, burn's own runs.
 fn conv2d(c: &Conv2d, x: Tensor<4>) -> Tensor<4> {
-    /// Most bytes the gathered patches may take; past this burn's convolution runs.
+    /// Most bytes the gathered patches may take (they are kept for the backward pass); past
+    /// this burn's convolution runs.
     const MAX_PATCH_BYTES: usize = 64 << 20;
     let [b, ch, h, w] = x.dims();
-    let [o, _, k, kw] = c.weight.dims();
+    let [_, _, k, kw] = c.weight.dims();
     let PaddingConfig2d::Explicit(p, p_left, p_bottom, p_right) = c.padding else {
         return c.forward(x);
     };
     let (ho, wo) = ((h + 2 * p + 1).saturating_sub(k), (w + 2 * p + 1).saturating_sub(k));
     let patch_bytes = b * ch * k * k * ho * wo * std::mem::size_of::<f32>();
-    let suits = !x.is_tracked()
-        && ch <= 4
+    let suits = cpu_kernels::flex_trains(&x.device())
         && k == kw
         && [p_left, p_bottom, p_right] == [p; 3]
         && c.stride == [1, 1]
@@ -380,21 +410,9 @@ fn conv2d(c: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     if !suits {
         return c.forward(x);
     }
-    // Batch second, so that the patches of the whole batch form one matrix and the layer is
-    // one multiply forward and one for the weight gradient, each over the whole batch.
-    let x = x.swap_dims(0, 1).pad((p, p, p, p), burn::tensor::ops::PadMode::Constant(0.0));
-    let mut patches = Vec::with_capacity(k * k);
-    for i in 0..k {
-        for j in 0..k {
-            patches.push(x.clone().slice([0..ch, 0..b, i..i + ho, j..j + wo]));
-        }
-    }
-    // [ch, k·k, b, ho, wo]: rows in the kernel's (channel, row, column) order.
-    let patches = Tensor::stack::<5>(patches, 1).reshape([ch * k * k, b * ho * wo]);
-    let out = c.weight.val().reshape([o, ch * k * k]).matmul(patches);
-    let out = out.reshape([o, b, ho, wo]).swap_dims(0, 1);
+    let out = cpu_kernels::conv2d_by_patches(x, c.weight.val(), p);
     match &c.bias {
-        Some(bias) => out + bias.val().reshape([1, o, 1, 1]),
+        Some(bias) => out + bias.val().reshape([1, bias.dims()[0], 1, 1]),
         None => out,
     }
 }

@@ -89,22 +89,36 @@ fn forward_gives_logits_of_the_spec_shape() {
     assert_eq!(model.forward(Batch::Tokens(tokens)).dims(), [2, 20]);
 }
 
-/// The first layer's patch multiply (`conv2d`) against burn's own convolution: the same
-/// outputs and the same weight and bias gradients, for one and three input channels, with and
-/// without padding. Hidden layers (a tracked input) take burn's path.
+/// The patch multiply (`conv2d`) against burn's own convolution: the same outputs and the same
+/// weight, bias and input gradients, for one and three input channels, with and without padding,
+/// with an input that carries a gradient (a hidden layer) and one that does not (the first).
 #[test]
-fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
+fn a_convolution_by_patch_multiply_equals_burns_convolution() {
     use burn::tensor::Distribution;
     let device = Device::flex().autodiff();
-    for (channels, kernel, padding) in [(1, 5, 2), (3, 3, 1), (2, 3, 0)] {
+    // The last: the FedAvg CNN's second layer at B = 10, whose patches take three groups.
+    for (batch, channels, kernel, padding, tracked, [h, w]) in [
+        (4, 1, 5, 2, false, [9, 11]),
+        (4, 3, 3, 1, true, [9, 11]),
+        (4, 2, 3, 0, true, [9, 11]),
+        (4, 4, 5, 2, true, [9, 11]),
+        (4, 2, 1, 0, false, [9, 11]),
+        (10, 32, 5, 2, true, [14, 14]),
+    ] {
         let conv = Conv2dConfig::new([channels, 6], [kernel, kernel])
             .with_padding(PaddingConfig2d::Explicit(padding, padding, padding, padding))
             .init(&device);
-        let x = Tensor::<4>::random([4, channels, 9, 11], Distribution::Normal(0.0, 1.0), &device);
-        let ours = conv2d(&conv, x.clone());
-        let burns = conv.forward(x);
+        let x =
+            Tensor::<4>::random([batch, channels, h, w], Distribution::Normal(0.0, 1.0), &device);
+        let run = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| {
+            let x = if tracked { x.clone().require_grad() } else { x.clone() };
+            let out = f(x.clone());
+            let weights = Tensor::<4>::random(out.dims(), Distribution::Normal(0.0, 1.0), &device);
+            (out, x, weights)
+        };
+        let (ours, ours_x, weights) = run(&|x| conv2d(&conv, x));
+        let (burns, burns_x, _) = run(&|x| conv.forward(x));
         assert_eq!(ours.dims(), burns.dims());
-        let weights = Tensor::<4>::random(ours.dims(), Distribution::Normal(0.0, 1.0), &device);
         let ours_grads = (ours.clone() * weights.clone()).sum().backward();
         let burns_grads = (burns.clone() * weights).sum().backward();
         let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
@@ -119,13 +133,79 @@ fn a_first_convolution_by_patch_multiply_equals_burns_convolution() {
         let bias = conv.bias.as_ref().unwrap();
         let bias_grad = |g| bias.grad(g).unwrap().into_data().try_to_vec::<f32>().unwrap();
         close(bias_grad(&ours_grads), bias_grad(&burns_grads), "bias gradient");
+        if tracked {
+            let x_grad = |x: &Tensor<4>, g| values(x.grad(g).unwrap());
+            close(x_grad(&ours_x, &ours_grads), x_grad(&burns_x, &burns_grads), "input gradient");
+        } else {
+            assert!(ours_x.grad(&ours_grads).is_none(), "an untracked input gets no gradient");
+        }
     }
-    // A hidden layer's input is tracked: burn's convolution, the same tensor.
-    let conv = Conv2dConfig::new([2, 3], [3, 3]).init(&device);
-    let x =
-        Tensor::<4>::random([2, 2, 5, 5], Distribution::Normal(0.0, 1.0), &device).require_grad();
-    let ours = conv2d(&conv, x.clone()).into_data().try_to_vec::<f32>().unwrap();
-    assert_eq!(ours, conv.forward(x).into_data().try_to_vec::<f32>().unwrap());
+}
+
+/// The in-place SGD step equals `param - lr · grad`, and steps a copy where the parameter's
+/// values are shared, leaving the other holder's values as they were.
+#[test]
+fn an_sgd_step_is_in_place_only_where_nothing_else_holds_the_values() {
+    use burn::tensor::Distribution;
+    let device = Device::flex();
+    let param = Tensor::<2>::random([300, 70], Distribution::Normal(0.0, 1.0), &device);
+    let grad = Tensor::<2>::random([300, 70], Distribution::Normal(0.0, 1.0), &device);
+    let values = |t: &Tensor<2>| t.clone().into_data().try_to_vec::<f32>().unwrap();
+    let expected = values(&(param.clone() - grad.clone().mul_scalar(0.05)));
+    let before = values(&param);
+    let kept = param.clone();
+    let stepped = cpu_kernels::sgd_step(param, grad.clone(), 0.05);
+    assert_eq!(values(&stepped), expected);
+    assert_eq!(values(&kept), before, "a shared parameter was written in place");
+    let again = cpu_kernels::sgd_step(stepped, grad.clone(), 0.05);
+    let twice = values(&(kept - grad.clone().mul_scalar(0.05) - grad.mul_scalar(0.05)));
+    assert_eq!(values(&again), twice);
+}
+
+/// The fused 2×2 pool against burn's own `max_pool2d` and `relu`, in both orders and without a
+/// ReLU: the same outputs and the same input gradients, on an odd-sized input (the last row is
+/// dropped) with ties inside windows (a gradient goes to one input of a tie, as burn's does).
+#[test]
+fn a_fused_2x2_pool_equals_burns_pool_and_relu() {
+    use burn::tensor::Distribution;
+    let device = Device::flex().autodiff();
+    assert!(cpu_kernels::flex_trains(&device));
+    let x = Tensor::<4>::random([3, 4, 7, 6], Distribution::Normal(0.0, 1.0), &device);
+    // Rounded to halves, so that many windows hold ties, some at zero.
+    let x = (x * 2.0).round() / 2.0;
+    let weights = Tensor::<4>::random([3, 4, 3, 3], Distribution::Normal(0.0, 1.0), &device);
+    let values = |t: Tensor<4>| t.into_data().try_to_vec::<f32>().unwrap();
+    let pool = |t| MaxPool2dConfig::new([2, 2]).init().forward(t);
+    let cases: [(bool, &dyn Fn(Tensor<4>) -> Tensor<4>); 3] =
+        [(true, &|t| relu(pool(t))), (true, &|t| pool(relu(t))), (false, &|t| pool(t))];
+    for (relu_too, burns) in cases {
+        let run = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| {
+            let x = x.clone().require_grad();
+            let out = f(x.clone());
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            (values(out), values(x.grad(&grads).unwrap()))
+        };
+        let (ours, ours_grad) = run(&|t| cpu_kernels::max_pool_2x2(t, relu_too));
+        let (theirs, theirs_grad) = run(burns);
+        assert_eq!(ours, theirs, "output, relu {relu_too}");
+        // Ties may send a window's gradient to a different one of its equal inputs: compare
+        // each window's gradient sum, and where each is nonzero, the count of inputs it reached.
+        let per_window = |g: &[f32]| {
+            let mut sums = vec![(0.0f32, 0usize); 3 * 4 * 3 * 3];
+            for (i, &v) in g.iter().enumerate() {
+                let (plane, y, x) = (i / 42, i % 42 / 6, i % 6);
+                if y < 6 {
+                    let w = &mut sums[plane * 9 + y / 2 * 3 + x / 2];
+                    w.0 += v;
+                    w.1 += usize::from(v != 0.0);
+                }
+            }
+            sums
+        };
+        assert_eq!(per_window(&ours_grad), per_window(&theirs_grad), "gradient, relu {relu_too}");
+        assert!(ours_grad.iter().skip(36).step_by(42).all(|&g| g == 0.0), "the dropped row");
+        assert!(ours_grad.iter().any(|&g| g != 0.0));
+    }
 }
 
 /// Changing the last steps of a sequence leaves a block's output at every earlier step as it

@@ -71,6 +71,80 @@ fn learns_digits_on(device: Device) {
     assert!(after.accuracy > 0.85, "held-out accuracy {}", after.accuracy);
 }
 
+/// A CNN (two convolutions, each with ReLU and a 2×2 pool, as the FedAvg paper's) on flex, where
+/// it runs the SDK's own kernels (`model::cpu_kernels`): it learns the digits, and inside a
+/// rayon pool (the simulator's training slots) it trains to the same model as from outside one.
+#[test]
+fn a_cnn_learns_real_digits_on_the_cpu_kernels_inside_a_pool_or_not() {
+    let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+        "input": {"kind": "image", "channels": 1, "height": 8, "width": 8},
+        "layers": [
+            {"kind": "conv2d", "out_channels": 8, "kernel": 3, "padding": 1}, {"kind": "relu"},
+            {"kind": "max_pool2d", "kernel": 2},
+            {"kind": "conv2d", "out_channels": 16, "kernel": 3, "padding": 1}, {"kind": "relu"},
+            {"kind": "max_pool2d", "kernel": 2},
+            {"kind": "flatten"}, {"kind": "linear", "out": 10}
+        ]
+    }))
+    .unwrap();
+    let device = Device::flex().autodiff();
+    assert!(cpu_kernels::flex_trains(&device));
+    let (train_set, test_set) = digits().split_holdout(0.2, 1);
+    let initial = spec.initial_parameters(1).unwrap();
+    let config = TrainingPlan { epochs: 10, batch_size: 16, lr: 0.1, ..TrainingPlan::default() };
+    let trained = || {
+        let model = SpecModel::build(&spec, &device).unwrap().load_parameters(&initial).unwrap();
+        train(model, io(&spec), &train_set, &config, &device, &mut |_| {}).unwrap().0
+    };
+    let model = trained();
+    let before = SpecModel::build(&spec, &device).unwrap().load_parameters(&initial).unwrap();
+    let before = evaluate(&before, io(&spec), &test_set, &device).unwrap();
+    let after = evaluate(&model, io(&spec), &test_set, &device).unwrap();
+    eprintln!("held-out accuracy {:.3} -> {:.3}", before.accuracy, after.accuracy);
+    assert!(before.accuracy < 0.3, "untrained accuracy {}", before.accuracy);
+    assert!(after.accuracy > 0.85, "held-out accuracy {}", after.accuracy);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let in_pool = pool.install(trained);
+    let worst = model
+        .parameters()
+        .iter()
+        .zip(in_pool.parameters())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst < 1e-4, "trained inside a pool, parameters differ by {worst}");
+}
+
+/// The SDK's SGD (one pass, in place on flex) against burn's own `Sgd` with its default config:
+/// the same gradients give bit-identical parameters, twice over (the second step in place on
+/// parameters the first one wrote).
+#[test]
+fn plain_sgd_steps_exactly_as_burns_sgd() {
+    use burn::optim::SgdConfig;
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let examples = digits().subset(&(0..32).collect::<Vec<_>>());
+    let mut ours_optim = ModuleOptimizer::from(PlainSgd);
+    let mut burns_optim = SgdConfig::new().init();
+    let mut ours = SpecModel::build(&spec, &device).unwrap();
+    let mut burns = ours.clone();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    for step in 0..2 {
+        let idx: Vec<usize> = (step * 16..step * 16 + 16).collect();
+        let grads_of = |model: &SpecModel| {
+            let (input, targets) = examples.batch(&idx, &device);
+            GradientsParams::from_grads(
+                loss_fn.forward(model.forward(input), targets).backward(),
+                model,
+            )
+        };
+        let (ours_grads, burns_grads) = (grads_of(&ours), grads_of(&burns));
+        ours = ours_optim.step(0.1, ours, ours_grads);
+        burns = burns_optim.step(0.1, burns, burns_grads);
+        assert_eq!(ours.parameters(), burns.parameters(), "after step {}", step + 1);
+    }
+    assert_ne!(ours.parameters(), SpecModel::build(&spec, &device).unwrap().parameters());
+}
+
 #[test]
 fn adam_also_learns_and_fedprox_stays_closer_to_the_global_model() {
     let spec = digits_mlp();
