@@ -23,6 +23,11 @@ use starling_client::model::{ModelIo, SpecModel};
 use starling_client::simulate::{ModelKind, model_spec};
 use starling_client::train::{TrainingPlan, train};
 
+/// Training frees and allocates megabytes of activations every step; glibc's malloc hands them
+/// back to the kernel and faults them in again, mimalloc keeps them (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist");
     let examples = match mnist(&dir, Split::Test) {

@@ -4,6 +4,11 @@
 
 mod cli;
 
+/// Training frees and allocates megabytes of activations every step; glibc's malloc hands them
+/// back to the kernel and faults them in again, mimalloc keeps them (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the command line.
 pub fn main() -> anyhow::Result<()> {
     cli::main()

@@ -3,6 +3,11 @@
 
 mod operator;
 
+/// Training frees and allocates megabytes of activations every step; glibc's malloc hands them
+/// back to the kernel and faults them in again, mimalloc keeps them (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the command line.
 pub fn main() -> anyhow::Result<()> {
     operator::main()
