@@ -22,14 +22,25 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Distribution, Int, Tensor};
 
 use starling_client::data::{Split, mnist};
-use starling_client::model::{Batch, ModelIo, SpecModel};
+use starling_client::model::{ModelIo, SpecModel, cpu_kernels};
 use starling_client::simulate::{ModelKind, model_spec};
 use starling_client::train::{TrainingPlan, train};
 
 /// Timed repetitions per measurement; the best is kept.
 const REPEATS: usize = 15;
 
+/// Training frees and allocates megabytes of activations every step; glibc's malloc hands them
+/// back to the kernel and faults them in again, mimalloc keeps them (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
+    // As training runs: on a rayon pool's threads (`train::train` does the same).
+    let pool = rayon::ThreadPoolBuilder::new().build().expect("a thread pool");
+    pool.install(profile_both_batches);
+}
+
+fn profile_both_batches() {
     let device = Device::flex().autodiff();
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist");
     let examples = match mnist(&dir, Split::Test) {
@@ -47,7 +58,7 @@ fn main() {
         );
         let rows = layer_rows(batch, &device);
         let step = whole_step_ms(batch, &examples, &device);
-        // burn's own first convolution is shown for comparison; the step runs the SDK's.
+        // burn's own layers are shown for comparison; the step runs the SDK's.
         let in_step = |r: &&Row| !r.name.ends_with("(burn)");
         let layers: f64 = rows.iter().filter(in_step).map(|r| r.forward_ms + r.backward_ms).sum();
         for row in &rows {
@@ -87,11 +98,12 @@ struct Row {
     flops: Option<f64>,
 }
 
-/// Each layer alone: its input is a fresh tensor of the shape training gives it.
+/// Each layer alone: its input is a fresh tensor of the shape training gives it. Rows marked
+/// "(burn)" are burn's own layers, for comparison, and are not in the step; the others are what
+/// the SDK runs on flex (`model::cpu_kernels`).
 fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
     let same = PaddingConfig2d::Explicit(2, 2, 2, 2);
     let conv1: Conv2d = Conv2dConfig::new([1, 32], [5, 5]).with_padding(same.clone()).init(device);
-    let first_conv = first_conv_model(device);
     let conv2: Conv2d = Conv2dConfig::new([32, 64], [5, 5]).with_padding(same).init(device);
     let pool = MaxPool2dConfig::new([2, 2]).init();
     let fc1 = LinearConfig::new(3136, 512).init(device);
@@ -101,37 +113,36 @@ fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
     let fc_flops = |i: usize, o: usize| (2 * b * i * o) as f64;
     let targets =
         Tensor::<1, Int>::from_ints(&(0..b as i32).map(|i| i % 10).collect::<Vec<_>>()[..], device);
+    let with_bias = |conv: &Conv2d, x: Tensor<4>| {
+        let bias = conv.bias.as_ref().expect("burn's default has a bias").val();
+        let channels = bias.dims()[0];
+        cpu_kernels::conv2d_by_patches(x, conv.weight.val(), 2) + bias.reshape([1, channels, 1, 1])
+    };
+    // The first layer's input is data: no gradient flows to it.
+    let conv1_flops = Some(2.0 * conv_flops(1, 32, 28));
+    let conv2_flops = Some(3.0 * conv_flops(32, 64, 14));
     vec![
-        // The first layer's input is data: no gradient flows to it. burn's convolution (not in
-        // the step's sum), then the SDK's (patches and one multiply) through a model of it alone.
-        profile(
-            "conv1 1→32 5×5 (burn)",
-            [b, 1, 28, 28],
-            false,
-            Some(2.0 * conv_flops(1, 32, 28)),
-            device,
-            |x| conv1.forward(x),
-        ),
-        profile(
-            "conv1 (the SDK's)",
-            [b, 1, 28, 28],
-            false,
-            Some(2.0 * conv_flops(1, 32, 28)),
-            device,
-            |x| first_conv.forward(Batch::Image(x)),
-        ),
-        profile("relu1", [b, 32, 28, 28], true, None, device, relu),
-        profile("pool1 2×2", [b, 32, 28, 28], true, None, device, |x| pool.forward(x)),
-        profile(
-            "conv2 32→64 5×5",
-            [b, 32, 14, 14],
-            true,
-            Some(3.0 * conv_flops(32, 64, 14)),
-            device,
-            |x| conv2.forward(x),
-        ),
-        profile("relu2", [b, 64, 14, 14], true, None, device, relu),
-        profile("pool2 2×2", [b, 64, 14, 14], true, None, device, |x| pool.forward(x)),
+        profile("conv1 1→32 5×5 (burn)", [b, 1, 28, 28], false, conv1_flops, device, |x| {
+            conv1.forward(x)
+        }),
+        profile("conv1 1→32 5×5", [b, 1, 28, 28], false, conv1_flops, device, |x| {
+            with_bias(&conv1, x)
+        }),
+        profile("relu1, pool1 (burn)", [b, 32, 28, 28], true, None, device, |x| {
+            pool.forward(relu(x))
+        }),
+        profile("relu1 + pool1 2×2", [b, 32, 28, 28], true, None, device, |x| {
+            cpu_kernels::max_pool_2x2(x, true)
+        }),
+        profile("conv2 32→64 5×5 (burn)", [b, 32, 14, 14], true, conv2_flops, device, |x| {
+            conv2.forward(x)
+        }),
+        profile("conv2 32→64 5×5", [b, 32, 14, 14], true, conv2_flops, device, |x| {
+            with_bias(&conv2, x)
+        }),
+        profile("relu2 + pool2 2×2", [b, 64, 14, 14], true, None, device, |x| {
+            cpu_kernels::max_pool_2x2(x, true)
+        }),
         profile("fc1 3136→512", [b, 3136], true, Some(3.0 * fc_flops(3136, 512)), device, |x| {
             fc1.forward(x)
         }),
@@ -141,17 +152,6 @@ fn layer_rows(b: usize, device: &Device) -> Vec<Row> {
         }),
         profile_loss(b, device, |x| loss.forward(x, targets.clone())),
     ]
-}
-
-/// The CNN's first convolution alone, as the SDK builds and runs it (then flattened, since a
-/// model ends in flat outputs).
-fn first_conv_model(device: &Device) -> SpecModel {
-    let spec = serde_json::from_value(serde_json::json!({
-        "input": {"kind": "image", "channels": 1, "height": 28, "width": 28},
-        "layers": [{"kind": "conv2d", "out_channels": 32, "kernel": 5, "padding": 2}, {"kind": "flatten"}],
-    }))
-    .expect("a valid spec");
-    SpecModel::build(&spec, device).expect("a valid spec")
 }
 
 /// Best forward time and best forward-and-backward time of `layer` on a random input.
