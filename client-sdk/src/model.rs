@@ -381,16 +381,16 @@ impl ModuleMapper for Writer<'_> {
 mod tests;
 
 /// A convolution layer's forward pass. On flex, a convolution with stride 1, a square kernel and
-/// the same padding on every side is one matrix multiply over the whole batch's patches
-/// ([`cpu_kernels::conv2d_by_patches`]), and so is each of its two gradients; the input's
-/// gradient is not computed where the input carries none (the model's first layer). flex's own
-/// convolution (a direct forward pass, an input gradient by transposed convolution and a weight
-/// gradient by convolving the input with the output gradient) ran the FedAvg CNN's layers at
-/// 5–8 GFLOP/s (first) and ~150–200 (second); docs/benchmarks.md has what this path reaches
-/// (`train_profile`). On wgpu, and for any other convolution, burn's own runs.
+/// the same padding on every side is a matrix multiply over its input's patches, a group of
+/// images at a time ([`cpu_kernels::conv2d_by_patches`]), and so is each of its two gradients;
+/// the input's gradient is not computed where the input carries none (the model's first layer).
+/// flex's own convolution (a direct forward pass, an input gradient by transposed convolution and
+/// a weight gradient by convolving the input with the output gradient) ran the FedAvg CNN's
+/// layers at 5–8 GFLOP/s (first) and ~150–200 (second); docs/benchmarks.md has what this path
+/// reaches (`train_profile`). On wgpu, and for any other convolution, burn's own runs.
 fn conv2d(c: &Conv2d, x: Tensor<4>) -> Tensor<4> {
-    /// Most bytes the gathered patches may take (they are kept for the backward pass); past
-    /// this burn's convolution runs.
+    /// Most bytes the whole batch's patches may take; past this burn's convolution runs. (The
+    /// patches are gathered a group of images at a time, and not kept, since this bound was set.)
     const MAX_PATCH_BYTES: usize = 64 << 20;
     let [b, ch, h, w] = x.dims();
     let [_, _, k, kw] = c.weight.dims();

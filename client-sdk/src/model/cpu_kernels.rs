@@ -117,7 +117,7 @@ fn conv2d_by_groups<B: CpuTrainOps>(
     let [b, c, h, w] = x.shape().dims::<4>();
     let [_, o, ckk] = kernels.shape().dims::<3>();
     let k = (ckk / c).isqrt();
-    let (ho, wo) = (h + 2 * padding + 1 - k, w + 2 * padding + 1 - k);
+    let (ho, wo) = output_size([h, w], k, padding);
     let outs = image_groups(b, ckk * ho * wo)
         .map(|images| {
             let patches = B::patches(images_of::<B>(x, images), k, padding);
@@ -182,10 +182,17 @@ pub fn max_pool_2x2(x: Tensor<4>, relu: bool) -> Tensor<4> {
     ))
 }
 
-/// A flex tensor's values as contiguous f32, and its dimensions.
+/// Height and width of a stride-1 convolution's output.
+fn output_size([h, w]: [usize; 2], k: usize, padding: usize) -> (usize, usize) {
+    (h + 2 * padding + 1 - k, w + 2 * padding + 1 - k)
+}
+
+/// A flex tensor whose values `as_slice` gives as contiguous f32, and its dimensions: the tensor
+/// itself where it already is (a group of images sliced from a batch is, at an offset), else a
+/// contiguous copy.
 fn values_of(t: &FlexTensor) -> (FlexTensor, [usize; 4]) {
     assert_eq!(t.dtype(), DType::F32, "the CPU training kernels take f32 tensors");
-    let t = t.to_contiguous();
+    let t = if t.as_slice::<f32>().is_some() { t.clone() } else { t.to_contiguous() };
     let dims = t.layout().shape().dims::<4>();
     (t, dims)
 }
@@ -325,7 +332,7 @@ impl CpuTrainOps for Flex {
     fn patches(x: FlexTensor, k: usize, padding: usize) -> FlexTensor {
         let (x, [b, c, h, w]) = values_of(&x);
         let xs: &[f32] = x.as_slice().expect("contiguous");
-        let (ho, wo) = (h + 2 * padding + 1 - k, w + 2 * padding + 1 - k);
+        let (ho, wo) = output_size([h, w], k, padding);
         let rows = c * k * k;
         let mut out = vec![0.0f32; b * rows * ho * wo];
         out.par_chunks_mut(ho * wo).with_min_len(MIN_ROWS_PER_TASK).enumerate().for_each(
@@ -349,7 +356,7 @@ impl CpuTrainOps for Flex {
         let [b, c, h, w] = dims;
         let patches = patches.to_contiguous();
         let ps: &[f32] = patches.as_slice().expect("contiguous");
-        let (ho, wo) = (h + 2 * padding + 1 - k, w + 2 * padding + 1 - k);
+        let (ho, wo) = output_size([h, w], k, padding);
         let rows = c * k * k;
         let mut dx = vec![0.0f32; b * c * h * w];
         dx.par_chunks_mut(h * w).enumerate().for_each(|(plane_at, plane)| {
