@@ -58,7 +58,8 @@ pub use evaluations::{
 };
 use leadership::Fence;
 pub use leadership::{
-    LEADER_APPLICATION_NAME, LEASE, Leadership, RENEW_EVERY, RENEW_TIMEOUT, STANDBY_POLL,
+    LEADER_APPLICATION_NAME, LEASE, Leadership, RENEW_EVERY, RENEW_GIVE_UP, RENEW_TIMEOUT,
+    STANDBY_POLL,
 };
 pub use rounds::{
     ModelBytes, OpenRoundState, PendingModel, RoundCommit, RoundDeviceRow, RoundRow, Transition,

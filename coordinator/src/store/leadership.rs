@@ -5,14 +5,21 @@
 //! The lock alone is held by a *session*: a leader that is paused (SIGSTOP, a long GC-like
 //! stall, a frozen VM) or cut off from the database keeps its session open as far as Postgres
 //! knows, for as long as TCP keepalives take (two hours with the defaults), and no standby can
-//! lead meanwhile. So the leader also holds a lease in the `leadership` row, renewed every
+//! lead meanwhile. So the leader also holds a lease in the `leadership_lease` row, renewed every
 //! [`RENEW_EVERY`] on the lock's own connection and timed by the database's clock (no clock
 //! skew between coordinators). A standby that finds the lease lapsed for [`LEASE`] terminates
 //! the backend that holds the lock (`pg_terminate_backend`, which the coordinators' role needs
-//! the right to do), takes the lock and moves the epoch on. A leader that cannot renew within
-//! [`RENEW_TIMEOUT`] stops by itself, well before its lease lapses; and whatever it still tries
-//! to write after its successor took over is refused by the epoch fence, so two leaders never
-//! both write.
+//! the right to do), takes the lock and moves the epoch on. Whatever a deposed leader still
+//! tries to write after its successor took over is refused by the epoch fence, so two leaders
+//! never both write.
+//!
+//! Load cannot starve the renewal: the lease is a row of its own, which no write locks (the
+//! fence reads the `leadership` row's epoch `FOR SHARE` in every write, and a renewal of a lease
+//! kept there once queued behind a thousand devices' uploads until the lone leader deposed
+//! itself). A renewal that is slow anyway is waited for: until the lease has lapsed no standby
+//! may break it, and after that one that does terminates this session, which fails the
+//! renewal at once. Only a renewal still unanswered [`RENEW_GIVE_UP`] after the last one (the
+//! database unreachable: cut off, no FIN, no RST) makes the leader stop by itself.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -46,9 +53,12 @@ const LEADER_LOCK_KEY: i64 = 0x5354_4152;
 pub const LEASE: Duration = Duration::from_secs(10);
 /// How often the leader renews its lease (and checks that its lock's session is alive).
 pub const RENEW_EVERY: Duration = Duration::from_secs(1);
-/// A renewal that has not answered in this long counts as the lock lost: the leader stops
-/// itself [`RENEW_EVERY`] + this after its last renewal, before its lease can lapse.
+/// A renewal slower than this is logged as a warning and waited for.
 pub const RENEW_TIMEOUT: Duration = Duration::from_secs(4);
+/// A renewal still unanswered this long after the last one that succeeded counts as the lock
+/// lost (the database is unreachable); past the lease, so that slowness alone never deposes a
+/// leader no standby replaced.
+pub const RENEW_GIVE_UP: Duration = Duration::from_secs(LEASE.as_secs() + 5);
 /// How often a standby tries the lock and looks for a lapsed lease.
 pub const STANDBY_POLL: Duration = Duration::from_secs(1);
 
@@ -103,31 +113,42 @@ impl Leadership {
         };
         let epoch = self.fence.epoch.load(Ordering::SeqCst);
         let dead = async {
+            let mut renewed = tokio::time::Instant::now();
             loop {
                 tokio::time::sleep(RENEW_EVERY).await;
                 let renewal = sqlx::query(concat!(
-                    "UPDATE leadership SET lease_expires_at_ms = ",
+                    "UPDATE leadership_lease SET lease_expires_at_ms = ",
                     db_now_ms!(),
                     " + $1 WHERE id = 1 AND epoch = $2"
                 ))
                 .bind(LEASE.as_millis() as i64)
                 .bind(epoch)
                 .execute(&mut *conn);
-                match tokio::time::timeout(RENEW_TIMEOUT, renewal).await {
-                    Ok(Ok(done)) if done.rows_affected() == 1 => {}
-                    Ok(Ok(_)) => {
+                tokio::pin!(renewal);
+                let answer = match tokio::time::timeout(RENEW_TIMEOUT, &mut renewal).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        tracing::warn!(timeout = ?RENEW_TIMEOUT, "renewing the leadership lease is slow; waiting for it");
+                        match tokio::time::timeout_at(renewed + RENEW_GIVE_UP, &mut renewal).await {
+                            Ok(answer) => answer,
+                            Err(_) => {
+                                tracing::error!(give_up = ?RENEW_GIVE_UP, "renewing the leadership lease did not answer: the database is unreachable");
+                                return;
+                            }
+                        }
+                    }
+                };
+                match answer {
+                    Ok(done) if done.rows_affected() == 1 => renewed = tokio::time::Instant::now(),
+                    Ok(_) => {
                         tracing::error!(
                             epoch,
-                            "another coordinator's epoch is in the leadership row"
+                            "another coordinator's epoch is in the leadership lease"
                         );
                         return;
                     }
-                    Ok(Err(e)) => {
+                    Err(e) => {
                         tracing::error!(error = %e, "renewing the leadership lease failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::error!(timeout = ?RENEW_TIMEOUT, "renewing the leadership lease did not answer");
                         return;
                     }
                 }
@@ -189,7 +210,7 @@ impl SqlStore {
         let Pool::Postgres(pool) = &self.pool else { return Ok(false) };
         let broken: Option<(i64, i64, bool)> = sqlx::query_as(concat!(
             "SELECT l.backend_pid, l.epoch, pg_terminate_backend(l.backend_pid::int)
-             FROM leadership l
+             FROM leadership_lease l
              WHERE l.id = 1 AND l.lease_expires_at_ms < ",
             db_now_ms!(),
             " AND l.backend_pid IN (SELECT pid::bigint FROM pg_locks
@@ -252,6 +273,21 @@ impl SqlStore {
                 .bind(crate::clock::now_ms())
                 .bind(LEASE.as_millis() as i64)
                 .fetch_one(&mut conn)
+                .await
+                .map_err(map_err)?;
+                // The lease a standby reads, on a row no write of round state locks.
+                sqlx::query(concat!(
+                    "INSERT INTO leadership_lease (id, epoch, backend_pid, lease_expires_at_ms)
+                     VALUES (1, $1, pg_backend_pid(), ",
+                    db_now_ms!(),
+                    " + $2)
+                     ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch,
+                         backend_pid = EXCLUDED.backend_pid,
+                         lease_expires_at_ms = EXCLUDED.lease_expires_at_ms"
+                ))
+                .bind(epoch)
+                .bind(LEASE.as_millis() as i64)
+                .execute(&mut conn)
                 .await
                 .map_err(map_err)?;
                 fence.epoch.store(epoch, Ordering::SeqCst);
