@@ -122,6 +122,12 @@ struct ServeArgs {
     /// longest, so a flood of idle connections locks no one out.
     #[arg(long, env = "STARLING_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
+    /// Open connections from one IP address at most [default: half of --max-connections, at
+    /// least 16]; 0 for no per-address cap, as behind a proxy or load balancer, whose address
+    /// every connection has. At the cap a new connection from that address closes its one that
+    /// has gone longest without a request.
+    #[arg(long, env = "STARLING_MAX_CONNECTIONS_PER_IP")]
+    max_connections_per_ip: Option<usize>,
     /// Secret shared with the aggregator nodes (at least 16 characters): turns the aggregator
     /// tier on.
     #[arg(long, env = "STARLING_AGGREGATOR_SECRET", hide_env_values = true)]
@@ -284,6 +290,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         limits,
         timeouts,
         max_connections: args.max_connections,
+        max_connections_per_ip: args.max_connections_per_ip,
         tls,
     })
 }
