@@ -327,6 +327,23 @@ pub enum Dataset {
     Shakespeare,
 }
 
+impl Dataset {
+    /// What its examples are: 8 × 8 or 28 × 28 grey images, or Shakespeare's 80-character
+    /// windows.
+    pub fn input(self) -> InputSpec {
+        match self {
+            Dataset::Digits => InputSpec::Image { channels: 1, height: 8, width: 8 },
+            Dataset::Mnist | Dataset::FashionMnist => {
+                InputSpec::Image { channels: 1, height: 28, width: 28 }
+            }
+            Dataset::Shakespeare => InputSpec::Tokens {
+                vocab: SHAKESPEARE_VOCAB.len() as u64,
+                length: SHAKESPEARE_CONTEXT as u64,
+            },
+        }
+    }
+}
+
 /// Characters of context per Shakespeare example (LEAF uses 80).
 const SHAKESPEARE_CONTEXT: usize = 80;
 /// Examples per Shakespeare client, at most (the largest roles have tens of thousands).
@@ -370,6 +387,26 @@ pub struct FederatedData {
     pub clients: Vec<Vec<usize>>,
 }
 
+/// How much of Shakespeare a simulation takes: training windows per role (`0`: every window of
+/// the role's text) and how many of the largest roles' held-out tenth make the test set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShakespeareScale {
+    /// Windows per role, at most (0: all).
+    pub windows_per_role: usize,
+    /// Roles whose held-out 10 % form the test set.
+    pub test_roles: usize,
+}
+
+impl Default for ShakespeareScale {
+    /// 400 windows per role, 64 test roles: minutes on two cores.
+    fn default() -> Self {
+        ShakespeareScale {
+            windows_per_role: SHAKESPEARE_MAX_PER_CLIENT,
+            test_roles: SHAKESPEARE_TEST_ROLES,
+        }
+    }
+}
+
 /// Loads a dataset once and splits it over `clients`: image sets by `partition` (after keeping
 /// at most `max_examples`, 0 for all), Shakespeare by its natural one-client-per-role partition.
 pub fn federated_data(
@@ -380,8 +417,22 @@ pub fn federated_data(
     max_examples: usize,
     seed: u64,
 ) -> Result<FederatedData, DataError> {
+    let scale = ShakespeareScale::default();
+    federated_data_scaled(dataset, dir, clients, partition, max_examples, seed, scale)
+}
+
+/// [`federated_data`], with Shakespeare at `shakespeare`'s scale.
+pub fn federated_data_scaled(
+    dataset: Dataset,
+    dir: &std::path::Path,
+    clients: usize,
+    partition: Partition,
+    max_examples: usize,
+    seed: u64,
+    shakespeare: ShakespeareScale,
+) -> Result<FederatedData, DataError> {
     let (mut train, test) = match dataset {
-        Dataset::Shakespeare => return shakespeare_data(dir, clients, seed),
+        Dataset::Shakespeare => return shakespeare_data(dir, clients, seed, shakespeare),
         Dataset::Digits => digits(&dir.join("sklearn_digits"))?.split_holdout(0.2, seed),
         Dataset::Mnist => {
             (mnist(&dir.join("mnist"), Split::Train)?, mnist(&dir.join("mnist"), Split::Test)?)
@@ -406,22 +457,22 @@ pub fn federated_data(
 const SHAKESPEARE_TEST_ROLES: usize = 64;
 
 /// The `n` largest Shakespeare roles as clients (each role's 90 % for training), and a test set
-/// pooled from the held-out 10 % of the [`SHAKESPEARE_TEST_ROLES`] largest roles.
+/// pooled from the held-out 10 % of the `scale.test_roles` largest roles.
 fn shakespeare_data(
     dir: &std::path::Path,
     n: usize,
     seed: u64,
+    scale: ShakespeareScale,
 ) -> Result<FederatedData, DataError> {
     let mut roles = shakespeare_roles(&dir.join("shakespeare_roles"))?;
     roles.sort_by_key(|r| std::cmp::Reverse(r.text.len()));
     let input = next_char_examples("", SHAKESPEARE_CONTEXT, 0).input();
     let (mut train, mut test) = (Examples::new(input), Examples::new(input));
     let mut clients = vec![];
-    for (i, role) in roles.iter().take(n.max(SHAKESPEARE_TEST_ROLES)).enumerate() {
-        let examples =
-            next_char_examples(&role.text, SHAKESPEARE_CONTEXT, SHAKESPEARE_MAX_PER_CLIENT);
+    for (i, role) in roles.iter().take(n.max(scale.test_roles)).enumerate() {
+        let examples = next_char_examples(&role.text, SHAKESPEARE_CONTEXT, scale.windows_per_role);
         let (own, held) = examples.split_holdout(0.1, seed + i as u64);
-        if i < SHAKESPEARE_TEST_ROLES {
+        if i < scale.test_roles {
             test.extend(&held);
         }
         if i < n {

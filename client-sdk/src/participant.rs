@@ -41,7 +41,7 @@ use crate::model::{
 };
 use crate::protocol::{self, ClientError, FleetClient, TlsSettings, retrying};
 use crate::secure::{SecureError, SecureSession};
-use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train};
+use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train_until};
 
 pub use local_part::{LocalPart, LocalTensor};
 
@@ -780,6 +780,13 @@ impl<F: ModelFactory> Participant<F> {
         };
         #[cfg(feature = "tools")]
         let pool = slot.as_ref().map(|s| s.pool.clone());
+        // A task whose round closed while the device waited (for a training slot, say) is given
+        // up rather than trained for a round that can only refuse it; so is one whose deadline
+        // passes mid-training.
+        let deadline = task.report_deadline_ms;
+        if past_deadline(deadline) {
+            return Ok(Outcome::RoundMissed { run_id, round_idx });
+        }
         let training_started = std::time::Instant::now();
         let training = move || {
             let mut on_step = |p: Progress| step(ParticipantProgress::Step(p));
@@ -791,7 +798,9 @@ impl<F: ModelFactory> Participant<F> {
                 &trained_from,
                 trains.as_deref(),
             )?;
-            let (model, report) = train(model, io, &train_set, &config, &device, &mut on_step)?;
+            let give_up = move || past_deadline(deadline);
+            let (model, report) =
+                train_until(model, io, &train_set, &config, &device, &mut on_step, &give_up)?;
             let trained = parameters_of(&model);
             let local_part =
                 (!local.is_empty()).then(|| LocalPart::of(run_id, &schema, &trained, &local));
@@ -805,17 +814,22 @@ impl<F: ModelFactory> Participant<F> {
             let encoded = plain.then(|| compression.encode(&delta, &mut rounding, &mut feedback));
             Ok::<_, ParticipantError>((delta, encoded, feedback, report, parts, local_part))
         };
-        let (delta, encoded, feedback, trained, parts, local_part) =
-            tokio::task::spawn_blocking(move || {
-                // A simulated device trains in its slot's pool: flex's kernels stay on that core.
-                #[cfg(feature = "tools")]
-                if let Some(pool) = pool {
-                    return pool.install(training);
-                }
-                training()
-            })
-            .await
-            .expect("training task panicked")?;
+        let trained = tokio::task::spawn_blocking(move || {
+            // A simulated device trains in its slot's pool: flex's kernels stay on that core.
+            #[cfg(feature = "tools")]
+            if let Some(pool) = pool {
+                return pool.install(training);
+            }
+            training()
+        })
+        .await
+        .expect("training task panicked");
+        let (delta, encoded, feedback, trained, parts, local_part) = match trained {
+            Err(ParticipantError::Train(TrainError::Abandoned)) => {
+                return Ok(Outcome::RoundMissed { run_id, round_idx });
+            }
+            trained => trained?,
+        };
         #[cfg(feature = "tools")]
         drop(slot);
         if let Some(factor) = self.slowdown {
@@ -1179,6 +1193,19 @@ pub fn decode_model_in(
     Ok(decoded.to_f32())
 }
 
+/// How long past its round's report deadline (by this device's clock) a task is still trained:
+/// room for a device clock a little ahead of the coordinator's, and for the round's grace.
+const DEADLINE_SLACK_MS: i64 = 10_000;
+
+/// Whether a task due at `deadline_ms` (the coordinator's clock, ms since the epoch) is past
+/// saving: its round has closed, or its buffer dropped it.
+fn past_deadline(deadline_ms: i64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    now > deadline_ms.saturating_add(DEADLINE_SLACK_MS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1221,5 +1248,16 @@ mod tests {
         assert!(
             tokio::time::timeout(deadline, next).await.expect("a freed slot is taken").unwrap()
         );
+    }
+
+    /// A task is given up once its deadline is past by more than the slack, not before.
+    #[test]
+    fn a_task_is_past_saving_only_beyond_its_deadline_and_the_slack() {
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
+                as i64;
+        assert!(!past_deadline(now + 60_000), "a round still open");
+        assert!(!past_deadline(now - DEADLINE_SLACK_MS / 2), "within the slack");
+        assert!(past_deadline(now - 2 * DEADLINE_SLACK_MS), "a round long closed");
     }
 }

@@ -16,7 +16,7 @@ use starling_core::wire::ErrorCode;
 use starling_core::{DeviceId, RunId};
 
 use crate::backend::Backend;
-use crate::data::{DataError, Dataset, FederatedData, Partition, federated_data};
+use crate::data::{DataError, Dataset, FederatedData, Partition, federated_data_scaled};
 use crate::evaluate::CentralEvaluator;
 use crate::examples::Examples;
 use crate::participant::{Outcome, Participant, TrainingSlots};
@@ -166,6 +166,16 @@ pub struct SimulationConfig {
     /// idle machine. Not with DP (the coordinator draws a DP cohort, and its noise is secret)
     /// or asynchronous runs (their updates race by design).
     pub seeded_cohorts: bool,
+    /// The longest the whole simulation may take: past it the simulator stops its run and
+    /// fails with a summary ([`SimulationError::TimedOut`]); `None`: no limit.
+    pub timeout: Option<Duration>,
+    /// Stop the run once a scored model reaches this test accuracy (0 to 1), and end
+    /// successfully; `None`: train every round.
+    pub target: Option<f64>,
+    /// The next-character model's shape (token datasets).
+    pub lstm: LstmShape,
+    /// How much of Shakespeare is taken.
+    pub shakespeare: crate::data::ShakespeareScale,
 }
 
 /// Which committed models a simulation scores on the test set.
@@ -175,11 +185,13 @@ pub struct Scoring {
     pub every: u32,
     /// Score on this many test examples (a seeded sample), not the whole test set.
     pub examples: Option<usize>,
+    /// Score the initial model (version 0) too, before any round: the curve's round-0 row.
+    pub initial: bool,
 }
 
 impl Default for Scoring {
     fn default() -> Self {
-        Scoring { every: 1, examples: None }
+        Scoring { every: 1, examples: None, initial: false }
     }
 }
 
@@ -190,9 +202,30 @@ impl Scoring {
     }
 }
 
-/// The FedAvg paper's MNIST settings (McMahan et al. 2017: 100 clients of 600 examples, C =
-/// 0.1, B = 10; E = 1 for the 2NN, 5 for the CNN), as `starling-client simulate --preset`
-/// offers them.
+/// The shape of the next-character model a token dataset (Shakespeare) trains: an embedding,
+/// `layers` stacked LSTMs of `hidden` units, the last step's state, a linear map to the
+/// vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LstmShape {
+    /// Stacked LSTM layers.
+    pub layers: u32,
+    /// Units per LSTM layer.
+    pub hidden: u32,
+    /// Embedding width.
+    pub embedding: u32,
+}
+
+impl Default for LstmShape {
+    /// One LSTM of 64 units over an 8-dimensional embedding: minutes on two cores.
+    fn default() -> Self {
+        LstmShape { layers: 1, hidden: 64, embedding: 8 }
+    }
+}
+
+/// The FedAvg paper's settings (McMahan et al. 2017), as `starling-client simulate --preset`
+/// offers them: MNIST (100 clients of 600 examples, C = 0.1, B = 10; E = 1 for the 2NN, 5 for
+/// the CNN) and Shakespeare (one client per role, a 2 × 256 LSTM over an 8-dimensional
+/// embedding, all of each role's text, C ≈ 0.1, E = 1, B = 10, η = 1.47).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Preset {
     /// The 2NN (two hidden layers of 200), E = 1, B = 10, η = 0.1.
@@ -201,6 +234,10 @@ pub enum Preset {
     /// The CNN (two 5×5 convolutions, 512-unit dense), E = 5, B = 10, η = 0.05.
     #[value(name = "fedavg-mnist-cnn")]
     FedAvgMnistCnn,
+    /// Shakespeare's 1 423 roles, 142 a round, the 2 × 256 LSTM on every window of each role:
+    /// the paper's scale (hours on two cores).
+    #[value(name = "fedavg-shakespeare")]
+    FedAvgShakespeare,
 }
 
 /// The settings a simulation starts from: the simulator's own defaults, or a preset's.
@@ -232,6 +269,14 @@ pub struct Settings {
     pub min_quorum: Option<u32>,
     /// Longest time from a round's opening to its close, in seconds.
     pub reporting_timeout_secs: f64,
+    /// FedProx's proximal weight μ (0: plain FedAvg).
+    pub fedprox_mu: f64,
+    /// The devices' local optimizer.
+    pub local_optimizer: starling_core::plan::LocalOptimizer,
+    /// The next-character model's shape (token datasets).
+    pub lstm: LstmShape,
+    /// How much of Shakespeare is taken.
+    pub shakespeare: crate::data::ShakespeareScale,
 }
 
 impl Settings {
@@ -252,6 +297,10 @@ impl Settings {
             over_selection: Pacing::default().over_selection,
             min_quorum: None,
             reporting_timeout_secs: Pacing::default().reporting_timeout_secs,
+            fedprox_mu: 0.0,
+            local_optimizer: Default::default(),
+            lstm: LstmShape::default(),
+            shakespeare: Default::default(),
         }
     }
 }
@@ -264,6 +313,25 @@ impl Preset {
         let (model, epochs, lr, rounds) = match self {
             Preset::FedAvgMnist2nn => (ModelKind::Mlp, 1, 0.1, 200),
             Preset::FedAvgMnistCnn => (ModelKind::Cnn, 5, 0.05, 100),
+            Preset::FedAvgShakespeare => {
+                return Settings {
+                    clients: 1423,
+                    cohort: 142,
+                    rounds: 100,
+                    dataset: Dataset::Shakespeare,
+                    epochs: 1,
+                    lr: 1.47,
+                    min_quorum: Some(142),
+                    lstm: LstmShape { layers: 2, hidden: 256, embedding: 8 },
+                    shakespeare: crate::data::ShakespeareScale {
+                        windows_per_role: 0,
+                        test_roles: 64,
+                    },
+                    // A round of 142 roles' whole text on a CPU takes long.
+                    reporting_timeout_secs: 86_400.0,
+                    ..Preset::FedAvgMnist2nn.settings()
+                };
+            }
         };
         Settings {
             clients: 100,
@@ -279,6 +347,10 @@ impl Preset {
             over_selection: 1.0,
             min_quorum: Some(10),
             reporting_timeout_secs: Pacing::default().reporting_timeout_secs,
+            fedprox_mu: 0.0,
+            local_optimizer: Default::default(),
+            lstm: LstmShape::default(),
+            shakespeare: Default::default(),
         }
     }
 }
@@ -358,6 +430,23 @@ pub struct SimulationReport {
     pub rounds: Vec<RoundResult>,
     /// The versions given up (a later one was written) before the simulator evaluated them.
     pub not_evaluated: Vec<i64>,
+    /// The rounds that failed, in order, with why.
+    pub failed_rounds: Vec<FailedRound>,
+}
+
+/// A round that failed, as the simulator saw it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FailedRound {
+    /// Its index.
+    pub round_idx: i64,
+    /// Why (the round's outcome: `too_few_reports`, `too_few_selected`, ... with its counts).
+    pub outcome: String,
+}
+
+impl std::fmt::Display for FailedRound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "round {} failed: {}", self.round_idx, self.outcome)
+    }
 }
 
 /// One committed round as the simulator saw it.
@@ -426,9 +515,25 @@ pub enum SimulationError {
     /// A participant failed for good.
     #[error("participant: {0}")]
     Participant(String),
-    /// The run ended without committing every round.
-    #[error("the run ended with status {0}")]
-    RunEnded(String),
+    /// The run ended without committing every round (the coordinator stopped it, or the
+    /// operator did).
+    #[error("the run ended {status}{}: {summary}", reason.as_ref().map(|r| format!(" ({r})")).unwrap_or_default())]
+    RunEnded {
+        /// `stopped`.
+        status: String,
+        /// Why the coordinator stopped it, when it did.
+        reason: Option<String>,
+        /// Rounds committed and failed so far.
+        summary: String,
+    },
+    /// The simulation's `timeout` passed before the run finished: the simulator stopped it.
+    #[error("the simulation did not finish within {secs:.0} s; its run was stopped: {summary}")]
+    TimedOut {
+        /// The timeout.
+        secs: f64,
+        /// Rounds committed and failed so far.
+        summary: String,
+    },
     /// Another run is training the population the simulation was asked to use: its devices
     /// would join that run too.
     #[error("{why}: pick another population, or let the simulator make its own")]
@@ -443,11 +548,47 @@ pub enum SimulationError {
     Invalid(String),
 }
 
-/// The model spec for `kind` on `input` (token inputs get an Embedding → LSTM next-token model).
+/// A warning when a DP simulation's noise would drown its updates: the Gaussian noise on each
+/// coordinate of a round's mean (z·C/m, m devices) over a clipped update's typical coordinate
+/// (C/√d for d parameters), i.e. z·√d/m, above 1. The ε = 4 preset with 10 clients per round
+/// sat at 9-12 % accuracy with no word of why.
+pub fn dp_noise_warning(config: &SimulationConfig) -> Option<String> {
+    let dp = config.strategy.get("differential_privacy").filter(|d| !d.is_null())?;
+    let z = dp.get("noise_multiplier")?.as_f64()?;
+    let spec = model_spec_with(config.model, config.dataset.input(), config.lstm);
+    let d = spec.schema().ok()?.numel() as f64;
+    let m = f64::from(config.cohort.max(1));
+    let ratio = z * d.sqrt() / m;
+    (ratio > 1.0).then(|| {
+        format!(
+            "the DP noise on each coordinate of a round's mean is {ratio:.1}× a clipped update's \
+             typical coordinate (noise multiplier {z:.3}, {d} parameters, {m} devices a round): \
+             expect little learning; it takes more than {:.0} devices a round (z·√d), or a \
+             smaller model",
+            z * d.sqrt()
+        )
+    })
+}
+
+/// The model spec for `kind` on `input` (token inputs get an Embedding → LSTM next-token model
+/// of the default [`LstmShape`]).
 pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) -> ModelSpec {
+    model_spec_with(kind, input, LstmShape::default())
+}
+
+/// [`model_spec`], token inputs getting the next-character model of `lstm`'s shape.
+pub fn model_spec_with(
+    kind: ModelKind,
+    input: starling_core::model_spec::InputSpec,
+    lstm: LstmShape,
+) -> ModelSpec {
     if let starling_core::model_spec::InputSpec::Tokens { vocab, .. } = input {
-        let layers = serde_json::json!([{"kind": "embedding", "dim": 8}, {"kind": "lstm", "hidden": 64},
-            {"kind": "last_step"}, {"kind": "linear", "out": vocab}]);
+        let mut layers = vec![serde_json::json!({"kind": "embedding", "dim": lstm.embedding})];
+        for _ in 0..lstm.layers.max(1) {
+            layers.push(serde_json::json!({"kind": "lstm", "hidden": lstm.hidden}));
+        }
+        layers.push(serde_json::json!({"kind": "last_step"}));
+        layers.push(serde_json::json!({"kind": "linear", "out": vocab}));
         return serde_json::from_value(serde_json::json!({"input": input, "layers": layers}))
             .expect("built-in specs are valid");
     }
@@ -475,6 +616,15 @@ pub fn model_spec(kind: ModelKind, input: starling_core::model_spec::InputSpec) 
 pub async fn simulate(
     config: SimulationConfig,
     on_round: impl FnMut(&RoundResult),
+) -> Result<SimulationReport, SimulationError> {
+    simulate_reporting(config, on_round, |failed| tracing::warn!("{failed}")).await
+}
+
+/// [`simulate`], calling `on_failed` for each round that fails, as it fails.
+pub async fn simulate_reporting(
+    config: SimulationConfig,
+    on_round: impl FnMut(&RoundResult),
+    on_failed: impl FnMut(&FailedRound),
 ) -> Result<SimulationReport, SimulationError> {
     if !(0.0..1.0).contains(&config.holdout) {
         return Err(SimulationError::Invalid(format!(
@@ -511,15 +661,16 @@ pub async fn simulate(
             )));
         }
     }
-    let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data(
+    let FederatedData { train: train_set, test: test_set, clients: parts } = federated_data_scaled(
         config.dataset,
         &config.data_dir,
         config.clients,
         config.partition,
         config.max_examples,
         config.seed,
+        config.shakespeare,
     )?;
-    let spec = model_spec(config.model, train_set.input());
+    let spec = model_spec_with(config.model, train_set.input(), config.lstm);
     let test_set = match config.scoring.examples {
         Some(n) if n < test_set.len() => test_set.subset(&sample(test_set.len(), n, config.seed)),
         _ => test_set,
@@ -577,22 +728,26 @@ pub async fn simulate(
         results: vec![],
         seen: 0,
         not_evaluated: vec![],
+        failed: vec![],
         scoring: config.scoring,
         privacy,
         started,
+        timeout: config.timeout,
+        target: config.target,
     };
-    let outcome = observed.watch(&admin, run, &evaluator, &mut fleet, on_round).await;
+    let outcome = observed.watch(&admin, run, &evaluator, &mut fleet, on_round, on_failed).await;
     if let Some(following) = following {
         following.abort();
     }
     let devices = fleet.stop();
-    let Observed { results, not_evaluated, .. } = observed;
+    let Observed { results, not_evaluated, failed, .. } = observed;
     outcome.map(|()| SimulationReport {
         run_id: run,
         population,
         devices,
         rounds: results,
         not_evaluated,
+        failed_rounds: failed,
     })
 }
 
@@ -831,8 +986,14 @@ struct Observed {
     scoring: Scoring,
     /// The run's privacy, for ε per model.
     privacy: Option<starling_core::privacy::Privacy>,
+    /// Rounds seen failed, in order.
+    failed: Vec<FailedRound>,
     /// When the run was created.
     started: std::time::Instant,
+    /// The simulation's time limit.
+    timeout: Option<Duration>,
+    /// The test accuracy at which the run is stopped, done.
+    target: Option<f64>,
 }
 
 impl Observed {
@@ -844,7 +1005,34 @@ impl Observed {
         evaluator: &CentralEvaluator,
         fleet: &mut Fleet,
         mut on_round: impl FnMut(&RoundResult),
+        mut on_failed: impl FnMut(&FailedRound),
     ) -> Result<(), SimulationError> {
+        if self.scoring.initial {
+            // The curve's round-0 row: the model before any round.
+            let models = admin.models(run).await?;
+            if let Some(v0) = models.iter().find(|m| m.version == 0)
+                && let Some(eval) = evaluator
+                    .evaluate_version(0)
+                    .await
+                    .map_err(|e| SimulationError::Participant(e.to_string()))?
+            {
+                let result = RoundResult {
+                    version: 0,
+                    test_accuracy: eval.accuracy,
+                    test_loss: eval.loss,
+                    train_loss: None,
+                    reported: 0,
+                    dropped: 0,
+                    elapsed_secs: self.started.elapsed().as_secs_f64(),
+                    round_secs: None,
+                    upload_bytes: None,
+                    epsilon: self.privacy.map(|_| 0.0),
+                    content_hash: v0.content_hash.clone(),
+                };
+                on_round(&result);
+                self.results.push(result);
+            }
+        }
         loop {
             tokio::time::sleep(Duration::from_millis(200)).await;
             // The view first: if it shows the run ended, the models read after it are all of
@@ -853,6 +1041,23 @@ impl Observed {
             let models = admin.models(run).await?;
             let rounds = admin.rounds(run).await?;
             let total = i64::from(view.total_rounds);
+            // Each failed round is said as it fails, with why: 84 failed in a row once with
+            // nothing printed.
+            for r in rounds.iter().filter(|r| r.state == "failed") {
+                if self.failed.iter().any(|f| f.round_idx == r.round_idx) {
+                    continue;
+                }
+                let outcome = r.outcome.as_ref().map_or("failed".to_owned(), outcome_text);
+                let failed = FailedRound { round_idx: r.round_idx, outcome };
+                on_failed(&failed);
+                self.failed.push(failed);
+            }
+            if let Some(limit) = self.timeout.filter(|&t| self.started.elapsed() > t) {
+                // Not one more round: the run is stopped, and the failure says how far it got.
+                let _ = admin.stop(run).await;
+                let summary = self.summary(&view);
+                return Err(SimulationError::TimedOut { secs: limit.as_secs_f64(), summary });
+            }
             let newer = models.iter().position(|m| m.version > self.seen).unwrap_or(models.len());
             for m in &models[newer..] {
                 self.seen = m.version;
@@ -882,13 +1087,23 @@ impl Observed {
                     epsilon: self.privacy.map(|p| p.epsilon_after(m.version.max(0) as u64)),
                     content_hash: m.content_hash.clone(),
                 };
+                let reached = self.target.is_some_and(|t| result.test_accuracy >= t);
                 on_round(&result);
                 self.results.push(result);
+                if reached {
+                    // Done: the run is stopped here rather than trained on to its last round.
+                    admin.stop(run).await?;
+                    return Ok(());
+                }
             }
             if view.status != "running" && self.seen == view.model_version {
                 return match view.status.as_str() {
                     "finished" => Ok(()),
-                    _ => Err(SimulationError::RunEnded(view.status)),
+                    _ => Err(SimulationError::RunEnded {
+                        summary: self.summary(&view),
+                        status: view.status,
+                        reason: view.stop_reason,
+                    }),
                 };
             }
             if let Some(e) = fleet.failed().await {
@@ -896,6 +1111,33 @@ impl Observed {
             }
         }
     }
+}
+
+impl Observed {
+    /// How far the run got: its committed and failed rounds, the last failure, the time.
+    fn summary(&self, view: &starling_core::admin::RunView) -> String {
+        let last = self.failed.last().map(|f| format!(" (the last: {})", f.outcome));
+        format!(
+            "{} of {} rounds committed, {} failed{} in {:.0} s",
+            view.rounds_committed,
+            view.total_rounds,
+            self.failed.len(),
+            last.unwrap_or_default(),
+            self.started.elapsed().as_secs_f64()
+        )
+    }
+}
+
+/// A round's outcome as one line: its name and counts (`too_few_reports, reported 2, quorum 8`).
+fn outcome_text(outcome: &serde_json::Value) -> String {
+    let Some(fields) = outcome.as_object() else { return outcome.to_string() };
+    let name = fields.get("outcome").and_then(|v| v.as_str()).unwrap_or("failed");
+    let counts: Vec<String> = fields
+        .iter()
+        .filter(|(k, _)| k.as_str() != "outcome")
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    std::iter::once(name.to_owned()).chain(counts).collect::<Vec<_>>().join(", ")
 }
 
 /// Eight random hex digits, so that two simulations' runs and populations never share a name.

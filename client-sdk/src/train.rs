@@ -47,6 +47,9 @@ pub enum TrainError {
     /// The loss became NaN or infinite (learning rate too high?).
     #[error("training diverged: the loss is not finite")]
     Diverged,
+    /// The caller gave the training up before it finished (its round closed meanwhile).
+    #[error("training was given up: its round's report deadline passed")]
+    Abandoned,
 }
 
 pub use starling_core::plan::{LocalOptimizer, TrainingPlan};
@@ -100,6 +103,21 @@ pub fn train<M: Classifier>(
     device: &Device,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<(M, TrainReport), TrainError> {
+    train_until(model, io, examples, config, device, on_progress, &|| false)
+}
+
+/// [`train`], given up with [`TrainError::Abandoned`] before any step at which `give_up` says
+/// so (a device whose round's deadline passed while it trained: the work could only be
+/// refused, and it would hold the device, or a simulator's core, from the next round).
+pub fn train_until<M: Classifier>(
+    model: M,
+    io: ModelIo,
+    examples: &Examples,
+    config: &TrainingPlan,
+    device: &Device,
+    on_progress: &mut dyn FnMut(Progress),
+    give_up: &dyn Fn() -> bool,
+) -> Result<(M, TrainReport), TrainError> {
     check_examples(io, examples)?;
     let anchor = (config.fedprox_mu > 0.0).then(|| flat_params(&model.valid()));
     let loss_fn = CrossEntropyLossConfig::new().init(device);
@@ -117,6 +135,9 @@ pub fn train<M: Classifier>(
         rng.shuffle(&mut order);
         epoch_loss = 0.0;
         for (batch, idx) in order.chunks(batch_size).enumerate() {
+            if give_up() {
+                return Err(TrainError::Abandoned);
+            }
             let mut step = |model: M| {
                 let (input, targets) = examples.batch(idx, device);
                 let logits = model.forward(input);

@@ -295,3 +295,31 @@ fn frozen_tensors_keep_their_values_while_the_rest_trains() {
         assert!(after.loss < before.loss, "{optimizer:?}: loss {} -> {}", before.loss, after.loss);
     }
 }
+
+/// A device whose round closed while it trained used to train on to the end (a simulator's
+/// clients then found the next rounds' cores busy, round after round). Training is given up at
+/// the first step its caller says so, before any further step runs.
+#[test]
+fn training_is_given_up_at_the_first_step_its_caller_says_so() {
+    let spec = digits_mlp();
+    let device = Device::flex().autodiff();
+    let examples = digits().subset(&(0..100).collect::<Vec<_>>());
+    let config = TrainingPlan { epochs: 3, batch_size: 10, ..TrainingPlan::default() };
+    let steps = std::cell::Cell::new(0usize);
+    let model = SpecModel::build(&spec, &device).unwrap();
+    let given_up = train_until(
+        model,
+        io(&spec),
+        &examples,
+        &config,
+        &device,
+        &mut |_| steps.set(steps.get() + 1),
+        &|| steps.get() >= 4,
+    );
+    assert!(matches!(given_up, Err(TrainError::Abandoned)), "{:?}", given_up.err());
+    assert_eq!(steps.get(), 4, "no step after the caller gave up");
+    let model = SpecModel::build(&spec, &device).unwrap();
+    let (_, report) =
+        train_until(model, io(&spec), &examples, &config, &device, &mut |_| {}, &|| false).unwrap();
+    assert_eq!(report.examples, 100);
+}

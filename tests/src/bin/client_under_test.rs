@@ -4,6 +4,6 @@
 #[path = "../../../client-sdk/src/bin/starling-client/main.rs"]
 mod real;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     real::main()
 }

@@ -181,3 +181,44 @@ async fn linux_devices_train_from_local_files() {
     assert!(!dir.path().join("d.json").exists());
     c.running.shutdown().await.unwrap();
 }
+
+/// A simulation that cannot progress once failed round after round for 19 minutes with nothing
+/// printed. Now each failed round is printed with why as it fails, `--timeout` bounds the whole
+/// simulation, and the simulator stops its run and exits non-zero with a one-line summary, not
+/// a backtrace. Here two clients cannot make a cohort of three: every round fails selection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulation_that_cannot_progress_says_each_failure_and_exits_with_a_summary() {
+    let client = Path::new(env!("CARGO_BIN_EXE_client_under_test"));
+    let (_dir, db) = starling_tests::sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let started = std::time::Instant::now();
+    let out = tokio::process::Command::new(client)
+        .args(["simulate", "--url", &c.url, "--operator-token", OPERATOR_TOKEN])
+        .arg("--data-dir")
+        .arg(starling_tests::shared_data())
+        .args(["--clients", "2", "--cohort", "3", "--min-quorum", "3", "--rounds", "3"])
+        .args(["--over-selection", "1.0", "--selection-timeout-secs", "0.3"])
+        .args(["--reporting-timeout-secs", "1", "--backend", "cpu", "--timeout", "3"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .await
+        .unwrap();
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "the timeout held");
+    assert!(stdout.contains("round 0 failed: too_few_selected"), "{stdout}");
+    let error: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(error.len(), 1, "{stderr}");
+    assert!(
+        error[0].contains("did not finish within 3 s")
+            && error[0].contains("0 of 3 rounds committed"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("stack backtrace") && !stderr.contains("panicked"), "{stderr}");
+    // Its run was stopped, not left failing rounds.
+    let runs = c.admin.runs().await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].status, "stopped");
+    c.running.shutdown().await.unwrap();
+}

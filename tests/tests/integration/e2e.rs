@@ -644,7 +644,7 @@ async fn a_seeded_simulation_repeats_bit_for_bit() {
     assert_eq!(row.epsilon, None, "no DP, no ε");
 
     // Scoring every second model on 100 test examples: versions 2 and 3 (the last) only.
-    let scoring = Scoring { every: 2, examples: Some(100) };
+    let scoring = Scoring { every: 2, examples: Some(100), initial: false };
     let sparse = simulate(SimulationConfig { scoring, ..config }, |_| {}).await.unwrap();
     let versions: Vec<i64> = sparse.rounds.iter().map(|r| r.version).collect();
     assert_eq!(versions, [2, 3]);

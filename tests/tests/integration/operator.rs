@@ -664,3 +664,60 @@ async fn the_command_line_imports_a_base_and_exports_a_lora_runs_parts() {
     );
     c.running.shutdown().await.unwrap();
 }
+
+/// `starling runs watch N | head -1` exited 101 with a "Broken pipe" panic once `head` had its
+/// line; a reader that goes away now ends the command quietly with success, as command-line
+/// tools do. A run that stopped says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watching_into_a_closed_pipe_exits_quietly_and_a_stopped_run_says_why() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let mut idle = starling_tests::PlanSpec {
+        selection_secs: 0.5,
+        reporting_secs: 1.0,
+        ..starling_tests::PlanSpec::all_of(2, 8, 3)
+    }
+    .json();
+    idle["population"] = "nobody".into();
+    idle["max_failed_rounds"] = 3.into();
+    let run = c.admin.create_run(&idle).await.unwrap().id.to_string();
+    let url = c.url.clone();
+    let mut watch = std::process::Command::new(operator_bin())
+        .args(["runs", "watch", &run, "--interval-secs", "0.05"])
+        .env("STARLING_URL", &url)
+        .env("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one line, then close the pipe, as `head -1` does.
+    let mut stdout = watch.stdout.take().unwrap();
+    let first = tokio::task::spawn_blocking(move || {
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        while stdout.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
+            line.push(byte[0]);
+        }
+        String::from_utf8(line).unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(first.starts_with(&format!("run {run} ")), "{first}");
+    let status =
+        tokio::task::spawn_blocking(move || watch.wait_with_output().unwrap()).await.unwrap();
+    let stderr = String::from_utf8_lossy(&status.stderr);
+    assert!(status.status.success(), "{:?}: {stderr}", status.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // Watched to its end, the stopped run's reason is the one line of the failure.
+    let watched = starling(&url, &["runs", "watch", &run, "--interval-secs", "0.05"]).await;
+    let stderr = String::from_utf8_lossy(&watched.stderr);
+    assert!(!watched.status.success());
+    assert!(
+        stderr.contains("ended stopped") && stderr.contains("rounds in a row failed"),
+        "{stderr}"
+    );
+    c.running.shutdown().await.unwrap();
+}

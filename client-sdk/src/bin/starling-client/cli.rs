@@ -20,7 +20,7 @@ use starling_client::participant::{Outcome, Participant, ParticipantError, Parti
 use starling_client::protocol::TlsSettings;
 use starling_client::simulate::{
     Attack, ModelKind, Pacing, Poisoning, Preset, RoundResult, Scoring, Settings, SimulationConfig,
-    simulate,
+    simulate_reporting,
 };
 
 #[derive(Debug, Parser)]
@@ -195,9 +195,32 @@ struct SimulateArgs {
     /// spread of the rounds each took to reach --target.
     #[arg(long, value_delimiter = ',', requires = "target")]
     seeds: Option<Vec<u64>>,
-    /// Test accuracy (0 to 1) whose first round is reported with --seeds.
+    /// Stop the run once a scored model reaches this test accuracy (0 to 1), and end there;
+    /// with --seeds, the round each seed first reached it is reported.
     #[arg(long)]
     target: Option<f64>,
+    /// FedProx's proximal weight μ on the devices' local objective [default: 0, FedAvg].
+    #[arg(long)]
+    fedprox_mu: Option<f64>,
+    /// The devices' local optimizer: sgd or adam [default: sgd].
+    #[arg(long, value_parser = parse_local_optimizer)]
+    local_optimizer: Option<starling_core::plan::LocalOptimizer>,
+    /// Stacked LSTM layers of the Shakespeare model [default: 1; the paper's preset 2].
+    #[arg(long)]
+    lstm_layers: Option<u32>,
+    /// Units per LSTM layer [default: 64; the paper's preset 256].
+    #[arg(long)]
+    lstm_hidden: Option<u32>,
+    /// Width of the Shakespeare model's character embedding [default: 8].
+    #[arg(long)]
+    embedding_dim: Option<u32>,
+    /// Training windows (80 characters and the next) per Shakespeare role, at most; 0 for all
+    /// of each role's text [default: 400; the paper's preset 0].
+    #[arg(long)]
+    windows_per_role: Option<usize>,
+    /// Roles whose held-out tenth makes the Shakespeare test set [default: 64].
+    #[arg(long)]
+    test_roles: Option<usize>,
     /// Score every K-th committed model (and the last) on the test set.
     #[arg(long, default_value_t = 1)]
     eval_every: u32,
@@ -286,6 +309,25 @@ struct SimulateArgs {
     /// with --seeds one file per seed (`NAME-seedN.csv`) and the summary in `NAME-summary.csv`.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Give the whole simulation at most this many seconds: past them its run is stopped and
+    /// the simulator exits non-zero with what it got done [default: no limit].
+    #[arg(long, value_parser = parse_timeout)]
+    timeout: Option<std::time::Duration>,
+}
+
+/// `--local-optimizer`: `sgd` or `adam`.
+fn parse_local_optimizer(s: &str) -> Result<starling_core::plan::LocalOptimizer, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_owned()))
+        .map_err(|_| format!("{s:?} is not a local optimizer: sgd or adam"))
+}
+
+/// A `--timeout` in seconds: positive and at most a year.
+fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = s.parse().map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if !(secs > 0.0 && secs <= 365.0 * 86_400.0) {
+        return Err(format!("{secs} s is not in (0, one year]"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 /// The `starling-client` binary.
@@ -512,7 +554,13 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         data_dir: args.data_dir.clone(),
         partition: settings.partition,
         model: settings.model,
-        training: serde_json::json!({"epochs": settings.epochs, "batch_size": settings.batch_size, "lr": settings.lr}),
+        training: serde_json::json!({
+            "epochs": settings.epochs,
+            "batch_size": settings.batch_size,
+            "lr": settings.lr,
+            "fedprox_mu": settings.fedprox_mu,
+            "optimizer": settings.local_optimizer,
+        }),
         seed: seeds[0],
         max_examples: args.max_examples,
         backend: backend::select(args.backend)?,
@@ -533,8 +581,12 @@ fn run_simulation(runtime: &tokio::runtime::Runtime, args: SimulateArgs) -> anyh
         asynchronous: args.asynchronous,
         slowdown: args.slow,
         checkpoint_interval: args.checkpoint_interval,
-        scoring: Scoring { every: args.eval_every, examples: args.eval_examples },
+        scoring: Scoring { every: args.eval_every, examples: args.eval_examples, initial: true },
         seeded_cohorts,
+        timeout: args.timeout,
+        target: args.target,
+        lstm: settings.lstm,
+        shakespeare: settings.shakespeare,
     };
     print_settings(&base, &settings, &args);
     let mut reached = vec![];
@@ -596,6 +648,17 @@ fn settings(args: &SimulateArgs) -> Settings {
         over_selection: args.over_selection.unwrap_or(base.over_selection),
         min_quorum: args.min_quorum.or(base.min_quorum),
         reporting_timeout_secs: args.reporting_timeout_secs.unwrap_or(base.reporting_timeout_secs),
+        fedprox_mu: args.fedprox_mu.unwrap_or(base.fedprox_mu),
+        local_optimizer: args.local_optimizer.unwrap_or(base.local_optimizer),
+        lstm: starling_client::simulate::LstmShape {
+            layers: args.lstm_layers.unwrap_or(base.lstm.layers),
+            hidden: args.lstm_hidden.unwrap_or(base.lstm.hidden),
+            embedding: args.embedding_dim.unwrap_or(base.lstm.embedding),
+        },
+        shakespeare: starling_client::data::ShakespeareScale {
+            windows_per_role: args.windows_per_role.unwrap_or(base.shakespeare.windows_per_role),
+            test_roles: args.test_roles.unwrap_or(base.shakespeare.test_roles),
+        },
     }
 }
 
@@ -619,7 +682,12 @@ fn dp_for_epsilon(
         ),
     };
     anyhow::ensure!(epsilon > 0.0 && epsilon.is_finite(), "--epsilon must be positive");
-    let q = f64::from(settings.cohort) / settings.clients as f64;
+    // The devices the coordinator draws per round, over-selection included (the plan's
+    // `target_selected`): sizing z for the cohort alone once gave ε = 5.28 where 4 was asked.
+    let selected = ((f64::from(settings.cohort) * settings.over_selection).ceil() as u32)
+        .max(settings.cohort)
+        .min(settings.clients as u32);
+    let q = f64::from(selected) / settings.clients as f64;
     let z = noise_multiplier_for(sampling, q, u64::from(settings.rounds), delta, epsilon)
         .with_context(|| {
             format!(
@@ -672,6 +740,9 @@ fn print_settings(config: &SimulationConfig, settings: &Settings, args: &Simulat
     if let Some(dp) = config.strategy.get("differential_privacy").filter(|d| !d.is_null()) {
         println!("differential privacy: {dp}");
     }
+    if let Some(warning) = starling_client::simulate::dp_noise_warning(config) {
+        println!("warning: {warning}");
+    }
     println!("training on {}", config.backend);
 }
 
@@ -701,35 +772,48 @@ fn simulate_once(
             .expect("the template is valid"),
     );
     let mut write_error = None;
-    let results = runtime.block_on(simulate(config, |r| {
-        let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
-        let round = r.round_secs.map_or("-".to_owned(), |s| format!("{s:.1}"));
-        let eps = r.epsilon.map_or(String::new(), |e| format!("  {e:>7.3}"));
-        let row = format!(
-            "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}  {:>8}{eps}",
-            r.version,
-            r.test_accuracy * 100.0,
-            r.test_loss,
-            train,
-            r.reported,
-            r.dropped,
-            round
-        );
-        // A hidden bar (output is not a terminal) drops println: print the row directly then.
-        if bar.is_hidden() {
-            println!("{row}");
+    let failed_bar = bar.clone();
+    let on_failed = move |f: &starling_client::simulate::FailedRound| {
+        if failed_bar.is_hidden() {
+            println!("{f}");
             let _ = std::io::stdout().flush();
         } else {
-            bar.println(row);
+            failed_bar.println(f.to_string());
         }
-        bar.set_message(format!("test accuracy {:.2}%", r.test_accuracy * 100.0));
-        bar.set_position(r.version.max(0) as u64);
-        if let Some(w) = writer.as_mut()
-            && let Err(e) = w.append(r)
-        {
-            write_error.get_or_insert(e);
-        }
-    }));
+    };
+    let results = runtime.block_on(simulate_reporting(
+        config,
+        |r| {
+            let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
+            let round = r.round_secs.map_or("-".to_owned(), |s| format!("{s:.1}"));
+            let eps = r.epsilon.map_or(String::new(), |e| format!("  {e:>7.3}"));
+            let row = format!(
+                "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}  {:>8}{eps}",
+                r.version,
+                r.test_accuracy * 100.0,
+                r.test_loss,
+                train,
+                r.reported,
+                r.dropped,
+                round
+            );
+            // A hidden bar (output is not a terminal) drops println: print the row directly then.
+            if bar.is_hidden() {
+                println!("{row}");
+                let _ = std::io::stdout().flush();
+            } else {
+                bar.println(row);
+            }
+            bar.set_message(format!("test accuracy {:.2}%", r.test_accuracy * 100.0));
+            bar.set_position(r.version.max(0) as u64);
+            if let Some(w) = writer.as_mut()
+                && let Err(e) = w.append(r)
+            {
+                write_error.get_or_insert(e);
+            }
+        },
+        on_failed,
+    ));
     bar.finish_and_clear();
     if let Some(e) = write_error {
         return Err(e);
@@ -927,6 +1011,80 @@ mod tests {
             ])
             .is_err(),
             "--epsilon needs --delta"
+        );
+    }
+
+    /// `simulate --epsilon` sized z for the cohort and the coordinator drew over-selection's
+    /// more: ε = 4 requested, 5.28 spent. z is now sized for the devices actually drawn, and
+    /// the plan the simulator submits spends at most ε, within 1 % of it.
+    #[test]
+    fn epsilon_is_sized_for_the_devices_drawn_with_over_selection() {
+        let s = settings(&simulate_args(&["--clients", "100", "--cohort", "10", "--rounds", "30"]));
+        assert_eq!(s.over_selection, 1.3);
+        let dp = dp_for_epsilon(&s, starling_core::plan::SelectionPolicy::Random, 4.0, 1e-5, 0.5)
+            .unwrap();
+        let plan = serde_json::json!({
+            "model": {
+                "schema": {"tensors": [{"name": "w", "shape": [4], "dtype": "f32"}]},
+                "init": {"kind": "seeded", "seed": 1},
+            },
+            "cohort_size": s.cohort, "over_selection": s.over_selection, "rounds": s.rounds,
+            "strategy": {"differential_privacy": dp},
+        });
+        let plan: starling_core::plan::Plan = serde_json::from_value(plan).unwrap();
+        let privacy = *plan.validate().unwrap().privacy().unwrap();
+        let spent = privacy.epsilon_after(u64::from(s.rounds));
+        assert!(spent <= 4.0 + 1e-9 && spent > 3.96, "ε {spent}");
+    }
+
+    /// The researcher's flags reach the plan's training section and the model: FedProx's μ, the
+    /// local optimizer, the LSTM's shape and Shakespeare's scale; the paper's Shakespeare
+    /// preset is the 2 × 256 LSTM on all of every role.
+    #[test]
+    fn the_researchers_flags_and_the_shakespeare_preset_set_what_they_say() {
+        let s = settings(&simulate_args(&[
+            "--fedprox-mu",
+            "0.01",
+            "--local-optimizer",
+            "adam",
+            "--lstm-layers",
+            "2",
+            "--lstm-hidden",
+            "32",
+            "--windows-per-role",
+            "0",
+            "--test-roles",
+            "8",
+        ]));
+        assert_eq!(s.fedprox_mu, 0.01);
+        assert_eq!(s.local_optimizer, starling_core::plan::LocalOptimizer::Adam);
+        assert_eq!((s.lstm.layers, s.lstm.hidden, s.lstm.embedding), (2, 32, 8));
+        assert_eq!((s.shakespeare.windows_per_role, s.shakespeare.test_roles), (0, 8));
+        let defaults = settings(&simulate_args(&[]));
+        assert_eq!((defaults.fedprox_mu, defaults.lstm.layers, defaults.lstm.hidden), (0.0, 1, 64));
+        assert_eq!(defaults.shakespeare.windows_per_role, 400);
+        let paper = settings(&simulate_args(&["--preset", "fedavg-shakespeare"]));
+        assert_eq!(paper, Preset::FedAvgShakespeare.settings());
+        assert_eq!((paper.dataset, paper.clients, paper.cohort), (Dataset::Shakespeare, 1423, 142));
+        assert_eq!((paper.lstm.layers, paper.lstm.hidden, paper.lstm.embedding), (2, 256, 8));
+        assert_eq!((paper.shakespeare.windows_per_role, paper.epochs, paper.lr), (0, 1, 1.47));
+        let spec = starling_client::simulate::model_spec_with(
+            ModelKind::Mlp,
+            Dataset::Shakespeare.input(),
+            paper.lstm,
+        );
+        let lstms = spec.layers.iter().filter(|l| format!("{l:?}").contains("Lstm")).count();
+        assert_eq!(lstms, 2);
+        assert!(
+            Cli::try_parse_from([
+                "starling-client",
+                "simulate",
+                "--operator-token",
+                "t",
+                "--local-optimizer",
+                "lbfgs"
+            ])
+            .is_err()
         );
     }
 

@@ -9,7 +9,14 @@ mod cli;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Runs the command line.
-pub fn main() -> anyhow::Result<()> {
-    cli::main()
+/// Runs the command line. A failure is one line on standard error (its causes joined), and the
+/// exit status 1: a stopped simulation says why, not a backtrace.
+pub fn main() -> std::process::ExitCode {
+    match cli::main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

@@ -10,5 +10,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Runs the command line.
 pub fn main() -> anyhow::Result<()> {
-    operator::main()
+    match operator::main() {
+        // Its reader went away (`starling runs list | head -1`): done, quietly.
+        Err(e) if operator::is_broken_pipe(&e) => Ok(()),
+        other => other,
+    }
 }

@@ -399,6 +399,33 @@ fn read_plan(path: &Path) -> anyhow::Result<serde_json::Value> {
     }
 }
 
+/// Prints a line to standard output. A reader that went away (`runs watch 7 | head -1`) ends
+/// the command quietly with success, as command-line tools do, not in a panic (exit 101,
+/// "Broken pipe").
+fn say(line: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Whether `e` is a write to a closed pipe (the reader of our output went away).
+pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            || cause
+                .downcast_ref::<serde_json::Error>()
+                .and_then(|j| j.io_error_kind())
+                .is_some_and(|k| k == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 /// Follows a run with a progress bar of its committed rounds (a line per change when the
 /// output is not a terminal) until it is no longer running.
 async fn watch(admin: &AdminClient, run: RunId, interval: Duration) -> anyhow::Result<()> {
@@ -430,8 +457,7 @@ async fn watch(admin: &AdminClient, run: RunId, interval: Duration) -> anyhow::R
         if terminal {
             bar.set_message(line.clone());
         } else if line != last_line {
-            println!("run {run} {line}");
-            let _ = std::io::stdout().flush();
+            say(format_args!("run {run} {line}"));
         }
         last_line = line;
         if view.status != "running" {
@@ -441,14 +467,15 @@ async fn watch(admin: &AdminClient, run: RunId, interval: Duration) -> anyhow::R
     };
     bar.finish_and_clear();
     if terminal {
-        println!("run {run} {last_line}");
+        say(format_args!("run {run} {last_line}"));
     }
     anyhow::ensure!(
         view.status == "finished",
-        "run {run} ended {} after {} of {} rounds",
+        "run {run} ended {} after {} of {} rounds{}",
         view.status,
         view.rounds_committed,
-        view.total_rounds
+        view.total_rounds,
+        view.stop_reason.map(|why| format!(": {why}")).unwrap_or_default()
     );
     Ok(())
 }
