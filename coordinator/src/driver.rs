@@ -257,8 +257,13 @@ enum Closed {
     Committed(CommittedModel),
     /// An evaluation-only round's reports were recorded; the model is unchanged.
     Evaluated,
-    /// Recorded as failed.
-    Failed,
+    /// Recorded as failed; with why the run must stop when its close broke outright.
+    Failed {
+        /// The run's stop reason.
+        stop_run: Option<String>,
+        /// The devices whose updates caused a refused commit, when traced (else empty).
+        refused_by: Vec<DeviceId>,
+    },
 }
 
 #[derive(Debug)]
@@ -293,6 +298,11 @@ impl DriverHandle {
     /// run's last model should not wait for one); whether they all landed.
     pub async fn finish_model_writes(&self, within: Duration) -> bool {
         tokio::time::timeout(within, self.model_writes.0.write()).await.is_ok()
+    }
+
+    /// Whether the driver task is still running (it ends at shutdown, or if it panicked).
+    pub fn is_running(&self) -> bool {
+        !self.tx.is_closed()
     }
 
     /// Sends an event and waits for its answer.
@@ -602,7 +612,7 @@ impl Driver {
             Event::StopRun { run_id, reply } => match self.runs.get_mut(&run_id) {
                 Some(entry) => {
                     entry.stops.push(reply);
-                    entry.machine.handle(now, Input::Stop);
+                    entry.machine.handle(now, Input::Stop { reason: None });
                 }
                 None => {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
@@ -647,9 +657,9 @@ impl Driver {
         let acc = plan.accumulator(&state);
         let values = Arc::new(initial.values);
         let writer = self.writer_for(run_id);
-        let entry =
+        let mut entry =
             RunEntry::new(machine, Arc::new(plan), values, initial.hash, state, acc, writer);
-        entry.report_privacy(run_id, &self.observer);
+        entry.report_privacy(run_id, &self.observer, now);
         self.runs.insert(run_id, entry);
         self.observer.run_state(run_id, "running");
         tracing::info!(%run_id, "run created");
@@ -667,22 +677,33 @@ impl Driver {
             }
             Internal::RoundClosed { run_id, round_idx, committed } => {
                 if let Some(entry) = self.runs.get_mut(&run_id) {
-                    let was_committed = !matches!(committed, Closed::Failed);
-                    if let Closed::Committed(model) = committed {
-                        entry.global = model.values;
-                        entry.model_hash = model.hash;
-                        entry.optimizer_state = model.optimizer_state;
+                    let was_committed = !matches!(committed, Closed::Failed { .. });
+                    let (mut stop_run, mut refused_by) = (None, vec![]);
+                    match committed {
+                        Closed::Committed(model) => {
+                            entry.global = model.values;
+                            entry.model_hash = model.hash;
+                            entry.optimizer_state = model.optimizer_state;
+                        }
+                        Closed::Failed { stop_run: reason, refused_by: culprits } => {
+                            (stop_run, refused_by) = (reason, culprits);
+                        }
+                        Closed::Evaluated => {}
                     }
                     let before: Vec<_> = entry.machine.quarantined().collect();
-                    entry
-                        .machine
-                        .handle(now, Input::RoundClosed { round_idx, committed: was_committed });
+                    entry.machine.handle(
+                        now,
+                        Input::RoundClosed { round_idx, committed: was_committed, refused_by },
+                    );
                     let newly: Vec<_> =
                         entry.machine.quarantined().filter(|d| !before.contains(d)).collect();
                     if !newly.is_empty() {
                         tracing::warn!(%run_id, round = %round_idx, devices = ?newly, "devices quarantined: their updates were in three refused rounds in a row; this run selects them no more");
                     }
-                    entry.report_privacy(run_id, &self.observer);
+                    if let Some(reason) = stop_run {
+                        entry.machine.handle(now, Input::Stop { reason: Some(reason) });
+                    }
+                    entry.report_privacy(run_id, &self.observer, now);
                 }
             }
         }
@@ -690,11 +711,27 @@ impl Driver {
 }
 
 impl RunEntry {
-    /// Publishes the ε a DP run has spent over its committed rounds.
-    fn report_privacy(&self, run_id: RunId, observer: &Observer) {
-        if let Some(privacy) = self.plan.privacy() {
-            let rounds = u64::from(self.machine.rounds_committed());
-            observer.privacy_spent(run_id, privacy.epsilon_after(rounds));
+    /// Publishes the ε a DP run has spent over its committed rounds. An accountant that fails
+    /// (it panicked on a plan it could not represent, once killing this task and so every run)
+    /// stops this run with the reason; the others go on.
+    fn report_privacy(&mut self, run_id: RunId, observer: &Observer, now: Millis) {
+        let Some(privacy) = self.plan.privacy() else { return };
+        let rounds = u64::from(self.machine.rounds_committed());
+        let spent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            privacy.epsilon_after(rounds)
+        }));
+        match spent {
+            Ok(epsilon) => observer.privacy_spent(run_id, epsilon),
+            Err(panicked) => {
+                let why = panicked
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panicked.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "it panicked".to_owned());
+                let reason = format!("privacy accounting failed after {rounds} rounds: {why}");
+                tracing::error!(%run_id, %reason, "stopping the run");
+                self.machine.handle(now, Input::Stop { reason: Some(reason) });
+            }
         }
     }
 

@@ -273,17 +273,7 @@ impl AppState {
         (device, run_id, round_idx): (DeviceId, RunId, starling_core::RoundIdx),
         secure: bool,
     ) -> Result<UploadSlot, ApiError> {
-        let declared = headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if let Some(declared) = declared.filter(|&n| n > limit as u64) {
-            return Err(ApiError::new(
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                starling_core::wire::ErrorCode::BodyTooLarge,
-                format!("a body of {declared} bytes exceeds the limit of {limit} bytes"),
-            ));
-        }
+        refuse_declared_over(headers, limit)?;
         self.driver()
             .call(|reply| crate::driver::Event::AdmitPayload {
                 device,
@@ -428,8 +418,29 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
     fleet.merge(admin).with_state(state)
 }
 
-/// The largest admin request body, except a new run's plan ([`AppState::plan_body_limit`]).
+/// The largest admin request body, except a new run's plan ([`AppState::plan_body_limit`])
+/// and a base model's file ([`AppState::base_model_body_limit`]).
 pub const ADMIN_BODY_LIMIT: usize = 2 << 20;
+
+/// 413 at once for a body whose declared `Content-Length` is over `limit`: nothing of it is
+/// read, and the client is not left sending (or holding) a body that could never be taken.
+pub(crate) fn refuse_declared_over(
+    headers: &axum::http::HeaderMap,
+    limit: usize,
+) -> Result<(), ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared.filter(|&n| n > limit as u64) {
+        Some(declared) => Err(ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            starling_core::wire::ErrorCode::BodyTooLarge,
+            format!("a body of {declared} bytes exceeds the limit of {limit} bytes"),
+        )),
+        None => Ok(()),
+    }
+}
 
 /// Reads an admin request's body whole, within its size limit and the body deadline, after
 /// checking the operator credential (so nobody else can make the coordinator buffer a large
@@ -446,11 +457,12 @@ async fn admin_body(
     }
     let (mut parts, body) = req.into_parts();
     Operator::from_request_parts(&mut parts, &state).await?;
-    let limit = if parts.method == Method::POST && parts.uri.path() == wire::path::ADMIN_RUNS {
-        state.plan_body_limit()
-    } else {
-        ADMIN_BODY_LIMIT
+    let limit = match (parts.method == Method::POST, parts.uri.path()) {
+        (true, wire::path::ADMIN_RUNS) => state.plan_body_limit(),
+        (true, wire::path::ADMIN_BASE_MODELS) => state.base_model_body_limit(),
+        _ => ADMIN_BODY_LIMIT,
     };
+    refuse_declared_over(&parts.headers, limit)?;
     let bytes = state.read_body(body, limit).await?;
     Ok(next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await)
 }
@@ -482,11 +494,18 @@ fn health_routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
         .routes(routes!(livez))
 }
 
-/// Readiness: 200 when the store answers, 503 otherwise.
+/// Readiness: 200 when the store answers and the driver runs, 503 otherwise.
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "ready", body = String),
-        (status = 503, description = "the store does not answer", body = wire::ErrorBody)))]
+        (status = 503, description = "the store does not answer, or the driver is not running", body = wire::ErrorBody)))]
 async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    if !state.driver().is_running() {
+        return Err(ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            starling_core::wire::ErrorCode::Unavailable,
+            "the coordinator's driver is not running: no round makes progress; restart it",
+        ));
+    }
     state.store().ping().await?;
     Ok("ok")
 }
@@ -494,7 +513,7 @@ async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError>
 /// The container's health check: the same as `/readyz`.
 #[utoipa::path(get, path = "/healthz", tag = "health",
     responses((status = 200, description = "ready", body = String),
-        (status = 503, description = "the store does not answer", body = wire::ErrorBody)))]
+        (status = 503, description = "the store does not answer, or the driver is not running", body = wire::ErrorBody)))]
 async fn healthz(state: State<AppState>) -> Result<&'static str, ApiError> {
     readyz(state).await
 }
@@ -527,6 +546,12 @@ impl AppState {
     pub fn plan_body_limit(&self) -> usize {
         let base64 = self.inner.max_model_bytes.div_ceil(3).saturating_mul(4);
         usize::try_from(base64).unwrap_or(usize::MAX).saturating_add(ADMIN_BODY_LIMIT)
+    }
+
+    /// The body limit of a base model's import: its values at the model limit, plus the
+    /// safetensors header (at most a few hundred bytes a tensor).
+    pub fn base_model_body_limit(&self) -> usize {
+        usize::try_from(self.inner.max_model_bytes).unwrap_or(usize::MAX).saturating_add(1 << 20)
     }
 
     /// Reads a whole body, refusing more than `limit` bytes with 413 and a body that has not

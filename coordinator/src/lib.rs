@@ -49,6 +49,9 @@ pub struct ServeConfig {
     /// Open connections at most; `None`: all but an eighth of the process's file descriptors
     /// (after raising its soft limit to the hard one), see [`http::connections`].
     pub max_connections: Option<usize>,
+    /// Open connections from one IP address at most; `None`: half of `max_connections` (at
+    /// least 16); `Some(0)`: no per-address cap (behind a proxy or load balancer).
+    pub max_connections_per_ip: Option<usize>,
     /// TLS for the listener; `None` serves plain HTTP (the demo, or behind a TLS proxy).
     pub tls: Option<tls::TlsConfig>,
     /// The aggregator tier; `None` runs every round on the coordinator alone.
@@ -62,10 +65,14 @@ impl ServeConfig {
             let nofile = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
             ConnectionLimits::max_connections_for(nofile)
         });
+        let max_per_ip = self
+            .max_connections_per_ip
+            .unwrap_or_else(|| ConnectionLimits::max_per_ip_for(max_connections));
         let limits = ConnectionLimits {
             max_connections,
             first_byte: self.timeouts.header,
             idle: self.timeouts.idle,
+            max_per_ip,
         };
         (self.timeouts, limits)
     }
@@ -201,7 +208,14 @@ async fn lead(
     let (driver, handle) =
         Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
     tracing::info!(epoch, "leading: runs recovered, driver started");
-    tokio::spawn(driver.run());
+    let driver_task = tokio::spawn(driver.run());
+    // The driver ends only when every handle is gone (a shutdown); ending otherwise (a panic)
+    // leaves no round moving: said loudly here, and `/readyz` answers 503 from then on.
+    tokio::spawn(async move {
+        if let Err(e) = driver_task.await {
+            tracing::error!(error = %e, "the driver task died: no run makes progress; /readyz answers 503; restart the coordinator");
+        }
+    });
     // Payloads of rounds committed just before a stop were not released yet.
     let sweeper = store.clone();
     tokio::spawn(async move {
@@ -222,9 +236,29 @@ async fn lead(
     .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
     .serving_tls(config.tls.is_some())
     .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
-    let app = http::router(state, config.dashboard_dir.as_deref())
-        .layer(tower_http::trace::TraceLayer::new_for_http());
+    let app = http::router(state, config.dashboard_dir.as_deref()).layer(
+        tower_http::trace::TraceLayer::new_for_http().on_failure(
+            |class: tower_http::classify::ServerErrorsFailureClass,
+             latency: Duration,
+             _span: &tracing::Span| {
+                if failure_is_expected(&class) {
+                    tracing::debug!(classification = %class, ?latency, "answered: retry later");
+                } else {
+                    tracing::error!(classification = %class, ?latency, "response failed");
+                }
+            },
+        ),
+    );
     Ok((app, handle))
+}
+
+/// Whether a failed answer is one a client is expected to retry (503 with `Retry-After`: a
+/// FedBuff buffer committing, a model's bytes still being written, the store briefly away),
+/// logged at debug; tower-http's default logged each as an ERROR (62 of 240 uploads in a FedBuff
+/// probe). Other failures (500: its cause is logged where it arose) stay errors.
+fn failure_is_expected(class: &tower_http::classify::ServerErrorsFailureClass) -> bool {
+    matches!(class, tower_http::classify::ServerErrorsFailureClass::StatusCode(s)
+        if *s == axum::http::StatusCode::SERVICE_UNAVAILABLE)
 }
 
 /// Serves `app` until shutdown is asked, or until the leadership is lost (then with
@@ -352,4 +386,19 @@ async fn serve(
         }
     }
     .map_err(ServeError::Serve)
+}
+
+#[cfg(test)]
+mod tests {
+    use tower_http::classify::ServerErrorsFailureClass as Class;
+
+    /// A FedBuff run's uploads that meet a committing buffer are answered 503 and retried; they
+    /// were logged as ERROR. Only a 503 is expected; a 500 or a broken connection is not.
+    #[test]
+    fn only_a_503_is_an_expected_failure() {
+        use axum::http::StatusCode;
+        assert!(super::failure_is_expected(&Class::StatusCode(StatusCode::SERVICE_UNAVAILABLE)));
+        assert!(!super::failure_is_expected(&Class::StatusCode(StatusCode::INTERNAL_SERVER_ERROR)));
+        assert!(!super::failure_is_expected(&Class::Error("connection reset".into())));
+    }
 }

@@ -56,6 +56,7 @@ conformance!(
     stopping_a_run_fails_its_open_round,
     update_tiles_are_slices_of_every_update_in_slot_order,
     carried_tasks_are_the_selected_devices_not_heard_from_since,
+    a_durable_update_is_found_for_its_task_after_its_round_closed,
     payloads_are_released_only_once_their_round_closed,
     batches_written_together_keep_their_order_and_their_times,
     a_model_committed_by_its_hash_keeps_its_round_payloads_until_written,
@@ -138,7 +139,7 @@ async fn postgres_a_lapsed_leader_lease_is_broken_and_a_live_one_is_not(
     assert!(!standby.break_lapsed_lease().await.unwrap(), "a fresh lease is not broken");
     assert!(standby.try_acquire_leadership().await.unwrap().is_none(), "the lock is held");
     let sql = sqlx::PgPool::connect(&url).await.unwrap();
-    sqlx::query("UPDATE leadership SET lease_expires_at_ms = 0").execute(&sql).await.unwrap();
+    sqlx::query("UPDATE leadership_lease SET lease_expires_at_ms = 0").execute(&sql).await.unwrap();
     assert!(standby.break_lapsed_lease().await.unwrap(), "a lapsed lease is broken");
     let lost = tokio::time::timeout(RENEW_EVERY + RENEW_TIMEOUT * 2, lead.lost()).await;
     assert!(lost.is_ok(), "the old leader noticed its session was terminated");
@@ -147,7 +148,7 @@ async fn postgres_a_lapsed_leader_lease_is_broken_and_a_live_one_is_not(
         .expect("the standby takes the released lock");
     assert_eq!(taken.epoch(), 2);
     let (pid, lease): (i64, i64) = sqlx::query_as(
-        "SELECT backend_pid, lease_expires_at_ms - (extract(epoch from clock_timestamp()) * 1000)::bigint FROM leadership",
+        "SELECT backend_pid, lease_expires_at_ms - (extract(epoch from clock_timestamp()) * 1000)::bigint FROM leadership_lease",
     )
     .fetch_one(&sql)
     .await
@@ -418,7 +419,7 @@ async fn secure_records_come_back_in_order_and_go_with_the_round(store: SqlStore
     assert_eq!(records, [&b"begin"[..], b"second", b"third", b"fourth"].map(<[u8]>::to_vec));
     assert_eq!(store.secagg_record_count(run).await.unwrap(), 4);
     store
-        .fail_round(run, closing(0, 0, RoundOutcome::TooFewReports { reported: 0, quorum: 2 }))
+        .fail_round(run, closing(0, 0, RoundOutcome::TooFewReports { reported: 0, quorum: 2 }), &[])
         .await
         .unwrap();
     assert_eq!(store.secagg_record_count(run).await.unwrap(), 0);
@@ -518,8 +519,8 @@ async fn an_evaluation_round_records_its_reports_and_keeps_the_model(store: SqlS
 async fn a_failed_round_records_its_outcome_once(store: SqlStore) {
     let (run, _) = run_with_reports(&store).await;
     let failed = closing(0, 0, RoundOutcome::TooFewReports { reported: 2, quorum: 3 });
-    store.fail_round(run, failed).await.unwrap();
-    assert!(matches!(store.fail_round(run, failed).await, Err(StoreError::Corrupt(_))));
+    store.fail_round(run, failed, &[]).await.unwrap();
+    assert!(matches!(store.fail_round(run, failed, &[]).await, Err(StoreError::Corrupt(_))));
     let r0 = &store.rounds(run).await.unwrap()[0];
     assert_eq!(r0.state, "failed");
     assert_eq!(
@@ -557,14 +558,22 @@ async fn stopping_a_run_fails_its_open_round(store: SqlStore) {
         .await
         .unwrap();
     assert_eq!(store.secagg_record_count(run).await.unwrap(), 1);
-    store
-        .apply_transitions(run, &[Transition::StopRun { open_round: Some(RoundIdx(2)) }], 7_000)
-        .await
-        .unwrap();
-    assert_eq!(store.run(run).await.unwrap().unwrap().status, "stopped");
+    let stop = Transition::StopRun { open_round: Some(RoundIdx(2)), reason: None };
+    store.apply_transitions(run, &[stop], 7_000).await.unwrap();
+    let row = store.run(run).await.unwrap().unwrap();
+    assert_eq!((row.status.as_str(), row.stop_reason), ("stopped", None), "the operator's stop");
     assert!(store.running_runs().await.unwrap().is_empty());
     assert_eq!(store.rounds(run).await.unwrap()[0].state, "failed");
     assert_eq!(store.secagg_record_count(run).await.unwrap(), 0);
+    // The coordinator's stop keeps its reason with the run.
+    let other = store.create_run(new_run(), 100).await.unwrap();
+    let reason = Some("5 rounds in a row failed".to_owned());
+    store
+        .apply_transitions(other, &[Transition::StopRun { open_round: None, reason }], 8_000)
+        .await
+        .unwrap();
+    let row = store.run(other).await.unwrap().unwrap();
+    assert_eq!(row.stop_reason.as_deref(), Some("5 rounds in a row failed"));
 }
 
 /// An asynchronous run's devices still training on a closed round's model: selected there,
@@ -575,7 +584,7 @@ async fn carried_tasks_are_the_selected_devices_not_heard_from_since(store: SqlS
     // Nothing is carried out of the open round itself.
     assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![]);
     let failed = closing(0, 0, RoundOutcome::TooFewReports { reported: 1, quorum: 2 });
-    store.fail_round(run, failed).await.unwrap();
+    store.fail_round(run, failed, &[]).await.unwrap();
     let next = [
         Transition::OpenRound(opened(1, 0)),
         Transition::Select { round_idx: RoundIdx(1), device: d3, aggregator: None },
@@ -592,6 +601,41 @@ async fn carried_tasks_are_the_selected_devices_not_heard_from_since(store: SqlS
     // Its late update lands in the open round: it is carried no more.
     store.insert_update(run, RoundIdx(1), d2, 0, 1, 1, "{}", &[3, 4], 4_600).await.unwrap();
     assert_eq!(store.carried_tasks(run, ModelVersion(0)).await.unwrap(), vec![]);
+}
+
+/// What tells a retried upload whose answer was lost (`duplicate_upload`) from a late one
+/// (`round_closed`): the device's update for that task is durable, released bytes or not, in
+/// its own round or, carried by a buffered run, in a later one that did not select it again.
+async fn a_durable_update_is_found_for_its_task_after_its_round_closed(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    store.insert_update(run, RoundIdx(0), d1, 0, 0, 1, "{}", &[1, 2], 1_500).await.unwrap();
+    assert!(store.has_update(run, RoundIdx(0), d1).await.unwrap(), "in the open round");
+    assert!(!store.has_update(run, RoundIdx(0), d2).await.unwrap(), "d2 has not reported");
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model_hash: "h1",
+        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
+        metrics: &BTreeMap::new(),
+        evaluation: None,
+    };
+    store.commit_round(run, commit, 4_000).await.unwrap();
+    store.release_payloads(run, RoundIdx(0)).await.unwrap();
+    assert!(store.has_update(run, RoundIdx(0), d1).await.unwrap(), "released, still durable");
+    // Round 1 selects d3 again; d2, still training on model 0, reports into it (carried).
+    let next = [
+        Transition::OpenRound(opened(1, 1)),
+        Transition::Select { round_idx: RoundIdx(1), device: d3, aggregator: None },
+    ];
+    store.apply_transitions(run, &next, 4_500).await.unwrap();
+    store.insert_update(run, RoundIdx(1), d2, 0, 1, 1, "{}", &[3, 4], 4_600).await.unwrap();
+    store.insert_update(run, RoundIdx(1), d3, 1, 0, 1, "{}", &[5, 6], 4_700).await.unwrap();
+    assert!(store.has_update(run, RoundIdx(0), d2).await.unwrap(), "carried into round 1");
+    assert!(
+        !store.has_update(run, RoundIdx(0), d3).await.unwrap(),
+        "d3's update answers its round-1 task, not its silent round-0 one"
+    );
+    assert!(store.has_update(run, RoundIdx(1), d3).await.unwrap());
+    assert!(!store.has_update(run, RoundIdx(1), d1).await.unwrap());
 }
 
 /// A commit leaves its round's payloads to a later release (or to the sweep at start, for a
@@ -910,7 +954,10 @@ async fn a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs(sto
         tokio::join!(store.create_run(claim("race"), 6), store.create_run(claim("race"), 6));
     assert_eq!(usize::from(a.is_ok()) + usize::from(b.is_ok()), 1, "{a:?} {b:?}");
     // The claim ends with its run.
-    store.apply_transitions(alone, &[Transition::StopRun { open_round: None }], 7).await.unwrap();
+    store
+        .apply_transitions(alone, &[Transition::StopRun { open_round: None, reason: None }], 7)
+        .await
+        .unwrap();
     store.create_run(claim("sim"), 8).await.unwrap();
 }
 
@@ -918,7 +965,7 @@ async fn a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs(sto
 /// strike each device they held, by update or partial; other failures count neither way.
 async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: SqlStore) {
     let (run, [d1, d2, d3]) = run_with_reports(&store).await;
-    store.fail_round(run, closing(0, 0, RoundOutcome::AggregateRejected)).await.unwrap();
+    store.fail_round(run, closing(0, 0, RoundOutcome::AggregateRejected), &[]).await.unwrap();
     for round in 1..3 {
         let batch = [
             Transition::OpenRound(opened(round, 0)),
@@ -932,7 +979,7 @@ async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: 
             1 => RoundOutcome::AggregateRejected,
             _ => RoundOutcome::TooFewReports { reported: 2, quorum: 3 },
         };
-        store.fail_round(run, closing(round, 0, outcome)).await.unwrap();
+        store.fail_round(run, closing(round, 0, outcome), &[]).await.unwrap();
     }
     let strikes = store.quarantine_strikes(run).await.unwrap();
     let mut expected = Strikes::default();
@@ -940,6 +987,25 @@ async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: 
     expected.round_ended([d1, d3], false);
     assert_eq!(strikes, expected);
     assert!(!strikes.quarantines(d1), "two refused rounds; the third failed otherwise");
+    // A refusal traced to d3's update strikes d3 alone: its third, d1 keeps two.
+    let batch = [
+        Transition::OpenRound(opened(3, 0)),
+        Transition::Select { round_idx: RoundIdx(3), device: d1, aggregator: None },
+        Transition::Select { round_idx: RoundIdx(3), device: d3, aggregator: None },
+    ];
+    store.apply_transitions(run, &batch, 5_000).await.unwrap();
+    store.insert_update(run, RoundIdx(3), d1, 0, 0, 1, "{}", &[1], 5_100).await.unwrap();
+    store.insert_update(run, RoundIdx(3), d3, 1, 0, 1, "{}", &[1], 5_100).await.unwrap();
+    let refused = closing(3, 0, RoundOutcome::AggregateRejected);
+    store.fail_round(run, refused, &[d3]).await.unwrap();
+    let strikes = store.quarantine_strikes(run).await.unwrap();
+    expected.round_ended([d3], false);
+    assert_eq!(strikes, expected);
+    assert!(strikes.quarantines(d3) && !strikes.quarantines(d1));
+    let r3 = &store.rounds(run).await.unwrap()[3];
+    let outcome: serde_json::Value =
+        serde_json::from_str(r3.outcome_json.as_deref().unwrap()).unwrap();
+    assert_eq!(outcome, serde_json::json!({"outcome": "aggregate_rejected", "culprits": [d3.0]}));
 }
 
 /// An imported model comes back by its hash with its tensors and values; importing it again

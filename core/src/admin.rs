@@ -114,6 +114,11 @@ pub struct RunView {
     pub population: String,
     /// `running`, `finished` or `stopped`.
     pub status: String,
+    /// Why the coordinator stopped the run (rounds failing in a row, its privacy accounting or
+    /// a round's close failing, a stored plan this version refuses); absent when the operator
+    /// stopped it or it has not stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
     /// Latest committed model version.
     pub model_version: i64,
     /// Its content hash.

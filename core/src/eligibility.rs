@@ -82,6 +82,9 @@ fn at_least(a: &[u64], b: &[u64]) -> bool {
 impl Eligibility {
     /// Whether these requirements are well formed; `Err` names what is not.
     pub fn check(&self) -> Result<(), String> {
+        if let Some(v) = self.min_app_version.as_ref().filter(|v| v.len() > 64) {
+            return Err(format!("min_app_version of {} bytes is over the limit of 64", v.len()));
+        }
         if let Some(v) = &self.min_app_version
             && parse_version(v).is_none()
         {

@@ -260,6 +260,22 @@ pub enum AggregateError {
     /// A secure round's unmasked sum weighs nothing, so it has no mean.
     #[error("the secure sum's total weight is zero")]
     ZeroWeight,
+    /// The next model would leave the plan's bound on its growth
+    /// (`max_model_norm_growth`): one update, finite but huge, could otherwise set values near
+    /// f32's limit and refuse every later round.
+    #[error(
+        "the next model's L2 norm {next:.4e} is over {bound:.4e} (the plan's max_model_norm_growth times the previous model's norm, at least 1)"
+    )]
+    ModelNormGrowth {
+        /// The next model's L2 norm.
+        next: f64,
+        /// The bound it left.
+        bound: f64,
+    },
+    /// Computing the round's end failed outright (a panic in aggregation, the strategy or the
+    /// privacy mechanism): the run is stopped with this reason rather than retried.
+    #[error("closing the round failed: {0}")]
+    Broken(String),
 }
 
 /// Parameters per tile of [`FedAvgAccumulator::add_all`]: 128 KiB of sums, which stay in a

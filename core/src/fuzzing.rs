@@ -139,6 +139,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
+        max_failed_rounds: 0,
         secure: Some(SecureRoundConfig {
             clip: 1.0,
             max_examples: 10,

@@ -128,7 +128,34 @@ pub struct Plan {
     /// differentially private runs, whose models cannot be rebuilt from stored updates.
     #[serde(default = "default_checkpoint_interval", skip_serializing_if = "is_one")]
     pub checkpoint_interval: u32,
+    /// Rounds failed in a row after which the coordinator stops the run, with the reason in
+    /// its view (a run whose every round fails, such as one whose devices are all quarantined,
+    /// would otherwise show `running` forever); default [`DEFAULT_MAX_FAILED_ROUNDS`], `0`:
+    /// never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_failed_rounds: Option<u32>,
+    /// The largest L2 norm of one device's update; a larger one is refused at upload (422),
+    /// alone, before it reaches any sum. Default [`DEFAULT_MAX_UPDATE_NORM`] (at least a DP
+    /// run's clip norm). Not checked in secure runs, whose updates the coordinator cannot see
+    /// (their devices clip to `secure_aggregation.clip`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_update_norm: Option<f64>,
+    /// A round's next model is refused (the round fails `aggregate_rejected`) when its L2 norm
+    /// is over this many times the previous model's (at least 1); default
+    /// [`DEFAULT_MAX_MODEL_NORM_GROWTH`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_norm_growth: Option<f64>,
 }
+
+/// Rounds failed in a row after which a run stops, when its plan names no `max_failed_rounds`.
+pub const DEFAULT_MAX_FAILED_ROUNDS: u32 = 20;
+/// A device update's largest L2 norm when the plan names no `max_update_norm`: far above an
+/// honest round of local SGD, far below what overflows a model (a finite update of norm 1e38
+/// once set a model's values to 2.7e38).
+pub const DEFAULT_MAX_UPDATE_NORM: f64 = 1e4;
+/// The next model's largest L2 norm, as a multiple of the previous model's (at least 1), when
+/// the plan names no `max_model_norm_growth`.
+pub const DEFAULT_MAX_MODEL_NORM_GROWTH: f64 = 100.0;
 
 /// The plan's asynchronous (FedBuff) settings.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -290,6 +317,9 @@ pub struct RoundConfig {
     /// concurrency, and devices selected in earlier rounds may still report.
     #[serde(default)]
     pub asynchronous: Option<AsynchronousPlan>,
+    /// Rounds failed in a row after which the run stops with the reason (0: never).
+    #[serde(default)]
+    pub max_failed_rounds: u32,
 }
 
 /// How a round's cohort is drawn from the devices that check in during selection.
@@ -388,6 +418,9 @@ pub enum PlanError {
     },
 }
 
+/// The longest run name, in bytes.
+pub const MAX_RUN_NAME: usize = 256;
+
 fn field(field: &'static str, why: impl Into<String>) -> PlanError {
     PlanError::Field { field, why: why.into() }
 }
@@ -462,6 +495,22 @@ impl Plan {
         let parts = ModelParts::resolve(&schema, trainable.as_deref(), &self.model.local)?;
         if self.population.is_empty() || self.population.len() > 128 {
             return Err(field("population", "must be 1..=128 bytes"));
+        }
+        if let Some(name) = self.name.as_ref().filter(|n| n.len() > MAX_RUN_NAME) {
+            return Err(field(
+                "name",
+                format!("{} bytes is over the limit of {MAX_RUN_NAME}", name.len()),
+            ));
+        }
+        if self.max_failed_rounds.is_some_and(|n| n > 1_000_000) {
+            return Err(field("max_failed_rounds", "must be in 0..=1000000 (0: never stop)"));
+        }
+        if self.max_update_norm.is_some_and(|n| !(n.is_finite() && n > 0.0 && n <= 1e12)) {
+            return Err(field("max_update_norm", "must be in (0, 1e12]"));
+        }
+        if self.max_model_norm_growth.is_some_and(|g| !(g.is_finite() && (1.0..=1e12).contains(&g)))
+        {
+            return Err(field("max_model_norm_growth", "must be in [1, 1e12]"));
         }
         if self.cohort_size == 0 || self.cohort_size > MAX_COHORT {
             return Err(field("cohort_size", format!("must be in 1..={MAX_COHORT}")));
@@ -639,6 +688,7 @@ impl Plan {
                 .filter(|p| p.sampling == Sampling::FixedSize)
                 .map(|p| p.plan.population),
             asynchronous: self.asynchronous,
+            max_failed_rounds: self.max_failed_rounds.unwrap_or(DEFAULT_MAX_FAILED_ROUNDS),
         };
         Ok(ValidatedPlan { plan: self, schema, parts, rounds, privacy })
     }
@@ -720,6 +770,23 @@ impl ValidatedPlan {
     /// allows); `None` without.
     pub fn privacy(&self) -> Option<&Privacy> {
         self.privacy.as_ref()
+    }
+
+    /// The largest L2 norm an upload's update may have (see [`Plan::max_update_norm`]); `None`
+    /// in secure runs, whose updates the coordinator never sees.
+    pub fn max_update_norm(&self) -> Option<f64> {
+        if self.plan.secure_aggregation.is_some() {
+            return None;
+        }
+        let clip = self.privacy.as_ref().map_or(0.0, |p| p.plan.clip_norm);
+        Some(self.plan.max_update_norm.unwrap_or(DEFAULT_MAX_UPDATE_NORM.max(clip)))
+    }
+
+    /// The bound on a next model's L2 norm given the previous one's (see
+    /// [`Plan::max_model_norm_growth`]).
+    pub fn max_next_model_norm(&self, previous_norm: f64) -> f64 {
+        let growth = self.plan.max_model_norm_growth.unwrap_or(DEFAULT_MAX_MODEL_NORM_GROWTH);
+        growth * previous_norm.max(1.0)
     }
 
     /// Whether the run releases what devices report as they report it: training metrics (a

@@ -230,6 +230,23 @@ impl DifferentialPrivacy {
             return Err(("delta", "must be in (0, 1)".into()));
         }
         let sampling_rate = f64::from(selected) / self.population as f64;
+        // Poisson runs are shown the PLD accountant's ε beside the RDP one. Drawing everyone
+        // is no sampling (its loss of adding a device is unbounded below: the PLD once panicked
+        // at the first round's close on it): refused here, naming the field. A noise multiplier
+        // too small for the PLD's grid is handled instead: its ε is the RDP bound alone.
+        if sampling == Sampling::Poisson
+            && pld::representable(sampling_rate, self.noise_multiplier, pld::INTERVAL)
+                == Err(pld::RepresentError::SamplingRate)
+        {
+            return Err((
+                "population",
+                format!(
+                    "must exceed the {selected} devices drawn per round with selection: poisson \
+                     (a sampling rate of 1 samples nothing; select them all with selection: \
+                     random)"
+                ),
+            ));
+        }
         // z⁻² = z_Δ⁻² + (2σ_b)⁻² + (σ_m/2)⁻²: the clip count's and the metrics' noise each
         // spend part of the budget (Andrew et al. 2021, Theorem 1).
         let mut rest = self.noise_multiplier.powi(-2);
@@ -398,16 +415,17 @@ impl Privacy {
 
     /// ε after `rounds` by the privacy loss distribution accountant, which `dp-accounting` has
     /// for the Poisson-sampled Gaussian only (`None` for the fixed-size draw and for
-    /// distributed noise).
+    /// distributed noise, and past what its grid represents: see [`pld::MAX_POINTS`]).
     pub fn epsilon_pld(&self, rounds: u64) -> Option<f64> {
-        (self.sampling == Sampling::Poisson && self.distributed.is_none()).then(|| {
-            pld::epsilon_remembered(
-                self.sampling_rate,
-                self.plan.noise_multiplier,
-                rounds,
-                self.plan.delta,
-            )
-        })
+        if self.sampling != Sampling::Poisson || self.distributed.is_some() {
+            return None;
+        }
+        pld::epsilon_remembered(
+            self.sampling_rate,
+            self.plan.noise_multiplier,
+            rounds,
+            self.plan.delta,
+        )
     }
 
     /// What a round's noisy sum is divided by: the number of updates with the fixed-size draw

@@ -99,6 +99,10 @@ pub struct RunMachine {
     pacing: Pacing,
     /// Strikes of devices whose updates ended in refused rounds ([`quarantine`]).
     strikes: quarantine::Strikes,
+    /// Why the run is stopping, when the coordinator (not the operator) stopped it.
+    stop_reason: Option<String>,
+    /// Rounds failed since the last commit (counted from this machine's start).
+    failed_in_a_row: u32,
     actions: VecDeque<Action>,
 }
 
@@ -292,6 +296,8 @@ impl RunMachine {
             live_aggregators: vec![],
             pacing,
             strikes: snapshot.strikes,
+            stop_reason: None,
+            failed_in_a_row: 0,
             actions: VecDeque::new(),
         };
         if m.rounds_committed >= m.config.total_rounds {
@@ -470,8 +476,8 @@ impl RunMachine {
                 self.on_upload(request, device, round_idx, model_version, update)
             }
             Input::Persisted { request, ok } => self.on_persisted(request, ok),
-            Input::RoundClosed { round_idx, committed } => {
-                self.on_round_closed(round_idx, committed)
+            Input::RoundClosed { round_idx, committed, refused_by } => {
+                self.on_round_closed(round_idx, committed, refused_by)
             }
             Input::SecAgg { request, device, round_idx, message } => {
                 self.on_secagg(request, device, round_idx, message)
@@ -479,7 +485,7 @@ impl RunMachine {
             Input::SecAggPoll { request, device, round_idx } => {
                 self.on_secagg_poll(request, device, round_idx)
             }
-            Input::Stop => self.on_stop(),
+            Input::Stop { reason } => self.on_stop(reason),
             Input::Aggregators { mut live, tier } => {
                 live.sort();
                 live.dedup();
@@ -832,7 +838,7 @@ impl RunMachine {
         }
     }
 
-    fn on_round_closed(&mut self, round_idx: RoundIdx, committed: bool) {
+    fn on_round_closed(&mut self, round_idx: RoundIdx, committed: bool, refused_by: Vec<DeviceId>) {
         let Some(r) = self.round.as_ref() else { return };
         if r.phase != Phase::Committing || r.opened.round_idx != round_idx {
             return;
@@ -841,8 +847,15 @@ impl RunMachine {
         let asked_to_commit = r.outcome == Some(RoundOutcome::Commit);
         let committed = committed && asked_to_commit;
         if asked_to_commit {
-            // Committed, or its aggregate refused: the quarantine rule counts both.
-            self.strikes.round_ended(r.reported.iter().copied(), committed);
+            // Committed, or its aggregate refused: the quarantine rule counts both. A refusal
+            // the driver traced to some updates strikes their devices alone.
+            let culprits = refused_by.iter().copied().filter(|d| r.reported.contains(d));
+            let culprits: Vec<DeviceId> = culprits.collect();
+            if committed || culprits.is_empty() {
+                self.strikes.round_ended(r.reported.iter().copied(), committed);
+            } else {
+                self.strikes.round_ended(culprits, false);
+            }
         }
         let Some(r) = self.round.take() else { return };
         if committed {
@@ -851,12 +864,35 @@ impl RunMachine {
                 self.model_version = ModelVersion(self.model_version.0 + 1);
             }
             self.rounds_committed += 1;
+            self.failed_in_a_row = 0;
+        } else {
+            self.failed_in_a_row += 1;
         }
         // Devices still training on this round's model carry over to the next buffers.
         self.pacing.round_ended(&r, self.now, self.model_version);
+        let limit = self.config.max_failed_rounds;
+        let running = self.status == RunStatus::Running;
+        if running && !committed && limit > 0 && self.failed_in_a_row >= limit {
+            // A run that cannot progress stops, saying why, rather than fail rounds forever.
+            let last = match r.outcome {
+                Some(RoundOutcome::Commit) => RoundOutcome::AggregateRejected.label(),
+                Some(outcome) => outcome.label(),
+                None => "failed",
+            };
+            self.status = RunStatus::Stopped;
+            let reason = self.stop_reason.take().unwrap_or_else(|| {
+                format!(
+                    "{} rounds in a row failed (the last: {last}); the plan's max_failed_rounds is {limit}",
+                    self.failed_in_a_row
+                )
+            });
+            self.actions.push_back(Action::StopRun { open_round: None, reason: Some(reason) });
+            return;
+        }
         if self.status == RunStatus::Stopping {
             self.status = RunStatus::Stopped;
-            self.actions.push_back(Action::StopRun { open_round: None });
+            let reason = self.stop_reason.take();
+            self.actions.push_back(Action::StopRun { open_round: None, reason });
         } else if self.rounds_committed >= self.config.total_rounds {
             self.status = RunStatus::Finished;
             self.actions.push_back(Action::FinishRun);
@@ -865,13 +901,14 @@ impl RunMachine {
         }
     }
 
-    fn on_stop(&mut self) {
+    fn on_stop(&mut self, reason: Option<String>) {
         match self.status {
             RunStatus::Finished | RunStatus::Stopped | RunStatus::Stopping => return,
             RunStatus::Running => {}
         }
         if self.round.as_ref().is_some_and(|r| r.phase == Phase::Committing) {
             self.status = RunStatus::Stopping;
+            self.stop_reason = reason;
             return;
         }
         self.status = RunStatus::Stopped;
@@ -881,7 +918,8 @@ impl RunMachine {
                 self.actions.push_back(f.reply(Err(UploadRejection::RoundClosed)));
             }
         }
-        self.actions.push_back(Action::StopRun { open_round: round.map(|r| r.opened.round_idx) });
+        let open_round = round.map(|r| r.opened.round_idx);
+        self.actions.push_back(Action::StopRun { open_round, reason });
     }
 
     fn check_progress(&mut self) {

@@ -86,6 +86,9 @@ impl fmt::Display for SchemaId {
 /// Largest model a schema may describe, in elements (2^31, i.e. 8 GiB of f32).
 pub const MAX_SCHEMA_ELEMENTS: u64 = 1 << 31;
 
+/// The longest tensor name, in bytes (Hugging Face's longest are under 100).
+pub const MAX_TENSOR_NAME: usize = 256;
+
 /// Why a schema or a payload was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
@@ -98,6 +101,12 @@ pub enum TensorError {
     BadName {
         /// The offending name.
         name: String,
+    },
+    /// A tensor name is longer than [`MAX_TENSOR_NAME`] bytes.
+    #[error("a tensor name of {len} bytes is over the limit of {MAX_TENSOR_NAME}")]
+    NameTooLong {
+        /// Its length in bytes.
+        len: usize,
     },
     /// A tensor has no dimensions or a zero dimension.
     #[error("tensor {name:?} has an empty or zero-sized shape {shape:?}")]
@@ -148,6 +157,9 @@ impl TensorSchema {
         let mut names = BTreeSet::new();
         let mut total: u64 = 0;
         for t in &self.tensors {
+            if t.name.len() > MAX_TENSOR_NAME {
+                return Err(TensorError::NameTooLong { len: t.name.len() });
+            }
             if t.name.is_empty() || !names.insert(t.name.as_str()) {
                 return Err(TensorError::BadName { name: t.name.clone() });
             }

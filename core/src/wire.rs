@@ -120,8 +120,62 @@ pub struct EnrollRequest {
     pub enrollment_token: String,
     /// The device's Ed25519 public key, with which it signs its keys in secure rounds; a device
     /// that enrolls without one takes part in plain runs only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "identity_key")]
     pub identity_key: Option<[u8; 32]>,
+}
+
+/// An Ed25519 public key is exactly 32 bytes: a longer or shorter one (a byte string or an
+/// array, as serde writes arrays) is refused by name, not cut or padded to fit.
+fn identity_key<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<[u8; 32]>, D::Error> {
+    use serde::de::{Error, SeqAccess, Visitor};
+    struct Key;
+    fn exact<E: Error>(bytes: &[u8]) -> Result<Option<[u8; 32]>, E> {
+        <[u8; 32]>::try_from(bytes).map(Some).map_err(|_| {
+            E::custom(format!(
+                "identity_key: an Ed25519 public key is exactly 32 bytes, not {}",
+                bytes.len()
+            ))
+        })
+    }
+    impl<'de> Visitor<'de> for Key {
+        type Value = Option<[u8; 32]>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("identity_key: an Ed25519 public key of 32 bytes")
+        }
+        fn visit_none<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(Key)
+        }
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+            exact(v)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            // One past a key's length is enough to refuse it; nothing longer is buffered.
+            let mut bytes = Vec::with_capacity(33);
+            while bytes.len() <= 32 {
+                match seq.next_element::<u8>()? {
+                    Some(b) => bytes.push(b),
+                    None => break,
+                }
+            }
+            let mut len = bytes.len();
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                len += 1;
+            }
+            if len != 32 {
+                return Err(A::Error::custom(format!(
+                    "identity_key: an Ed25519 public key is exactly 32 bytes, not {len}"
+                )));
+            }
+            exact(&bytes)
+        }
+    }
+    d.deserialize_option(Key)
 }
 
 /// Answer to [`EnrollRequest`].

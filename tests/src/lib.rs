@@ -108,6 +108,7 @@ pub async fn start_in_process_configured(
         limits: Default::default(),
         timeouts: Default::default(),
         max_connections: None,
+        max_connections_per_ip: None,
         tls: None,
         tier: None,
     };
@@ -518,6 +519,10 @@ pub fn digits_simulation(
         checkpoint_interval: 1,
         scoring: Default::default(),
         seeded_cohorts: false,
+        timeout: None,
+        target: None,
+        lstm: Default::default(),
+        shakespeare: Default::default(),
     }
 }
 

@@ -53,7 +53,8 @@ impl CloseTask {
         let commits = matches!(closing.outcome, RoundOutcome::Commit);
         // The next model is determined by durable inputs unless a secure round's unmasking
         // (whose records the commit deletes) or a DP run's fresh noise went into it.
-        let replayable = !matches!(finish, Finish::Unmask(_)) && plan.privacy().is_none();
+        let secure = matches!(finish, Finish::Unmask(_));
+        let replayable = !secure && plan.privacy().is_none();
         let (aggregate, evaluation) =
             finish.aggregate(commits, &store, run_id, round_idx, (&plan, &optimizer_state)).await;
         // What a round asked to commit records: the devices' reports pooled, or the next model.
@@ -96,7 +97,7 @@ impl CloseTask {
                     Ok::<_, AggregateError>((model, payload, released, state_bytes))
                 })
                 .await
-                .expect("aggregation task panicked")?;
+                .map_err(|panicked| AggregateError::Broken(panic_message(panicked)))??;
             Ok(EndOutcome::Committed(Box::new(NewModel {
                 model,
                 payload: Bytes::from(payload),
@@ -112,12 +113,28 @@ impl CloseTask {
                 Ok(outcome) => (closing, outcome),
                 Err(e) => {
                     tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
-                    // Stored as what happened, not as the commit the machine asked for.
-                    let outcome = RoundOutcome::AggregateRejected;
-                    (RoundClosing { outcome, ..closing }, EndOutcome::Failed)
+                    // Stored as what happened, not as the commit the machine asked for. A close
+                    // that broke outright would break the same way every round: the run stops.
+                    let stop_run = matches!(e, AggregateError::Broken(_))
+                        .then(|| format!("round {round_idx}: {e}"));
+                    // A model pushed out of bounds is traced to the updates that did it, when
+                    // the round's updates are stored one by one (not masked, not partials).
+                    let traceable = matches!(
+                        e,
+                        AggregateError::NonFinite(_) | AggregateError::ModelNormGrowth { .. }
+                    ) && !secure;
+                    let refused_by = match traceable {
+                        true => culprits(&store, &plan, run_id, round_idx).await,
+                        false => vec![],
+                    };
+                    if !refused_by.is_empty() {
+                        tracing::warn!(%run_id, round = %round_idx, devices = ?refused_by, "the refusal is these devices' updates, far larger than the round's others");
+                    }
+                    let outcome = EndOutcome::Failed { stop_run, refused_by };
+                    (RoundClosing { outcome: RoundOutcome::AggregateRejected, ..closing }, outcome)
                 }
             },
-            _ => (closing, EndOutcome::Failed),
+            _ => (closing, EndOutcome::Failed { stop_run: None, refused_by: vec![] }),
         };
         ends.send(RoundEnd { closing, outcome, opened_at, closing_started }).await;
     }
@@ -174,7 +191,7 @@ impl Finish {
                 match tokio::task::spawn_blocking(move || sum.finish(&withdrawn)).await {
                     Ok(Ok((aggregate, evaluation))) => (Ok(aggregate), evaluation),
                     Ok(Err(e)) => (Err(e), None),
-                    Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
+                    Err(panicked) => (Err(AggregateError::Broken(panic_message(panicked))), None),
                 }
             }
         }
@@ -203,4 +220,56 @@ async fn withdrawn_inputs(
         })
         .await?;
     Ok(withdrawn)
+}
+
+/// What a panicked task said, for a run's stop reason.
+pub(super) fn panic_message(panicked: tokio::task::JoinError) -> String {
+    if !panicked.is_panic() {
+        return panicked.to_string();
+    }
+    let payload = panicked.into_panic();
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(s), _) => format!("it panicked: {s}"),
+        (_, Some(s)) => format!("it panicked: {s}"),
+        _ => "it panicked".to_owned(),
+    }
+}
+
+/// An update is traced as the cause of a refusal when its L2 norm is over this many times the
+/// median of its round's.
+const CULPRIT_FACTOR: f64 = 10.0;
+
+/// The devices of a refused round whose stored updates are far larger than the round's others
+/// ([`CULPRIT_FACTOR`] times the median norm); empty when none stands out (or the updates
+/// cannot be read), and then every device of the round is struck.
+async fn culprits(
+    store: &SqlStore,
+    plan: &ValidatedPlan,
+    run_id: RunId,
+    round_idx: RoundIdx,
+) -> Vec<DeviceId> {
+    let (schema, compression) = (plan.update_schema().clone(), plan.compression());
+    let mut norms: Vec<(DeviceId, f64)> = vec![];
+    let read = store
+        .for_each_update(run_id, round_idx, |u| {
+            let decoded = starling_core::fedavg::validate_parts(
+                &schema,
+                compression,
+                u.delta,
+                1,
+                Default::default(),
+            );
+            if let Ok(update) = decoded {
+                norms.push((DeviceId(u.device_id), update.delta().norm_squared().sqrt()));
+            }
+            Ok(())
+        })
+        .await;
+    if read.is_err() || norms.len() < 2 {
+        return vec![];
+    }
+    let mut sorted: Vec<f64> = norms.iter().map(|(_, n)| *n).collect();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    norms.into_iter().filter(|&(_, n)| n > CULPRIT_FACTOR * median).map(|(d, _)| d).collect()
 }

@@ -214,13 +214,16 @@ impl Effects<'_> {
                 self.observer.run_state(run_id, "finished");
                 batch.transitions.push(Transition::FinishRun);
             }
-            Action::StopRun { open_round } => {
-                tracing::info!(%run_id, "run stopped");
+            Action::StopRun { open_round, reason } => {
+                match &reason {
+                    Some(reason) => tracing::error!(%run_id, %reason, "run stopped"),
+                    None => tracing::info!(%run_id, "run stopped"),
+                }
                 if let Some(round_idx) = open_round {
                     self.observer.round_stopped(run_id, round_idx);
                 }
                 self.observer.run_state(run_id, "stopped");
-                batch.transitions.push(Transition::StopRun { open_round });
+                batch.transitions.push(Transition::StopRun { open_round, reason });
             }
         }
     }

@@ -112,6 +112,12 @@ pub(super) fn next_model(
         Some(_) => parts.with_update(global.to_vec(), &next.values),
         None => next.values,
     };
+    let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
+    let bound = ctx.plan.max_next_model_norm(norm(global));
+    let next_norm = norm(&values);
+    if next_norm.is_nan() || next_norm > bound {
+        return Err(AggregateError::ModelNormGrowth { next: next_norm, bound });
+    }
     Ok((values, next.state, next.released))
 }
 

@@ -115,7 +115,7 @@ impl Driver {
             if let Some(input) = driver.tier_input() {
                 machine.handle(now_ms(), input);
             }
-            let entry = RunEntry::new(
+            let mut entry = RunEntry::new(
                 machine,
                 Arc::new(plan),
                 Arc::new(values),
@@ -124,7 +124,7 @@ impl Driver {
                 acc,
                 driver.writer_for(run_id),
             );
-            entry.report_privacy(run_id, &driver.observer);
+            entry.report_privacy(run_id, &driver.observer, now_ms());
             driver.runs.insert(run_id, entry);
         }
         let (models, model_writes) = (driver.models.clone(), driver.model_writes.clone());
@@ -200,7 +200,8 @@ async fn stop_refused_run(
 ) -> Result<(), StoreError> {
     tracing::error!(%run_id, error = %refused, "this coordinator refuses the run's stored plan; stopping the run");
     let open_round = store.open_round(run_id).await?.map(|o| o.round.round_idx);
-    store.apply_transitions(run_id, &[Transition::StopRun { open_round }], now_ms()).await
+    let reason = Some(format!("this coordinator refuses the run's stored plan: {refused}"));
+    store.apply_transitions(run_id, &[Transition::StopRun { open_round, reason }], now_ms()).await
 }
 
 /// A run's plan as stored, validated again: an error when it does not parse (corruption), and

@@ -90,8 +90,14 @@ pub(super) enum EndOutcome {
     Committed(Box<NewModel>),
     /// An evaluation-only round's pooled reports.
     Evaluated(PooledEvaluation),
-    /// A failure (`closing.outcome` says which), recorded as such.
-    Failed,
+    /// A failure (`closing.outcome` says which), recorded as such; with why the run must stop
+    /// when its close broke outright.
+    Failed {
+        /// The run's stop reason.
+        stop_run: Option<String>,
+        /// The devices whose updates caused a refused commit, when traced (else empty).
+        refused_by: Vec<starling_core::DeviceId>,
+    },
 }
 
 /// A committed round's new model, encoded.
@@ -385,20 +391,22 @@ impl Writer {
                     .await;
                 ("committed", Closed::Committed(model))
             }
-            EndOutcome::Failed => {
+            EndOutcome::Failed { stop_run, refused_by } => {
                 let outcome = closing.outcome;
                 if outcome == RoundOutcome::AggregateRejected {
                     tracing::error!(%run_id, round = %round_idx, "aggregate rejected; round fails");
                 } else {
                     tracing::warn!(%run_id, round = %round_idx, ?outcome, "round failed");
                 }
-                until_done_or_landed("fail round", run_id, || store.fail_round(run_id, closing))
-                    .await?;
-                (outcome.label(), Closed::Failed)
+                until_done_or_landed("fail round", run_id, || {
+                    store.fail_round(run_id, closing, &refused_by)
+                })
+                .await?;
+                (outcome.label(), Closed::Failed { stop_run, refused_by })
             }
         };
         // Aggregation time is recorded for the rounds that produced something.
-        let aggregation_ms = (!matches!(committed, Closed::Failed))
+        let aggregation_ms = (!matches!(committed, Closed::Failed { .. }))
             .then(|| closing_started.elapsed().as_secs_f64() * 1e3);
         let open_ms = closing.closed_at - opened_at;
         observer.round_closed(run_id, round_idx, label, closing.n_dropped, open_ms, aggregation_ms);

@@ -143,6 +143,7 @@ async fn run_view(state: &AppState, row: RunRow) -> Result<RunView, ApiError> {
         name: row.name,
         population: row.population,
         status: row.status,
+        stop_reason: row.stop_reason,
         model_version: row.model_version,
         model_hash,
         rounds_committed: row.rounds_committed,
@@ -542,10 +543,7 @@ async fn import_base_model(
     if query.name.is_empty() || query.name.len() > 128 {
         return Err(ApiError::invalid("name must be 1..=128 bytes"));
     }
-    // The header, at most a few hundred bytes a tensor, on top of the values.
-    let limit =
-        usize::try_from(state.inner.max_model_bytes).unwrap_or(usize::MAX).saturating_add(1 << 20);
-    let file = state.read_body(body, limit).await?;
+    let file = state.read_body(body, state.base_model_body_limit()).await?;
     let (schema, data, hash) = tokio::task::spawn_blocking(move || {
         let (schema, data) =
             safetensors::read_safetensors(&file).map_err(|e| ApiError::invalid(e.to_string()))?;

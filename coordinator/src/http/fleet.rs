@@ -76,6 +76,7 @@ pub(super) async fn decode_small<T: DeserializeOwned>(
     body: Body,
 ) -> Result<T, ApiError> {
     check_content_type(headers)?;
+    crate::http::refuse_declared_over(headers, SMALL_BODY_LIMIT)?;
     let bytes = state.read_body(body, SMALL_BODY_LIMIT).await?;
     codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
 }
@@ -227,12 +228,12 @@ async fn model(
 }
 
 /// A CBOR body addressed by content, which never changes: cacheable forever.
-fn immutable_cbor(body: Vec<u8>) -> Response {
+fn immutable_cbor(body: impl Into<axum::body::Bytes>) -> Response {
     let headers = [
         (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
         (header::CONTENT_TYPE, HeaderValue::from_static(CBOR_MEDIA_TYPE)),
     ];
-    (headers, body).into_response()
+    (headers, body.into()).into_response()
 }
 
 /// An imported pretrained model, for devices of runs that never train its tensors (their
@@ -280,9 +281,31 @@ async fn base_model(
 async fn trained_part(
     State(state): State<AppState>,
     _device: DeviceAuth,
+    axum::Extension(access): axum::Extension<DeviceAccess>,
     Path((run_id, hash)): Path<(i64, String)>,
 ) -> Result<Response, ApiError> {
     let plan = state.plan(RunId(run_id)).await?;
+    // Only to devices that may train this run: its population's.
+    if !access.may_join(&plan.plan().population) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::PopulationNotAllowed,
+            format!(
+                "this device's enrollment token does not admit run {run_id}'s population {:?}",
+                plan.plan().population
+            ),
+        ));
+    }
+    // Sliced once per run and model, then served from the model cache: decoding the whole
+    // model per request once cost ~95 MB of transient memory for a 92-byte answer.
+    let (cache, key) = (state.driver().models(), format!("{hash}/trained/{run_id}"));
+    if let Some(cached) = cache.get(&key) {
+        return Ok(immutable_cbor(cached));
+    }
+    let _loading = cache.loading().await;
+    if let Some(cached) = cache.get(&key) {
+        return Ok(immutable_cbor(cached));
+    }
     let bytes = state
         .model_bytes_in(&hash, Compression::F32)
         .await?
@@ -300,7 +323,7 @@ async fn trained_part(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    Ok(immutable_cbor(body))
+    Ok(immutable_cbor(cache.insert(&key, body.into())))
 }
 
 #[utoipa::path(post, path = "/v1/runs/{run_id}/rounds/{round_idx}/updates", tag = "fleet", security(("device" = [])),
@@ -390,6 +413,16 @@ async fn accept_upload(
         let update = validate_update(&update_schema, plan.compression(), req)?
             .capped(plan.max_examples())
             .map_metrics(|m| plan.metrics_to_fold(m));
+        // One device's finite but huge update once took a plain run's model to 2.7e38: it is
+        // refused here, alone, before it reaches any sum.
+        if let Some(bound) = plan.max_update_norm() {
+            let norm = update.delta().norm_squared().sqrt();
+            if norm.is_nan() || norm > bound {
+                return Err(ApiError::invalid(format!(
+                    "the update's L2 norm {norm:.4e} is over the run's max_update_norm {bound:.4e}"
+                )));
+            }
+        }
         Ok::<_, ApiError>((model_version, update))
     })
     .await

@@ -189,10 +189,12 @@ pub enum Transition {
     },
     /// The run committed all its rounds.
     FinishRun,
-    /// The operator stopped the run.
+    /// The run stopped: the operator stopped it, or the coordinator, which says why.
     StopRun {
         /// Round that was open, recorded as failed.
         open_round: Option<RoundIdx>,
+        /// Why the coordinator stopped it; `None` when the operator did.
+        reason: Option<String>,
     },
 }
 
@@ -286,7 +288,7 @@ impl SqlStore {
                     Transition::FinishRun => {
                         tx.set_run_status(run_id, "finished", now).await?;
                     }
-                    Transition::StopRun { open_round } => {
+                    Transition::StopRun { open_round, reason } => {
                         if let Some(round_idx) = open_round {
                             sqlx::query(
                                 "UPDATE rounds SET state = 'failed', closed_at_ms = $3, outcome_json = $4
@@ -303,6 +305,14 @@ impl SqlStore {
                             tx.release_payloads(run_id, *round_idx).await?;
                         }
                         tx.set_run_status(run_id, "stopped", now).await?;
+                        if let Some(reason) = reason {
+                            sqlx::query("UPDATE runs SET stop_reason = $2 WHERE id = $1")
+                                .bind(run_id.0)
+                                .bind(reason.as_str())
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(map_err)?;
+                        }
                     }
                 }
             }
@@ -396,8 +406,12 @@ impl SqlStore {
         })
     }
 
-    /// Whether `device`'s update to the round is durable (its bytes may since have been
-    /// released): what tells a retried upload whose answer was lost from a late one.
+    /// Whether `device`'s update for its task of round `round_idx` is durable (its bytes may
+    /// since have been released): what tells a retried upload whose answer was lost from a
+    /// late one. A buffered run folds a late update into a later buffer, so the update may be
+    /// stored under a later round that did not select the device again (as
+    /// [`SqlStore::carried_tasks`] reads it). Counted, not `SELECT 1`: that is a 32-bit integer
+    /// on Postgres and a 64-bit one on SQLite.
     pub async fn has_update(
         &self,
         run_id: RunId,
@@ -405,16 +419,20 @@ impl SqlStore {
         device: DeviceId,
     ) -> StoreResult<bool> {
         on_pool!(self, |pool| {
-            let found: Option<(i64,)> = sqlx::query_as(
-                "SELECT 1 FROM updates WHERE run_id = $1 AND round_idx = $2 AND device_id = $3",
+            let (found,): (i64,) = sqlx::query_as(
+                "SELECT COUNT(*) FROM updates u
+                 WHERE u.run_id = $1 AND u.device_id = $3 AND u.round_idx >= $2
+                   AND NOT EXISTS (SELECT 1 FROM selections later WHERE later.run_id = u.run_id
+                                   AND later.device_id = u.device_id
+                                   AND later.round_idx > $2 AND later.round_idx <= u.round_idx)",
             )
             .bind(run_id.0)
             .bind(round_idx.0)
             .bind(device.0)
-            .fetch_optional(pool)
+            .fetch_one(pool)
             .await
             .map_err(map_err)?;
-            Ok(found.is_some())
+            Ok(found > 0)
         })
     }
 
@@ -751,11 +769,33 @@ impl SqlStore {
 
     /// Records a failed round. Its updates stay stored but are never folded: a retry is a new
     /// round with new uploads.
-    pub async fn fail_round(&self, run_id: RunId, closing: RoundClosing) -> StoreResult<()> {
+    pub async fn fail_round(
+        &self,
+        run_id: RunId,
+        closing: RoundClosing,
+        refused_by: &[DeviceId],
+    ) -> StoreResult<()> {
         on_pool!(self, |pool| {
             let mut tx = pool.begin().await.map_err(map_err)?;
             tx.check_fence(&self.fence).await?;
             tx.close_round_row(run_id, &closing, "failed", None).await?;
+            if !refused_by.is_empty() {
+                // Kept with the outcome: the quarantine recount after a restart strikes them
+                // alone (`culprits`), as the machine did.
+                let mut outcome =
+                    serde_json::to_value(closing.outcome).expect("outcome serializes");
+                let ids: Vec<i64> = refused_by.iter().map(|d| d.0).collect();
+                outcome["culprits"] = serde_json::json!(ids);
+                sqlx::query(
+                    "UPDATE rounds SET outcome_json = $3 WHERE run_id = $1 AND round_idx = $2",
+                )
+                .bind(run_id.0)
+                .bind(closing.round_idx.0)
+                .bind(outcome.to_string())
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            }
             tx.release_payloads(run_id, closing.round_idx).await?;
             tx.delete_secagg_records(run_id, closing.round_idx).await?;
             tx.commit().await.map_err(map_err)
@@ -845,12 +885,26 @@ impl SqlStore {
             }
             let mut strikes = Strikes::default();
             for (round_idx, state, outcome) in rounds {
-                let refused = outcome.as_deref().is_some_and(|json| {
-                    matches!(serde_json::from_str(json), Ok(RoundOutcome::AggregateRejected))
+                let outcome: Option<serde_json::Value> =
+                    outcome.as_deref().and_then(|json| serde_json::from_str(json).ok());
+                let refused = outcome.as_ref().is_some_and(|o| {
+                    matches!(serde_json::from_value(o.clone()), Ok(RoundOutcome::AggregateRejected))
                 });
                 if state == "committed" || refused {
                     let held = devices.remove(&round_idx).unwrap_or_default();
-                    strikes.round_ended(held, state == "committed");
+                    // A refusal traced to some updates strikes their devices alone.
+                    let culprits: Vec<DeviceId> = outcome
+                        .as_ref()
+                        .and_then(|o| o.get("culprits")?.as_array().cloned())
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|id| id.as_i64().map(DeviceId))
+                        .filter(|d| held.contains(d))
+                        .collect();
+                    match culprits.is_empty() {
+                        true => strikes.round_ended(held, state == "committed"),
+                        false => strikes.round_ended(culprits, false),
+                    }
                 }
             }
             Ok(strikes)

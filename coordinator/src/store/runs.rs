@@ -27,6 +27,8 @@ pub struct RunRow {
     pub created_at_ms: i64,
     /// Last transition time.
     pub updated_at_ms: i64,
+    /// Why the coordinator stopped the run; `None` when the operator stopped it, or it runs.
+    pub stop_reason: Option<String>,
 }
 
 /// A model version as stored, without its bytes.

@@ -661,3 +661,48 @@ fn parts_rebuilt_from_a_task_need_an_update_inside_the_model() {
     foreign.tensors[0].shape = vec![3, 4];
     assert_eq!(ModelParts::of_update(schema, foreign, vec![]), None);
 }
+
+/// A Poisson plan drawing the whole population (q = 1) was accepted; the PLD accountant then
+/// panicked with a capacity overflow at the first round's close and took the coordinator's
+/// driver with it. Now such a plan is refused naming the field; one whose noise multiplier is
+/// too small for the PLD's grid is shown the RDP bound alone; the largest rate below 1 is
+/// accepted and its ε computes.
+#[test]
+fn poisson_plans_the_pld_accountant_cannot_represent_are_refused_by_field() {
+    let poisson = |population: u64, z: f64| {
+        let mut v = plan_json();
+        v["selection"] = "poisson".into();
+        v["strategy"] = serde_json::json!({"differential_privacy": {
+            "noise_multiplier": z, "clip_norm": 0.5, "population": population, "delta": 1e-5}});
+        v
+    };
+    // 13 drawn per round (cohort 10, over-selection 1.3).
+    let err = parse(poisson(13, 1.0)).unwrap_err().to_string();
+    assert!(err.contains("strategy.differential_privacy: population"), "{err}");
+    assert!(err.contains("poisson") && err.contains("selection: random"), "{err}");
+    let tiny = parse(poisson(100, 1e-4)).unwrap();
+    let privacy = tiny.privacy().unwrap();
+    assert_eq!(privacy.epsilon_pld(3), None, "past the PLD's grid");
+    assert_eq!(privacy.spent(3).epsilon(), privacy.epsilon_rdp(3), "the RDP bound stands");
+    let nearly_all = parse(poisson(14, 1.0)).unwrap();
+    let eps = nearly_all.privacy().unwrap().epsilon_pld(3).expect("represented");
+    assert!(eps.is_finite() && eps > 0.0, "{eps}");
+    // Drawing everyone at random is not Poisson sampling: q = 1 is accounted without it.
+    let mut all = poisson(13, 1.0);
+    all["selection"] = "random".into();
+    let all = parse(all).unwrap();
+    let eps = all.privacy().unwrap().epsilon_after(3);
+    assert!(eps.is_finite() && eps > 0.0, "{eps}");
+}
+
+/// A run named with 10 MB was stored: names are bounded, and the refusal does not echo them.
+#[test]
+fn a_run_name_over_its_limit_is_refused_by_field() {
+    let mut v = plan_json();
+    v["name"] = "n".repeat(MAX_RUN_NAME + 1).into();
+    let err = parse(v.clone()).unwrap_err().to_string();
+    assert!(err.contains("name") && err.contains("257 bytes"), "{err}");
+    assert!(err.len() < 200, "{err}");
+    v["name"] = "n".repeat(MAX_RUN_NAME).into();
+    parse(v).unwrap();
+}

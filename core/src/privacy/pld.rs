@@ -16,6 +16,14 @@ use std::f64::consts::SQRT_2;
 /// Mass each tail may drop per discretization or product (moved where it can only raise ε).
 const TAIL_MASS: f64 = 1e-15;
 
+/// The most grid points a distribution, or a product's convolution, may take (32 MiB of f64;
+/// the FFT's complex buffers are four times that). A (q, z, rounds) past it is not represented:
+/// the accountant answers `None` and the Rényi DP bound, always representable, stands alone.
+/// With q = 1 the loss of adding a device is unbounded below (ln(1 − q) = −∞), and a tiny z
+/// makes one round's grid billions of points wide: both once made a run's close panic with a
+/// capacity overflow, which killed the coordinator's driver.
+pub const MAX_POINTS: usize = 1 << 22;
+
 /// A privacy loss distribution on the grid `interval·k`: `probs[i]` is the mass at loss
 /// `(lowest + i)·interval`, `infinity` the mass of an infinite loss.
 #[derive(Debug, Clone)]
@@ -31,11 +39,11 @@ pub const INTERVAL: f64 = 1e-4;
 
 /// [`epsilon`] at [`INTERVAL`], remembered: a run's view asks for the same figure at every
 /// request, and composing thousands of rounds takes a good part of a second.
-pub fn epsilon_remembered(q: f64, z: f64, rounds: u64, delta: f64) -> f64 {
+pub fn epsilon_remembered(q: f64, z: f64, rounds: u64, delta: f64) -> Option<f64> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
     type Key = (u64, u64, u64, u64);
-    static SEEN: OnceLock<Mutex<HashMap<Key, f64>>> = OnceLock::new();
+    static SEEN: OnceLock<Mutex<HashMap<Key, Option<f64>>>> = OnceLock::new();
     let key = (q.to_bits(), z.to_bits(), rounds, delta.to_bits());
     let seen = SEEN.get_or_init(Mutex::default);
     if let Some(&eps) = seen.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
@@ -51,15 +59,63 @@ pub fn epsilon_remembered(q: f64, z: f64, rounds: u64, delta: f64) -> f64 {
 }
 
 /// ε at `delta` after `rounds` Poisson-subsampled Gaussian rounds at rate `q` with noise
-/// multiplier `z`, by the PLD with grid width `interval` (`dp-accounting`'s default is 1e-4).
-pub fn epsilon(q: f64, z: f64, rounds: u64, delta: f64, interval: f64) -> f64 {
+/// multiplier `z`, by the PLD with grid width `interval` (`dp-accounting`'s default is 1e-4);
+/// `None` when the distributions would not fit [`MAX_POINTS`] (see [`representable`]).
+pub fn epsilon(q: f64, z: f64, rounds: u64, delta: f64, interval: f64) -> Option<f64> {
     if rounds == 0 || q == 0.0 {
-        return 0.0;
+        return Some(0.0);
     }
-    [Direction::Remove, Direction::Add]
+    representable(q, z, interval).ok()?;
+    let mut eps: f64 = 0.0;
+    for d in [Direction::Remove, Direction::Add] {
+        eps = eps.max(one_round(q, z, d, interval).self_compose(rounds)?.epsilon(delta));
+    }
+    Some(eps)
+}
+
+/// Whether one round at rate `q` and noise multiplier `z` fits the grid of width `interval`
+/// ([`MAX_POINTS`]); the error says which parameter does not (a plan is refused naming it).
+pub fn representable(q: f64, z: f64, interval: f64) -> Result<(), RepresentError> {
+    if !(q > 0.0 && q < 1.0) {
+        return Err(RepresentError::SamplingRate);
+    }
+    if !(z.is_finite() && z > 0.0 && interval.is_finite() && interval > 0.0) {
+        return Err(RepresentError::NoiseMultiplier);
+    }
+    let width = [Direction::Remove, Direction::Add]
         .into_iter()
-        .map(|d| one_round(q, z, d, interval).self_compose(rounds).epsilon(delta))
-        .fold(0.0, f64::max)
+        .map(|d| {
+            let (lo, hi) = grid_range(q, z, d, interval);
+            hi - lo + 1.0
+        })
+        .fold(0.0, f64::max);
+    if width.is_finite() && width <= MAX_POINTS as f64 {
+        Ok(())
+    } else {
+        Err(RepresentError::NoiseMultiplier)
+    }
+}
+
+/// Which parameter puts a round past what the accountant represents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepresentError {
+    /// The sampling rate is not in (0, 1): q = 1 is no sampling at all.
+    SamplingRate,
+    /// The noise multiplier is so small that one round's loss spans more than [`MAX_POINTS`].
+    NoiseMultiplier,
+}
+
+/// One round's grid indices, lowest and highest, as floats (they may not fit an integer).
+fn grid_range(q: f64, z: f64, direction: Direction, interval: f64) -> (f64, f64) {
+    let s2 = z * z;
+    let loss = |x: f64| (q * ((2.0 * x - 1.0) / (2.0 * s2)).exp_m1()).ln_1p();
+    let floor = (-q).ln_1p();
+    let reach = z * 8.3;
+    let (x_lo, x_hi) = (-reach, 1.0 + reach);
+    match direction {
+        Direction::Remove => ((loss(x_lo) / interval).floor(), (loss(x_hi) / interval).ceil()),
+        Direction::Add => ((-loss(x_hi) / interval).floor(), (-floor / interval).ceil()),
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -81,14 +137,11 @@ fn upper_tail(x: f64, mean: f64, sd: f64) -> f64 {
 /// them, which dominates the round's.
 fn one_round(q: f64, z: f64, direction: Direction, interval: f64) -> Pmf {
     let s2 = z * z;
-    // The loss of the mixture against N(0, z²) at x, increasing in x, and its inverse (for
-    // losses above ln(1 − q)).
-    let loss = |x: f64| (q * ((2.0 * x - 1.0) / (2.0 * s2)).exp_m1()).ln_1p();
+    // The inverse of the loss of the mixture against N(0, z²) at x (for losses above
+    // ln(1 − q)); `grid_range` reads the grid off the loss at ±8.3 z, beyond which both
+    // distributions hold less than TAIL_MASS.
     let at = |l: f64| s2 * (l.exp_m1() / q).ln_1p() + 0.5;
     let floor = (-q).ln_1p();
-    // Beyond these, both distributions hold less than TAIL_MASS.
-    let reach = z * 8.3;
-    let (x_lo, x_hi) = (-reach, 1.0 + reach);
     // The hockey-stick divergence δ(ε) = P(L > ε) − e^ε·Q(L > ε) of the round's pair.
     let delta = |eps: f64| -> f64 {
         let d = match direction {
@@ -109,14 +162,9 @@ fn one_round(q: f64, z: f64, direction: Direction, interval: f64) -> Pmf {
         };
         d.clamp(0.0, 1.0)
     };
-    let (k_lo, k_hi) = match direction {
-        Direction::Remove => {
-            ((loss(x_lo) / interval).floor() as i64, (loss(x_hi) / interval).ceil() as i64)
-        }
-        Direction::Add => {
-            ((-loss(x_hi) / interval).floor() as i64, (-floor / interval).ceil() as i64)
-        }
-    };
+    // `representable` checked that the range is finite and within MAX_POINTS.
+    let (k_lo, k_hi) = grid_range(q, z, direction, interval);
+    let (k_lo, k_hi) = (k_lo as i64, k_hi as i64);
     let deltas: Vec<f64> = (k_lo..=k_hi).map(|k| delta(k as f64 * interval)).collect();
     let n = deltas.len();
     let e = interval.exp_m1();
@@ -134,30 +182,35 @@ fn one_round(q: f64, z: f64, direction: Direction, interval: f64) -> Pmf {
 }
 
 impl Pmf {
-    /// The distribution of the sum of two independent losses, its tails trimmed.
-    fn compose(&self, other: &Pmf) -> Pmf {
+    /// The distribution of the sum of two independent losses, its tails trimmed; `None` when
+    /// the product would take more than [`MAX_POINTS`].
+    fn compose(&self, other: &Pmf) -> Option<Pmf> {
+        if self.probs.len() + other.probs.len() - 1 > MAX_POINTS {
+            return None;
+        }
         let probs = convolve(&self.probs, &other.probs);
         let infinity = 1.0 - (1.0 - self.infinity) * (1.0 - other.infinity);
-        Pmf { interval: self.interval, lowest: self.lowest + other.lowest, probs, infinity }
-            .trimmed()
+        let pmf =
+            Pmf { interval: self.interval, lowest: self.lowest + other.lowest, probs, infinity };
+        Some(pmf.trimmed())
     }
 
-    /// `n` independent copies composed (square and multiply).
-    fn self_compose(&self, mut n: u64) -> Pmf {
+    /// `n` ≥ 1 independent copies composed (square and multiply); `None` past [`MAX_POINTS`].
+    fn self_compose(&self, mut n: u64) -> Option<Pmf> {
         let mut result: Option<Pmf> = None;
         let mut square = self.clone();
         loop {
             if n & 1 == 1 {
                 result = Some(match result {
                     None => square.clone(),
-                    Some(r) => r.compose(&square),
+                    Some(r) => r.compose(&square)?,
                 });
             }
             n >>= 1;
             if n == 0 {
-                return result.expect("n > 0");
+                return result;
             }
-            square = square.compose(&square);
+            square = square.compose(&square)?;
         }
     }
 
@@ -312,7 +365,19 @@ mod tests {
             assert!((total - 1.0).abs() < 1e-9, "{d:?}: {total}");
         }
         let eps: Vec<f64> =
-            [1, 10, 100].iter().map(|&t| epsilon(0.1, 1.0, t, 1e-5, 1e-3)).collect();
+            [1, 10, 100].iter().map(|&t| epsilon(0.1, 1.0, t, 1e-5, 1e-3).unwrap()).collect();
         assert!(eps.windows(2).all(|w| w[0] < w[1]), "{eps:?}");
+    }
+
+    /// q = 1 once sized one round's grid from ln(1 − q) = −∞ and panicked allocating it; a
+    /// tiny z spans billions of points. Both are not represented, and say which parameter.
+    #[test]
+    fn rounds_past_the_grid_are_not_represented_and_say_why() {
+        assert_eq!(representable(1.0, 1.0, INTERVAL), Err(RepresentError::SamplingRate));
+        assert_eq!(epsilon(1.0, 1.0, 3, 1e-5, INTERVAL), None);
+        assert_eq!(representable(0.1, 1e-4, INTERVAL), Err(RepresentError::NoiseMultiplier));
+        assert_eq!(epsilon(0.1, 1e-4, 3, 1e-5, INTERVAL), None);
+        assert_eq!(representable(0.999_999, 1.0, INTERVAL), Ok(()));
+        assert!(epsilon(0.999_999, 1.0, 3, 1e-5, INTERVAL).unwrap().is_finite());
     }
 }

@@ -58,6 +58,10 @@ pub enum Input {
         /// Whether a new model version was committed; `false` for a failed round, and for a
         /// `Commit` the driver could not carry out (the aggregate was not finite).
         committed: bool,
+        /// For a refused `Commit`: the devices whose updates the driver found caused it (far
+        /// larger than the round's others); empty when it could not tell, and then every device
+        /// of the round is struck ([`quarantine`](super::quarantine)).
+        refused_by: Vec<DeviceId>,
     },
     /// A selected device's secure-aggregation message (secure runs only).
     SecAgg {
@@ -79,8 +83,12 @@ pub enum Input {
         /// Round it asks about.
         round_idx: RoundIdx,
     },
-    /// The operator stopped the run.
-    Stop,
+    /// The run is to stop: asked by the operator (no reason), or by the coordinator, which
+    /// says why (its privacy accounting or a round's close failed).
+    Stop {
+        /// Why the coordinator stopped it; `None` when the operator did.
+        reason: Option<String>,
+    },
     /// The set of live aggregators changed (or the tier's settings did).
     Aggregators {
         /// Aggregators that polled recently, in any order.
@@ -238,6 +246,8 @@ pub enum Action {
     StopRun {
         /// The round that was open.
         open_round: Option<RoundIdx>,
+        /// Why the run stopped when the operator did not stop it.
+        reason: Option<String>,
     },
 }
 

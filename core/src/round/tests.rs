@@ -61,6 +61,7 @@ fn config() -> RoundConfig {
         min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
+        max_failed_rounds: 0,
     }
 }
 
@@ -80,6 +81,10 @@ fn describe(input: &Input) -> String {
             if *attributes == crate::eligibility::DeviceAttributes::default() =>
         {
             format!("CheckIn {{ request: {request:?}, device: {device:?}, online: {online} }}")
+        }
+        // Most rounds' refusals name no culprits: their lines stay as they were.
+        Input::RoundClosed { round_idx, committed, refused_by } if refused_by.is_empty() => {
+            format!("RoundClosed {{ round_idx: {round_idx:?}, committed: {committed} }}")
         }
         other => format!("{other:?}"),
     }
@@ -180,7 +185,11 @@ impl Trace {
     }
 
     fn closed(&mut self, round: i64, committed: bool) {
-        self.input(Input::RoundClosed { round_idx: RoundIdx(round), committed });
+        self.input(Input::RoundClosed {
+            round_idx: RoundIdx(round),
+            committed,
+            refused_by: vec![],
+        });
     }
 
     fn advance_to(&mut self, now: Millis) {
@@ -402,7 +411,7 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
     let mut t = Trace::new();
     t.check_in(10);
     t.upload(10, 0);
-    t.input(Input::Stop);
+    t.input(Input::Stop { reason: None });
     t.check(expect![[r#"
           OpenRound(RoundOpened { round_idx: RoundIdx(0), model_version: ModelVersion(0), opened_at: 0, selection_deadline: 1000, reporting_deadline: 5000 })
         t=0 CheckIn { request: RequestId(1), device: DeviceId(10), online: 10 }
@@ -411,9 +420,9 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
         t=0 Upload { request: RequestId(2), device: DeviceId(10), round_idx: RoundIdx(0), model_version: ModelVersion(0), update: 10 examples, 4 bytes }
           PersistUpdate { request: RequestId(2), round_idx: RoundIdx(0), device: DeviceId(10), slot: 0, staleness: 0, update: 10 examples, 4 bytes }
           Fold(Update(10 examples, 4 bytes))
-        t=0 Stop
+        t=0 Stop { reason: None }
           ReplyUpload { request: RequestId(2), result: Err(RoundClosed) }
-          StopRun { open_round: Some(RoundIdx(0)) }
+          StopRun { open_round: Some(RoundIdx(0)), reason: None }
     "#]]);
 
     let mut t = Trace::new();
@@ -423,14 +432,14 @@ fn stop_refuses_in_flight_and_stop_during_commit_waits() {
         t.persisted(r, true);
     }
     t.lines.clear();
-    t.input(Input::Stop);
+    t.input(Input::Stop { reason: None });
     t.closed(0, true);
     assert_eq!(t.m.status(), RunStatus::Stopped);
     assert_eq!(t.m.model_version(), ModelVersion(1), "the committing round still commits");
     t.check(expect![[r#"
-        t=0 Stop
+        t=0 Stop { reason: None }
         t=0 RoundClosed { round_idx: RoundIdx(0), committed: true }
-          StopRun { open_round: None }
+          StopRun { open_round: None, reason: None }
     "#]]);
 }
 
@@ -647,6 +656,7 @@ fn simulation_never_hangs() {
         min_population: None,
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
+        max_failed_rounds: 0,
         secure: None,
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
@@ -722,6 +732,7 @@ fn simulation_never_hangs() {
                 Input::RoundClosed {
                     round_idx: c.round_idx,
                     committed: c.outcome == RoundOutcome::Commit,
+                    refused_by: vec![],
                 },
             );
         }
@@ -763,6 +774,7 @@ mod secure_rounds {
             min_population: None,
             selection: crate::plan::SelectionPolicy::FirstCome,
             asynchronous: None,
+            max_failed_rounds: 0,
             secure: Some(SecureRoundConfig {
                 clip_norm: None,
                 distributed: None,
@@ -1673,6 +1685,29 @@ fn a_device_in_three_refused_rounds_in_a_row_is_not_selected_again() {
     assert!(decisions[1].contains("Selected"), "{decisions:?}");
 }
 
+/// A refusal the driver traced to one device's update strikes that device alone: with the
+/// same partner every round, the honest partner is never quarantined (every device of a
+/// refused round used to be struck, so one device took its honest partners down with it).
+#[test]
+fn a_refusal_traced_to_one_update_strikes_only_its_device() {
+    let config = RoundConfig { target_selected: 2, total_rounds: 5, ..config() };
+    let mut t = Trace::with(config);
+    for round in 0..3 {
+        t.check_in(10);
+        t.check_in(20);
+        let a = t.upload(10, round);
+        let b = t.upload(20, round);
+        t.persisted(a, true);
+        t.persisted(b, true);
+        t.input(Input::RoundClosed {
+            round_idx: RoundIdx(round),
+            committed: false,
+            refused_by: vec![DeviceId(10)],
+        });
+    }
+    assert_eq!(t.m.quarantined().collect::<Vec<_>>(), vec![DeviceId(10)], "not device 20");
+}
+
 /// A device masks what it likes: the ring elements are its own. One that wrapped the weights'
 /// sum to just above nothing made the decoded mean of honest updates about 0.01 explode, and it
 /// committed. The unmasked sum is now checked against what the survivors' inputs inside the
@@ -1819,4 +1854,38 @@ fn a_fixed_size_dp_draw_is_uniform_over_the_measured_population_or_fails() {
         Some(RoundOutcome::PopulationTooSmall { measured: 19, minimum: 20 }),
         "{actions:?}"
     );
+}
+
+/// A run whose every round fails (once: all its devices quarantined, `too_few_selected`
+/// forever, shown `running`) stops after the plan's `max_failed_rounds` in a row, saying why;
+/// a commit in between starts the count again.
+#[test]
+fn a_run_stops_with_its_reason_after_max_failed_rounds_in_a_row() {
+    let mut t = Trace::with(RoundConfig { max_failed_rounds: 2, total_rounds: 5, ..config() });
+    // Round 0 fails; round 1 commits; rounds 2 and 3 fail: the run stops.
+    t.advance_to(5_000);
+    t.closed(0, false);
+    for d in [10, 11] {
+        t.check_in(d);
+        let r = t.upload(d, 1);
+        t.persisted(r, true);
+    }
+    t.closed(1, true);
+    t.lines.clear();
+    t.advance_to(10_000);
+    t.closed(2, false);
+    assert_eq!(t.m.status(), RunStatus::Running, "one failure since the commit");
+    t.advance_to(15_000);
+    t.closed(3, false);
+    assert_eq!(t.m.status(), RunStatus::Stopped);
+    t.check(expect![[r#"
+        t=10000 timeout (poll_timeout was Some(6000))
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(2), model_version: ModelVersion(1), outcome: TooFewSelected { selected: 0, quorum: 2 }, n_selected: 0, n_reported: 0, n_dropped: 0, closed_at: 10000 }, sum: Folded }
+        t=10000 RoundClosed { round_idx: RoundIdx(2), committed: false }
+          OpenRound(RoundOpened { round_idx: RoundIdx(3), model_version: ModelVersion(1), opened_at: 10000, selection_deadline: 11000, reporting_deadline: 15000 })
+        t=15000 timeout (poll_timeout was Some(11000))
+          CloseRound { closing: RoundClosing { round_idx: RoundIdx(3), model_version: ModelVersion(1), outcome: TooFewSelected { selected: 0, quorum: 2 }, n_selected: 0, n_reported: 0, n_dropped: 0, closed_at: 15000 }, sum: Folded }
+        t=15000 RoundClosed { round_idx: RoundIdx(3), committed: false }
+          StopRun { open_round: None, reason: Some("2 rounds in a row failed (the last: too_few_selected); the plan's max_failed_rounds is 2") }
+    "#]]);
 }
