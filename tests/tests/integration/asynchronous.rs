@@ -60,6 +60,11 @@ async fn a_stale_update_survives_a_restart_and_commits_discounted() {
     let upload = upload_request(&fresh, &delta(3, 1, PARAMS), weight(3));
     devices[3].upload(run, RoundIdx(1), &upload).await.unwrap();
     let v2 = wait_model(&admin, run, 2).await.unwrap();
+    // Its answer lost, device 2 resends to its task's round once buffer 1 committed: the
+    // update was counted (in buffer 1), so a duplicate, not `round_closed` (top-k's error
+    // feedback would send those values again).
+    let resent = devices[2].upload(run, RoundIdx(0), &stale).await;
+    assert_eq!(api_code(resent), Some(ErrorCode::DuplicateUpload));
 
     let global = model_values(&devices[0], &v1, &schema).await.unwrap();
     let mut acc = FedAvgAccumulator::new(PARAMS);

@@ -433,6 +433,8 @@ async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
     let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
     // A raw device beside the SDK one: it reads the tasks and sends zero deltas.
     let raw = enroll(&c.url, &c.admin, 1).await.unwrap().remove(0);
+    // A device enrolled for another population: the run's trained part is not for it.
+    let outsider = enroll_in(&c.url, &c.admin, 1, &["elsewhere"]).await.unwrap().remove(0);
     let lora_schema = lora.schema().unwrap();
     let adapters: usize = (lora_schema.tensors.iter())
         .filter(|t| t.name.contains(".lora_"))
@@ -452,6 +454,10 @@ async fn devices_fetch_the_imported_model_once_and_then_only_trained_tensors() {
             let update = task.update_schema.clone().unwrap();
             let part = raw.trained_part(run, &task.model_hash).await.unwrap();
             assert_eq!(part.data.len(), adapters * 4, "round {round}: the adapters alone");
+            // Served again from the cache, the same bytes; never to another population's device.
+            assert_eq!(raw.trained_part(run, &task.model_hash).await.unwrap(), part);
+            let refused = outsider.trained_part(run, &task.model_hash).await;
+            assert_eq!(api_code(refused), Some(ErrorCode::PopulationNotAllowed));
             let upload = |schema: &TensorSchema| UploadRequest {
                 model_version: task.model_version,
                 example_count: 1,

@@ -107,7 +107,7 @@ fn the_pld_accountant_agrees_with_google_dp_accounting_to_1e_5() {
     let grid: Vec<(f64, f64, u64, f64)> =
         GRID.iter().copied().filter(|&(q, _, steps, _)| q < 1.0 && steps <= 6000).collect();
     agrees("pld", &grid, 1e-5, |q, z, steps, delta| {
-        starling_core::privacy::pld::epsilon(q, z, steps, delta, 1e-4)
+        starling_core::privacy::pld::epsilon(q, z, steps, delta, 1e-4).unwrap()
     });
 }
 
@@ -651,5 +651,65 @@ async fn a_distributed_dp_run_commits_noisy_sums_and_reports_their_epsilon() {
     plain["strategy"] = dp.clone();
     let err = c.admin.create_run(&plain).await.unwrap_err().to_string();
     assert!(err.contains("needs secure_aggregation"), "{err}");
+    c.running.shutdown().await.unwrap();
+}
+
+/// A `selection: poisson` plan drawing its whole population (q = 1) was accepted; the PLD
+/// accountant then panicked at the first round's close, the driver task died (admin views
+/// answered nothing, new runs 503, `/readyz` still 200), and the coordinator panicked again
+/// in recovery, so it could not start on that store. Now the plan is a 422 naming the field,
+/// and a store that holds such a run from before starts: the run is stopped with the reason
+/// in its view, `/readyz` is 200, and other runs go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poisson_plan_drawing_everyone_is_refused_and_never_stops_the_coordinator() {
+    use starling_coordinator::driver::InitialModel;
+    use starling_coordinator::store::{NewRun, SqlStore};
+    let mut plan = PlanSpec::all_of(2, 16, 3).json();
+    plan["selection"] = "poisson".into();
+    plan["strategy"] = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": 1.0, "clip_norm": 1.0, "population": 2, "delta": 1e-5}});
+    // A run an older coordinator accepted, in the store before this one starts.
+    let (_dir, db) = sqlite_db();
+    let store = SqlStore::connect(&db, true).await.unwrap();
+    let schema = PlanSpec::all_of(2, 16, 3).schema();
+    let initial = InitialModel::new(&schema, vec![0.0; 16]);
+    let plan_json = plan.to_string();
+    let old = NewRun {
+        name: Some("accepted before"),
+        population: "default",
+        plan_json: &plan_json,
+        initial_model: &initial.encoded,
+        initial_model_hash: &initial.hash,
+        exclusive_population: false,
+    };
+    let old = store.create_run(old, 1).await.unwrap();
+    drop(store);
+
+    let c = start_in_process(&db).await.unwrap();
+    let stopped = c.admin.run(old).await.unwrap();
+    assert_eq!(stopped.status, "stopped");
+    let reason = stopped.stop_reason.unwrap_or_default();
+    assert!(reason.contains("population") && reason.contains("poisson"), "{reason}");
+    let ready = http_client().get(format!("{}/readyz", c.url)).send().await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+    match c.admin.create_run(&plan).await {
+        Err(starling_client::protocol::ClientError::Api { status, body }) => {
+            assert_eq!(status.as_u16(), 422);
+            let named = body.message.contains("strategy.differential_privacy: population");
+            assert!(named, "{body:?}");
+        }
+        other => panic!("a poisson plan with q = 1 was not refused: {other:?}"),
+    }
+    // Another run goes on: it opens its rounds and commits.
+    let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
+    let run = RunId(c.admin.create_run(&PlanSpec::all_of(2, 16, 1).json()).await.unwrap().id);
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (i, d) in devices.iter().enumerate() {
+        d.upload(run, tasks[i].round_idx, &upload_request(&tasks[i], &delta(i, 0, 16), 1))
+            .await
+            .unwrap();
+    }
+    wait_model(&c.admin, run, 1).await.unwrap();
     c.running.shutdown().await.unwrap();
 }

@@ -10,11 +10,25 @@ use starling_tests::*;
 /// A device whose upload's answer was lost retries it after the round closed: it is answered
 /// `duplicate_upload` (the update was counted), not `round_closed`, so the SDK keeps the top-k
 /// residual it sent instead of sending those values again. Both while the run goes on (round 0
-/// of two) and after the run's last round finished it.
+/// of two) and after the run's last round finished it. On both stores: Postgres once answered
+/// these 503 (its `SELECT 1` is a 32-bit integer, read as 64), which made an SDK device retry a
+/// finished upload until it gave up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upload_retried_after_its_round_closed_is_a_duplicate_not_a_late_upload() {
+async fn an_upload_retried_after_its_round_closed_is_a_duplicate_not_a_late_upload_sqlite() {
     let (_dir, db) = sqlite_db();
-    let c = start_in_process(&db).await.unwrap();
+    retried_after_close_is_a_duplicate(&db).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_upload_retried_after_its_round_closed_is_a_duplicate_not_a_late_upload_postgres(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    retried_after_close_is_a_duplicate(&pg_url(&opts)).await;
+}
+
+async fn retried_after_close_is_a_duplicate(db: &str) {
+    let c = start_in_process(db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 2).await.unwrap();
     let spec = PlanSpec::all_of(2, 64, 2);
     let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
@@ -399,6 +413,70 @@ async fn admin_bodies_are_sized_from_the_model_limit_and_timed() {
     c.running.shutdown().await.unwrap();
 }
 
+/// Admin bodies had limits on size but not on what a field holds: a run named with 10 MB was
+/// stored. A run's name over 256 bytes is now 422 naming `name`, and nothing is stored. A body
+/// whose declared length is over its route's limit (a base model's import declaring 2^40
+/// bytes once hung for 20 s and closed without an answer) is 413 at once, before any of it is
+/// read. An enrolment's identity key of 33 bytes (an Ed25519 key is 32) is 400 naming
+/// `identity_key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_fields_and_declared_lengths_over_their_limits_are_refused_at_once() {
+    use starling_client::protocol::{ClientError, FleetClient};
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let mut plan = one_round_plan(16, 1);
+    plan["name"] = "n".repeat(1 << 20).into();
+    match c.admin.create_run(&plan).await {
+        Err(ClientError::Api { status, body }) => {
+            assert_eq!(status.as_u16(), 422);
+            assert!(body.message.contains("name") && body.message.contains("256"), "{body:?}");
+            assert!(body.message.len() < 200, "the refusal does not echo the name");
+        }
+        other => panic!("a 1 MB name was not refused: {other:?}"),
+    }
+    assert!(c.admin.runs().await.unwrap().is_empty(), "nothing was stored");
+    plan["name"] = "n".repeat(256).into();
+    c.admin.create_run(&plan).await.unwrap();
+
+    let addr = c.running.addr;
+    for (path, declared) in [
+        ("/v1/admin/base-models?name=big", 1u64 << 40),
+        ("/v1/admin/enrollment-tokens", 100 << 20),
+        ("/v1/admin/runs", 1 << 40),
+        ("/v1/enroll", 1 << 30),
+    ] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\nContent-Length: {declared}\r\n\r\n{{"
+        );
+        let (status, took) = tokio::task::spawn_blocking(move || {
+            raw_answer(addr, head.as_bytes(), Duration::from_secs(20))
+        })
+        .await
+        .unwrap();
+        assert!(status.starts_with("HTTP/1.1 413"), "{path}: {status}");
+        assert!(took < Duration::from_secs(2), "{path} answered after {took:?}");
+    }
+
+    let token = c.admin.enrollment_token(1).await.unwrap();
+    #[derive(serde::Serialize)]
+    struct Enroll<'a> {
+        enrollment_token: &'a str,
+        identity_key: Vec<u8>,
+    }
+    let device = FleetClient::new(&c.url);
+    let long = Enroll { enrollment_token: &token, identity_key: vec![1; 33] };
+    let body = starling_core::codec::to_vec(&long).unwrap();
+    let (status, answer) =
+        device.post_raw(starling_core::wire::path::ENROLL, body, "application/cbor").await.unwrap();
+    let answer: starling_core::wire::ErrorBody = starling_core::codec::decode(&answer).unwrap();
+    assert_eq!(status.as_u16(), 400, "{answer:?}");
+    assert!(answer.message.contains("identity_key"), "{answer:?}");
+    // The token was not spent on the refused enrolment.
+    let mut device = FleetClient::new(&c.url);
+    device.enroll(&token).await.unwrap();
+    c.running.shutdown().await.unwrap();
+}
+
 /// A device could ask for a model in any encoding (`?compression=int8:1`, `int8:2`, …), each
 /// one encoded afresh and cached, evicting what the fleet downloads (download p95 9 → 25 ms).
 /// Now a model downloads only in f32 or its run's `model_download`; anything else is 422.
@@ -484,5 +562,253 @@ async fn enrollment_tokens_are_listed_with_their_limits_and_never_shown_again() 
     assert_eq!((view.expires_at_ms, view.id.len()), (None, 12));
     let text = serde_json::to_string(&listed).unwrap();
     assert!(!text.contains(&issued.token), "the token itself is never shown again");
+    c.running.shutdown().await.unwrap();
+}
+
+/// In a plain FedAvg run of three devices, one device's finite but huge update once committed a
+/// model of values near 2.7e38; every later round was refused, quarantine struck the honest
+/// devices too, and the run failed `too_few_selected` forever while shown `running`. Now the
+/// update is refused alone at upload (422, the plan's default `max_update_norm`), the honest
+/// updates commit, and a run whose rounds keep failing stops with the reason in its view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_device_cannot_end_a_run_and_a_run_that_cannot_progress_stops_saying_why() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
+    let spec = PlanSpec { cohort: 3, quorum: 2, ..PlanSpec::all_of(3, 64, 2) };
+    let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
+    wait_round_open(&c.admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    let huge = vec![1e30f32; 64];
+    match devices[0].upload(run, tasks[0].round_idx, &upload_request(&tasks[0], &huge, 1)).await {
+        Err(starling_client::protocol::ClientError::Api { status, body }) => {
+            assert_eq!(status.as_u16(), 422);
+            assert!(body.message.contains("max_update_norm"), "{body:?}");
+        }
+        other => panic!("a huge update was not refused: {other:?}"),
+    }
+    for i in 1..3 {
+        let request = upload_request(&tasks[i], &delta(i, 0, 64), weight(i));
+        devices[i].upload(run, tasks[i].round_idx, &request).await.unwrap();
+    }
+    let v1 = wait_model(&c.admin, run, 1).await.unwrap();
+    let model = model_values(&devices[1], &v1, &spec.schema()).await.unwrap();
+    assert!(model.iter().all(|v| v.abs() < 10.0), "the huge update reached the model");
+
+    // A run no device takes part in: its rounds fail, and after two in a row it stops.
+    let mut idle =
+        PlanSpec { selection_secs: 0.1, reporting_secs: 0.2, ..PlanSpec::all_of(3, 8, 5) }.json();
+    idle["population"] = "nobody".into();
+    idle["max_failed_rounds"] = 2.into();
+    let idle = RunId(c.admin.create_run(&idle).await.unwrap().id);
+    let stopped = wait_for("the idle run to stop", Duration::from_secs(30), || async {
+        let view = c.admin.run(idle).await?;
+        Ok((view.status == "stopped").then_some(view))
+    })
+    .await
+    .unwrap();
+    let reason = stopped.stop_reason.unwrap_or_default();
+    assert!(reason.contains("2 rounds in a row failed") && reason.contains("too_few"), "{reason}");
+    assert_eq!(c.admin.rounds(idle).await.unwrap().len(), 2, "no round opened after the stop");
+    c.running.shutdown().await.unwrap();
+}
+
+/// A lone leader under load once stopped itself mid-round: its lease renewal, an update of the
+/// row every write of round state reads `FOR SHARE`, queued 1-4 s behind the upload writes and
+/// timed out ("stopping so another coordinator can take over", with none to take over). Here a
+/// transaction holds that row `FOR SHARE`, as a slow write does, and the lease's own row
+/// locked, as a saturated store would delay the renewal itself, for longer than a renewal used
+/// to be given; the leader keeps leading and serving, and writes again once they are free.
+#[sqlx::test(migrations = false)]
+async fn a_lone_leader_whose_renewal_is_delayed_by_load_keeps_leading(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    let url = pg_url(&opts);
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("leader.log");
+    let mut leader = ChildCoordinator::spawn(bin, &url, free_addr(), &log).await.unwrap();
+    let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
+    admin.create_run(&one_round_plan(16, 1)).await.unwrap();
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut busy = db.begin().await.unwrap();
+    sqlx::query("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE")
+        .execute(&mut *busy)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lease_expires_at_ms FROM leadership_lease WHERE id = 1 FOR UPDATE")
+        .execute(&mut *busy)
+        .await
+        .unwrap();
+    let held = starling_coordinator::store::RENEW_EVERY
+        + starling_coordinator::store::RENEW_TIMEOUT
+        + Duration::from_secs(3);
+    assert!(held < starling_coordinator::store::RENEW_GIVE_UP);
+    let still = leader.exited_within(held).await;
+    assert!(still.is_err(), "the leader stopped itself: {:?}", still.ok());
+    busy.commit().await.unwrap();
+    // Still the leader, and its writes go through again.
+    let ready = http_client().get(format!("{}/readyz", leader.url)).send().await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+    admin.create_run(&one_round_plan(16, 1)).await.unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("renewing the leadership lease is slow"), "the delay was seen: {text}");
+    assert!(!text.contains("stopping so another coordinator can take over"), "{text}");
+    leader.kill().unwrap();
+}
+
+/// Opens an HTTP/2 connection from `from` that never makes a request but sends a PING every
+/// `every` (and reads the server's answers) until `until`; whether the server closed it.
+async fn pinging_connection(
+    from: std::net::IpAddr,
+    to: std::net::SocketAddr,
+    every: Duration,
+    until: tokio::time::Instant,
+) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+    let Ok(mut stream) = socket.connect(to).await else { return true };
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+    if stream.write_all(preface).await.is_err() {
+        return true;
+    }
+    let ping = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00starling";
+    let mut buf = [0u8; 4096];
+    while tokio::time::Instant::now() < until {
+        if stream.write_all(ping).await.is_err() {
+            return true;
+        }
+        let next = tokio::time::Instant::now() + every;
+        while tokio::time::Instant::now() < next {
+            match tokio::time::timeout_at(next, stream.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) | Err(_) => {}
+            }
+        }
+    }
+    false
+}
+
+/// 400 connections, each sending an HTTP/2 PING every half second and never a request, once
+/// held a coordinator capped at 400 connections: it evicted only connections silent for a
+/// second, so honest clients were locked out (`/livez` 1 of 108). Now a connection counts as
+/// busy only while it has a request in flight: at the cap the chattering ones make room, one
+/// address may hold at most its own cap, and a connection with no request for the idle
+/// timeout is closed however it chatters. Here 60 pinging connections from 127.0.0.2 against
+/// a cap of 40 (20 per address): every honest request from 127.0.0.1 is answered, a device
+/// round completes, and every pinging connection is closed within the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_only_ping_lock_no_one_out() {
+    let (dir, db) = sqlite_db();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let listen = free_addr();
+    let args =
+        ["--max-connections", "40", "--max-connections-per-ip", "20", "--idle-timeout-secs", "4"];
+    let log = dir.path().join("coordinator.log");
+    let coordinator =
+        ChildCoordinator::spawn_with_nofile(bin, &db, listen, &log, 1024, &args).await.unwrap();
+    let attacker: std::net::IpAddr = [127, 0, 0, 2].into();
+    let until = tokio::time::Instant::now() + Duration::from_secs(12);
+    let flood: Vec<_> = (0..60)
+        .map(|_| {
+            tokio::spawn(pinging_connection(attacker, listen, Duration::from_millis(500), until))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
+    let mut answered = 0;
+    for _ in 0..30 {
+        // A new connection each time, as a fleet of devices would open.
+        let fresh = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        if fresh
+            .get(format!("{}/livez", coordinator.url))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            answered += 1;
+        }
+    }
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(answered, 30, "honest requests answered during the flood; log:\n{}", log_text());
+    let ready = http.get(format!("{}/readyz", coordinator.url)).send().await.unwrap();
+    assert!(ready.status().is_success());
+    let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
+    let devices = enroll(&coordinator.url, &admin, 2).await.unwrap();
+    let run = RunId(admin.create_run(&one_round_plan(64, 2)).await.unwrap().id);
+    wait_round_open(&admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 64), weight(i))).await.unwrap();
+    }
+    wait_model(&admin, run, 1).await.unwrap();
+    // Pinging for 12 s with an idle timeout of 4: the server closed every one of them.
+    let mut kept = 0;
+    for f in flood {
+        if !f.await.unwrap() {
+            kept += 1;
+        }
+    }
+    assert_eq!(kept, 0, "pinging connections the server never closed");
+}
+
+/// A refused round used to strike every device in it: one device whose updates kept a run's
+/// rounds refused took its honest partners into quarantine with it, and the run could never
+/// commit again. A refusal is now traced to the updates that caused it (far larger than the
+/// round's others) and strikes their devices alone: after three refused rounds the attacker is
+/// quarantined, the honest devices are not, and the next round commits without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_round_strikes_only_the_device_whose_update_caused_it() {
+    use starling_core::wire::CheckInResponse;
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
+    let spec = PlanSpec {
+        cohort: 3,
+        quorum: 2,
+        selection_secs: 3.0,
+        reporting_secs: 6.0,
+        ..PlanSpec::all_of(3, 64, 2)
+    };
+    let mut plan = spec.json();
+    // Let the huge update through the upload check: the commit's bound refuses the model.
+    plan["max_update_norm"] = 1e12.into();
+    let run = RunId(c.admin.create_run(&plan).await.unwrap().id);
+    let huge = vec![1e9f32; 64];
+    for round in 0..3 {
+        wait_round_open(&c.admin, run, round).await.unwrap();
+        let tasks = expect_tasks(&devices).await.unwrap();
+        for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+            let values = if i == 0 { huge.clone() } else { delta(i, round, 64) };
+            d.upload(run, t.round_idx, &upload_request(t, &values, weight(i))).await.unwrap();
+        }
+        wait_for("the refusal", Duration::from_secs(30), || async {
+            let r = c.admin.round(run, round).await?;
+            Ok((r.state == "failed").then_some(()))
+        })
+        .await
+        .unwrap();
+        let outcome = c.admin.round(run, round).await.unwrap().outcome.unwrap();
+        assert_eq!(outcome["outcome"], "aggregate_rejected", "{outcome}");
+        let culprits = outcome["culprits"].as_array().map_or(0, Vec::len);
+        assert_eq!(culprits, 1, "one device's update caused it: {outcome}");
+    }
+    // Round 3: the attacker is turned away; the honest two commit.
+    wait_round_open(&c.admin, run, 3).await.unwrap();
+    let turned_away = devices[0].check_in("default").await.unwrap();
+    assert!(matches!(turned_away, CheckInResponse::ComeBackLater { .. }), "{turned_away:?}");
+    let tasks = expect_tasks(&devices[1..]).await.unwrap();
+    for (i, t) in (1..3).zip(&tasks) {
+        let request = upload_request(t, &delta(i, 3, 64), weight(i));
+        devices[i].upload(run, t.round_idx, &request).await.unwrap();
+    }
+    wait_model(&c.admin, run, 1).await.unwrap();
     c.running.shutdown().await.unwrap();
 }
