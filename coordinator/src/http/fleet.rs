@@ -302,14 +302,16 @@ async fn trained_part(
     if let Some(cached) = cache.get(&key) {
         return Ok(immutable_cbor(cached));
     }
-    let _loading = cache.loading().await;
-    if let Some(cached) = cache.get(&key) {
-        return Ok(immutable_cbor(cached));
-    }
+    // The whole model first (it takes the cache's loading lock itself), then the slicing under
+    // that lock, so that a cohort asking at once slices it once.
     let bytes = state
         .model_bytes_in(&hash, Compression::F32)
         .await?
         .ok_or_else(|| ApiError::not_found("no model with this hash"))?;
+    let _loading = cache.loading().await;
+    if let Some(cached) = cache.get(&key) {
+        return Ok(immutable_cbor(cached));
+    }
     let body = tokio::task::spawn_blocking(move || {
         let payload: TensorPayload = codec::decode(&bytes).map_err(|e| ApiError::internal(&e))?;
         if payload.schema_id != plan.schema().schema_id() {

@@ -575,7 +575,14 @@ async fn one_device_cannot_end_a_run_and_a_run_that_cannot_progress_stops_saying
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
-    let spec = PlanSpec { cohort: 3, quorum: 2, ..PlanSpec::all_of(3, 64, 2) };
+    // The refused device never reports: the round closes with the quorum at its deadline.
+    let spec = PlanSpec {
+        cohort: 3,
+        quorum: 2,
+        selection_secs: 3.0,
+        reporting_secs: 5.0,
+        ..PlanSpec::all_of(3, 64, 2)
+    };
     let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     let tasks = expect_tasks(&devices).await.unwrap();
