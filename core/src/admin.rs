@@ -177,6 +177,27 @@ pub struct PrivacyView {
     /// What the run releases beside its noised model: nothing, or the cohort's training loss
     /// and pooled evaluation noised in the same accounting (with the noise on each).
     pub metrics: String,
+    /// Against whom `epsilon` holds: it assumes amplification by sampling, which holds against
+    /// the devices and anyone who sees only the released models, not against the coordinator,
+    /// which chooses and knows each cohort.
+    pub holds_against: String,
+    /// With distributed noise, the ε that holds against the coordinator (no amplification),
+    /// by how many rounds a device took part in; absent with central noise, where the
+    /// coordinator sees the un-noised sum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub against_coordinator: Option<AgainstCoordinator>,
+}
+
+/// A distributed-DP run's ε against the coordinator, which knows who is in each cohort.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AgainstCoordinator {
+    /// Rounds a device takes part in on average so far: q × committed rounds, rounded up.
+    pub expected_participations: u64,
+    /// ε after that many participations.
+    pub epsilon_expected: f64,
+    /// ε of a device that took part in every committed round (the worst case).
+    pub epsilon_every_round: f64,
 }
 
 impl PrivacyView {
@@ -184,6 +205,23 @@ impl PrivacyView {
     /// noise goes onto the unmasked sum.
     pub fn new(privacy: &crate::privacy::Privacy, rounds_committed: u64, secure: bool) -> Self {
         let spent = privacy.spent(rounds_committed);
+        let expected = (privacy.sampling_rate * rounds_committed as f64).ceil() as u64;
+        let against_coordinator =
+            privacy.epsilon_against_coordinator(expected).map(|e| AgainstCoordinator {
+                expected_participations: expected,
+                epsilon_expected: e,
+                epsilon_every_round: privacy
+                    .epsilon_against_coordinator(rounds_committed)
+                    .unwrap_or(f64::INFINITY),
+            });
+        let holds_against = match &against_coordinator {
+            Some(_) => {
+                "epsilon: against the devices and whoever sees the released models (amplified by the cohort's sampling); against_coordinator: against the coordinator, which knows each cohort (no amplification)"
+            }
+            None => {
+                "epsilon: against the devices and whoever sees the released models (amplified by the cohort's sampling); none against the coordinator, which adds the noise to a sum it sees first"
+            }
+        };
         PrivacyView {
             epsilon: spent.epsilon(),
             delta: privacy.plan.delta,
@@ -210,6 +248,8 @@ impl PrivacyView {
                 ),
                 _ => "withheld: devices send no metrics or evaluations".into(),
             },
+            holds_against: holds_against.into(),
+            against_coordinator,
         }
     }
 }

@@ -382,6 +382,15 @@ impl Privacy {
         self.spent(rounds).epsilon()
     }
 
+    /// The ε that holds against the coordinator after a device took part in `participations`
+    /// rounds: with distributed noise, the mechanism without amplification by sampling (the
+    /// coordinator chooses and knows the cohort); `None` with central noise, where the
+    /// coordinator sees the un-noised sum and no ε holds against it.
+    pub fn epsilon_against_coordinator(&self, participations: u64) -> Option<f64> {
+        let noise = self.distributed.as_ref()?;
+        Some(noise.epsilon_unamplified(participations, self.plan.delta))
+    }
+
     /// Each accountant's ε at the plan's δ after `rounds` committed rounds.
     pub fn spent(&self, rounds: u64) -> Spent {
         Spent { rdp: self.epsilon_rdp(rounds), pld: self.epsilon_pld(rounds) }

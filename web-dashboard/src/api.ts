@@ -7,6 +7,9 @@ export interface RunView {
   name: string | null;
   population: string;
   status: string;
+  /** Why the coordinator stopped the run (rounds failing in a row, accounting or a close
+   *  failing); absent when the operator stopped it or it has not stopped. */
+  stop_reason?: string;
   model_version: number;
   rounds_committed: number;
   total_rounds: number;
@@ -25,6 +28,14 @@ export interface RunView {
     accounting: string;
     /** What the run releases beside its model: withheld, or noised in the same accounting. */
     metrics: string;
+    /** Against whom `epsilon` holds. */
+    holds_against: string;
+    /** Distributed noise: ε against the coordinator, which knows each cohort (no amplification). */
+    against_coordinator?: {
+      expected_participations: number;
+      epsilon_expected: number;
+      epsilon_every_round: number;
+    };
   };
 }
 

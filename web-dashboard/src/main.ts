@@ -91,8 +91,10 @@ function accuracyOf(models: ModelView[]): number | undefined {
 
 const pct = (x: number | undefined) => (x === undefined ? '–' : `${(x * 100).toFixed(1)}%`);
 
-function cell(row: HTMLTableRowElement, text: string): void {
-  row.insertCell().textContent = text;
+function cell(row: HTMLTableRowElement, text: string): HTMLTableCellElement {
+  const c = row.insertCell();
+  c.textContent = text;
+  return c;
 }
 
 /** Each token's limit in plain sight: how many devices it may still enroll, and where they may join. */
@@ -119,7 +121,7 @@ function renderRuns(runs: RunView[], models: ModelView[][]): void {
     row.className = run.id === selectedRun ? 'selected' : '';
     cell(row, `#${run.id}`);
     cell(row, run.name ?? '');
-    cell(row, run.status);
+    cell(row, run.status).title = run.stop_reason ?? '';
     cell(row, `${run.rounds_committed} / ${run.total_rounds} rounds`);
     cell(row, `v${run.model_version}`);
     cell(row, pct(accuracyOf(models[i])));
@@ -133,6 +135,10 @@ function renderRuns(runs: RunView[], models: ModelView[][]): void {
 function renderRun(run: RunView, rounds: RoundView[], models: ModelView[]): void {
   $('run-detail').hidden = false;
   $('run-title').textContent = `Run #${run.id}${run.name ? ` — ${run.name}` : ''} (${run.status})`;
+  // A run the coordinator stopped says why, where the operator looks first.
+  const stopReason = $('run-stop-reason');
+  stopReason.hidden = !run.stop_reason;
+  stopReason.textContent = run.stop_reason ? `Stopped by the coordinator: ${run.stop_reason}` : '';
   renderSettings(run);
   const byVersion = new Map(models.map((m) => [m.version, m]));
   // An evaluation-only run's rounds are "evaluated": their metrics are the devices' pooled
@@ -273,8 +279,14 @@ function privacyText(run: RunView): string {
   const p = run.privacy;
   if (!p) return secure;
   const budget = p.epsilon_budget == null ? 'no budget' : `budget ${p.epsilon_budget}`;
+  const c = p.against_coordinator;
+  const coordinator = c
+    ? `against the coordinator (it knows each cohort): ε = ${c.epsilon_expected.toFixed(2)} after ` +
+      `${c.expected_participations} participations, ${c.epsilon_every_round.toFixed(2)} for a device in every round`
+    : 'no ε against the coordinator: it adds the noise to a sum it sees first';
   return (
-    `differential privacy: ε = ${p.epsilon.toFixed(3)} at δ = ${p.delta} (${budget}, ` +
+    `differential privacy: ε = ${p.epsilon.toFixed(3)} at δ = ${p.delta} against the devices and the released models; ` +
+    `${coordinator} (${budget}, ` +
     `${p.rounds_allowed} rounds allowed; q = ${p.sampling_rate}, z = ${p.noise_multiplier}; ` +
     `${p.mechanism}; accounted as ${p.accounting}; metrics ${p.metrics}); ${secure}`
   );

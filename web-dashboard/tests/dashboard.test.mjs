@@ -239,3 +239,35 @@ test('an asynchronous, compressed run shows its mode, encodings and each buffer\
   await page.screenshot({ path: join(artifacts, 'asynchronous-run.png'), fullPage: true });
   await page.close();
 });
+
+test('a run the coordinator stopped says why, in the list and on its page', async () => {
+  // No device joins its population: its rounds fail, and after two in a row it stops.
+  const plan = {
+    model: { schema: { tensors: [{ name: 'w', shape: [8], dtype: 'f32' }] }, init: { kind: 'seeded', seed: 1 } },
+    population: 'nobody', cohort_size: 2, min_quorum: 2, over_selection: 1.0,
+    selection_timeout_secs: 0.2, reporting_timeout_secs: 0.4, rounds: 5, max_failed_rounds: 2,
+  };
+  const created = await fetch(`${base}/v1/admin/runs`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${token}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify(plan),
+  }).then((r) => r.json());
+  const stopped = await waitFor('the run to stop', async () => {
+    const view = await admin(`/v1/admin/runs/${created.id}`);
+    return view.status === 'stopped' && view;
+  });
+  assert.match(stopped.stop_reason, /2 rounds in a row failed/);
+  const page = await browser.newPage();
+  await page.goto(`${base}/dashboard/`);
+  await page.fill('#token', token);
+  await page.click('#login-button');
+  const row = page.locator(`#runs tbody tr[data-run-id="${created.id}"]`);
+  await row.waitFor();
+  assert.equal(await row.locator('td').nth(2).getAttribute('title'), stopped.stop_reason);
+  await row.click();
+  const reason = page.locator('#run-stop-reason');
+  await reason.waitFor({ state: 'visible' });
+  assert.equal(await reason.textContent(), `Stopped by the coordinator: ${stopped.stop_reason}`);
+  await page.screenshot({ path: join(artifacts, 'stopped-run.png'), fullPage: true });
+  await page.close();
+});

@@ -107,6 +107,16 @@ impl DistributedNoise {
         self.accountant(sampling, q).epsilon(rounds, delta)
     }
 
+    /// ε at `delta` after a device took part in `participations` rounds, with no amplification
+    /// by sampling: what holds against the coordinator, which draws the cohort and so knows who
+    /// is in it. Each participation is the noisy sum of Proposition 14 with the device's
+    /// contribution added or removed, composed `participations` times.
+    pub fn epsilon_unamplified(&self, participations: u64, delta: f64) -> f64 {
+        let orders = integer_orders();
+        let per_step = orders.iter().map(|&alpha| self.rdp(alpha, false)).collect();
+        RdpAccountant { orders, per_step }.epsilon(participations, delta)
+    }
+
     /// The rotation's dimension: the parameters, padded to a power of two (what each device
     /// masks).
     pub fn padded_len(&self) -> usize {

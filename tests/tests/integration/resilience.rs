@@ -565,6 +565,18 @@ async fn enrollment_tokens_are_listed_with_their_limits_and_never_shown_again() 
     c.running.shutdown().await.unwrap();
 }
 
+/// Three devices of a 64-value model, two of which commit a round: a round whose third device
+/// never reports (refused) closes with the quorum at its short deadline.
+fn three_devices_two_needed() -> PlanSpec {
+    PlanSpec {
+        cohort: 3,
+        quorum: 2,
+        selection_secs: 3.0,
+        reporting_secs: 6.0,
+        ..PlanSpec::all_of(3, 64, 2)
+    }
+}
+
 /// In a plain FedAvg run of three devices, one device's finite but huge update once committed a
 /// model of values near 2.7e38; every later round was refused, quarantine struck the honest
 /// devices too, and the run failed `too_few_selected` forever while shown `running`. Now the
@@ -575,14 +587,7 @@ async fn one_device_cannot_end_a_run_and_a_run_that_cannot_progress_stops_saying
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
-    // The refused device never reports: the round closes with the quorum at its deadline.
-    let spec = PlanSpec {
-        cohort: 3,
-        quorum: 2,
-        selection_secs: 3.0,
-        reporting_secs: 5.0,
-        ..PlanSpec::all_of(3, 64, 2)
-    };
+    let spec = three_devices_two_needed();
     let run = RunId(c.admin.create_run(&spec.json()).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
     let tasks = expect_tasks(&devices).await.unwrap();
@@ -777,13 +782,7 @@ async fn a_refused_round_strikes_only_the_device_whose_update_caused_it() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 3).await.unwrap();
-    let spec = PlanSpec {
-        cohort: 3,
-        quorum: 2,
-        selection_secs: 3.0,
-        reporting_secs: 6.0,
-        ..PlanSpec::all_of(3, 64, 2)
-    };
+    let spec = three_devices_two_needed();
     let mut plan = spec.json();
     // Let the huge update through the upload check: the commit's bound refuses the model.
     plan["max_update_norm"] = 1e12.into();
