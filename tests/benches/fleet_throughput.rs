@@ -2,7 +2,7 @@
 //! coordinator process; reports rounds/s, updates/s, upload MB/s and the coordinator's peak RSS.
 //!
 //! Run with `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput`
-//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, e.g. `10x1000000`,
+//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, any `NxP`, e.g. `2000x100000`,
 //! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
 //! compressed deltas (the MB/round column is what they send), `--model-download int8` (or
 //! `f16`, `bf16`) download the model compressed, `--rounds 20` measures more rounds than
@@ -87,15 +87,30 @@ fn main() -> anyhow::Result<()> {
     let rounds = take_number(&mut args, "--rounds")?;
     let checkpoint_interval = take_number(&mut args, "--checkpoint-interval")?.unwrap_or(1);
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
-    let configs: Vec<Config> = [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
-        .into_iter()
-        .map(|(devices, params, default)| Config {
-            devices,
-            params,
-            rounds: rounds.unwrap_or(default),
-        })
-        .filter(|c| wanted.is_empty() || wanted.contains(&format!("{}x{}", c.devices, c.params)))
-        .collect();
+    // The default table, or any `NxP` asked for (three measured rounds unless --rounds).
+    let configs: Vec<Config> = if wanted.is_empty() {
+        [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
+            .into_iter()
+            .map(|(devices, params, default)| Config {
+                devices,
+                params,
+                rounds: rounds.unwrap_or(default),
+            })
+            .collect()
+    } else {
+        wanted
+            .iter()
+            .map(|w| {
+                let (devices, params) =
+                    w.split_once('x').with_context(|| format!("{w:?} is not NxP"))?;
+                Ok(Config {
+                    devices: devices.parse().with_context(|| format!("devices in {w:?}"))?,
+                    params: params.parse().with_context(|| format!("parameters in {w:?}"))?,
+                    rounds: rounds.unwrap_or(3),
+                })
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     println!(
         "compression: {compression}, model download: {model_download}, models written every {checkpoint_interval} versions"

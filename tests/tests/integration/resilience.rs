@@ -395,22 +395,22 @@ async fn admin_bodies_are_sized_from_the_model_limit_and_timed() {
     let stalled = format!(
         "POST /v1/admin/enrollment-tokens HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
     );
-    let (status, took) = tokio::task::spawn_blocking(move || {
-        raw_answer(addr, stalled.as_bytes(), Duration::from_secs(20))
-    })
-    .await
-    .unwrap();
+    let (status, took) = answer_within_20s(addr, stalled.to_owned()).await;
     assert!(status.starts_with("HTTP/1.1 408"), "{status}");
     assert!(took < Duration::from_secs(15), "answered after {took:?}");
     let stranger = "POST /v1/admin/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{";
-    let (status, took) = tokio::task::spawn_blocking(move || {
-        raw_answer(addr, stranger.as_bytes(), Duration::from_secs(20))
-    })
-    .await
-    .unwrap();
+    let (status, took) = answer_within_20s(addr, stranger.to_owned()).await;
     assert!(status.starts_with("HTTP/1.1 401"), "{status}");
     assert!(took < Duration::from_secs(1), "answered after {took:?}");
     c.running.shutdown().await.unwrap();
+}
+
+/// The status line of the answer to the raw request `head` (waiting up to 20 s for it), and how
+/// long it took.
+async fn answer_within_20s(addr: std::net::SocketAddr, head: String) -> (String, Duration) {
+    tokio::task::spawn_blocking(move || raw_answer(addr, head.as_bytes(), Duration::from_secs(20)))
+        .await
+        .unwrap()
 }
 
 /// Admin bodies had limits on size but not on what a field holds: a run named with 10 MB was
@@ -448,11 +448,7 @@ async fn admin_fields_and_declared_lengths_over_their_limits_are_refused_at_once
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\nContent-Length: {declared}\r\n\r\n{{"
         );
-        let (status, took) = tokio::task::spawn_blocking(move || {
-            raw_answer(addr, head.as_bytes(), Duration::from_secs(20))
-        })
-        .await
-        .unwrap();
+        let (status, took) = answer_within_20s(addr, head).await;
         assert!(status.starts_with("HTTP/1.1 413"), "{path}: {status}");
         assert!(took < Duration::from_secs(2), "{path} answered after {took:?}");
     }
