@@ -499,6 +499,12 @@ impl Privacy {
     /// The clip norm for the next round (adaptive clipping): `C·exp(−η(b̃ − γ))` where `b̃` is the
     /// noised share of the round's `n_updates` that were within `C`. Without adaptive
     /// clipping, `C` is unchanged.
+    ///
+    /// The count is released centred, as tf-privacy's quantile estimator does: each update
+    /// adds `b − ½` (±½), the noise goes on that sum, and `½` comes back after the division.
+    /// Under add/remove adjacency (Poisson sampling) one device then moves it by ½, the
+    /// sensitivity the accountant charges (`(2σ_b)⁻²`); the uncentred count moved by 1 and was
+    /// understated. With the fixed-size draw the denominator is the count and the two agree.
     pub fn next_clip_norm(
         &self,
         clip_norm: f64,
@@ -509,7 +515,8 @@ impl Privacy {
         let (Some(a), Some(sigma_b)) = (self.plan.adaptive_clipping, self.count_stddev) else {
             return clip_norm;
         };
-        let share = (within as f64 + sigma_b * noise.sample()) / self.denominator(n_updates);
+        let centred = within as f64 - n_updates as f64 / 2.0;
+        let share = (centred + sigma_b * noise.sample()) / self.denominator(n_updates) + 0.5;
         (clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9)
     }
 }

@@ -391,3 +391,31 @@ fn the_view_shows_the_epsilon_against_the_coordinator_beside_the_amplified_one()
     assert_eq!(view.against_coordinator, None);
     assert!(view.holds_against.contains("none against the coordinator"), "{}", view.holds_against);
 }
+
+/// Adaptive clipping under Poisson sampling released the uncentred count of updates within the
+/// clip (one device moves it by 1) but was accounted at sensitivity ½. The count is centred now:
+/// adding a device within the clip or outside it moves the released share by exactly ½ over the
+/// expected cohort, either way; with the fixed-size draw the estimate is as before.
+#[test]
+fn adaptive_clipping_releases_a_centred_count_of_sensitivity_one_half() {
+    let adaptive =
+        AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: Some(1e-9) };
+    let plan = DifferentialPrivacy { adaptive_clipping: Some(adaptive), ..dp(1e-10) };
+    let poisson = plan.resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
+    // The released share b̃, read back from the next clip norm: C' = C·exp(−η(b̃ − γ)).
+    let share = |p: &Privacy, within: u64, n: u64| {
+        let next = p.next_clip_norm(1.0, within, n, &mut Gaussian::new([3; 32]));
+        0.5 - next.ln() / 0.2
+    };
+    let expected = 0.01 * 1000.0;
+    let base = share(&poisson, 5, 10);
+    let added_within = share(&poisson, 6, 11) - base;
+    let added_outside = share(&poisson, 5, 11) - base;
+    assert!((added_within - 0.5 / expected).abs() < 1e-6, "{added_within}");
+    assert!((added_outside + 0.5 / expected).abs() < 1e-6, "{added_outside}");
+    let fixed = plan.resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
+    assert!(
+        (share(&fixed, 7, 10) - 0.7).abs() < 1e-6,
+        "the fixed-size share is the fraction within"
+    );
+}
