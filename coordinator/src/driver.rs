@@ -723,11 +723,7 @@ impl RunEntry {
         match spent {
             Ok(epsilon) => observer.privacy_spent(run_id, epsilon),
             Err(panicked) => {
-                let why = panicked
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panicked.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "it panicked".to_owned());
+                let why = panic_text(panicked.as_ref());
                 let reason = format!("privacy accounting failed after {rounds} rounds: {why}");
                 tracing::error!(%run_id, %reason, "stopping the run");
                 self.machine.handle(now, Input::Stop { reason: Some(reason) });
@@ -801,6 +797,15 @@ impl RunEntry {
                 retry_after_secs: ((after_ms + 999) / 1000).clamp(1, 3600) as u32,
             },
         }
+    }
+}
+
+/// What a panic said (its `&str` or `String` payload), for a run's stop reason.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(s), _) => format!("it panicked: {s}"),
+        (_, Some(s)) => format!("it panicked: {s}"),
+        _ => "it panicked".to_owned(),
     }
 }
 

@@ -849,13 +849,7 @@ impl RunMachine {
         if asked_to_commit {
             // Committed, or its aggregate refused: the quarantine rule counts both. A refusal
             // the driver traced to some updates strikes their devices alone.
-            let culprits = refused_by.iter().copied().filter(|d| r.reported.contains(d));
-            let culprits: Vec<DeviceId> = culprits.collect();
-            if committed || culprits.is_empty() {
-                self.strikes.round_ended(r.reported.iter().copied(), committed);
-            } else {
-                self.strikes.round_ended(culprits, false);
-            }
+            self.strikes.round_ended_traced(r.reported.iter().copied(), committed, &refused_by);
         }
         let Some(r) = self.round.take() else { return };
         if committed {
@@ -880,12 +874,10 @@ impl RunMachine {
                 None => "failed",
             };
             self.status = RunStatus::Stopped;
-            let reason = self.stop_reason.take().unwrap_or_else(|| {
-                format!(
-                    "{} rounds in a row failed (the last: {last}); the plan's max_failed_rounds is {limit}",
-                    self.failed_in_a_row
-                )
-            });
+            let reason = format!(
+                "{} rounds in a row failed (the last: {last}); the plan's max_failed_rounds is {limit}",
+                self.failed_in_a_row
+            );
             self.actions.push_back(Action::StopRun { open_round: None, reason: Some(reason) });
             return;
         }

@@ -223,15 +223,10 @@ async fn withdrawn_inputs(
 }
 
 /// What a panicked task said, for a run's stop reason.
-pub(super) fn panic_message(panicked: tokio::task::JoinError) -> String {
-    if !panicked.is_panic() {
-        return panicked.to_string();
-    }
-    let payload = panicked.into_panic();
-    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
-        (Some(s), _) => format!("it panicked: {s}"),
-        (_, Some(s)) => format!("it panicked: {s}"),
-        _ => "it panicked".to_owned(),
+fn panic_message(panicked: tokio::task::JoinError) -> String {
+    match panicked.try_into_panic() {
+        Ok(payload) => super::panic_text(payload.as_ref()),
+        Err(cancelled) => cancelled.to_string(),
     }
 }
 

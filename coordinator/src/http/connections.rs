@@ -190,10 +190,10 @@ impl Registry {
             open.conns.retain(|c| c.strong_count() > 0);
         }
         let from_ip = open.per_ip.get(&ip).copied().unwrap_or(0);
+        // One eviction makes room under both caps: an address's connection is also one of all.
         if self.limits.max_per_ip > 0 && from_ip >= self.limits.max_per_ip {
             self.make_room(&open, Some(ip))?;
-        }
-        if count >= self.limits.max_connections {
+        } else if count >= self.limits.max_connections {
             self.make_room(&open, None)?;
         }
         self.count.fetch_add(1, Ordering::AcqRel);

@@ -81,6 +81,18 @@ pub(super) async fn decode_small<T: DeserializeOwned>(
     codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))
 }
 
+/// 403 `population_not_allowed` unless the device's enrollment token admits `population`.
+fn may_join(access: &DeviceAccess, population: &str) -> Result<(), ApiError> {
+    if access.may_join(population) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        ErrorCode::PopulationNotAllowed,
+        format!("this device's enrollment token does not admit population {population:?}"),
+    ))
+}
+
 pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers.get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("")) {
         None => Ok(()),
@@ -144,16 +156,7 @@ async fn check_in(
     body: Body,
 ) -> Result<Cbor<CheckInResponse>, ApiError> {
     let req: CheckInRequest = decode_small(&state, &headers, body).await?;
-    if !access.may_join(&req.population) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            ErrorCode::PopulationNotAllowed,
-            format!(
-                "this device's enrollment token does not admit population {:?}",
-                req.population
-            ),
-        ));
-    }
+    may_join(&access, &req.population)?;
     let res = state
         .driver()
         .call(|reply| Event::CheckIn {
@@ -286,16 +289,7 @@ async fn trained_part(
 ) -> Result<Response, ApiError> {
     let plan = state.plan(RunId(run_id)).await?;
     // Only to devices that may train this run: its population's.
-    if !access.may_join(&plan.plan().population) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            ErrorCode::PopulationNotAllowed,
-            format!(
-                "this device's enrollment token does not admit run {run_id}'s population {:?}",
-                plan.plan().population
-            ),
-        ));
-    }
+    may_join(&access, &plan.plan().population)?;
     // Sliced once per run and model, then served from the model cache: decoding the whole
     // model per request once cost ~95 MB of transient memory for a 92-byte answer.
     let (cache, key) = (state.driver().models(), format!("{hash}/trained/{run_id}"));

@@ -899,12 +899,8 @@ impl SqlStore {
                         .unwrap_or_default()
                         .iter()
                         .filter_map(|id| id.as_i64().map(DeviceId))
-                        .filter(|d| held.contains(d))
                         .collect();
-                    match culprits.is_empty() {
-                        true => strikes.round_ended(held, state == "committed"),
-                        false => strikes.round_ended(culprits, false),
-                    }
+                    strikes.round_ended_traced(held, state == "committed", &culprits);
                 }
             }
             Ok(strikes)

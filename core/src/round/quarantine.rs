@@ -34,6 +34,25 @@ impl Strikes {
         }
     }
 
+    /// A round that held `held`'s updates ended: committed, or its aggregate refused. A refusal
+    /// traced to some of them (`refused_by`: updates far larger than the round's others)
+    /// strikes those devices alone; one not traced (none of `refused_by` in the round) strikes
+    /// every device of the round.
+    pub fn round_ended_traced(
+        &mut self,
+        held: impl IntoIterator<Item = DeviceId>,
+        committed: bool,
+        refused_by: &[DeviceId],
+    ) {
+        let held: Vec<DeviceId> = held.into_iter().collect();
+        let culprits: Vec<DeviceId> =
+            held.iter().copied().filter(|d| refused_by.contains(d)).collect();
+        match committed || culprits.is_empty() {
+            true => self.round_ended(held, committed),
+            false => self.round_ended(culprits, false),
+        }
+    }
+
     /// Whether `device` is quarantined.
     pub fn quarantines(&self, device: DeviceId) -> bool {
         self.0.get(&device).is_some_and(|&n| n >= QUARANTINE_AFTER)

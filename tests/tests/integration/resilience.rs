@@ -95,6 +95,19 @@ fn closed_by_server(stream: &mut std::net::TcpStream, deadline: std::time::Insta
     }
 }
 
+/// Two freshly enrolled devices take part in a one-round run at `url` and it commits.
+async fn a_round_of_two_devices_commits(url: &str) {
+    let admin = starling_client::protocol::AdminClient::new(url, OPERATOR_TOKEN);
+    let devices = enroll(url, &admin, 2).await.unwrap();
+    let run = RunId(admin.create_run(&one_round_plan(64, 2)).await.unwrap().id);
+    wait_round_open(&admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
+        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 64), weight(i))).await.unwrap();
+    }
+    wait_model(&admin, run, 1).await.unwrap();
+}
+
 /// A flood of connections that send nothing, or open HTTP/2 and go quiet, used to hold every
 /// file descriptor of the coordinator (2 100 on a 2 048-descriptor coordinator stopped it
 /// answering anything, health probes included). Here 440 on a coordinator allowed 400 open
@@ -129,20 +142,7 @@ async fn a_flood_of_silent_and_idle_http2_connections_locks_no_one_out() {
     assert!(flooded.elapsed() < Duration::from_secs(6), "answered only once the deadlines passed");
 
     // A device round, with the flood still open.
-    let admin = starling_client::protocol::AdminClient::with_tls(
-        &coordinator.url,
-        OPERATOR_TOKEN,
-        &Default::default(),
-    )
-    .unwrap();
-    let devices = enroll(&coordinator.url, &admin, 2).await.unwrap();
-    let run = RunId(admin.create_run(&one_round_plan(64, 2)).await.unwrap().id);
-    wait_round_open(&admin, run, 0).await.unwrap();
-    let tasks = expect_tasks(&devices).await.unwrap();
-    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
-        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 64), weight(i))).await.unwrap();
-    }
-    wait_model(&admin, run, 1).await.unwrap();
+    a_round_of_two_devices_commits(&coordinator.url).await;
 
     // Every flood connection is closed by the server: evicted, or past its 6 s deadline.
     let deadline = flooded + Duration::from_secs(15);
@@ -748,15 +748,7 @@ async fn connections_that_only_ping_lock_no_one_out() {
     assert_eq!(answered, 30, "honest requests answered during the flood; log:\n{}", log_text());
     let ready = http.get(format!("{}/readyz", coordinator.url)).send().await.unwrap();
     assert!(ready.status().is_success());
-    let admin = starling_client::protocol::AdminClient::new(&coordinator.url, OPERATOR_TOKEN);
-    let devices = enroll(&coordinator.url, &admin, 2).await.unwrap();
-    let run = RunId(admin.create_run(&one_round_plan(64, 2)).await.unwrap().id);
-    wait_round_open(&admin, run, 0).await.unwrap();
-    let tasks = expect_tasks(&devices).await.unwrap();
-    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
-        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 64), weight(i))).await.unwrap();
-    }
-    wait_model(&admin, run, 1).await.unwrap();
+    a_round_of_two_devices_commits(&coordinator.url).await;
     // Pinging for 12 s with an idle timeout of 4: the server closed every one of them.
     let mut kept = 0;
     for f in flood {
