@@ -13,19 +13,28 @@ use crate::ModelVersion;
 use crate::compression::Compression;
 use crate::eligibility::Eligibility;
 use crate::model_spec::{ModelSpec, SpecError, is_lora_adapter};
-use crate::privacy::{Privacy, Sampling, Sizes};
+use crate::privacy::Privacy;
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use crate::tensor::name_matches;
 pub use parts::ModelParts;
+pub use secure::{MAX_SECURE_COHORT, secure_poisson_cap};
 pub use training::{LocalOptimizer, TrainingPlan};
 
+// Each section of the plan checks itself in its own module; `combinations` holds the table of
+// features that refuse each other.
 mod combinations;
+mod compression;
+mod model;
+mod pacing;
 mod parts;
+mod privacy;
+mod secure;
+mod selection;
+mod strategy;
 mod training;
 
 use crate::tensor::{TensorError, TensorSchema, f32_from_le_bytes};
-use combinations::Feature;
 
 /// A run plan as submitted by an operator.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -440,323 +449,31 @@ pub const MAX_COHORT: u32 = 1_000_000;
 pub const MAX_CHECKPOINT_INTERVAL: u32 = 100;
 
 impl Plan {
-    /// Whether the plan turns `feature` on (for the table of refused combinations).
-    fn has(&self, feature: Feature) -> bool {
-        let strategy = &self.strategy;
-        let dp = strategy.differential_privacy.as_ref();
-        match feature {
-            Feature::SecureAggregation => self.secure_aggregation.is_some(),
-            Feature::SecureWeightedExamples => {
-                self.secure_aggregation.as_ref().is_some_and(|s| s.max_examples != 1)
-            }
-            Feature::OrderStatistic => strategy.aggregation.is_order_statistic(),
-            Feature::NormBound => strategy.norm_bound.is_some(),
-            Feature::DifferentialPrivacy => dp.is_some(),
-            Feature::AdaptiveClipping => dp.is_some_and(|dp| dp.adaptive_clipping.is_some()),
-            Feature::ServerTraining => {
-                strategy.needs_each_update() || strategy.optimizer.is_stateful()
-            }
-            Feature::EachUpdateWeighed => strategy.needs_each_update(),
-            Feature::Compression => !self.compression.is_f32(),
-            Feature::ModelDownload => !self.model_download.is_f32(),
-            Feature::Asynchronous => self.asynchronous.is_some(),
-            Feature::Checkpoints => self.checkpoint_interval > 1,
-            Feature::EvaluationOnly => self.evaluation_only,
-            Feature::MaxExamples => self.max_examples.is_some(),
-            Feature::FirstComeSelection => self.selection == SelectionPolicy::FirstCome,
-            Feature::PartialModel => {
-                self.model.trainable.is_some()
-                    || !self.model.local.is_empty()
-                    || self.model.spec.as_ref().is_some_and(|s| s.lora.is_some())
-            }
-        }
-    }
-
-    /// Checks the plan and resolves defaults.
+    /// Checks the plan section by section and resolves defaults: each section's own values
+    /// first, in this order, then the table of refused combinations, then what depends on
+    /// several sections (the refusal a plan gets is the first of these it fails).
     pub fn validate(self) -> Result<ValidatedPlan, PlanError> {
         self.training.validate()?;
-        let schema = match (&self.model.schema, &self.model.spec) {
-            (None, None) => return Err(field("model", "needs a schema, a spec, or both")),
-            (Some(schema), None) => schema.clone(),
-            (None, Some(spec)) => spec.schema()?,
-            (Some(schema), Some(spec)) => {
-                if spec.schema()? != *schema {
-                    return Err(field("model.schema", "does not match the schema of model.spec"));
-                }
-                schema.clone()
-            }
-        };
-        schema.validate()?;
-        // A LoRA model trains its adapters alone unless the plan says otherwise.
-        let lora_adapters = || vec!["*.lora_a".to_owned(), "*.lora_b".to_owned()];
-        let trainable = self.model.trainable.clone().or_else(|| {
-            self.model.spec.as_ref().and_then(|s| s.lora.as_ref()).map(|_| lora_adapters())
-        });
-        let parts = ModelParts::resolve(&schema, trainable.as_deref(), &self.model.local)?;
-        if self.population.is_empty() || self.population.len() > 128 {
-            return Err(field("population", "must be 1..=128 bytes"));
-        }
-        if let Some(name) = self.name.as_ref().filter(|n| n.len() > MAX_RUN_NAME) {
-            return Err(field(
-                "name",
-                format!("{} bytes is over the limit of {MAX_RUN_NAME}", name.len()),
-            ));
-        }
-        if self.max_failed_rounds.is_some_and(|n| n > 1_000_000) {
-            return Err(field("max_failed_rounds", "must be in 0..=1000000 (0: never stop)"));
-        }
-        if self.max_update_norm.is_some_and(|n| !(n.is_finite() && n > 0.0 && n <= 1e12)) {
-            return Err(field("max_update_norm", "must be in (0, 1e12]"));
-        }
-        if self.max_model_norm_growth.is_some_and(|g| !(g.is_finite() && (1.0..=1e12).contains(&g)))
-        {
-            return Err(field("max_model_norm_growth", "must be in [1, 1e12]"));
-        }
-        if self.cohort_size == 0 || self.cohort_size > MAX_COHORT {
-            return Err(field("cohort_size", format!("must be in 1..={MAX_COHORT}")));
-        }
-        if !(self.over_selection.is_finite() && (1.0..=10.0).contains(&self.over_selection)) {
-            return Err(field("over_selection", "must be in 1.0..=10.0"));
-        }
-        let quorum = self.min_quorum.unwrap_or(self.cohort_size);
-        if quorum == 0 || quorum > self.cohort_size {
-            return Err(field("min_quorum", "must be in 1..=cohort_size"));
-        }
-        let secs_ok = |s: f64| s.is_finite() && (0.05..=86_400.0 * 7.0).contains(&s);
-        if !secs_ok(self.selection_timeout_secs) {
-            return Err(field("selection_timeout_secs", "must be in 0.05..=604800"));
-        }
-        if !secs_ok(self.reporting_timeout_secs)
-            || self.reporting_timeout_secs < self.selection_timeout_secs
-        {
-            return Err(field(
-                "reporting_timeout_secs",
-                "must be in 0.05..=604800 and at least selection_timeout_secs",
-            ));
-        }
-        if self.rounds == 0 {
-            return Err(field("rounds", "must be at least 1"));
-        }
-        self.eligibility.check().map_err(|why| field("eligibility", why))?;
-        if !(self.server_learning_rate.is_finite() && self.server_learning_rate > 0.0) {
-            return Err(field("server_learning_rate", "must be positive and finite"));
-        }
-        self.strategy.optimizer.check().map_err(|why| field("strategy.optimizer", why))?;
-        if self.strategy.optimizer.is_stateful() && self.server_learning_rate != 1.0 {
-            return Err(field(
-                "server_learning_rate",
-                "applies to FedAvg only; set the optimizer's own strategy.optimizer.lr",
-            ));
-        }
-        let strategy = &self.strategy;
-        strategy.aggregation.check(quorum).map_err(|why| field("strategy.aggregation", why))?;
-        if let Some(bound) = strategy.norm_bound
-            && !(bound.is_finite() && bound > 0.0 && bound <= 1e9)
-        {
-            return Err(field("strategy.norm_bound", "must be in (0, 1e9]"));
-        }
-        if !self.compression.is_f32() {
-            self.compression.check().map_err(|e| field("compression", e.to_string()))?;
-        }
-        if !self.model_download.is_f32() {
-            self.model_download
-                .check_model()
-                .map_err(|e| field("model_download", e.to_string()))?;
-        }
-        if let Some(a) = &self.asynchronous {
-            if a.concurrency < self.cohort_size || a.concurrency > MAX_COHORT * 10 {
-                return Err(field(
-                    "asynchronous.concurrency",
-                    format!("must be in cohort_size..={}", MAX_COHORT * 10),
-                ));
-            }
-            if a.max_staleness > 1000 {
-                return Err(field("asynchronous.max_staleness", "must be at most 1000"));
-            }
-            if !(a.staleness_exponent.is_finite() && (0.0..=4.0).contains(&a.staleness_exponent)) {
-                return Err(field("asynchronous.staleness_exponent", "must be in 0..=4"));
-            }
-        }
-        if self.checkpoint_interval == 0 || self.checkpoint_interval > MAX_CHECKPOINT_INTERVAL {
-            return Err(field(
-                "checkpoint_interval",
-                format!("must be in 1..={MAX_CHECKPOINT_INTERVAL}"),
-            ));
-        }
-        if let Some(refused) = combinations::REFUSED.iter().find(|r| r.applies(&|f| self.has(f))) {
-            return Err(field(refused.field, refused.why));
-        }
-        if let Some(max) = self.max_examples
-            && (max == 0 || max > crate::fedavg::MAX_EXAMPLE_COUNT)
-        {
-            return Err(field(
-                "max_examples",
-                format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
-            ));
-        }
-        if let InitSpec::Parameters { data_base64 } = &self.model.init {
-            // Length is checked here; values are checked when decoded by `initial_parameters`.
-            let bytes = data_base64.len() / 4 * 3;
-            if bytes.abs_diff(schema.byte_len() as usize) > 2 {
-                return Err(field("model.init.data_base64", "length does not match the schema"));
-            }
-        }
-        let target_selected = match &self.asynchronous {
-            Some(a) => a.concurrency,
-            None => ((f64::from(self.cohort_size) * self.over_selection).ceil() as u32)
-                .max(self.cohort_size),
-        };
-        // An order statistic holds every update of a round at close: the largest round must
-        // fit (a 200 000-device Krum plan would have needed ~320 GB).
-        self.strategy
-            .aggregation
-            .check_memory(target_selected)
-            .map_err(|why| field("strategy.aggregation", why))?;
+        let (schema, parts) = self.model.resolve()?;
+        self.check_name_and_population()?;
+        self.check_max_failed_rounds()?;
+        self.check_update_limits()?;
+        let quorum = self.check_selection()?;
+        self.check_strategy(quorum)?;
+        self.check_compression()?;
+        self.check_pacing()?;
+        combinations::check(&self)?;
+        self.check_max_examples()?;
+        self.model.check_init_length(&schema)?;
+        let target_selected = self.target_selected();
+        self.check_aggregation_memory(target_selected)?;
         // Secure aggregation and DP see the update, not the frozen or local tensors.
         let n_params = parts.update_schema().numel() as usize;
-        // The accountant's rate stays the expected cohort's.
-        let protocol_size = match (self.selection, &self.secure_aggregation) {
-            (SelectionPolicy::Poisson, Some(_)) => secure_poisson_cap(target_selected),
-            _ => target_selected,
-        };
-        let privacy = match &self.strategy.differential_privacy {
-            None => None,
-            Some(dp) => {
-                let sampling = match self.selection {
-                    SelectionPolicy::Poisson => Sampling::Poisson,
-                    // first_come with DP is refused above.
-                    SelectionPolicy::Random | SelectionPolicy::FirstCome => Sampling::FixedSize,
-                };
-                let sizes = Sizes { selected: target_selected, protocol: protocol_size, n_params };
-                Some(dp.resolve(sizes, self.rounds, sampling).map_err(|(name, why)| {
-                    field("strategy.differential_privacy", format!("{name}: {why}"))
-                })?)
-            }
-        };
-        let distributed = privacy.and_then(|p| p.distributed);
-        if distributed.is_some() && self.secure_aggregation.is_none() {
-            return Err(field(
-                "strategy.differential_privacy.noise",
-                "distributed noise is added by each device before it masks its update: it needs secure_aggregation",
-            ));
-        }
-        let secure = match &self.secure_aggregation {
-            None => None,
-            Some(s) => {
-                let resolved = s.resolve(protocol_size, n_params)?;
-                Some(SecureRoundConfig {
-                    clip_norm: self.strategy.differential_privacy.map(|dp| dp.clip_norm),
-                    // The devices' noisy, rotated integers and nothing else: no weight (each
-                    // weighs one) and no evaluation (a DP run releases none).
-                    vector_len: distributed.map_or(resolved.vector_len, |d| d.padded_len()),
-                    distributed,
-                    evaluation_loss_cap: privacy
-                        .and_then(|p| p.plan.metrics.noised())
-                        .map(|m| m.loss_bound),
-                    ..resolved
-                })
-            }
-        };
-        let rounds = RoundConfig {
-            cohort_size: self.cohort_size,
-            target_selected: protocol_size,
-            // With distributed noise a round needs the survivors whose noise it counts on.
-            min_quorum: distributed.map_or(quorum, |d| quorum.max(d.min_survivors)),
-            selection_timeout_ms: (self.selection_timeout_secs * 1000.0).round() as i64,
-            reporting_timeout_ms: (self.reporting_timeout_secs * 1000.0).round() as i64,
-            total_rounds: privacy.map_or(self.rounds, |p| p.rounds_allowed),
-            secure,
-            eligibility: self.eligibility.clone(),
-            evaluation_only: self.evaluation_only,
-            // The aggregator tier reduces f32 deltas only.
-            // FedBuff weighs each update by its staleness.
-            // The aggregator tier folds whole models.
-            each_update_direct: self.strategy.needs_each_update() || !parts.is_whole()
-                || !self.compression.is_f32()
-                || self.asynchronous.is_some(),
-            selection: self.selection,
-            poisson_rate: match self.selection {
-                SelectionPolicy::Poisson => Some(privacy.map(|p| p.sampling_rate).ok_or_else(|| {
-                    field(
-                        "selection",
-                        "poisson draws each device with differential_privacy's sampling rate: it needs differential_privacy",
-                    )
-                })?),
-                _ => None,
-            },
-            min_population: privacy
-                .filter(|p| p.sampling == Sampling::FixedSize)
-                .map(|p| p.plan.population),
-            asynchronous: self.asynchronous,
-            max_failed_rounds: self.max_failed_rounds.unwrap_or(DEFAULT_MAX_FAILED_ROUNDS),
-        };
+        let protocol_size = self.protocol_size(target_selected);
+        let privacy = self.resolve_privacy(target_selected, protocol_size, n_params)?;
+        let secure = self.resolve_secure(protocol_size, n_params, privacy)?;
+        let rounds = self.round_config(quorum, protocol_size, privacy, secure, &parts)?;
         Ok(ValidatedPlan { plan: self, schema, parts, rounds, privacy })
-    }
-}
-
-/// The most devices a secure round with Poisson selection holds when it expects `expected`: a
-/// secure round's protocol has a fixed size, so the draw through it is capped, at the expected
-/// cohort plus eight standard deviations and eight, which the binomial draw from the stated
-/// population exceeds with probability below 1e-12. (A plain Poisson round has no cap.)
-pub fn secure_poisson_cap(expected: u32) -> u32 {
-    expected + (8.0 * f64::from(expected).sqrt()).ceil() as u32 + 8
-}
-
-/// Largest secure cohort: beyond it the quantizer keeps too few bits (and such cohorts belong
-/// to the aggregator tier).
-pub const MAX_SECURE_COHORT: u32 = 1 << 16;
-
-impl SecureAggregationPlan {
-    fn resolve(
-        &self,
-        target_selected: u32,
-        n_params: usize,
-    ) -> Result<SecureRoundConfig, PlanError> {
-        let n = target_selected;
-        if !(3..=MAX_SECURE_COHORT).contains(&n) {
-            return Err(field(
-                "secure_aggregation",
-                format!(
-                    "needs 3..={MAX_SECURE_COHORT} selected devices per round, the plan selects {n}"
-                ),
-            ));
-        }
-        if !(self.clip.is_finite() && self.clip > 0.0 && self.clip <= 1e6) {
-            return Err(field("secure_aggregation.clip", "must be in (0, 1e6]"));
-        }
-        if self.max_examples == 0 || self.max_examples > crate::fedavg::MAX_EXAMPLE_COUNT {
-            return Err(field(
-                "secure_aggregation.max_examples",
-                format!("must be in 1..={}", crate::fedavg::MAX_EXAMPLE_COUNT),
-            ));
-        }
-        if !(self.stage_timeout_secs.is_finite()
-            && (0.05..=86_400.0).contains(&self.stage_timeout_secs))
-        {
-            return Err(field("secure_aggregation.stage_timeout_secs", "must be in 0.05..=86400"));
-        }
-        let vector_len = n_params + 1 + crate::secagg::EVALUATION_ENTRIES;
-        let mut config = crate::secagg::Config::with_defaults([0; 16], n, vector_len);
-        if let Some(k) = self.neighbours {
-            if k < 2 || k % 2 == 1 {
-                return Err(field("secure_aggregation.neighbours", "must be even and at least 2"));
-            }
-            config.k = k.min(n - 1);
-            config.t = config.k / 2 + 1;
-        }
-        config.validate().map_err(|e| field("secure_aggregation", e.to_string()))?;
-        Ok(SecureRoundConfig {
-            clip: self.clip,
-            max_examples: self.max_examples,
-            k: config.k,
-            t: config.t,
-            n_params,
-            vector_len,
-            stage_timeout_ms: (self.stage_timeout_secs * 1000.0).round() as i64,
-            clip_norm: None,
-            distributed: None,
-            evaluation_loss_cap: None,
-        })
     }
 }
 

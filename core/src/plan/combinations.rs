@@ -57,6 +57,50 @@ impl Refusal {
 
 use Feature::*;
 
+use super::{Plan, PlanError, SelectionPolicy, field};
+
+/// The first row of the table the plan falls under, as its refusal.
+pub(super) fn check(plan: &Plan) -> Result<(), PlanError> {
+    match REFUSED.iter().find(|r| r.applies(&|f| plan.has(f))) {
+        Some(refused) => Err(field(refused.field, refused.why)),
+        None => Ok(()),
+    }
+}
+
+impl Plan {
+    /// Whether the plan turns `feature` on (for the table of refused combinations).
+    fn has(&self, feature: Feature) -> bool {
+        let strategy = &self.strategy;
+        let dp = strategy.differential_privacy.as_ref();
+        match feature {
+            Feature::SecureAggregation => self.secure_aggregation.is_some(),
+            Feature::SecureWeightedExamples => {
+                self.secure_aggregation.as_ref().is_some_and(|s| s.max_examples != 1)
+            }
+            Feature::OrderStatistic => strategy.aggregation.is_order_statistic(),
+            Feature::NormBound => strategy.norm_bound.is_some(),
+            Feature::DifferentialPrivacy => dp.is_some(),
+            Feature::AdaptiveClipping => dp.is_some_and(|dp| dp.adaptive_clipping.is_some()),
+            Feature::ServerTraining => {
+                strategy.needs_each_update() || strategy.optimizer.is_stateful()
+            }
+            Feature::EachUpdateWeighed => strategy.needs_each_update(),
+            Feature::Compression => !self.compression.is_f32(),
+            Feature::ModelDownload => !self.model_download.is_f32(),
+            Feature::Asynchronous => self.asynchronous.is_some(),
+            Feature::Checkpoints => self.checkpoint_interval > 1,
+            Feature::EvaluationOnly => self.evaluation_only,
+            Feature::MaxExamples => self.max_examples.is_some(),
+            Feature::FirstComeSelection => self.selection == SelectionPolicy::FirstCome,
+            Feature::PartialModel => {
+                self.model.trainable.is_some()
+                    || !self.model.local.is_empty()
+                    || self.model.spec.as_ref().is_some_and(|s| s.lora.is_some())
+            }
+        }
+    }
+}
+
 const fn row(feature: Feature, with: Feature, field: &'static str, why: &'static str) -> Refusal {
     Refusal { feature, with, field, why }
 }

@@ -267,45 +267,67 @@ fn the_strategy_names_a_checked_server_optimizer() {
     assert!(err.contains("fed_sgd"), "{err}");
 }
 
+/// The test plan with `strategy` as its strategy.
+fn with_strategy(strategy: serde_json::Value) -> serde_json::Value {
+    let mut v = plan_json();
+    v["strategy"] = strategy;
+    v
+}
+
+/// Why `plan` is refused.
+fn refused(plan: serde_json::Value) -> String {
+    parse(plan).unwrap_err().to_string()
+}
+
 #[test]
-fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
-    let with = |strategy: serde_json::Value| {
-        let mut v = plan_json();
-        v["strategy"] = strategy;
-        v
-    };
-    let refused = |v: serde_json::Value| parse(v).unwrap_err().to_string();
+fn robust_aggregation_is_checked_against_the_rest_of_the_plan() {
     // Robust aggregators parse, need each update, and bypass the tier.
-    let median = parse(with(
+    let median = parse(with_strategy(
         serde_json::json!({"aggregation": {"kind": "coordinate_median"}, "norm_bound": 2.0}),
     ))
     .unwrap();
     assert!(median.round_config().each_update_direct);
     assert!(!parse(plan_json()).unwrap().round_config().each_update_direct);
-    let krum = with(serde_json::json!({"aggregation": {"kind": "krum", "byzantine": 4}}));
+    let krum = with_strategy(serde_json::json!({"aggregation": {"kind": "krum", "byzantine": 4}}));
     assert!(refused(krum.clone()).contains("min_quorum to 11"), "{}", refused(krum));
-    let err = refused(with(
+    let err = refused(with_strategy(
         serde_json::json!({"aggregation": {"kind": "trimmed_mean", "trim_fraction": 0.5}}),
     ));
     assert!(err.contains("strategy.aggregation") && err.contains("trim_fraction"), "{err}");
-    assert!(refused(with(serde_json::json!({"norm_bound": -1.0}))).contains("strategy.norm_bound"));
+    assert!(
+        refused(with_strategy(serde_json::json!({"norm_bound": -1.0})))
+            .contains("strategy.norm_bound")
+    );
     // Order statistics and norm bounds cannot see through secure aggregation.
-    let mut secure =
-        with(serde_json::json!({"aggregation": {"kind": "trimmed_mean", "trim_fraction": 0.1}}));
+    let mut secure = with_strategy(
+        serde_json::json!({"aggregation": {"kind": "trimmed_mean", "trim_fraction": 0.1}}),
+    );
     secure["secure_aggregation"] = serde_json::json!({"clip": 0.5, "max_examples": 1});
     assert!(refused(secure.clone()).contains("secure aggregation reveals only the sum"));
     secure["strategy"] = serde_json::json!({"norm_bound": 1.0});
     assert!(refused(secure.clone()).contains("cannot bound a masked update"));
+    // An evaluation-only run takes none of it.
+    let mut eval = with_strategy(serde_json::json!({"aggregation": {"kind": "coordinate_median"}}));
+    eval["evaluation_only"] = true.into();
+    assert!(refused(eval).contains("evaluation-only run trains nothing"));
+    // Unknown fields are refused inside the new parts too.
+    let v =
+        with_strategy(serde_json::json!({"aggregation": {"kind": "coordinate_median", "trim": 1}}));
+    assert!(serde_json::from_value::<Plan>(v).is_err());
+}
+
+#[test]
+fn differential_privacy_is_checked_against_the_rest_of_the_plan() {
     // DP: resolved, budget caps the rounds, and its combinations are checked.
     let dp = serde_json::json!({"noise_multiplier": 1.0, "clip_norm": 0.5, "population": 100, "delta": 1e-5});
-    let private = parse(with(serde_json::json!({"differential_privacy": dp}))).unwrap();
+    let private = parse(with_strategy(serde_json::json!({"differential_privacy": dp}))).unwrap();
     let privacy = private.privacy().unwrap();
     assert_eq!(privacy.sampling_rate, 0.13, "13 selected (over-selection 1.3) of 100");
     // Random selection with DP: an exact draw of 13 from at least the 100 accounted.
     assert_eq!(privacy.sampling, crate::privacy::Sampling::FixedSize);
     assert_eq!(private.round_config().min_population, Some(100));
     assert_eq!(private.round_config().total_rounds, 3);
-    let mut budgeted = with(serde_json::json!({"differential_privacy": dp}));
+    let mut budgeted = with_strategy(serde_json::json!({"differential_privacy": dp}));
     budgeted["rounds"] = 1000.into();
     budgeted["strategy"]["differential_privacy"]["epsilon_budget"] = 3.0.into();
     budgeted["strategy"]["differential_privacy"]["noise_multiplier"] = 4.0.into();
@@ -313,10 +335,11 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     let allowed = budgeted.round_config().total_rounds;
     assert!((1..1000).contains(&allowed), "{allowed}");
     assert!(budgeted.privacy().unwrap().epsilon_after(u64::from(allowed)) <= 3.0);
-    let err = refused(with(serde_json::json!({"differential_privacy": dp, "norm_bound": 1.0})));
+    let err =
+        refused(with_strategy(serde_json::json!({"differential_privacy": dp, "norm_bound": 1.0})));
     assert!(err.contains("does not combine"), "{err}");
     // Poisson selection draws at the accountant's rate, and needs DP for that rate.
-    let mut poisson = with(serde_json::json!({"differential_privacy": dp}));
+    let mut poisson = with_strategy(serde_json::json!({"differential_privacy": dp}));
     poisson["selection"] = "poisson".into();
     let poisson = parse(poisson).unwrap();
     assert_eq!(poisson.round_config().poisson_rate, Some(0.13));
@@ -328,17 +351,17 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     let err = refused(no_dp);
     assert!(err.contains("selection") && err.contains("needs differential_privacy"), "{err}");
     // Whoever checks in first is no sample of the population: no ε holds for it.
-    let mut first_come = with(serde_json::json!({"differential_privacy": dp}));
+    let mut first_come = with_strategy(serde_json::json!({"differential_privacy": dp}));
     first_come["selection"] = "first_come".into();
     let err = refused(first_come);
     assert!(err.contains("selection") && err.contains("must be random"), "{err}");
-    let mut small = with(serde_json::json!({"differential_privacy": dp}));
+    let mut small = with_strategy(serde_json::json!({"differential_privacy": dp}));
     small["strategy"]["differential_privacy"]["population"] = 5.into();
     let err = refused(small);
     assert!(err.contains("strategy.differential_privacy") && err.contains("population"), "{err}");
     // With secure aggregation every update must weigh 1, the clip norm reaches the devices,
     // and adaptive clipping is refused.
-    let mut secure = with(serde_json::json!({"differential_privacy": dp}));
+    let mut secure = with_strategy(serde_json::json!({"differential_privacy": dp}));
     secure["secure_aggregation"] = serde_json::json!({"clip": 0.5, "max_examples": 100});
     assert!(refused(secure.clone()).contains("secure_aggregation.max_examples"));
     secure["secure_aggregation"]["max_examples"] = 1.into();
@@ -346,14 +369,8 @@ fn robust_aggregation_and_privacy_are_checked_against_the_rest_of_the_plan() {
     secure["strategy"]["differential_privacy"]["adaptive_clipping"] =
         serde_json::json!({"count_stddev": 5.0});
     assert!(refused(secure).contains("adaptive_clipping"));
-    // An evaluation-only run takes none of it.
-    let mut eval = with(serde_json::json!({"aggregation": {"kind": "coordinate_median"}}));
-    eval["evaluation_only"] = true.into();
-    assert!(refused(eval).contains("evaluation-only run trains nothing"));
-    // Unknown fields are refused inside the new parts too.
-    let v = with(serde_json::json!({"aggregation": {"kind": "coordinate_median", "trim": 1}}));
-    assert!(serde_json::from_value::<Plan>(v).is_err());
-    let v = with(
+    // Unknown fields are refused inside the privacy section too.
+    let v = with_strategy(
         serde_json::json!({"differential_privacy": {"noise_multiplier": 1.0, "clip_norm": 1.0, "population": 10, "delta": 1e-5, "epsilon": 3}}),
     );
     assert!(serde_json::from_value::<Plan>(v).is_err());

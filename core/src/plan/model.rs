@@ -1,0 +1,45 @@
+//! The plan's `model` section: a schema, a spec or both, which tensors train and stay local,
+//! and how version 0 is made.
+
+use crate::tensor::TensorSchema;
+
+use super::{InitSpec, ModelParts, ModelPlan, PlanError, field};
+
+impl ModelPlan {
+    /// The model's schema (the spec's, when both agree) and its split into update, local and
+    /// frozen tensors.
+    pub(super) fn resolve(&self) -> Result<(TensorSchema, ModelParts), PlanError> {
+        let schema = match (&self.schema, &self.spec) {
+            (None, None) => return Err(field("model", "needs a schema, a spec, or both")),
+            (Some(schema), None) => schema.clone(),
+            (None, Some(spec)) => spec.schema()?,
+            (Some(schema), Some(spec)) => {
+                if spec.schema()? != *schema {
+                    return Err(field("model.schema", "does not match the schema of model.spec"));
+                }
+                schema.clone()
+            }
+        };
+        schema.validate()?;
+        // A LoRA model trains its adapters alone unless the plan says otherwise.
+        let lora_adapters = || vec!["*.lora_a".to_owned(), "*.lora_b".to_owned()];
+        let trainable = self
+            .trainable
+            .clone()
+            .or_else(|| self.spec.as_ref().and_then(|s| s.lora.as_ref()).map(|_| lora_adapters()));
+        let parts = ModelParts::resolve(&schema, trainable.as_deref(), &self.local)?;
+        Ok((schema, parts))
+    }
+
+    /// Initial parameters given inline must be the schema's length; their values are checked
+    /// when `initial_parameters` decodes them.
+    pub(super) fn check_init_length(&self, schema: &TensorSchema) -> Result<(), PlanError> {
+        if let InitSpec::Parameters { data_base64 } = &self.init {
+            let bytes = data_base64.len() / 4 * 3;
+            if bytes.abs_diff(schema.byte_len() as usize) > 2 {
+                return Err(field("model.init.data_base64", "length does not match the schema"));
+            }
+        }
+        Ok(())
+    }
+}
