@@ -76,7 +76,13 @@ impl SecureSession {
         let identity = fleet.identity().cloned().ok_or(SecureError::NoIdentity)?;
         let mut randomness = [0u8; 96];
         getrandom::fill(&mut randomness).expect("the OS random source failed");
-        let (client, keys) = secagg::Client::new(task.index, task.config, identity, randomness)?;
+        let (mut client, keys) =
+            secagg::Client::new(task.index, task.config, identity, randomness)?;
+        // This device's noise counts on the sum of at least `min_survivors` devices' noise: it
+        // helps unmask no smaller sum.
+        if let Some(noise) = &task.distributed_noise {
+            client.require_survivors(noise.min_survivors);
+        }
         let session = SecureSession { run_id, round_idx, task, client };
         session.send(fleet, SecAggUpload::AdvertiseKeys(keys)).await?;
         Ok(session)

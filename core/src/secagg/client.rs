@@ -47,6 +47,9 @@ pub struct Client {
     /// The survivor set this client signed in the consistency check: the only one it unmasks
     /// for.
     signed: Option<BTreeSet<ClientIdx>>,
+    /// The fewest survivors whose sum this client helps unmask, beyond the threshold `t` (see
+    /// [`Client::require_survivors`]).
+    min_survivors: u32,
 }
 
 impl Client {
@@ -98,6 +101,7 @@ impl Client {
             held: BTreeMap::new(),
             accusations: BTreeMap::new(),
             signed: None,
+            min_survivors: 0,
         };
         Ok((client, advert))
     }
@@ -257,14 +261,24 @@ impl Client {
                 why: "the survivor set leaves out this client or names no member".into(),
             });
         }
-        if survivors.len() < self.config.t as usize {
+        let need = self.config.t.max(self.min_survivors) as usize;
+        if survivors.len() < need {
             return Err(SecAggError::BelowThreshold {
                 stage: "ConsistencyCheck",
                 have: survivors.len(),
-                need: self.config.t as usize,
+                need,
             });
         }
         Ok(())
+    }
+
+    /// Signs (and so unmasks) only a survivor set of at least `min` devices, as well as `t`. A
+    /// round with distributed noise sets it to the `min_survivors` its devices' noise was
+    /// calibrated for: a coordinator that left survivors' inputs out of the sum would otherwise
+    /// unmask a sum of fewer devices, with less noise than the plan's ε assumes (the noise of
+    /// `min` devices is the least the accountant counts on).
+    pub fn require_survivors(&mut self, min: u32) {
+        self.min_survivors = min;
     }
 
     /// Unmasking: for each neighbour that shared, its seed share if it survived, its key share
