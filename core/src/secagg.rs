@@ -87,6 +87,14 @@ pub enum SecAggError {
     /// The configuration is unusable.
     #[error("secure aggregation config: {0}")]
     Config(String),
+    /// The coordinator relayed sealed shares that their sender did not sign: it altered them on
+    /// the way. The device leaves the round without accusing (the evidence would open the
+    /// original the coordinator kept) or sending its masked input.
+    #[error("the coordinator relayed sealed shares that client {from} did not sign")]
+    RelayAltered {
+        /// The neighbour the shares claim to come from.
+        from: ClientIdx,
+    },
 }
 
 /// What every participant of one secure-aggregation round agrees on.

@@ -143,7 +143,8 @@ pub(super) fn seal(shared: &[u8; 32], shares: &Shares, session: &[u8; 16]) -> Se
     let ciphertext = share_cipher(shared, shares.from, shares.to, session)
         .encrypt(&share_nonce(shares.from, shares.to).into(), Payload { msg: &plain, aad: session })
         .expect("encryption into a Vec cannot fail");
-    SealedShares { from: shares.from, to: shares.to, ciphertext }
+    let unsigned = super::identity::Signature { r: [0; 32], s: [0; 32] };
+    SealedShares { from: shares.from, to: shares.to, ciphertext, signature: unsigned }
 }
 
 /// The shares `sealed` carries if it opens on the channel with point `shared` and holds what it

@@ -162,7 +162,9 @@ impl Client {
                 SecAggError::BadMessage { client: to, why: "its channel key is not a point".into() }
             })?;
             let shares = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
-            out.push(seal(&shared, &shares, &self.config.session));
+            let mut sealed = seal(&shared, &shares, &self.config.session);
+            sealed.sign(&self.identity, &self.config.session);
+            out.push(sealed);
             self.channels.insert(to, shared);
         }
         self.keys = neighbours.keys;
@@ -197,6 +199,12 @@ impl Client {
                 || self.accusations.contains_key(&sealed.from)
             {
                 continue;
+            }
+            // Only an honest coordinator's relay reaches here unchanged: one that altered a
+            // neighbour's shares gets nothing from this device, no accusation (whose evidence
+            // would open the original it kept) and no masked input.
+            if !sealed.is_signed_by(&advert.identity, &self.config.session) {
+                return Err(SecAggError::RelayAltered { from: sealed.from });
             }
             let shared = self.channels[&sealed.from];
             match open(&shared, &sealed, &self.config.session) {

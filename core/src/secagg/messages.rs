@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::ClientIdx;
-use super::identity::Signature;
+use super::identity::{DeviceIdentity, Signature};
 use super::shamir::Share;
 
 /// Stage 0, client → server: the client's two public keys, signed with its identity for its
@@ -43,6 +43,27 @@ pub struct SealedShares {
     /// ChaCha20-Poly1305 of the sender's shares for the recipient.
     #[serde(with = "serde_bytes")]
     pub ciphertext: Vec<u8>,
+    /// The sender's identity signature over the round, both ends and the ciphertext: the
+    /// recipient opens (and so may accuse) only what its neighbour sent, never a ciphertext the
+    /// coordinator altered on the way (see [`SealedShares::sign`]).
+    pub signature: Signature,
+}
+
+impl SealedShares {
+    /// Signs the message as its sender, `identity`, for the round `session`. A neighbour whose
+    /// shares do not open reveals their channel's point as evidence; were the ciphertext not
+    /// signed, a coordinator could garble its relay of a device's shares to `t` neighbours,
+    /// keep the originals, and open them with the points their accusations reveal: `t` shares
+    /// of both of that device's secrets, its input in clear.
+    pub fn sign(&mut self, identity: &DeviceIdentity, session: &[u8; 16]) {
+        self.signature = identity.sign(&super::identity::sealed_message(session, self));
+    }
+
+    /// Whether the message carries the signature of `identity` (its sender's) for `session`.
+    pub(super) fn is_signed_by(&self, identity: &[u8; 32], session: &[u8; 16]) -> bool {
+        let message = super::identity::sealed_message(session, self);
+        super::identity::verify(identity, &message, &self.signature)
+    }
 }
 
 /// Stage 2, server → client: the sealed shares addressed to it by neighbours that shared.

@@ -158,6 +158,10 @@ impl Server {
         {
             return Err(self.bad(client, "share messages do not match the neighbourhood"));
         }
+        let identity = self.keys[&client].identity;
+        if shares.iter().any(|s| !s.is_signed_by(&identity, &self.config.session)) {
+            return Err(self.bad(client, "share messages not signed by its identity"));
+        }
         for s in shares {
             self.sealed.entry(s.to).or_default().push(s);
         }

@@ -86,8 +86,10 @@ fn run_naming(
             if script.corrupt_share == Some(i) {
                 sealed.pop();
             }
+            // A sender that seals garbage signs what it sends.
             for s in sealed.iter_mut().filter(|s| script.garble == Some((s.from, s.to))) {
                 s.ciphertext[0] ^= 0xff;
+                s.sign(&identity(seed, s.from), &config.session);
             }
             let _ = server.receive_shares(i, sealed);
         }
@@ -99,8 +101,11 @@ fn run_naming(
                 continue;
             }
             for s in request.shares.iter_mut() {
+                // A recipient that lies about what it got: the honest client's code, given a
+                // message that does not open and bears its sender's signature.
                 if script.garble_relayed == Some((s.from, s.to)) {
                     s.ciphertext[0] ^= 0xff;
+                    s.sign(&identity(seed, s.from), &config.session);
                 }
             }
             let client = clients.get_mut(&i).unwrap();
@@ -277,6 +282,7 @@ fn collecting_with_a_garbled_share()
         let mut sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
         for s in sealed.iter_mut().filter(|s| (s.from, s.to) == (2, 1)) {
             s.ciphertext[0] ^= 0xff;
+            s.sign(&identity(1, 2), &config.session);
         }
         server.receive_shares(i, sealed).unwrap();
     }

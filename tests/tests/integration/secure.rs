@@ -423,8 +423,11 @@ async fn round_of_core_clients(
             anyhow::bail!("device {i} was not asked to share keys");
         };
         let mut sealed = clients[i].share_keys(keys)?;
+        // A device that seals garbage signs what it sends.
         if i == 0 && matches!(misbehaviour, Misbehaviour::GarbledShare) {
             sealed[0].ciphertext[0] ^= 0xff;
+            let identity = devices[i].identity().expect("enrolled with an identity");
+            sealed[0].sign(identity, &secure[i].config.session);
         }
         devices[i].secagg_send(run, round, &SecAggUpload::ShareKeys(sealed)).await?;
     }

@@ -193,8 +193,12 @@ impl Fleet {
         let message = match self.poll(device) {
             SecAggInstruction::ShareKeys(n) => {
                 let mut sealed = self.clients.get_mut(&device).unwrap().share_keys(n).unwrap();
+                // A device that seals garbage signs what it sends.
                 if self.garble == Some(device) {
                     sealed[0].ciphertext[0] ^= 0xff;
+                    let session = self.task.as_ref().expect("a secure task").config.session;
+                    sealed[0]
+                        .sign(&secagg::DeviceIdentity::from_secret([device as u8; 32]), &session);
                 }
                 SecAggUpload::ShareKeys(sealed)
             }

@@ -237,3 +237,40 @@ fn a_survivor_set_below_the_noise_calibration_is_signed_by_no_device() {
     let signed = round.signatures(all.clone(), &all);
     assert_eq!(signed.len(), 7, "the honest set is signed by every survivor");
 }
+
+/// A coordinator garbles its relay of device 1's sealed shares to four of its neighbours
+/// (t = 4) and keeps the originals. Were they to accuse device 1, each accusation's evidence
+/// (their channel's point) would open the original the coordinator kept: four shares of both
+/// of device 1's secrets, its input in clear, with no device colluding (a review reproduced
+/// exactly that). The shares carry their sender's signature, so each neighbour sees the relay
+/// was altered and leaves the round: no accusation, no evidence, no masked input. Re-signing
+/// with a key of the coordinator's own does not pass either; the untouched relays still open.
+#[test]
+fn a_coordinator_that_garbles_a_relay_gets_no_evidence_to_open_the_original() {
+    let (mut server, mut clients) = advertised(config(4), 21);
+    for (i, keys) in server.close_advertise().unwrap() {
+        let sealed = clients.get_mut(&i).unwrap().share_keys(keys).unwrap();
+        server.receive_shares(i, sealed).unwrap();
+    }
+    let mut requests = server.close_share_keys().unwrap();
+    let coordinators_own = identity(99, 1);
+    for victim_neighbour in 2..=5 {
+        let request = requests.get_mut(&victim_neighbour).unwrap();
+        let relayed = request.shares.iter_mut().find(|s| s.from == 1).unwrap();
+        relayed.ciphertext[0] ^= 0xff;
+        if victim_neighbour == 5 {
+            relayed.sign(&coordinators_own, &config(4).session);
+        }
+    }
+    for (i, request) in requests {
+        let client = clients.get_mut(&i).unwrap();
+        let masked = client.masked_input(request, &[i; 4]);
+        if (2..=5).contains(&i) {
+            assert_eq!(masked, Err(SecAggError::RelayAltered { from: 1 }), "device {i}");
+            assert!(client.accusations().is_empty(), "device {i} revealed a channel point");
+        } else {
+            assert!(masked.is_ok(), "device {i} refused an unaltered relay: {masked:?}");
+            assert!(client.accusations().is_empty());
+        }
+    }
+}
