@@ -388,7 +388,8 @@ pub struct RoundDeviceView {
     /// (inside an aggregator's durable partial). Absent when none is recorded: it dropped out,
     /// is still training, or the round was secure (which keeps no per-device record).
     pub reported: Option<String>,
-    /// The example count (FedAvg weight) of its upload, for `update`.
+    /// The example count (FedAvg weight) of its upload, for `update`; absent in a
+    /// differentially private run, which shows no device's count un-noised.
     pub example_count: Option<i64>,
 }
 

@@ -281,6 +281,12 @@ fn round_view(r: RoundRow, counters: Option<&RoundCounters>) -> RoundView {
     }
 }
 
+/// Whether a stored plan turns on differential privacy.
+fn is_differentially_private(plan_json: &str) -> bool {
+    serde_json::from_str::<starling_core::plan::Plan>(plan_json)
+        .map_or(true, |plan| plan.strategy.differential_privacy.is_some())
+}
+
 async fn existing_run(state: &AppState, run_id: i64) -> Result<RunId, ApiError> {
     match state.store().run(RunId(run_id)).await? {
         Some(_) => Ok(RunId(run_id)),
@@ -342,7 +348,15 @@ async fn list_round_devices(
     _op: Operator,
     Path((run_id, round_idx)): Path<(i64, i64)>,
 ) -> Result<AppJson<Vec<RoundDeviceView>>, ApiError> {
-    let run_id = existing_run(&state, run_id).await?;
+    let run = state
+        .store()
+        .run(RunId(run_id))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+    let run_id = RunId(run.id);
+    // A device's example count is a fact about its data: a DP run does not show it un-noised
+    // (its updates weigh one each, so the count plays no part in the release either).
+    let shows_example_counts = !is_differentially_private(&run.plan_json);
     let round_idx = starling_core::RoundIdx(round_idx);
     if state.store().round(run_id, round_idx).await?.is_none() {
         return Err(ApiError::not_found(format!("run {run_id} has no round {round_idx}")));
@@ -355,7 +369,7 @@ async fn list_round_devices(
                 selected_at_ms: r.selected_at_ms,
                 aggregator_id: r.aggregator_id,
                 reported: r.reported,
-                example_count: r.example_count,
+                example_count: r.example_count.filter(|_| shows_example_counts),
             })
             .collect(),
     ))

@@ -174,7 +174,7 @@ fn dp_noise(global: &[f32], got: &[f32], uploads: &[Vec<f32>], clip: f64) -> Vec
 /// window (here all five of five: q = 1, accounted as such), each update is clipped and counts
 /// once, the committed model is the clipped mean plus Gaussian noise of the stated scale, ε
 /// after each round is the replace-one accountant's (run view and /metrics), nothing un-noised
-/// (training metrics, evaluations) is released, and the run stops when one more round would
+/// (training metrics, evaluations, devices' example counts) is released, and the run stops when one more round would
 /// pass its ε budget. A budget no round fits is refused with the figure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget() {
@@ -257,6 +257,16 @@ async fn a_dp_run_adds_the_stated_noise_reports_epsilon_and_stops_at_its_budget(
     assert_own_evaluation_refused(&devices[0], run).await;
     for m in c.admin.models(run).await.unwrap() {
         assert_eq!(m.n_evaluations, 0, "model {}: no device's evaluation is shown", m.version);
+    }
+    // Nor any device's example count: the devices reported differing weights.
+    for round in 0..2 {
+        let record = c.admin.round_devices(run, round).await.unwrap();
+        assert_eq!(record.len(), N, "round {round}: {record:?}");
+        assert!(
+            record.iter().all(|d| d.reported.as_deref() == Some("update")),
+            "round {round}: {record:?}"
+        );
+        assert!(record.iter().all(|d| d.example_count.is_none()), "round {round}: {record:?}");
     }
     let spent = view.privacy.unwrap();
     assert!(spent.epsilon <= budget && spent.epsilon == accountant.epsilon(2, delta_dp));
