@@ -1078,7 +1078,7 @@ impl Observed {
                     test_accuracy: eval.accuracy,
                     test_loss: eval.loss,
                     train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
-                    reported: round.map_or(0, |r| r.n_reported),
+                    reported: round.and_then(|r| r.n_reported).unwrap_or(0),
                     dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
                     elapsed_secs: self.started.elapsed().as_secs_f64(),
                     round_secs: round

@@ -272,12 +272,14 @@ pub struct RoundView {
     pub reporting_deadline_ms: i64,
     /// Closing time.
     pub closed_at_ms: Option<i64>,
-    /// Devices selected.
-    pub n_selected: i64,
-    /// Durable updates.
-    pub n_reported: i64,
-    /// Selected but not reported (once closed). In an asynchronous run these devices may
-    /// still report into a later buffer.
+    /// Devices selected; absent in a differentially private run with `poisson` selection,
+    /// whose cohort sizes are not shown (the size of a Poisson draw tells whether one more
+    /// device was in the population).
+    pub n_selected: Option<i64>,
+    /// Durable updates; absent where `n_selected` is.
+    pub n_reported: Option<i64>,
+    /// Selected but not reported (once closed); absent where `n_selected` is. In an
+    /// asynchronous run these devices may still report into a later buffer.
     pub n_dropped: Option<i64>,
     /// Durable updates trained on an earlier model than this round's (asynchronous runs; 0
     /// otherwise).
@@ -288,10 +290,10 @@ pub struct RoundView {
     /// Example-weighted mean of the clients' training metrics.
     pub metrics: Option<BTreeMap<String, f64>>,
     /// Uploads refused in this round, as counted by the serving coordinator since it started
-    /// (absent for rounds it did not see).
+    /// (absent for rounds it did not see, and where `n_selected` is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n_rejected: Option<u64>,
-    /// Bytes of acknowledged uploads, counted like `n_rejected`.
+    /// Bytes of acknowledged uploads, counted (and absent) like `n_rejected`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upload_bytes: Option<u64>,
 }

@@ -47,8 +47,9 @@ export interface RoundView {
   selection_deadline_ms: number;
   reporting_deadline_ms: number;
   closed_at_ms: number | null;
-  n_selected: number;
-  n_reported: number;
+  /** Null in a differentially private run with Poisson selection: its cohort sizes are not shown. */
+  n_selected: number | null;
+  n_reported: number | null;
   n_dropped: number | null;
   /** Updates trained on an earlier model (asynchronous runs). */
   n_stale: number;

@@ -359,8 +359,8 @@ function renderTimeline(rounds: RoundView[], byVersion: Map<number, ModelView>):
     cell(row, r.closed_at_ms === null ? `open ${seconds(Date.now() - r.opened_at_ms)}` : seconds(r.closed_at_ms - r.opened_at_ms));
     const produced = byVersion.get(r.model_version + 1);
     cell(row, r.state === 'committed' && produced && r.closed_at_ms !== null ? seconds(produced.created_at_ms - r.closed_at_ms) : '–');
-    cell(row, String(r.n_selected));
-    cell(row, String(r.n_reported));
+    cell(row, r.n_selected === null ? '–' : String(r.n_selected));
+    cell(row, r.n_reported === null ? '–' : String(r.n_reported));
     cell(row, String(r.n_stale));
     cell(row, r.n_dropped === null ? '–' : String(r.n_dropped));
     cell(row, r.n_rejected === undefined ? '–' : String(r.n_rejected));

@@ -259,7 +259,42 @@ async fn get_run(
     Ok(AppJson(run_view(&state, row).await?))
 }
 
-fn round_view(r: RoundRow, counters: Option<&RoundCounters>) -> RoundView {
+/// What a run's views may show of its rounds' cohorts.
+#[derive(Debug, Clone, Copy)]
+struct Disclosure {
+    /// Each device's example count: not in a differentially private run.
+    example_counts: bool,
+    /// Cohort sizes and who was drawn: not in a differentially private run with Poisson
+    /// selection, whose ε assumes the draw stays secret.
+    cohorts: bool,
+}
+
+impl Disclosure {
+    /// What the run with the stored plan `plan_json` shows; the least, for a plan that does not
+    /// read.
+    fn of(plan_json: &str) -> Self {
+        match serde_json::from_str::<starling_core::plan::Plan>(plan_json) {
+            Ok(plan) => {
+                let dp = plan.strategy.differential_privacy.is_some();
+                let poisson = plan.selection == starling_core::plan::SelectionPolicy::Poisson;
+                Disclosure { example_counts: !dp, cohorts: !(dp && poisson) }
+            }
+            Err(_) => Disclosure { example_counts: false, cohorts: false },
+        }
+    }
+}
+
+/// The run `run_id` and what its views show, or 404.
+async fn disclosed_run(state: &AppState, run_id: i64) -> Result<(RunId, Disclosure), ApiError> {
+    match state.store().run(RunId(run_id)).await? {
+        Some(run) => Ok((RunId(run.id), Disclosure::of(&run.plan_json))),
+        None => Err(ApiError::not_found(format!("no run {run_id}"))),
+    }
+}
+
+fn round_view(r: RoundRow, counters: Option<&RoundCounters>, shown: Disclosure) -> RoundView {
+    let counters = counters.filter(|_| shown.cohorts);
+    let count = |n: Option<i64>| n.filter(|_| shown.cohorts);
     {
         RoundView {
             n_rejected: counters.map(|c| c.rejected),
@@ -271,20 +306,14 @@ fn round_view(r: RoundRow, counters: Option<&RoundCounters>) -> RoundView {
             selection_deadline_ms: r.selection_deadline_ms,
             reporting_deadline_ms: r.reporting_deadline_ms,
             closed_at_ms: r.closed_at_ms,
-            n_selected: r.n_selected.unwrap_or(0),
-            n_reported: r.n_reported.unwrap_or(0),
-            n_dropped: r.n_dropped,
+            n_selected: count(Some(r.n_selected.unwrap_or(0))),
+            n_reported: count(Some(r.n_reported.unwrap_or(0))),
+            n_dropped: count(r.n_dropped),
             n_stale: r.n_stale,
             outcome: r.outcome_json.and_then(|j| serde_json::from_str(&j).ok()),
             metrics: r.metrics_json.and_then(|j| serde_json::from_str(&j).ok()),
         }
     }
-}
-
-/// Whether a stored plan turns on differential privacy.
-fn is_differentially_private(plan_json: &str) -> bool {
-    serde_json::from_str::<starling_core::plan::Plan>(plan_json)
-        .map_or(true, |plan| plan.strategy.differential_privacy.is_some())
 }
 
 async fn existing_run(state: &AppState, run_id: i64) -> Result<RunId, ApiError> {
@@ -303,7 +332,7 @@ async fn list_rounds(
     _op: Operator,
     Path(run_id): Path<i64>,
 ) -> Result<AppJson<Vec<RoundView>>, ApiError> {
-    let run_id = existing_run(&state, run_id).await?;
+    let (run_id, shown) = disclosed_run(&state, run_id).await?;
     let counters = state.observer().run_round_counters(run_id);
     let rounds = state.store().rounds(run_id).await?;
     Ok(AppJson(
@@ -311,7 +340,7 @@ async fn list_rounds(
             .into_iter()
             .map(|r| {
                 let c = counters.get(&r.round_idx);
-                round_view(r, c)
+                round_view(r, c, shown)
             })
             .collect(),
     ))
@@ -327,13 +356,13 @@ async fn get_round(
     _op: Operator,
     Path((run_id, round_idx)): Path<(i64, i64)>,
 ) -> Result<AppJson<RoundView>, ApiError> {
-    let run_id = existing_run(&state, run_id).await?;
+    let (run_id, shown) = disclosed_run(&state, run_id).await?;
     let round = state.store().round(run_id, starling_core::RoundIdx(round_idx)).await?;
     let round = round
         .ok_or_else(|| ApiError::not_found(format!("run {run_id} has no round {round_idx}")))?;
     let counters = state.observer().run_round_counters(run_id);
     let c = counters.get(&round.round_idx);
-    Ok(AppJson(round_view(round, c)))
+    Ok(AppJson(round_view(round, c, shown)))
 }
 
 /// Who was selected for a round and whose contribution reached it: an operator can check that
@@ -348,15 +377,14 @@ async fn list_round_devices(
     _op: Operator,
     Path((run_id, round_idx)): Path<(i64, i64)>,
 ) -> Result<AppJson<Vec<RoundDeviceView>>, ApiError> {
-    let run = state
-        .store()
-        .run(RunId(run_id))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
-    let run_id = RunId(run.id);
-    // A device's example count is a fact about its data: a DP run does not show it un-noised
-    // (its updates weigh one each, so the count plays no part in the release either).
-    let shows_example_counts = !is_differentially_private(&run.plan_json);
+    let (run_id, shown) = disclosed_run(&state, run_id).await?;
+    // Who was drawn is the cohort (and its size): a DP run with Poisson selection shows
+    // neither.
+    if !shown.cohorts {
+        return Err(ApiError::invalid(format!(
+            "run {run_id} is differentially private with poisson selection: its cohorts are not shown"
+        )));
+    }
     let round_idx = starling_core::RoundIdx(round_idx);
     if state.store().round(run_id, round_idx).await?.is_none() {
         return Err(ApiError::not_found(format!("run {run_id} has no round {round_idx}")));
@@ -369,7 +397,9 @@ async fn list_round_devices(
                 selected_at_ms: r.selected_at_ms,
                 aggregator_id: r.aggregator_id,
                 reported: r.reported,
-                example_count: r.example_count.filter(|_| shows_example_counts),
+                // A device's example count is a fact about its data: a DP run does not show it
+                // (its updates weigh one each, so the count plays no part in the release).
+                example_count: r.example_count.filter(|_| shown.example_counts),
             })
             .collect(),
     ))

@@ -236,7 +236,7 @@ async fn a_tiered_round_commits_the_single_coordinator_model() -> anyhow::Result
     let hash = wait_model(&c.admin, run, 1).await?;
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     let round = c.admin.round(run, 0).await?;
-    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    assert_eq!((round.n_reported.unwrap(), round.n_dropped), (24, Some(0)));
     assert_eq!(
         committed,
         single_node_model(&global, &tasks[0], &updates),
@@ -346,7 +346,7 @@ async fn a_tls_coordinators_tier_is_tls_end_to_end() -> anyhow::Result<()> {
     }
     wait_model(&c.admin, run, 1).await?;
     let round = c.admin.round(run, 0).await?;
-    assert_eq!((round.n_reported, round.n_dropped), (8, Some(0)));
+    assert_eq!((round.n_reported.unwrap(), round.n_dropped), (8, Some(0)));
     Ok(())
 }
 
@@ -406,7 +406,7 @@ async fn a_killed_aggregator_loses_only_its_devices(
     let round = c.admin.round(run, 0).await?;
     let lost = by_node[&victim].len() as i64;
     assert_eq!(
-        round.n_reported,
+        round.n_reported.unwrap(),
         24 - lost - 2,
         "the victim's devices and the survivors' holdouts are missing"
     );
@@ -439,7 +439,7 @@ async fn upload_all_and_commit(
     }
     let hash = wait_model(&c.admin, run, 1).await?;
     let round = c.admin.round(run, 0).await?;
-    assert_eq!((round.n_reported, round.n_dropped), (24, Some(0)));
+    assert_eq!((round.n_reported.unwrap(), round.n_dropped), (24, Some(0)));
     Ok((updates, hash))
 }
 
@@ -574,7 +574,7 @@ async fn members_of_a_dead_group_leader_report_alone() -> anyhow::Result<()> {
     let hash = wait_model(&c.admin, run, 1).await?;
     let round = c.admin.round(run, 0).await?;
     let lost = by_node[&1].len() as i64;
-    assert_eq!(round.n_reported, 24 - lost - 2, "the leader's devices and two holdouts");
+    assert_eq!(round.n_reported.unwrap(), 24 - lost - 2, "the leader's devices and two holdouts");
     assert_eq!(round.n_dropped, Some(lost + 2));
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors));
@@ -648,7 +648,11 @@ async fn a_tcp_group_with_a_dead_member_sums_the_rest_over_http() -> anyhow::Res
     let hash = wait_model(&c.admin, run, 1).await?;
     let round = c.admin.round(run, 0).await?;
     let lost = by_node[&3].len() as i64;
-    assert_eq!(round.n_reported, 24 - lost - 2, "the dead member's devices and two holdouts");
+    assert_eq!(
+        round.n_reported.unwrap(),
+        24 - lost - 2,
+        "the dead member's devices and two holdouts"
+    );
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     assert_eq!(committed, single_node_model(&global, &tasks[0], &survivors), "bit for bit");
     assert_eq!(stored_partials(&db, run).await?, vec![vec![1, 2]], "one partial for the two");

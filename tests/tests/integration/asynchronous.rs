@@ -88,7 +88,7 @@ async fn a_stale_update_survives_a_restart_and_commits_discounted() {
     assert!(got == want, "the committed model is not the staleness-weighted mean");
     let rounds = admin.rounds(run).await.unwrap();
     assert_eq!(
-        (rounds[1].n_selected, rounds[1].n_reported),
+        (rounds[1].n_selected.unwrap(), rounds[1].n_reported.unwrap()),
         (1, 2),
         "one report came from buffer 0"
     );

@@ -161,7 +161,7 @@ async fn linux_devices_train_from_local_files() {
     let view = c.admin.run(run).await.unwrap();
     assert_eq!(view.rounds_committed, 3);
     for r in c.admin.rounds(run).await.unwrap() {
-        assert_eq!(r.n_reported, 2);
+        assert_eq!(r.n_reported.unwrap(), 2);
     }
     let saved: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&state_a).unwrap()).unwrap();

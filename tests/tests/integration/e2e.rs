@@ -88,7 +88,7 @@ async fn concurrent_rounds_commit_the_exact_weighted_mean(db: &str) -> anyhow::R
         );
         let r = &c.admin.rounds(run).await?[round as usize];
         assert_eq!(
-            (r.state.as_str(), r.n_selected, r.n_reported),
+            (r.state.as_str(), r.n_selected.unwrap(), r.n_reported.unwrap()),
             ("committed", 24, acked.len() as i64)
         );
         assert_eq!(r.n_dropped, Some(24 - acked.len() as i64));
@@ -181,7 +181,15 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     let summary: Vec<_> = rounds
         .iter()
         .take(3)
-        .map(|r| (r.state.as_str(), r.n_selected, r.n_reported, r.n_dropped, r.outcome.clone()))
+        .map(|r| {
+            (
+                r.state.as_str(),
+                r.n_selected.unwrap(),
+                r.n_reported.unwrap(),
+                r.n_dropped,
+                r.outcome.clone(),
+            )
+        })
         .collect();
     assert_eq!(
         summary,
@@ -207,7 +215,7 @@ async fn deadlines_quorum_retries_and_dropouts(db: &str) -> anyhow::Result<()> {
     );
     // One round can be read alone; an unknown one is a 404.
     let one = c.admin.round(run, 1).await?;
-    assert_eq!((one.round_idx, one.state.as_str(), one.n_reported), (1, "committed", 3));
+    assert_eq!((one.round_idx, one.state.as_str(), one.n_reported.unwrap()), (1, "committed", 3));
     assert_eq!(api_code(c.admin.round(run, 99).await), Some(ErrorCode::NotFound));
     // Stopping the run ends it; the open round is recorded as failed.
     let stopped = c.admin.stop(run).await?;
@@ -381,10 +389,10 @@ async fn bad_input_is_refused_and_changes_nothing(db: &str) -> anyhow::Result<()
 
     // Nothing was stored, and the device's good update is still accepted, once.
     let r = &c.admin.rounds(run).await?[0];
-    assert_eq!((r.n_selected, r.n_reported), (1, 0));
+    assert_eq!((r.n_selected.unwrap(), r.n_reported.unwrap()), (1, 0));
     d.upload(run, RoundIdx(0), &good).await?;
     assert_eq!(api_code(d.upload(run, RoundIdx(0), &good).await), Some(ErrorCode::DuplicateUpload));
-    assert_eq!(c.admin.rounds(run).await?[0].n_reported, 1);
+    assert_eq!(c.admin.rounds(run).await?[0].n_reported.unwrap(), 1);
     // Evaluation reports are validated too.
     let eval = starling_core::wire::EvaluationReport {
         model_version: starling_core::ModelVersion(9),
@@ -631,7 +639,7 @@ async fn a_seeded_simulation_repeats_bit_for_bit() {
         }
         for r in c.admin.rounds(report.run_id).await.unwrap() {
             assert_eq!(
-                (r.n_selected, r.n_reported),
+                (r.n_selected.unwrap(), r.n_reported.unwrap()),
                 (3, 3),
                 "round {}: exactly the cohort",
                 r.round_idx
@@ -689,7 +697,7 @@ async fn concurrent_simulations_train_only_their_own_runs() {
             assert!(strangers.is_empty(), "run {} took devices {strangers:?}", report.run_id);
             if round.state == "committed" {
                 let reported = record.iter().filter(|d| d.reported.is_some()).count();
-                assert_eq!(reported as i64, round.n_reported, "{record:?}");
+                assert_eq!(reported as i64, round.n_reported.unwrap(), "{record:?}");
             }
         }
         // The simulator's test-set scores are the run's central evaluations.
@@ -792,26 +800,36 @@ async fn metrics_count_the_rounds_that_happened() {
     };
     let text = scrape().await;
     assert_eq!(metric(&text, "starling_rounds_total{outcome=\"committed\"}"), 2.0, "{text}");
-    assert_eq!(metric(&text, "starling_participants_selected_total"), sum(&|r| r.n_selected));
-    assert_eq!(metric(&text, "starling_updates_accepted_total"), sum(&|r| r.n_reported));
+    assert_eq!(
+        metric(&text, "starling_participants_selected_total"),
+        sum(&|r| r.n_selected.unwrap())
+    );
+    assert_eq!(metric(&text, "starling_updates_accepted_total"), sum(&|r| r.n_reported.unwrap()));
     assert_eq!(metric(&text, "starling_dropouts_total"), sum(&|r| r.n_dropped.unwrap_or(0)));
     assert_eq!(metric(&text, "starling_uploads_rejected_total{reason=\"non_finite_value\"}"), 2.0);
-    let refused_late = 16.0 - sum(&|r| r.n_reported);
+    let refused_late = 16.0 - sum(&|r| r.n_reported.unwrap());
     if refused_late > 0.0 {
         assert_eq!(
             metric(&text, "starling_uploads_rejected_total{reason=\"round_closed\"}"),
             refused_late
         );
     }
-    assert!(metric(&text, "starling_upload_bytes_total") >= sum(&|r| r.n_reported) * 400.0);
+    assert!(
+        metric(&text, "starling_upload_bytes_total") >= sum(&|r| r.n_reported.unwrap()) * 400.0
+    );
     assert!(metric(&text, "starling_aggregation_seconds_count") == 2.0);
     assert!(
         metric(&text, "starling_store_seconds_count{op=\"insert_update\"}")
-            >= sum(&|r| r.n_reported)
+            >= sum(&|r| r.n_reported.unwrap())
     );
     for r in &rounds {
-        assert_eq!(r.n_rejected, Some(8 - r.n_reported as u64 + 1), "round {}", r.round_idx);
-        assert!(r.upload_bytes.unwrap() >= r.n_reported as u64 * 400);
+        assert_eq!(
+            r.n_rejected,
+            Some(8 - r.n_reported.unwrap() as u64 + 1),
+            "round {}",
+            r.round_idx
+        );
+        assert!(r.upload_bytes.unwrap() >= r.n_reported.unwrap() as u64 * 400);
     }
     c.running.shutdown().await.unwrap();
 }

@@ -315,7 +315,7 @@ async fn a_plan_selects_only_devices_that_qualify_and_they_train_only_while_they
         assert!(matches!(outcome, Outcome::ComeBackLater(_)), "{attributes:?}: {outcome:?}");
     }
     let rounds = c.admin.rounds(run).await.unwrap();
-    assert_eq!(rounds[0].n_selected, 0, "nobody qualified yet");
+    assert_eq!(rounds[0].n_selected.unwrap(), 0, "nobody qualified yet");
 
     // Selected while qualified; unplugged while the model downloads.
     device.set_attributes(qualified.clone());
@@ -338,7 +338,7 @@ async fn a_plan_selects_only_devices_that_qualify_and_they_train_only_while_they
     );
     assert_eq!(*phases.lock().unwrap(), [Phase::CheckingIn, Phase::Downloading], "nothing trained");
     let rounds = c.admin.rounds(run).await.unwrap();
-    assert_eq!((rounds[0].n_selected, rounds[0].n_reported), (1, 0));
+    assert_eq!((rounds[0].n_selected.unwrap(), rounds[0].n_reported.unwrap()), (1, 0));
 
     device.set_attributes(qualified);
     let outcome = device.participate(Box::new(|_| {})).await.unwrap();
@@ -424,7 +424,11 @@ async fn evaluation_only_rounds_measure_a_trained_model_on_the_fleet() {
     let rounds = c.admin.rounds(run).await.unwrap();
     assert_eq!(rounds.len(), 2, "{rounds:?}");
     for r in &rounds {
-        assert_eq!((r.state.as_str(), r.n_reported, r.model_version), ("evaluated", 2, 0), "{r:?}");
+        assert_eq!(
+            (r.state.as_str(), r.n_reported.unwrap(), r.model_version),
+            ("evaluated", 2, 0),
+            "{r:?}"
+        );
         let accuracy = r.metrics.as_ref().unwrap()["accuracy"];
         assert!((0.0..=1.0).contains(&accuracy), "{r:?}");
     }

@@ -411,7 +411,7 @@ async fn a_dp_round_that_measures_fewer_devices_than_its_population_releases_not
         failed.outcome,
         Some(serde_json::json!({"outcome": "population_too_small", "measured": 5, "minimum": 6}))
     );
-    assert_eq!(failed.n_selected, 0);
+    assert_eq!(failed.n_selected.unwrap(), 0);
     let view = c.admin.run(run).await.unwrap();
     assert_eq!(view.rounds_committed, 0);
     assert_eq!(view.privacy.unwrap().epsilon, 0.0, "nothing released, nothing spent");
@@ -468,7 +468,7 @@ async fn a_secure_dp_run_draws_its_cohorts_and_reports_their_epsilon() {
         "noise_multiplier": z, "clip_norm": 1.0, "population": SECURE_DP_CLIENTS, "delta": 1e-5}});
     let (run, view, _) = secure_dp_run(&c, dp, rounds).await;
     for r in c.admin.rounds(run).await.unwrap() {
-        assert_eq!(r.n_selected, 5, "round {}: exactly the target drawn", r.round_idx);
+        assert_eq!(r.n_selected.unwrap(), 5, "round {}: exactly the target drawn", r.round_idx);
     }
     let privacy = view.privacy.expect("a DP run shows its privacy");
     let want = Sampling::FixedSize.accountant(0.5, z).epsilon(u64::from(rounds), 1e-5);
@@ -721,5 +721,50 @@ async fn a_poisson_plan_drawing_everyone_is_refused_and_never_stops_the_coordina
             .unwrap();
     }
     wait_model(&c.admin, run, 1).await.unwrap();
+    c.running.shutdown().await.unwrap();
+}
+
+/// The size of a Poisson draw tells whether one more device was in the population, and a
+/// device's example count is a fact about its data: a DP run with Poisson selection shows no
+/// cohort size (selected, reported, dropped, refused, upload bytes) and no record of who was
+/// drawn (a 422 naming why); a DP run with the fixed-size draw shows its (public) cohort size
+/// but, like every DP run, no example counts; a plain run shows everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poisson_dp_run_shows_no_cohort_sizes_and_no_one_drawn() {
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let dp = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": 1.0, "clip_norm": 1.0, "population": 8, "delta": 1e-5}});
+    let create = |selection: &'static str, strategy: Option<serde_json::Value>| {
+        let mut plan = PlanSpec::all_of(2, 16, 3).json();
+        plan["selection"] = selection.into();
+        if let Some(strategy) = strategy {
+            plan["strategy"] = strategy;
+        }
+        let admin = c.admin.clone();
+        async move { RunId(admin.create_run(&plan).await.unwrap().id) }
+    };
+    let poisson = create("poisson", Some(dp.clone())).await;
+    let fixed_size = create("random", Some(dp)).await;
+    let plain = create("random", None).await;
+    for run in [poisson, fixed_size, plain] {
+        wait_round_open(&c.admin, run, 0).await.unwrap();
+    }
+    let round = c.admin.round(poisson, 0).await.unwrap();
+    let counts = (round.n_selected, round.n_reported, round.n_dropped, round.upload_bytes);
+    assert_eq!(counts, (None, None, None, None), "{round:?}");
+    assert!(c.admin.rounds(poisson).await.unwrap().iter().all(|r| r.n_selected.is_none()));
+    match c.admin.round_devices(poisson, 0).await {
+        Err(starling_client::protocol::ClientError::Api { status, body }) => {
+            assert_eq!(status.as_u16(), 422);
+            assert!(body.message.contains("poisson"), "{body:?}");
+        }
+        other => panic!("a Poisson DP run showed who was drawn: {other:?}"),
+    }
+    for run in [fixed_size, plain] {
+        let round = c.admin.round(run, 0).await.unwrap();
+        assert_eq!((round.n_selected, round.n_reported), (Some(0), Some(0)), "run {run}");
+        assert!(c.admin.round_devices(run, 0).await.unwrap().is_empty(), "no one checked in");
+    }
     c.running.shutdown().await.unwrap();
 }

@@ -282,7 +282,11 @@ async fn a_standby_replaces_a_leader_that_stops_renewing(
     }
     let admin = starling_client::protocol::AdminClient::new(&standby.url, OPERATOR_TOKEN);
     let round = admin.round(run, 0).await.unwrap();
-    assert_eq!((round.state.as_str(), round.n_reported), ("open", 2), "both acks survived");
+    assert_eq!(
+        (round.state.as_str(), round.n_reported.unwrap()),
+        ("open", 2),
+        "both acks survived"
+    );
     let again = expect_tasks(&devices[2..]).await.unwrap();
     for (i, t) in (2..4).zip(&again) {
         let upload = upload_request(t, &delta(i, 0, 64), weight(i));
@@ -354,7 +358,7 @@ async fn a_device_checks_in_only_to_the_populations_its_token_names() {
         CheckInResponse::Task(task) => assert_eq!(task.run_id, run),
         other => panic!("expected a task of run {run}, got {other:?}"),
     }
-    assert_eq!(c.admin.round(default_run, 0).await.unwrap().n_selected, 0);
+    assert_eq!(c.admin.round(default_run, 0).await.unwrap().n_selected.unwrap(), 0);
     // A second device on a one-use token is refused.
     let again = starling_client::protocol::FleetClient::new(&c.url).enroll(&token).await;
     assert_eq!(api_code(again), Some(ErrorCode::Unauthorized));

@@ -183,7 +183,12 @@ async fn thirty_percent_dropout(db: &str) -> anyhow::Result<()> {
     assert_close(&committed, &expected_model(&global, &contributors), 2e-6);
     let round = &c.admin.rounds(run).await?[0];
     assert_eq!(
-        (round.state.as_str(), round.n_selected, round.n_reported, round.n_dropped),
+        (
+            round.state.as_str(),
+            round.n_selected.unwrap(),
+            round.n_reported.unwrap(),
+            round.n_dropped
+        ),
         ("committed", 40, 32, Some(8))
     );
     assert_eq!(store.secagg_record_count(run).await?, 0, "records outlive their round");
@@ -240,7 +245,7 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     assert_close(&committed, &expected_model(&global, &(0..N).collect::<Vec<_>>()), 2e-6);
     let round = &admin.rounds(run).await?[0];
-    assert_eq!((round.n_reported, round.n_dropped), (10, Some(0)));
+    assert_eq!((round.n_reported.unwrap(), round.n_dropped), (10, Some(0)));
     assert!(!log_text.contains("panicked"), "the first process panicked:\n{log_text}");
     drop(coordinator);
     Ok(())
@@ -493,7 +498,7 @@ async fn round_of_core_clients(
     let hash = wait_model(&c.admin, run, 1).await?;
     let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
     assert_close(&committed, &expected_model(&global, expected), 2e-6);
-    let reported = c.admin.rounds(run).await?[0].n_reported;
+    let reported = c.admin.rounds(run).await?[0].n_reported.unwrap();
     c.running.shutdown().await?;
     Ok((excluded, reported))
 }
