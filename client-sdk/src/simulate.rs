@@ -460,10 +460,11 @@ pub struct RoundResult {
     pub test_loss: f64,
     /// Mean local training loss of the round that produced it.
     pub train_loss: Option<f64>,
-    /// Updates aggregated.
-    pub reported: i64,
-    /// Selected devices that did not report.
-    pub dropped: i64,
+    /// Updates aggregated; `None` where the run shows no cohort sizes (a differentially
+    /// private run with `poisson` selection).
+    pub reported: Option<i64>,
+    /// Selected devices that did not report; `None` as for `reported`.
+    pub dropped: Option<i64>,
     /// Seconds since the simulation created its run, when the model was scored.
     pub elapsed_secs: f64,
     /// Seconds the round that produced it was open.
@@ -491,8 +492,8 @@ impl RoundResult {
             self.test_accuracy,
             self.test_loss,
             opt(self.train_loss),
-            self.reported,
-            self.dropped,
+            opt(self.reported),
+            opt(self.dropped),
             self.elapsed_secs,
             opt(self.round_secs),
             opt(self.upload_bytes),
@@ -1021,8 +1022,8 @@ impl Observed {
                     test_accuracy: eval.accuracy,
                     test_loss: eval.loss,
                     train_loss: None,
-                    reported: 0,
-                    dropped: 0,
+                    reported: Some(0),
+                    dropped: Some(0),
                     elapsed_secs: self.started.elapsed().as_secs_f64(),
                     round_secs: None,
                     upload_bytes: None,
@@ -1078,8 +1079,8 @@ impl Observed {
                     test_accuracy: eval.accuracy,
                     test_loss: eval.loss,
                     train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
-                    reported: round.and_then(|r| r.n_reported).unwrap_or(0),
-                    dropped: round.and_then(|r| r.n_dropped).unwrap_or(0),
+                    reported: round.map_or(Some(0), |r| r.n_reported),
+                    dropped: round.map_or(Some(0), |r| r.n_dropped.or(r.n_reported.map(|_| 0))),
                     elapsed_secs: self.started.elapsed().as_secs_f64(),
                     round_secs: round
                         .and_then(|r| Some((r.closed_at_ms? - r.opened_at_ms) as f64 / 1000.0)),

@@ -114,7 +114,7 @@ async fn devices_train_through_fedbuff_with_slow_devices() {
     };
     let report = simulate(config, |r| {
         eprintln!(
-            "model {}: test accuracy {:.3}, {} updates",
+            "model {}: test accuracy {:.3}, {:?} updates",
             r.version, r.test_accuracy, r.reported
         )
     })

@@ -787,14 +787,16 @@ fn simulate_once(
             let train = r.train_loss.map_or("-".to_owned(), |l| format!("{l:.4}"));
             let round = r.round_secs.map_or("-".to_owned(), |s| format!("{s:.1}"));
             let eps = r.epsilon.map_or(String::new(), |e| format!("  {e:>7.3}"));
+            // A DP run with Poisson selection shows no cohort sizes.
+            let count = |n: Option<i64>| n.map_or("-".to_owned(), |n| n.to_string());
             let row = format!(
                 "{:>5}  {:>8.2}%  {:>9.4}  {:>10}  {:>8}  {:>7}  {:>8}{eps}",
                 r.version,
                 r.test_accuracy * 100.0,
                 r.test_loss,
                 train,
-                r.reported,
-                r.dropped,
+                count(r.reported),
+                count(r.dropped),
                 round
             );
             // A hidden bar (output is not a terminal) drops println: print the row directly then.
@@ -1119,8 +1121,8 @@ mod tests {
             test_accuracy: 0.5,
             test_loss: 1.0,
             train_loss: None,
-            reported: 10,
-            dropped: 0,
+            reported: Some(10),
+            dropped: Some(0),
             elapsed_secs: 1.5,
             round_secs: Some(1.25),
             upload_bytes: Some(2048),
