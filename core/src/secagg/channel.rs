@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha512};
 
 use super::ClientIdx;
+use super::identity::{DeviceIdentity, sealed_message};
 use super::messages::{SealedShares, Shares};
 use super::prg::derive;
 
@@ -136,15 +137,21 @@ fn share_cipher(
     ChaCha20Poly1305::new(&derive(shared, b"share", a, b, session).into())
 }
 
-/// Seals `shares` on the channel with point `shared`.
-pub(super) fn seal(shared: &[u8; 32], shares: &Shares, session: &[u8; 16]) -> SealedShares {
+/// Seals `shares` on the channel with point `shared`, signed by their sender, `identity`.
+pub(super) fn seal(
+    shared: &[u8; 32],
+    shares: &Shares,
+    session: &[u8; 16],
+    identity: &DeviceIdentity,
+) -> SealedShares {
     use chacha20poly1305::aead::{Aead, Payload};
     let plain = crate::codec::to_vec(shares).expect("shares encode");
     let ciphertext = share_cipher(shared, shares.from, shares.to, session)
         .encrypt(&share_nonce(shares.from, shares.to).into(), Payload { msg: &plain, aad: session })
         .expect("encryption into a Vec cannot fail");
-    let unsigned = super::identity::Signature { r: [0; 32], s: [0; 32] };
-    SealedShares { from: shares.from, to: shares.to, ciphertext, signature: unsigned }
+    let (from, to) = (shares.from, shares.to);
+    let signature = identity.sign(&sealed_message(session, from, to, &ciphertext));
+    SealedShares { from, to, ciphertext, signature }
 }
 
 /// The shares `sealed` carries if it opens on the channel with point `shared` and holds what it

@@ -162,9 +162,7 @@ impl Client {
                 SecAggError::BadMessage { client: to, why: "its channel key is not a point".into() }
             })?;
             let shares = Shares { from: self.me, to, key: key_shares[&to], seed: seed_shares[&to] };
-            let mut sealed = seal(&shared, &shares, &self.config.session);
-            sealed.sign(&self.identity, &self.config.session);
-            out.push(sealed);
+            out.push(seal(&shared, &shares, &self.config.session, &self.identity));
             self.channels.insert(to, shared);
         }
         self.keys = neighbours.keys;

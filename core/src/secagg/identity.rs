@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
-use super::{AdvertiseKeys, ClientIdx, SealedShares};
+use super::{AdvertiseKeys, ClientIdx};
 
 /// A device's long-lived signing key: created at enrollment, kept with its credential, its
 /// public half registered with the coordinator.
@@ -97,13 +97,18 @@ pub(super) fn survivors_message(session: &[u8; 16], survivors: &BTreeSet<ClientI
 }
 
 /// What a device signs when it sends sealed shares: the round, both ends and the ciphertext.
-pub(super) fn sealed_message(session: &[u8; 16], sealed: &SealedShares) -> Vec<u8> {
-    let mut m = Vec::with_capacity(60 + sealed.ciphertext.len());
+pub(super) fn sealed_message(
+    session: &[u8; 16],
+    from: ClientIdx,
+    to: ClientIdx,
+    ciphertext: &[u8],
+) -> Vec<u8> {
+    let mut m = Vec::with_capacity(60 + ciphertext.len());
     m.extend_from_slice(b"starling secagg sealed shares v1");
     m.extend_from_slice(session);
-    m.extend_from_slice(&sealed.from.to_le_bytes());
-    m.extend_from_slice(&sealed.to.to_le_bytes());
-    m.extend_from_slice(&sealed.ciphertext);
+    m.extend_from_slice(&from.to_le_bytes());
+    m.extend_from_slice(&to.to_le_bytes());
+    m.extend_from_slice(ciphertext);
     m
 }
 

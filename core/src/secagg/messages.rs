@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::ClientIdx;
-use super::identity::{DeviceIdentity, Signature};
+use super::identity::{DeviceIdentity, Signature, sealed_message, verify};
 use super::shamir::Share;
 
 /// Stage 0, client → server: the client's two public keys, signed with its identity for its
@@ -56,13 +56,14 @@ impl SealedShares {
     /// keep the originals, and open them with the points their accusations reveal: `t` shares
     /// of both of that device's secrets, its input in clear.
     pub fn sign(&mut self, identity: &DeviceIdentity, session: &[u8; 16]) {
-        self.signature = identity.sign(&super::identity::sealed_message(session, self));
+        let message = sealed_message(session, self.from, self.to, &self.ciphertext);
+        self.signature = identity.sign(&message);
     }
 
     /// Whether the message carries the signature of `identity` (its sender's) for `session`.
     pub(super) fn is_signed_by(&self, identity: &[u8; 32], session: &[u8; 16]) -> bool {
-        let message = super::identity::sealed_message(session, self);
-        super::identity::verify(identity, &message, &self.signature)
+        let message = sealed_message(session, self.from, self.to, &self.ciphertext);
+        verify(identity, &message, &self.signature)
     }
 }
 
