@@ -251,11 +251,7 @@ async fn get_run(
     _op: Operator,
     Path(run_id): Path<i64>,
 ) -> Result<AppJson<RunView>, ApiError> {
-    let row = state
-        .store()
-        .run(RunId(run_id))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+    let row = stored_run(&state, RunId(run_id)).await?;
     Ok(AppJson(run_view(&state, row).await?))
 }
 
@@ -284,43 +280,41 @@ impl Disclosure {
     }
 }
 
+/// The stored run `run_id`, or 404.
+async fn stored_run(state: &AppState, run_id: RunId) -> Result<RunRow, ApiError> {
+    state.store().run(run_id).await?.ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))
+}
+
 /// The run `run_id` and what its views show, or 404.
 async fn disclosed_run(state: &AppState, run_id: i64) -> Result<(RunId, Disclosure), ApiError> {
-    match state.store().run(RunId(run_id)).await? {
-        Some(run) => Ok((RunId(run.id), Disclosure::of(&run.plan_json))),
-        None => Err(ApiError::not_found(format!("no run {run_id}"))),
-    }
+    let run = stored_run(state, RunId(run_id)).await?;
+    Ok((RunId(run.id), Disclosure::of(&run.plan_json)))
 }
 
 fn round_view(r: RoundRow, counters: Option<&RoundCounters>, shown: Disclosure) -> RoundView {
     let counters = counters.filter(|_| shown.cohorts);
     let count = |n: Option<i64>| n.filter(|_| shown.cohorts);
-    {
-        RoundView {
-            n_rejected: counters.map(|c| c.rejected),
-            upload_bytes: counters.map(|c| c.upload_bytes),
-            round_idx: r.round_idx,
-            model_version: r.model_version,
-            state: r.state,
-            opened_at_ms: r.opened_at_ms,
-            selection_deadline_ms: r.selection_deadline_ms,
-            reporting_deadline_ms: r.reporting_deadline_ms,
-            closed_at_ms: r.closed_at_ms,
-            n_selected: count(Some(r.n_selected.unwrap_or(0))),
-            n_reported: count(Some(r.n_reported.unwrap_or(0))),
-            n_dropped: count(r.n_dropped),
-            n_stale: r.n_stale,
-            outcome: r.outcome_json.and_then(|j| serde_json::from_str(&j).ok()),
-            metrics: r.metrics_json.and_then(|j| serde_json::from_str(&j).ok()),
-        }
+    RoundView {
+        n_rejected: counters.map(|c| c.rejected),
+        upload_bytes: counters.map(|c| c.upload_bytes),
+        round_idx: r.round_idx,
+        model_version: r.model_version,
+        state: r.state,
+        opened_at_ms: r.opened_at_ms,
+        selection_deadline_ms: r.selection_deadline_ms,
+        reporting_deadline_ms: r.reporting_deadline_ms,
+        closed_at_ms: r.closed_at_ms,
+        n_selected: count(Some(r.n_selected.unwrap_or(0))),
+        n_reported: count(Some(r.n_reported.unwrap_or(0))),
+        n_dropped: count(r.n_dropped),
+        n_stale: r.n_stale,
+        outcome: r.outcome_json.and_then(|j| serde_json::from_str(&j).ok()),
+        metrics: r.metrics_json.and_then(|j| serde_json::from_str(&j).ok()),
     }
 }
 
 async fn existing_run(state: &AppState, run_id: i64) -> Result<RunId, ApiError> {
-    match state.store().run(RunId(run_id)).await? {
-        Some(_) => Ok(RunId(run_id)),
-        None => Err(ApiError::not_found(format!("no run {run_id}"))),
-    }
+    stored_run(state, RunId(run_id)).await.map(|run| RunId(run.id))
 }
 
 #[utoipa::path(get, path = "/v1/admin/runs/{run_id}/rounds", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
@@ -685,11 +679,7 @@ async fn stop_run(
 ) -> Result<AppJson<RunView>, ApiError> {
     let run_id = existing_run(&state, run_id).await?;
     state.driver().call(|reply| Event::StopRun { run_id, reply }).await?;
-    let row = state
-        .store()
-        .run(run_id)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no run {run_id}")))?;
+    let row = stored_run(&state, run_id).await?;
     Ok(AppJson(run_view(&state, row).await?))
 }
 
