@@ -1074,13 +1074,15 @@ impl Observed {
                     continue;
                 };
                 let round = rounds.iter().find(|r| Some(r.round_idx) == m.round_idx);
+                // A run that hides its cohort sizes shows neither count.
+                let counted = round.is_none_or(|r| r.n_reported.is_some());
                 let result = RoundResult {
                     version: m.version,
                     test_accuracy: eval.accuracy,
                     test_loss: eval.loss,
                     train_loss: round.and_then(|r| r.metrics.as_ref()?.get("loss").copied()),
-                    reported: round.map_or(Some(0), |r| r.n_reported),
-                    dropped: round.map_or(Some(0), |r| r.n_dropped.or(r.n_reported.map(|_| 0))),
+                    reported: counted.then(|| round.and_then(|r| r.n_reported).unwrap_or(0)),
+                    dropped: counted.then(|| round.and_then(|r| r.n_dropped).unwrap_or(0)),
                     elapsed_secs: self.started.elapsed().as_secs_f64(),
                     round_secs: round
                         .and_then(|r| Some((r.closed_at_ms? - r.opened_at_ms) as f64 / 1000.0)),
