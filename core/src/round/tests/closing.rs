@@ -253,15 +253,7 @@ fn simulation_never_hangs() {
         selection_timeout_ms: 2_000,
         reporting_timeout_ms: 10_000,
         total_rounds: 5,
-        eligibility: Default::default(),
-        evaluation_only: false,
-        each_update_direct: false,
-        poisson_rate: None,
-        min_population: None,
-        selection: crate::plan::SelectionPolicy::FirstCome,
-        asynchronous: None,
-        max_failed_rounds: 0,
-        secure: None,
+        ..config()
     };
     let mut m = RunMachine::start(RunId(1), config.clone(), 0, [0; 32]);
     let mut now = 0;

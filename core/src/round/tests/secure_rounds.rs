@@ -17,14 +17,6 @@ pub(super) fn secure_config() -> RoundConfig {
         selection_timeout_ms: 1_000,
         reporting_timeout_ms: 5_000,
         total_rounds: 1,
-        eligibility: Default::default(),
-        evaluation_only: false,
-        each_update_direct: false,
-        poisson_rate: None,
-        min_population: None,
-        selection: crate::plan::SelectionPolicy::FirstCome,
-        asynchronous: None,
-        max_failed_rounds: 0,
         secure: Some(SecureRoundConfig {
             clip_norm: None,
             distributed: None,
@@ -39,6 +31,7 @@ pub(super) fn secure_config() -> RoundConfig {
             vector_len: LEN + 1,
             stage_timeout_ms: 1_000,
         }),
+        ..config()
     }
 }
 
