@@ -27,6 +27,7 @@ pub mod fedavg;
 pub mod fuzzing;
 pub mod ids;
 pub mod model_spec;
+pub mod participation;
 pub mod plan;
 pub mod privacy;
 pub mod rng;
