@@ -15,24 +15,22 @@
 //! declarative spec (a new model needs no app release); a Rust app may bring its own burn module
 //! with [`OwnModule`]. Either way the module's schema must equal the task's before anything runs.
 
-use starling_core::eligibility::DeviceAttributes;
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::tensor::Device;
-use serde::{Deserialize, Serialize};
-use starling_core::compression::{Compression, ErrorFeedback};
+use starling_core::DeviceId;
+use starling_core::backoff::Backoff;
+use starling_core::eligibility::DeviceAttributes;
 use starling_core::model_spec::ModelSpec;
-use starling_core::plan::ModelParts;
-use starling_core::rng::SplitMix64;
-use starling_core::secagg::DeviceIdentity;
-use starling_core::tensor::{SchemaId, TensorPayload, TensorSchema};
-use starling_core::wire::{
-    CheckInResponse, ErrorCode, EvaluationReport, TaskAssignment, UploadRequest, UploadTarget,
+use starling_core::participation::{
+    self, Action, Entropy, EvaluationSet, Event, Failure, Participation, Refusal, SecureFailure,
+    Settings, Trained, TrainingOrder,
 };
-use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
+use starling_core::secagg::DeviceIdentity;
+use starling_core::tensor::TensorSchema;
+use starling_core::wire::{ErrorCode, TaskAssignment};
 
 use crate::examples::Examples;
 use crate::model::{
@@ -40,13 +38,18 @@ use crate::model::{
     parameters_of, schema_of,
 };
 use crate::protocol::{self, ClientError, FleetClient, TlsSettings, retrying};
-use crate::secure::{SecureError, SecureSession};
-use crate::train::{Evaluation, Progress, TrainError, TrainingPlan, evaluate, train_until};
+use crate::secure::{self, SecureError};
+use crate::train::{Evaluation, Progress, TrainError, evaluate, train_until};
 
-pub use local_part::{LocalPart, LocalTensor};
+pub(crate) use slots::TrainingSlots;
+pub use starling_core::participation::{
+    LocalPart, LocalTensor, Notice, Outcome, ParticipantState, PendingUpload, Phase, round_seed,
+};
+/// A change to a trained delta before upload: how the simulator makes a device misbehave.
+pub(crate) type Tamper = participation::Tamper;
 
 mod base_model;
-mod local_part;
+mod slots;
 
 /// Attempts per request on transient failures.
 const TRIES: u32 = 4;
@@ -84,68 +87,15 @@ pub enum ParticipantError {
         /// What went wrong.
         why: String,
     },
+    /// The participation machine and its driver disagree (a bug: please report it).
+    #[error("participation: {0}")]
+    Participation(String),
 }
 
-/// What a participation did.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// Nothing to do now; check in again after this long.
-    ComeBackLater(Duration),
-    /// An update was uploaded and acknowledged (it is durable at the coordinator).
-    Uploaded {
-        /// Run.
-        run_id: RunId,
-        /// Round.
-        round_idx: RoundIdx,
-        /// Mean local training loss.
-        train_loss: f64,
-        /// The global model's evaluation on local held-out data, when it was evaluated.
-        evaluation: Option<Evaluation>,
-    },
-    /// An evaluation-only round: the global model was evaluated on local data and the metrics
-    /// acknowledged (durable at the coordinator); nothing was trained.
-    Evaluated {
-        /// Run.
-        run_id: RunId,
-        /// Round.
-        round_idx: RoundIdx,
-        /// The evaluation reported.
-        evaluation: Evaluation,
-    },
-    /// The round closed before the update arrived; nothing was lost but this round's work.
-    RoundMissed {
-        /// Run.
-        run_id: RunId,
-        /// Round.
-        round_idx: RoundIdx,
-    },
-    /// Selected, but the device's conditions (as last set) no longer meet the run's
-    /// requirements: it left the round before training (and before downloading or evaluating,
-    /// when they changed earlier). Check in again when they change.
-    ConditionsNotMet {
-        /// Run.
-        run_id: RunId,
-        /// Round.
-        round_idx: RoundIdx,
-        /// The requirements not met, named as in the plan's `eligibility` (`charging`,
-        /// `min_battery_percent`, `unmetered_network`, ...).
-        unmet: Vec<&'static str>,
-    },
-}
-
-/// Where a participation is; reported to the app's progress callback.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Asking the coordinator for a task.
-    CheckingIn,
-    /// Fetching the global model (skipped when cached).
-    Downloading,
-    /// Evaluating the global model on local held-out data.
-    Evaluating,
-    /// Training on local examples; [`ParticipantProgress::Step`] follows for each batch.
-    Training,
-    /// Sending the update.
-    Uploading,
+impl From<participation::StateFileError> for ParticipantError {
+    fn from(e: participation::StateFileError) -> Self {
+        ParticipantError::StateFile { path: e.path, why: e.why }
+    }
 }
 
 /// What the progress callback receives.
@@ -220,18 +170,6 @@ where
     }
 }
 
-/// The shuffling seed of one device's training in one round: the plan's seed mixed with the
-/// device, run and round, so that no two devices and no two rounds repeat a batch order, and a
-/// simulation stays reproducible.
-pub fn round_seed(plan_seed: u64, device: Option<DeviceId>, run: RunId, round: RoundIdx) -> u64 {
-    let mut rng = starling_core::rng::SplitMix64(plan_seed);
-    for part in [device.map_or(u64::MAX, |d| d.0 as u64), run.0 as u64, round.0 as u64] {
-        // Each part goes through the full mixing function, not just the additive state.
-        rng.0 = rng.next_u64() ^ part;
-    }
-    rng.next_u64()
-}
-
 /// Builds the task's module and loads `values` into it, after checking it has the task's schema;
 /// with `trains` (one flag per tensor, schema order), the tensors it marks false are frozen.
 fn task_model<F: ModelFactory>(
@@ -263,131 +201,6 @@ fn task_model<F: ModelFactory>(
         None => load_parameters(model, values)?,
     };
     Ok((model, io))
-}
-
-/// Which of the task's tensors the device uploads and keeps; an update schema that is not part
-/// of the task's model is the coordinator's error, refused before anything trains.
-fn task_parts(task: &TaskAssignment) -> Result<ModelParts, ParticipantError> {
-    let update = task.update_schema.clone().unwrap_or_else(|| task.schema.clone());
-    ModelParts::of_update(&task.schema, update, task.local_tensors.clone()).ok_or_else(|| {
-        ParticipantError::SchemaMismatch(
-            "the task's update schema is not a part of its model's schema".into(),
-        )
-    })
-}
-
-/// One flag per tensor of the task's model: whether the device trains it (it is in the update
-/// or local); `None` when it trains them all.
-fn trained_tensors(task: &TaskAssignment, parts: &ModelParts) -> Option<Vec<bool>> {
-    if parts.is_whole() {
-        return None;
-    }
-    Some(task.schema.tensors.iter().map(|t| parts.trains(t)).collect())
-}
-
-/// What survives an app restart.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ParticipantState {
-    /// The device id, once enrolled.
-    pub device_id: Option<DeviceId>,
-    /// The device credential, once enrolled.
-    pub credential: Option<String>,
-    /// The secret of the identity key registered at enrollment, which signs the device's keys
-    /// in secure rounds; `None` for a device enrolled before identities (plain runs only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub identity: Option<[u8; 32]>,
-    /// The last model version evaluated, so it is reported once.
-    pub last_evaluated: Option<(RunId, ModelVersion)>,
-    /// What top-k compression has not sent yet, for the run it was computed in: added to
-    /// that run's next delta (error feedback), dropped when another run's task comes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error_feedback: Option<(RunId, ErrorFeedback)>,
-    /// A trained update not yet acknowledged: written before it is sent, cleared once it is
-    /// acknowledged or can no longer be, so that a device killed in between sends this same
-    /// update on its next participation instead of checking in and training again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending_upload: Option<PendingUpload>,
-    /// The local tensors (personalization) of the runs this device trained most recently:
-    /// laid over each model of that run it downloads, never uploaded.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub local_parts: Vec<LocalPart>,
-}
-
-/// An update trained for a task and not yet acknowledged (see
-/// [`ParticipantState::pending_upload`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PendingUpload {
-    /// Run.
-    pub run_id: RunId,
-    /// Round.
-    pub round_idx: RoundIdx,
-    /// The aggregator the task sent the update to, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub upload_to: Option<UploadTarget>,
-    /// The model version trained from.
-    pub model_version: ModelVersion,
-    /// Examples trained on.
-    pub example_count: u64,
-    /// The metrics sent with the update.
-    pub metrics: BTreeMap<String, f64>,
-    /// The schema the delta is encoded in.
-    pub schema_id: SchemaId,
-    /// The encoded delta, as sent (base64 in the state file).
-    #[serde(with = "base64_bytes")]
-    pub delta: Vec<u8>,
-    /// Mean local training loss.
-    pub train_loss: f64,
-    /// The global model's evaluation on held-out data, when it was evaluated.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub evaluation: Option<Evaluation>,
-    /// Top-k's residual once this update is in (error feedback); kept only then.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error_feedback: Option<ErrorFeedback>,
-}
-
-/// Bytes as base64 text: a pending delta in the JSON state file takes 4/3 of its size, not the
-/// 3–4 characters a byte takes as a JSON array.
-mod base64_bytes {
-    use base64::Engine;
-    use base64::engine::general_purpose::STANDARD;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&STANDARD.encode(bytes))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let text = String::deserialize(d)?;
-        STANDARD.decode(text).map_err(serde::de::Error::custom)
-    }
-}
-
-impl ParticipantState {
-    /// Reads a state file written by [`ParticipantState::save`]; `None` when there is none yet.
-    pub fn load(path: &Path) -> Result<Option<Self>, ParticipantError> {
-        let fail =
-            |why: String| ParticipantError::StateFile { path: path.display().to_string(), why };
-        match std::fs::read(path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| fail(format!("not a Starling device state file: {e}"))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(fail(e.to_string())),
-        }
-    }
-
-    /// Writes the state to `path`: aside first, then renamed, so a crash never leaves half a
-    /// credential behind.
-    pub fn save(&self, path: &Path) -> Result<(), ParticipantError> {
-        let fail = |e: std::io::Error| ParticipantError::StateFile {
-            path: path.display().to_string(),
-            why: e.to_string(),
-        };
-        let json = serde_json::to_vec_pretty(self).expect("the state serializes");
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, json).map_err(fail)?;
-        std::fs::rename(&tmp, path).map_err(fail)
-    }
 }
 
 /// A device taking part in training.
@@ -426,68 +239,6 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     training_slots: Option<Arc<TrainingSlots>>,
 }
-
-/// The cores of one machine, shared by the simulated devices on it: a device trains only
-/// while it holds a slot, and a slot is one core (a single-threaded rayon pool that flex's
-/// kernels run in), so at most one thread per core trains and none waits on another's pool.
-#[cfg(feature = "tools")]
-pub(crate) struct TrainingSlots {
-    free: Mutex<Vec<Arc<rayon::ThreadPool>>>,
-    /// One permit per pool in `free`.
-    available: Arc<tokio::sync::Semaphore>,
-}
-
-#[cfg(feature = "tools")]
-impl TrainingSlots {
-    /// One slot per core of this machine.
-    pub(crate) fn one_per_core() -> std::io::Result<Arc<Self>> {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let pools = (0..cores)
-            .map(|i| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(1)
-                    .thread_name(move |_| format!("training-slot-{i}"))
-                    .build()
-                    .map(Arc::new)
-                    .map_err(std::io::Error::other)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Arc::new(TrainingSlots {
-            free: Mutex::new(pools),
-            available: Arc::new(tokio::sync::Semaphore::new(cores)),
-        }))
-    }
-
-    /// Waits for a free slot.
-    async fn take(self: &Arc<Self>) -> TrainingSlot {
-        let permit = self.available.clone().acquire_owned().await.expect("never closed");
-        let pool = self.free.lock().expect("no panic holding it").pop().expect("one per permit");
-        TrainingSlot { slots: self.clone(), pool, _permit: permit }
-    }
-}
-
-/// A slot held: its pool goes back when it is dropped, and then (the permit dropping after
-/// `drop` ran) the next device may take it.
-#[cfg(feature = "tools")]
-struct TrainingSlot {
-    slots: Arc<TrainingSlots>,
-    pool: Arc<rayon::ThreadPool>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-#[cfg(feature = "tools")]
-impl Drop for TrainingSlot {
-    fn drop(&mut self) {
-        self.slots.free.lock().expect("no panic holding it").push(self.pool.clone());
-    }
-}
-
-/// Without the simulator, no device shares its cores.
-#[cfg(not(feature = "tools"))]
-pub(crate) enum TrainingSlots {}
-
-/// A change to a trained delta before upload: how the simulator makes a device misbehave.
-pub(crate) type Tamper = Arc<dyn Fn(&mut [f32]) + Send + Sync>;
 
 impl Participant<FromPlan> {
     /// A participant for the coordinator at `url`, training on `train_set`, evaluating on
@@ -605,23 +356,12 @@ impl<F: ModelFactory> Participant<F> {
         lock(&self.attributes).clone()
     }
 
-    /// Writes the state to the state file, when there is one.
-    fn persist(&self) -> Result<(), ParticipantError> {
+    /// Writes `state` to the state file, when there is one.
+    fn persist_state(&self, state: &ParticipantState) -> Result<(), ParticipantError> {
         match &self.state_file {
-            Some(path) => self.state.save(path),
+            Some(path) => Ok(state.save(path)?),
             None => Ok(()),
         }
-    }
-
-    /// The outcome of leaving `task` because the device's conditions no longer meet its
-    /// requirements; `None` while they do.
-    fn conditions_unmet(&self, task: &TaskAssignment) -> Option<Outcome> {
-        let unmet = task.eligibility.unmet(&self.attributes());
-        (!unmet.is_empty()).then_some(Outcome::ConditionsNotMet {
-            run_id: task.run_id,
-            round_idx: task.round_idx,
-            unmet,
-        })
     }
 
     /// The same participant verifying the coordinator (and presenting a device certificate)
@@ -666,113 +406,158 @@ impl<F: ModelFactory> Participant<F> {
 
     /// One participation: check in, and if selected, evaluate, train and upload. A device
     /// holding an update it trained and could not yet deliver sends that instead, without
-    /// checking in.
+    /// One participation: check in, and if selected, evaluate, train and upload. A device
+    /// holding an update it trained and could not yet deliver sends that instead, without
+    /// checking in. The steps and their order are core's participation machine; this drives
+    /// it over the fleet API, the trainer and the state file.
     pub async fn participate(
         &mut self,
         on_progress: ProgressCallback,
     ) -> Result<Outcome, ParticipantError> {
-        if self.state.credential.is_none() {
-            return Err(ParticipantError::NotEnrolled);
-        }
         // Shared with the training thread, which reports steps while this task waits.
         let progress = Arc::new(std::sync::Mutex::new(on_progress));
-        let report = {
-            let progress = progress.clone();
-            move |p: ParticipantProgress| (progress.lock().expect("progress callback panicked"))(p)
-        };
-        if let Some(pending) = self.state.pending_upload.take() {
-            report(ParticipantProgress::Phase(Phase::Uploading));
-            return self.deliver(pending).await;
-        }
-        report(ParticipantProgress::Phase(Phase::CheckingIn));
-        let (population, attributes) = (self.population.clone(), self.attributes());
-        let task =
-            match retrying(TRIES, || self.fleet.check_in_with(&population, &attributes)).await? {
-                CheckInResponse::ComeBackLater { retry_after_secs } => {
-                    return Ok(Outcome::ComeBackLater(Duration::from_secs(u64::from(
-                        retry_after_secs,
-                    ))));
+        let report =
+            move |p: ParticipantProgress| (progress.lock().expect("progress callback panicked"))(p);
+        // The machine works on a copy: a participation dropped midway leaves this state as it
+        // was, but for a pending upload, which is in the state file while it is sent.
+        let pending = self.state.pending_upload.take();
+        let state = ParticipantState { pending_upload: pending, ..self.state.clone() };
+        let settings = Settings { seed_key: self.seed_key, tamper: self.tamper.clone() };
+        let mut machine = Participation::start(state, settings, entropy());
+        // The error of the step that failed last: the participation's, if it ends on it.
+        let mut failed: Option<ParticipantError> = None;
+        loop {
+            let action = machine.poll_action().expect("the machine acts until it finishes");
+            let result = match action {
+                Action::Progress(phase) => {
+                    report(ParticipantProgress::Phase(phase));
+                    continue;
                 }
-                CheckInResponse::Task(task) => task,
+                Action::Notice(notice) => {
+                    log_notice(machine.task(), &notice);
+                    continue;
+                }
+                Action::Finish(outcome) => {
+                    self.state = machine.into_state();
+                    return outcome.map_err(|f| participant_error(f, failed.take()));
+                }
+                action => self.step(&machine, action, &report).await,
             };
-        let (run_id, round_idx) = (task.run_id, task.round_idx);
-        if let Some(left) = self.conditions_unmet(&task) {
-            return Ok(left);
+            let event = result.unwrap_or_else(|e| {
+                let refusal = refusal_of(&e);
+                failed = Some(e);
+                Event::Failed(refusal)
+            });
+            machine.handle(now_ms(), event);
         }
-        // A secure round's short key stages come before training; the masked input after it.
-        let mut secure = match task.secure_aggregation {
-            None => None,
-            Some(secure_task) => {
-                let joined = async {
-                    let mut session =
-                        SecureSession::advertise(&self.fleet, run_id, round_idx, secure_task)
-                            .await?;
-                    session.share_keys(&self.fleet).await?;
-                    Ok::<_, SecureError>(session)
+    }
+
+    /// Does what the machine asked; the event says how it went.
+    async fn step(
+        &mut self,
+        machine: &Participation,
+        action: Action,
+        report: &(impl Fn(ParticipantProgress) + Clone + Send + 'static),
+    ) -> Result<Event, ParticipantError> {
+        let task = machine.task();
+        let ids = || task.map(|t| (t.run_id, t.round_idx)).expect("a step of a task");
+        Ok(match action {
+            Action::CheckIn => {
+                let (population, attributes) = (self.population.clone(), self.attributes());
+                let check_in = || self.fleet.check_in_with(&population, &attributes);
+                Event::CheckedIn(Box::new(retrying(TRIES, check_in).await?))
+            }
+            Action::ReadConditions => Event::Conditions(self.attributes()),
+            Action::FetchModel => {
+                Event::ModelReady(self.global_model(task.expect("a task's model")).await?)
+            }
+            Action::Evaluate { model, on } => {
+                let task = task.expect("a task's model");
+                let examples = match on {
+                    _ if !self.holdout.is_empty() => self.holdout.clone(),
+                    EvaluationSet::HeldOut => return Ok(Event::Evaluated(None)),
+                    EvaluationSet::HeldOutOrTraining => self.train_set.clone(),
                 };
-                match joined.await {
-                    Ok(session) => Some(session),
-                    Err(e) => return secure_outcome(run_id, round_idx, e),
+                Event::Evaluated(Some(self.evaluate_on(task, &model, examples).await?))
+            }
+            Action::ReportEvaluation(evaluation) => {
+                let (run, _) = ids();
+                retrying(TRIES, || self.fleet.evaluate(run, &evaluation)).await?;
+                Event::EvaluationReported
+            }
+            Action::Train(order) => {
+                self.train(task.expect("a task to train"), *order, report).await?
+            }
+            Action::Persist => {
+                self.persist_state(machine.state())?;
+                Event::Persisted
+            }
+            Action::Upload { run_id, round_idx, to } => {
+                let upload = machine.upload_request().expect("an upload to send");
+                let send = || {
+                    retrying(TRIES, || async {
+                        match &to {
+                            Some(target) => {
+                                let fleet = &self.fleet;
+                                fleet.upload_to_aggregator(target, run_id, round_idx, upload).await
+                            }
+                            None => self.fleet.upload(run_id, round_idx, upload).await,
+                        }
+                    })
+                };
+                // "Another upload from this device is in progress": the request of a process
+                // killed mid-upload, which the coordinator is still finishing. Once it is done,
+                // this one lands or is a duplicate.
+                let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+                let mut sent = send().await;
+                for _ in 1..TRIES {
+                    match &sent {
+                        Err(e) if e.code() == Some(ErrorCode::Conflict) => {
+                            tokio::time::sleep(backoff.next_delay()).await;
+                            sent = send().await;
+                        }
+                        _ => break,
+                    }
                 }
+                sent?;
+                Event::Uploaded
             }
-        };
-        report(ParticipantProgress::Phase(Phase::Downloading));
-        let global = match self.global_model(&task).await {
-            Ok(global) => global,
-            // The task's version was given up by a later checkpoint (an asynchronous run moved
-            // on while this device waited): like a round closed under it.
-            Err(ParticipantError::Protocol(e)) if e.code() == Some(ErrorCode::ModelNotKept) => {
-                return Ok(Outcome::RoundMissed { run_id, round_idx });
+            Action::SecureSend(message) => {
+                let (run, round) = ids();
+                // A retried message whose first attempt landed is answered again, not counted
+                // twice.
+                retrying(secure::TRIES, || self.fleet.secagg_send(run, round, &message)).await?;
+                Event::SecureSent
             }
-            Err(e) => return Err(e),
-        };
-        // The conditions may have changed while the model downloaded (the phone unplugged).
-        if let Some(left) = self.conditions_unmet(&task) {
-            return Ok(left);
-        }
-        let parts = task_parts(&task)?;
-        // A personalized run's model is the global one with this device's own local tensors.
-        let global = self.with_local_part(&task, global);
-        report(ParticipantProgress::Phase(Phase::Evaluating));
-        if task.evaluate_only {
-            return self.report_evaluation_round(&task, &global).await;
-        }
-        // A secure round's evaluation rides in the masked input (only the cohort's pooled
-        // evaluation is revealed); a plain round's is reported once per model version.
-        let evaluation = match secure {
-            Some(_) => self.evaluate(&task, &global).await?,
-            None => self.evaluate_once(&task, &global).await?,
-        };
-        // And while it was evaluated.
-        if let Some(left) = self.conditions_unmet(&task) {
-            return Ok(left);
-        }
-        report(ParticipantProgress::Phase(Phase::Training));
-        let mut config = TrainingPlan::from_json(&task.training_config)
-            .map_err(|e| TrainError::Config(e.to_string()))?;
-        // The plan's seed is the run's; each device shuffles differently in every round.
-        config.seed = match self.seed_key {
-            Some(key) => round_seed(config.seed, Some(DeviceId(key as i64)), RunId(0), round_idx),
-            None => round_seed(config.seed, self.state.device_id, run_id, round_idx),
-        };
+            Action::SecurePoll => {
+                let (run, round) = ids();
+                let poll = || self.fleet.secagg_instruction(run, round);
+                Event::Instruction(retrying(secure::TRIES, poll).await?)
+            }
+            Action::WaitUntil(at) => {
+                let wait = u64::try_from(at.saturating_sub(now_ms())).unwrap_or(0);
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                Event::Woke
+            }
+            Action::Progress(_) | Action::Notice(_) | Action::Finish(_) => {
+                unreachable!("handled by the participation loop")
+            }
+        })
+    }
+
+    /// Trains the task's model as `order` says, off the async threads (in a simulated
+    /// device's core slot), and prepares the update there too: it is model-sized work.
+    async fn train(
+        &self,
+        task: &TaskAssignment,
+        order: TrainingOrder,
+        report: &(impl Fn(ParticipantProgress) + Clone + Send + 'static),
+    ) -> Result<Event, ParticipantError> {
+        let TrainingOrder { model: trained_from, trains, plan, deadline_ms, recipe } = order;
         let (train_set, device) = (self.train_set.clone(), self.device.clone());
         let (factory, spec, schema) =
             (self.factory.clone(), task.model_spec.clone(), task.schema.clone());
-        let trained_from = global.clone();
         let step = report.clone();
-        let tamper = self.tamper.clone();
-        let compression = task.compression;
-        let mut feedback = match &self.state.error_feedback {
-            Some((run, feedback)) if *run == run_id => feedback.clone(),
-            _ => ErrorFeedback::default(),
-        };
-        // Int8's stochastic rounding draws from the round's own seed, so a device never
-        // repeats its rounding pattern.
-        let mut rounding = SplitMix64(config.seed ^ 0x5eed_c0de_d0e1_7a5e);
-        // A secure round masks the f32 delta itself: nothing to encode.
-        let plain = secure.is_none();
-        let trains = trained_tensors(&task, &parts);
-        let local = task.local_tensors.clone();
         #[cfg(feature = "tools")]
         let slot = match &self.training_slots {
             Some(slots) => Some(slots.take().await),
@@ -780,12 +565,9 @@ impl<F: ModelFactory> Participant<F> {
         };
         #[cfg(feature = "tools")]
         let pool = slot.as_ref().map(|s| s.pool.clone());
-        // A task whose round closed while the device waited (for a training slot, say) is given
-        // up rather than trained for a round that can only refuse it; so is one whose deadline
-        // passes mid-training.
-        let deadline = task.report_deadline_ms;
-        if past_deadline(deadline) {
-            return Ok(Outcome::RoundMissed { run_id, round_idx });
+        // A round that closed while the device waited for its slot is not trained for.
+        if past_deadline(deadline_ms) {
+            return Ok(Event::TrainingAbandoned);
         }
         let training_started = std::time::Instant::now();
         let training = move || {
@@ -798,21 +580,15 @@ impl<F: ModelFactory> Participant<F> {
                 &trained_from,
                 trains.as_deref(),
             )?;
-            let give_up = move || past_deadline(deadline);
+            let give_up = move || past_deadline(deadline_ms);
             let (model, report) =
-                train_until(model, io, &train_set, &config, &device, &mut on_step, &give_up)?;
-            let trained = parameters_of(&model);
-            let local_part =
-                (!local.is_empty()).then(|| LocalPart::of(run_id, &schema, &trained, &local));
-            let delta: Vec<f32> =
-                trained.iter().zip(trained_from.iter()).map(|(t, g)| t - g).collect();
-            // Only the update's tensors leave the device.
-            let mut delta = parts.update_of(&delta);
-            if let Some(tamper) = tamper {
-                tamper(&mut delta);
-            }
-            let encoded = plain.then(|| compression.encode(&delta, &mut rounding, &mut feedback));
-            Ok::<_, ParticipantError>((delta, encoded, feedback, report, parts, local_part))
+                train_until(model, io, &train_set, &plan, &device, &mut on_step, &give_up)?;
+            let update = recipe.prepare(&parameters_of(&model));
+            Ok::<_, ParticipantError>(Trained {
+                loss: report.loss,
+                examples: report.examples,
+                update,
+            })
         };
         let trained = tokio::task::spawn_blocking(move || {
             // A simulated device trains in its slot's pool: flex's kernels stay on that core.
@@ -824,9 +600,9 @@ impl<F: ModelFactory> Participant<F> {
         })
         .await
         .expect("training task panicked");
-        let (delta, encoded, feedback, trained, parts, local_part) = match trained {
+        let trained = match trained {
             Err(ParticipantError::Train(TrainError::Abandoned)) => {
-                return Ok(Outcome::RoundMissed { run_id, round_idx });
+                return Ok(Event::TrainingAbandoned);
             }
             trained => trained?,
         };
@@ -835,166 +611,7 @@ impl<F: ModelFactory> Participant<F> {
         if let Some(factor) = self.slowdown {
             tokio::time::sleep(training_started.elapsed().mul_f64(factor - 1.0)).await;
         }
-        // Kept whatever becomes of the upload: the device trained it, and it never travels.
-        if let Some(part) = local_part {
-            local_part::keep(&mut self.state.local_parts, part);
-        }
-        if let Some(session) = secure.as_mut() {
-            // A secure round's update is masked for keys that live only in this session: it
-            // cannot be sent after a restart, so it is not kept.
-            report(ParticipantProgress::Phase(Phase::Uploading));
-            let sent = async {
-                let pooled = evaluation.map(|e| starling_core::secagg::EvaluationInput {
-                    examples: e.examples,
-                    accuracy: e.accuracy,
-                    loss: e.loss,
-                });
-                session
-                    .send_masked(&self.fleet, task.model_version, &delta, trained.examples, pooled)
-                    .await?;
-                session.unmask(&self.fleet).await
-            };
-            return match sent.await {
-                Ok(()) => Ok(Outcome::Uploaded {
-                    run_id,
-                    round_idx,
-                    train_loss: trained.loss,
-                    evaluation,
-                }),
-                Err(e) => secure_outcome(run_id, round_idx, e),
-            };
-        }
-        let pending = PendingUpload {
-            run_id,
-            round_idx,
-            upload_to: task.upload_to.clone(),
-            model_version: task.model_version,
-            example_count: trained.examples,
-            metrics: upload_metrics(&task, trained.loss, evaluation.as_ref()),
-            schema_id: parts.update_schema().schema_id(),
-            delta: encoded.expect("a plain round encodes its delta"),
-            train_loss: trained.loss,
-            evaluation,
-            // Only what reached the coordinator leaves the residual.
-            error_feedback: matches!(compression, Compression::TopK { .. }).then_some(feedback),
-        };
-        // On disk before it is sent; `deliver` clears it from the state once it is in.
-        self.state.pending_upload = Some(pending);
-        self.persist()?;
-        let pending = self.state.pending_upload.take().expect("just set");
-        report(ParticipantProgress::Phase(Phase::Uploading));
-        self.deliver(pending).await
-    }
-
-    /// Sends a trained update (taken out of the state, still in the state file) and saves the
-    /// state without it once it is in, or once it can no longer be (its round closed, the
-    /// coordinator refused it for good). A transient failure puts it back for the next
-    /// participation. The model-sized delta moves into the request and back, never copied.
-    async fn deliver(&mut self, mut pending: PendingUpload) -> Result<Outcome, ParticipantError> {
-        let (run_id, round_idx) = (pending.run_id, pending.round_idx);
-        let upload = UploadRequest {
-            model_version: pending.model_version,
-            example_count: pending.example_count,
-            metrics: std::mem::take(&mut pending.metrics),
-            delta: TensorPayload {
-                schema_id: pending.schema_id,
-                data: std::mem::take(&mut pending.delta),
-            },
-        };
-        let sent = retrying(TRIES, || async {
-            match &pending.upload_to {
-                Some(target) => {
-                    self.fleet.upload_to_aggregator(target, run_id, round_idx, &upload).await
-                }
-                None => self.fleet.upload(run_id, round_idx, &upload).await,
-            }
-        })
-        .await;
-        let outcome = match sent {
-            // A resent update whose first attempt landed is a duplicate: it is in.
-            Ok(_)
-            | Err(ClientError::Api {
-                body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
-                ..
-            }) => {
-                if let Some(feedback) = pending.error_feedback {
-                    self.state.error_feedback = Some((run_id, feedback));
-                }
-                Ok(Outcome::Uploaded {
-                    run_id,
-                    round_idx,
-                    train_loss: pending.train_loss,
-                    evaluation: pending.evaluation,
-                })
-            }
-            Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
-                Ok(Outcome::RoundMissed { run_id, round_idx })
-            }
-            // An aggregator that is gone takes its round's shard with it: like a round closed
-            // under the device, not an error of the device's.
-            Err(e) if pending.upload_to.is_some() && e.is_transient() => {
-                tracing::warn!(%run_id, %round_idx, error = %e, "the assigned aggregator is unreachable; round missed");
-                Ok(Outcome::RoundMissed { run_id, round_idx })
-            }
-            // Kept for the next participation: the coordinator may take it yet.
-            Err(e) if e.is_transient() => {
-                pending.metrics = upload.metrics;
-                pending.delta = upload.delta.data;
-                self.state.pending_upload = Some(pending);
-                return Err(e.into());
-            }
-            // Refused for good (a revoked credential, an update it will never take): sending it
-            // again cannot help, so it is dropped and the device checks in afresh next time.
-            Err(e) => Err(e.into()),
-        };
-        self.persist()?;
-        outcome
-    }
-
-    /// An evaluation-only round: evaluate the model on the held-out examples (on all local
-    /// examples when none are held out: nothing trains on them in such a run) and upload the
-    /// metrics, with an empty delta, as the round's report.
-    async fn report_evaluation_round(
-        &self,
-        task: &TaskAssignment,
-        global: &Arc<Vec<f32>>,
-    ) -> Result<Outcome, ParticipantError> {
-        let (run_id, round_idx) = (task.run_id, task.round_idx);
-        let examples =
-            if self.holdout.is_empty() { self.train_set.clone() } else { self.holdout.clone() };
-        let evaluation = self.evaluate_on(task, global, examples).await?;
-        let upload = UploadRequest {
-            model_version: task.model_version,
-            example_count: evaluation.examples,
-            metrics: evaluation.metrics(),
-            delta: TensorSchema { tensors: vec![] }.encode_f32(&[]),
-        };
-        match retrying(TRIES, || self.fleet.upload(run_id, round_idx, &upload)).await {
-            Ok(_)
-            | Err(ClientError::Api {
-                body: starling_core::wire::ErrorBody { code: ErrorCode::DuplicateUpload, .. },
-                ..
-            }) => Ok(Outcome::Evaluated { run_id, round_idx, evaluation }),
-            Err(e) if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::StaleModel)) => {
-                Ok(Outcome::RoundMissed { run_id, round_idx })
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// `global` with this device's local part of the task's run laid over it, when the run has
-    /// local tensors and the device has trained them before.
-    fn with_local_part(&self, task: &TaskAssignment, global: Arc<Vec<f32>>) -> Arc<Vec<f32>> {
-        if task.local_tensors.is_empty() {
-            return global;
-        }
-        match self.state.local_parts.iter().find(|p| p.run_id == task.run_id) {
-            Some(part) => {
-                let model = Arc::unwrap_or_clone(global);
-                Arc::new(part.laid_over(&task.schema, model, &task.local_tensors))
-            }
-            None => global,
-        }
+        Ok(Event::Trained(trained))
     }
 
     /// The imported model `hash`: in memory, on disk beside the state file, or downloaded (and
@@ -1043,7 +660,7 @@ impl<F: ModelFactory> Participant<F> {
             let base = self.base_model(base_hash).await?;
             let trained =
                 retrying(TRIES, || self.fleet.trained_part(task.run_id, &task.model_hash)).await?;
-            let values = base.with_trained(&task.schema, &task_parts(task)?, &trained)?;
+            let values = base.with_trained(&task.schema, &parts_of(task)?, &trained)?;
             self.cached_model = Some((task.model_hash.clone(), values.clone()));
             return Ok(values);
         }
@@ -1052,18 +669,6 @@ impl<F: ModelFactory> Participant<F> {
         let values = Arc::new(decode_model_in(&task.schema, payload, task.model_download)?);
         self.cached_model = Some((task.model_hash.clone(), values.clone()));
         Ok(values)
-    }
-
-    /// Evaluates the task's model on the held-out examples (none without any).
-    async fn evaluate(
-        &self,
-        task: &TaskAssignment,
-        global: &Arc<Vec<f32>>,
-    ) -> Result<Option<Evaluation>, ParticipantError> {
-        if self.holdout.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(self.evaluate_on(task, global, self.holdout.clone()).await?))
     }
 
     /// Evaluates the task's model on `examples`, off the async threads.
@@ -1084,81 +689,11 @@ impl<F: ModelFactory> Participant<F> {
         .await
         .expect("evaluation task panicked")
     }
-
-    /// Evaluates a model version on the held-out examples and reports it, once per version.
-    async fn evaluate_once(
-        &mut self,
-        task: &TaskAssignment,
-        global: &Arc<Vec<f32>>,
-    ) -> Result<Option<Evaluation>, ParticipantError> {
-        if self.state.last_evaluated == Some((task.run_id, task.model_version)) {
-            return Ok(None);
-        }
-        let Some(evaluation) = self.evaluate(task, global).await? else { return Ok(None) };
-        if task.withhold_metrics || task.evaluation_in_update {
-            // A DP run takes no evaluation on its own: it withholds it, or it rides with the
-            // update to be noised with the cohort's.
-            return Ok(Some(evaluation));
-        }
-        let report = EvaluationReport {
-            model_version: task.model_version,
-            example_count: evaluation.examples,
-            metrics: evaluation.metrics(),
-        };
-        match retrying(TRIES, || self.fleet.evaluate(task.run_id, &report)).await {
-            Ok(()) => {}
-            Err(e) if e.code() == Some(ErrorCode::DuplicateUpload) => {}
-            Err(e) => return Err(e.into()),
-        }
-        self.state.last_evaluated = Some((task.run_id, task.model_version));
-        Ok(Some(evaluation))
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // The attributes are replaced whole: a panic elsewhere cannot leave them half-written.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The metrics a plain round's upload carries: the training loss, and this version's
-/// evaluation when the run noises it with the cohort's; none when a DP run withholds them
-/// (they would leave it un-noised).
-fn upload_metrics(
-    task: &TaskAssignment,
-    train_loss: f64,
-    evaluation: Option<&Evaluation>,
-) -> BTreeMap<String, f64> {
-    if task.withhold_metrics {
-        return BTreeMap::new();
-    }
-    let mut metrics = BTreeMap::from([("loss".to_owned(), train_loss)]);
-    if let (true, Some(e)) = (task.evaluation_in_update, evaluation) {
-        use starling_core::privacy::metrics::{UPLOAD_EVAL_ACCURACY, UPLOAD_EVAL_LOSS};
-        metrics.insert(UPLOAD_EVAL_ACCURACY.to_owned(), e.accuracy);
-        metrics.insert(UPLOAD_EVAL_LOSS.to_owned(), e.loss);
-    }
-    metrics
-}
-
-/// A secure round this device could not finish: missing it is an outcome, anything else an
-/// error.
-fn secure_outcome(
-    run_id: RunId,
-    round_idx: RoundIdx,
-    e: SecureError,
-) -> Result<Outcome, ParticipantError> {
-    match e {
-        SecureError::Excluded(why) => {
-            tracing::info!(%run_id, %round_idx, %why, "left out of the secure round");
-            Ok(Outcome::RoundMissed { run_id, round_idx })
-        }
-        SecureError::Protocol(e)
-            if matches!(e.code(), Some(ErrorCode::RoundClosed | ErrorCode::Conflict)) =>
-        {
-            Ok(Outcome::RoundMissed { run_id, round_idx })
-        }
-        e => Err(ParticipantError::SecureAggregation(e)),
-    }
 }
 
 /// Decodes a downloaded model for `schema`.
@@ -1193,22 +728,89 @@ pub fn decode_model_in(
     Ok(decoded.to_f32())
 }
 
-/// How long past its round's report deadline (by this device's clock) a task is still trained:
-/// room for a device clock a little ahead of the coordinator's, and for the round's grace.
-const DEADLINE_SLACK_MS: i64 = 10_000;
+/// Which of the task's tensors the device uploads and keeps.
+fn parts_of(task: &TaskAssignment) -> Result<starling_core::plan::ModelParts, ParticipantError> {
+    participation::task_parts(task)
+        .ok_or_else(|| ParticipantError::SchemaMismatch(participation::PARTS_MISMATCH.into()))
+}
+
+/// Now, by this device's clock, in ms since the epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
 
 /// Whether a task due at `deadline_ms` (the coordinator's clock, ms since the epoch) is past
-/// saving: its round has closed, or its buffer dropped it.
+/// saving now: its round has closed, or its buffer dropped it.
 fn past_deadline(deadline_ms: i64) -> bool {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
-    now > deadline_ms.saturating_add(DEADLINE_SLACK_MS)
+    participation::past_deadline(now_ms(), deadline_ms)
+}
+
+/// This participation's randomness (used by secure rounds), from the OS.
+fn entropy() -> Entropy {
+    let mut entropy = Entropy { keys: [0; 96], noise: [0; 32] };
+    getrandom::fill(&mut entropy.keys).expect("the OS random source failed");
+    getrandom::fill(&mut entropy.noise).expect("the OS random source failed");
+    entropy
+}
+
+/// How a failed step's error reads to the machine.
+fn refusal_of(e: &ParticipantError) -> Refusal {
+    match e {
+        ParticipantError::Protocol(e) => Refusal { code: e.code(), transient: e.is_transient() },
+        _ => Refusal::LOCAL,
+    }
+}
+
+/// The error a participation ends with: the machine's reason, or the failed step's error.
+fn participant_error(failure: Failure, step: Option<ParticipantError>) -> ParticipantError {
+    let step = || step.expect("a failed step's error is kept");
+    match failure {
+        Failure::NotEnrolled => ParticipantError::NotEnrolled,
+        Failure::StepFailed => step(),
+        Failure::SecureStepFailed => match step() {
+            ParticipantError::Protocol(e) => {
+                ParticipantError::SecureAggregation(SecureError::Protocol(e))
+            }
+            other => other,
+        },
+        Failure::SchemaMismatch(why) => ParticipantError::SchemaMismatch(why),
+        Failure::TrainingConfig(why) => ParticipantError::Train(TrainError::Config(why)),
+        Failure::Secure(failure) => ParticipantError::SecureAggregation(match failure {
+            SecureFailure::Secagg(e) => SecureError::Secagg(e),
+            SecureFailure::NoIdentity => SecureError::NoIdentity,
+            SecureFailure::OutOfStep { want, got } => {
+                SecureError::OutOfStep { want, got: got.into() }
+            }
+            other => SecureError::Excluded(other.to_string()),
+        }),
+        other => ParticipantError::Participation(other.to_string()),
+    }
+}
+
+/// What the device's log says.
+fn log_notice(task: Option<&TaskAssignment>, notice: &Notice) {
+    let (run, round) = task.map_or((None, None), |t| (Some(t.run_id), Some(t.round_idx)));
+    match notice {
+        Notice::Excluded(why) => tracing::info!(?run, ?round, %why, "left out of the secure round"),
+        Notice::Accused(accused) => tracing::warn!(
+            ?run,
+            ?round,
+            ?accused,
+            "sealed shares from these neighbours did not open"
+        ),
+        Notice::AggregatorUnreachable => {
+            tracing::warn!(?run, ?round, "the assigned aggregator is unreachable; round missed")
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use starling_core::participation::DEADLINE_SLACK_MS;
+    use starling_core::{RoundIdx, RunId};
 
     #[test]
     fn every_device_and_round_shuffles_with_its_own_seed() {

@@ -1,5 +1,6 @@
-//! A device's side of a secure round: SecAgg+'s client state machine from `core`, driven
-//! through the stages over the fleet API, with secrets drawn from the OS.
+//! A device's side of a secure round on its own: core's `SecureParticipation` (what the
+//! participation machine uses) driven through the stages over the fleet API, with secrets
+//! drawn from the OS. The secure-round benchmark drives devices this way.
 //!
 //! The device advertises its keys (signed with its enrolled identity) as soon as it is selected
 //! and seals its shares before it trains (those stages are short); its masked input follows
@@ -8,7 +9,7 @@
 
 use std::time::Duration;
 
-use starling_core::privacy::distributed;
+use starling_core::participation::{Entropy, SecureParticipation, stage_name};
 use starling_core::secagg::{self, SecAggError};
 use starling_core::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
 use starling_core::{ModelVersion, RoundIdx, RunId};
@@ -16,7 +17,7 @@ use starling_core::{ModelVersion, RoundIdx, RunId};
 use crate::protocol::{ClientError, FleetClient, retrying};
 
 /// Attempts per request on transient failures.
-const TRIES: u32 = 6;
+pub(crate) const TRIES: u32 = 6;
 
 /// Why a device's part in a secure round ended early.
 #[derive(Debug, thiserror::Error)]
@@ -50,8 +51,7 @@ pub enum SecureError {
 pub struct SecureSession {
     run_id: RunId,
     round_idx: RoundIdx,
-    task: SecureAggregationTask,
-    client: secagg::Client,
+    session: SecureParticipation,
 }
 
 impl std::fmt::Debug for SecureSession {
@@ -59,7 +59,7 @@ impl std::fmt::Debug for SecureSession {
         f.debug_struct("SecureSession")
             .field("run_id", &self.run_id)
             .field("round_idx", &self.round_idx)
-            .field("index", &self.task.index)
+            .field("index", &self.session.index())
             .finish_non_exhaustive()
     }
 }
@@ -74,23 +74,18 @@ impl SecureSession {
         task: SecureAggregationTask,
     ) -> Result<Self, SecureError> {
         let identity = fleet.identity().cloned().ok_or(SecureError::NoIdentity)?;
-        let mut randomness = [0u8; 96];
-        getrandom::fill(&mut randomness).expect("the OS random source failed");
-        let (mut client, keys) =
-            secagg::Client::new(task.index, task.config, identity, randomness)?;
-        // This device's noise counts on the sum of at least `min_survivors` devices' noise: it
-        // helps unmask no smaller sum.
-        if let Some(noise) = &task.distributed_noise {
-            client.require_survivors(noise.min_survivors);
-        }
-        let session = SecureSession { run_id, round_idx, task, client };
-        session.send(fleet, SecAggUpload::AdvertiseKeys(keys)).await?;
+        let mut entropy = Entropy { keys: [0; 96], noise: [0; 32] };
+        getrandom::fill(&mut entropy.keys).expect("the OS random source failed");
+        getrandom::fill(&mut entropy.noise).expect("the OS random source failed");
+        let (session, keys) = SecureParticipation::advertise(task, identity, entropy)?;
+        let session = SecureSession { run_id, round_idx, session };
+        session.send(fleet, keys).await?;
         Ok(session)
     }
 
     /// The device's index in the round.
     pub fn index(&self) -> secagg::ClientIdx {
-        self.task.index
+        self.session.index()
     }
 
     /// ShareKeys: waits for the neighbours' keys, then sends them sealed shares.
@@ -99,8 +94,8 @@ impl SecureSession {
             SecAggInstruction::ShareKeys(n) => n,
             other => return Err(out_of_step("ShareKeys", &other)),
         };
-        let sealed = self.client.share_keys(neighbours)?;
-        self.send(fleet, SecAggUpload::ShareKeys(sealed)).await
+        let sealed = self.session.share_keys(neighbours)?;
+        self.send(fleet, sealed).await
     }
 
     /// MaskedInputCollection: waits for the neighbours' sealed shares, then sends the masked,
@@ -120,45 +115,12 @@ impl SecureSession {
             SecAggInstruction::MaskedInput(r) => r,
             other => return Err(out_of_step("MaskedInput", &other)),
         };
-        let task = self.task;
-        let input = match &task.distributed_noise {
-            // Distributed DP: clipped, rotated, rounded and noised here; the coordinator only
-            // ever unmasks the cohort's noisy sum.
-            Some(noise) => {
-                let mut seed = [0u8; 32];
-                getrandom::fill(&mut seed).expect("the OS random source failed");
-                let rotation = distributed::rotation_seed(&task.config.session);
-                noise.encode(delta, &rotation, &mut distributed::NoiseSource::new(seed))
-            }
-            None => {
-                let q = task.quantizer();
-                // A differentially private round bounds each device's contribution before
-                // masking.
-                let clipped =
-                    task.clip_norm.map(|bound| starling_core::robust::clip_to_norm(delta, bound));
-                let delta = clipped.as_deref().unwrap_or(delta);
-                let mut input =
-                    secagg::encode_weighted(&q, delta, example_count, task.max_examples);
-                if task.config.len == input.len() + secagg::EVALUATION_ENTRIES {
-                    secagg::append_evaluation(
-                        &q,
-                        &mut input,
-                        evaluation,
-                        task.max_examples,
-                        task.evaluation_loss_cap(),
-                    );
-                }
-                input
-            }
-        };
-        let masked = self.client.masked_input(request, &input)?;
-        let masked = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let accusations = self.client.accusations();
-        if !accusations.is_empty() {
-            let accused: Vec<_> = accusations.iter().map(|a| a.accused).collect();
+        let (masked, accused) =
+            self.session.masked_input(request, model_version, delta, example_count, evaluation)?;
+        if !accused.is_empty() {
             tracing::warn!(run = %self.run_id, round = %self.round_idx, ?accused, "sealed shares from these neighbours did not open");
         }
-        self.send(fleet, SecAggUpload::MaskedInput { model_version, masked, accusations }).await
+        self.send(fleet, masked).await
     }
 
     /// ConsistencyCheck and Unmasking: waits for the survivor set and signs it, then waits for
@@ -170,14 +132,14 @@ impl SecureSession {
             SecAggInstruction::SignSurvivors(r) => r,
             other => return Err(out_of_step("SignSurvivors", &other)),
         };
-        let signature = self.client.sign_survivors(check)?;
-        self.send(fleet, SecAggUpload::SignSurvivors(signature)).await?;
+        let signature = self.session.sign_survivors(check)?;
+        self.send(fleet, signature).await?;
         let request = match self.next_instruction(fleet, "Unmask").await? {
             SecAggInstruction::Unmask(r) => r,
             other => return Err(out_of_step("Unmask", &other)),
         };
-        let response = self.client.unmask(request)?;
-        self.send(fleet, SecAggUpload::Unmask(response)).await
+        let response = self.session.unmask(request)?;
+        self.send(fleet, response).await
     }
 
     async fn send(&self, fleet: &FleetClient, message: SecAggUpload) -> Result<(), SecureError> {
@@ -213,14 +175,5 @@ impl SecureSession {
 }
 
 fn out_of_step(want: &'static str, got: &SecAggInstruction) -> SecureError {
-    let got = match got {
-        SecAggInstruction::Wait { .. } => "wait",
-        SecAggInstruction::ShareKeys(_) => "ShareKeys",
-        SecAggInstruction::MaskedInput(_) => "MaskedInput",
-        SecAggInstruction::SignSurvivors(_) => "SignSurvivors",
-        SecAggInstruction::Unmask(_) => "Unmask",
-        SecAggInstruction::Done => "done",
-        SecAggInstruction::Excluded { .. } => "excluded",
-    };
-    SecureError::OutOfStep { want, got: got.into() }
+    SecureError::OutOfStep { want, got: stage_name(got).into() }
 }

@@ -76,23 +76,8 @@ pub struct TrainReport {
     pub examples: u64,
 }
 
-/// Loss and accuracy on a set of examples.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Evaluation {
-    /// Mean cross-entropy.
-    pub loss: f64,
-    /// Fraction classified correctly.
-    pub accuracy: f64,
-    /// Examples evaluated.
-    pub examples: u64,
-}
-
-impl Evaluation {
-    /// The metrics as reported to the coordinator: `accuracy` and `loss`.
-    pub fn metrics(&self) -> std::collections::BTreeMap<String, f64> {
-        [("accuracy".to_owned(), self.accuracy), ("loss".to_owned(), self.loss)].into()
-    }
-}
+/// Loss and accuracy on a set of examples (core's, since the participation machine reports it).
+pub use starling_core::participation::Evaluation;
 
 /// Trains `model` (on an autodiff `device`) on `examples`, which must fit `io`.
 pub fn train<M: Classifier>(
