@@ -7,6 +7,7 @@ use expect_test::{Expect, expect};
 
 use super::*;
 use crate::tensor::{DType, TensorSpec};
+use crate::wire::UploadTarget;
 
 mod plain;
 mod resume;
