@@ -2,7 +2,8 @@
 //!
 //! * [`model`]: a burn module built at run time from the run's declarative model spec, with
 //!   flat parameter import/export in the coordinator's schema order.
-//! * [`train`]: local training (SGD or Adam, FedProx) and evaluation.
+//! * [`train`]: local training (SGD or Adam, FedProx) and evaluation; [`trainer`]: the
+//!   hand-off to an app's own trainer in another framework.
 //! * [`examples`]: the on-device example store.
 //! * `data`: loaders for the shared datasets and federated partitioners.
 //! * [`protocol`]: fleet and admin API clients; [`participant`]: one device's participation
@@ -38,3 +39,4 @@ pub mod secure;
 #[cfg(feature = "tools")]
 pub mod simulate;
 pub mod train;
+pub mod trainer;

@@ -40,6 +40,7 @@ use crate::model::{
 use crate::protocol::{self, ClientError, FleetClient, TlsSettings, retrying};
 use crate::secure::{self, SecureError};
 use crate::train::{Evaluation, Progress, TrainError, evaluate, train_until};
+use crate::trainer::{self, ModelTensors, Trainer};
 
 pub(crate) use slots::TrainingSlots;
 pub use starling_core::participation::{
@@ -238,6 +239,9 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     /// outside the simulator.
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     training_slots: Option<Arc<TrainingSlots>>,
+    /// The app's own trainer, when the model lives in another framework: it trains and
+    /// evaluates instead of the module `factory` builds (see [`Participant::training_with`]).
+    trainer: Option<Arc<dyn Trainer>>,
 }
 
 impl Participant<FromPlan> {
@@ -267,7 +271,17 @@ impl Participant<FromPlan> {
             slowdown: None,
             seed_key: None,
             training_slots: None,
+            trainer: None,
         }
+    }
+
+    /// A participant for the coordinator at `url` whose model is trained and evaluated by the
+    /// app's own `trainer` (its examples are the trainer's business); the run's plan names the
+    /// model's tensors (`model.schema`).
+    pub fn for_trainer(url: &str, population: &str, trainer: impl Trainer) -> Self {
+        let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
+        Participant::new(url, population, nothing.clone(), nothing, Device::flex().autodiff())
+            .training_with(trainer)
     }
 }
 
@@ -291,6 +305,7 @@ impl<F: ModelFactory> Participant<F> {
             slowdown: self.slowdown,
             seed_key: self.seed_key,
             training_slots: self.training_slots,
+            trainer: self.trainer,
         }
     }
 
@@ -341,6 +356,13 @@ impl<F: ModelFactory> Participant<F> {
     /// its training leaves the round instead of training.
     pub fn with_shared_attributes(mut self, shared: Arc<Mutex<DeviceAttributes>>) -> Self {
         self.attributes = shared;
+        self
+    }
+
+    /// The same participant training and evaluating with the app's own `trainer` instead of a
+    /// burn module: the rest of the participation is the SDK's, as for its own trainer.
+    pub fn training_with(mut self, trainer: impl Trainer) -> Self {
+        self.trainer = Some(Arc::new(trainer));
         self
     }
 
@@ -471,6 +493,15 @@ impl<F: ModelFactory> Participant<F> {
             Action::FetchModel => {
                 Event::ModelReady(self.global_model(task.expect("a task's model")).await?)
             }
+            Action::Evaluate { model, on } if self.trainer.is_some() => {
+                let task = task.expect("a task's model");
+                let evaluation = self.evaluate_by_trainer(task, model).await?;
+                if evaluation.is_none() && on == EvaluationSet::HeldOutOrTraining {
+                    // An evaluation-only round needs an evaluation to report.
+                    return Err(TrainError::NoExamples.into());
+                }
+                Event::Evaluated(evaluation)
+            }
             Action::Evaluate { model, on } => {
                 let task = task.expect("a task's model");
                 let examples = match on {
@@ -484,6 +515,9 @@ impl<F: ModelFactory> Participant<F> {
                 let (run, _) = ids();
                 retrying(TRIES, || self.fleet.evaluate(run, &evaluation)).await?;
                 Event::EvaluationReported
+            }
+            Action::Train(order) if self.trainer.is_some() => {
+                self.train_by_trainer(task.expect("a task to train"), *order).await?
             }
             Action::Train(order) => {
                 self.train(task.expect("a task to train"), *order, report).await?
@@ -543,6 +577,53 @@ impl<F: ModelFactory> Participant<F> {
                 unreachable!("handled by the participation loop")
             }
         })
+    }
+
+    /// The app's trainer's evaluation of `model`, off the async threads.
+    async fn evaluate_by_trainer(
+        &self,
+        task: &TaskAssignment,
+        model: Arc<Vec<f32>>,
+    ) -> Result<Option<Evaluation>, ParticipantError> {
+        let trainer = self.trainer.clone().expect("an app trainer");
+        let schema = task.schema.clone();
+        tokio::task::spawn_blocking(move || {
+            let tensors = ModelTensors { schema: &schema, values: &model };
+            let evaluation = trainer.evaluate(tensors).map_err(TrainError::Trainer)?;
+            Ok(evaluation.map(trainer::checked_evaluation).transpose()?)
+        })
+        .await
+        .expect("the app's evaluation panicked")
+    }
+
+    /// Trains the task's model with the app's trainer, off the async threads, and prepares the
+    /// update there once what it returned is checked.
+    async fn train_by_trainer(
+        &self,
+        task: &TaskAssignment,
+        order: TrainingOrder,
+    ) -> Result<Event, ParticipantError> {
+        let TrainingOrder { model, plan, deadline_ms, recipe, .. } = order;
+        if past_deadline(deadline_ms) {
+            return Ok(Event::TrainingAbandoned);
+        }
+        let trainer = self.trainer.clone().expect("an app trainer");
+        let schema = task.schema.clone();
+        let trained = tokio::task::spawn_blocking(move || {
+            let tensors = ModelTensors { schema: &schema, values: &model };
+            let output = trainer.train(tensors, &plan).map_err(TrainError::Trainer)?;
+            let (loss, examples) = (output.loss, output.examples);
+            let values = trainer::trained_model(&schema, &model, output)?;
+            let update = recipe.prepare(&values);
+            Ok::<_, ParticipantError>(Trained { loss, examples, update })
+        })
+        .await
+        .expect("the app's trainer panicked")?;
+        // A trainer that overran the round's deadline trained for a round that is gone.
+        if past_deadline(deadline_ms) {
+            return Ok(Event::TrainingAbandoned);
+        }
+        Ok(Event::Trained(trained))
     }
 
     /// Trains the task's model as `order` says, off the async threads (in a simulated

@@ -50,6 +50,9 @@ pub enum TrainError {
     /// The caller gave the training up before it finished (its round closed meanwhile).
     #[error("training was given up: its round's report deadline passed")]
     Abandoned,
+    /// The app's own trainer failed (see `trainer::Trainer`); its explanation.
+    #[error("the app's trainer failed: {0}")]
+    Trainer(String),
 }
 
 pub use starling_core::plan::{LocalOptimizer, TrainingPlan};

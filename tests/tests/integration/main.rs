@@ -3,6 +3,7 @@
 //! link time and disk a test build costs on CI's two cores.
 
 mod aggregator_tier;
+mod app_trainer;
 mod asynchronous;
 mod cli;
 mod compression;
