@@ -13,7 +13,8 @@ use starling_client::participant::{
     Outcome, Participant, ParticipantError, ParticipantProgress, ParticipantState, Phase,
 };
 use starling_client::protocol::{FleetClient, TlsSettings};
-use starling_client::train::{Evaluation, TrainError};
+use starling_client::train::{Evaluation, LocalOptimizer, TrainError, TrainingPlan};
+use starling_client::trainer::{ModelTensors, TrainedValues, Trainer, TrainerOutput};
 use starling_core::model_spec::InputSpec;
 
 uniffi::setup_scaffolding!();
@@ -232,6 +233,146 @@ pub struct DeviceStatus {
     pub last_evaluation: Option<ModelMetrics>,
 }
 
+/// One tensor of the run's model, as an app's own trainer sees it: name, shape and values.
+#[derive(Debug, Clone, uniffi::Record)]
+pub struct NamedTensor {
+    /// Its name in the run's schema (`model.schema` in the plan).
+    pub name: String,
+    /// Its dimensions, outermost first.
+    pub shape: Vec<u64>,
+    /// Its values, row-major.
+    pub values: Vec<f32>,
+}
+
+/// The plan's training section for this round, as an app's trainer reads it.
+#[derive(Debug, Clone, uniffi::Record)]
+pub struct TrainingSettings {
+    /// Passes over the local examples.
+    pub epochs: u32,
+    /// Examples per step.
+    pub batch_size: u32,
+    /// The learning rate.
+    pub learning_rate: f64,
+    /// `sgd` or `adam`.
+    pub optimizer: String,
+    /// FedProx's proximal weight (0: plain FedAvg).
+    pub fedprox_mu: f64,
+    /// This device's seed for this round: shuffle with it, and a repeated round repeats.
+    pub seed: u64,
+}
+
+/// What an app's trainer trained.
+#[derive(Debug, Clone, uniffi::Record)]
+pub struct TrainedTensors {
+    /// Every tensor of the model it was given, in any order: the trained values, or their
+    /// change when `is_delta`.
+    pub tensors: Vec<NamedTensor>,
+    /// Whether `tensors` hold the change rather than the trained values.
+    pub is_delta: bool,
+    /// Examples trained on per epoch (the update's weight).
+    pub examples: u64,
+    /// Mean training loss.
+    pub loss: f64,
+}
+
+/// Why an app's trainer failed: raise it (Kotlin `TrainerException.Failed`) and the
+/// participation ends with nothing sent.
+#[derive(Debug, thiserror::Error, uniffi::Error)]
+pub enum TrainerError {
+    /// The trainer's explanation.
+    #[error("{reason}")]
+    Failed {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl From<uniffi::UnexpectedUniFFICallbackError> for TrainerError {
+    fn from(e: uniffi::UnexpectedUniFFICallbackError) -> Self {
+        TrainerError::Failed { reason: e.reason }
+    }
+}
+
+/// An app's own trainer (TensorFlow Lite, ExecuTorch, Core ML, PyTorch, ...): set with
+/// [`StarlingDevice::set_trainer`], it trains and evaluates the run's model on the app's own
+/// examples, and the SDK does the rest (check-in, eligibility, resumable uploads,
+/// compression, DP clipping, SecAgg+ masking, local tensors). Called on a background thread.
+#[uniffi::export(foreign)]
+pub trait AppTrainer: Send + Sync {
+    /// Trains `model` (every tensor of the run's schema, in its order) as `settings` say.
+    fn train(
+        &self,
+        model: Vec<NamedTensor>,
+        settings: TrainingSettings,
+    ) -> Result<TrainedTensors, TrainerError>;
+
+    /// Evaluates `model` on held-out examples; `None` when the app holds none out.
+    fn evaluate(&self, model: Vec<NamedTensor>) -> Result<Option<ModelMetrics>, TrainerError>;
+}
+
+/// An [`AppTrainer`] as the SDK's [`Trainer`]: named tensors across the FFI, one copy each way.
+struct ForeignTrainer(Arc<dyn AppTrainer>);
+
+fn named_tensors(model: ModelTensors<'_>) -> Vec<NamedTensor> {
+    model
+        .iter()
+        .map(|(t, values)| NamedTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            values: values.to_vec(),
+        })
+        .collect()
+}
+
+impl Trainer for ForeignTrainer {
+    fn train(&self, model: ModelTensors<'_>, plan: &TrainingPlan) -> Result<TrainerOutput, String> {
+        let settings = TrainingSettings {
+            epochs: plan.epochs,
+            batch_size: plan.batch_size,
+            learning_rate: plan.lr,
+            optimizer: match plan.optimizer {
+                LocalOptimizer::Sgd => "sgd".into(),
+                LocalOptimizer::Adam => "adam".into(),
+            },
+            fedprox_mu: plan.fedprox_mu,
+            seed: plan.seed,
+        };
+        let trained = self.0.train(named_tensors(model), settings).map_err(|e| e.to_string())?;
+        // Back in the schema's order, each tensor by name and shape.
+        let mut values = Vec::with_capacity(model.values.len());
+        for spec in &model.schema.tensors {
+            let tensor = trained.tensors.iter().find(|t| t.name == spec.name).ok_or_else(|| {
+                format!("the trainer returned no tensor {} (the run's model has it)", spec.name)
+            })?;
+            if tensor.shape != spec.shape || tensor.values.len() as u64 != spec.numel() {
+                return Err(format!(
+                    "the trainer returned {} as {:?} with {} values, the run's model has {:?}",
+                    spec.name,
+                    tensor.shape,
+                    tensor.values.len(),
+                    spec.shape
+                ));
+            }
+            values.extend_from_slice(&tensor.values);
+        }
+        let trained_values = if trained.is_delta {
+            TrainedValues::Delta(values)
+        } else {
+            TrainedValues::Model(values)
+        };
+        Ok(TrainerOutput {
+            trained: trained_values,
+            examples: trained.examples,
+            loss: trained.loss,
+        })
+    }
+
+    fn evaluate(&self, model: ModelTensors<'_>) -> Result<Option<Evaluation>, String> {
+        let metrics = self.0.evaluate(named_tensors(model)).map_err(|e| e.to_string())?;
+        Ok(metrics.map(|m| Evaluation { loss: m.loss, accuracy: m.accuracy, examples: m.examples }))
+    }
+}
+
 /// Progress of a participation, for the app's UI.
 #[uniffi::export(foreign)]
 pub trait ProgressListener: Send + Sync {
@@ -253,6 +394,8 @@ pub struct StarlingDevice {
     state: Mutex<ParticipantState>,
     activity: Mutex<Activity>,
     listener: Mutex<Option<Arc<dyn ProgressListener>>>,
+    /// The app's own trainer, once set: it trains and evaluates instead of the SDK's.
+    trainer: Mutex<Option<Arc<dyn AppTrainer>>>,
     tls: Mutex<TlsSettings>,
     /// Shared with the participation that runs, which reads them before it downloads and
     /// before it trains.
@@ -322,6 +465,7 @@ impl StarlingDevice {
             state: Mutex::new(state),
             activity: Mutex::default(),
             listener: Mutex::new(None),
+            trainer: Mutex::new(None),
             tls: Mutex::default(),
             conditions: Arc::default(),
         };
@@ -396,8 +540,9 @@ impl StarlingDevice {
     /// One participation: check in and, when selected, evaluate the global model on held-out
     /// examples, train on the rest and upload the update. Blocks until done.
     pub fn participate(&self) -> Result<ParticipationOutcome, StarlingError> {
+        let trainer = lock(&self.trainer).clone();
         let examples = lock(&self.examples).clone();
-        if examples.is_empty() {
+        if examples.is_empty() && trainer.is_none() {
             return Err(StarlingError::NoExamples);
         }
         if lock(&self.state).credential.is_none() {
@@ -405,6 +550,10 @@ impl StarlingDevice {
         }
         let (train_set, holdout) = examples.split_holdout(HOLDOUT, 0);
         let mut participant = self.participant(train_set, holdout)?;
+        if let Some(trainer) = trainer {
+            // The app's examples are its trainer's business.
+            participant = participant.training_with(ForeignTrainer(trainer));
+        }
         let listener = lock(&self.listener).clone();
         let progress = Box::new(move |p: ParticipantProgress| {
             let Some(listener) = &listener else { return };
@@ -501,6 +650,13 @@ impl StarlingDevice {
     /// Writes the durable state to the storage directory (done after every change anyway).
     pub fn save_state(&self) -> Result<(), StarlingError> {
         lock(&self.state).save(&self.state_path).map_err(storage)
+    }
+
+    /// Trains and evaluates with the app's own `trainer` from now on, instead of the SDK's
+    /// trainer on the examples added: for runs whose plan names only the model's tensors,
+    /// trained in the app's framework. The examples added are not used then.
+    pub fn set_trainer(&self, trainer: Arc<dyn AppTrainer>) {
+        *lock(&self.trainer) = Some(trainer);
     }
 
     /// Receives progress from now on (replacing any earlier listener).

@@ -6,6 +6,7 @@ directory in STARLING_COORDINATOR_BIN and STARLING_DIGITS_DIR.
 """
 
 import json
+import math
 import os
 import socket
 import ssl
@@ -243,6 +244,134 @@ class MobileBindings(unittest.TestCase):
         gone.add_examples(self.features[0], [self.labels[0]])
         with self.assertRaises(sm.StarlingError.Unreachable):
             gone.participate()
+
+
+SOFTMAX = {"tensors": [
+    {"name": "weight", "shape": [10, 64], "dtype": "f32"},
+    {"name": "bias", "shape": [10], "dtype": "f32"},
+]}
+
+
+def softmax_scores(weight, bias, x):
+    z = [bias[c] + sum(w * v for w, v in zip(weight[c * 64:(c + 1) * 64], x)) for c in range(10)]
+    top = max(z)
+    e = [math.exp(v - top) for v in z]
+    total = sum(e)
+    return [v / total for v in e]
+
+
+class SoftmaxTrainer(sm.AppTrainer):
+    """An app's own trainer, in Python: SGD on softmax regression over its own digits."""
+
+    def __init__(self, train, holdout):
+        self.train_set, self.holdout = train, holdout
+        self.rounds = 0
+
+    def train(self, model, settings):
+        tensors = {t.name: list(t.values) for t in model}
+        weight, bias = tensors["weight"], tensors["bias"]
+        lr, loss = settings.learning_rate, 0.0
+        for _ in range(settings.epochs):
+            loss = 0.0
+            for x, y in zip(*self.train_set):
+                p = softmax_scores(weight, bias, x)
+                loss -= math.log(max(p[y], 1e-12))
+                for c in range(10):
+                    g = p[c] - (1.0 if c == y else 0.0)
+                    if g:
+                        row = c * 64
+                        for j, v in enumerate(x):
+                            if v:
+                                weight[row + j] -= lr * g * v
+                        bias[c] -= lr * g
+        self.rounds += 1
+        n = len(self.train_set[1])
+        return sm.TrainedTensors(
+            tensors=[sm.NamedTensor(name=t.name, shape=t.shape, values=tensors[t.name]) for t in model],
+            is_delta=False, examples=n, loss=loss / n,
+        )
+
+    def evaluate(self, model):
+        tensors = {t.name: t.values for t in model}
+        xs, ys = self.holdout
+        correct, loss = 0, 0.0
+        for x, y in zip(xs, ys):
+            p = softmax_scores(tensors["weight"], tensors["bias"], x)
+            correct += max(range(10), key=lambda c: p[c]) == y
+            loss -= math.log(max(p[y], 1e-12))
+        return sm.ModelMetrics(accuracy=correct / len(ys), loss=loss / len(ys), examples=len(ys))
+
+
+class Raising(sm.AppTrainer):
+    def train(self, model, settings):
+        raise sm.TrainerError.Failed("the app's model file is missing")
+
+    def evaluate(self, model):
+        return None
+
+
+class AppTrainerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Coordinator()
+        cls.features, cls.labels = digits()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+
+    def schema_run(self, population, rounds):
+        return self.c.admin("POST", "/v1/admin/runs", {
+            "population": population,
+            "model": {"schema": SOFTMAX, "init": {"kind": "zeros"}},
+            "training": {"epochs": 1, "batch_size": 1, "lr": 0.1},
+            "cohort_size": 1, "min_quorum": 1, "over_selection": 1.0,
+            "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": rounds,
+        })
+
+    def device(self, population, trainer):
+        token = self.c.admin(
+            "POST", "/v1/admin/enrollment-tokens", {"uses": 1, "populations": [population]}
+        )["token"]
+        device = sm.StarlingDevice(self.c.url, population, None, tempfile.mkdtemp(), SHAPE)
+        device.enroll(token)
+        device.set_trainer(trainer)
+        return device
+
+    def test_a_python_trainer_trains_a_run_of_named_tensors_and_the_model_improves(self):
+        self.schema_run("py-trainers", 3)
+        trainer = SoftmaxTrainer(
+            (self.features[:300], self.labels[:300]), (self.features[1500:1700], self.labels[1500:1700])
+        )
+        device = self.device("py-trainers", trainer)
+        accuracies, deadline = [], time.time() + 120
+        while len(accuracies) < 3:
+            self.assertLess(time.time(), deadline, accuracies)
+            outcome = device.participate()
+            if isinstance(outcome, sm.ParticipationOutcome.UPLOADED):
+                accuracies.append(outcome.evaluation.accuracy)
+            else:
+                time.sleep(0.2)
+        self.assertEqual(trainer.rounds, 3)
+        # The zero model scores one class in ten; two rounds of the trainer's SGD far more.
+        self.assertGreater(accuracies[-1], accuracies[0] + 0.5, accuracies)
+
+    def test_a_trainer_that_raises_fails_the_participation_and_sends_nothing(self):
+        run = self.schema_run("py-raising", 1)
+        device = self.device("py-raising", Raising())
+        deadline = time.time() + 60
+        while True:
+            self.assertLess(time.time(), deadline, "never selected")
+            try:
+                outcome = device.participate()
+            except sm.StarlingError.Training as e:
+                self.assertIn("the app's model file is missing", str(e))
+                break
+            self.assertIsInstance(outcome, sm.ParticipationOutcome.COME_BACK_LATER)
+            time.sleep(0.2)
+        rounds = self.c.admin("GET", f"/v1/admin/runs/{run['id']}/rounds")
+        self.assertEqual(rounds[0]["n_reported"], 0)
+        self.assertEqual(device.status().uploads, 0)
 
 
 class TlsTest(unittest.TestCase):

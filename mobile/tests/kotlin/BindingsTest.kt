@@ -14,12 +14,18 @@ import java.net.http.HttpRequest
 import java.net.http.HttpResponse
 import java.nio.file.Files
 import kotlin.system.exitProcess
+import uniffi.starling_mobile.AppTrainer
 import uniffi.starling_mobile.DeviceConditions
 import uniffi.starling_mobile.ExampleShape
+import uniffi.starling_mobile.ModelMetrics
+import uniffi.starling_mobile.NamedTensor
 import uniffi.starling_mobile.ParticipationOutcome
 import uniffi.starling_mobile.ProgressListener
 import uniffi.starling_mobile.StarlingDevice
 import uniffi.starling_mobile.StarlingException
+import uniffi.starling_mobile.TrainedTensors
+import uniffi.starling_mobile.TrainerException
+import uniffi.starling_mobile.TrainingSettings
 
 val TOKEN = "kotlin-test-operator-${ProcessHandle.current().pid()}"
 val SHAPE = ExampleShape.Image(channels = 1uL, height = 8uL, width = 8uL)
@@ -251,11 +257,135 @@ fun badInputRaisesTypedExceptions(c: Coordinator) {
     listOf(device, gone).forEach { it.close() }
 }
 
+/** Softmax regression's class probabilities for one example (weight 10x64, then bias). */
+fun softmax(weight: FloatArray, bias: FloatArray, x: List<Float>): DoubleArray {
+    val z = DoubleArray(10) { c -> bias[c] + (0 until 64).sumOf { j -> (weight[c * 64 + j] * x[j]).toDouble() } }
+    val top = z.max()
+    val e = z.map { Math.exp(it - top) }
+    val total = e.sum()
+    return DoubleArray(10) { e[it] / total }
+}
+
+/** An app's own trainer, written in Kotlin: SGD on softmax regression over its own digits, the
+ * way an Android app would hand the SDK its TFLite or ExecuTorch training. */
+class KotlinSoftmaxTrainer(
+    private val train: Pair<List<List<Float>>, List<UInt>>,
+    private val holdout: Pair<List<List<Float>>, List<UInt>>,
+) : AppTrainer {
+    @Volatile var rounds = 0
+
+    override fun train(model: List<NamedTensor>, settings: TrainingSettings): TrainedTensors {
+        val weight = model.first { it.name == "weight" }.values.toFloatArray()
+        val bias = model.first { it.name == "bias" }.values.toFloatArray()
+        var loss = 0.0
+        repeat(settings.epochs.toInt()) {
+            loss = 0.0
+            for ((x, y) in train.first.zip(train.second)) {
+                val p = softmax(weight, bias, x)
+                loss -= Math.log(maxOf(p[y.toInt()], 1e-12))
+                for (c in 0 until 10) {
+                    val g = (p[c] - if (c == y.toInt()) 1.0 else 0.0) * settings.learningRate
+                    for (j in 0 until 64) weight[c * 64 + j] -= (g * x[j]).toFloat()
+                    bias[c] -= g.toFloat()
+                }
+            }
+        }
+        rounds += 1
+        val n = train.second.size
+        return TrainedTensors(
+            tensors = listOf(
+                NamedTensor("weight", listOf(10uL, 64uL), weight.toList()),
+                NamedTensor("bias", listOf(10uL), bias.toList()),
+            ),
+            isDelta = false,
+            examples = n.toULong(),
+            loss = loss / n,
+        )
+    }
+
+    override fun evaluate(model: List<NamedTensor>): ModelMetrics? {
+        val weight = model.first { it.name == "weight" }.values.toFloatArray()
+        val bias = model.first { it.name == "bias" }.values.toFloatArray()
+        var correct = 0
+        var loss = 0.0
+        for ((x, y) in holdout.first.zip(holdout.second)) {
+            val p = softmax(weight, bias, x)
+            if (p.indices.maxBy { p[it] } == y.toInt()) correct += 1
+            loss -= Math.log(maxOf(p[y.toInt()], 1e-12))
+        }
+        val n = holdout.second.size
+        return ModelMetrics(accuracy = correct.toDouble() / n, loss = loss / n, examples = n.toULong())
+    }
+}
+
+fun schemaRun(population: String, rounds: Int): String = """
+    {"population": "$population",
+     "model": {"schema": {"tensors": [{"name": "weight", "shape": [10, 64], "dtype": "f32"},
+                                      {"name": "bias", "shape": [10], "dtype": "f32"}]},
+               "init": {"kind": "zeros"}},
+     "training": {"epochs": 1, "batch_size": 1, "lr": 0.1},
+     "cohort_size": 1, "min_quorum": 1, "over_selection": 1.0,
+     "selection_timeout_secs": 30, "reporting_timeout_secs": 60, "rounds": $rounds}
+"""
+
+/** A device whose model the app trains with its own trainer, in Kotlin: the SDK does the
+ * check-in, download and upload; the run's model improves. A trainer that throws fails the
+ * participation and nothing is sent. */
+fun aKotlinTrainerTrainsARunOfNamedTensors(c: Coordinator) {
+    val (features, labels) = digits()
+    c.admin("POST", "/v1/admin/runs", schemaRun("kotlin-trainers", 3))
+    val trainer = KotlinSoftmaxTrainer(
+        features.take(300) to labels.take(300),
+        features.subList(1500, 1700) to labels.subList(1500, 1700),
+    )
+    val device = StarlingDevice(c.url, "kotlin-trainers", null, Files.createTempDirectory("starling-device").toString(), SHAPE)
+    device.enroll(c.enrollmentToken("kotlin-trainers"))
+    device.setTrainer(trainer)
+    val accuracies = mutableListOf<Double>()
+    val deadline = System.currentTimeMillis() + DEADLINE_MS
+    while (accuracies.size < 3) {
+        check(System.currentTimeMillis() < deadline) { "3 uploads not done within $DEADLINE_MS ms: $accuracies" }
+        when (val outcome = device.participate()) {
+            is ParticipationOutcome.Uploaded -> accuracies.add(checkNotNull(outcome.evaluation).accuracy)
+            else -> Thread.sleep(200)
+        }
+    }
+    check(trainer.rounds == 3) { "the Kotlin trainer trained ${trainer.rounds} times" }
+    // The zero model scores one class in ten; two rounds of the Kotlin trainer's SGD far more.
+    check(accuracies.last() > accuracies.first() + 0.5) { "$accuracies" }
+    device.close()
+
+    val run = c.admin("POST", "/v1/admin/runs", schemaRun("kotlin-throwing", 1))
+    val throwing = StarlingDevice(c.url, "kotlin-throwing", null, Files.createTempDirectory("starling-device").toString(), SHAPE)
+    throwing.enroll(c.enrollmentToken("kotlin-throwing"))
+    throwing.setTrainer(object : AppTrainer {
+        override fun train(model: List<NamedTensor>, settings: TrainingSettings): TrainedTensors =
+            throw TrainerException.Failed("the TFLite model file is missing")
+        override fun evaluate(model: List<NamedTensor>): ModelMetrics? = null
+    })
+    val until = System.currentTimeMillis() + DEADLINE_MS
+    while (true) {
+        check(System.currentTimeMillis() < until) { "never selected within $DEADLINE_MS ms" }
+        try {
+            check(throwing.participate() is ParticipationOutcome.ComeBackLater)
+            Thread.sleep(200)
+        } catch (e: StarlingException.Training) {
+            check("the TFLite model file is missing" in e.reason) { e.reason }
+            break
+        }
+    }
+    val rounds = c.admin("GET", "/v1/admin/runs/${field(run, "id")}/rounds")
+    check(field(rounds, "n_reported") == "0") { rounds }
+    check(throwing.status().uploads == 0uL)
+    throwing.close()
+}
+
 fun main() {
     val tests = listOf(
         ::aDeviceParticipatesAndTheGlobalModelImproves,
         ::aDeviceUnpluggedAfterItsCheckInDoesNotTrain,
         ::badInputRaisesTypedExceptions,
+        ::aKotlinTrainerTrainsARunOfNamedTensors,
     )
     var failed = 0
     Coordinator().use { c ->
