@@ -30,7 +30,8 @@ use starling_core::participation::{
 };
 use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::TensorSchema;
-use starling_core::wire::{ErrorCode, TaskAssignment};
+use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest, UploadTarget};
+use starling_core::{RoundIdx, RunId};
 
 use crate::examples::Examples;
 use crate::model::{
@@ -528,32 +529,7 @@ impl<F: ModelFactory> Participant<F> {
             }
             Action::Upload { run_id, round_idx, to } => {
                 let upload = machine.upload_request().expect("an upload to send");
-                let send = || {
-                    retrying(TRIES, || async {
-                        match &to {
-                            Some(target) => {
-                                let fleet = &self.fleet;
-                                fleet.upload_to_aggregator(target, run_id, round_idx, upload).await
-                            }
-                            None => self.fleet.upload(run_id, round_idx, upload).await,
-                        }
-                    })
-                };
-                // "Another upload from this device is in progress": the request of a process
-                // killed mid-upload, which the coordinator is still finishing. Once it is done,
-                // this one lands or is a duplicate.
-                let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
-                let mut sent = send().await;
-                for _ in 1..TRIES {
-                    match &sent {
-                        Err(e) if e.code() == Some(ErrorCode::Conflict) => {
-                            tokio::time::sleep(backoff.next_delay()).await;
-                            sent = send().await;
-                        }
-                        _ => break,
-                    }
-                }
-                sent?;
+                self.upload(run_id, round_idx, to.as_ref(), upload).await?;
                 Event::Uploaded
             }
             Action::SecureSend(message) => {
@@ -577,6 +553,42 @@ impl<F: ModelFactory> Participant<F> {
                 unreachable!("handled by the participation loop")
             }
         })
+    }
+
+    /// Sends an upload (with retries) to the assigned aggregator, or else to the coordinator.
+    async fn upload(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        to: Option<&UploadTarget>,
+        upload: &UploadRequest,
+    ) -> Result<(), ParticipantError> {
+        let send = || {
+            retrying(TRIES, || async {
+                match to {
+                    Some(target) => {
+                        self.fleet.upload_to_aggregator(target, run_id, round_idx, upload).await
+                    }
+                    None => self.fleet.upload(run_id, round_idx, upload).await,
+                }
+            })
+        };
+        // "Another upload from this device is in progress": the request of a process killed
+        // mid-upload, which the coordinator is still finishing. Once it is done, this one
+        // lands or is a duplicate.
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+        let mut sent = send().await;
+        for _ in 1..TRIES {
+            match &sent {
+                Err(e) if e.code() == Some(ErrorCode::Conflict) => {
+                    tokio::time::sleep(backoff.next_delay()).await;
+                    sent = send().await;
+                }
+                _ => break,
+            }
+        }
+        sent?;
+        Ok(())
     }
 
     /// The app's trainer's evaluation of `model`, off the async threads.
@@ -613,7 +625,10 @@ impl<F: ModelFactory> Participant<F> {
             let tensors = ModelTensors { schema: &schema, values: &model };
             let output = trainer.train(tensors, &plan).map_err(TrainError::Trainer)?;
             let (loss, examples) = (output.loss, output.examples);
-            let values = trainer::trained_model(&schema, &model, output)?;
+            let values = trainer::trained_model(&schema, &model, output).map_err(|e| match e {
+                trainer::Unusable::Length(why) => ParticipantError::SchemaMismatch(why),
+                trainer::Unusable::Values(e) => ParticipantError::Train(e),
+            })?;
             let update = recipe.prepare(&values);
             Ok::<_, ParticipantError>(Trained { loss, examples, update })
         })
@@ -891,7 +906,6 @@ fn log_notice(task: Option<&TaskAssignment>, notice: &Notice) {
 mod tests {
     use super::*;
     use starling_core::participation::DEADLINE_SLACK_MS;
-    use starling_core::{RoundIdx, RunId};
 
     #[test]
     fn every_device_and_round_shuffles_with_its_own_seed() {

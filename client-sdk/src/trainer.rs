@@ -74,31 +74,39 @@ pub trait Trainer: Send + Sync + 'static {
     }
 }
 
+/// Why a trainer's output cannot be sent.
+#[derive(Debug)]
+pub(crate) enum Unusable {
+    /// It is not the run's model's length: the schema's mismatch, explained.
+    Length(String),
+    /// It is not finite, or weighs nothing.
+    Values(TrainError),
+}
+
 /// The trained model's values from a trainer's output, once it fits `schema` and is usable.
 pub(crate) fn trained_model(
     schema: &TensorSchema,
     from: &[f32],
     output: TrainerOutput,
-) -> Result<Vec<f32>, crate::participant::ParticipantError> {
-    use crate::participant::ParticipantError;
+) -> Result<Vec<f32>, Unusable> {
     let (values, is_delta) = match output.trained {
         TrainedValues::Model(values) => (values, false),
         TrainedValues::Delta(values) => (values, true),
     };
-    let what = if is_delta { "delta" } else { "model" };
     if values.len() != from.len() {
-        return Err(ParticipantError::SchemaMismatch(format!(
-            "the trainer returned a {what} of {} values, the run's model has {} ({} tensors)",
+        return Err(Unusable::Length(format!(
+            "the trainer returned a {} of {} values, the run's model has {} ({} tensors)",
+            if is_delta { "delta" } else { "model" },
             values.len(),
             from.len(),
             schema.tensors.len()
         )));
     }
     if output.examples == 0 {
-        return Err(TrainError::NoExamples.into());
+        return Err(Unusable::Values(TrainError::NoExamples));
     }
     if !output.loss.is_finite() || values.iter().any(|v| !v.is_finite()) {
-        return Err(TrainError::Diverged.into());
+        return Err(Unusable::Values(TrainError::Diverged));
     }
     Ok(if is_delta { from.iter().zip(&values).map(|(f, d)| f + d).collect() } else { values })
 }
