@@ -205,3 +205,87 @@ fn a_device_without_an_identity_key_cannot_join_a_secure_round() {
         t=1000 Conditions(as reported)
           Finish(Err(Secure(NoIdentity)))"#]]);
 }
+
+/// Distributed DP: the device clips, rotates, rounds and noises its delta itself before
+/// masking (its input is the rotation's padded length), and its noise counts on the sums of at
+/// least `min_survivors` devices: a coordinator that leaves a survivor out of the sum it asks
+/// the device to sign gets no signature, so it never unmasks a sum with less noise than the ε
+/// shown assumes, though the protocol's threshold alone would allow it.
+#[test]
+fn a_distributed_dp_device_noises_its_input_and_signs_no_smaller_sum() {
+    let noise = crate::privacy::DistributedNoise::for_plan(1.0, 1.0, DELTA_LEN, 4, 4).unwrap();
+    let config = Config::with_defaults([9; 16], 4, noise.padded_len());
+    let task = SecureAggregationTask { config, distributed_noise: Some(noise), ..secure_task(1) };
+    let mut server = Server::new(config, [1; 32]).unwrap();
+    let mut t = Trace::start(enrolled());
+    t.task(TaskAssignment { secure_aggregation: Some(task), ..super::task() }).conditions();
+    let SecAggUpload::AdvertiseKeys(keys) = sent(&mut t) else { panic!("keys first") };
+    server.receive_keys(1, keys).unwrap();
+    let mut others: BTreeMap<secagg::ClientIdx, Client> = (2..=4)
+        .map(|i| {
+            let identity = DeviceIdentity::from_secret([i as u8; 32]);
+            let (client, keys) = Client::new(i, config, identity, [i as u8 + 40; 96]).unwrap();
+            server.receive_keys(i, keys).unwrap();
+            (i, client)
+        })
+        .collect();
+    let mut neighbourhoods = server.close_advertise().unwrap();
+    t.event(Event::SecureSent);
+    t.event(Event::Instruction(SecAggInstruction::ShareKeys(neighbourhoods.remove(&1).unwrap())));
+    let SecAggUpload::ShareKeys(sealed) = sent(&mut t) else { panic!("shares") };
+    server.receive_shares(1, sealed).unwrap();
+    for (i, keys) in neighbourhoods {
+        server.receive_shares(i, others.get_mut(&i).unwrap().share_keys(keys).unwrap()).unwrap();
+    }
+    t.event(Event::SecureSent).model(&[1.0, 2.0, 3.0]).conditions();
+    t.event(Event::Evaluated(None)).conditions().train(&[1.5, 1.0, 3.25]);
+    let mut requests = server.close_share_keys().unwrap();
+    t.event(Event::Instruction(SecAggInstruction::MaskedInput(requests.remove(&1).unwrap())));
+    let SecAggUpload::MaskedInput { masked, accusations, .. } = sent(&mut t) else { panic!() };
+    let y = masked.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    server.receive_masked(1, y, &accusations).unwrap();
+    // Devices 2 and 3 send their inputs; device 4's never arrives (or is left out).
+    for i in [2, 3] {
+        let request = requests.remove(&i).unwrap();
+        let y = others.get_mut(&i).unwrap().masked_input(request, &vec![0; config.len]).unwrap();
+        server.receive_masked(i, y, &[]).unwrap();
+    }
+    let check = server.close_masked().unwrap();
+    assert!(check.survivors.len() >= config.t as usize, "the threshold alone would allow it");
+    t.event(Event::SecureSent).event(Event::Instruction(SecAggInstruction::SignSurvivors(check)));
+    let state = t.finish(expect![[r#"
+        t=1000 start (pending upload: None)
+          Progress(CheckingIn)
+          CheckIn
+        t=1000 CheckedIn(Task { run: 1, round: 0, version: 0, secure: true, compression: F32, local: [] })
+          ReadConditions
+        t=1000 Conditions(as reported)
+          SecureSend(AdvertiseKeys)
+        t=1000 SecureSent
+          SecurePoll
+        t=1000 Instruction(ShareKeys)
+          SecureSend(ShareKeys to [2, 3, 4])
+        t=1000 SecureSent
+          Progress(Downloading)
+          FetchModel(m0)
+        t=1000 ModelReady([1.0, 2.0, 3.0])
+          ReadConditions
+        t=1000 Conditions(as reported)
+          Progress(Evaluating)
+          Evaluate { on: HeldOut, model: [1.0, 2.0, 3.0] }
+        t=1000 Evaluated(None)
+          ReadConditions
+        t=1000 Conditions(as reported)
+          Progress(Training)
+          Train { from: [1.0, 2.0, 3.0], trains: None, deadline: 60000, encoding: None }
+        t=1000 Trained { loss: 0.25, examples: 10, delta: [0.5, -1.0, 0.25], encoded: None }
+          Progress(Uploading)
+          SecurePoll
+        t=1000 Instruction(MaskedInput)
+          SecureSend(MaskedInput { version: 0, 4 entries, 0 accused })
+        t=1000 SecureSent
+          SecurePoll
+        t=1000 Instruction(SignSurvivors)
+          Finish(Err(Secure(Secagg(BelowThreshold { stage: "ConsistencyCheck", have: 3, need: 4 }))))"#]]);
+    assert_eq!(state.pending_upload, None);
+}
