@@ -178,8 +178,11 @@ pub struct Participation {
     evaluation: Option<Evaluation>,
     secure: Option<SecureParticipation>,
     secure_update: Option<SecureUpdate>,
-    /// The pending upload being sent; its metrics and delta are in `request`.
-    sending: Option<(PendingUpload, UploadRequest)>,
+    /// What [`Action::Upload`] sends: a trained update's request, or an evaluation-only
+    /// round's report.
+    upload: Option<UploadRequest>,
+    /// The trained update being sent; its metrics and delta moved into `upload`.
+    sending: Option<PendingUpload>,
 }
 
 impl Participation {
@@ -198,6 +201,7 @@ impl Participation {
             evaluation: None,
             secure: None,
             secure_update: None,
+            upload: None,
             sending: None,
         };
         if m.state.credential.is_none() {
@@ -233,7 +237,7 @@ impl Participation {
 
     /// The request [`Action::Upload`] sends.
     pub fn upload_request(&self) -> Option<&UploadRequest> {
-        self.sending.as_ref().map(|(_, request)| request)
+        self.upload.as_ref()
     }
 
     /// Whether the participation has ended.
@@ -572,26 +576,13 @@ impl Participation {
             metrics: evaluation.metrics(),
             delta: TensorSchema { tensors: vec![] }.encode_f32(&[]),
         };
-        let pending = PendingUpload {
-            run_id,
-            round_idx,
-            upload_to: None,
-            model_version: task.model_version,
-            example_count: evaluation.examples,
-            metrics: BTreeMap::new(),
-            schema_id: request.delta.schema_id,
-            delta: vec![],
-            train_loss: 0.0,
-            evaluation: Some(evaluation),
-            error_feedback: None,
-        };
-        self.sending = Some((pending, request));
+        self.upload = Some(request);
         self.step = Step::UploadingEvaluation(evaluation);
         self.actions.push_back(Action::Upload { run_id, round_idx, to: None });
     }
 
     fn evaluation_delivered(&mut self, evaluation: Evaluation) {
-        self.sending = None;
+        self.upload = None;
         let (run_id, round_idx) = self.ids();
         self.finish(Ok(Outcome::Evaluated { run_id, round_idx, evaluation }));
     }
@@ -700,7 +691,8 @@ impl Participation {
         };
         let (run_id, round_idx, to) =
             (pending.run_id, pending.round_idx, pending.upload_to.clone());
-        self.sending = Some((pending, request));
+        self.upload = Some(request);
+        self.sending = Some(pending);
         self.step = Step::UploadingUpdate;
         self.actions.push_back(Action::Upload { run_id, round_idx, to });
     }
@@ -708,7 +700,8 @@ impl Participation {
     /// The update is in: its residual becomes the run's error feedback, and the state without
     /// the pending upload goes to disk.
     fn delivered(&mut self) {
-        let (pending, _) = self.sending.take().expect("an upload in flight");
+        self.upload = None;
+        let pending = self.sending.take().expect("an upload in flight");
         let (run_id, round_idx) = (pending.run_id, pending.round_idx);
         if let Some(feedback) = pending.error_feedback {
             self.state.error_feedback = Some((run_id, feedback));
@@ -723,15 +716,15 @@ impl Participation {
     }
 
     fn upload_refused(&mut self, refusal: Refusal) {
-        let (mut pending, request) = self.sending.take().expect("an upload in flight");
+        // A resent update whose first attempt landed is a duplicate: it is in.
+        if refusal.code == Some(ErrorCode::DuplicateUpload) {
+            return self.delivered();
+        }
+        let request = self.upload.take().expect("an upload in flight");
+        let mut pending = self.sending.take().expect("an upload in flight");
         let (run_id, round_idx) = (pending.run_id, pending.round_idx);
         let missed = Ok(Outcome::RoundMissed { run_id, round_idx });
         match refusal {
-            // A resent update whose first attempt landed is a duplicate: it is in.
-            Refusal { code: Some(ErrorCode::DuplicateUpload), .. } => {
-                self.sending = Some((pending, request));
-                self.delivered()
-            }
             r if closed(r) => self.persist_then(missed),
             // An aggregator that is gone takes its round's shard with it: like a round closed
             // under the device, not an error of the device's.
