@@ -27,11 +27,7 @@ impl<'a> ModelTensors<'a> {
     /// Each tensor with its values.
     pub fn iter(&self) -> impl Iterator<Item = (&'a TensorSpec, &'a [f32])> + 'a {
         let values = self.values;
-        self.schema.tensors.iter().scan(0usize, move |at, t| {
-            let start = *at;
-            *at += t.numel() as usize;
-            Some((t, &values[start..*at]))
-        })
+        self.schema.ranges().map(move |(t, range)| (t, &values[range]))
     }
 
     /// The values of the tensor named `name`.

@@ -185,6 +185,15 @@ impl TensorSchema {
         self.tensors.iter().fold(0u64, |acc, t| acc.saturating_add(t.numel()))
     }
 
+    /// Each tensor with the range of its elements in a flat model of this schema.
+    pub fn ranges(&self) -> impl Iterator<Item = (&TensorSpec, std::ops::Range<usize>)> {
+        self.tensors.iter().scan(0usize, |offset, t| {
+            let start = *offset;
+            *offset += t.numel() as usize;
+            Some((t, start..*offset))
+        })
+    }
+
     /// Bytes of a payload in this schema (saturating, like [`TensorSpec::numel`]).
     pub fn byte_len(&self) -> u64 {
         self.tensors.iter().fold(0u64, |acc, t| {

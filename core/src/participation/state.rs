@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::compression::ErrorFeedback;
-use crate::tensor::{SchemaId, TensorSchema, TensorSpec, f32_from_le_bytes, f32_to_le_bytes};
+use crate::tensor::{SchemaId, TensorSchema, f32_from_le_bytes, f32_to_le_bytes};
 use crate::wire::UploadTarget;
 use crate::{DeviceId, ModelVersion, RoundIdx, RunId};
 
@@ -138,19 +138,11 @@ pub struct LocalTensor {
     pub values: Vec<u8>,
 }
 
-/// Each tensor of `schema` with its element range in a flat model.
-fn ranges(schema: &TensorSchema) -> impl Iterator<Item = (&TensorSpec, std::ops::Range<usize>)> {
-    schema.tensors.iter().scan(0usize, |offset, t| {
-        let start = *offset;
-        *offset += t.numel() as usize;
-        Some((t, start..*offset))
-    })
-}
-
 impl LocalPart {
     /// The tensors of `model` (laid out in `schema`) that `names` lists.
     pub fn of(run_id: RunId, schema: &TensorSchema, model: &[f32], names: &[String]) -> Self {
-        let tensors = ranges(schema)
+        let tensors = schema
+            .ranges()
             .filter(|(t, _)| names.contains(&t.name))
             .map(|(t, r)| LocalTensor {
                 name: t.name.clone(),
@@ -169,7 +161,7 @@ impl LocalPart {
         mut model: Vec<f32>,
         names: &[String],
     ) -> Vec<f32> {
-        for (t, r) in ranges(schema).filter(|(t, _)| names.contains(&t.name)) {
+        for (t, r) in schema.ranges().filter(|(t, _)| names.contains(&t.name)) {
             let kept = self.tensors.iter().find(|k| k.name == t.name && k.shape == t.shape);
             if let Some(kept) = kept.filter(|k| k.values.len() == r.len() * 4) {
                 model[r].copy_from_slice(&f32_from_le_bytes(&kept.values));
