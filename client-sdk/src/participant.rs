@@ -25,8 +25,8 @@ use starling_core::backoff::Backoff;
 use starling_core::eligibility::DeviceAttributes;
 use starling_core::model_spec::ModelSpec;
 use starling_core::participation::{
-    self, Action, Entropy, EvaluationSet, Event, Failure, Participation, Refusal, SecureFailure,
-    Settings, Trained, TrainingOrder,
+    self, Action, Entropy, EvaluationSet, Event, Failure, Participation, Refusal, Settings,
+    Trained, TrainingOrder,
 };
 use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::TensorSchema;
@@ -427,8 +427,6 @@ impl<F: ModelFactory> Participant<F> {
         Ok(res.device_id)
     }
 
-    /// One participation: check in, and if selected, evaluate, train and upload. A device
-    /// holding an update it trained and could not yet deliver sends that instead, without
     /// One participation: check in, and if selected, evaluate, train and upload. A device
     /// holding an update it trained and could not yet deliver sends that instead, without
     /// checking in. The steps and their order are core's participation machine; this drives
@@ -873,14 +871,7 @@ fn participant_error(failure: Failure, step: Option<ParticipantError>) -> Partic
         },
         Failure::SchemaMismatch(why) => ParticipantError::SchemaMismatch(why),
         Failure::TrainingConfig(why) => ParticipantError::Train(TrainError::Config(why)),
-        Failure::Secure(failure) => ParticipantError::SecureAggregation(match failure {
-            SecureFailure::Secagg(e) => SecureError::Secagg(e),
-            SecureFailure::NoIdentity => SecureError::NoIdentity,
-            SecureFailure::OutOfStep { want, got } => {
-                SecureError::OutOfStep { want, got: got.into() }
-            }
-            other => SecureError::Excluded(other.to_string()),
-        }),
+        Failure::Secure(failure) => ParticipantError::SecureAggregation(failure.into()),
         other => ParticipantError::Participation(other.to_string()),
     }
 }

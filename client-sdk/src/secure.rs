@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use starling_core::participation::{Entropy, SecureParticipation, stage_name};
+use starling_core::participation::{Entropy, SecureFailure, SecureParticipation, stage_name};
 use starling_core::secagg::{self, SecAggError};
 use starling_core::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
 use starling_core::{ModelVersion, RoundIdx, RunId};
@@ -29,22 +29,17 @@ pub enum SecureError {
     /// The round goes on without this device (it missed a stage), or failed.
     #[error("excluded from the secure round: {0}")]
     Excluded(String),
-    /// The coordinator's message does not fit the protocol (e.g. a neighbourhood that leaves
-    /// too few neighbours); nothing secret was sent.
-    #[error("secure aggregation: {0}")]
-    Secagg(#[from] SecAggError),
-    /// The device has no identity key to sign its keys with: it enrolled before identities, or
-    /// was given a credential alone. Enrolling it again registers one.
-    #[error("this device has no identity key, which secure runs need: enroll it again")]
-    NoIdentity,
-    /// The coordinator asked for another stage than the one this device is in.
-    #[error("the coordinator asked for {got} while the device waited for {want}")]
-    OutOfStep {
-        /// What the device waited for.
-        want: &'static str,
-        /// What it was asked.
-        got: String,
-    },
+    /// This device could not go on: the coordinator's message does not fit the protocol, it
+    /// asked for another stage, or the device has no identity key (the same reasons the
+    /// participation machine gives; nothing secret was sent).
+    #[error(transparent)]
+    Device(#[from] SecureFailure),
+}
+
+impl From<SecAggError> for SecureError {
+    fn from(e: SecAggError) -> Self {
+        SecureError::Device(SecureFailure::Secagg(e))
+    }
 }
 
 /// One device in one secure round.
@@ -73,7 +68,7 @@ impl SecureSession {
         round_idx: RoundIdx,
         task: SecureAggregationTask,
     ) -> Result<Self, SecureError> {
-        let identity = fleet.identity().cloned().ok_or(SecureError::NoIdentity)?;
+        let identity = fleet.identity().cloned().ok_or(SecureFailure::NoIdentity)?;
         let mut entropy = Entropy { keys: [0; 96], noise: [0; 32] };
         getrandom::fill(&mut entropy.keys).expect("the OS random source failed");
         getrandom::fill(&mut entropy.noise).expect("the OS random source failed");
@@ -166,7 +161,7 @@ impl SecureSession {
                     return Err(SecureError::Excluded(reason));
                 }
                 SecAggInstruction::Done => {
-                    return Err(SecureError::OutOfStep { want, got: "done".into() });
+                    return Err(SecureFailure::OutOfStep { want, got: "done" }.into());
                 }
                 other => return Ok(other),
             }
@@ -175,5 +170,5 @@ impl SecureSession {
 }
 
 fn out_of_step(want: &'static str, got: &SecAggInstruction) -> SecureError {
-    SecureError::OutOfStep { want, got: stage_name(got).into() }
+    SecureFailure::OutOfStep { want, got: stage_name(got) }.into()
 }
