@@ -541,17 +541,22 @@ impl StarlingDevice {
     /// examples, train on the rest and upload the update. Blocks until done.
     pub fn participate(&self) -> Result<ParticipationOutcome, StarlingError> {
         let trainer = lock(&self.trainer).clone();
-        let examples = lock(&self.examples).clone();
-        if examples.is_empty() && trainer.is_none() {
-            return Err(StarlingError::NoExamples);
-        }
+        // With the app's own trainer, its examples are its business: none are copied here.
+        let (train_set, holdout) = match &trainer {
+            Some(_) => (Examples::new(self.input()), Examples::new(self.input())),
+            None => {
+                let examples = lock(&self.examples).clone();
+                if examples.is_empty() {
+                    return Err(StarlingError::NoExamples);
+                }
+                examples.split_holdout(HOLDOUT, 0)
+            }
+        };
         if lock(&self.state).credential.is_none() {
             return Err(StarlingError::NotEnrolled);
         }
-        let (train_set, holdout) = examples.split_holdout(HOLDOUT, 0);
         let mut participant = self.participant(train_set, holdout)?;
         if let Some(trainer) = trainer {
-            // The app's examples are its trainer's business.
             participant = participant.training_with(ForeignTrainer(trainer));
         }
         let listener = lock(&self.listener).clone();
