@@ -724,3 +724,20 @@ pub fn version(task: &TaskAssignment) -> i64 {
     let ModelVersion(v) = task.model_version;
     v
 }
+
+/// A progress callback that sends the coordinator process `pid` the signal `signal` (`STOP`,
+/// `KILL`) when the participation reaches `phase`.
+pub fn signal_at(
+    pid: u32,
+    phase: starling_client::participant::Phase,
+    signal: &'static str,
+) -> starling_client::participant::ProgressCallback {
+    Box::new(move |p| {
+        if p == starling_client::participant::ParticipantProgress::Phase(phase) {
+            let sent = std::process::Command::new("kill")
+                .args([format!("-{signal}"), pid.to_string()])
+                .status();
+            assert!(sent.unwrap().success(), "kill -{signal} {pid}");
+        }
+    })
+}

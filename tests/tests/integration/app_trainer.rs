@@ -17,8 +17,8 @@ use starling_client::trainer::{ModelTensors, TrainedValues, Trainer, TrainerOutp
 use starling_core::RunId;
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 use starling_tests::{
-    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, sqlite_db, start_in_process,
-    wait_model,
+    ChildCoordinator, OPERATOR_TOKEN, free_addr, shared_data, signal_at, sqlite_db,
+    start_in_process, wait_model,
 };
 
 const CLASSES: usize = 10;
@@ -270,14 +270,7 @@ async fn an_apps_trained_update_survives_a_kill_before_its_upload_is_answered() 
     first.enroll(&token).await.unwrap();
     first.state().save(&state_file).unwrap();
 
-    let pid = coordinator.pid();
-    let stop_at_training = Box::new(move |p: ParticipantProgress| {
-        if p == ParticipantProgress::Phase(Phase::Training) {
-            let sent =
-                std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status();
-            assert!(sent.unwrap().success(), "kill -STOP {pid}");
-        }
-    });
+    let stop_at_training = signal_at(coordinator.pid(), Phase::Training, "STOP");
     let participation = tokio::spawn(async move { first.participate(stop_at_training).await });
     let pending = starling_tests::wait_for(
         "the trained update in the state file",

@@ -21,7 +21,7 @@ use starling_core::model_spec::InputSpec;
 use starling_core::{RoundIdx, RunId};
 use starling_tests::{
     ChildCoordinator, OPERATOR_TOKEN, RestartableCoordinator, free_addr, mlp_plan, shared_data,
-    sqlite_db, start_in_process, wait_model,
+    signal_at, sqlite_db, start_in_process, wait_model,
 };
 use std::time::Duration;
 
@@ -238,19 +238,6 @@ async fn one_device_run(
     let token = admin.enrollment_token(1).await.unwrap();
     let (train, hold) = digits.subset(&(0..300).collect::<Vec<_>>()).split_holdout(0.2, 1);
     (run, token, train, hold)
-}
-
-/// A progress callback that sends the coordinator process `pid` the signal `signal` (`STOP`,
-/// `KILL`) when the participation reaches `phase`.
-fn signal_at(pid: u32, phase: Phase, signal: &'static str) -> ProgressCallback {
-    Box::new(move |p: ParticipantProgress| {
-        if p == ParticipantProgress::Phase(phase) {
-            let sent = std::process::Command::new("kill")
-                .args([format!("-{signal}"), pid.to_string()])
-                .status();
-            assert!(sent.unwrap().success(), "kill -{signal} {pid}");
-        }
-    })
 }
 
 /// A device is not always on. This one trains, and its process dies before its upload is

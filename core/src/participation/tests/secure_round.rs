@@ -26,12 +26,12 @@ fn secure_task(index: secagg::ClientIdx) -> SecureAggregationTask {
     }
 }
 
-/// Clients 2 and 3 of the round, as plain SecAgg+ clients, each sending a zero delta.
-fn others(server: &mut Server) -> BTreeMap<secagg::ClientIdx, Client> {
-    (2..=3)
+/// Clients 2..=n of the round `config`, as plain SecAgg+ clients, their keys with `server`.
+fn others(server: &mut Server, config: Config) -> BTreeMap<secagg::ClientIdx, Client> {
+    (2..=config.n)
         .map(|i| {
             let identity = DeviceIdentity::from_secret([i as u8; 32]);
-            let (client, keys) = Client::new(i, config(), identity, [i as u8 + 40; 96]).unwrap();
+            let (client, keys) = Client::new(i, config, identity, [i as u8 + 40; 96]).unwrap();
             server.receive_keys(i, keys).unwrap();
             (i, client)
         })
@@ -50,7 +50,7 @@ fn a_secure_round_shares_keys_before_training_and_masks_after() {
     t.task(TaskAssignment { secure_aggregation: Some(secure_task(1)), ..task() }).conditions();
     let SecAggUpload::AdvertiseKeys(keys) = sent(&mut t) else { panic!("keys first") };
     server.receive_keys(1, keys).unwrap();
-    let mut others = others(&mut server);
+    let mut others = others(&mut server, config());
     t.event(Event::SecureSent);
     // The stage is still collecting: the device asks again when told.
     t.event(Event::Instruction(SecAggInstruction::Wait { retry_after_ms: 200 }));
@@ -221,14 +221,7 @@ fn a_distributed_dp_device_noises_its_input_and_signs_no_smaller_sum() {
     t.task(TaskAssignment { secure_aggregation: Some(task), ..super::task() }).conditions();
     let SecAggUpload::AdvertiseKeys(keys) = sent(&mut t) else { panic!("keys first") };
     server.receive_keys(1, keys).unwrap();
-    let mut others: BTreeMap<secagg::ClientIdx, Client> = (2..=4)
-        .map(|i| {
-            let identity = DeviceIdentity::from_secret([i as u8; 32]);
-            let (client, keys) = Client::new(i, config, identity, [i as u8 + 40; 96]).unwrap();
-            server.receive_keys(i, keys).unwrap();
-            (i, client)
-        })
-        .collect();
+    let mut others = others(&mut server, config);
     let mut neighbourhoods = server.close_advertise().unwrap();
     t.event(Event::SecureSent);
     t.event(Event::Instruction(SecAggInstruction::ShareKeys(neighbourhoods.remove(&1).unwrap())));
