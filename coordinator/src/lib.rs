@@ -366,7 +366,8 @@ async fn serve(
         builder
             .http1()
             .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(timeouts.header);
+            .header_read_timeout(timeouts.header)
+            .max_buf_size(http::CONNECTION_READ_BUFFER);
     };
     match tls {
         None => {

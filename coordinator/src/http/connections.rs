@@ -431,6 +431,20 @@ impl AsyncRead for GuardedStream {
     }
 }
 
+impl GuardedStream {
+    /// A write refused once the connection was closed to make room for another.
+    fn refuse_if_evicted(&self) -> io::Result<()> {
+        if self.conn.evicted.load(Ordering::Acquire) {
+            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "closed to make room"));
+        }
+        Ok(())
+    }
+}
+
+/// Vectored writes pass through: hyper only queues a response's body (the model cache's shared
+/// bytes) instead of copying it when the stream says it writes vectored. Copied, every
+/// connection that served a 400 kB model kept a 400 kB write buffer for as long as it stayed
+/// open, and a cohort's connections held a model each.
 impl AsyncWrite for GuardedStream {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -438,17 +452,30 @@ impl AsyncWrite for GuardedStream {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let me = self.get_mut();
-        if me.conn.evicted.load(Ordering::Acquire) {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "closed to make room",
-            )));
-        }
+        me.refuse_if_evicted()?;
         let written = ready!(Pin::new(&mut me.inner).poll_write(cx, data))?;
         if written > 0 {
             me.touch();
         }
         Poll::Ready(Ok(written))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        me.refuse_if_evicted()?;
+        let written = ready!(Pin::new(&mut me.inner).poll_write_vectored(cx, bufs))?;
+        if written > 0 {
+            me.touch();
+        }
+        Poll::Ready(Ok(written))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
