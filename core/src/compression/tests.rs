@@ -365,3 +365,24 @@ fn fields_a_kind_does_not_have_are_refused() {
         Compression::Int8 { block: 8 }
     );
 }
+
+/// The norm's eight running sums add up to the sum of the decoded values' squares, whatever the
+/// length's remainder by eight, in every encoding.
+#[test]
+fn the_norm_is_the_sum_of_the_decoded_squares() {
+    for c in [
+        Compression::F32,
+        Compression::F16,
+        Compression::Int8 { block: 4 },
+        Compression::TopK { fraction: 0.5 },
+    ] {
+        for n in [0, 1, 7, 8, 9, 23] {
+            let delta: Vec<f32> = (0..n).map(|i| (i as f32 - 5.5) * 0.37).collect();
+            let bytes = c.encode(&delta, &mut SplitMix64(3), &mut ErrorFeedback::default());
+            let decoded = c.validate(n, bytes).unwrap();
+            let by_one: f64 = decoded.to_f32().iter().map(|&v| f64::from(v).powi(2)).sum();
+            let norm = decoded.norm_squared();
+            assert!((norm - by_one).abs() <= 1e-12 * by_one, "{c:?}, n = {n}: {norm} ≠ {by_one}");
+        }
+    }
+}
