@@ -328,6 +328,19 @@ impl FleetClient {
         round: RoundIdx,
         update: &UploadRequest,
     ) -> Result<UploadAck, ClientError> {
+        let body = codec::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.post_to_aggregator(target, run, round, body).await
+    }
+
+    /// Posts an update already encoded (a CBOR [`UploadRequest`]) to the aggregator the
+    /// coordinator assigned: [`Self::upload_to_aggregator`] for callers that hold the bytes.
+    pub async fn post_to_aggregator(
+        &self,
+        target: &UploadTarget,
+        run: RunId,
+        round: RoundIdx,
+        body: impl Into<reqwest::Body>,
+    ) -> Result<UploadAck, ClientError> {
         if self.base.starts_with("https://") && !target.url.starts_with("https://") {
             // A coordinator reached over TLS that sends the update to a plain-HTTP address
             // (misconfigured, or someone on the path rewriting the task) would expose it.
@@ -336,7 +349,6 @@ impl FleetClient {
                 target.url
             )));
         }
-        let body = codec::to_vec(update).map_err(|e| ClientError::Decode(e.to_string()))?;
         let url = format!("{}{}", target.url.trim_end_matches('/'), path::upload(run, round));
         let res = self
             .http
@@ -386,7 +398,7 @@ impl FleetClient {
     pub async fn post_raw(
         &self,
         path: &str,
-        body: Vec<u8>,
+        body: impl Into<reqwest::Body>,
         content_type: &str,
     ) -> Result<(StatusCode, Vec<u8>), ClientError> {
         let res = self
