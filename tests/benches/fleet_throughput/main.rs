@@ -1,75 +1,80 @@
-//! Fleet throughput: N devices × P float32 parameters over real HTTP into a Postgres-backed
-//! coordinator process; reports rounds/s, updates/s, upload MB/s and the coordinator's peak RSS.
+//! The fleet load generator: N protocol-level devices (enrolled in bulk; check-in, model
+//! download, upload of pre-built deltas; no training) over M connections into a Postgres-backed
+//! coordinator process, reporting rounds/s, check-ins/s, request latencies (p50 / p99 / max),
+//! the coordinator's peak RSS, and the CPU of the coordinator, Postgres and the generator
+//! itself, so a figure can say whether the generator was the bottleneck.
 //!
-//! Run with `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput`
-//! (`cargo xtask postgres` prints a URL). Optional arguments pick configurations, any `NxP`, e.g. `2000x100000`,
-//! and `--compression int8` (or `f16`, `bf16`, `top_k:0.01`, ...) makes the run's devices upload
-//! compressed deltas (the MB/round column is what they send), `--model-download int8` (or
-//! `f16`, `bf16`) download the model compressed, `--rounds 20` measures more rounds than
-//! the default (five for the large models), for comparisons finer than one pass's noise, and
-//! `--checkpoint-interval 5` sets the plan's `checkpoint_interval` (models written every fifth
-//! version instead of every one).
-//! The per-device rate limit is off: ten devices making a round's three requests several
-//! times a second are the load being measured.
-//! Each configuration gets a fresh database and a fresh coordinator process, so the peak RSS
-//! (`VmHWM`) is that configuration's alone. A first, unmeasured round warms it up (connections
-//! opened, pools filled), so the figures are a running fleet's rounds.
+//! `DATABASE_URL=postgres://... cargo bench -p starling-tests --bench fleet_throughput -- NxP`
+//! (`cargo xtask postgres` prints a URL; any `NxP`, e.g. `10000x100000`; without one, a
+//! default table). Options:
+//!
+//! * `--connections M`: connections the devices share (default 64); each carries one
+//!   device's visit at a time, so the coordinator sees exactly M.
+//! * `--arrival-rate R`: visits start at R per second with exponential gaps (default: as fast
+//!   as the connections go).
+//! * `--rounds K`: measured rounds (after one unmeasured warm-up round).
+//! * `--compression ENC` (`int8`, `f16`, `top_k:0.01`, ...): the devices' upload encoding;
+//!   `--model-download ENC`: the model's download encoding; `--checkpoint-interval K`: the
+//!   plan's `checkpoint_interval`.
+//! * `--check-in-rate R [--seconds S]`: instead of rounds, random devices of the N check in at
+//!   R per second for S seconds (default 30) while one round is open: the check-in latency of
+//!   a large enrolled population.
+//!
+//! Every round's final model is checked against the exact FedAvg of the deltas sent (f32
+//! uploads), and every round's durable update count against the acknowledgements: a figure
+//! from a round that lost an update, or folded one wrongly, is never printed.
+//! Each configuration gets a fresh database and coordinator process (its `VmHWM` is that
+//! configuration's alone); the per-device rate limit and the per-address connection cap are
+//! off, since every device here comes from one address.
 
-use starling_core::codec;
+mod fleet;
+mod measure;
+
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{Context, bail};
-use futures_util::StreamExt;
-use futures_util::stream;
+use anyhow::{Context, bail, ensure};
 use sqlx::Connection;
 use starling_client::protocol::{AdminClient, FleetClient};
-use starling_core::RunId;
 use starling_core::compression::{Compression, ErrorFeedback};
 use starling_core::rng::SplitMix64;
 use starling_core::tensor::TensorPayload;
-use starling_core::wire::{CBOR_MEDIA_TYPE, UploadRequest};
-use starling_tests::{ChildCoordinator, OPERATOR_TOKEN, PlanSpec, enroll, expect_task, free_addr};
+use starling_core::wire::UploadRequest;
+use starling_core::{ModelVersion, RunId, codec};
+use starling_tests::{ChildCoordinator, OPERATOR_TOKEN, PlanSpec, free_addr};
 
-/// Uploads in flight at once (a fleet's devices do not all connect in the same millisecond).
-const CONCURRENCY: usize = 64;
+use fleet::{Connections, Visit, enroll_in_bulk};
+use measure::{
+    CpuTimes, Latencies, OpenDescriptors, RoundEvents, peak_rss_mib, percentiles, store_seconds,
+};
 
 /// Rounds run before the measured ones: the first round of a fresh process also opens every
-/// connection (devices' HTTP, the store's pool), which a running fleet has done long before.
+/// connection and fills the store's pool, which a running fleet has done long before.
 const WARM_UP_ROUNDS: i64 = 1;
 
-/// How long a round may take to open or commit before the bench gives up.
-const TIMEOUT: Duration = Duration::from_secs(60);
+/// What the coordinator and the aggregators share (`--aggregators`).
+const AGGREGATOR_SECRET: &str = "fleet-throughput-bench-secret";
+
+/// Distinct deltas the devices send (device `i` sends variant `i % VARIANTS`): enough that a
+/// wrongly weighted or lost update moves the mean, few enough to build ahead.
+const VARIANTS: usize = 8;
+
+struct Options {
+    connections: usize,
+    arrival_rate: Option<f64>,
+    rounds: Option<i64>,
+    compression: Compression,
+    model_download: Compression,
+    checkpoint_interval: i64,
+    check_in_rate: Option<f64>,
+    seconds: f64,
+    aggregators: u32,
+}
 
 struct Config {
     devices: usize,
     params: usize,
     rounds: i64,
-}
-
-struct Measured {
-    /// Bytes of one device's upload body.
-    body_bytes: usize,
-    /// Wall-clock seconds of the measured rounds, end to end: from the warm-up round's model
-    /// to the last one's.
-    round_secs: f64,
-    /// Seconds over all rounds from the previous model to the round being open.
-    opening_secs: f64,
-    upload_secs: f64,
-    /// Seconds over all rounds from opening to every task handed out.
-    check_in_secs: f64,
-    /// Seconds over all rounds of every device downloading the model.
-    download_secs: f64,
-    /// Seconds over all rounds from the last upload's acknowledgement to the new model (the
-    /// coordinator's live event saying so).
-    commit_secs: f64,
-    /// The coordinator's own clock over all rounds: closing to the start of the commit's
-    /// transaction (the new model's `created_at`): folding what is left, encoding, hashing.
-    server_commit_secs: f64,
-    /// Seconds over all rounds of the commit's transaction (new model row, round row, payloads
-    /// released), from the coordinator's `store_seconds` histogram.
-    commit_write_secs: f64,
-    peak_rss_mib: f64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -80,21 +85,34 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     };
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let compression = take_encoding(&mut args, "--compression")?;
-    let model_download = take_encoding(&mut args, "--model-download")?;
-    model_download.check_model()?;
-    // More measured rounds than the default, for comparisons finer than a pass's noise.
-    let rounds = take_number(&mut args, "--rounds")?;
-    let checkpoint_interval = take_number(&mut args, "--checkpoint-interval")?.unwrap_or(1);
+    let options = Options {
+        connections: take(&mut args, "--connections")?.unwrap_or(64),
+        arrival_rate: take(&mut args, "--arrival-rate")?,
+        rounds: take(&mut args, "--rounds")?,
+        compression: take(&mut args, "--compression")?.unwrap_or(Compression::F32),
+        model_download: take(&mut args, "--model-download")?.unwrap_or(Compression::F32),
+        checkpoint_interval: take(&mut args, "--checkpoint-interval")?.unwrap_or(1),
+        check_in_rate: take(&mut args, "--check-in-rate")?,
+        seconds: take(&mut args, "--seconds")?.unwrap_or(30.0),
+        aggregators: take(&mut args, "--aggregators")?.unwrap_or(0),
+    };
+    options.model_download.check_model()?;
+    // The tier's aggregators reduce f32 deltas only; a compressed run's devices would upload
+    // to the coordinator and the figure would not be the tier's.
+    ensure!(
+        options.aggregators == 0 || options.compression.is_f32(),
+        "--aggregators needs f32 uploads: the aggregator tier reduces f32 deltas only"
+    );
+    ensure!(options.connections > 0, "--connections must be at least 1");
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     // The default table, or any `NxP` asked for (three measured rounds unless --rounds).
     let configs: Vec<Config> = if wanted.is_empty() {
         [(10, 1_000_000, 5), (100, 100_000, 5), (1000, 100_000, 3)]
             .into_iter()
-            .map(|(devices, params, default)| Config {
+            .map(|(devices, params, rounds)| Config {
                 devices,
                 params,
-                rounds: rounds.unwrap_or(default),
+                rounds: options.rounds.unwrap_or(rounds),
             })
             .collect()
     } else {
@@ -106,72 +124,35 @@ fn main() -> anyhow::Result<()> {
                 Ok(Config {
                     devices: devices.parse().with_context(|| format!("devices in {w:?}"))?,
                     params: params.parse().with_context(|| format!("parameters in {w:?}"))?,
-                    rounds: rounds.unwrap_or(3),
+                    rounds: options.rounds.unwrap_or(3),
                 })
             })
             .collect::<anyhow::Result<_>>()?
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     println!(
-        "compression: {compression}, model download: {model_download}, models written every {checkpoint_interval} versions"
-    );
-    println!(
-        "{:>6} {:>9} {:>6} {:>9} {:>9} {:>10} {:>12} {:>10} {:>13}",
-        "N",
-        "P",
-        "rounds",
-        "MB/round",
-        "rounds/s",
-        "updates/s",
-        "upload MB/s",
-        "e2e upd/s",
-        "peak RSS MiB"
+        "uploads {}, model download {}, models written every {} versions, {} connections, {}, {}",
+        options.compression,
+        options.model_download,
+        options.checkpoint_interval,
+        options.connections,
+        match options.arrival_rate.or(options.check_in_rate) {
+            Some(rate) => format!("arrivals {rate}/s"),
+            None => "arrivals as fast as they go".into(),
+        },
+        match options.aggregators {
+            0 => "uploads to the coordinator".to_owned(),
+            k => format!("uploads through {k} aggregators"),
+        },
     );
     for c in configs {
-        let m = runtime.block_on(bench(
-            &base_url,
-            &c,
-            (compression, model_download),
-            checkpoint_interval,
-        ))?;
-        let bytes_per_round = (c.devices * m.body_bytes) as f64;
-        let rounds = c.rounds as f64;
-        println!(
-            "{:>6} {:>9} {:>6} {:>9.1} {:>9.2} {:>10.1} {:>12.1} {:>10.1} {:>13.1}",
-            c.devices,
-            c.params,
-            c.rounds,
-            bytes_per_round / 1e6,
-            rounds / m.round_secs,
-            rounds * c.devices as f64 / m.upload_secs,
-            rounds * bytes_per_round / m.upload_secs / 1e6,
-            rounds * c.devices as f64 / m.round_secs,
-            m.peak_rss_mib,
-        );
-        let ms = |secs: f64| secs / rounds * 1e3;
-        println!(
-            "{:>6} ms per round: opening {:.0}, check-in {:.0}, model download {:.0}, upload {:.0}, \
-             commit {:.0} (coordinator: closing to the commit's start {:.0}, the commit's \
-             transaction {:.0})",
-            "",
-            ms(m.opening_secs),
-            ms(m.check_in_secs),
-            ms(m.download_secs),
-            ms(m.upload_secs),
-            ms(m.commit_secs),
-            ms(m.server_commit_secs),
-            ms(m.commit_write_secs),
-        );
+        runtime.block_on(bench(&base_url, &c, &options))?;
     }
     Ok(())
 }
 
-async fn bench(
-    base_url: &str,
-    c: &Config,
-    (compression, model_download): (Compression, Compression),
-    checkpoint_interval: i64,
-) -> anyhow::Result<Measured> {
+/// One configuration on a fresh database and coordinator process.
+async fn bench(base_url: &str, c: &Config, options: &Options) -> anyhow::Result<()> {
     // Built from numbers only, so safe to splice into DDL (which takes no bind parameters).
     let db = format!("starling_bench_{}_{}", std::process::id(), c.devices);
     let mut admin_conn =
@@ -184,31 +165,54 @@ async fn bench(
         .await?;
     let url = starling_coordinator::store::with_database(base_url, &db);
     let logs = tempfile::tempdir()?;
-    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    // STARLING_BENCH_COORDINATOR runs another build of the coordinator (e.g. the release
+    // binary, `cargo build --release -p starling-coordinator`) under the same generator.
+    let bin = std::env::var_os("STARLING_BENCH_COORDINATOR").map_or_else(
+        || Path::new(env!("CARGO_BIN_EXE_coordinator_under_test")).to_owned(),
+        Into::into,
+    );
     // STARLING_BENCH_LOG keeps the coordinator's log (e.g. with RUST_LOG=debug) for a look.
     let log = std::env::var_os("STARLING_BENCH_LOG")
         .map_or_else(|| logs.path().join("coordinator.log"), Into::into);
-    let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_DEVICE_RATE_LIMIT", "off")];
-    let child = ChildCoordinator::spawn_with(bin, &url, free_addr(), &log, &env).await?;
-    let res = drive(&child, c, (compression, model_download), checkpoint_interval).await;
+    let mut env = vec![
+        ("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN),
+        ("STARLING_DEVICE_RATE_LIMIT", "off"),
+        ("STARLING_MAX_CONNECTIONS_PER_IP", "0"),
+    ];
+    if options.aggregators > 0 {
+        // Every run's uploads go through the aggregators.
+        env.extend([
+            ("STARLING_AGGREGATOR_SECRET", AGGREGATOR_SECRET),
+            ("STARLING_AGGREGATE_ABOVE", "0"),
+        ]);
+    }
+    let child = ChildCoordinator::spawn_with(&bin, &url, free_addr(), &log, &env).await?;
+    let aggregators = Aggregators::spawn(options.aggregators, &child.url).await?;
+    let enrolling = Instant::now();
+    enroll_in_bulk(&url, c.devices).await?;
+    println!("\n{} devices enrolled in {:.1} s", c.devices, enrolling.elapsed().as_secs_f64());
+    let res = match options.check_in_rate {
+        Some(rate) => check_ins(&child, &aggregators, c, options, rate).await,
+        None => rounds(&child, &aggregators, c, options).await,
+    };
+    drop(aggregators);
     drop(child);
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+    // The killed coordinator's connections may not have closed yet.
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
         .execute(&mut admin_conn)
         .await?;
     res
 }
 
-async fn drive(
+/// `c.rounds` measured rounds (after the warm-up) of every enrolled device training.
+async fn rounds(
     child: &ChildCoordinator,
+    aggregators: &Aggregators,
     c: &Config,
-    (compression, model_download): (Compression, Compression),
-    checkpoint_interval: i64,
-) -> anyhow::Result<Measured> {
+    options: &Options,
+) -> anyhow::Result<()> {
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
-    let devices = enroll(&child.url, &admin, c.devices).await?;
-    // Told of each round's opening and commit as it happens, as a fleet whose devices come
-    // back at once would be: a poll would add its interval to every phase it waits for.
-    let mut rounds = RoundEvents::subscribe(&child.url).await?;
+    let mut events = RoundEvents::subscribe(&child.url).await?;
     let spec = PlanSpec {
         params: c.params as u64,
         cohort: c.devices as u32,
@@ -219,193 +223,279 @@ async fn drive(
         rounds: (c.rounds + WARM_UP_ROUNDS) as u32,
     };
     let mut plan = spec.json();
-    plan["compression"] = serde_json::to_value(compression)?;
-    plan["model_download"] = serde_json::to_value(model_download)?;
-    if checkpoint_interval != 1 {
-        plan["checkpoint_interval"] = checkpoint_interval.into();
+    plan["compression"] = serde_json::to_value(options.compression)?;
+    plan["model_download"] = serde_json::to_value(options.model_download)?;
+    if options.checkpoint_interval != 1 {
+        plan["checkpoint_interval"] = options.checkpoint_interval.into();
     }
     let run = RunId(admin.create_run(&plan).await?.id);
-    let delta: Vec<f32> = (0..c.params).map(|j| ((j % 201) as f32 - 100.0) * 1e-4).collect();
-    let (mut upload_secs, mut body_bytes) = (0.0, 0);
-    let (mut opening_secs, mut check_in_secs, mut download_secs, mut commit_secs) =
-        (0.0, 0.0, 0.0, 0.0);
-    // Encoding is the devices' work, not the coordinator's: every round's is done before the
-    // clock starts.
-    let mut feedback = ErrorFeedback::default();
-    let mut deltas: Vec<Vec<u8>> = (0..c.rounds + WARM_UP_ROUNDS)
-        .map(|round| compression.encode(&delta, &mut SplitMix64(round as u64), &mut feedback))
-        .collect();
-    let (mut commit_write_before, mut measured_from) = (0.0, Instant::now());
-    for round in 0..c.rounds + WARM_UP_ROUNDS {
-        let data = std::mem::take(&mut deltas[round as usize]);
+    let connections = Connections::open(&child.url, options.connections, options.model_download);
+    let total_rounds = c.rounds + WARM_UP_ROUNDS;
+    // Encoding is the devices' work, not the coordinator's: every round's bodies are built
+    // before the clock starts.
+    let bodies: Vec<Vec<bytes::Bytes>> = (0..total_rounds)
+        .map(|round| round_bodies(&spec, options.compression, round))
+        .collect::<anyhow::Result<_>>()?;
+    let initial = model_values(&child.url, &admin, run, &spec, 0).await?;
+    let descriptors = OpenDescriptors::watch(child.pid());
+    let (mut latencies, mut acknowledged) = (Latencies::default(), 0);
+    let (mut opening_secs, mut visits_secs, mut commit_secs) = (0.0, 0.0, 0.0);
+    let mut commit_write_before = 0.0;
+    let (mut measured_from, mut cpu_before) =
+        (Instant::now(), CpuTimes::now(child.pid(), &aggregators.pids())?);
+    for (round, bodies) in (0..total_rounds).zip(bodies) {
         if round == WARM_UP_ROUNDS {
-            (upload_secs, opening_secs, check_in_secs, download_secs, commit_secs) =
-                (0.0, 0.0, 0.0, 0.0, 0.0);
+            (latencies, acknowledged) = (Latencies::default(), 0);
+            (opening_secs, visits_secs, commit_secs) = (0.0, 0.0, 0.0);
             commit_write_before = store_seconds(&child.url, "commit_round").await?;
-            measured_from = Instant::now();
+            (measured_from, cpu_before) =
+                (Instant::now(), CpuTimes::now(child.pid(), &aggregators.pids())?);
         }
-        let opening_started = Instant::now();
-        rounds.wait(run, round, "open").await?;
-        opening_secs += opening_started.elapsed().as_secs_f64();
-        let started = Instant::now();
-        let tasks: Vec<_> =
-            stream::iter(&devices).map(expect_task).buffer_unordered(CONCURRENCY).collect().await;
-        let tasks = tasks.into_iter().collect::<Result<Vec<_>, _>>()?;
-        check_in_secs += started.elapsed().as_secs_f64();
-        let download_started = Instant::now();
-        // Every device downloads the model, as real devices would (all share one hash).
-        let models: Vec<_> = stream::iter(&devices)
-            .map(|d| d.model_in(&tasks[0].model_hash, model_download))
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
-        for m in models {
-            m?;
-        }
-        download_secs += download_started.elapsed().as_secs_f64();
-        let body = codec::to_vec(&UploadRequest {
-            model_version: tasks[0].model_version,
-            example_count: 32,
-            metrics: [("loss".to_owned(), 0.5)].into(),
-            delta: TensorPayload { schema_id: tasks[0].schema.schema_id(), data },
-        })?;
-        body_bytes = body.len();
-        let path = format!("/v1/runs/{run}/rounds/{round}/updates");
-        let upload_started = Instant::now();
-        let results: Vec<_> = stream::iter(&devices)
-            .map(|d: &FleetClient| d.post_raw(&path, body.clone(), CBOR_MEDIA_TYPE))
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
-        for r in results {
-            let (status, bytes) = r?;
-            if !status.is_success() {
-                bail!("upload failed: {status} {}", String::from_utf8_lossy(&bytes));
-            }
-        }
-        upload_secs += upload_started.elapsed().as_secs_f64();
-        let commit_started = Instant::now();
-        rounds.wait(run, round, "committed").await?;
-        commit_secs += commit_started.elapsed().as_secs_f64();
+        let opening = Instant::now();
+        events.wait(run, round, "open").await?;
+        opening_secs += opening.elapsed().as_secs_f64();
+        let visit = Visit::Train { run, round, model_version: ModelVersion(round), bodies };
+        let played = connections.play(visit, c.devices, options.arrival_rate, round as u64).await?;
+        visits_secs += played.elapsed.as_secs_f64();
+        let commit = Instant::now();
+        events.wait(run, round, "committed").await?;
+        commit_secs += commit.elapsed().as_secs_f64();
+        latencies.merge(played.latencies);
+        acknowledged += played.acknowledged;
     }
     let round_secs = measured_from.elapsed().as_secs_f64();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let models = admin.models(run).await?;
-    let server_commit_ms: i64 = admin
-        .rounds(run)
-        .await?
-        .iter()
-        .filter(|r| r.round_idx >= WARM_UP_ROUNDS)
-        .filter_map(|r| {
-            let model = models.iter().find(|m| m.version == r.model_version + 1)?;
-            Some(model.created_at_ms - r.closed_at_ms?)
+    let cpu = CpuTimes::now(child.pid(), &aggregators.pids())?.cores_since(&cpu_before);
+    let commit_write_secs = store_seconds(&child.url, "commit_round").await? - commit_write_before;
+    let verified = verify(&child.url, &admin, run, &spec, options, &initial).await?;
+    let rounds = c.rounds as f64;
+    let body_bytes: usize = round_bodies(&spec, options.compression, 0)?[0].len();
+    println!(
+        "{} devices x {} parameters, {} measured rounds, {:.1} MB uploaded a round",
+        c.devices,
+        c.params,
+        c.rounds,
+        (c.devices * body_bytes) as f64 / 1e6
+    );
+    println!(
+        "  {:.2} s a round ({:.3} rounds/s), {:.0} updates/s end to end, {acknowledged} \
+         uploads acknowledged, {verified}",
+        round_secs / rounds,
+        rounds / round_secs,
+        acknowledged as f64 / round_secs,
+    );
+    println!(
+        "  a round: opening {:.0} ms, the devices' visits {:.0} ms ({:.0} check-ins/s), \
+         last acknowledgement to commit {:.0} ms (of it the commit's transaction {:.0} ms)",
+        opening_secs / rounds * 1e3,
+        visits_secs / rounds * 1e3,
+        acknowledged as f64 / visits_secs,
+        commit_secs / rounds * 1e3,
+        commit_write_secs / rounds * 1e3,
+    );
+    print_latencies(&mut latencies);
+    println!(
+        "  {cpu}; coordinator peak RSS {:.1} MiB, at most {} descriptors open",
+        peak_rss_mib(child.pid())?,
+        descriptors.most(),
+    );
+    Ok(())
+}
+
+/// Check-ins of random enrolled devices at `rate` for `options.seconds` while a round is open.
+async fn check_ins(
+    child: &ChildCoordinator,
+    aggregators: &Aggregators,
+    c: &Config,
+    options: &Options,
+    rate: f64,
+) -> anyhow::Result<()> {
+    let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
+    let mut events = RoundEvents::subscribe(&child.url).await?;
+    // A cohort of at most 100 of the population: the rest are told to come back later, as
+    // most of a large population is at any moment.
+    let cohort = c.devices.min(100) as u32;
+    let mut spec = PlanSpec::all_of(cohort as usize, c.params, 1);
+    (spec.selection_secs, spec.reporting_secs) = (3600.0, 7200.0);
+    let run = RunId(admin.create_run(&spec.json()).await?.id);
+    events.wait(run, 0, "open").await?;
+    let connections = Connections::open(&child.url, options.connections, options.model_download);
+    let visits = (rate * options.seconds) as usize;
+    let descriptors = OpenDescriptors::watch(child.pid());
+    let cpu_before = CpuTimes::now(child.pid(), &aggregators.pids())?;
+    let mut played =
+        connections.play(Visit::CheckIn { devices: c.devices }, visits, Some(rate), 7).await?;
+    let cpu = CpuTimes::now(child.pid(), &aggregators.pids())?.cores_since(&cpu_before);
+    println!(
+        "{} enrolled devices: {} check-ins in {:.1} s ({:.0}/s asked, {:.0}/s achieved), {} \
+         given a task, the rest told to come back",
+        c.devices,
+        played.visits,
+        played.elapsed.as_secs_f64(),
+        rate,
+        played.visits as f64 / played.elapsed.as_secs_f64(),
+        played.tasks,
+    );
+    print_latencies(&mut played.latencies);
+    println!(
+        "  {cpu}; coordinator peak RSS {:.1} MiB, at most {} descriptors open",
+        peak_rss_mib(child.pid())?,
+        descriptors.most(),
+    );
+    Ok(())
+}
+
+fn print_latencies(latencies: &mut Latencies) {
+    println!(
+        "  latency ms p50 / p99 / max: check-in {}, model download {}, upload {}",
+        percentiles(&mut latencies.check_in),
+        percentiles(&mut latencies.download),
+        percentiles(&mut latencies.upload),
+    );
+}
+
+/// Round `round`'s upload bodies, one per variant: `starling_tests::delta(variant, round)` with
+/// `starling_tests::weight(variant)` examples, for the round's model version.
+fn round_bodies(
+    spec: &PlanSpec,
+    compression: Compression,
+    round: i64,
+) -> anyhow::Result<Vec<bytes::Bytes>> {
+    let schema = spec.schema();
+    (0..VARIANTS)
+        .map(|variant| {
+            let data = encoded_delta(spec, compression, variant, round);
+            let body = codec::to_vec(&UploadRequest {
+                model_version: ModelVersion(round),
+                example_count: starling_tests::weight(variant),
+                metrics: [("loss".to_owned(), 0.5)].into(),
+                delta: TensorPayload { schema_id: schema.schema_id(), data },
+            })?;
+            Ok(body.into())
         })
-        .sum();
-    Ok(Measured {
-        body_bytes,
-        round_secs,
-        opening_secs,
-        upload_secs,
-        check_in_secs,
-        download_secs,
-        commit_secs,
-        server_commit_secs: server_commit_ms as f64 / 1e3,
-        commit_write_secs: store_seconds(&child.url, "commit_round").await? - commit_write_before,
-        peak_rss_mib: peak_rss_mib(child.pid())?,
-    })
+        .collect()
 }
 
-/// The coordinator's live events (`/v1/admin/events`, server-sent), read for round changes.
-struct RoundEvents {
-    stream: reqwest::Response,
-    /// Text received and not yet parsed into whole events.
-    pending: String,
+/// Variant `variant`'s delta in round `round`, as the devices send it: `compression`'s
+/// encoding of `starling_tests::delta(variant, round)`.
+fn encoded_delta(spec: &PlanSpec, compression: Compression, variant: usize, round: i64) -> Vec<u8> {
+    let delta = starling_tests::delta(variant, round, spec.params as usize);
+    compression.encode(&delta, &mut SplitMix64(round as u64), &mut ErrorFeedback::default())
 }
 
-impl RoundEvents {
-    async fn subscribe(url: &str) -> anyhow::Result<Self> {
-        let stream = starling_tests::http_client()
-            .get(format!("{url}/v1/admin/events"))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await?
-            .error_for_status()?;
-        Ok(RoundEvents { stream, pending: String::new() })
-    }
+/// The values of model `version` of `run`, as a device downloads them.
+async fn model_values(
+    url: &str,
+    admin: &AdminClient,
+    run: RunId,
+    spec: &PlanSpec,
+    version: i64,
+) -> anyhow::Result<Vec<f32>> {
+    let models = admin.models(run).await?;
+    let model = models
+        .iter()
+        .find(|m| m.version == version)
+        .with_context(|| format!("no model version {version}"))?;
+    let device = FleetClient::with_credential(url, "bench-0");
+    starling_tests::model_values(&device, &model.content_hash, &spec.schema()).await
+}
 
-    /// Reads events until round `round_idx` of `run` reaches `state` (`open`, `committed`).
-    async fn wait(&mut self, run: RunId, round_idx: i64, state: &str) -> anyhow::Result<()> {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            while let Some(end) = self.pending.find("\n\n") {
-                let event: String = self.pending.drain(..end + 2).collect();
-                if event.lines().any(|l| l == "event: reload") {
-                    bail!("fell behind the coordinator's live events");
-                }
-                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                    continue;
-                };
-                let update: serde_json::Value = serde_json::from_str(data)?;
-                if update["type"] == "round"
-                    && update["run_id"] == run.0
-                    && update["round_idx"] == round_idx
-                {
-                    match update["state"].as_str() {
-                        Some(s) if s == state => return Ok(()),
-                        Some("failed") => bail!("round {round_idx} failed"),
-                        _ => {}
-                    }
-                }
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            let chunk = tokio::time::timeout(left, self.stream.chunk())
-                .await
-                .with_context(|| format!("timed out waiting for round {round_idx} {state}"))??
-                .context("the live event stream ended")?;
-            self.pending.push_str(std::str::from_utf8(&chunk)?);
+/// Checks every round's durable update count against the cohort, and the final model against
+/// the exact FedAvg of what was sent (the decoded values, for compressed uploads); says what
+/// it checked.
+async fn verify(
+    url: &str,
+    admin: &AdminClient,
+    run: RunId,
+    spec: &PlanSpec,
+    options: &Options,
+    initial: &[f32],
+) -> anyhow::Result<String> {
+    let rounds = admin.rounds(run).await?;
+    for r in &rounds {
+        if r.n_reported != Some(i64::from(spec.cohort)) {
+            bail!("round {} holds {:?} updates, not {}", r.round_idx, r.n_reported, spec.cohort);
         }
     }
+    let mut expected = initial.to_vec();
+    for round in 0..i64::from(spec.rounds) {
+        // Device i sends variant i % VARIANTS: each variant's weight times its senders.
+        let senders = |v: usize| (spec.cohort as usize).saturating_sub(v).div_ceil(VARIANTS);
+        let contributions: Vec<(Vec<f32>, u64)> = (0..VARIANTS)
+            .filter(|&v| senders(v) > 0)
+            .map(|v| {
+                let encoded = encoded_delta(spec, options.compression, v, round);
+                let sent = options.compression.validate(spec.params as usize, encoded)?.to_f32();
+                Ok((sent, starling_tests::weight(v) * senders(v) as u64))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        expected = starling_tests::fedavg_expected(&expected, &contributions);
+    }
+    let got = model_values(url, admin, run, spec, i64::from(spec.rounds)).await?;
+    let worst = got.iter().zip(&expected).map(|(g, e)| (g - e).abs()).fold(0.0f32, f32::max);
+    ensure!(worst <= 1e-6, "the final model is off the exact FedAvg by up to {worst:e}");
+    Ok(format!(
+        "{} rounds' update counts and the final model (exact FedAvg, off by at most {worst:e}) \
+         checked",
+        rounds.len()
+    ))
 }
 
-/// `--NAME N` taken out of the arguments.
-fn take_number(args: &mut Vec<String>, name: &str) -> anyhow::Result<Option<i64>> {
+/// `--NAME VALUE` taken out of the arguments.
+fn take<T: std::str::FromStr>(args: &mut Vec<String>, name: &str) -> anyhow::Result<Option<T>>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
     let Some(i) = args.iter().position(|a| a == name) else { return Ok(None) };
-    let value = args.get(i + 1).with_context(|| format!("{name} needs a value"))?.parse()?;
+    let value = args.get(i + 1).with_context(|| format!("{name} needs a value"))?;
+    let parsed = value.parse().with_context(|| format!("{name} {value}"))?;
     args.drain(i..i + 2);
-    Ok(Some(value))
+    Ok(Some(parsed))
 }
 
-/// `--NAME ENCODING` taken out of the arguments (f32 when absent).
-fn take_encoding(args: &mut Vec<String>, name: &str) -> anyhow::Result<Compression> {
-    let Some(i) = args.iter().position(|a| a == name) else { return Ok(Compression::F32) };
-    let value = args.get(i + 1).with_context(|| format!("{name} needs a value"))?.parse()?;
-    args.drain(i..i + 2);
-    Ok(value)
+/// `--aggregators K`: K CPU aggregator processes the coordinator sends every upload through.
+struct Aggregators(Vec<std::process::Child>);
+
+impl Aggregators {
+    async fn spawn(k: u32, coordinator: &str) -> anyhow::Result<Self> {
+        use std::io::BufRead;
+        // STARLING_BENCH_AGGREGATOR runs another build (e.g. the release binary).
+        let bin = std::env::var_os("STARLING_BENCH_AGGREGATOR").map_or_else(
+            || Path::new(env!("CARGO_BIN_EXE_aggregator_under_test")).to_owned(),
+            Into::into,
+        );
+        let mut nodes = Aggregators(vec![]);
+        for id in 1..=k {
+            let mut child = std::process::Command::new(&bin)
+                .args(["--id", &id.to_string(), "--listen", "127.0.0.1:0"])
+                .args(["--coordinator", coordinator, "--engine", "cpu", "--insecure-http"])
+                .env("STARLING_AGGREGATOR_SECRET", AGGREGATOR_SECRET)
+                .env("RUST_LOG", "warn")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .spawn()?;
+            let mut line = String::new();
+            let stdout = child.stdout.take().context("piped")?;
+            nodes.0.push(child);
+            std::io::BufReader::new(stdout).read_line(&mut line)?;
+            ensure!(line.contains("listening on"), "aggregator {id} did not start: {line:?}");
+        }
+        if k > 0 {
+            let http = starling_tests::http_client();
+            starling_tests::wait_aggregators_live(coordinator, &http, k as usize).await?;
+        }
+        Ok(nodes)
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        self.0.iter().map(std::process::Child::id).collect()
+    }
 }
 
-/// The sum of the coordinator's `store_seconds` histogram for one operation.
-async fn store_seconds(url: &str, op: &str) -> anyhow::Result<f64> {
-    let metrics = starling_tests::http_client()
-        .get(format!("{url}/metrics"))
-        .bearer_auth(OPERATOR_TOKEN)
-        .send()
-        .await?
-        .text()
-        .await?;
-    let label = format!("op=\"{op}\"");
-    metrics
-        .lines()
-        .find(|l| l.contains("store_seconds_sum") && l.contains(&label))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .with_context(|| format!("no store_seconds_sum for {op} in /metrics"))
-}
-
-fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/pid/status")?;
-    Ok(kib / 1024.0)
+impl Drop for Aggregators {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }

@@ -1,0 +1,192 @@
+//! The load generator's devices: enrolled in bulk, played by M connections that each carry one
+//! device's visit at a time, visits arriving as fast as the connections go or at a set rate
+//! with exponential gaps (a Poisson process: devices that come when they come).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use sqlx::Connection;
+use starling_client::protocol::FleetClient;
+use starling_core::compression::Compression;
+use starling_core::rng::SplitMix64;
+use starling_core::wire::{CBOR_MEDIA_TYPE, CheckInResponse};
+use starling_core::{ModelVersion, RoundIdx, RunId};
+
+use crate::measure::{Latencies, ms_since};
+
+/// The credential of bulk-enrolled device `i`.
+fn credential(i: usize) -> String {
+    format!("bench-{i}")
+}
+
+/// Enrolls devices `0..n` by writing their rows straight into the coordinator's store (the
+/// credential's SHA-256, as enrollment stores it; no population restriction, no identity key):
+/// a million devices in seconds, where a million enrollment requests would take the bench's
+/// whole budget and measure enrollment instead.
+pub async fn enroll_in_bulk(database_url: &str, n: usize) -> anyhow::Result<()> {
+    let mut conn = sqlx::PgConnection::connect(database_url).await?;
+    sqlx::query(
+        "INSERT INTO devices (credential_hash, enrolled_at_ms, revoked)
+         SELECT encode(sha256(convert_to('bench-' || i, 'UTF8')), 'hex'), 0, FALSE
+         FROM generate_series(0, $1 - 1) AS i",
+    )
+    .bind(n as i64)
+    .execute(&mut conn)
+    .await
+    .context("enrolling devices in bulk")?;
+    Ok(())
+}
+
+/// What a visit does.
+pub enum Visit {
+    /// Check in, expect a task for `model_version`, download the model, upload the body of
+    /// the device's variant (device `i` sends `bodies[i % bodies.len()]`) where the task says:
+    /// to the coordinator, or to the aggregator it names.
+    Train { run: RunId, round: i64, model_version: ModelVersion, bodies: Vec<bytes::Bytes> },
+    /// Check in as a random one of `devices` and take whatever answer comes.
+    CheckIn { devices: usize },
+}
+
+/// What a batch of visits returned.
+#[derive(Default)]
+pub struct Played {
+    pub latencies: Latencies,
+    /// Check-ins answered with a task.
+    pub tasks: usize,
+    /// Uploads acknowledged.
+    pub acknowledged: usize,
+    /// Visits that ran, and over how long (first start to last end).
+    pub visits: usize,
+    pub elapsed: Duration,
+}
+
+/// M connections to the coordinator: one HTTP client each, each carrying one visit at a time,
+/// so the coordinator sees exactly M connections however many devices they play.
+pub struct Connections {
+    clients: Vec<FleetClient>,
+    model_download: Compression,
+}
+
+impl Connections {
+    pub fn open(url: &str, m: usize, model_download: Compression) -> Self {
+        Connections { clients: (0..m).map(|_| FleetClient::new(url)).collect(), model_download }
+    }
+
+    /// Plays `visits` visits, the k-th as device `k` (a round's cohort: every enrolled device
+    /// once), starting when `rate` says (None: as soon as a connection is free).
+    pub async fn play(
+        &self,
+        visit: Visit,
+        visits: usize,
+        rate: Option<f64>,
+        seed: u64,
+    ) -> anyhow::Result<Played> {
+        let visit = Arc::new(visit);
+        let next = Arc::new(AtomicUsize::new(0));
+        let arrivals = Arc::new(rate.map(|rate| arrivals(visits, rate, seed)));
+        let started = Instant::now();
+        let workers: Vec<_> = self
+            .clients
+            .iter()
+            .map(|client| {
+                let (client, visit, next, arrivals) =
+                    (client.clone(), visit.clone(), next.clone(), arrivals.clone());
+                let model_download = self.model_download;
+                tokio::spawn(async move {
+                    let mut played = Played::default();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= visits {
+                            return Ok::<_, anyhow::Error>(played);
+                        }
+                        if let Some(at) = arrivals.as_ref().as_ref().map(|a| a[k]) {
+                            tokio::time::sleep_until((started + at).into()).await;
+                        }
+                        let device = match &*visit {
+                            Visit::Train { .. } => k,
+                            Visit::CheckIn { devices } => {
+                                (SplitMix64(seed ^ k as u64).next_u64() % *devices as u64) as usize
+                            }
+                        };
+                        let mut as_device = client.clone();
+                        as_device.set_credential(Some(&credential(device)));
+                        one_visit(&as_device, device, &visit, model_download, &mut played)
+                            .await
+                            .with_context(|| format!("device {device}"))?;
+                        played.visits += 1;
+                    }
+                })
+            })
+            .collect();
+        let mut played = Played::default();
+        for worker in workers {
+            let p = worker.await??;
+            played.latencies.merge(p.latencies);
+            played.tasks += p.tasks;
+            played.acknowledged += p.acknowledged;
+            played.visits += p.visits;
+        }
+        played.elapsed = started.elapsed();
+        Ok(played)
+    }
+}
+
+/// One device's visit, its latencies and counts added to `played`.
+async fn one_visit(
+    device: &FleetClient,
+    index: usize,
+    visit: &Visit,
+    model_download: Compression,
+    played: &mut Played,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let answer = device.check_in("default").await?;
+    played.latencies.check_in.push(ms_since(started));
+    let task = match answer {
+        CheckInResponse::Task(task) => task,
+        other => {
+            if let Visit::Train { .. } = visit {
+                bail!("expected a task, got {other:?}");
+            }
+            return Ok(());
+        }
+    };
+    played.tasks += 1;
+    let Visit::Train { run, round, model_version, bodies } = visit else { return Ok(()) };
+    if task.model_version != *model_version {
+        bail!("the task trains version {}, not {model_version}", task.model_version);
+    }
+    let started = Instant::now();
+    device.model_in(&task.model_hash, model_download).await?;
+    played.latencies.download.push(ms_since(started));
+    let started = Instant::now();
+    let body = bodies[index % bodies.len()].clone();
+    if let Some(aggregator) = &task.upload_to {
+        device.post_to_aggregator(aggregator, *run, RoundIdx(*round), body).await?;
+    } else {
+        let path = format!("/v1/runs/{run}/rounds/{round}/updates");
+        let (status, answer) = device.post_raw(&path, body, CBOR_MEDIA_TYPE).await?;
+        if !status.is_success() {
+            bail!("upload refused: {status} {}", String::from_utf8_lossy(&answer));
+        }
+    }
+    played.latencies.upload.push(ms_since(started));
+    played.acknowledged += 1;
+    Ok(())
+}
+
+/// When each of `n` visits arrives, from the start: exponential gaps of mean `1 / rate`.
+fn arrivals(n: usize, rate: f64, seed: u64) -> Vec<Duration> {
+    let mut rng = SplitMix64(seed);
+    let mut at = 0.0;
+    (0..n)
+        .map(|_| {
+            // A uniform in (0, 1]: 53 random bits, never 0, so its log is finite.
+            let u = ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+            at += -u.ln() / rate;
+            Duration::from_secs_f64(at)
+        })
+        .collect()
+}
