@@ -493,7 +493,7 @@ async fn upload(
             )
         })?
         .to_owned();
-    let ShardRules { schema, model_version, max_examples } =
+    let ShardRules { schema, model_version, max_examples, compression } =
         shard_for(&inner, run_id, round_idx).await?;
     let device = inner
         .key
@@ -505,14 +505,15 @@ async fn upload(
                 "the upload ticket is not valid for this round and aggregator".into(),
             )
         })?;
-    let limit = schema.byte_len() as usize + UPLOAD_ENVELOPE_LIMIT;
+    let limit = compression.max_encoded_len(schema.numel() as usize) as usize + UPLOAD_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
     let update = decode_then(bytes, move |req: UploadRequest| {
         if req.model_version != model_version {
             return Err(stale_model(model_version));
         }
-        // The tier reduces f32 only: a compressed run's devices never upload here.
-        validate_update(&schema, Compression::F32, req).map(|u| u.capped(max_examples)).map_err(
+        // Validated in the run's encoding, as the coordinator would; the shard reduces the
+        // decoded values.
+        validate_update(&schema, compression, req).map(|u| u.capped(max_examples)).map_err(
             |e| {
                 let code = match &e {
                     starling_core::fedavg::UpdateError::Tensor(
@@ -686,6 +687,8 @@ pub(crate) struct ShardRules {
     pub model_version: ModelVersion,
     /// The run's cap on one device's example count.
     pub max_examples: u64,
+    /// The encoding the run's devices upload in.
+    pub compression: Compression,
 }
 
 /// The schema and model version of a shard; waits briefly for the next poll when the shard is
@@ -702,6 +705,7 @@ pub(crate) async fn shard_for(
                 schema: s.task.schema.clone(),
                 model_version: s.task.model_version,
                 max_examples: s.task.max_examples,
+                compression: s.task.compression,
             });
         }
         if started.elapsed() > UNKNOWN_SHARD_WAIT {

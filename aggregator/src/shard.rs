@@ -3,6 +3,7 @@
 //! coordinator's accumulator would hold for the same updates ([`PartialSums`]).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use starling_core::DeviceId;
 use starling_core::fedavg::{MetricsAccumulator, PartialSums, ValidatedUpdate};
@@ -20,6 +21,17 @@ pub enum ShardError {
     /// The engine failed.
     #[error(transparent)]
     Reduce(#[from] ReduceError),
+}
+
+/// An update's delta as little-endian f32 bytes, what the engines reduce: an f32 delta's own
+/// bytes (shared, not copied); a compressed one's decoded values, the values the coordinator's
+/// accumulator folds for the same bytes.
+fn f32_bytes(update: &ValidatedUpdate) -> Arc<Vec<u8>> {
+    let delta = update.delta();
+    if delta.compression().is_f32() {
+        return update.delta_bytes().clone();
+    }
+    Arc::new(starling_core::tensor::f32_to_le_bytes(&delta.to_f32()))
 }
 
 /// A shard being reduced.
@@ -61,7 +73,7 @@ impl ShardAccumulator {
         if self.devices.contains(&device) {
             return Err(ShardError::Duplicate(device));
         }
-        self.reducer.push(update.example_count(), update.delta_bytes().clone())?;
+        self.reducer.push(update.example_count(), f32_bytes(update))?;
         self.devices.insert(device);
         self.total_weight += update.example_count();
         self.metrics.add(update.example_count(), update.metrics());

@@ -498,6 +498,7 @@ impl Driver {
                     selection_over: view.selection_over,
                     reporting_in_ms: view.round.reporting_deadline - now,
                     max_examples: entry.plan.max_examples(),
+                    compression: entry.plan.compression(),
                 })
             })
             .collect();

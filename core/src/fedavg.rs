@@ -74,7 +74,8 @@ impl std::fmt::Debug for ValidatedUpdate {
 
 impl ValidatedUpdate {
     /// The parameter delta's bytes in the run's encoding (flat little-endian f32 in schema
-    /// order when uncompressed): what the store keeps and the aggregator tier reduces.
+    /// order when uncompressed): what the store keeps, and what the aggregator tier reduces when
+    /// uncompressed.
     pub fn delta_bytes(&self) -> &Arc<Vec<u8>> {
         self.delta.bytes()
     }

@@ -223,6 +223,11 @@ pub struct ShardTask {
     /// The run's cap on one device's example count: larger counts weigh this much.
     #[serde(default = "no_example_cap")]
     pub max_examples: u64,
+    /// How the run's devices encode their deltas (the plan's `compression`); the aggregator
+    /// validates them in it and reduces their decoded values. A coordinator that sends none
+    /// means f32.
+    #[serde(default, skip_serializing_if = "crate::compression::Compression::is_f32")]
+    pub compression: crate::compression::Compression,
 }
 
 /// What a coordinator that sends no cap means: only the validation bound.

@@ -72,12 +72,10 @@ impl Plan {
             secure,
             eligibility: self.eligibility.clone(),
             evaluation_only: self.evaluation_only,
-            // The aggregator tier reduces f32 deltas only.
             // FedBuff weighs each update by its staleness.
             // The aggregator tier folds whole models.
             each_update_direct: self.strategy.needs_each_update()
                 || !parts.is_whole()
-                || !self.compression.is_f32()
                 || self.asynchronous.is_some(),
             selection: self.selection,
             poisson_rate,

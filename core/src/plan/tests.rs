@@ -391,8 +391,8 @@ fn compression_is_chosen_in_the_plan_and_refused_where_it_cannot_work() {
     assert!(serde_json::to_value(plain.plan()).unwrap().get("compression").is_none());
     let int8 = parse(with("compression", serde_json::json!({"kind": "int8", "block": 8}))).unwrap();
     assert_eq!(int8.compression(), Compression::Int8 { block: 8 });
-    // The tier reduces f32: a compressed run's updates come to the coordinator.
-    assert!(int8.round_config().each_update_direct);
+    // The tier reduces a compressed run's decoded values, as the coordinator folds them.
+    assert!(!int8.round_config().each_update_direct);
     // Top-k of every value sends an index beside each: the body limit makes room.
     let dense_top_k =
         parse(with("compression", serde_json::json!({"kind": "top_k", "fraction": 1.0})));

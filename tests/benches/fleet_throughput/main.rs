@@ -97,12 +97,6 @@ fn main() -> anyhow::Result<()> {
         aggregators: take(&mut args, "--aggregators")?.unwrap_or(0),
     };
     options.model_download.check_model()?;
-    // The tier's aggregators reduce f32 deltas only; a compressed run's devices would upload
-    // to the coordinator and the figure would not be the tier's.
-    ensure!(
-        options.aggregators == 0 || options.compression.is_f32(),
-        "--aggregators needs f32 uploads: the aggregator tier reduces f32 deltas only"
-    );
     ensure!(options.connections > 0, "--connections must be at least 1");
     let wanted: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     // The default table, or any `NxP` asked for (three measured rounds unless --rounds).
