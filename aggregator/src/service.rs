@@ -505,7 +505,8 @@ async fn upload(
                 "the upload ticket is not valid for this round and aggregator".into(),
             )
         })?;
-    let limit = compression.max_encoded_len(schema.numel() as usize) as usize + UPLOAD_ENVELOPE_LIMIT;
+    let limit =
+        compression.max_encoded_len(schema.numel() as usize) as usize + UPLOAD_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
     let update = decode_then(bytes, move |req: UploadRequest| {
         if req.model_version != model_version {
@@ -513,21 +514,9 @@ async fn upload(
         }
         // Validated in the run's encoding, as the coordinator would; the shard reduces the
         // decoded values.
-        validate_update(&schema, compression, req).map(|u| u.capped(max_examples)).map_err(
-            |e| {
-                let code = match &e {
-                    starling_core::fedavg::UpdateError::Tensor(
-                        starling_core::tensor::TensorError::SchemaMismatch { .. },
-                    ) => ErrorCode::SchemaMismatch,
-                    starling_core::fedavg::UpdateError::Tensor(
-                        starling_core::tensor::TensorError::NonFinite { .. },
-                    ) => ErrorCode::NonFiniteValue,
-                    starling_core::fedavg::UpdateError::Tensor(_) => ErrorCode::ShapeMismatch,
-                    _ => ErrorCode::InvalidField,
-                };
-                Refusal(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
-            },
-        )
+        validate_update(&schema, compression, req)
+            .map(|u| u.capped(max_examples))
+            .map_err(|e| Refusal(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string()))
     })
     .await?;
     let queue = {

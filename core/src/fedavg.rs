@@ -49,6 +49,24 @@ pub enum UpdateError {
     },
 }
 
+impl UpdateError {
+    /// The API's code for this refusal: one mapping for the coordinator and the aggregators,
+    /// so a device hears the same code for the same delta wherever it uploads.
+    pub fn code(&self) -> crate::wire::ErrorCode {
+        use crate::wire::ErrorCode;
+        match self {
+            UpdateError::Tensor(TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
+            UpdateError::Tensor(TensorError::ShapeMismatch { .. })
+            | UpdateError::Compression(CompressionError::Length { .. }) => ErrorCode::ShapeMismatch,
+            UpdateError::Tensor(TensorError::NonFinite { .. })
+            | UpdateError::Compression(CompressionError::NonFinite { .. }) => {
+                ErrorCode::NonFiniteValue
+            }
+            _ => ErrorCode::InvalidField,
+        }
+    }
+}
+
 /// An update that passed validation; the only thing [`FedAvgAccumulator::add`] takes.
 ///
 /// It keeps the delta as the validated bytes in the run's encoding (little-endian f32 unless

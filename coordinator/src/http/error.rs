@@ -10,11 +10,9 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use starling_core::codec;
-use starling_core::compression::CompressionError;
 use starling_core::fedavg::UpdateError;
 use starling_core::round::UploadRejection;
 use starling_core::round::secure::SecAggRejection;
-use starling_core::tensor::TensorError;
 use starling_core::wire::{CBOR_MEDIA_TYPE, ErrorBody, ErrorCode};
 
 use crate::driver::DriverError;
@@ -219,17 +217,7 @@ impl From<DriverError> for ApiError {
 
 impl From<UpdateError> for ApiError {
     fn from(e: UpdateError) -> Self {
-        let code = match &e {
-            UpdateError::Tensor(TensorError::SchemaMismatch { .. }) => ErrorCode::SchemaMismatch,
-            UpdateError::Tensor(TensorError::ShapeMismatch { .. }) => ErrorCode::ShapeMismatch,
-            UpdateError::Tensor(TensorError::NonFinite { .. })
-            | UpdateError::Compression(CompressionError::NonFinite { .. }) => {
-                ErrorCode::NonFiniteValue
-            }
-            UpdateError::Compression(CompressionError::Length { .. }) => ErrorCode::ShapeMismatch,
-            _ => ErrorCode::InvalidField,
-        };
-        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string())
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string())
     }
 }
 

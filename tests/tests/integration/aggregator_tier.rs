@@ -297,7 +297,12 @@ async fn an_int8_tiered_round_commits_what_the_coordinator_alone_commits() -> an
     let (run, tasks) = run_and_tasks(&c, &devices, &int8_plan).await?;
     assert!(tasks.iter().all(|t| t.upload_to.is_some() && t.compression == compression));
     let f32_delta = devices[0]
-        .upload_to_aggregator(tasks[0].upload_to.as_ref().unwrap(), run, tasks[0].round_idx, &update(&tasks[0], 0))
+        .upload_to_aggregator(
+            tasks[0].upload_to.as_ref().unwrap(),
+            run,
+            tasks[0].round_idx,
+            &update(&tasks[0], 0),
+        )
         .await;
     assert_eq!(api_code(f32_delta), Some(ErrorCode::ShapeMismatch), "an f32 delta to an int8 run");
     let updates: Vec<UploadRequest> =
