@@ -432,12 +432,24 @@ impl AsyncRead for GuardedStream {
 }
 
 impl GuardedStream {
-    /// A write refused once the connection was closed to make room for another.
-    fn refuse_if_evicted(&self) -> io::Result<()> {
+    /// One write to the socket, `write` (plain or vectored): refused once the connection was
+    /// closed to make room for another; any byte written counts as traffic.
+    fn guarded_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
         if self.conn.evicted.load(Ordering::Acquire) {
-            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "closed to make room"));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room",
+            )));
         }
-        Ok(())
+        let written = ready!(write(Pin::new(&mut self.inner), cx))?;
+        if written > 0 {
+            self.touch();
+        }
+        Poll::Ready(Ok(written))
     }
 }
 
@@ -451,13 +463,7 @@ impl AsyncWrite for GuardedStream {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let me = self.get_mut();
-        me.refuse_if_evicted()?;
-        let written = ready!(Pin::new(&mut me.inner).poll_write(cx, data))?;
-        if written > 0 {
-            me.touch();
-        }
-        Poll::Ready(Ok(written))
+        self.get_mut().guarded_write(cx, |socket, cx| socket.poll_write(cx, data))
     }
 
     fn poll_write_vectored(
@@ -465,13 +471,7 @@ impl AsyncWrite for GuardedStream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let me = self.get_mut();
-        me.refuse_if_evicted()?;
-        let written = ready!(Pin::new(&mut me.inner).poll_write_vectored(cx, bufs))?;
-        if written > 0 {
-            me.touch();
-        }
-        Poll::Ready(Ok(written))
+        self.get_mut().guarded_write(cx, |socket, cx| socket.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
