@@ -31,7 +31,11 @@ fn f32_bytes(update: &ValidatedUpdate) -> Arc<Vec<u8>> {
     if delta.compression().is_f32() {
         return update.delta_bytes().clone();
     }
-    Arc::new(starling_core::tensor::f32_to_le_bytes(&delta.to_f32()))
+    // Decoded straight into the bytes (zeros where top-k sent nothing): one model-sized
+    // buffer per upload, not an f32 vector and then its bytes.
+    let mut bytes = vec![0u8; 4 * delta.len()];
+    delta.for_each(|i, v| bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()));
+    Arc::new(bytes)
 }
 
 /// A shard being reduced.

@@ -287,12 +287,7 @@ async fn rounds(
         commit_write_secs / rounds * 1e3,
     );
     print_latencies(&mut latencies);
-    println!(
-        "  {cpu}; coordinator peak RSS {:.1} MiB, at most {} descriptors open",
-        peak_rss_mib(child.pid())?,
-        descriptors.most(),
-    );
-    Ok(())
+    print_resources(&cpu, child, aggregators, &descriptors)
 }
 
 /// Check-ins of random enrolled devices at `rate` for `options.seconds` while a round is open.
@@ -330,9 +325,29 @@ async fn check_ins(
         played.tasks,
     );
     print_latencies(&mut played.latencies);
+    print_resources(&cpu, child, aggregators, &descriptors)
+}
+
+/// CPU, the coordinator's (and aggregators') peak memory, and the most descriptors it held.
+fn print_resources(
+    cpu: &str,
+    child: &ChildCoordinator,
+    aggregators: &Aggregators,
+    descriptors: &OpenDescriptors,
+) -> anyhow::Result<()> {
+    let aggregator_rss = aggregators
+        .pids()
+        .into_iter()
+        .map(|pid| Ok(format!("{:.1}", peak_rss_mib(pid)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     println!(
-        "  {cpu}; coordinator peak RSS {:.1} MiB, at most {} descriptors open",
+        "  {cpu}; coordinator peak RSS {:.1} MiB{}, at most {} descriptors open",
         peak_rss_mib(child.pid())?,
+        if aggregator_rss.is_empty() {
+            String::new()
+        } else {
+            format!(" (aggregators' {} MiB)", aggregator_rss.join(", "))
+        },
         descriptors.most(),
     );
     Ok(())
