@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod aggregation;
 pub mod connections;
+pub mod credentials;
 pub mod error;
 pub mod fleet;
 pub mod limits;
@@ -66,6 +67,8 @@ struct Inner {
     /// runs can upload to both at once).
     uploading: Mutex<HashSet<(DeviceId, RunId)>>,
     device_limiter: Option<Limiter<DeviceId>>,
+    /// Device credentials the store confirmed lately.
+    credentials: credentials::CredentialCache,
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
     timeouts: Timeouts,
     max_model_bytes: u64,
@@ -192,6 +195,7 @@ impl AppState {
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
+                credentials: credentials::CredentialCache::default(),
                 ip_limiter: limits.ip.map(Limiter::new),
                 timeouts,
                 max_model_bytes: limits.max_model_bytes,
@@ -299,6 +303,11 @@ impl AppState {
         }
         let device_slot = DeviceUpload { state: self.clone(), device: (device, run_id) };
         Ok(UploadSlot { _permit: self.upload_permit().await, _device: device_slot })
+    }
+
+    /// Forgets a revoked device's checked credentials, so its next request asks the store.
+    pub fn forget_credentials_of(&self, device: DeviceId) {
+        self.inner.credentials.forget(device);
     }
 
     /// Waits for one of the [`MAX_CONCURRENT_UPLOADS`] upload permits.
@@ -604,10 +613,18 @@ impl FromRequestParts<AppState> for DeviceAuth {
         state.check_client_certificate(parts)?;
         let credential =
             bearer(parts).ok_or_else(|| ApiError::unauthorized("missing bearer credential"))?;
-        let hash = hex::encode(sha256(credential.as_bytes()));
-        let access = match state.store().device_access(&hash).await? {
+        let digest = sha256(credential.as_bytes());
+        let began = state.inner.credentials.read_began();
+        let access = match state.inner.credentials.get(&digest, std::time::Instant::now()) {
             Some(access) => access,
-            None => return Err(ApiError::unauthorized("unknown or revoked device credential")),
+            None => match state.store().device_access(&hex::encode(digest)).await? {
+                Some(access) => {
+                    let now = std::time::Instant::now();
+                    state.inner.credentials.insert(digest, access.clone(), began, now);
+                    access
+                }
+                None => return Err(ApiError::unauthorized("unknown or revoked device credential")),
+            },
         };
         let device = access.device;
         // For the handlers that need more than the id (check-in: where it may join).

@@ -720,6 +720,7 @@ async fn revoke_device(
         .revoke_device(DeviceId(device_id))
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no device {device_id}")))?;
+    state.forget_credentials_of(DeviceId(device_id));
     tracing::info!(device = device_id, "device credential revoked");
     Ok(AppJson(DeviceView { device_id, enrolled_at_ms, revoked: true }))
 }
