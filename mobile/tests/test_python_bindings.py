@@ -112,7 +112,9 @@ class Phases(sm.ProgressListener):
 SHAPE = sm.ExampleShape.IMAGE(channels=1, height=8, width=8)
 
 
-class MobileBindings(unittest.TestCase):
+class WithCoordinator(unittest.TestCase):
+    """One coordinator and the digits for a class's tests."""
+
     @classmethod
     def setUpClass(cls):
         cls.c = Coordinator()
@@ -122,6 +124,8 @@ class MobileBindings(unittest.TestCase):
     def tearDownClass(cls):
         cls.c.close()
 
+
+class MobileBindings(WithCoordinator):
     def test_a_device_participates_and_the_global_model_improves(self):
         spec = {
             "input": {"kind": "image", "channels": 1, "height": 8, "width": 8},
@@ -310,16 +314,7 @@ class Raising(sm.AppTrainer):
         return None
 
 
-class AppTrainerTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.c = Coordinator()
-        cls.features, cls.labels = digits()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.c.close()
-
+class AppTrainerTest(WithCoordinator):
     def schema_run(self, population, rounds):
         return self.c.admin("POST", "/v1/admin/runs", {
             "population": population,

@@ -682,6 +682,30 @@ where
     }
 }
 
+/// Waits (at most 120 s) until the device state file at `path` holds a trained update not yet
+/// acknowledged: the point at which the kill-before-the-answer tests stop the coordinator.
+pub async fn wait_for_pending_upload(
+    path: &Path,
+) -> anyhow::Result<starling_client::participant::PendingUpload> {
+    wait_for("the trained update in the state file", Duration::from_secs(120), || async move {
+        Ok(starling_client::participant::ParticipantState::load(path)?
+            .and_then(|s| s.pending_upload))
+    })
+    .await
+}
+
+/// A process's memory figure from `/proc/PID/status` in MiB: `VmRSS` (resident now) or
+/// `VmHWM` (its peak).
+pub fn process_memory_mib(pid: u32, field: &str) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))?;
+    Ok(kib / 1024.0)
+}
+
 /// Waits (at most 30 s) until the coordinator at `url` counts `n` live aggregator nodes (its
 /// `starling_aggregators_live` gauge): it assigns devices only to nodes it has heard from.
 pub async fn wait_aggregators_live(

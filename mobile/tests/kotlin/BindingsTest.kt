@@ -143,6 +143,21 @@ inline fun <reified E : Throwable> assertThrows(what: String, block: () -> Unit)
 
 fun flat(features: List<List<Float>>): List<Float> = features.flatten()
 
+/** Participates until `uploads` updates were uploaded (within [DEADLINE_MS]), waiting a little
+ * after any other outcome; the accuracy each upload's evaluation reported, in order. */
+fun participateUntilUploaded(device: StarlingDevice, uploads: Int): List<Double> {
+    val accuracies = mutableListOf<Double>()
+    val deadline = System.currentTimeMillis() + DEADLINE_MS
+    while (accuracies.size < uploads) {
+        check(System.currentTimeMillis() < deadline) { "$uploads uploads not done within $DEADLINE_MS ms: $accuracies" }
+        when (val outcome = device.participate()) {
+            is ParticipationOutcome.Uploaded -> accuracies.add(checkNotNull(outcome.evaluation).accuracy)
+            else -> Thread.sleep(200)
+        }
+    }
+    return accuracies
+}
+
 /** Enrolls, adds examples, participates until the global model improves; the listener is
  * called; the credential survives a restart and an export/restore. */
 fun aDeviceParticipatesAndTheGlobalModelImproves(c: Coordinator) {
@@ -164,15 +179,7 @@ fun aDeviceParticipatesAndTheGlobalModelImproves(c: Coordinator) {
     check(device.participate() is ParticipationOutcome.ComeBackLater)
     device.setConditions(DeviceConditions(charging = true, appVersion = "2.3.1"))
 
-    val accuracies = mutableListOf<Double>()
-    val deadline = System.currentTimeMillis() + DEADLINE_MS
-    while (accuracies.size < 4) {
-        check(System.currentTimeMillis() < deadline) { "4 uploads not done within $DEADLINE_MS ms: $accuracies" }
-        when (val outcome = device.participate()) {
-            is ParticipationOutcome.Uploaded -> accuracies.add(checkNotNull(outcome.evaluation).accuracy)
-            else -> Thread.sleep(200)
-        }
-    }
+    val accuracies = participateUntilUploaded(device, 4)
     check(device.status().uploads == 4uL) { "${device.status()}" }
     check("training" in listener.phases && listener.steps > 0) { "${listener.phases}, ${listener.steps} steps" }
     // Each round's global model is evaluated on held-out examples before training: after three
@@ -341,15 +348,7 @@ fun aKotlinTrainerTrainsARunOfNamedTensors(c: Coordinator) {
     val device = StarlingDevice(c.url, "kotlin-trainers", null, Files.createTempDirectory("starling-device").toString(), SHAPE)
     device.enroll(c.enrollmentToken("kotlin-trainers"))
     device.setTrainer(trainer)
-    val accuracies = mutableListOf<Double>()
-    val deadline = System.currentTimeMillis() + DEADLINE_MS
-    while (accuracies.size < 3) {
-        check(System.currentTimeMillis() < deadline) { "3 uploads not done within $DEADLINE_MS ms: $accuracies" }
-        when (val outcome = device.participate()) {
-            is ParticipationOutcome.Uploaded -> accuracies.add(checkNotNull(outcome.evaluation).accuracy)
-            else -> Thread.sleep(200)
-        }
-    }
+    val accuracies = participateUntilUploaded(device, 3)
     check(trainer.rounds == 3) { "the Kotlin trainer trained ${trainer.rounds} times" }
     // The zero model scores one class in ten; two rounds of the Kotlin trainer's SGD far more.
     check(accuracies.last() > accuracies.first() + 0.5) { "$accuracies" }

@@ -230,6 +230,8 @@ async fn rounds(
     let bodies: Vec<Vec<bytes::Bytes>> = (0..total_rounds)
         .map(|round| round_bodies(&spec, options.compression, round))
         .collect::<anyhow::Result<_>>()?;
+    // One device's upload body (every variant is as long).
+    let body_bytes = bodies[0][0].len();
     let initial = model_values(&child.url, &admin, run, &spec, 0).await?;
     let descriptors = OpenDescriptors::watch(child.pid());
     let (mut latencies, mut acknowledged) = (Latencies::default(), 0);
@@ -262,7 +264,6 @@ async fn rounds(
     let commit_write_secs = store_seconds(&child.url, "commit_round").await? - commit_write_before;
     let verified = verify(&child.url, &admin, run, &spec, options, &initial).await?;
     let rounds = c.rounds as f64;
-    let body_bytes: usize = round_bodies(&spec, options.compression, 0)?[0].len();
     println!(
         "{} devices x {} parameters, {} measured rounds, {:.1} MB uploaded a round",
         c.devices,

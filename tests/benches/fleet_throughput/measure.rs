@@ -118,15 +118,9 @@ fn process_cpu(pid: &str) -> anyhow::Result<(String, f64)> {
     Ok((name, ticks / TICKS_PER_SECOND))
 }
 
-/// The coordinator's peak resident memory (`VmHWM`) in MiB.
+/// A process's peak resident memory (`VmHWM`) in MiB.
 pub fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/pid/status")?;
-    Ok(kib / 1024.0)
+    starling_tests::process_memory_mib(pid, "VmHWM")
 }
 
 /// The sum of the coordinator's `store_seconds` histogram for one operation.

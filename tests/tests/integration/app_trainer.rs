@@ -272,16 +272,7 @@ async fn an_apps_trained_update_survives_a_kill_before_its_upload_is_answered() 
 
     let stop_at_training = signal_at(coordinator.pid(), Phase::Training, "STOP");
     let participation = tokio::spawn(async move { first.participate(stop_at_training).await });
-    let pending = starling_tests::wait_for(
-        "the trained update in the state file",
-        Duration::from_secs(120),
-        || {
-            let state_file = state_file.clone();
-            async move { Ok(ParticipantState::load(&state_file)?.and_then(|s| s.pending_upload)) }
-        },
-    )
-    .await
-    .unwrap();
+    let pending = starling_tests::wait_for_pending_upload(&state_file).await.unwrap();
     participation.abort();
     assert!(participation.await.unwrap_err().is_cancelled(), "the upload was still unanswered");
     coordinator.signal("CONT").unwrap();

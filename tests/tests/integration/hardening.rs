@@ -382,11 +382,7 @@ async fn open_connections_do_not_each_keep_a_copy_of_the_model() {
     let hash = expect_task(&devices[0]).await.unwrap().model_hash;
     // The first download fills the model cache; what comes after is per connection.
     devices[0].model(&hash).await.unwrap();
-    let rss_mib = || -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", c.pid())).unwrap();
-        let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
-        kib.trim().trim_end_matches("kB").trim().parse::<f64>().unwrap() / 1024.0
-    };
+    let rss_mib = || process_memory_mib(c.pid(), "VmRSS").unwrap();
     let before = rss_mib();
     // Each device's client keeps its connection open (for 5 s idle) after its download.
     for device in &devices[1..] {

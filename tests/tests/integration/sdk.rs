@@ -23,7 +23,6 @@ use starling_tests::{
     ChildCoordinator, OPERATOR_TOKEN, RestartableCoordinator, free_addr, mlp_plan, shared_data,
     signal_at, sqlite_db, start_in_process, wait_model,
 };
-use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn participant_survives_a_coordinator_that_disappears_mid_round() {
@@ -263,16 +262,7 @@ async fn a_device_killed_between_training_and_upload_sends_that_update_on_restar
 
     let stop_coordinator = signal_at(coordinator.pid(), Phase::Training, "STOP");
     let participation = tokio::spawn(async move { first.participate(stop_coordinator).await });
-    let pending = starling_tests::wait_for(
-        "the trained update in the state file",
-        Duration::from_secs(120),
-        || {
-            let state_file = state_file.clone();
-            async move { Ok(ParticipantState::load(&state_file)?.and_then(|s| s.pending_upload)) }
-        },
-    )
-    .await
-    .unwrap();
+    let pending = starling_tests::wait_for_pending_upload(&state_file).await.unwrap();
     assert_eq!((pending.run_id, pending.round_idx), (run, RoundIdx(0)));
     participation.abort();
     assert!(participation.await.unwrap_err().is_cancelled(), "the upload was still unanswered");
