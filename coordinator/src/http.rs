@@ -171,8 +171,9 @@ pub const MAX_CONCURRENT_UPLOADS: usize = 16;
 /// The most an HTTP/1 connection's read buffer grows to (hyper's least; its default is about
 /// 400 kB). hyper keeps a connection's buffer at the size its reads grew to while it waits for
 /// the next request, so every connection that had sent an update kept up to that much: at
-/// 2 000 devices × 100k parameters the cap took the (dev-built) coordinator's peak from 132 to 108 MiB
-/// (with responses already written vectored), the uploads' time unchanged within noise.
+/// 2 000 devices × 100k parameters the cap took the (dev-built) coordinator's peak from 132
+/// to 108 MiB (with responses already written vectored), the uploads' time unchanged within
+/// noise.
 pub const CONNECTION_READ_BUFFER: usize = 8 * 1024;
 
 impl AppState {

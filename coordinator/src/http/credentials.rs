@@ -81,13 +81,9 @@ impl CredentialCache {
     }
 
     /// Credentials kept now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.lock().expect("credential cache poisoned").by_hash.len()
-    }
-
-    /// Whether none is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
