@@ -122,8 +122,9 @@ impl CentralEvaluator {
         let view = admin.run(run).await?;
         serde_json::from_value(view.plan["model"]["spec"].clone()).map_err(|_| {
             EvaluateError::Model(
-                "the run's plan has no model spec (a run of an app's own model needs an \
-                 evaluator built with that model)"
+                "the run's model is of kind tensors: it has no spec, so this evaluator has no \
+                 forward pass for it. Evaluate its exported models in the devices' framework \
+                 and report the metrics (docs/operating.md, \"Evaluating a run of kind tensors\")"
                     .into(),
             )
         })

@@ -218,6 +218,12 @@ pub struct SecureAggregationPlan {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPlan {
+    /// `tensors`: a model its devices define and train in their own framework (the
+    /// coordinator knows only its tensors: `schema` required, no `spec`); `layers`: a model
+    /// built from `spec` by the SDK's trainer. Absent: `layers` when `spec` is given, else
+    /// `tensors`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<ModelKind>,
     /// Tensor names, shapes, dtypes; derived from `spec` when absent.
     #[serde(default)]
     pub schema: Option<TensorSchema>,
@@ -226,7 +232,8 @@ pub struct ModelPlan {
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]
     pub spec: Option<ModelSpec>,
-    /// How version 0 is made.
+    /// How version 0 is made; absent: `seeded` with seed 0.
+    #[serde(default = "default_init")]
     pub init: InitSpec,
     /// Name patterns (`*` matches any run of characters) of the tensors devices train; absent:
     /// all, or a LoRA spec's adapters (`*.lora_a`, `*.lora_b`). The rest are frozen at their
@@ -237,6 +244,19 @@ pub struct ModelPlan {
     /// device and never uploaded, aggregated or stored by the coordinator.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub local: Vec<String>,
+}
+
+/// Who defines a plan's model.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    /// Only the named tensors: the devices' own trainers (PyTorch, TensorFlow Lite, Core ML)
+    /// run the model; the coordinator aggregates, optimizes, compresses, masks and exports it
+    /// as any other, and has no forward pass to evaluate it with.
+    Tensors,
+    /// A declarative layer list (`spec`) the SDK builds and trains.
+    Layers,
 }
 
 /// How the initial model is made.
@@ -799,6 +819,9 @@ fn default_reporting_timeout() -> f64 {
 }
 fn default_server_lr() -> f64 {
     1.0
+}
+fn default_init() -> InitSpec {
+    InitSpec::Seeded { seed: 0 }
 }
 fn default_stage_timeout() -> f64 {
     30.0

@@ -3,12 +3,27 @@
 
 use crate::tensor::TensorSchema;
 
-use super::{InitSpec, ModelParts, ModelPlan, PlanError, field};
+use super::{InitSpec, ModelKind, ModelParts, ModelPlan, PlanError, field};
 
 impl ModelPlan {
     /// The model's schema (the spec's, when both agree) and its split into update, local and
     /// frozen tensors.
     pub(super) fn resolve(&self) -> Result<(TensorSchema, ModelParts), PlanError> {
+        match (self.kind, &self.schema, &self.spec) {
+            (Some(ModelKind::Tensors), _, Some(_)) => {
+                return Err(field(
+                    "model.spec",
+                    "a model of kind tensors has no spec: its devices' trainers define it",
+                ));
+            }
+            (Some(ModelKind::Tensors), None, None) => {
+                return Err(field("model.schema", "a model of kind tensors needs its schema"));
+            }
+            (Some(ModelKind::Layers), _, None) => {
+                return Err(field("model.spec", "a model of kind layers needs its spec"));
+            }
+            _ => {}
+        }
         let schema = match (&self.schema, &self.spec) {
             (None, None) => return Err(field("model", "needs a schema, a spec, or both")),
             (Some(schema), None) => schema.clone(),

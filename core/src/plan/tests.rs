@@ -723,3 +723,31 @@ fn a_run_name_over_its_limit_is_refused_by_field() {
     v["name"] = "n".repeat(MAX_RUN_NAME).into();
     parse(v).unwrap();
 }
+
+#[test]
+fn a_tensors_model_names_only_its_tensors_and_defaults_to_a_seeded_start() {
+    let mut v = plan_json();
+    v["model"]["kind"] = serde_json::json!("tensors");
+    v["model"].as_object_mut().unwrap().remove("init");
+    let p = parse(v.clone()).unwrap();
+    assert_eq!(p.plan().model.kind, Some(ModelKind::Tensors));
+    assert_eq!(p.plan().model.init, InitSpec::Seeded { seed: 0 });
+    assert_eq!(p.schema().tensors.len(), 2);
+    // A spec is the devices' business in such a run; and the schema is all there is.
+    let mut with_spec = v.clone();
+    with_spec["model"]["spec"] = serde_json::json!({
+        "input": {"kind": "features", "size": 3},
+        "layers": [{"kind": "linear", "out": 4}]
+    });
+    assert!(refused(with_spec).starts_with("model.spec"));
+    let mut no_schema = v;
+    no_schema["model"].as_object_mut().unwrap().remove("schema");
+    assert!(refused(no_schema).starts_with("model.schema"));
+    // `layers` needs the spec it builds.
+    let mut layers = plan_json();
+    layers["model"]["kind"] = serde_json::json!("layers");
+    assert!(refused(layers).starts_with("model.spec"));
+    let mut unknown = plan_json();
+    unknown["model"]["kind"] = serde_json::json!("onnx");
+    assert!(serde_json::from_value::<Plan>(unknown).is_err());
+}
