@@ -9,7 +9,9 @@
 //!   `.ci/run` calls exactly this.
 //!   After the Rust tests it builds the dashboard and runs its browser tests, and generates the
 //!   mobile bindings and runs the Python- and Kotlin-bindings tests (the Kotlin compiler comes
-//!   from the npm registry, JNA and a JDK from Debian's packages, when missing).
+//!   from the npm registry, JNA and a JDK from Debian's packages, when missing), then builds
+//!   the Python SDK's wheel, installs it into a fresh venv and runs its pytest suite (PyTorch
+//!   from a venv outside the clone, installed once).
 //! * `cargo xtask demo`: the main job. A coordinator on a fresh embedded SQLite store, and the
 //!   client SDK's simulator federating a real model on real data against it.
 
@@ -31,6 +33,8 @@ fn main() -> anyhow::Result<()> {
         Some("demo") => demo(&args[1..]),
         // The mobile bindings' tests alone, on an existing build (the last part of `test`).
         Some("mobile-tests") => mobile_tests(),
+        // The Python SDK's wheel and pytest suite alone, on an existing build.
+        Some("python-sdk-tests") => python_sdk_tests(),
         Some("postgres") => {
             println!("DATABASE_URL={}", ensure_postgres()?);
             Ok(())
@@ -90,7 +94,8 @@ fn test() -> anyhow::Result<()> {
     tests.env("STARLING_SKIP_LOG", &skip_log);
     let outcome = step("tests", &mut tests)
         .and_then(|()| dashboard_tests(&cargo))
-        .and_then(|()| mobile_tests());
+        .and_then(|()| mobile_tests())
+        .and_then(|()| python_sdk_tests());
     report_skips(&skip_log);
     outcome
 }
@@ -479,27 +484,84 @@ fn check(name: &str, status: ExitStatus) -> anyhow::Result<()> {
 /// when that file changes); returns its interpreter.
 fn ensure_python_tools(root: &Path) -> anyhow::Result<std::path::PathBuf> {
     let requirements = root.join("xtask").join("python-requirements.txt");
-    let venv = target_dir(root).join("python-tools");
+    ensure_venv(&target_dir(root).join("python-tools"), &requirements)
+}
+
+/// A virtual environment at `venv` with `requirements` installed from PyPI, again only when
+/// that file changes; returns its interpreter.
+fn ensure_venv(venv: &Path, requirements: &Path) -> anyhow::Result<std::path::PathBuf> {
     let python = venv.join("bin").join("python");
-    let wanted = std::fs::read_to_string(&requirements).context("reading the requirements")?;
+    let wanted = std::fs::read_to_string(requirements).context("reading the requirements")?;
     let installed = venv.join("installed-requirements.txt");
     if std::fs::read_to_string(&installed).is_ok_and(|had| had == wanted) && python.exists() {
         return Ok(python);
     }
     let mut create = Command::new("python3");
-    create.args(["-m", "venv", "--clear"]).arg(&venv);
+    create.args(["-m", "venv", "--clear"]).arg(venv);
     if !create.status().is_ok_and(|s| s.success()) {
         apt_install("python3-venv")?;
         step("python venv", &mut create)?;
     }
     step(
-        "python packages",
+        &format!("python packages ({})", requirements.display()),
         Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
-            .arg(&requirements),
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(["--progress-bar", "off", "-r"])
+            .arg(requirements),
     )?;
     std::fs::write(&installed, wanted).context("recording the installed requirements")?;
     Ok(python)
+}
+
+/// Where PyTorch lives for the Python SDK's tests: outside the clone and outside the target
+/// directory (whose size is kept under a budget), so warm runs reuse its 5 GiB.
+fn torch_venv() -> std::path::PathBuf {
+    env::var_os("STARLING_TORCH_VENV")
+        .map_or_else(|| "/var/tmp/starling-torch/venv".into(), std::path::PathBuf::from)
+}
+
+/// Builds the Python SDK's wheel (maturin, abi3), installs it with pip into a fresh venv that
+/// sees PyTorch from `torch_venv`, and runs its pytest suite against the coordinator binary.
+fn python_sdk_tests() -> anyhow::Result<()> {
+    let root = repo_root()?;
+    let target = target_dir(&root);
+    let tools = ensure_python_tools(&root)?;
+    let sdk = root.join("client-sdk").join("python");
+    let torch_python = ensure_venv(&torch_venv(), &sdk.join("tests").join("requirements.txt"))?;
+    let out = target.join("python-sdk");
+    let wheels = out.join("wheels");
+    let _ = std::fs::remove_dir_all(&wheels);
+    let maturin = tools.parent().context("the tools venv's bin")?.join("maturin");
+    // The dev profile, as the rest of the suite builds: its dependencies are already built.
+    let mut build = Command::new(maturin);
+    build.args(["build", "--quiet", "--profile", "dev", "-m"]).arg(sdk.join("Cargo.toml"));
+    build.arg("-o").arg(&wheels).arg("-i").arg(&torch_python).env("CARGO_INCREMENTAL", "0");
+    step("Python SDK wheel (maturin)", &mut build)?;
+    let wheel = std::fs::read_dir(&wheels)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .context("maturin wrote no wheel")?;
+    // A fresh venv each run, as a user's: only the wheel is installed into it, with pip; torch,
+    // numpy and pytest come from the stable venv through a .pth file.
+    let venv = out.join("venv");
+    step("fresh venv", Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv))?;
+    let python = venv.join("bin").join("python");
+    let site = |python: &Path| -> anyhow::Result<String> {
+        let output = Command::new(python)
+            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+            .output()?;
+        Ok(String::from_utf8(output.stdout)?.trim().to_owned())
+    };
+    std::fs::write(Path::new(&site(&python)?).join("starling-torch.pth"), site(&torch_python)?)
+        .context("pointing the fresh venv at PyTorch")?;
+    let mut install = Command::new(&python);
+    install.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]);
+    step("pip install the wheel", install.arg(&wheel))?;
+    let mut pytest = Command::new(&python);
+    pytest.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"]).arg(sdk.join("tests"));
+    pytest.env("STARLING_COORDINATOR_BIN", target.join("debug").join("starling-coordinator"));
+    step("Python SDK tests (pytest, PyTorch)", &mut pytest)
 }
 
 /// Makes a local Postgres reachable with a role that may create databases; returns its URL.
