@@ -37,9 +37,13 @@ class Coordinator:
         db = database_url or f"sqlite://{self.dir.name}/db.sqlite"
         env = dict(os.environ, STARLING_OPERATOR_TOKEN=OPERATOR_TOKEN, RUST_LOG="warn", **(extra_env or {}))
         binary = os.environ["STARLING_COORDINATOR_BIN"]
-        args = [binary, "serve", "--listen", f"127.0.0.1:{port}", "--database-url", db, "--insecure-http"]
+        self.args = [binary, "serve", "--listen", f"127.0.0.1:{port}", "--database-url", db, "--insecure-http"]
+        self.env = env
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(args, env=env)
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args, env=self.env)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -50,6 +54,11 @@ class Coordinator:
                     self.close()
                     raise RuntimeError(f"the coordinator at {self.url} did not become ready")
                 time.sleep(0.1)
+
+    def kill(self) -> None:
+        """Stops the process at once (SIGKILL), keeping its store: `start` brings it back."""
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         self.proc.terminate()
@@ -108,9 +117,10 @@ class Net(torch.nn.Module):
         return self.fc3(x)
 
 
-def fit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch_size: int, lr: float, seed: int) -> tuple[int, float]:
-    """Plain SGD over (x, y), shuffled by `seed`; (examples per epoch, mean loss)."""
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+def fit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch_size: int, lr: float, seed: int,
+        momentum: float = 0.0) -> tuple[int, float]:
+    """SGD over (x, y), shuffled by `seed`; (examples per epoch, mean loss)."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     generator = torch.Generator().manual_seed(seed % (2**63))
     total, steps = 0.0, 0
     for _ in range(epochs):

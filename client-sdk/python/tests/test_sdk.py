@@ -179,6 +179,36 @@ def test_a_trainer_that_raises_fails_the_participation_and_uploads_nothing(coord
     assert operator.wait(run["id"], timeout_secs=60)["status"] == "finished"
 
 
+def test_an_update_trained_before_a_kill_is_sent_after_it_without_training_again(coordinator, tmp_path):
+    operator = sc.Operator(coordinator.url, support.OPERATOR_TOKEN)
+    net = support.Net()
+    run = operator.create_run(plan_for(net, cohort=1, rounds=1))
+    state = tmp_path / "device.json"
+    device = sc.Participant(coordinator.url, "default", state_file=str(state))
+    device.enroll(operator.enrollment_token())
+
+    def train_then_lose_the_coordinator(model, settings):
+        load_global(net, model)
+        coordinator.kill()  # the upload that follows finds nobody
+        return sc.Trained({n: t.detach().numpy() for n, t in named_tensors(net).items()}, 7, 0.25)
+
+    with pytest.raises(sc.Unreachable):
+        device.participate(train_then_lose_the_coordinator)
+    assert device.has_pending_upload
+    del device  # the app is killed; its state file remains
+    coordinator.start()
+    restarted = sc.Participant(coordinator.url, "default", state_file=str(state))
+    assert restarted.has_pending_upload
+
+    def must_not_train(model, settings):
+        raise AssertionError("a pending update is sent, not trained again")
+
+    outcome = restarted.participate(must_not_train)
+    assert outcome.kind == "uploaded" and outcome.round_idx == 0 and outcome.train_loss == 0.25
+    assert not restarted.has_pending_upload
+    assert operator.wait(run["id"], timeout_secs=60)["status"] == "finished"
+
+
 @pytest.mark.parametrize("mistake, expected", [
     ("missing tensor", "no tensor"),
     ("wrong shape", "fc3.weight as"),
