@@ -3,6 +3,7 @@ port, MNIST from ../shared/data, the CNN both sides train, and its training and 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import socket
@@ -81,8 +82,10 @@ def _idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
+@functools.cache
 def mnist(split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST's `train` or `t10k` split: images (N, 1, 28, 28) in [0, 1] and labels."""
+    """MNIST's `train` or `t10k` split: images (N, 1, 28, 28) in [0, 1] and labels (read once
+    per process; treat them as read-only)."""
     root = shared_data() / "mnist"
     images = _idx(root / f"{split}-images-idx3-ubyte.gz")
     labels = _idx(root / f"{split}-labels-idx1-ubyte.gz")
