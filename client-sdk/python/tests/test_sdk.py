@@ -215,6 +215,7 @@ def test_an_update_trained_before_a_kill_is_sent_after_it_without_training_again
     ("float64", "float32"),
     ("nan", "finite"),
     ("no examples", "example"),
+    ("too many examples", "example"),
     ("not trained", "not a starling_client.Trained"),
 ])
 def test_what_a_trainer_returns_is_checked_before_anything_is_sent(coordinator, mistake, expected):
@@ -238,12 +239,17 @@ def test_what_a_trainer_returns_is_checked_before_anything_is_sent(coordinator, 
             tensors["fc3.bias"] = np.full(10, np.nan, dtype=np.float32)
         elif mistake == "no examples":
             examples = 0
+        elif mistake == "too many examples":
+            examples = 2**40
         elif mistake == "not trained":
             return tensors
         return sc.Trained(tensors, examples, 0.1)
 
-    with pytest.raises(sc.RejectedUpdate, match=expected):
+    # Refused before sending, or by the coordinator (422): either way nothing is kept to resend.
+    with pytest.raises((sc.RejectedUpdate, sc.Refused), match=expected) as refused:
         device.participate(train)
+    if isinstance(refused.value, sc.Refused):
+        assert refused.value.status == 422
     assert not device.has_pending_upload
 
 
