@@ -117,17 +117,11 @@ impl CentralEvaluator {
         Ok(Self { admin, run, name: name.to_owned(), spec, schema, test: Arc::new(test), backend })
     }
 
-    /// The run's plan's model spec.
+    /// The run's plan's model spec, as the coordinator gives it to central evaluators: a run
+    /// of kind `tensors` has none, and its 422 says how to evaluate such a run instead.
     pub async fn spec_of_run(admin: &AdminClient, run: RunId) -> Result<ModelSpec, EvaluateError> {
-        let view = admin.run(run).await?;
-        serde_json::from_value(view.plan["model"]["spec"].clone()).map_err(|_| {
-            EvaluateError::Model(
-                "the run's model is of kind tensors: it has no spec, so this evaluator has no \
-                 forward pass for it. Evaluate its exported models in the devices' framework \
-                 and report the metrics (docs/operating.md, \"Evaluating a run of kind tensors\")"
-                    .into(),
-            )
-        })
+        let spec = admin.model_spec(run).await?;
+        serde_json::from_value(spec).map_err(|e| EvaluateError::Model(e.to_string()))
     }
 
     /// Downloads model `version`, evaluates it off the runtime and reports the evaluation;

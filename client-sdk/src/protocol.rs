@@ -600,6 +600,12 @@ impl AdminClient {
         codec::decode(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
     }
 
+    /// The run's model spec, which a central evaluator builds its models from (a 422 for a
+    /// run of kind `tensors`, which has none).
+    pub async fn model_spec(&self, run: RunId) -> Result<serde_json::Value, ClientError> {
+        self.send(reqwest::Method::GET, &path::admin_model_spec(run), None).await
+    }
+
     /// Reports a central evaluation of a committed model.
     pub async fn report_central_evaluation(
         &self,

@@ -13,7 +13,7 @@ use starling_client::participant::{
     Outcome, Participant, ParticipantError, ParticipantProgress, ParticipantState, Phase,
 };
 use starling_client::protocol::{FleetClient, TlsSettings};
-use starling_client::train::{Evaluation, LocalOptimizer, TrainError, TrainingPlan};
+use starling_client::train::{Evaluation, TrainError, TrainingPlan};
 use starling_client::trainer::{ModelTensors, TrainedValues, Trainer, TrainerOutput};
 use starling_core::model_spec::InputSpec;
 
@@ -330,10 +330,7 @@ impl Trainer for ForeignTrainer {
             epochs: plan.epochs,
             batch_size: plan.batch_size,
             learning_rate: plan.lr,
-            optimizer: match plan.optimizer {
-                LocalOptimizer::Sgd => "sgd".into(),
-                LocalOptimizer::Adam => "adam".into(),
-            },
+            optimizer: plan.optimizer.name().into(),
             fedprox_mu: plan.fedprox_mu,
             seed: plan.seed,
         };

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use starling_client::train::{Evaluation as SdkEvaluation, LocalOptimizer, TrainingPlan};
+use starling_client::train::{Evaluation as SdkEvaluation, TrainingPlan};
 use starling_client::trainer::{ModelTensors, TrainedValues, Trainer, TrainerOutput};
 use starling_core::tensor::{TensorSchema, TensorSpec};
 
@@ -177,10 +177,7 @@ impl From<&TrainingPlan> for TrainingSettings {
             epochs: plan.epochs,
             batch_size: plan.batch_size,
             learning_rate: plan.lr,
-            optimizer: match plan.optimizer {
-                LocalOptimizer::Sgd => "sgd".into(),
-                LocalOptimizer::Adam => "adam".into(),
-            },
+            optimizer: plan.optimizer.name().into(),
             fedprox_mu: plan.fedprox_mu,
             seed: plan.seed,
         }

@@ -35,6 +35,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(create_enrollment_token, list_enrollment_tokens))
         .routes(routes!(create_run, list_runs))
         .routes(routes!(get_run))
+        .routes(routes!(get_model_spec))
         .routes(routes!(list_rounds))
         .routes(routes!(get_round))
         .routes(routes!(list_round_devices))
@@ -253,6 +254,32 @@ async fn get_run(
 ) -> Result<AppJson<RunView>, ApiError> {
     let row = stored_run(&state, RunId(run_id)).await?;
     Ok(AppJson(run_view(&state, row).await?))
+}
+
+/// The model spec a central evaluator builds the run's models from. A run of kind `tensors`
+/// has none (its devices' own framework runs the model): 422, saying how to evaluate it instead.
+#[utoipa::path(get, path = "/v1/admin/runs/{run_id}/model-spec", tag = "admin", security(("operator" = [])), params(("run_id" = i64, Path, description = "run")),
+    responses((status = 200, description = "the run's model spec", body = Object), (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 404, description = "no such resource", body = ErrorBody),
+        (status = 422, description = "the run's model is of kind tensors: no forward pass here", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn get_model_spec(
+    State(state): State<AppState>,
+    _op: Operator,
+    Path(run_id): Path<i64>,
+) -> Result<AppJson<serde_json::Value>, ApiError> {
+    let row = stored_run(&state, RunId(run_id)).await?;
+    let plan: Plan = serde_json::from_str(&row.plan_json).map_err(|e| ApiError::internal(&e))?;
+    match plan.model.spec {
+        Some(spec) => Ok(AppJson(serde_json::to_value(spec).map_err(|e| ApiError::internal(&e))?)),
+        None => Err(ApiError::invalid(format!(
+            "run {run_id}'s model is of kind tensors: its devices' trainers run it and the \
+             coordinator has no forward pass to evaluate it with; evaluate its exported models \
+             (GET /v1/admin/runs/{run_id}/models/{{version}}) in their framework and report the \
+             metrics to POST /v1/admin/runs/{run_id}/models/{{version}}/evaluations \
+             (docs/operating.md, \"Evaluating a run of kind tensors\")"
+        ))),
+    }
 }
 
 /// What a run's views may show of its rounds' cohorts.

@@ -751,3 +751,11 @@ fn a_tensors_model_names_only_its_tensors_and_defaults_to_a_seeded_start() {
     unknown["model"]["kind"] = serde_json::json!("onnx");
     assert!(serde_json::from_value::<Plan>(unknown).is_err());
 }
+
+#[test]
+fn an_optimizers_name_is_its_plan_spelling() {
+    for optimizer in [LocalOptimizer::Sgd, LocalOptimizer::Adam] {
+        let spelled = serde_json::to_value(optimizer).unwrap();
+        assert_eq!(spelled, serde_json::Value::String(optimizer.name().into()));
+    }
+}

@@ -18,6 +18,16 @@ pub enum LocalOptimizer {
     Adam,
 }
 
+impl LocalOptimizer {
+    /// Its name in a plan (`sgd`, `adam`): what an app's own trainer is told.
+    pub fn name(self) -> &'static str {
+        match self {
+            LocalOptimizer::Sgd => "sgd",
+            LocalOptimizer::Adam => "adam",
+        }
+    }
+}
+
 /// A plan's local training configuration, as devices receive it with their task.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

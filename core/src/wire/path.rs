@@ -47,6 +47,9 @@ pub const ADMIN_ROUND: &str = "/v1/admin/runs/{run_id}/rounds/{round_idx}";
 pub const ADMIN_ROUND_DEVICES: &str = "/v1/admin/runs/{run_id}/rounds/{round_idx}/devices";
 /// `GET`: a run's model versions.
 pub const ADMIN_MODELS: &str = "/v1/admin/runs/{run_id}/models";
+/// `GET`: the model spec a central evaluator builds a run's models from (422 for a run of kind
+/// `tensors`, which has none).
+pub const ADMIN_MODEL_SPEC: &str = "/v1/admin/runs/{run_id}/model-spec";
 /// `GET`: one committed model, as safetensors or the raw payload.
 pub const ADMIN_MODEL: &str = "/v1/admin/runs/{run_id}/models/{version}";
 /// `POST`: a central evaluator's evaluation of a model version.
@@ -92,6 +95,7 @@ pub const COORDINATOR: &[&str] = &[
     ADMIN_ROUND,
     ADMIN_ROUND_DEVICES,
     ADMIN_MODELS,
+    ADMIN_MODEL_SPEC,
     ADMIN_MODEL,
     ADMIN_MODEL_EVALUATIONS,
     ADMIN_BASE_MODELS,
@@ -182,6 +186,11 @@ pub fn admin_round(run: RunId, round: RoundIdx) -> String {
 /// [`ADMIN_ROUND_DEVICES`].
 pub fn admin_round_devices(run: RunId, round: RoundIdx) -> String {
     run_round(ADMIN_ROUND_DEVICES, run, round)
+}
+
+/// [`ADMIN_MODEL_SPEC`].
+pub fn admin_model_spec(run_id: RunId) -> String {
+    run(ADMIN_MODEL_SPEC, run_id)
 }
 
 /// [`ADMIN_MODELS`].

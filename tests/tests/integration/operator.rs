@@ -725,3 +725,51 @@ async fn watching_into_a_closed_pipe_exits_quietly_and_a_stopped_run_says_why() 
     );
     c.running.shutdown().await.unwrap();
 }
+
+/// A central evaluator builds a run's models from the spec the coordinator gives it; a run of
+/// kind `tensors` has none, and is refused with a 422 that says how to evaluate it instead,
+/// while its outside evaluators' reports are still taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn central_evaluation_of_a_tensors_run_is_refused_with_the_way_to_evaluate_it() {
+    use starling_client::evaluate::{CentralEvaluator, EvaluateError};
+    use starling_core::admin::CentralEvaluation;
+    use starling_core::wire::ErrorCode;
+    let (_dir, db) = sqlite_db();
+    let c = starling_tests::start_in_process(&db).await.unwrap();
+    let digits = data::digits(&shared_data().join("sklearn_digits")).unwrap();
+    let layers_plan = mlp_plan(digits.input(), 1, 1);
+    let layers = RunId(c.admin.create_run(&layers_plan).await.unwrap().id);
+    assert_eq!(c.admin.model_spec(layers).await.unwrap(), layers_plan["model"]["spec"]);
+    CentralEvaluator::spec_of_run(&c.admin, layers).await.unwrap();
+
+    let mut tensors_plan = layers_plan.clone();
+    let schema = serde_json::to_value(
+        serde_json::from_value::<starling_core::model_spec::ModelSpec>(
+            layers_plan["model"]["spec"].clone(),
+        )
+        .unwrap()
+        .schema()
+        .unwrap(),
+    )
+    .unwrap();
+    tensors_plan["model"] = serde_json::json!({"kind": "tensors", "schema": schema});
+    let tensors = RunId(c.admin.create_run(&tensors_plan).await.unwrap().id);
+    let refused = c.admin.model_spec(tensors).await.unwrap_err();
+    assert_eq!(refused.status().map(|s| s.as_u16()), Some(422));
+    assert_eq!(refused.code(), Some(ErrorCode::InvalidField));
+    let why = refused.to_string();
+    assert!(why.contains("kind tensors") && why.contains("/evaluations"), "{why}");
+    match CentralEvaluator::spec_of_run(&c.admin, tensors).await {
+        Err(EvaluateError::Protocol(e)) => assert_eq!(e.status().map(|s| s.as_u16()), Some(422)),
+        other => panic!("the evaluator must surface the 422, got {other:?}"),
+    }
+    // The way it names: an outside evaluator's figures are taken for the run's models.
+    let report = CentralEvaluation {
+        evaluator: "torch-holdout".into(),
+        example_count: 50,
+        metrics: [("accuracy".to_owned(), 0.9)].into(),
+    };
+    c.admin.report_central_evaluation(tensors, 0, &report).await.unwrap();
+    assert_eq!(c.admin.models(tensors).await.unwrap()[0].central, vec![report]);
+    c.running.shutdown().await.unwrap();
+}
