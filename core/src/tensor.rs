@@ -328,13 +328,19 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 
 /// Little-endian bytes of `values`.
 pub fn f32_to_le_bytes(values: &[f32]) -> Vec<u8> {
+    let mut out = vec![0; values.len() * 4];
+    f32_into_le_bytes(values, &mut out);
+    out
+}
+
+/// Writes `values` into `out` (four bytes each) as little-endian f32, for a caller that owns
+/// the buffer already (a Python `bytes` being filled).
+pub fn f32_into_le_bytes(values: &[f32], out: &mut [u8]) {
     // Into a buffer of the final length, a fixed-size copy per value: this compiles to a
     // plain copy, where growing the vector value by value did not.
-    let mut out = vec![0; values.len() * 4];
     for (bytes, v) in out.chunks_exact_mut(4).zip(values) {
         bytes.copy_from_slice(&v.to_le_bytes());
     }
-    out
 }
 
 /// Values from little-endian bytes; a trailing partial value is ignored (callers check lengths).

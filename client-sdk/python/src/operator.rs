@@ -10,13 +10,26 @@ use pyo3::types::PyBytes;
 use serde::Serialize;
 use starling_client::protocol::{AdminClient, ClientError, TlsSettings};
 use starling_core::RunId;
-use starling_core::admin::CentralEvaluation;
+use starling_core::admin::{CentralEvaluation, RunView};
 
 use crate::errors::{InvalidInput, client_error};
 use crate::runtime;
 
 /// The statuses after which a run changes no more.
 const FINISHED: [&str; 2] = ["finished", "stopped"];
+
+/// Whether a run watched until it commits `rounds` rounds (`None`: until it ends) is there.
+pub(crate) fn reached(view: &RunView, rounds: Option<i64>) -> bool {
+    FINISHED.contains(&view.status.as_str()) || rounds.is_some_and(|r| view.rounds_committed >= r)
+}
+
+/// The `TimeoutError` of a watch that gave up after `timeout_secs` with the run at `view`.
+pub(crate) fn timed_out(view: &RunView, timeout_secs: f64) -> PyErr {
+    pyo3::exceptions::PyTimeoutError::new_err(format!(
+        "run {} is {} with {} rounds committed after {timeout_secs} s",
+        view.id, view.status, view.rounds_committed
+    ))
+}
 
 /// An operator of the coordinator at `url`, with its operator token.
 #[pyclass(module = "starling_client._native", frozen)]
@@ -25,7 +38,10 @@ pub struct Operator {
 }
 
 /// A view as the Python value its JSON decodes to (dicts, lists, numbers, strings).
-fn to_python<'py>(py: Python<'py>, view: &impl Serialize) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn to_python<'py>(
+    py: Python<'py>,
+    view: &impl Serialize,
+) -> PyResult<Bound<'py, PyAny>> {
     let json = serde_json::to_string(view).map_err(|e| InvalidInput::new_err(e.to_string()))?;
     py.import("json")?.call_method1("loads", (json,))
 }
@@ -126,16 +142,11 @@ impl Operator {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout_secs);
         loop {
             let view = self.block(py, self.admin.run(RunId(run_id)))?;
-            let done = FINISHED.contains(&view.status.as_str())
-                || rounds.is_some_and(|r| view.rounds_committed >= r);
-            if done {
+            if reached(&view, rounds) {
                 return to_python(py, &view);
             }
             if Instant::now() >= deadline {
-                return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
-                    "run {run_id} is {} with {} rounds committed after {timeout_secs} s",
-                    view.status, view.rounds_committed
-                )));
+                return Err(timed_out(&view, timeout_secs));
             }
             py.detach(|| std::thread::sleep(Duration::from_secs_f64(poll_secs)));
             // Ctrl-C reaches the caller between polls.

@@ -177,10 +177,9 @@ impl Participant {
         train: Py<PyAny>,
         evaluate: Option<Py<PyAny>>,
     ) -> PyResult<Outcome> {
+        // A participant with no credential is refused by the participation machine itself,
+        // before anything is sent (`NotEnrolled`).
         let state = self.lock().clone();
-        if state.credential.is_none() {
-            return Err(crate::errors::NotEnrolled::new_err("not enrolled: call enroll first"));
-        }
         let trainer = PyTrainer::new(train, evaluate);
         let raised = trainer.raised();
         let mut participant = self.participant(trainer)?.restore(state);
@@ -218,7 +217,7 @@ impl Participant {
         }
     }
 
-    pub(crate) fn participant(&self, trainer: PyTrainer) -> PyResult<SdkParticipant> {
+    fn participant(&self, trainer: PyTrainer) -> PyResult<SdkParticipant> {
         let participant = SdkParticipant::for_trainer(&self.url, &self.population, trainer)
             .with_tls(&self.tls)
             .map_err(|e| InvalidInput::new_err(e.to_string()))?;

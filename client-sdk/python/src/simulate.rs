@@ -15,7 +15,7 @@ use starling_client::participant::{
 use starling_core::RunId;
 
 use crate::errors::{InvalidInput, participant_error};
-use crate::operator::Operator;
+use crate::operator::{Operator, reached, timed_out, to_python};
 use crate::runtime;
 use crate::trainer::PyTrainer;
 
@@ -65,11 +65,10 @@ pub fn simulate<'py>(
         return Err(InvalidInput::new_err("timeout_secs must be positive"));
     }
     let n = trainers.len();
-    let mut evaluators = evaluators.map(|e| e.into_iter().map(Some).collect::<Vec<_>>());
+    let mut evaluators = evaluators.into_iter().flatten();
     let mut devices = Vec::with_capacity(n);
-    for (i, train) in trainers.into_iter().enumerate() {
-        let evaluate = evaluators.as_mut().and_then(|e| e[i].take());
-        let trainer = PyTrainer::new(train, evaluate);
+    for train in trainers {
+        let trainer = PyTrainer::new(train, evaluators.next());
         let raised = trainer.raised();
         devices.push((SdkParticipant::for_trainer(url, population, trainer), raised));
     }
@@ -131,9 +130,7 @@ pub fn simulate<'py>(
                     .run(RunId(run_id))
                     .await
                     .map_err(|e| Box::new((ParticipantError::from(e), None)))?;
-                let finished = ["finished", "stopped"].contains(&view.status.as_str())
-                    || rounds.is_some_and(|r| view.rounds_committed >= r);
-                if finished || Instant::now() >= deadline {
+                if reached(&view, rounds) || Instant::now() >= deadline {
                     break view;
                 }
                 // A device that failed ends the simulation with its error.
@@ -164,17 +161,11 @@ pub fn simulate<'py>(
         let (e, raised) = *failed;
         participant_error(py, e, raised)
     })?;
-    let finished = ["finished", "stopped"].contains(&view.status.as_str())
-        || rounds.is_some_and(|r| view.rounds_committed >= r);
-    if !finished {
-        return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
-            "run {run_id} is {} with {} rounds committed after {timeout_secs} s",
-            view.status, view.rounds_committed
-        )));
+    if !reached(&view, rounds) {
+        return Err(timed_out(&view, timeout_secs));
     }
     let report = PyDict::new(py);
-    let json = serde_json::to_string(&view).map_err(|e| InvalidInput::new_err(e.to_string()))?;
-    report.set_item("run", py.import("json")?.call_method1("loads", (json,))?)?;
+    report.set_item("run", to_python(py, &view)?)?;
     let per_device = tallies
         .iter()
         .map(|t| {

@@ -105,11 +105,8 @@ impl GlobalModel {
     fn tensor_bytes<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
         let (_, range) = self.tensor(name)?;
         self.with_values(|values| {
-            let values = &values[range];
-            PyBytes::new_with(py, values.len() * 4, |out| {
-                for (chunk, v) in out.chunks_exact_mut(4).zip(values) {
-                    chunk.copy_from_slice(&v.to_le_bytes());
-                }
+            PyBytes::new_with(py, range.len() * 4, |out| {
+                starling_core::tensor::f32_into_le_bytes(&values[range], out);
                 Ok(())
             })
         })
@@ -253,10 +250,9 @@ impl PyTrainer {
         self.raised.clone()
     }
 
-    fn keep(&self, py: Python<'_>, e: PyErr) -> String {
-        // "ValueError: why": the class and the message.
+    /// Keeps the exception a callable raised; its "ValueError: why" for the SDK.
+    fn keep(&self, e: PyErr) -> String {
         let why = e.to_string();
-        let _ = py;
         *self.raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         why
     }
@@ -300,7 +296,7 @@ impl Trainer for PyTrainer {
             let returned = self
                 .train
                 .call1(py, (lending.0.clone_ref(py), settings))
-                .map_err(|e| self.keep(py, e))?;
+                .map_err(|e| self.keep(e))?;
             drop(lending);
             let trained = returned.bind(py).cast::<Trained>().map_err(|_| {
                 format!(
@@ -327,7 +323,7 @@ impl Trainer for PyTrainer {
         Python::attach(|py| {
             let lending = Lending::new(py, model).map_err(|e| e.to_string())?;
             let returned =
-                evaluate.call1(py, (lending.0.clone_ref(py),)).map_err(|e| self.keep(py, e))?;
+                evaluate.call1(py, (lending.0.clone_ref(py),)).map_err(|e| self.keep(e))?;
             drop(lending);
             if returned.is_none(py) {
                 return Ok(None);
