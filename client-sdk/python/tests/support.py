@@ -138,6 +138,25 @@ def fit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, 
     return len(x), total / max(steps, 1)
 
 
+def torch_trainer(x: torch.Tensor, y: torch.Tensor, *, momentum: float = 0.0):
+    """A fresh `Net` trained by `fit` on (x, y) as the plan's settings say, as a device's
+    `TorchTrainer`."""
+    from starling_client.torch import TorchTrainer
+
+    def train(net, settings):
+        return fit(net, x, y, epochs=settings.epochs, batch_size=settings.batch_size,
+                   lr=settings.learning_rate, seed=settings.seed, momentum=momentum)
+
+    return TorchTrainer(Net(), train)
+
+
+def accuracy(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    """The accuracy on (x, y) of a `Net` holding `state`."""
+    net = Net()
+    net.load_state_dict(state)
+    return score(net, x, y)[1]
+
+
 @torch.no_grad()
 def score(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, int]:
     """(mean loss, accuracy, examples) of `net` on (x, y)."""

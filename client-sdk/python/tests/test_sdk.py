@@ -35,16 +35,8 @@ def data():
 
 
 def device_trainers(x, y, clients: int, per_client: int) -> list[TorchTrainer]:
-    trainers = []
-    for shard in support.iid_partition(len(x), clients, per_client, seed=clients):
-        sx, sy = x[shard], y[shard]
-
-        def fit(net, settings, sx=sx, sy=sy):
-            return support.fit(net, sx, sy, epochs=settings.epochs, batch_size=settings.batch_size,
-                               lr=settings.learning_rate, seed=settings.seed)
-
-        trainers.append(TorchTrainer(support.Net(), fit))
-    return trainers
+    shards = support.iid_partition(len(x), clients, per_client, seed=clients)
+    return [support.torch_trainer(x[shard], y[shard]) for shard in shards]
 
 
 def plan_for(net: torch.nn.Module, *, cohort: int, rounds: int, init=None, **extra) -> dict:
@@ -63,9 +55,7 @@ def plan_for(net: torch.nn.Module, *, cohort: int, rounds: int, init=None, **ext
 
 
 def accuracy_of(exported: bytes, tx, ty) -> float:
-    net = support.Net()
-    net.load_state_dict(support.load_safetensors(exported))
-    return support.score(net, tx, ty)[1]
+    return support.accuracy(support.load_safetensors(exported), tx, ty)
 
 
 def test_a_pytorch_cnn_federates_on_mnist_from_an_imported_start_and_improves(coordinator, data):

@@ -48,12 +48,7 @@ def shard(partition: int, clients: int):
 
 def accuracies(states: list[dict[str, torch.Tensor]]) -> list[float]:
     tx, ty = support.mnist("t10k")
-    out = []
-    for state in states:
-        net = support.Net()
-        net.load_state_dict(state)
-        out.append(support.score(net, tx, ty)[1])
-    return out
+    return [support.accuracy(state, tx, ty) for state in states]
 
 
 # ---------------------------------------------------------------- Starling ----------------------
@@ -63,24 +58,15 @@ def play_devices(url: str, token: str, run_id: int, devices, clients: int, opera
     """Devices `devices` of the partition into `clients` shards, each training its own copy of
     the network with the shared loop, until the run finishes."""
     import starling_client as sc
-    from starling_client.torch import TorchTrainer
 
-    trainers = []
-    for k in devices:
-        x, y = shard(k, clients)
-
-        def fit(net, settings, x=x, y=y):
-            return support.fit(net, x, y, epochs=settings.epochs, batch_size=settings.batch_size,
-                               lr=settings.learning_rate, seed=settings.seed, momentum=MOMENTUM)
-
-        trainers.append(TorchTrainer(support.Net(), fit).train)
+    trainers = [support.torch_trainer(*shard(k, clients), momentum=MOMENTUM).train for k in devices]
     operator = sc.Operator(url, operator_token)
     sc.simulate(url, "default", token, trainers, operator=operator, run_id=run_id, timeout_secs=3600)
 
 
 def run_starling(clients: int, rounds: int, database_url: str | None, processes: int) -> dict:
     import starling_client as sc
-    from starling_client.torch import TorchTrainer, model_section
+    from starling_client.torch import model_section
 
     coordinator = support.Coordinator(database_url=database_url)
     try:
