@@ -39,14 +39,16 @@ async fn unselected_devices_cannot_hold_the_upload_slots() {
     let (_dir, db) = sqlite_db();
     let c = start_in_process(&db).await.unwrap();
     let devices = enroll(&c.url, &c.admin, 22).await.unwrap();
-    let run = RunId(c.admin.create_run(&one_round_plan(1000, 2)).await.unwrap().id);
+    // A cohort of three keeps the round open until every hostile upload is answered: were it
+    // to close first, the late ones would rightly be 409 (round closed) and prove nothing.
+    let run = RunId(c.admin.create_run(&one_round_plan(1000, 3)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
-    let tasks = expect_tasks(&devices[..2]).await.unwrap();
+    let tasks = expect_tasks(&devices[..3]).await.unwrap();
     let path = format!("/v1/runs/{run}/rounds/0/updates");
     let addr = c.running.addr;
     // Well past the body deadline a held permit would last (30 s plus the limit at 16 KiB/s).
     let wait = Duration::from_secs(20);
-    let attackers: Vec<_> = devices[2..]
+    let attackers: Vec<_> = devices[3..]
         .iter()
         .enumerate()
         .map(|(i, d)| {
@@ -58,25 +60,30 @@ async fn unselected_devices_cannot_hold_the_upload_slots() {
             })
         })
         .collect();
-    // The cohort uploads while the hostile connections are open.
-    for (i, (d, t)) in devices.iter().zip(&tasks).enumerate() {
-        d.upload(run, t.round_idx, &upload_request(t, &delta(i, 0, 1000), weight(i)))
-            .await
-            .unwrap();
+    let upload = |i: usize| {
+        let (d, t) = (&devices[i], &tasks[i]);
+        let request = upload_request(t, &delta(i, 0, 1000), weight(i));
+        async move { d.upload(run, t.round_idx, &request).await }
+    };
+    // Two of the cohort upload while the hostile connections are open.
+    for i in 0..2 {
+        upload(i).await.unwrap();
     }
-    wait_model(&c.admin, run, 1).await.unwrap();
     for attacker in attackers {
         let (declared, (status, took)) = attacker.await.unwrap();
         let expected = if declared > 1 << 30 { 413 } else { 403 };
         assert_eq!(status, expected, "declared {declared}: answered {status} after {took:?}");
         assert!(took < wait, "answered only when the body timed out");
     }
+    upload(2).await.unwrap();
+    wait_model(&c.admin, run, 1).await.unwrap();
 
     // One upload at a time per device: of two trickled at once, one is refused at once and
     // the other waits for its body.
-    let run = RunId(c.admin.create_run(&one_round_plan(1000, 2)).await.unwrap().id);
+    // The same three check in, so none of them can lose a selection draw.
+    let run = RunId(c.admin.create_run(&one_round_plan(1000, 3)).await.unwrap().id);
     wait_round_open(&c.admin, run, 0).await.unwrap();
-    expect_tasks(&devices[..2]).await.unwrap();
+    expect_tasks(&devices[..3]).await.unwrap();
     let path = format!("/v1/runs/{run}/rounds/0/updates");
     let both: Vec<_> = (0..2)
         .map(|_| {
