@@ -25,10 +25,10 @@ use starling_core::backoff::Backoff;
 use starling_core::eligibility::DeviceAttributes;
 use starling_core::model_spec::ModelSpec;
 use starling_core::participation::{
-    self, Action, Entropy, EvaluationSet, Event, Failure, Participation, Refusal, Settings,
-    Trained, TrainingOrder,
+    self, Action, Enrolment, Entropy, EvaluationSet, Event, Failure, Participation, Refusal,
+    Settings, Trained, TrainingOrder,
 };
-use starling_core::secagg::DeviceIdentity;
+use starling_core::secagg::{self, DeviceIdentity};
 use starling_core::tensor::TensorSchema;
 use starling_core::wire::{ErrorCode, TaskAssignment, UploadRequest, UploadTarget};
 use starling_core::{RoundIdx, RunId};
@@ -92,6 +92,12 @@ pub enum ParticipantError {
     /// The participation machine and its driver disagree (a bug: please report it).
     #[error("participation: {0}")]
     Participation(String),
+    /// The enrolment certificate given is not the pinned authority's for this device's
+    /// identity key.
+    #[error(
+        "the enrolment certificate is not the pinned authority's for this device's identity key"
+    )]
+    CertificateMismatch,
 }
 
 impl From<participation::StateFileError> for ParticipantError {
@@ -401,8 +407,39 @@ impl<F: ModelFactory> Participant<F> {
     pub fn restore(mut self, state: ParticipantState) -> Self {
         self.fleet.set_credential(state.credential.as_deref());
         self.fleet.set_identity(state.identity.map(DeviceIdentity::from_secret));
+        self.fleet.set_enrolment(state.enrolment);
         self.state = state;
         self
+    }
+
+    /// The public half of this device's identity key: what the operator's enrolment authority
+    /// certifies. Made (and kept in the state) on first call, so the device can have it
+    /// certified before it enrolls; [`Participant::enroll`] then registers this same key.
+    pub fn identity_key(&mut self) -> [u8; 32] {
+        let identity = match self.state.identity {
+            Some(secret) => DeviceIdentity::from_secret(secret),
+            None => protocol::new_identity(),
+        };
+        self.state.identity = Some(identity.secret());
+        self.fleet.set_identity(Some(identity.clone()));
+        identity.public()
+    }
+
+    /// Pins the operator's enrolment authority (its public key, shipped with the app: never
+    /// taken from the coordinator) and holds this device's certificate from it. In secure
+    /// rounds the device then shows its certificate to its neighbours and joins only
+    /// neighbours the authority certified. A certificate that is not the authority's for
+    /// [`Participant::identity_key`] is refused.
+    pub fn set_enrolment(&mut self, enrolment: Enrolment) -> Result<(), ParticipantError> {
+        if let (Some(authority), Some(certificate)) = (enrolment.authority, enrolment.certificate) {
+            let identity = self.identity_key();
+            if !secagg::certificate_is_valid(&authority, &identity, &certificate) {
+                return Err(ParticipantError::CertificateMismatch);
+            }
+        }
+        self.state.enrolment = enrolment;
+        self.fleet.set_enrolment(enrolment);
+        Ok(())
     }
 
     /// The state to save.
@@ -412,9 +449,10 @@ impl<F: ModelFactory> Participant<F> {
 
     /// Enrolls with an operator-issued token.
     pub async fn enroll(&mut self, enrollment_token: &str) -> Result<DeviceId, ParticipantError> {
-        // One identity for every attempt: the one registered is the one kept.
-        let identity = protocol::new_identity();
-        self.fleet.set_identity(Some(identity.clone()));
+        // One identity for every attempt: the one registered is the one kept (the one already
+        // made, and perhaps certified, if there is one).
+        self.identity_key();
+        let identity = self.fleet.identity().cloned().expect("made just now");
         let res = retrying(TRIES, || {
             let mut fleet = self.fleet.clone();
             async move { fleet.enroll(enrollment_token).await }

@@ -13,6 +13,7 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use starling_core::eligibility::DeviceAttributes;
+use starling_core::participation::Enrolment;
 use starling_core::secagg::DeviceIdentity;
 use starling_core::tensor::TensorPayload;
 use starling_core::wire::path;
@@ -182,6 +183,8 @@ pub struct FleetClient {
     credential: Option<String>,
     /// The key this device signs its secure-aggregation keys with, registered at enrollment.
     identity: Option<DeviceIdentity>,
+    /// The enrolment authority this device pins, and its identity's certificate from it.
+    enrolment: Enrolment,
 }
 
 /// A fresh device identity from the OS's randomness.
@@ -189,6 +192,14 @@ pub fn new_identity() -> DeviceIdentity {
     let mut secret = [0u8; 32];
     getrandom::fill(&mut secret).expect("the OS random source failed");
     DeviceIdentity::from_secret(secret)
+}
+
+/// A fresh enrolment authority from the OS's randomness (the operator's, see
+/// [`EnrolmentAuthority`](starling_core::secagg::EnrolmentAuthority)).
+pub fn new_enrolment_authority() -> starling_core::secagg::EnrolmentAuthority {
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).expect("the OS random source failed");
+    starling_core::secagg::EnrolmentAuthority::from_secret(secret)
 }
 
 impl FleetClient {
@@ -206,6 +217,7 @@ impl FleetClient {
             base: base.trim_end_matches('/').to_owned(),
             credential: None,
             identity: None,
+            enrolment: Enrolment::default(),
         })
     }
 
@@ -234,11 +246,27 @@ impl FleetClient {
         self.identity = identity;
     }
 
+    /// The enrolment authority this device pins and its identity's certificate from it.
+    pub fn enrolment(&self) -> Enrolment {
+        self.enrolment
+    }
+
+    /// Pins an enrolment authority and holds this identity's certificate from it (see
+    /// [`Enrolment`]).
+    pub fn set_enrolment(&mut self, enrolment: Enrolment) {
+        self.enrolment = enrolment;
+    }
+
     /// Trades an enrollment token for a credential, and keeps it. The device registers its
-    /// identity key with it (a fresh one, unless this client already holds one).
+    /// identity key with it (a fresh one, unless this client already holds one), with its
+    /// certificate from the enrolment authority when it holds one.
     pub async fn enroll(&mut self, enrollment_token: &str) -> Result<EnrollResponse, ClientError> {
         let identity_key = Some(self.identity.get_or_insert_with(new_identity).public());
-        let request = EnrollRequest { enrollment_token: enrollment_token.to_owned(), identity_key };
+        let request = EnrollRequest {
+            enrollment_token: enrollment_token.to_owned(),
+            identity_key,
+            identity_certificate: self.enrolment.certificate,
+        };
         let res: EnrollResponse = self.post(path::ENROLL, &request).await?;
         self.credential = Some(res.credential.clone());
         Ok(res)

@@ -60,19 +60,23 @@ impl std::fmt::Debug for SecureSession {
 }
 
 impl SecureSession {
-    /// AdvertiseKeys: draws this round's secrets from the OS and publishes the public keys,
-    /// signed with the device's enrolled identity.
+    /// AdvertiseKeys for the task of `round_idx` of `run_id` at `model_version`: draws this
+    /// round's secrets from the OS and publishes the public keys, signed with the device's
+    /// enrolled identity (with its enrolment certificate, and requiring its neighbours', as the
+    /// client's [`Enrolment`](starling_core::participation::Enrolment) says).
     pub async fn advertise(
         fleet: &FleetClient,
         run_id: RunId,
-        round_idx: RoundIdx,
+        (round_idx, model_version): (RoundIdx, ModelVersion),
         task: SecureAggregationTask,
     ) -> Result<Self, SecureError> {
         let identity = fleet.identity().cloned().ok_or(SecureFailure::NoIdentity)?;
         let mut entropy = Entropy { keys: [0; 96], noise: [0; 32] };
         getrandom::fill(&mut entropy.keys).expect("the OS random source failed");
         getrandom::fill(&mut entropy.noise).expect("the OS random source failed");
-        let (session, keys) = SecureParticipation::advertise(task, identity, entropy)?;
+        let round = (run_id, round_idx, model_version);
+        let (session, keys) =
+            SecureParticipation::advertise(round, task, identity, fleet.enrolment(), entropy)?;
         let session = SecureSession { run_id, round_idx, session };
         session.send(fleet, keys).await?;
         Ok(session)

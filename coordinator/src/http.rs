@@ -73,6 +73,8 @@ struct Inner {
     timeouts: Timeouts,
     max_model_bytes: u64,
     require_client_certificate: bool,
+    /// The enrolment authority whose certificate an enrolling identity key must carry.
+    enrolment_authority: Option<[u8; 32]>,
     /// The coordinator serves TLS: the aggregators it sends devices to must too.
     serves_tls: bool,
     /// SHA-256 of the cluster secret, when the aggregator tier is on.
@@ -201,6 +203,7 @@ impl AppState {
                 timeouts,
                 max_model_bytes: limits.max_model_bytes,
                 require_client_certificate: false,
+                enrolment_authority: None,
                 serves_tls: false,
                 aggregator_secret_hash: None,
                 groups: Mutex::new(HashMap::new()),
@@ -214,6 +217,15 @@ impl AppState {
         Arc::get_mut(&mut self.inner)
             .expect("configured before the state is shared")
             .require_client_certificate = required;
+        self
+    }
+
+    /// Enrollment requires an identity key certified by `authority` (see
+    /// [`ServeConfig::enrolment_authority`](crate::ServeConfig::enrolment_authority)).
+    pub fn requiring_enrolment_certificates(mut self, authority: Option<[u8; 32]>) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("configured before the state is shared")
+            .enrolment_authority = authority;
         self
     }
 

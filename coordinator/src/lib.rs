@@ -56,6 +56,10 @@ pub struct ServeConfig {
     pub tls: Option<tls::TlsConfig>,
     /// The aggregator tier; `None` runs every round on the coordinator alone.
     pub tier: Option<tier::TierSettings>,
+    /// The operator's enrolment authority (its public key): when set, a device enrolls only
+    /// with an identity key the authority certified. Devices that pin it check the same
+    /// certificates themselves; this only turns uncertified devices away early.
+    pub enrolment_authority: Option<[u8; 32]>,
 }
 
 impl ServeConfig {
@@ -235,6 +239,7 @@ async fn lead(
     )
     .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
     .serving_tls(config.tls.is_some())
+    .requiring_enrolment_certificates(config.enrolment_authority)
     .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
     let app = http::router(state, config.dashboard_dir.as_deref()).layer(
         tower_http::trace::TraceLayer::new_for_http().on_failure(

@@ -43,7 +43,7 @@ fn round(n: u32, m: usize, dropout: f64) -> Figures {
     let mut client_time = Duration::ZERO;
     let mut server_time = Duration::ZERO;
     let (mut sent, mut received) = (0usize, 0usize);
-    let mut server = Server::new(config, randomness(u64::MAX)).unwrap();
+    let mut server = Server::new(config).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=n {
         let t = Instant::now();

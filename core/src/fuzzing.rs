@@ -90,7 +90,7 @@ pub fn secagg_message(data: &[u8]) {
     let identity = |i: u8| DeviceIdentity::from_secret([i; 32]);
     let config = Config { session: [0; 16], n: 4, k: 3, t: 2, len: 4 };
     if let Ok(advert) = codec::decode::<AdvertiseKeys>(data) {
-        let mut server = Server::new(config, [1; 32]).expect("valid config");
+        let mut server = Server::new(config).expect("valid config");
         let _ = server.receive_keys(1, advert);
     }
     if let Ok(neighbours) = codec::decode::<NeighbourKeys>(data) {
@@ -98,7 +98,7 @@ pub fn secagg_message(data: &[u8]) {
         let _ = client.share_keys(neighbours);
     }
     if let Ok(shares) = codec::decode::<Vec<SealedShares>>(data) {
-        let mut server = Server::new(config, [1; 32]).expect("valid config");
+        let mut server = Server::new(config).expect("valid config");
         for i in 1..=4u8 {
             let (_, advert) =
                 Client::new(u32::from(i), config, identity(i), [i; 96]).expect("valid config");

@@ -37,7 +37,8 @@ pub use protocol::{
 };
 pub use secure::{Entropy, SecureParticipation, stage_name};
 pub use state::{
-    LocalPart, LocalTensor, MAX_RUNS_KEPT, ParticipantState, PendingUpload, StateFileError,
+    Enrolment, LocalPart, LocalTensor, MAX_RUNS_KEPT, ParticipantState, PendingUpload,
+    StateFileError,
 };
 
 mod protocol;
@@ -395,7 +396,10 @@ impl Participation {
         let Some(identity) = self.state.identity.map(DeviceIdentity::from_secret) else {
             return self.finish(Err(SecureFailure::NoIdentity.into()));
         };
-        match SecureParticipation::advertise(task, identity, self.entropy) {
+        let (run_id, round_idx) = self.ids();
+        let round = (run_id, round_idx, self.task_ref().model_version);
+        let enrolment = self.state.enrolment;
+        match SecureParticipation::advertise(round, task, identity, enrolment, self.entropy) {
             Ok((session, keys)) => {
                 self.secure = Some(session);
                 self.secure_send(Stage::Advertise, keys);

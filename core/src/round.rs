@@ -362,12 +362,11 @@ impl RunMachine {
         let Some(settings) = self.config.secure else { return };
         let mut records = records.into_iter();
         let secure = match records.next() {
-            Some(Record::Begin { config, graph_seed }) => {
+            Some(Record::Begin { config }) => {
                 round.secure_seq = 1;
                 SecureRound::begin(
                     settings,
                     config,
-                    graph_seed,
                     self.config.min_quorum,
                     round.opened.model_version,
                     round.opened.reporting_deadline,
@@ -406,7 +405,6 @@ impl RunMachine {
         SecureRound::begin(
             settings,
             config,
-            secure::graph_seed(&self.entropy, self.run_id, opened.round_idx),
             self.config.min_quorum,
             opened.model_version,
             opened.reporting_deadline,

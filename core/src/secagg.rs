@@ -6,14 +6,17 @@
 //! caller draws from the OS) and return the next stage's; the coordinator and SDK carry them.
 //! Stages: AdvertiseKeys → ShareKeys → MaskedInputCollection → ConsistencyCheck → Unmasking,
 //! over a Harary graph of degree `k` on a random ring (the complete graph, i.e. SecAgg of
-//! Bonawitz et al., when `k ≥ n − 1`).
+//! Bonawitz et al., when `k ≥ n − 1`), whose ring order is a public hash of the members'
+//! identity keys and the session, so each device checks the neighbourhood it is given.
 //!
 //! Against a malicious server (Bonawitz et al. 2017, §6): every device signs its key
 //! advertisement, bound to the round and its seat, with the Ed25519 identity it registered at
 //! enrollment, and neighbours refuse keys that are not so signed; in the consistency check
 //! every survivor signs the survivor set it was shown, and a device reveals unmasking shares
 //! only for the set it signed, once, after checking that at least `t` of the devices it knows
-//! signed that same set. It never reveals both secrets of one neighbour.
+//! signed that same set. It never reveals both secrets of one neighbour. A device that pins the
+//! operator's enrolment authority also requires each neighbour's identity key to carry the
+//! authority's certificate, so a coordinator cannot invent members.
 //!
 //! Crypto: Ed25519 device signatures, X25519 key agreement for pairwise masks, Diffie–Hellman over Ristretto255 for the
 //! client-to-client share channel (so that a client can prove the channel's key when it accuses
@@ -43,8 +46,10 @@ mod shamir;
 
 pub use channel::{Accusation, ChannelProof};
 pub use client::Client;
-pub use graph::neighbours;
-pub use identity::{DeviceIdentity, Signature};
+pub use graph::{Roster, neighbours};
+pub use identity::{
+    DeviceIdentity, EnrolmentAuthority, Signature, certificate_is_valid, parse_public_key,
+};
 pub use messages::{
     AdvertiseKeys, ConsistencyRequest, MaskRequest, NeighbourKeys, SealedShares, UnmaskRequest,
     UnmaskResponse,

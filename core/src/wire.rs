@@ -72,6 +72,9 @@ pub enum ErrorCode {
     ModelNotKept,
     /// The device's enrollment token did not name the population it checked in to (HTTP 403).
     PopulationNotAllowed,
+    /// The coordinator requires identity keys certified by the operator's enrolment authority,
+    /// and the enrolling one is not (HTTP 403).
+    IdentityNotCertified,
 }
 
 impl ErrorCode {
@@ -98,6 +101,7 @@ impl ErrorCode {
             ErrorCode::Timeout => "timeout",
             ErrorCode::ModelNotKept => "model_not_kept",
             ErrorCode::PopulationNotAllowed => "population_not_allowed",
+            ErrorCode::IdentityNotCertified => "identity_not_certified",
         }
     }
 }
@@ -122,6 +126,11 @@ pub struct EnrollRequest {
     /// that enrolls without one takes part in plain runs only.
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "identity_key")]
     pub identity_key: Option<[u8; 32]>,
+    /// The operator's enrolment authority's certificate of `identity_key`, which a coordinator
+    /// configured with that authority requires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub identity_certificate: Option<secagg::Signature>,
 }
 
 /// An Ed25519 public key is exactly 32 bytes: a longer or shorter one (a byte string or an

@@ -57,7 +57,12 @@ async fn bench(n: usize, m: usize) -> anyhow::Result<()> {
     let tasks = expect_tasks(&devices).await?;
     let started = Instant::now();
     let mut sessions: Vec<SecureSession> = join_all(devices.iter().zip(&tasks).map(|(d, t)| {
-        SecureSession::advertise(d, run, t.round_idx, t.secure_aggregation.expect("secure"))
+        SecureSession::advertise(
+            d,
+            run,
+            (t.round_idx, t.model_version),
+            t.secure_aggregation.expect("secure"),
+        )
     }))
     .await
     .into_iter()

@@ -111,6 +111,7 @@ pub async fn start_in_process_configured(
         max_connections_per_ip: None,
         tls: None,
         tier: None,
+        enrolment_authority: None,
     };
     configure(&mut config);
     let running = starling_coordinator::start(config).await?;

@@ -111,6 +111,7 @@ pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
         (status = 200, description = "enrolled; keep the credential", body = EnrollResponse, content_type = "application/cbor"),
         (status = 400, description = "malformed body", body = ErrorBody, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 403, description = "the identity key carries no certificate from the enrolment authority this coordinator requires", body = ErrorBody, content_type = "application/cbor"),
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
         (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
@@ -123,6 +124,21 @@ async fn enroll(
     body: Body,
 ) -> Result<Cbor<EnrollResponse>, ApiError> {
     let req: EnrollRequest = decode_small(&state, &headers, body).await?;
+    if let Some(authority) = &state.inner.enrolment_authority {
+        let certified = match (&req.identity_key, &req.identity_certificate) {
+            (Some(key), Some(certificate)) => {
+                starling_core::secagg::certificate_is_valid(authority, key, certificate)
+            }
+            _ => false,
+        };
+        if !certified {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                ErrorCode::IdentityNotCertified,
+                "this coordinator enrolls only identity keys certified by the operator's enrolment authority: send identity_key with its identity_certificate",
+            ));
+        }
+    }
     let credential = random_secret("stdev");
     let device = state
         .store()

@@ -3,13 +3,15 @@
 //! participation machine drives it; so does the SDK's `SecureSession` for the secure-round
 //! benchmark, so both encode, clip, noise and mask a device's input the same way.
 
-use crate::ModelVersion;
+use super::Enrolment;
 use crate::privacy::distributed;
+use crate::round::secure::session_id;
 use crate::secagg::{
     self, Accusation, ClientIdx, ConsistencyRequest, DeviceIdentity, EvaluationInput, MaskRequest,
     NeighbourKeys, SecAggError, UnmaskRequest,
 };
 use crate::wire::{SecAggInstruction, SecAggUpload, SecureAggregationTask};
+use crate::{ModelVersion, RoundIdx, RunId};
 
 /// One device in one secure round.
 pub struct SecureParticipation {
@@ -44,15 +46,33 @@ impl std::fmt::Debug for Entropy {
 }
 
 impl SecureParticipation {
-    /// AdvertiseKeys: this round's secrets from `entropy`, and the public keys signed with the
-    /// device's enrolled `identity`.
+    /// AdvertiseKeys for the task of `round` (run, round, model version): this round's secrets
+    /// from `entropy`, and the public keys signed with the device's enrolled `identity`, with
+    /// its certificate from the operator's enrolment authority when it has one. The session
+    /// must be the one every device derives from the round (the coordinator does not choose
+    /// it: it orders the ring of neighbours); a device that pins an authority requires its
+    /// certificate of every neighbour.
     pub fn advertise(
+        round: (RunId, RoundIdx, ModelVersion),
         task: SecureAggregationTask,
         identity: DeviceIdentity,
+        enrolment: Enrolment,
         entropy: Entropy,
     ) -> Result<(Self, SecAggUpload), SecAggError> {
-        let (mut client, keys) =
+        let (run_id, round_idx, model_version) = round;
+        if task.config.session != session_id(run_id, round_idx, model_version) {
+            return Err(SecAggError::BadMessage {
+                client: 0,
+                why: "the round's session is not the one derived from its run, round and model version"
+                    .into(),
+            });
+        }
+        let (mut client, mut keys) =
             secagg::Client::new(task.index, task.config, identity, entropy.keys)?;
+        keys.certificate = enrolment.certificate;
+        if let Some(authority) = enrolment.authority {
+            client.require_certificates(authority);
+        }
         // This device's noise counts on the sum of at least `min_survivors` devices' noise: it
         // helps unmask no smaller sum.
         if let Some(noise) = &task.distributed_noise {

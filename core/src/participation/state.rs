@@ -28,6 +28,9 @@ pub struct ParticipantState {
     /// in secure rounds; `None` for a device enrolled before identities (plain runs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<[u8; 32]>,
+    /// The enrolment authority the device pins and its identity's certificate from it.
+    #[serde(default, skip_serializing_if = "Enrolment::is_unset")]
+    pub enrolment: Enrolment,
     /// The last model version evaluated, so it is reported once.
     pub last_evaluated: Option<(RunId, ModelVersion)>,
     /// What top-k compression has not sent yet, for the run it was computed in: added to
@@ -43,6 +46,26 @@ pub struct ParticipantState {
     /// laid over each model of that run it downloads, never uploaded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub local_parts: Vec<LocalPart>,
+}
+
+/// The operator's enrolment authority as a device knows it: the public key the app pins (set by
+/// the operator's app, never taken from the coordinator), and this device's identity
+/// certificate from it. A device that pins an authority joins a secure round only with
+/// neighbours the authority certified; one that holds a certificate shows it to its neighbours.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Enrolment {
+    /// The authority's public key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authority: Option<[u8; 32]>,
+    /// The authority's certificate of this device's identity key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<crate::secagg::Signature>,
+}
+
+impl Enrolment {
+    fn is_unset(&self) -> bool {
+        *self == Enrolment::default()
+    }
 }
 
 /// An update trained for a task and not yet acknowledged (see

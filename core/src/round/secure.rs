@@ -72,15 +72,16 @@ impl Stage {
 }
 
 /// A durable event of a secure round; the round is rebuilt by replaying them in order.
+// Records are made and replayed one at a time: the size of a message is not worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Record {
-    /// The round's protocol parameters and the server's graph seed.
+    /// The round's protocol parameters. (Records from before the public graph also hold the
+    /// seed the coordinator drew it from, now ignored.)
     Begin {
         /// Parameters every member agrees on.
         config: secagg::Config,
-        /// Draws the neighbour graph.
-        graph_seed: [u8; 32],
     },
     /// A device was selected; its index is the number of `Selected` records before it, plus one.
     Selected {
@@ -175,27 +176,16 @@ pub fn session_id(run_id: RunId, round_idx: RoundIdx, model_version: ModelVersio
     h.finalize()[..16].try_into().expect("16 bytes")
 }
 
-/// The graph seed of a round, from the machine's entropy.
-pub fn graph_seed(entropy: &[u8; 32], run_id: RunId, round_idx: RoundIdx) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(b"starling secagg graph v1");
-    h.update(entropy);
-    h.update(run_id.0.to_le_bytes());
-    h.update(round_idx.0.to_le_bytes());
-    h.finalize().into()
-}
-
 impl SecureRound {
     /// A round from its `Begin` record.
     pub fn begin(
         settings: SecureRoundConfig,
         config: secagg::Config,
-        graph_seed: [u8; 32],
         min_quorum: u32,
         model_version: ModelVersion,
         reporting_deadline: Millis,
     ) -> Result<Self, SecAggError> {
-        let server = secagg::Server::new(config, graph_seed)?;
+        let server = secagg::Server::new(config)?;
         Ok(SecureRound {
             settings,
             config,
@@ -215,7 +205,7 @@ impl SecureRound {
             unmask_request: None,
             outcome: None,
             sum: None,
-            outbox: vec![Record::Begin { config, graph_seed }],
+            outbox: vec![Record::Begin { config }],
         })
     }
 

@@ -8,8 +8,10 @@ use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{Accusation, ChannelSecret, open, seal};
+use super::graph::neighbours as graph_neighbours;
 use super::identity::{
-    DeviceIdentity, advert_is_signed, advert_message, survivors_message, verify,
+    DeviceIdentity, advert_is_signed, advert_message, certificate_is_valid, survivors_message,
+    verify,
 };
 use super::messages::Shares;
 use super::prg::{Keystream, pairwise_seed, seed_commitment};
@@ -50,6 +52,9 @@ pub struct Client {
     /// The fewest survivors whose sum this client helps unmask, beyond the threshold `t` (see
     /// [`Client::require_survivors`]).
     min_survivors: u32,
+    /// The enrolment authority this device pins, whose certificate every neighbour's identity
+    /// must carry (see [`Client::require_certificates`]).
+    authority: Option<[u8; 32]>,
 }
 
 impl Client {
@@ -83,6 +88,7 @@ impl Client {
             mask_pk: PublicKey::from(&mask_sk).to_bytes(),
             seed_commitment: seed_commitment(&self_seed, me, &config.session),
             signature: Signature { r: [0; 32], s: [0; 32] },
+            certificate: None,
         };
         advert.signature = identity.sign(&advert_message(&config.session, me, &advert));
         let mut coefficients = [0u8; 32];
@@ -102,15 +108,18 @@ impl Client {
             accusations: BTreeMap::new(),
             signed: None,
             min_survivors: 0,
+            authority: None,
         };
         Ok((client, advert))
     }
 
     /// ShareKeys: shares of this client's mask key and self-mask seed for each neighbour,
-    /// sealed to that neighbour. Every neighbour's keys must carry its identity's signature for
-    /// its seat in this round: keys the server substituted, or replayed from another round or
-    /// seat, are refused before anything is shared. (That the identity is the neighbour's is
-    /// the coordinator's check, against the key the device enrolled with.)
+    /// sealed to that neighbour. The neighbours must be exactly those the public graph gives
+    /// this client on the roster, each neighbour's identity the one the roster lists, and each
+    /// neighbour's keys signed by that identity for its seat in this round (keys the server
+    /// substituted, or replayed from another round or seat, are refused before anything is
+    /// shared). A client that pins an enrolment authority also requires each neighbour's
+    /// identity to carry its certificate, so no neighbour is a member the coordinator made up.
     pub fn share_keys(
         &mut self,
         neighbours: NeighbourKeys,
@@ -118,15 +127,7 @@ impl Client {
         if self.stage != ClientStage::Advertised {
             return Err(SecAggError::WrongStage("ShareKeys"));
         }
-        if neighbours.keys.contains_key(&self.me)
-            || neighbours.keys.keys().any(|&j| j == 0 || j > self.config.n)
-            || neighbours.keys.len() > self.config.k as usize
-        {
-            return Err(SecAggError::BadMessage {
-                client: 0,
-                why: "neighbour list is not a neighbourhood".into(),
-            });
-        }
+        self.check_neighbourhood(&neighbours)?;
         let session = &self.config.session;
         if let Some((&j, _)) =
             neighbours.keys.iter().find(|(j, keys)| !advert_is_signed(session, **j, keys))
@@ -136,13 +137,18 @@ impl Client {
                 why: format!("neighbour {j}'s keys are not signed by its identity for this round"),
             });
         }
-        let mut identities: BTreeSet<[u8; 32]> =
-            neighbours.keys.values().map(|keys| keys.identity).collect();
-        identities.insert(self.identity.public());
-        if identities.len() != neighbours.keys.len() + 1 {
+        if let Some(authority) = &self.authority
+            && let Some((&j, _)) = neighbours.keys.iter().find(|(_, keys)| {
+                !keys
+                    .certificate
+                    .is_some_and(|c| certificate_is_valid(authority, &keys.identity, &c))
+            })
+        {
             return Err(SecAggError::BadMessage {
                 client: 0,
-                why: "one identity holds two seats of the round".into(),
+                why: format!(
+                    "neighbour {j}'s identity carries no certificate from the pinned enrolment authority"
+                ),
             });
         }
         if neighbours.keys.len() < self.config.t as usize {
@@ -276,6 +282,37 @@ impl Client {
             });
         }
         Ok(())
+    }
+
+    /// The neighbourhood the server relayed must be the one the public graph gives this client
+    /// on the roster it relayed: a roster of seats in the round, with this client's identity at
+    /// its seat and no identity twice, and neighbours whose identities are the roster's.
+    fn check_neighbourhood(&self, neighbours: &NeighbourKeys) -> Result<(), SecAggError> {
+        let refuse = |why: &str| Err(SecAggError::BadMessage { client: 0, why: why.into() });
+        let roster = &neighbours.roster;
+        if roster.len() > self.config.n as usize
+            || roster.iter().any(|(j, _)| j == 0 || j > self.config.n)
+            || roster.identity(self.me) != Some(&self.identity.public())
+            || roster.repeats_an_identity()
+        {
+            return refuse("the roster is not one of this round's members with this client in it");
+        }
+        if neighbours.keys.iter().any(|(&j, keys)| roster.identity(j) != Some(&keys.identity)) {
+            return refuse("a neighbour's identity is not the roster's");
+        }
+        let mut graph = graph_neighbours(roster, self.config.k, &self.config.session);
+        let mine = graph.remove(&self.me).unwrap_or_default();
+        if !mine.iter().copied().eq(neighbours.keys.keys().copied()) {
+            return refuse("the neighbours are not the ones the public graph gives this client");
+        }
+        Ok(())
+    }
+
+    /// Requires every neighbour's identity key to carry a certificate from the enrolment
+    /// authority `authority` (its public key, pinned on the device by the operator, never taken
+    /// from the coordinator).
+    pub fn require_certificates(&mut self, authority: [u8; 32]) {
+        self.authority = Some(authority);
     }
 
     /// Signs (and so unmasks) only a survivor set of at least `min` devices, as well as `t`. A

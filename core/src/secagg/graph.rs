@@ -1,26 +1,77 @@
-//! The neighbour graph: a Harary graph of degree `k` on a random ring (SecAgg+), the complete
-//! graph when `k ≥ n − 1` (SecAgg).
+//! The neighbour graph: a Harary graph of degree `k` on a ring ordered by a public hash of each
+//! member's identity key and the round's session (SecAgg+), the complete graph when
+//! `k ≥ n − 1`. Every device recomputes its own neighbourhood from the roster, so the
+//! coordinator can neither hand a device neighbours of its choosing nor reorder the ring.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::ClientIdx;
-use super::prg::Keystream;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
-/// Client `i`'s neighbours among `members`: a Harary graph of degree `k` on the ring order
-/// given by a permutation drawn from `seed` (each node joined to its `k/2` successors and
-/// predecessors); everyone else when `k ≥ |members| − 1`.
-pub fn neighbours(
-    members: &BTreeSet<ClientIdx>,
-    k: u32,
-    seed: &[u8; 32],
-) -> BTreeMap<ClientIdx, BTreeSet<ClientIdx>> {
-    let mut ring: Vec<ClientIdx> = members.iter().copied().collect();
-    let n = ring.len();
-    let mut rng = Keystream::new(seed, 7);
-    for i in (1..n).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        ring.swap(i, j);
+use super::ClientIdx;
+
+/// Every member that advertised keys in a round: its seat and its identity key. The same for
+/// every device of the round; what each recomputes the graph from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Roster(BTreeMap<ClientIdx, serde_bytes::ByteArray<32>>);
+
+impl Roster {
+    /// The roster of these seats and identities.
+    pub fn new(members: impl IntoIterator<Item = (ClientIdx, [u8; 32])>) -> Self {
+        Roster(members.into_iter().map(|(i, id)| (i, serde_bytes::ByteArray::new(id))).collect())
     }
+
+    /// The identity key at seat `i`.
+    pub fn identity(&self, i: ClientIdx) -> Option<&[u8; 32]> {
+        self.0.get(&i).map(|id| &**id)
+    }
+
+    /// Members.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no one advertised.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Seats and identity keys, by seat.
+    pub fn iter(&self) -> impl Iterator<Item = (ClientIdx, &[u8; 32])> {
+        self.0.iter().map(|(&i, id)| (i, &**id))
+    }
+
+    /// Whether two seats hold one identity (a roster no honest coordinator sends).
+    pub fn repeats_an_identity(&self) -> bool {
+        let distinct: BTreeSet<&[u8; 32]> = self.0.values().map(|id| &**id).collect();
+        distinct.len() != self.0.len()
+    }
+}
+
+/// A member's place on the ring: a hash of the round's session and its identity key, which
+/// neither the coordinator (it does not choose identity keys, and the session is a hash of the
+/// run, round and model version every device knows) nor a device can pick for a round.
+fn ring_position(session: &[u8; 16], identity: &[u8; 32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"starling secagg ring v1");
+    h.update(session);
+    h.update(identity);
+    h.finalize().into()
+}
+
+/// Each member's neighbours: a Harary graph of degree `k` on the ring ordered by
+/// [`ring_position`] (each member joined to its `k/2` successors and predecessors); everyone
+/// else when `k ≥ |members| − 1`.
+pub fn neighbours(
+    roster: &Roster,
+    k: u32,
+    session: &[u8; 16],
+) -> BTreeMap<ClientIdx, BTreeSet<ClientIdx>> {
+    let mut ring: Vec<([u8; 32], ClientIdx)> =
+        roster.iter().map(|(i, id)| (ring_position(session, id), i)).collect();
+    ring.sort_unstable();
+    let ring: Vec<ClientIdx> = ring.into_iter().map(|(_, i)| i).collect();
+    let n = ring.len();
     let half = (k as usize).div_ceil(2);
     let mut out: BTreeMap<ClientIdx, BTreeSet<ClientIdx>> = BTreeMap::new();
     for (pos, &me) in ring.iter().enumerate() {

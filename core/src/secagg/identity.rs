@@ -2,6 +2,11 @@
 //! its key advertisement and the survivor set of each secure round. A coordinator that relays
 //! the protocol's messages can then neither substitute a device's keys, nor replay them from
 //! another round, nor show two survivor sets to the cohort without the devices noticing.
+//!
+//! And the operator's enrolment authority, which certifies identity keys: devices that pin its
+//! public key accept as neighbours only identities it certified, so a coordinator cannot make
+//! up members (it holds no certificate for a key it invented). The authority's secret is the
+//! operator's, kept away from the coordinator, and is not its TLS key.
 
 use std::collections::BTreeSet;
 
@@ -56,14 +61,125 @@ pub struct Signature {
     pub s: [u8; 32],
 }
 
+/// The operator's key that certifies device identities at enrolment (see the module's doc).
+#[derive(Clone)]
+pub struct EnrolmentAuthority(SigningKey);
+
+impl std::fmt::Debug for EnrolmentAuthority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("EnrolmentAuthority").field(&hex::encode(self.public())).finish()
+    }
+}
+
+impl EnrolmentAuthority {
+    /// The authority whose secret is these 32 bytes.
+    pub fn from_secret(secret: [u8; 32]) -> Self {
+        EnrolmentAuthority(SigningKey::from_bytes(&secret))
+    }
+
+    /// The secret, for the operator to keep (never on the coordinator).
+    pub fn secret(&self) -> [u8; 32] {
+        self.0.to_bytes()
+    }
+
+    /// The public key devices pin.
+    pub fn public(&self) -> [u8; 32] {
+        self.0.verifying_key().to_bytes()
+    }
+
+    /// The authority whose secret is written as 64 hex digits (as `starling enrolment
+    /// new-authority` stores it).
+    pub fn from_secret_hex(text: &str) -> Result<Self, String> {
+        hex::decode(text.trim())
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .map(EnrolmentAuthority::from_secret)
+            .ok_or_else(|| "not an enrolment authority's secret (64 hex digits)".to_owned())
+    }
+
+    /// The secret as 64 hex digits.
+    pub fn secret_hex(&self) -> String {
+        hex::encode(self.secret())
+    }
+
+    /// The public key as 64 hex digits.
+    pub fn public_hex(&self) -> String {
+        hex::encode(self.public())
+    }
+
+    /// The certificate of the device identity key `identity`.
+    pub fn certify(&self, identity: &[u8; 32]) -> Signature {
+        DeviceIdentity(self.0.clone()).sign(&certificate_message(identity))
+    }
+}
+
+/// What the enrolment authority signs: the identity key, for this purpose only.
+fn certificate_message(identity: &[u8; 32]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(64);
+    m.extend_from_slice(b"starling enrolment certificate v1");
+    m.extend_from_slice(identity);
+    m
+}
+
+/// An Ed25519 public key written as 64 hex digits (an enrolment authority's, as an operator
+/// configures it), checked to be a key.
+pub fn parse_public_key(text: &str) -> Result<[u8; 32], String> {
+    let bytes: [u8; 32] = hex::decode(text.trim())
+        .ok()
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| format!("{:?} is not 64 hex digits", text.trim()))?;
+    VerifyingKey::from_bytes(&bytes).map_err(|_| "not an Ed25519 public key".to_owned())?;
+    Ok(bytes)
+}
+
+/// Whether `certificate` is the enrolment authority `authority`'s over the identity key
+/// `identity`.
+pub fn certificate_is_valid(
+    authority: &[u8; 32],
+    identity: &[u8; 32],
+    certificate: &Signature,
+) -> bool {
+    verify(authority, &certificate_message(identity), certificate)
+}
+
+impl Signature {
+    /// The 64 bytes, R then s, as Ed25519 writes them.
+    pub fn to_bytes(&self) -> [u8; 64] {
+        let mut bytes = [0u8; 64];
+        bytes[..32].copy_from_slice(&self.r);
+        bytes[32..].copy_from_slice(&self.s);
+        bytes
+    }
+
+    /// The signature of these 64 bytes.
+    pub fn from_bytes(bytes: &[u8; 64]) -> Self {
+        Signature {
+            r: bytes[..32].try_into().expect("32 bytes"),
+            s: bytes[32..].try_into().expect("32 bytes"),
+        }
+    }
+
+    /// The 128 hex digits of [`Signature::to_bytes`].
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.to_bytes())
+    }
+
+    /// Reads 128 hex digits (an enrolment certificate, as `starling enrolment certify` prints
+    /// it).
+    pub fn from_hex(text: &str) -> Result<Self, String> {
+        hex::decode(text.trim())
+            .ok()
+            .and_then(|b| <[u8; 64]>::try_from(b).ok())
+            .map(|b| Signature::from_bytes(&b))
+            .ok_or_else(|| format!("{:?} is not 128 hex digits", text.trim()))
+    }
+}
+
 /// Whether `signature` is `identity`'s over `message` (strict verification: no malleable or
 /// small-order keys).
 pub(super) fn verify(identity: &[u8; 32], message: &[u8], signature: &Signature) -> bool {
     let Ok(key) = VerifyingKey::from_bytes(identity) else { return false };
-    let mut bytes = [0u8; 64];
-    bytes[..32].copy_from_slice(&signature.r);
-    bytes[32..].copy_from_slice(&signature.s);
-    key.verify_strict(message, &ed25519_dalek::Signature::from_bytes(&bytes)).is_ok()
+    key.verify_strict(message, &ed25519_dalek::Signature::from_bytes(&signature.to_bytes())).is_ok()
 }
 
 /// What a device signs when it advertises its keys: the keys, bound to the round (the session)

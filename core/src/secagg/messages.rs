@@ -1,10 +1,12 @@
 //! The protocol's messages, stage by stage, as the coordinator relays them.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::ClientIdx;
+use super::graph::Roster;
 use super::identity::{DeviceIdentity, Signature, sealed_message, verify};
 use super::shamir::Share;
 
@@ -24,13 +26,20 @@ pub struct AdvertiseKeys {
     pub seed_commitment: [u8; 32],
     /// The identity's signature over the keys, the session and the client's index.
     pub signature: Signature,
+    /// The operator's enrolment certificate of the identity key, which neighbours that pin the
+    /// enrolment authority require (see [`EnrolmentAuthority`](super::EnrolmentAuthority)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<Signature>,
 }
 
-/// Stage 1, server → client: its neighbours' keys (those that advertised) and the graph seed.
+/// Stage 1, server → client: its neighbours' keys, and the roster of everyone who advertised,
+/// from which the client recomputes who its neighbours must be.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NeighbourKeys {
     /// Neighbour → its keys.
     pub keys: BTreeMap<ClientIdx, AdvertiseKeys>,
+    /// Every member that advertised, with its identity key: one list shared by the round.
+    pub roster: Arc<Roster>,
 }
 
 /// A share message from one client to another, sealed; the server only relays it.

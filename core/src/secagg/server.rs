@@ -27,7 +27,6 @@ enum ServerStage {
 /// and rebuilds only what the unmasked sum needs. It never holds an unmasked input.
 pub struct Server {
     config: Config,
-    graph_seed: [u8; 32],
     stage: ServerStage,
     keys: BTreeMap<ClientIdx, AdvertiseKeys>,
     graph: BTreeMap<ClientIdx, BTreeSet<ClientIdx>>,
@@ -52,12 +51,12 @@ pub struct Server {
 }
 
 impl Server {
-    /// A round; `graph_seed` (32 random bytes) draws the neighbour graph.
-    pub fn new(config: Config, graph_seed: [u8; 32]) -> Result<Self, SecAggError> {
+    /// A round. Its neighbour graph is the public one of [`neighbours`]: nothing the server
+    /// draws.
+    pub fn new(config: Config) -> Result<Self, SecAggError> {
         config.validate()?;
         Ok(Server {
             config,
-            graph_seed,
             stage: ServerStage::Advertise,
             keys: BTreeMap::new(),
             graph: BTreeMap::new(),
@@ -124,18 +123,21 @@ impl Server {
     }
 
     /// Ends AdvertiseKeys (its deadline passed or everyone answered): each advertiser's
-    /// neighbours among the advertisers, with their keys.
+    /// neighbours among the advertisers, with their keys and the roster they are drawn from
+    /// (one roster, shared by every message).
     pub fn close_advertise(&mut self) -> Result<BTreeMap<ClientIdx, NeighbourKeys>, SecAggError> {
         self.expect(ServerStage::Advertise, "the end of AdvertiseKeys")?;
-        let members: BTreeSet<ClientIdx> = self.keys.keys().copied().collect();
-        self.at_least("AdvertiseKeys", members.len())?;
-        self.graph = neighbours(&members, self.config.k, &self.graph_seed);
+        self.at_least("AdvertiseKeys", self.keys.len())?;
+        let roster =
+            std::sync::Arc::new(Roster::new(self.keys.iter().map(|(&i, keys)| (i, keys.identity))));
+        self.graph = neighbours(&roster, self.config.k, &self.config.session);
         self.stage = ServerStage::Share;
         Ok(self
             .graph
             .iter()
             .map(|(&i, ns)| {
-                (i, NeighbourKeys { keys: ns.iter().map(|j| (*j, self.keys[j])).collect() })
+                let keys = ns.iter().map(|j| (*j, self.keys[j])).collect();
+                (i, NeighbourKeys { keys, roster: roster.clone() })
             })
             .collect())
     }

@@ -45,6 +45,12 @@ fn identity(seed: u64, i: ClientIdx) -> DeviceIdentity {
     DeviceIdentity::from_secret(bytes(seed ^ u64::from(i) << 40, 7))
 }
 
+/// The public graph of a round where all `config.n` clients of [`run`] with `seed` advertise.
+fn graph_of(config: &Config, seed: u64) -> BTreeMap<ClientIdx, BTreeSet<ClientIdx>> {
+    let roster = Roster::new((1..=config.n).map(|i| (i, identity(seed, i).public())));
+    neighbours(&roster, config.k, &config.session)
+}
+
 type Outcome = Result<(Vec<u32>, BTreeSet<ClientIdx>), SecAggError>;
 
 /// Runs one round end to end in memory; the sum and survivors, and each client's input.
@@ -60,7 +66,7 @@ fn run_naming(
     script: &Script,
 ) -> (Outcome, BTreeMap<ClientIdx, Vec<u32>>, BTreeSet<ClientIdx>) {
     let mut inconsistent = BTreeSet::new();
-    let mut server = Server::new(*config, bytes(seed, 9)).unwrap();
+    let mut server = Server::new(*config).unwrap();
     let mut clients = BTreeMap::new();
     let mut inputs = BTreeMap::new();
     for i in 1..=config.n {
@@ -181,7 +187,7 @@ fn no_dropout_sums_exactly_and_the_graph_is_regular() {
     let (sum, survivors) = result.unwrap();
     assert_eq!(survivors.len(), 30);
     assert_eq!(sum, plain_sum(&inputs, &survivors, 64));
-    let graph = neighbours(&(1..=30).collect(), config.k, &[5; 32]);
+    let graph = graph_of(&config, 3);
     for (i, ns) in &graph {
         assert_eq!(ns.len(), config.k as usize);
         assert!(ns.iter().all(|j| graph[j].contains(i)), "symmetric");
@@ -238,11 +244,8 @@ fn a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
         (Config { session: [6; 16], n: 7, k: 6, t: 4, len: 8 }, 9),
     ] {
         let from = 3;
-        let to = *neighbours(&(1..=config.n).collect(), config.k, &bytes(seed, 9))[&from]
-            .iter()
-            .next()
-            .unwrap();
-        // The same graph the server draws from its seed: `run` seeds it with bytes(seed, 9).
+        // The same graph the server draws: the public one on the identities of `run`'s clients.
+        let to = *graph_of(&config, seed)[&from].iter().next().unwrap();
         let script = Script { garble: Some((from, to)), ..Default::default() };
         let (result, inputs) = run(&config, seed, &script);
         let (sum, survivors) = result.unwrap();
@@ -268,7 +271,7 @@ fn a_share_that_does_not_open_excludes_its_sender_not_the_sum() {
 fn collecting_with_a_garbled_share()
 -> (Server, BTreeMap<ClientIdx, Client>, BTreeMap<ClientIdx, MaskRequest>) {
     let config = Config { session: [2; 16], n: 6, k: 4, t: 3, len: 4 };
-    let mut server = Server::new(config, bytes(1, 9)).unwrap();
+    let mut server = Server::new(config).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=6 {
         let (client, advert) =
@@ -336,7 +339,7 @@ fn an_accusation_without_evidence_is_refused_and_one_with_it_holds() {
 fn a_false_accusation_leaves_out_the_accuser_not_the_accused() {
     let config = Config { session: [5; 16], n: 8, k: 6, t: 4, len: 6 };
     let seed = 11;
-    let graph = neighbours(&(1..=config.n).collect(), config.k, &bytes(seed, 9));
+    let graph = graph_of(&config, seed);
     let (from, to) = (3, *graph[&3].iter().next().unwrap());
     let script = Script { garble_relayed: Some((from, to)), ..Default::default() };
     let (result, inputs) = run(&config, seed, &script);

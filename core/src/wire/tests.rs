@@ -36,8 +36,12 @@ fn check_in_response_encoding_is_pinned() {
 fn malformed_and_trailing_bytes_are_errors() {
     assert!(matches!(decode::<EnrollRequest>(&[0xff, 0x00]), Err(CodecError::Malformed(_))));
     assert!(matches!(decode::<EnrollRequest>(&[]), Err(CodecError::Malformed(_))));
-    let mut bytes =
-        to_vec(&EnrollRequest { enrollment_token: "t".into(), identity_key: None }).unwrap();
+    let mut bytes = to_vec(&EnrollRequest {
+        enrollment_token: "t".into(),
+        identity_key: None,
+        identity_certificate: None,
+    })
+    .unwrap();
     bytes.push(0);
     let err = decode::<EnrollRequest>(&bytes).unwrap_err();
     assert_eq!(err.to_string(), "malformed cbor body: 1 trailing bytes after the message");
@@ -97,6 +101,10 @@ fn an_identity_key_of_any_length_but_32_is_refused_by_name() {
             assert!(err.contains("identity_key") && err.contains(&format!("not {len}")), "{err}");
         }
     }
-    let none = to_vec(&EnrollRequest { enrollment_token: "t".into(), identity_key: None });
+    let none = to_vec(&EnrollRequest {
+        enrollment_token: "t".into(),
+        identity_key: None,
+        identity_certificate: None,
+    });
     assert_eq!(decode::<EnrollRequest>(&none.unwrap()).unwrap().identity_key, None);
 }

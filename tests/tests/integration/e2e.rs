@@ -861,6 +861,7 @@ async fn rate_limits_answer_429_and_recover() {
         let body = codec::to_vec(&wire::EnrollRequest {
             enrollment_token: token.clone(),
             identity_key: None,
+            identity_certificate: None,
         })
         .unwrap();
         let res = http
@@ -919,6 +920,7 @@ async fn rate_limits_answer_429_and_recover() {
         let body = codec::to_vec(&wire::EnrollRequest {
             enrollment_token: "nope".into(),
             identity_key: None,
+            identity_certificate: None,
         })
         .unwrap();
         http.post(format!("{}/v1/enroll", c.url))

@@ -6,9 +6,11 @@ use starling_core::codec;
 use std::path::Path;
 
 use futures_util::future::join_all;
+use starling_client::participant::{Participant, ParticipantError};
 use starling_client::protocol::FleetClient;
 use starling_client::secure::{SecureError, SecureSession};
 use starling_coordinator::store::SqlStore;
+use starling_core::participation::Enrolment;
 use starling_core::round::secure::Record;
 use starling_core::secagg;
 use starling_core::wire::{ErrorCode, SecAggInstruction, SecAggUpload, TaskAssignment};
@@ -84,7 +86,7 @@ async fn advertise_all(
 ) -> anyhow::Result<Vec<SecureSession>> {
     let joined = devices.iter().zip(tasks).map(|(d, t)| {
         let secure = t.secure_aggregation.expect("a secure run's task says so");
-        SecureSession::advertise(d, run, t.round_idx, secure)
+        SecureSession::advertise(d, run, (t.round_idx, t.model_version), secure)
     });
     Ok(join_all(joined).await.into_iter().collect::<Result<_, _>>()?)
 }
@@ -292,6 +294,7 @@ async fn bad_messages_exclude_only_their_sender() -> anyhow::Result<()> {
         mask_pk: [8; 32],
         seed_commitment: [9; 32],
         signature: secagg::Signature { r: [1; 32], s: [2; 32] },
+        certificate: None,
     };
     let twice = devices[5].secagg_send(run, round, &SecAggUpload::AdvertiseKeys(other)).await;
     assert_eq!(api_code(twice), Some(ErrorCode::InvalidField));
@@ -525,5 +528,132 @@ async fn an_unproven_accusation_leaves_out_the_accuser_not_the_accused() -> anyh
     let (excluded, reported) =
         round_of_core_clients(6, Misbehaviour::UnprovenAccusation, &[0, 2, 3, 4, 5]).await?;
     assert_eq!((excluded, reported), (vec![1], 5));
+    Ok(())
+}
+
+/// Devices with identity keys the operator's enrolment authority certified, pinning that
+/// authority: `n` of them, enrolled with `token` at `url`.
+async fn certified_devices(
+    url: &str,
+    token: &str,
+    authority: &secagg::EnrolmentAuthority,
+    n: usize,
+) -> anyhow::Result<Vec<FleetClient>> {
+    let mut devices = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut d = FleetClient::new(url);
+        let identity = starling_client::protocol::new_identity();
+        d.set_enrolment(Enrolment {
+            authority: Some(authority.public()),
+            certificate: Some(authority.certify(&identity.public())),
+        });
+        d.set_identity(Some(identity));
+        d.enroll(token).await?;
+        devices.push(d);
+    }
+    Ok(devices)
+}
+
+/// A coordinator given the operator's enrolment authority turns away identity keys the
+/// authority did not certify (none, or another authority's certificate) with 403
+/// `identity_not_certified`; devices that pin the authority and hold its certificates complete
+/// a SecAgg+ round through it to the exact mean, each having checked its neighbourhood against
+/// the public graph and its neighbours' certificates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_pinning_the_enrolment_authority_complete_a_round_with_certified_neighbours()
+-> anyhow::Result<()> {
+    const N: usize = 8;
+    let authority = secagg::EnrolmentAuthority::from_secret([42; 32]);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process_configured(&db, &Default::default(), |config| {
+        config.enrolment_authority = Some(authority.public());
+    })
+    .await?;
+    let token = c.admin.enrollment_token(N as i64 + 3).await?;
+    let mut uncertified = FleetClient::new(&c.url);
+    assert_eq!(api_code(uncertified.enroll(&token).await), Some(ErrorCode::IdentityNotCertified));
+    let stranger = secagg::EnrolmentAuthority::from_secret([43; 32]);
+    let mut elsewhere = certified_devices(&c.url, &token, &stranger, 1).await;
+    assert!(elsewhere.is_err(), "another authority's certificate");
+    let refused = elsewhere.as_mut().map(|_| ()).unwrap_err();
+    assert!(refused.to_string().contains("enrolment authority"), "{refused}");
+
+    // The SDK's participant makes its identity key before enrolling, so the operator can
+    // certify it; refuses a certificate of another key; and registers the certified key.
+    let nothing =
+        starling_client::examples::Examples::new(starling_core::model_spec::InputSpec::Features {
+            size: 1,
+        });
+    let device = starling_client::Device::flex().autodiff();
+    let mut p = Participant::new(&c.url, "default", nothing.clone(), nothing, device);
+    let key = p.identity_key();
+    assert_eq!(p.identity_key(), key, "made once and kept");
+    let pin = |certificate| Enrolment { authority: Some(authority.public()), certificate };
+    let wrong =
+        pin(Some(authority.certify(&secagg::DeviceIdentity::from_secret([9; 32]).public())));
+    assert!(matches!(p.set_enrolment(wrong), Err(ParticipantError::CertificateMismatch)));
+    p.set_enrolment(pin(Some(authority.certify(&key))))?;
+    p.enroll(&token).await?;
+    assert_eq!(p.state().enrolment, pin(Some(authority.certify(&key))));
+
+    let devices = certified_devices(&c.url, &token, &authority, N).await?;
+    let run = RunId(c.admin.create_run(&secure_plan(N as u32, N as u32, 8.0, Some(4))).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await?;
+    let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    let shared = sessions.iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
+    join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let sent = sessions.iter_mut().zip(&devices).enumerate().map(|(i, (s, d))| async move {
+        s.send_masked(d, ModelVersion(0), &delta(i, 0, PARAMS), weight(i), None).await
+    });
+    join_all(sent).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let unmasked = sessions.iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
+    join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let hash = wait_model(&c.admin, run, 1).await?;
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await?;
+    assert_close(&committed, &expected_model(&global, &(0..N).collect::<Vec<_>>()), 2e-6);
+    c.running.shutdown().await?;
+    Ok(())
+}
+
+/// A coordinator that enrolls a member of its own (here: one that checks no certificates, and
+/// a device with none) cannot seat it beside devices that pin the authority: each of them
+/// refuses the neighbourhood before sharing anything, naming the uncertified neighbour, and the
+/// round fails without a sum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_the_authority_did_not_certify_gets_no_shares_from_pinning_devices()
+-> anyhow::Result<()> {
+    const N: usize = 5;
+    let authority = secagg::EnrolmentAuthority::from_secret([44; 32]);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await?;
+    let token = c.admin.enrollment_token(N as i64 + 1).await?;
+    let mut devices = certified_devices(&c.url, &token, &authority, N).await?;
+    let mut sybil = FleetClient::new(&c.url);
+    sybil.enroll(&token).await?;
+    devices.push(sybil);
+    // The complete graph: the sybil is everyone's neighbour.
+    let n = devices.len() as u32;
+    let run = RunId(c.admin.create_run(&secure_plan(n, n, 8.0, None)).await?.id);
+    wait_round_open(&c.admin, run, 0).await?;
+    let tasks = expect_tasks(&devices).await?;
+    let mut sessions = advertise_all(&devices, &tasks, run).await?;
+    let shared = sessions.iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
+    let results = join_all(shared).await;
+    for (i, result) in results[..N].iter().enumerate() {
+        let err = result.as_ref().expect_err("a pinning device shares with no uncertified member");
+        assert!(
+            err.to_string().contains("no certificate from the pinned enrolment authority"),
+            "device {i}: {err}"
+        );
+    }
+    let state = wait_for("the round to fail", std::time::Duration::from_secs(30), || async {
+        let rounds = c.admin.rounds(run).await?;
+        Ok(rounds.into_iter().next().map(|r| r.state).filter(|s| s != "open"))
+    })
+    .await?;
+    assert_eq!(state, "failed");
+    c.running.shutdown().await?;
     Ok(())
 }

@@ -141,6 +141,11 @@ struct ServeArgs {
     /// Milliseconds without a poll after which an aggregator counts as lost.
     #[arg(long, env = "STARLING_AGGREGATOR_LIVENESS_MS", default_value_t = 3000)]
     aggregator_liveness_ms: u64,
+    /// The operator's enrolment authority, its public key in hex (as `starling enrolment
+    /// new-authority` prints it): devices enroll only with an identity key it certified. Not
+    /// the TLS key; its secret never belongs on the coordinator.
+    #[arg(long, env = "STARLING_ENROLMENT_AUTHORITY")]
+    enrolment_authority: Option<String>,
 }
 
 /// `RATE/BURST` or `off`.
@@ -279,8 +284,17 @@ fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         }
         None => None,
     };
+    let enrolment_authority = args
+        .enrolment_authority
+        .as_deref()
+        .map(|hex| {
+            starling_core::secagg::parse_public_key(hex)
+                .map_err(|why| anyhow::anyhow!("--enrolment-authority: {why}"))
+        })
+        .transpose()?;
     Ok(ServeConfig {
         tier,
+        enrolment_authority,
         listen,
         listen_backlog: args.listen_backlog,
         database_url,

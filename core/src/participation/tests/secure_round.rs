@@ -10,8 +10,14 @@ use crate::wire::SecureAggregationTask;
 
 const DELTA_LEN: usize = 3;
 
+/// The session of [`task`]'s round, which the device checks the coordinator's config against.
+fn session() -> [u8; 16] {
+    let t = task();
+    crate::round::secure::session_id(t.run_id, t.round_idx, t.model_version)
+}
+
 fn config() -> Config {
-    Config::with_defaults([9; 16], 3, DELTA_LEN + 1)
+    Config::with_defaults(session(), 3, DELTA_LEN + 1)
 }
 
 fn secure_task(index: secagg::ClientIdx) -> SecureAggregationTask {
@@ -45,7 +51,7 @@ fn sent(t: &mut Trace) -> SecAggUpload {
 
 #[test]
 fn a_secure_round_shares_keys_before_training_and_masks_after() {
-    let mut server = Server::new(config(), [1; 32]).unwrap();
+    let mut server = Server::new(config()).unwrap();
     let mut t = Trace::start(enrolled());
     t.task(TaskAssignment { secure_aggregation: Some(secure_task(1)), ..task() }).conditions();
     let SecAggUpload::AdvertiseKeys(keys) = sent(&mut t) else { panic!("keys first") };
@@ -214,9 +220,9 @@ fn a_device_without_an_identity_key_cannot_join_a_secure_round() {
 #[test]
 fn a_distributed_dp_device_noises_its_input_and_signs_no_smaller_sum() {
     let noise = crate::privacy::DistributedNoise::for_plan(1.0, 1.0, DELTA_LEN, 4, 4).unwrap();
-    let config = Config::with_defaults([9; 16], 4, noise.padded_len());
+    let config = Config::with_defaults(session(), 4, noise.padded_len());
     let task = SecureAggregationTask { config, distributed_noise: Some(noise), ..secure_task(1) };
-    let mut server = Server::new(config, [1; 32]).unwrap();
+    let mut server = Server::new(config).unwrap();
     let mut t = Trace::start(enrolled());
     t.task(TaskAssignment { secure_aggregation: Some(task), ..super::task() }).conditions();
     let SecAggUpload::AdvertiseKeys(keys) = sent(&mut t) else { panic!("keys first") };
@@ -281,4 +287,23 @@ fn a_distributed_dp_device_noises_its_input_and_signs_no_smaller_sum() {
         t=1000 Instruction(SignSurvivors)
           Finish(Err(Secure(Secagg(BelowThreshold { stage: "ConsistencyCheck", have: 3, need: 4 }))))"#]]);
     assert_eq!(state.pending_upload, None);
+}
+
+/// The session orders the ring of neighbours, so a coordinator free to pick it could try
+/// sessions until a device's neighbourhood were its own devices. The device derives it from
+/// the run, round and model version of its task and refuses any other before advertising.
+#[test]
+fn a_session_the_coordinator_picked_is_refused_before_anything_is_sent() {
+    let mut t = Trace::start(enrolled());
+    let picked = Config { session: [9; 16], ..config() };
+    let secure = SecureAggregationTask { config: picked, ..secure_task(1) };
+    t.task(TaskAssignment { secure_aggregation: Some(secure), ..task() }).conditions();
+    t.finish(expect![[r#"
+        t=1000 start (pending upload: None)
+          Progress(CheckingIn)
+          CheckIn
+        t=1000 CheckedIn(Task { run: 1, round: 0, version: 0, secure: true, compression: F32, local: [] })
+          ReadConditions
+        t=1000 Conditions(as reported)
+          Finish(Err(Secure(Secagg(BadMessage { client: 0, why: "the round's session is not the one derived from its run, round and model version" }))))"#]]);
 }

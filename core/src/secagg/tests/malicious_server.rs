@@ -19,7 +19,7 @@ struct Collected {
 }
 
 fn advertised(config: Config, seed: u64) -> (Server, BTreeMap<ClientIdx, Client>) {
-    let mut server = Server::new(config, bytes(seed, 9)).unwrap();
+    let mut server = Server::new(config).unwrap();
     let mut clients = BTreeMap::new();
     for i in 1..=config.n {
         let (client, advert) =
@@ -114,7 +114,7 @@ fn a_substituted_public_key_is_refused_before_anything_is_shared() {
     // The real neighbourhood is accepted by the same client.
     clients.get_mut(&1).unwrap().share_keys(graph[&1].clone()).unwrap();
     // A device whose advertisement was altered on its way in is refused by an honest server.
-    let mut fresh = Server::new(config(2), bytes(3, 9)).unwrap();
+    let mut fresh = Server::new(config(2)).unwrap();
     let (_, mut advert) = Client::new(1, config(2), identity(3, 1), bytes(5, 1)).unwrap();
     advert.mask_pk = servers_keys.mask_pk;
     assert!(matches!(
@@ -139,16 +139,31 @@ fn an_advertisement_replayed_from_another_round_or_seat_is_refused() {
     let err = victim().share_keys(replayed).unwrap_err();
     assert!(err.to_string().contains("neighbour 2's keys are not signed"), "{err}");
 
+    // Reseated: the roster names another identity at that seat; a roster rewritten to match
+    // either repeats an identity or leaves the keys signed for another seat.
     let mut reseated = graph[&1].clone();
     reseated.keys.insert(3, graph[&1].keys[&2]);
-    let err = victim().share_keys(reseated).unwrap_err();
-    assert!(err.to_string().contains("neighbour 3's keys are not signed"), "{err}");
+    let err = victim().share_keys(reseated.clone()).unwrap_err();
+    assert!(err.to_string().contains("identity is not the roster's"), "{err}");
+    let rewritten = |drop_two: bool| {
+        let identities = reseated.roster.iter().map(|(i, id)| match i {
+            3 => (3, reseated.keys[&3].identity),
+            _ => (i, *id),
+        });
+        Roster::new(identities.filter(|(i, _)| !(drop_two && *i == 2)))
+    };
+    for drop_two in [false, true] {
+        let mut reseated = reseated.clone();
+        reseated.roster = std::sync::Arc::new(rewritten(drop_two));
+        reseated.keys.remove(&2).filter(|_| !drop_two).map(|k| reseated.keys.insert(2, k));
+        assert!(victim().share_keys(reseated).is_err(), "roster rewritten, 2 dropped: {drop_two}");
+    }
 
     // An honest server refuses the replay too.
-    let mut fresh = Server::new(config(4), bytes(4, 9)).unwrap();
+    let mut fresh = Server::new(config(4)).unwrap();
     assert!(fresh.receive_keys(2, earlier_graph[&1].keys[&2]).is_err());
     // And two seats for one identity, even with each advertisement signed for its own seat.
-    let mut twice = Server::new(config(4), bytes(4, 9)).unwrap();
+    let mut twice = Server::new(config(4)).unwrap();
     let (_, first) = Client::new(1, config(4), identity(4, 1), bytes(6, 1)).unwrap();
     let (_, second) = Client::new(2, config(4), identity(4, 1), bytes(7, 1)).unwrap();
     twice.receive_keys(1, first).unwrap();
@@ -273,4 +288,99 @@ fn a_coordinator_that_garbles_a_relay_gets_no_evidence_to_open_the_original() {
             assert!(client.accusations().is_empty());
         }
     }
+}
+
+/// SecAgg+ with the graph the server chose: it hands device 1 a neighbourhood of devices it
+/// controls instead of the one the public graph gives, each neighbour genuine and signed for
+/// its own seat. Device 1 recomputes its neighbourhood from the roster and session and shares
+/// nothing; the public one it accepts.
+#[test]
+fn a_neighbourhood_the_server_chose_is_refused() {
+    let config = Config { session: [8; 16], n: 12, k: 4, t: 3, len: 4 };
+    let mut server = Server::new(config).unwrap();
+    for i in 1..=config.n {
+        let (_, advert) =
+            Client::new(i, config, identity(8, i), bytes(8 ^ u64::from(i) << 32, 1)).unwrap();
+        server.receive_keys(i, advert).unwrap();
+    }
+    let mut graph = server.close_advertise().unwrap();
+    let victim = || Client::new(1, config, identity(8, 1), bytes(8 ^ 1 << 32, 1)).unwrap().0;
+    let honest = graph.remove(&1).unwrap();
+    // Colluders of the server's choosing: two members the public graph does not make 1's
+    // neighbours.
+    let strangers: Vec<ClientIdx> =
+        (2..=config.n).filter(|j| !honest.keys.contains_key(j)).take(2).collect();
+    let mut chosen = honest.clone();
+    for (&stranger, (&neighbour, _)) in strangers.iter().zip(honest.keys.iter()) {
+        chosen.keys.remove(&neighbour);
+        chosen.keys.insert(stranger, advert_of(&graph, stranger));
+    }
+    let err = victim().share_keys(chosen).unwrap_err();
+    assert!(err.to_string().contains("not the ones the public graph gives"), "{err}");
+    victim().share_keys(honest).unwrap();
+}
+
+/// Member `j`'s advertisement, as the server relays it to `j`'s neighbours.
+fn advert_of(graph: &BTreeMap<ClientIdx, NeighbourKeys>, j: ClientIdx) -> AdvertiseKeys {
+    graph.values().find_map(|n| n.keys.get(&j).copied()).expect("someone's neighbour")
+}
+
+/// The server makes up a whole round around device 1: six members it invented, each with an
+/// identity it made, keys signed by that identity for its seat, the roster and graph
+/// consistent. A device that trusts the identity inside an advertisement shares its secrets
+/// with them (today's behaviour without a pinned authority). A device that pins the operator's
+/// enrolment authority refuses: the invented identities carry no certificate, and a
+/// certificate copied from an enrolled device is for another key. With members the authority
+/// certified, the same device goes ahead.
+#[test]
+fn members_the_server_made_up_are_refused_by_a_device_pinning_the_enrolment_authority() {
+    let authority = EnrolmentAuthority::from_secret(bytes(77, 3));
+    let real_certificate = authority.certify(&identity(1, 4).public());
+    let round = |certify: &dyn Fn(ClientIdx, &mut AdvertiseKeys)| {
+        let mut server = Server::new(config(9)).unwrap();
+        let mut victim = None;
+        for i in 1..=N {
+            let (client, mut advert) =
+                Client::new(i, config(9), identity(9, i), bytes(9 ^ u64::from(i) << 32, 1))
+                    .unwrap();
+            certify(i, &mut advert);
+            server.receive_keys(i, advert).unwrap();
+            if i == 1 {
+                victim = Some(client);
+            }
+        }
+        let mut victim = victim.unwrap();
+        victim.require_certificates(authority.public());
+        let neighbourhood = server.close_advertise().unwrap().remove(&1).unwrap();
+        (victim, neighbourhood)
+    };
+    let certify_victim = |i: ClientIdx, advert: &mut AdvertiseKeys| {
+        if i == 1 {
+            advert.certificate = Some(authority.certify(&advert.identity));
+        }
+    };
+
+    // Trusting the advertisement alone, the made-up neighbourhood is accepted.
+    let (_, neighbourhood) = round(&certify_victim);
+    let mut trusting = Client::new(1, config(9), identity(9, 1), bytes(9 ^ 1 << 32, 1)).unwrap().0;
+    trusting.share_keys(neighbourhood.clone()).unwrap();
+
+    let (mut victim, neighbourhood) = round(&certify_victim);
+    let err = victim.share_keys(neighbourhood).unwrap_err();
+    assert!(
+        err.to_string().contains("no certificate from the pinned enrolment authority"),
+        "{err}"
+    );
+
+    let (mut victim, neighbourhood) = round(&|i, advert| {
+        certify_victim(i, advert);
+        if i != 1 {
+            advert.certificate = Some(real_certificate);
+        }
+    });
+    assert!(victim.share_keys(neighbourhood).is_err(), "a certificate of another key");
+
+    let (mut victim, neighbourhood) =
+        round(&|_, advert| advert.certificate = Some(authority.certify(&advert.identity)));
+    victim.share_keys(neighbourhood).unwrap();
 }
