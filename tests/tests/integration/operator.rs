@@ -12,6 +12,7 @@ use starling_client::data;
 use starling_client::participant::{Outcome, Participant, ParticipantProgress, Phase};
 use starling_client::{Device, examples::Examples};
 use starling_core::RunId;
+use starling_core::secagg;
 use starling_core::tensor::safetensors;
 use starling_tests::{OPERATOR_TOKEN, mlp_plan, python_with, shared_data, sqlite_db};
 
@@ -772,4 +773,59 @@ async fn central_evaluation_of_a_tensors_run_is_refused_with_the_way_to_evaluate
     c.admin.report_central_evaluation(tensors, 0, &report).await.unwrap();
     assert_eq!(c.admin.models(tensors).await.unwrap()[0].central, vec![report]);
     c.running.shutdown().await.unwrap();
+}
+
+/// `starling enrolment new-authority` writes the authority's secret for its owner only, prints
+/// the public key, and never overwrites an existing secret; `starling enrolment certify` prints
+/// the certificate devices and the coordinator check, and refuses what is not an identity key.
+/// Neither needs a coordinator or the operator token.
+#[tokio::test]
+async fn the_command_line_makes_an_enrolment_authority_and_certifies_identity_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("authority.key");
+    let offline = |args: Vec<String>| {
+        tokio::process::Command::new(operator_bin())
+            .args(args)
+            .env_remove("STARLING_OPERATOR_TOKEN")
+            .output()
+    };
+    let new = || {
+        offline(vec![
+            "enrolment".into(),
+            "new-authority".into(),
+            "--out".into(),
+            secret.display().to_string(),
+        ])
+    };
+    let public = stdout(&new().await.unwrap()).trim().to_owned();
+    let authority = secagg::parse_public_key(&public).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&secret).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    }
+    let again = new().await.unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("an existing file is kept"));
+
+    let identity = secagg::DeviceIdentity::from_secret([5; 32]).public();
+    let certify = |key: String| {
+        offline(vec![
+            "enrolment".into(),
+            "certify".into(),
+            "--authority".into(),
+            secret.display().to_string(),
+            key,
+        ])
+    };
+    let identity_hex: String = identity.iter().map(|b| format!("{b:02x}")).collect();
+    let printed = stdout(&certify(identity_hex).await.unwrap());
+    let certificate = secagg::Signature::from_hex(&printed).unwrap();
+    assert!(secagg::certificate_is_valid(&authority, &identity, &certificate));
+    let other = secagg::DeviceIdentity::from_secret([6; 32]).public();
+    assert!(!secagg::certificate_is_valid(&authority, &other, &certificate));
+    let refused = certify("00ff".into()).await.unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("the identity key"), "{refused:?}");
 }

@@ -53,6 +53,30 @@ enum Command {
     /// Enrolled devices.
     #[command(subcommand)]
     Devices(DevicesCommand),
+    /// The operator's enrolment authority, which certifies device identity keys (offline: no
+    /// coordinator is called).
+    #[command(subcommand)]
+    Enrolment(EnrolmentCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum EnrolmentCommand {
+    /// Make a new enrolment authority: write its secret to FILE (readable by its owner only;
+    /// keep it off the coordinator) and print its public key, which devices pin and the
+    /// coordinator's --enrolment-authority takes.
+    NewAuthority {
+        /// Where the secret goes; an existing file is not overwritten.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the authority's certificate (128 hex digits) of a device's identity key.
+    Certify {
+        /// The authority's secret file.
+        #[arg(long)]
+        authority: PathBuf,
+        /// The device's identity key, 64 hex digits.
+        identity: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -177,6 +201,9 @@ pub(crate) fn main() -> anyhow::Result<()> {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Enrolment(command) = &cli.command {
+        return enrolment(command, &mut std::io::stdout().lock());
+    }
     let token = cli.operator_token.as_deref().context(
         "an operator token is required: set STARLING_OPERATOR_TOKEN (or pass --operator-token)",
     )?;
@@ -337,6 +364,36 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Devices(DevicesCommand::Revoke { device }) => {
             let view = admin.revoke_device(DeviceId(device)).await?;
             writeln!(out, "device {} revoked", view.device_id)?;
+        }
+        Command::Enrolment(_) => unreachable!("answered without the admin API"),
+    }
+    Ok(())
+}
+
+/// `starling enrolment …`: key material on the operator's machine, nothing over the network.
+fn enrolment(command: &EnrolmentCommand, out: &mut impl Write) -> anyhow::Result<()> {
+    use starling_core::secagg::{EnrolmentAuthority, parse_public_key};
+    match command {
+        EnrolmentCommand::NewAuthority { out: path } => {
+            let authority = starling_client::protocol::new_enrolment_authority();
+            let mut file = std::fs::OpenOptions::new();
+            file.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut file, 0o600);
+            let mut file = file.open(path).with_context(|| {
+                format!("creating {} (an existing file is kept)", path.display())
+            })?;
+            writeln!(file, "{}", authority.secret_hex())?;
+            writeln!(out, "{}", authority.public_hex())?;
+        }
+        EnrolmentCommand::Certify { authority, identity } => {
+            let text = std::fs::read_to_string(authority)
+                .with_context(|| format!("reading {}", authority.display()))?;
+            let signer = EnrolmentAuthority::from_secret_hex(&text)
+                .map_err(|why| anyhow::anyhow!("{}: {why}", authority.display()))?;
+            let identity = parse_public_key(identity)
+                .map_err(|why| anyhow::anyhow!("the identity key: {why}"))?;
+            writeln!(out, "{}", signer.certify(&identity).to_hex())?;
         }
     }
     Ok(())
