@@ -16,6 +16,7 @@ use starling_client::protocol::{FleetClient, TlsSettings};
 use starling_client::train::{Evaluation, TrainError, TrainingPlan};
 use starling_client::trainer::{ModelTensors, TrainedValues, Trainer, TrainerOutput};
 use starling_core::model_spec::InputSpec;
+use starling_core::secagg;
 
 uniffi::setup_scaffolding!();
 
@@ -507,6 +508,46 @@ impl StarlingDevice {
         *lock(&self.state) = participant.state().clone();
         self.save_state()?;
         Ok(id.0)
+    }
+
+    /// This device's identity key, 64 hex digits: what the operator's enrolment authority
+    /// certifies (`starling enrolment certify`). Made and saved on first call, before
+    /// enrolling; `enroll` then registers this same key.
+    pub fn identity_key(&self) -> Result<String, StarlingError> {
+        let mut participant =
+            self.participant(Examples::new(self.input()), Examples::new(self.input()))?;
+        let key = participant.identity_key();
+        *lock(&self.state) = participant.state().clone();
+        self.save_state()?;
+        Ok(key.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Pins the operator's enrolment authority, `authority` (its public key in hex, shipped
+    /// with the app: never taken from the coordinator), and holds this device's `certificate`
+    /// from it (128 hex digits, from the operator's provisioning). In secure rounds the device
+    /// then joins only neighbours the authority certified. Unreadable hex, or a certificate
+    /// that is not the authority's for [`StarlingDevice::identity_key`], is refused and changes
+    /// nothing.
+    pub fn set_enrolment(
+        &self,
+        authority: String,
+        certificate: Option<String>,
+    ) -> Result<(), StarlingError> {
+        let enrolment = starling_core::participation::Enrolment {
+            authority: Some(
+                secagg::parse_public_key(&authority)
+                    .map_err(|why| invalid(format!("authority: {why}")))?,
+            ),
+            certificate: certificate
+                .map(|c| secagg::Signature::from_hex(&c))
+                .transpose()
+                .map_err(|why| invalid(format!("certificate: {why}")))?,
+        };
+        let mut participant =
+            self.participant(Examples::new(self.input()), Examples::new(self.input()))?;
+        participant.set_enrolment(enrolment).map_err(|e| invalid(e.to_string()))?;
+        *lock(&self.state) = participant.state().clone();
+        self.save_state()
     }
 
     /// Adds examples: `labels.len()` of them, their features one after another in `features`.

@@ -243,6 +243,19 @@ class MobileBindings(WithCoordinator):
             sm.StarlingDevice(self.c.url, "p", None, storage, sm.ExampleShape.FEATURES(size=0))
         with self.assertRaises(sm.StarlingError.InvalidInput):
             device.restore_state("{not json")
+        # The identity key the operator certifies is made once and kept; an unreadable
+        # authority, or a certificate that is not the authority's for this key, changes nothing.
+        key = device.identity_key()
+        self.assertEqual((len(key), device.identity_key()), (64, key))
+        authority = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.set_enrolment("not hex", None)
+        with self.assertRaises(sm.StarlingError.InvalidInput):
+            device.set_enrolment(authority, "ab" * 64)
+        self.assertNotIn("enrolment", device.export_state())
+        device.set_enrolment(authority, None)  # pins the authority, holds no certificate yet
+        pinned = json.loads(device.export_state())["enrolment"]["authority"]
+        self.assertEqual(bytes(pinned).hex(), authority)
         # Nobody listens on this port.
         gone = sm.StarlingDevice(f"http://127.0.0.1:{free_port()}", "p", "cred", tempfile.mkdtemp(), SHAPE)
         gone.add_examples(self.features[0], [self.labels[0]])
