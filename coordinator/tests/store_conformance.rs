@@ -11,6 +11,7 @@ use starling_coordinator::store::{
 };
 use starling_core::codec;
 use starling_core::fedavg::PooledEvaluation;
+use starling_core::round::participation_rule::History;
 use starling_core::round::quarantine::Strikes;
 use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::tier::PartialReport;
@@ -66,6 +67,7 @@ conformance!(
     a_device_keeps_the_identity_key_it_enrolled_with,
     a_population_a_run_claims_is_busy_for_every_other_run_while_it_runs,
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
+    participation_history_counts_every_selection_with_its_latest_model,
     an_imported_model_is_kept_once_by_its_hash,
     the_latest_accuracy_reports_are_of_the_newest_version_two_devices_scored,
 );
@@ -1006,6 +1008,33 @@ async fn quarantine_strikes_count_refused_rounds_by_updates_and_partials(store: 
     let outcome: serde_json::Value =
         serde_json::from_str(r3.outcome_json.as_deref().unwrap()).unwrap();
     assert_eq!(outcome, serde_json::json!({"outcome": "aggregate_rejected", "culprits": [d3.0]}));
+}
+
+/// A `blt_ftrl` run's participation rule counts every selection the store holds, in failed
+/// rounds and the open one too, with the latest model version each device was selected on:
+/// what a restarted or new leader enforces the rule from.
+async fn participation_history_counts_every_selection_with_its_latest_model(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    let failed = RoundOutcome::TooFewReports { reported: 0, quorum: 3 };
+    store.fail_round(run, closing(0, 0, failed), &[]).await.unwrap();
+    for (round, version) in [(1, 0), (2, 3)] {
+        let batch = [
+            Transition::OpenRound(opened(round, version)),
+            Transition::Select { round_idx: RoundIdx(round), device: d1, aggregator: None },
+        ];
+        store.apply_transitions(run, &batch, 4_500).await.unwrap();
+        if round == 1 {
+            store.fail_round(run, closing(round, version, failed), &[]).await.unwrap();
+        }
+    }
+    let history = store.participation_history(run).await.unwrap();
+    assert_eq!(history.history(d1), Some(History { count: 3, last: ModelVersion(3) }));
+    for d in [d2, d3] {
+        assert_eq!(history.history(d), Some(History { count: 1, last: ModelVersion(0) }));
+    }
+    assert_eq!(history.history(DeviceId(d3.0 + 100)), None);
+    let other = store.create_run(new_run(), 100).await.unwrap();
+    assert_eq!(store.participation_history(other).await.unwrap().history(d1), None);
 }
 
 /// An imported model comes back by its hash with its tensors and values; importing it again

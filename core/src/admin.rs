@@ -186,6 +186,10 @@ pub struct PrivacyView {
     /// coordinator sees the un-noised sum.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub against_coordinator: Option<AgainstCoordinator>,
+    /// With `blt_ftrl`, the zCDP ρ of the committed rounds (`epsilon` is the Gaussian
+    /// mechanism's exact ε for the same μ = √(2ρ)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zcdp_rho: Option<f64>,
 }
 
 /// A distributed-DP run's ε against the coordinator, which knows who is in each cohort.
@@ -215,6 +219,9 @@ impl PrivacyView {
                     .unwrap_or(f64::INFINITY),
             });
         let holds_against = match &against_coordinator {
+            _ if privacy.blt.is_some() => {
+                "epsilon: against the devices and whoever sees the released models, whatever the selection (no sampling assumed: the coordinator enforces the participation rule); none against the coordinator, which adds the noise to a sum it sees first"
+            }
             Some(_) => {
                 "epsilon: against the devices and whoever sees the released models (amplified by the cohort's sampling); against_coordinator: against the coordinator, which knows each cohort (no amplification)"
             }
@@ -232,7 +239,9 @@ impl PrivacyView {
             epsilon_rdp: spent.rdp,
             epsilon_pld: spent.pld,
             noise_multiplier: privacy.plan.noise_multiplier,
-            mechanism: if privacy.distributed.is_some() {
+            mechanism: if privacy.blt.is_some() {
+                "DP-FTRL: devices' updates clipped; central Gaussian noise correlated across rounds (BLT) on the sum, the server's step a prefix sum of the releases".into()
+            } else if privacy.distributed.is_some() {
                 "devices clip and add discrete Gaussian noise before masking; the coordinator unmasks a noisy sum".into()
             } else if secure {
                 "devices clip; central Gaussian noise on the unmasked secure sum".into()
@@ -250,6 +259,7 @@ impl PrivacyView {
             },
             holds_against: holds_against.into(),
             against_coordinator,
+            zcdp_rho: privacy.zcdp_rho(rounds_committed),
         }
     }
 }

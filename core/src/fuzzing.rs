@@ -140,6 +140,7 @@ fn secure_round_takes(message: crate::wire::SecAggUpload) {
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         max_failed_rounds: 0,
+        participation_rule: None,
         secure: Some(SecureRoundConfig {
             clip: 1.0,
             max_examples: 10,

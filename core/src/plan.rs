@@ -349,6 +349,9 @@ pub struct RoundConfig {
     /// Rounds failed in a row after which the run stops with the reason (0: never).
     #[serde(default)]
     pub max_failed_rounds: u32,
+    /// A `blt_ftrl` run's participation rule, which selection enforces.
+    #[serde(default)]
+    pub participation_rule: Option<crate::round::participation_rule::ParticipationRule>,
 }
 
 /// How a round's cohort is drawn from the devices that check in during selection.

@@ -69,7 +69,9 @@ pub struct DifferentialPrivacy {
     /// The population the cohort is sampled from, `q = devices selected per round / population`.
     /// With `random` selection the coordinator measures each round's population (eligible
     /// devices that checked in during selection) and a round measuring fewer than this selects
-    /// no one; with `poisson` selection q is each device's chance per round.
+    /// no one; with `poisson` selection q is each device's chance per round. Not with
+    /// `blt_ftrl`, which assumes no sampling.
+    #[serde(default)]
     pub population: u64,
     /// δ of the (ε, δ) guarantee; well below 1/population.
     pub delta: f64,
@@ -93,6 +95,54 @@ pub struct DifferentialPrivacy {
     /// the same accounting; [`metrics`]).
     #[serde(default)]
     pub metrics: MetricsRelease,
+    /// The mechanism: `dp_fedavg` (the default: independent noise each round, its ε amplified
+    /// by the cohort's sampling) or `blt_ftrl` (DP-FTRL with noise correlated across rounds and
+    /// a participation rule the coordinator enforces; no sampling assumed: [`blt`]).
+    #[serde(default)]
+    pub mechanism: Mechanism,
+    /// With `blt_ftrl`: committed rounds between two participations of one device, at least.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_separation: Option<u64>,
+    /// With `blt_ftrl`: participations of one device in the run, at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_participations: Option<u64>,
+}
+
+/// A DP run's mechanism.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mechanism {
+    /// DP-FedAvg: independent Gaussian noise each round, accounted with amplification by the
+    /// cohort's sampling.
+    #[default]
+    DpFedavg,
+    /// DP-FTRL with Buffered Linear Toeplitz noise and a participation rule ([`blt`]).
+    BltFtrl,
+}
+
+/// The most rounds a `blt_ftrl` plan may have: choosing its strategy costs O(rounds ×
+/// participations) per candidate, at plan time.
+pub const MAX_BLT_ROUNDS: u32 = 2_000;
+
+/// A `blt_ftrl` run's strategy and the participation rule it is accounted under.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BltPrivacy {
+    /// The noise's strategy, chosen for the plan.
+    pub strategy: blt::Blt,
+    /// The rule and the run's length.
+    pub schema: blt::Schema,
+    /// The devices selected per round: the fixed denominator of each round's noisy sum (the
+    /// count of updates is not released: one device changes it).
+    pub cohort: u32,
+}
+
+impl BltPrivacy {
+    /// μ of the μ-GDP guarantee of the first `rounds` rounds at noise multiplier `z`.
+    pub fn mu_after(&self, rounds: u64, z: f64) -> f64 {
+        let schema = blt::Schema { rounds: rounds.min(self.schema.rounds), ..self.schema };
+        if schema.rounds == 0 { 0.0 } else { self.strategy.mu(&schema, z) }
+    }
 }
 
 /// Where a DP run's noise goes on.
@@ -201,6 +251,8 @@ pub struct Privacy {
     pub rounds_allowed: u32,
     /// With distributed noise, what devices add and the coordinator decodes.
     pub distributed: Option<DistributedNoise>,
+    /// With `blt_ftrl`, its strategy and participation rule.
+    pub blt: Option<BltPrivacy>,
 }
 
 impl DifferentialPrivacy {
@@ -219,6 +271,17 @@ impl DifferentialPrivacy {
         }
         if !(positive(self.clip_norm) && self.clip_norm <= 1e6) {
             return Err(("clip_norm", "must be in (0, 1e6]".into()));
+        }
+        if self.mechanism == Mechanism::BltFtrl {
+            return self.resolve_blt(sizes, rounds, sampling);
+        }
+        for (name, set) in [
+            ("min_separation", self.min_separation.is_some()),
+            ("max_participations", self.max_participations.is_some()),
+        ] {
+            if set {
+                return Err((name, "is for mechanism: blt_ftrl".into()));
+            }
         }
         if self.population < u64::from(selected) {
             return Err((
@@ -371,6 +434,93 @@ impl DifferentialPrivacy {
             metrics_stddev,
             rounds_allowed,
             distributed,
+            blt: None,
+        })
+    }
+
+    /// [`DifferentialPrivacy::resolve`] for `mechanism: blt_ftrl`.
+    fn resolve_blt(
+        &self,
+        sizes: Sizes,
+        rounds: u32,
+        sampling: Sampling,
+    ) -> Result<Privacy, (&'static str, String)> {
+        let refuse = |name, why: &str| Err((name, why.to_owned()));
+        if sampling == Sampling::Poisson {
+            return refuse("mechanism", "blt_ftrl assumes no sampling: use selection: random");
+        }
+        if self.population != 0 {
+            return refuse(
+                "population",
+                "blt_ftrl assumes no sampling and no population: leave it out",
+            );
+        }
+        if self.noise != NoisePlacement::Central || self.min_survivors.is_some() {
+            return refuse(
+                "noise",
+                "blt_ftrl's noise is central (the coordinator's, after unmasking in a secure run)",
+            );
+        }
+        if self.adaptive_clipping.is_some() {
+            return refuse("adaptive_clipping", "blt_ftrl's sensitivity is for a fixed clip_norm");
+        }
+        if self.metrics != MetricsRelease::Withheld {
+            return refuse("metrics", "blt_ftrl withholds the cohort's metrics");
+        }
+        if rounds > MAX_BLT_ROUNDS {
+            return Err(("mechanism", format!("blt_ftrl runs at most {MAX_BLT_ROUNDS} rounds")));
+        }
+        let positive_count = |name: &'static str, v: Option<u64>| match v {
+            Some(v) if v >= 1 => Ok(v),
+            Some(_) => Err((name, "must be at least 1".to_owned())),
+            None => Err((
+                name,
+                "is needed with blt_ftrl: the participation rule its ε counts on".to_owned(),
+            )),
+        };
+        let schema = blt::Schema {
+            rounds: u64::from(rounds),
+            min_separation: positive_count("min_separation", self.min_separation)?,
+            max_participations: positive_count("max_participations", self.max_participations)?,
+        };
+        let blt =
+            BltPrivacy { strategy: blt::Blt::optimized(&schema), schema, cohort: sizes.selected };
+        let z = self.noise_multiplier;
+        let epsilon = |r: u64| blt::epsilon_of_gdp(blt.mu_after(r, z), self.delta);
+        let rounds_allowed = match self.epsilon_budget {
+            None => rounds,
+            Some(budget) if !(budget.is_finite() && budget > 0.0) => {
+                return Err(("epsilon_budget", "must be positive".into()));
+            }
+            Some(budget) => {
+                let (mut lo, mut hi) = (0u32, rounds);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if epsilon(u64::from(mid)) <= budget { lo = mid } else { hi = mid - 1 }
+                }
+                if lo == 0 {
+                    return Err((
+                        "epsilon_budget",
+                        format!(
+                            "one round already spends ε = {:.3} at δ = {}; raise the budget or the noise",
+                            epsilon(1),
+                            self.delta
+                        ),
+                    ));
+                }
+                lo
+            }
+        };
+        Ok(Privacy {
+            plan: *self,
+            sampling,
+            sampling_rate: 1.0,
+            update_noise_multiplier: z,
+            count_stddev: None,
+            metrics_stddev: None,
+            rounds_allowed,
+            distributed: None,
+            blt: Some(blt),
         })
     }
 }
@@ -405,13 +555,34 @@ impl Privacy {
         }
     }
 
-    /// ε after `rounds` by the Rényi DP accountant.
+    /// ε after `rounds` by the Rényi DP accountant; with `blt_ftrl`, the Gaussian mechanism's
+    /// exact ε for its μ (no Rényi conversion needed).
     pub fn epsilon_rdp(&self, rounds: u64) -> f64 {
-        self.accountant().epsilon(rounds, self.plan.delta)
+        match &self.blt {
+            Some(b) => {
+                blt::epsilon_of_gdp(b.mu_after(rounds, self.plan.noise_multiplier), self.plan.delta)
+            }
+            None => self.accountant().epsilon(rounds, self.plan.delta),
+        }
+    }
+
+    /// With `blt_ftrl`, the zCDP ρ = μ²/2 of the first `rounds` rounds.
+    pub fn zcdp_rho(&self, rounds: u64) -> Option<f64> {
+        let b = self.blt.as_ref()?;
+        Some(b.mu_after(rounds, self.plan.noise_multiplier).powi(2) / 2.0)
     }
 
     /// What the accountant composes, for the run view.
     pub fn describe(&self) -> String {
+        if let Some(b) = &self.blt {
+            return format!(
+                "BLT-FTRL (ω = {:.4}, λ = {:.4}), no sampling assumed: each device at most {} times, at least {} committed rounds apart (enforced by the coordinator); add/remove adjacency, μ-GDP with μ = sensitivity / z",
+                b.strategy.omega,
+                b.strategy.lambda,
+                b.schema.max_participations,
+                b.schema.min_separation
+            );
+        }
         match &self.distributed {
             Some(d) => format!(
                 "distributed discrete Gaussian (noise of at least {} survivors), {}",
@@ -442,6 +613,9 @@ impl Privacy {
     /// sampling (McMahan et al.'s fixed denominator: dividing by how many were drawn would
     /// release that number, which the accountant does not cover).
     fn denominator(&self, n_updates: u64) -> f64 {
+        if let Some(b) = &self.blt {
+            return f64::from(b.cohort.max(1));
+        }
         match self.sampling {
             Sampling::FixedSize => n_updates.max(1) as f64,
             Sampling::Poisson => self.sampling_rate * self.plan.population as f64,
@@ -471,6 +645,32 @@ impl Privacy {
         let sd = self.update_noise_multiplier * clip_norm / denominator;
         for v in mean {
             *v += sd * noise.sample();
+        }
+    }
+
+    /// [`Privacy::noise_mean`] for `blt_ftrl`: the round's noise is this round's fresh draws
+    /// correlated with the earlier rounds' through the run's `buffer` (one value per
+    /// parameter, empty before the first round), which it advances.
+    pub fn noise_mean_correlated(
+        &self,
+        mean: &mut [f64],
+        n_updates: u64,
+        clip_norm: f64,
+        noise: &mut Gaussian,
+        buffer: &mut Vec<f32>,
+    ) {
+        let Some(b) = &self.blt else {
+            return self.noise_mean(mean, n_updates, clip_norm, noise);
+        };
+        let rescale = n_updates as f64 / self.denominator(n_updates);
+        if buffer.len() != mean.len() {
+            *buffer = vec![0.0; mean.len()];
+        }
+        let mut fresh: Vec<f64> = (0..mean.len()).map(|_| noise.sample()).collect();
+        b.strategy.step(&mut fresh, buffer);
+        let sd = self.plan.noise_multiplier * clip_norm / self.denominator(n_updates);
+        for (v, n) in mean.iter_mut().zip(fresh) {
+            *v = *v * rescale + sd * n;
         }
     }
 
@@ -851,6 +1051,11 @@ fn log_add(a: f64, b: f64) -> f64 {
     if lo == f64::NEG_INFINITY { hi } else { hi + (lo - hi).exp().ln_1p() }
 }
 
+/// ln Φ(x), the standard normal CDF's logarithm, accurate in the far left tail.
+fn log_phi(x: f64) -> f64 {
+    log_erfc(-x / std::f64::consts::SQRT_2) - std::f64::consts::LN_2
+}
+
 /// ln(erfc(x)), accurate in the far tail where erfc underflows.
 fn log_erfc(x: f64) -> f64 {
     if x < 20.0 {
@@ -863,6 +1068,7 @@ fn log_erfc(x: f64) -> f64 {
     }
 }
 
+pub mod blt;
 pub mod distributed;
 pub mod metrics;
 pub mod pld;

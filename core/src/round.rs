@@ -69,6 +69,7 @@ use crate::tier::TierConfig;
 use crate::wire::{SecAggInstruction, SecAggUpload};
 
 mod pacing;
+pub mod participation_rule;
 pub mod protocol;
 pub mod quarantine;
 pub mod secure;
@@ -99,6 +100,8 @@ pub struct RunMachine {
     pacing: Pacing,
     /// Strikes of devices whose updates ended in refused rounds ([`quarantine`]).
     strikes: quarantine::Strikes,
+    /// Devices' selections, for a `blt_ftrl` run's rule ([`participation_rule`]).
+    participations: participation_rule::Participations,
     /// Why the run is stopping, when the coordinator (not the operator) stopped it.
     stop_reason: Option<String>,
     /// Rounds failed since the last commit (counted from this machine's start).
@@ -270,6 +273,7 @@ impl RunMachine {
                 open_round: None,
                 carried: vec![],
                 strikes: Default::default(),
+                participations: Default::default(),
             },
             now,
             entropy,
@@ -296,6 +300,7 @@ impl RunMachine {
             live_aggregators: vec![],
             pacing,
             strikes: snapshot.strikes,
+            participations: snapshot.participations,
             stop_reason: None,
             failed_in_a_row: 0,
             actions: VecDeque::new(),
@@ -602,8 +607,12 @@ impl RunMachine {
         let task_ms = self.pacing.task_ms();
         self.pacing.on_check_in(device, self.round.as_ref());
         let selecting = self.is_selecting(now);
-        let eligible =
-            self.config.eligibility.admits(attributes) && !self.strikes.quarantines(device);
+        let eligible = self.config.eligibility.admits(attributes)
+            && !self.strikes.quarantines(device)
+            && self
+                .config
+                .participation_rule
+                .is_none_or(|rule| self.participations.admits(&rule, device, self.model_version));
         let aggregator = self.aggregator_for(device);
         let steering = PaceSteering {
             target_selected: self.config.target_selected,
@@ -651,6 +660,7 @@ impl RunMachine {
                     && !r.in_flight_for(device) =>
             {
                 self.actions.push_back(r.select(device, aggregator, now));
+                self.participations.selected(device, self.model_version);
                 r.selected_decision(device, task_ms)
             }
             // Come back within one selection window (the next round may open as soon as this
@@ -984,12 +994,23 @@ impl RunMachine {
             return;
         }
         r.lottery.choose(&mut pool, target);
+        // Fewer than the quorum can never commit (a blt_ftrl run, which needs no population,
+        // may draw from fewer devices than that): the round fails now, not at its deadline.
+        if (pool.len() as u32) < self.config.min_quorum {
+            r.early_failure = Some(RoundOutcome::TooFewSelected {
+                selected: pool.len() as u32,
+                quorum: self.config.min_quorum,
+            });
+            r.phase = Phase::Closing;
+            return;
+        }
         let at = r.opened.selection_deadline;
         for device in pool {
             let aggregator = self.aggregator_for(device);
             let r = self.round.as_mut().expect("the round is open");
             let persist = r.select(device, aggregator, at);
             self.actions.push_back(persist);
+            self.participations.selected(device, self.model_version);
         }
     }
 }

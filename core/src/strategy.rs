@@ -51,15 +51,23 @@ impl Strategy {
     pub fn initial_state(&self, n: usize) -> OptimizerState {
         OptimizerState {
             clip_norm: self.differential_privacy.map(|dp| dp.clip_norm),
+            noise: if self.correlates_noise() { vec![0.0; n] } else { vec![] },
             ..self.optimizer.initial_state(n)
         }
     }
 
     /// Whether the server keeps state between rounds (and so must persist it): a stateful
-    /// optimizer, or an adaptive clip norm.
+    /// optimizer, an adaptive clip norm, or noise correlated across rounds.
     pub fn is_stateful(&self) -> bool {
         self.optimizer.is_stateful()
             || self.differential_privacy.is_some_and(|dp| dp.adaptive_clipping.is_some())
+            || self.correlates_noise()
+    }
+
+    /// Whether a round's noise depends on the earlier rounds' (`blt_ftrl`).
+    pub fn correlates_noise(&self) -> bool {
+        self.differential_privacy
+            .is_some_and(|dp| dp.mechanism == crate::privacy::Mechanism::BltFtrl)
     }
 
     /// Whether updates must reach the coordinator one by one (bounded, clipped or combined by
@@ -163,6 +171,9 @@ pub struct OptimizerState {
     pub v: Vec<f32>,
     /// A DP run's clip norm for the next round (it moves with adaptive clipping).
     pub clip_norm: Option<f64>,
+    /// A `blt_ftrl` run's noise buffer, one value per parameter (the earlier rounds' noise,
+    /// decayed: `privacy::blt`); empty when unused. Kept with the model, as secret as the store.
+    pub noise: Vec<f32>,
 }
 
 /// Why stored optimizer state could not be read.
@@ -225,7 +236,13 @@ impl ServerOptimizer {
             | ServerOptimizer::FedYogi(p) => (p.tau * p.tau) as f32,
             _ => 0.0,
         };
-        OptimizerState { steps: 0, m: vec![0.0; m_len], v: vec![v_start; v_len], clip_norm: None }
+        OptimizerState {
+            steps: 0,
+            m: vec![0.0; m_len],
+            v: vec![v_start; v_len],
+            clip_norm: None,
+            noise: vec![],
+        }
     }
 
     /// The lengths of the state's moments (`m`, `v`) for a model of `n` parameters.
@@ -259,6 +276,7 @@ impl ServerOptimizer {
             m: state.m.clone(),
             v: state.v.clone(),
             clip_norm: state.clip_norm,
+            noise: state.noise.clone(),
         };
         let (global, delta) = (global.iter().map(|&x| f64::from(x)), &aggregate.mean_delta);
         // One loop per optimizer, the choice made once rather than per parameter, so that each
@@ -318,7 +336,8 @@ impl ServerOptimizer {
 
 impl OptimizerState {
     /// The state as stored: steps (u64), then `m` and `v` as little-endian f32, each prefixed
-    /// by its length (u64), then a DP run's clip norm (f64).
+    /// by its length (u64), then a DP run's clip norm (f64), then a `blt_ftrl` run's noise
+    /// buffer, prefixed by its length, when it has one.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + 4 * (self.m.len() + self.v.len()));
         out.extend_from_slice(&self.steps.to_le_bytes());
@@ -328,6 +347,10 @@ impl OptimizerState {
         }
         if let Some(clip) = self.clip_norm {
             out.extend_from_slice(&clip.to_le_bytes());
+        }
+        if !self.noise.is_empty() {
+            out.extend_from_slice(&(self.noise.len() as u64).to_le_bytes());
+            out.extend(self.noise.iter().flat_map(|v| v.to_le_bytes()));
         }
         out
     }
@@ -358,13 +381,25 @@ impl OptimizerState {
                 Some(clip)
             }
         };
+        let noise = if expected.noise.is_empty() {
+            vec![]
+        } else {
+            let len = read_u64(&mut rest, "noise")? as usize;
+            if len != expected.noise.len() {
+                return Err(StateError(format!(
+                    "the noise buffer has {len} values, expected {}",
+                    expected.noise.len()
+                )));
+            }
+            read_f32s(&mut rest, len)?
+        };
         if !rest.is_empty() {
             return Err(StateError(format!("{} trailing bytes", rest.len())));
         }
-        if m.iter().chain(&v).any(|x| !x.is_finite()) {
+        if m.iter().chain(&v).chain(&noise).any(|x| !x.is_finite()) {
             return Err(StateError("holds a non-finite value".into()));
         }
-        Ok(OptimizerState { steps, m, v, clip_norm })
+        Ok(OptimizerState { steps, m, v, clip_norm, noise })
     }
 }
 

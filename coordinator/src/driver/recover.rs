@@ -82,7 +82,14 @@ impl Driver {
                 }
             };
             let strikes = driver.store.quarantine_strikes(run_id).await?;
+            // A blt_ftrl run's rule counts every selection the store holds, this run's
+            // earlier leaders' included.
+            let participations = match plan.round_config().participation_rule {
+                Some(_) => driver.store.participation_history(run_id).await?,
+                None => Default::default(),
+            };
             let snapshot = RunSnapshot {
+                participations,
                 carried,
                 strikes,
                 run_id,

@@ -288,7 +288,8 @@ struct Disclosure {
     /// Each device's example count: not in a differentially private run.
     example_counts: bool,
     /// Cohort sizes and who was drawn: not in a differentially private run with Poisson
-    /// selection, whose ε assumes the draw stays secret.
+    /// selection, whose ε assumes the draw stays secret, nor in a `blt_ftrl` run, whose ε
+    /// covers a device's presence in a round.
     cohorts: bool,
 }
 
@@ -298,9 +299,16 @@ impl Disclosure {
     fn of(plan_json: &str) -> Self {
         match serde_json::from_str::<starling_core::plan::Plan>(plan_json) {
             Ok(plan) => {
-                let dp = plan.strategy.differential_privacy.is_some();
+                let dp = plan.strategy.differential_privacy;
                 let poisson = plan.selection == starling_core::plan::SelectionPolicy::Poisson;
-                Disclosure { example_counts: !dp, cohorts: !(dp && poisson) }
+                // DP-FTRL's adjacency adds or removes a device from the rounds it took part in:
+                // a round's cohort size would say whether it did.
+                let blt =
+                    dp.is_some_and(|dp| dp.mechanism == starling_core::privacy::Mechanism::BltFtrl);
+                Disclosure {
+                    example_counts: dp.is_none(),
+                    cohorts: !(dp.is_some() && (poisson || blt)),
+                }
             }
             Err(_) => Disclosure { example_counts: false, cohorts: false },
         }
@@ -403,7 +411,7 @@ async fn list_round_devices(
     // neither.
     if !shown.cohorts {
         return Err(ApiError::invalid(format!(
-            "run {run_id} is differentially private with poisson selection: its cohorts are not shown"
+            "run {run_id} is differentially private with poisson selection or blt_ftrl: its cohorts are not shown"
         )));
     }
     let round_idx = starling_core::RoundIdx(round_idx);

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use sqlx::FromRow;
+use starling_core::round::participation_rule::{History, Participations};
 use starling_core::round::quarantine::Strikes;
 use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
 use starling_core::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};
@@ -847,6 +848,26 @@ impl SqlStore {
                     selected_at,
                 })
                 .collect())
+        })
+    }
+
+    /// A run's selections per device under a `blt_ftrl` participation rule
+    /// (`starling_core::round::participation_rule`): how often each device was selected, in
+    /// any round (open, failed or committed), and the latest model version it was selected on.
+    pub async fn participation_history(&self, run_id: RunId) -> StoreResult<Participations> {
+        on_pool!(self, |pool| {
+            let rows: Vec<(i64, i64, i64)> = sqlx::query_as(
+                "SELECT s.device_id, COUNT(*), MAX(r.model_version) FROM selections s
+                 JOIN rounds r ON r.run_id = s.run_id AND r.round_idx = s.round_idx
+                 WHERE s.run_id = $1 GROUP BY s.device_id",
+            )
+            .bind(run_id.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+            Ok(Participations::from_history(rows.into_iter().map(|(device, count, last)| {
+                (DeviceId(device), History { count: count as u64, last: ModelVersion(last) })
+            })))
         })
     }
 

@@ -79,11 +79,19 @@ impl Plan {
                 || self.asynchronous.is_some(),
             selection: self.selection,
             poisson_rate,
+            // A blt_ftrl run draws uniformly too, from whoever checked in: it needs no
+            // population.
             min_population: privacy
                 .filter(|p| p.sampling == Sampling::FixedSize)
                 .map(|p| p.plan.population),
             asynchronous: self.asynchronous,
             max_failed_rounds: self.max_failed_rounds.unwrap_or(DEFAULT_MAX_FAILED_ROUNDS),
+            participation_rule: privacy.and_then(|p| p.blt).map(|b| {
+                crate::round::participation_rule::ParticipationRule {
+                    min_separation: b.schema.min_separation,
+                    max_participations: b.schema.max_participations,
+                }
+            }),
         })
     }
 }

@@ -759,3 +759,66 @@ fn an_optimizers_name_is_its_plan_spelling() {
         assert_eq!(spelled, serde_json::Value::String(optimizer.name().into()));
     }
 }
+
+/// `mechanism: blt_ftrl`: no population (it assumes no sampling), the participation rule
+/// named and carried to the rounds, its ε known for the whole run at plan time and within a
+/// budget; what its sensitivity cannot cover is refused by name.
+#[test]
+fn blt_ftrl_plans_carry_their_participation_rule_and_refuse_what_it_cannot_cover() {
+    let mut v = plan_json();
+    v["rounds"] = serde_json::json!(50);
+    v["strategy"] = serde_json::json!({"differential_privacy": {"noise_multiplier": 2.0,
+        "clip_norm": 1.0, "delta": 1e-5, "mechanism": "blt_ftrl", "min_separation": 10,
+        "max_participations": 5}});
+    let plan = parse(v.clone()).unwrap();
+    let rule = plan.round_config().participation_rule.expect("the rounds enforce it");
+    assert_eq!((rule.min_separation, rule.max_participations), (10, 5));
+    let privacy = plan.privacy().unwrap();
+    let blt = privacy.blt.expect("a blt_ftrl run");
+    let mu = blt.strategy.sensitivity(&blt.schema) / 2.0;
+    assert_eq!(privacy.epsilon_after(50), crate::privacy::blt::epsilon_of_gdp(mu, 1e-5));
+    assert!(privacy.epsilon_after(10) < privacy.epsilon_after(50), "ε grows with the rounds");
+    assert_eq!(privacy.zcdp_rho(50), Some(mu * mu / 2.0));
+    // Correlated noise beats independent noise on the same rule (√5 = 2.24 of sensitivity).
+    assert!(
+        blt.strategy.loss(&blt.schema) < crate::privacy::blt::Blt::INDEPENDENT.loss(&blt.schema)
+    );
+    assert!(plan.plan().strategy.is_stateful(), "the noise buffer is kept with the model");
+
+    let refusal = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut bad = v.clone();
+        edit(&mut bad["strategy"]["differential_privacy"]);
+        parse(bad).unwrap_err().to_string()
+    };
+    assert!(
+        refusal(&|dp| dp["min_separation"] = serde_json::Value::Null)
+            .contains("min_separation: is needed")
+    );
+    assert!(
+        refusal(&|dp| dp["max_participations"] = 0.into())
+            .contains("max_participations: must be at least 1")
+    );
+    assert!(refusal(&|dp| dp["population"] = 1000.into()).contains("population"));
+    assert!(
+        refusal(&|dp| dp["adaptive_clipping"] = serde_json::json!({}))
+            .contains("adaptive_clipping")
+    );
+    assert!(refusal(&|dp| dp["epsilon_budget"] = 0.01.into()).contains("epsilon_budget"));
+    let mut fedavg = v.clone();
+    fedavg["strategy"]["differential_privacy"]["mechanism"] = "dp_fedavg".into();
+    fedavg["strategy"]["differential_privacy"]["population"] = 1000.into();
+    assert!(
+        parse(fedavg)
+            .unwrap_err()
+            .to_string()
+            .contains("min_separation: is for mechanism: blt_ftrl")
+    );
+    let mut poisson = v.clone();
+    poisson["selection"] = "poisson".into();
+    assert!(parse(poisson).is_err());
+    let mut budgeted = v;
+    let half = privacy.epsilon_after(25);
+    budgeted["strategy"]["differential_privacy"]["epsilon_budget"] = half.into();
+    let allowed = parse(budgeted).unwrap().round_config().total_rounds;
+    assert!((24..=25).contains(&allowed), "{allowed} rounds within ε({half})");
+}

@@ -14,6 +14,9 @@ fn dp(z: f64) -> DifferentialPrivacy {
         noise: Default::default(),
         min_survivors: None,
         metrics: Default::default(),
+        mechanism: Default::default(),
+        min_separation: None,
+        max_participations: None,
     }
 }
 

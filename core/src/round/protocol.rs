@@ -429,6 +429,9 @@ pub struct RunSnapshot {
     pub carried: Vec<CarriedTask>,
     /// Devices' strikes under the quarantine rule, from the run's closed rounds.
     pub strikes: super::quarantine::Strikes,
+    /// Devices' selections, for a `blt_ftrl` run's participation rule (every round's,
+    /// the open one's included); empty otherwise.
+    pub participations: super::participation_rule::Participations,
 }
 
 /// An asynchronous run's device selected for a closed round and not heard from since, as the

@@ -63,6 +63,7 @@ fn config() -> RoundConfig {
         selection: crate::plan::SelectionPolicy::FirstCome,
         asynchronous: None,
         max_failed_rounds: 0,
+        participation_rule: None,
     }
 }
 

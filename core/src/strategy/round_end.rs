@@ -68,9 +68,15 @@ impl Strategy {
         }
         let mut clip_norm = state.clip_norm;
         let mut released = Released::default();
+        let mut noise_buffer = state.noise.clone();
         if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
             let mut noise = Gaussian::new(noise_seed());
-            privacy.noise_mean(&mut aggregate.mean_delta, aggregate.n_updates, clip, &mut noise);
+            let (mean, n) = (&mut aggregate.mean_delta, aggregate.n_updates);
+            if privacy.blt.is_some() {
+                privacy.noise_mean_correlated(mean, n, clip, &mut noise, &mut noise_buffer);
+            } else {
+                privacy.noise_mean(mean, n, clip, &mut noise);
+            }
             let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
             clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
             released = privacy.release_metrics(&aggregate.metrics, n, &mut noise);
@@ -78,6 +84,7 @@ impl Strategy {
         let (values, mut next) =
             self.optimizer.step(global, &aggregate, state, server_learning_rate)?;
         next.clip_norm = clip_norm;
+        next.noise = noise_buffer;
         Ok(NextModel { values, state: next, combined, released })
     }
 }

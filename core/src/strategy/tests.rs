@@ -42,7 +42,10 @@ fn fed_avg_uses_the_plans_rate_unless_it_has_its_own() {
     // x1 = x0 + 0.5·D1 = [1.25, -2.25]; x2 = x1 + 0.5·D2 = [2.0, -2.0].
     let (x1, x2, s) = two_steps(ServerOptimizer::FedAvg { lr: None });
     assert_eq!((x1, x2), (vec![1.25, -2.25], vec![2.0, -2.0]));
-    assert_eq!(s, OptimizerState { steps: 2, m: vec![], v: vec![], clip_norm: None });
+    assert_eq!(
+        s,
+        OptimizerState { steps: 2, m: vec![], v: vec![], clip_norm: None, noise: vec![] }
+    );
     let (x1, _, _) = two_steps(ServerOptimizer::FedAvg { lr: Some(1.0) });
     assert_eq!(x1, vec![1.5, -2.5]);
 }
@@ -173,6 +176,9 @@ fn a_dp_runs_clip_norm_travels_with_the_state() {
         noise: Default::default(),
         min_survivors: None,
         metrics: Default::default(),
+        mechanism: Default::default(),
+        min_separation: None,
+        max_participations: None,
     };
     let with_dp =
         Strategy { differential_privacy: Some(dp), ..strategy(ServerOptimizer::FedAdam(ADAPTIVE)) };
@@ -334,4 +340,64 @@ fn a_rounds_end_combines_then_steps_and_reads_tiles_only_for_order_statistics() 
     let next = median.next_model(end(mean_agg), read, || [0; 32]).unwrap();
     assert_eq!(next.values, vec![2.0, 0.0], "X0 + (1, 2)");
     assert!(next.combined.is_some());
+}
+
+/// A `blt_ftrl` run's round end: its noise is this round's draws less ω times the buffer, the
+/// buffer advances and travels with the state (refused when it is of another model), and the
+/// sum is divided by the plan's cohort, not by the updates that came.
+#[test]
+fn a_blt_rounds_noise_follows_its_buffer_and_the_buffer_travels_with_the_state() {
+    use crate::privacy::{DifferentialPrivacy, Gaussian, Mechanism, Sampling, Sizes};
+    let dp = DifferentialPrivacy {
+        noise_multiplier: 2.0,
+        clip_norm: 1.0,
+        population: 0,
+        delta: 1e-5,
+        epsilon_budget: None,
+        adaptive_clipping: None,
+        noise: Default::default(),
+        min_survivors: None,
+        metrics: Default::default(),
+        mechanism: Mechanism::BltFtrl,
+        min_separation: Some(1),
+        max_participations: Some(4),
+    };
+    let privacy = dp.resolve(Sizes::of(4, 2), 4, Sampling::FixedSize).unwrap();
+    let blt = privacy.blt.unwrap().strategy;
+    let strategy = Strategy { differential_privacy: Some(dp), ..Strategy::default() };
+    let mut state = strategy.initial_state(2);
+    assert_eq!(state.noise, vec![0.0, 0.0]);
+    let mut global = X0.to_vec();
+    let mut buffer = [0f64; 2];
+    for round in 0..3u8 {
+        let end = RoundEnd {
+            privacy: Some(&privacy),
+            server_learning_rate: 1.0,
+            global: &global,
+            aggregate: aggregate([0.0, 0.0]),
+            state: &state,
+        };
+        let next = strategy
+            .next_model(
+                end,
+                |_: usize, _: usize| -> Result<Vec<Vec<f32>>, String> { unreachable!() },
+                || [round; 32],
+            )
+            .unwrap();
+        // The same draws, by hand: the sum's noise N(0, (z·C)²) over the cohort of 4.
+        let mut draws = Gaussian::new([round; 32]);
+        for j in 0..2 {
+            let z = draws.sample();
+            let noise = z - blt.omega * buffer[j];
+            buffer[j] = blt.lambda * buffer[j] + noise;
+            let want = f64::from(global[j]) + 2.0 * noise / 4.0;
+            assert!((f64::from(next.values[j]) - want).abs() < 1e-5, "round {round}, {j}");
+            assert!((f64::from(next.state.noise[j]) - buffer[j]).abs() < 1e-5);
+        }
+        let bytes = next.state.to_bytes();
+        assert_eq!(OptimizerState::from_bytes(&bytes, &strategy, 2).unwrap(), next.state);
+        assert!(OptimizerState::from_bytes(&bytes, &strategy, 3).is_err(), "another model");
+        global = next.values;
+        state = next.state;
+    }
 }

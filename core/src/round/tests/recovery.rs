@@ -13,6 +13,7 @@ fn restore_resumes_open_round_and_continues_slots() {
         next_round_idx: RoundIdx(1),
         carried: vec![],
         strikes: Default::default(),
+        participations: Default::default(),
         open_round: Some(OpenRoundSnapshot {
             round: RoundOpened {
                 round_idx: RoundIdx(0),
@@ -89,6 +90,7 @@ fn a_restored_tiered_round_keeps_its_assignments_and_partials() {
         next_round_idx: RoundIdx(1),
         carried: vec![],
         strikes: Default::default(),
+        participations: Default::default(),
         open_round: Some(OpenRoundSnapshot {
             round: t.m.current_round().unwrap(),
             selected: (10..16).map(DeviceId).collect(),

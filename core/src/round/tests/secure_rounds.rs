@@ -242,6 +242,7 @@ impl Fleet {
             next_round_idx: RoundIdx(1),
             carried: vec![],
             strikes: Default::default(),
+            participations: Default::default(),
             open_round: Some(OpenRoundSnapshot {
                 round: self.m.current_round().unwrap(),
                 selected,
