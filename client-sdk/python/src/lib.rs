@@ -42,5 +42,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<participant::Outcome>()?;
     m.add_class::<operator::Operator>()?;
     m.add_function(wrap_pyfunction!(simulate::simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(operator::new_enrolment_authority, m)?)?;
+    m.add_function(wrap_pyfunction!(operator::certify_identity, m)?)?;
     Ok(())
 }

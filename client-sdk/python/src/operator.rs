@@ -200,3 +200,22 @@ impl Operator {
         self.block(py, self.admin.report_central_evaluation(RunId(run_id), version, &report))
     }
 }
+
+/// A new enrolment authority for the operator: `(secret, public)`, each 64 hex digits. Keep the
+/// secret where devices are provisioned, never on the coordinator; devices pin the public key.
+#[pyfunction]
+pub fn new_enrolment_authority() -> (String, String) {
+    let authority = starling_client::protocol::new_enrolment_authority();
+    (authority.secret_hex(), authority.public_hex())
+}
+
+/// The certificate (128 hex digits) of a device's identity key (`Participant.identity_key()`)
+/// by the enrolment authority whose secret is `authority_secret`.
+#[pyfunction]
+pub fn certify_identity(authority_secret: &str, identity_key: &str) -> PyResult<String> {
+    let authority = starling_core::secagg::EnrolmentAuthority::from_secret_hex(authority_secret)
+        .map_err(InvalidInput::new_err)?;
+    let identity = starling_core::secagg::parse_public_key(identity_key)
+        .map_err(|why| InvalidInput::new_err(format!("identity key: {why}")))?;
+    Ok(authority.certify(&identity).to_hex())
+}

@@ -8,7 +8,8 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use starling_client::participant::{Outcome as SdkOutcome, Participant as SdkParticipant};
 use starling_client::protocol::TlsSettings;
-use starling_core::participation::ParticipantState;
+use starling_core::participation::{Enrolment, ParticipantState};
+use starling_core::secagg;
 
 use crate::errors::{InvalidInput, StorageError, participant_error};
 use crate::runtime;
@@ -147,6 +148,49 @@ impl Participant {
         Ok(enrolled.0)
     }
 
+    /// This device's identity key, 64 hex digits: what the operator's enrolment authority
+    /// certifies. Made (and kept in the state file) on first call, before enrolling; `enroll`
+    /// then registers this same key.
+    fn identity_key(&self, py: Python<'_>) -> PyResult<String> {
+        let mut state = self.lock();
+        let mut participant =
+            self.participant(PyTrainer::new(py.None(), None))?.restore(state.clone());
+        let key = participant.identity_key();
+        *state = participant.state().clone();
+        self.save(&state)?;
+        Ok(hex_of(&key))
+    }
+
+    /// Pins the operator's enrolment `authority` (its public key in hex, shipped with the
+    /// device: never taken from the coordinator) and holds this device's `certificate` from it
+    /// (hex, from `certify_identity` or `starling enrolment certify`). In secure rounds the
+    /// device then shares only with neighbours the authority certified. Unreadable hex or a
+    /// certificate of another key raises `InvalidInput` and changes nothing.
+    #[pyo3(signature = (authority, certificate = None))]
+    fn set_enrolment(
+        &self,
+        py: Python<'_>,
+        authority: &str,
+        certificate: Option<&str>,
+    ) -> PyResult<()> {
+        let enrolment = Enrolment {
+            authority: Some(
+                secagg::parse_public_key(authority)
+                    .map_err(|why| InvalidInput::new_err(format!("authority: {why}")))?,
+            ),
+            certificate: certificate
+                .map(secagg::Signature::from_hex)
+                .transpose()
+                .map_err(|why| InvalidInput::new_err(format!("certificate: {why}")))?,
+        };
+        let mut state = self.lock();
+        let mut participant =
+            self.participant(PyTrainer::new(py.None(), None))?.restore(state.clone());
+        participant.set_enrolment(enrolment).map_err(|e| InvalidInput::new_err(e.to_string()))?;
+        *state = participant.state().clone();
+        self.save(&state)
+    }
+
     /// Whether the participant holds a credential.
     #[getter]
     fn enrolled(&self) -> bool {
@@ -203,6 +247,11 @@ impl Participant {
             state.device_id.map(|d| d.0)
         )
     }
+}
+
+/// Bytes as lowercase hex.
+pub(crate) fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Participant {

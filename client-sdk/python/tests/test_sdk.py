@@ -274,6 +274,34 @@ def test_bad_input_raises_typed_exceptions_with_the_servers_reason(coordinator, 
         operator.wait(run["id"], timeout_secs=0.3)
 
 
+def test_a_coordinator_with_an_enrolment_authority_enrolls_only_the_identities_it_certified(tmp_path):
+    secret, public = sc.new_enrolment_authority()
+    c = support.Coordinator(extra_env={"STARLING_ENROLMENT_AUTHORITY": public})
+    try:
+        operator = sc.Operator(c.url, support.OPERATOR_TOKEN)
+        token = operator.enrollment_token(3)
+        uncertified = sc.Participant(c.url, "default")
+        with pytest.raises(sc.Refused, match="enrolment authority"):
+            uncertified.enroll(token)
+        device = sc.Participant(c.url, "default", state_file=str(tmp_path / "device.json"))
+        key = device.identity_key()
+        assert len(key) == 64 and device.identity_key() == key
+        other = sc.Participant(c.url, "default").identity_key()
+        with pytest.raises(sc.InvalidInput, match="not the pinned authority's"):
+            device.set_enrolment(public, sc.certify_identity(secret, other))
+        with pytest.raises(sc.InvalidInput):
+            device.set_enrolment("not hex")
+        with pytest.raises(sc.InvalidInput):
+            sc.certify_identity(secret, "00ff")
+        device.set_enrolment(public, sc.certify_identity(secret, key))
+        assert device.enroll(token) > 0
+        # The pin and the certificate are kept with the credential.
+        again = sc.Participant(c.url, "default", state_file=str(tmp_path / "device.json"))
+        assert again.enrolled and again.identity_key() == key
+    finally:
+        c.close()
+
+
 def test_the_typed_stubs_name_exactly_what_the_module_has():
     import ast
     import inspect

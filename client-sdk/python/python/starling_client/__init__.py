@@ -38,6 +38,8 @@ from ._native import (
     TrainingSettings,
     Unreachable,
     __version__,
+    certify_identity,
+    new_enrolment_authority,
     simulate,
 )
 
@@ -60,6 +62,8 @@ __all__ = [
     "Unreachable",
     "__version__",
     "arrays",
+    "certify_identity",
+    "new_enrolment_authority",
     "tensors_model",
     "simulate",
 ]
