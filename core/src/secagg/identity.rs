@@ -61,30 +61,31 @@ pub struct Signature {
     pub s: [u8; 32],
 }
 
-/// The operator's key that certifies device identities at enrolment (see the module's doc).
+/// The operator's key that certifies device identities at enrolment (see the module's doc): an
+/// Ed25519 key like a device's, kept for another purpose.
 #[derive(Clone)]
-pub struct EnrolmentAuthority(SigningKey);
+pub struct EnrolmentAuthority(DeviceIdentity);
 
 impl std::fmt::Debug for EnrolmentAuthority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("EnrolmentAuthority").field(&hex::encode(self.public())).finish()
+        f.debug_tuple("EnrolmentAuthority").field(&self.public_hex()).finish()
     }
 }
 
 impl EnrolmentAuthority {
     /// The authority whose secret is these 32 bytes.
     pub fn from_secret(secret: [u8; 32]) -> Self {
-        EnrolmentAuthority(SigningKey::from_bytes(&secret))
+        EnrolmentAuthority(DeviceIdentity::from_secret(secret))
     }
 
     /// The secret, for the operator to keep (never on the coordinator).
     pub fn secret(&self) -> [u8; 32] {
-        self.0.to_bytes()
+        self.0.secret()
     }
 
     /// The public key devices pin.
     pub fn public(&self) -> [u8; 32] {
-        self.0.verifying_key().to_bytes()
+        self.0.public()
     }
 
     /// The authority whose secret is written as 64 hex digits (as `starling enrolment
@@ -109,7 +110,7 @@ impl EnrolmentAuthority {
 
     /// The certificate of the device identity key `identity`.
     pub fn certify(&self, identity: &[u8; 32]) -> Signature {
-        DeviceIdentity(self.0.clone()).sign(&certificate_message(identity))
+        self.0.sign(&certificate_message(identity))
     }
 }
 
