@@ -5,7 +5,8 @@
 //! store) over real HTTP. The setting is the paper's pathological non-IID one: 100 clients of
 //! two label-sorted shards each, 10 per round, E = 1, B = 10, local SGD at lr 0.1. DP-FedAvg
 //! needs many devices per round to drown its noise, so the privacy experiment spreads the same
-//! data over 1 000 clients and takes 100 per round (the same q = 0.1).
+//! data over 1 000 clients and takes 100 per round (the same q = 0.1); DP-FTRL with BLT noise
+//! runs there too, at the same ε, under the rule "once every 10 rounds".
 //!
 //! A case that has not finished after 10 s per round (20 with DP, whose rounds wait out their
 //! selection window; plus a minute) is stopped and reported
@@ -280,6 +281,37 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                     cohort: DP_COHORT,
                     selection,
                     ..case(&format!("dp {how} ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
+                }
+            }),
+        )
+        .chain(
+            // DP-FTRL with BLT noise under a participation rule, no sampling assumed: a device
+            // at most once every 10 rounds (the fleet's q = 0.1 made a rule), so at most
+            // ⌈rounds / 10⌉ times; z sized by its own accountant for the same ε.
+            [4.0, 8.0].map(|epsilon| {
+                let schema = starling_core::privacy::blt::Schema {
+                    rounds: u64::from(rounds),
+                    min_separation: 10,
+                    max_participations: u64::from(rounds.div_ceil(10)),
+                };
+                let z = starling_core::privacy::blt::noise_multiplier_for(&schema, DELTA, epsilon);
+                let dp = serde_json::json!({"differential_privacy": {
+                    "noise_multiplier": z, "clip_norm": CLIP_NORM, "delta": DELTA,
+                    "mechanism": "blt_ftrl", "min_separation": schema.min_separation,
+                    "max_participations": schema.max_participations}});
+                Case {
+                    over_selection: 1.0,
+                    clients: DP_CLIENTS,
+                    cohort: DP_COHORT,
+                    selection: SelectionPolicy::Random,
+                    ..case(
+                        &format!(
+                            "dp blt ε={epsilon} z={z:.3} b=10 k={}",
+                            schema.max_participations
+                        ),
+                        dp,
+                        None,
+                    )
                 }
             }),
         )

@@ -184,6 +184,19 @@ impl Blt {
     }
 }
 
+/// The noise multiplier with which the strategy a plan chooses for `schema` spends `epsilon` at
+/// `delta` over the whole run (to 1e-9): how an operator, or a benchmark, sizes z for a
+/// budget. μ = sens(C)/z, and ε grows with μ.
+pub fn noise_multiplier_for(schema: &Schema, delta: f64, epsilon: f64) -> f64 {
+    let sens = Blt::optimized(schema).sensitivity(schema);
+    let (mut lo, mut hi) = (1e-6, 1e3);
+    while hi - lo > 1e-9 * hi {
+        let mu = 0.5 * (lo + hi);
+        if epsilon_of_gdp(mu, delta) > epsilon { hi = mu } else { lo = mu }
+    }
+    sens / lo
+}
+
 /// ε at `delta` of a μ-GDP mechanism (the Gaussian mechanism's exact curve, Balle and Wang
 /// 2018): the smallest ε ≥ 0 with `Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2) ≤ δ`, to 1e-12.
 pub fn epsilon_of_gdp(mu: f64, delta: f64) -> f64 {
@@ -295,6 +308,9 @@ mod tests {
         let blt = Blt::optimized(&s);
         blt.check().unwrap();
         assert!(blt.loss(&s) < 0.6 * Blt::INDEPENDENT.loss(&s), "{blt:?}: {}", blt.loss(&s));
+        let z = noise_multiplier_for(&s, 1e-5, 4.0);
+        let spent = epsilon_of_gdp(blt.sensitivity(&s) / z, 1e-5);
+        assert!((spent - 4.0).abs() < 1e-6 && spent <= 4.0, "{z}: {spent}");
         // μ = 1 at δ = 1e-5: the Gaussian mechanism's exact ε, 4.37718 (by the same formula
         // in Python, math.erfc and bisection).
         let eps = epsilon_of_gdp(1.0, 1e-5);
