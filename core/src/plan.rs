@@ -351,7 +351,16 @@ pub struct RoundConfig {
     pub max_failed_rounds: u32,
     /// A `blt_ftrl` run's participation rule, which selection enforces.
     #[serde(default)]
-    pub participation_rule: Option<crate::round::participation_rule::ParticipationRule>,
+    pub participation_rule: Option<ParticipationRule>,
+}
+
+/// A `blt_ftrl` run's participation rule (`round::participation_rule` enforces it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParticipationRule {
+    /// Committed rounds between two selections of one device, at least.
+    pub min_separation: u64,
+    /// Selections of one device in the run, at most.
+    pub max_participations: u64,
 }
 
 /// How a round's cohort is drawn from the devices that check in during selection.

@@ -86,11 +86,9 @@ impl Plan {
                 .map(|p| p.plan.population),
             asynchronous: self.asynchronous,
             max_failed_rounds: self.max_failed_rounds.unwrap_or(DEFAULT_MAX_FAILED_ROUNDS),
-            participation_rule: privacy.and_then(|p| p.blt).map(|b| {
-                crate::round::participation_rule::ParticipationRule {
-                    min_separation: b.schema.min_separation,
-                    max_participations: b.schema.max_participations,
-                }
+            participation_rule: privacy.and_then(|p| p.blt).map(|b| super::ParticipationRule {
+                min_separation: b.schema.min_separation,
+                max_participations: b.schema.max_participations,
             }),
         })
     }

@@ -13,18 +13,8 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
 use crate::ids::{DeviceId, ModelVersion};
-
-/// The rule's parameters, from the plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ParticipationRule {
-    /// Committed rounds between two selections of one device, at least.
-    pub min_separation: u64,
-    /// Selections of one device in the run, at most.
-    pub max_participations: u64,
-}
+pub use crate::plan::ParticipationRule;
 
 /// What the rule remembers of one device: how often it was selected and on which model
 /// version last.

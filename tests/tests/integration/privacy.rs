@@ -962,3 +962,24 @@ async fn a_blt_ftrl_run_enforces_its_participation_rule_across_a_restart() {
     assert_eq!(view.rounds_committed, 4);
     c.running.shutdown().await.unwrap();
 }
+
+/// DP-FTRL composes with SecAgg+: ten digits devices, five a round, each at most twice and two
+/// committed rounds apart, clip before masking; the coordinator adds the correlated noise to
+/// the unmasked sum, every round commits, and the run reports the ε of its μ after three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_blt_ftrl_run_commits_through_secagg_and_reports_its_epsilon() {
+    use starling_core::privacy::blt::{Blt, Schema, epsilon_of_gdp};
+    let (z, rounds) = (1.0, 3);
+    let (_dir, db) = sqlite_db();
+    let c = start_in_process(&db).await.unwrap();
+    let dp = serde_json::json!({"differential_privacy": {
+        "noise_multiplier": z, "clip_norm": 1.0, "delta": 1e-5, "mechanism": "blt_ftrl",
+        "min_separation": 2, "max_participations": 2}});
+    let (_, view, _) = secure_dp_run(&c, dp, rounds).await;
+    let privacy = view.privacy.expect("a DP run shows its privacy");
+    let schema = Schema { rounds: 3, min_separation: 2, max_participations: 2 };
+    let want = epsilon_of_gdp(Blt::optimized(&schema).sensitivity(&schema) / z, 1e-5);
+    assert!((privacy.epsilon - want).abs() <= 1e-12 * want, "ε {} vs {want}", privacy.epsilon);
+    assert!(privacy.mechanism.contains("DP-FTRL"), "{}", privacy.mechanism);
+    c.running.shutdown().await.unwrap();
+}
