@@ -924,15 +924,27 @@ async fn a_blt_ftrl_run_enforces_its_participation_rule_across_a_restart() {
         .await
         .unwrap();
         let mut drawn = std::collections::BTreeSet::new();
+        let mut uploads = vec![];
+        let first_task = tasks.iter().flatten().next().expect("someone is drawn").clone();
+        let global =
+            model_values(&devices[0], &first_task.model_hash, &first_task.schema).await.unwrap();
         for (&i, task) in which.iter().zip(&tasks) {
             if let Some(t) = task {
                 assert_eq!(t.model_version.0, version);
                 let u = delta(i, version, PARAMS);
                 devices[i].upload(run, t.round_idx, &upload_request(t, &u, 1)).await.unwrap();
                 drawn.insert(i);
+                uploads.push(u);
             }
         }
-        wait_model(&c.admin, run, version + 1).await.unwrap();
+        let hash = wait_model(&c.admin, run, version + 1).await.unwrap();
+        if version == 0 {
+            // The first round's noise is the fresh draw alone: N(0, (z·C / cohort)²) = N(0, ½²).
+            let got = model_values(&devices[0], &hash, &first_task.schema).await.unwrap();
+            let noise = dp_noise(&global, &got, &uploads, 1.0);
+            let sd = (noise.iter().map(|n| n * n).sum::<f64>() / noise.len() as f64).sqrt();
+            assert!((0.3..0.7).contains(&sd), "the first round's noise has sd {sd}, not 0.5");
+        }
         cohorts.push(drawn);
     }
     let first = cohorts[0].clone();
