@@ -404,27 +404,8 @@ impl DifferentialPrivacy {
             Some(d) => d.accountant(sampling, sampling_rate),
             None => sampling.accountant(sampling_rate, self.noise_multiplier),
         };
-        let rounds_allowed = match self.epsilon_budget {
-            None => rounds,
-            Some(budget) => {
-                if !positive(budget) {
-                    return Err(("epsilon_budget", "must be positive".into()));
-                }
-                let allowed = accountant.steps_within(budget, self.delta, rounds);
-                if allowed == 0 {
-                    return Err((
-                        "epsilon_budget",
-                        format!(
-                            "one round already spends ε = {:.3} at δ = {}; raise the budget or \
-                             the noise",
-                            accountant.epsilon(1, self.delta),
-                            self.delta
-                        ),
-                    ));
-                }
-                allowed
-            }
-        };
+        let rounds_allowed =
+            self.rounds_within_budget(rounds, |r| accountant.epsilon(r, self.delta))?;
         Ok(Privacy {
             plan: *self,
             sampling,
@@ -436,6 +417,32 @@ impl DifferentialPrivacy {
             distributed,
             blt: None,
         })
+    }
+
+    /// The rounds, of the plan's `rounds`, whose ε (`spent` after that many, growing with
+    /// them) stays within the plan's `epsilon_budget`: all of them without one, and refused by
+    /// name when not even one round fits.
+    fn rounds_within_budget(
+        &self,
+        rounds: u32,
+        spent: impl Fn(u64) -> f64,
+    ) -> Result<u32, (&'static str, String)> {
+        let Some(budget) = self.epsilon_budget else { return Ok(rounds) };
+        if !(budget.is_finite() && budget > 0.0) {
+            return Err(("epsilon_budget", "must be positive".into()));
+        }
+        let allowed = most_within(rounds, |r| spent(u64::from(r)) <= budget);
+        if allowed == 0 {
+            return Err((
+                "epsilon_budget",
+                format!(
+                    "one round already spends ε = {:.3} at δ = {}; raise the budget or the noise",
+                    spent(1),
+                    self.delta
+                ),
+            ));
+        }
+        Ok(allowed)
     }
 
     /// [`DifferentialPrivacy::resolve`] for `mechanism: blt_ftrl`.
@@ -487,30 +494,7 @@ impl DifferentialPrivacy {
             BltPrivacy { strategy: blt::Blt::optimized(&schema), schema, cohort: sizes.selected };
         let z = self.noise_multiplier;
         let epsilon = |r: u64| blt::epsilon_of_gdp(blt.mu_after(r, z), self.delta);
-        let rounds_allowed = match self.epsilon_budget {
-            None => rounds,
-            Some(budget) if !(budget.is_finite() && budget > 0.0) => {
-                return Err(("epsilon_budget", "must be positive".into()));
-            }
-            Some(budget) => {
-                let (mut lo, mut hi) = (0u32, rounds);
-                while lo < hi {
-                    let mid = lo + (hi - lo).div_ceil(2);
-                    if epsilon(u64::from(mid)) <= budget { lo = mid } else { hi = mid - 1 }
-                }
-                if lo == 0 {
-                    return Err((
-                        "epsilon_budget",
-                        format!(
-                            "one round already spends ε = {:.3} at δ = {}; raise the budget or the noise",
-                            epsilon(1),
-                            self.delta
-                        ),
-                    ));
-                }
-                lo
-            }
-        };
+        let rounds_allowed = self.rounds_within_budget(rounds, epsilon)?;
         Ok(Privacy {
             plan: *self,
             sampling,
@@ -624,13 +608,17 @@ impl Privacy {
 
     /// Turns the mean of `n_updates` clipped updates into the round's release: the noisy sum
     /// over [`Privacy::denominator`]. Adds `N(0, (z_Δ·C)²)` per coordinate of the sum, unless
-    /// the noise is distributed (the devices added it before masking).
+    /// the noise is distributed (the devices added it before masking); with `blt_ftrl` each
+    /// draw is first correlated with the earlier rounds' through the run's `buffer` (one value
+    /// per parameter, empty before the first round), which it advances. Other runs leave
+    /// `buffer` as it is.
     pub fn noise_mean(
         &self,
         mean: &mut [f64],
         n_updates: u64,
         clip_norm: f64,
         noise: &mut Gaussian,
+        buffer: &mut Vec<f32>,
     ) {
         let denominator = self.denominator(n_updates);
         let rescale = n_updates as f64 / denominator;
@@ -643,34 +631,20 @@ impl Privacy {
             return;
         }
         let sd = self.update_noise_multiplier * clip_norm / denominator;
-        for v in mean {
-            *v += sd * noise.sample();
-        }
-    }
-
-    /// [`Privacy::noise_mean`] for `blt_ftrl`: the round's noise is this round's fresh draws
-    /// correlated with the earlier rounds' through the run's `buffer` (one value per
-    /// parameter, empty before the first round), which it advances.
-    pub fn noise_mean_correlated(
-        &self,
-        mean: &mut [f64],
-        n_updates: u64,
-        clip_norm: f64,
-        noise: &mut Gaussian,
-        buffer: &mut Vec<f32>,
-    ) {
-        let Some(b) = &self.blt else {
-            return self.noise_mean(mean, n_updates, clip_norm, noise);
-        };
-        let rescale = n_updates as f64 / self.denominator(n_updates);
-        if buffer.len() != mean.len() {
-            *buffer = vec![0.0; mean.len()];
-        }
-        let mut fresh: Vec<f64> = (0..mean.len()).map(|_| noise.sample()).collect();
-        b.strategy.step(&mut fresh, buffer);
-        let sd = self.plan.noise_multiplier * clip_norm / self.denominator(n_updates);
-        for (v, n) in mean.iter_mut().zip(fresh) {
-            *v = *v * rescale + sd * n;
+        match &self.blt {
+            None => {
+                for v in mean {
+                    *v += sd * noise.sample();
+                }
+            }
+            Some(b) => {
+                if buffer.len() != mean.len() {
+                    *buffer = vec![0.0; mean.len()];
+                }
+                for (v, a) in mean.iter_mut().zip(buffer.iter_mut()) {
+                    *v += sd * b.strategy.step(noise.sample(), a);
+                }
+            }
         }
     }
 
@@ -813,17 +787,19 @@ impl RdpAccountant {
 
     /// The most steps, up to `max`, whose ε stays within `budget` (ε grows with steps).
     pub fn steps_within(&self, budget: f64, delta: f64, max: u32) -> u32 {
-        let (mut lo, mut hi) = (0u32, max);
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if self.epsilon(u64::from(mid), delta) <= budget {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        lo
+        most_within(max, |steps| self.epsilon(u64::from(steps), delta) <= budget)
     }
+}
+
+/// The largest `n` in `0..=max` with `within(n)`, for a `within` that holds up to some `n` and
+/// not after (0 when it holds for none above 0): bisection.
+fn most_within(max: u32, within: impl Fn(u32) -> bool) -> u32 {
+    let (mut lo, mut hi) = (0u32, max);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if within(mid) { lo = mid } else { hi = mid - 1 }
+    }
+    lo
 }
 
 /// The smallest noise multiplier (to 0.1 %) whose mechanism, sampling at rate `q` by

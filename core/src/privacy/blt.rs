@@ -177,15 +177,13 @@ impl Blt {
         self.sensitivity(schema) / z
     }
 
-    /// One round's noise per unit of σ, from this round's fresh draws `fresh` (i.i.d. N(0, 1)),
-    /// advancing the model-sized `buffer` (zeros before the first round): `n = z − ω·a`, then
-    /// `a ← λ·a + n`. Returns the noise in `fresh`.
-    pub fn step(&self, fresh: &mut [f64], buffer: &mut [f32]) {
-        for (z, a) in fresh.iter_mut().zip(buffer.iter_mut()) {
-            let noise = *z - self.omega * f64::from(*a);
-            *a = (self.lambda * f64::from(*a) + noise) as f32;
-            *z = noise;
-        }
+    /// One coordinate of a round's noise per unit of σ, from its fresh draw `z` (N(0, 1)),
+    /// advancing that coordinate's `buffer` (zero before the first round): `n = z − ω·a`, then
+    /// `a ← λ·a + n`.
+    pub fn step(&self, z: f64, buffer: &mut f32) -> f64 {
+        let noise = z - self.omega * f64::from(*buffer);
+        *buffer = (self.lambda * f64::from(*buffer) + noise) as f32;
+        noise
     }
 }
 
@@ -304,11 +302,10 @@ mod tests {
             assert!((product - if t == 0 { 1.0 } else { 0.0 }).abs() < 1e-12, "{t}: {product}");
         }
         // The buffered recurrence applied to unit impulses gives C⁻¹'s coefficients.
-        let mut buffer = [0f32];
+        let mut buffer = 0f32;
         for (t, want) in inv.iter().enumerate() {
-            let mut fresh = [if t == 0 { 1.0 } else { 0.0 }];
-            blt.step(&mut fresh, &mut buffer);
-            assert!((fresh[0] - want).abs() < 1e-6, "{t}: {} vs {want}", fresh[0]);
+            let noise = blt.step(if t == 0 { 1.0 } else { 0.0 }, &mut buffer);
+            assert!((noise - want).abs() < 1e-6, "{t}: {noise} vs {want}");
         }
     }
 

@@ -239,9 +239,9 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     // with C = 2, z = 1.5 has standard deviation 1.5·2/4.
     let p = dp(1.5).resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
     let mut a = vec![0.0; 100_000];
-    p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]));
+    p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]);
     let mut b = vec![0.0; 100_000];
-    p.noise_mean(&mut b, 4, 2.0, &mut Gaussian::new([3; 32]));
+    p.noise_mean(&mut b, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]);
     assert_eq!(a, b);
     let sd = (a.iter().map(|x| x * x).sum::<f64>() / a.len() as f64).sqrt();
     assert!((sd - 0.75).abs() < 0.01, "{sd}");
@@ -334,15 +334,15 @@ fn a_poisson_round_divides_by_its_expected_cohort() {
     let tiny = DifferentialPrivacy { noise_multiplier: 1e-9, ..dp(1.0) };
     let quiet = tiny.resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
     let mut mean = vec![0.5; 4];
-    quiet.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]));
+    quiet.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]);
     assert!(mean.iter().all(|v| (v - 0.6).abs() < 1e-6), "{mean:?}");
     let mut noise_only = vec![0.0; 100_000];
-    poisson.noise_mean(&mut noise_only, 12, 1.0, &mut Gaussian::new([2; 32]));
+    poisson.noise_mean(&mut noise_only, 12, 1.0, &mut Gaussian::new([2; 32]), &mut vec![]);
     let sd = (noise_only.iter().map(|x| x * x).sum::<f64>() / noise_only.len() as f64).sqrt();
     assert!((sd - 0.1).abs() < 0.002, "noise of a sum over the expected ten: {sd}");
     let fixed = tiny.resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
     let mut mean = vec![0.5; 4];
-    fixed.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]));
+    fixed.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]);
     assert!(mean.iter().all(|v| (v - 0.5).abs() < 1e-6), "{mean:?}");
 }
 

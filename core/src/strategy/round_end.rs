@@ -72,11 +72,7 @@ impl Strategy {
         if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
             let mut noise = Gaussian::new(noise_seed());
             let (mean, n) = (&mut aggregate.mean_delta, aggregate.n_updates);
-            if privacy.blt.is_some() {
-                privacy.noise_mean_correlated(mean, n, clip, &mut noise, &mut noise_buffer);
-            } else {
-                privacy.noise_mean(mean, n, clip, &mut noise);
-            }
+            privacy.noise_mean(mean, n, clip, &mut noise, &mut noise_buffer);
             let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
             clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
             released = privacy.release_metrics(&aggregate.metrics, n, &mut noise);
