@@ -8,7 +8,7 @@ use chacha20::cipher::StreamCipher;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::channel::{Accusation, ChannelSecret, open, seal};
-use super::graph::neighbours as graph_neighbours;
+use super::graph::neighbours_of;
 use super::identity::{
     DeviceIdentity, advert_is_signed, advert_message, certificate_is_valid, survivors_message,
     verify,
@@ -300,9 +300,8 @@ impl Client {
         if neighbours.keys.iter().any(|(&j, keys)| roster.identity(j) != Some(&keys.identity)) {
             return refuse("a neighbour's identity is not the roster's");
         }
-        let mut graph = graph_neighbours(roster, self.config.k, &self.config.session);
-        let mine = graph.remove(&self.me).unwrap_or_default();
-        if !mine.iter().copied().eq(neighbours.keys.keys().copied()) {
+        let mine = neighbours_of(roster, self.config.k, &self.config.session, self.me);
+        if !mine.is_some_and(|mine| mine.iter().eq(neighbours.keys.keys())) {
             return refuse("the neighbours are not the ones the public graph gives this client");
         }
         Ok(())

@@ -59,6 +59,26 @@ fn ring_position(session: &[u8; 16], identity: &[u8; 32]) -> [u8; 32] {
     h.finalize().into()
 }
 
+/// The members in ring order: by [`ring_position`].
+fn ring(roster: &Roster, session: &[u8; 16]) -> Vec<ClientIdx> {
+    let mut ring: Vec<([u8; 32], ClientIdx)> =
+        roster.iter().map(|(i, id)| (ring_position(session, id), i)).collect();
+    ring.sort_unstable();
+    ring.into_iter().map(|(_, i)| i).collect()
+}
+
+/// The neighbours of the member at `pos` of `ring` in a Harary graph of degree `k`: its `k/2`
+/// successors and predecessors; everyone else when `k ≥ |ring| − 1`.
+fn around(ring: &[ClientIdx], pos: usize, k: u32) -> BTreeSet<ClientIdx> {
+    let n = ring.len();
+    if k as usize + 1 >= n {
+        return ring.iter().copied().filter(|&o| o != ring[pos]).collect();
+    }
+    (1..=(k as usize).div_ceil(2))
+        .flat_map(|d| [ring[(pos + d) % n], ring[(pos + n - d) % n]])
+        .collect()
+}
+
 /// Each member's neighbours: a Harary graph of degree `k` on the ring ordered by
 /// [`ring_position`] (each member joined to its `k/2` successors and predecessors); everyone
 /// else when `k ≥ |members| − 1`.
@@ -67,23 +87,19 @@ pub fn neighbours(
     k: u32,
     session: &[u8; 16],
 ) -> BTreeMap<ClientIdx, BTreeSet<ClientIdx>> {
-    let mut ring: Vec<([u8; 32], ClientIdx)> =
-        roster.iter().map(|(i, id)| (ring_position(session, id), i)).collect();
-    ring.sort_unstable();
-    let ring: Vec<ClientIdx> = ring.into_iter().map(|(_, i)| i).collect();
-    let n = ring.len();
-    let half = (k as usize).div_ceil(2);
-    let mut out: BTreeMap<ClientIdx, BTreeSet<ClientIdx>> = BTreeMap::new();
-    for (pos, &me) in ring.iter().enumerate() {
-        let set = out.entry(me).or_default();
-        if k as usize + 1 >= n {
-            set.extend(ring.iter().copied().filter(|&o| o != me));
-            continue;
-        }
-        for d in 1..=half {
-            set.insert(ring[(pos + d) % n]);
-            set.insert(ring[(pos + n - d) % n]);
-        }
-    }
-    out
+    let ring = ring(roster, session);
+    ring.iter().enumerate().map(|(pos, &me)| (me, around(&ring, pos, k))).collect()
+}
+
+/// The neighbours of `me` alone in [`neighbours`]' graph (what a device checks its own
+/// neighbourhood against, without building everyone's); `None` when `me` is not on the roster.
+pub fn neighbours_of(
+    roster: &Roster,
+    k: u32,
+    session: &[u8; 16],
+    me: ClientIdx,
+) -> Option<BTreeSet<ClientIdx>> {
+    let ring = ring(roster, session);
+    let pos = ring.iter().position(|&i| i == me)?;
+    Some(around(&ring, pos, k))
 }

@@ -188,10 +188,14 @@ fn no_dropout_sums_exactly_and_the_graph_is_regular() {
     assert_eq!(survivors.len(), 30);
     assert_eq!(sum, plain_sum(&inputs, &survivors, 64));
     let graph = graph_of(&config, 3);
+    let roster = Roster::new((1..=30).map(|i| (i, identity(3, i).public())));
     for (i, ns) in &graph {
         assert_eq!(ns.len(), config.k as usize);
         assert!(ns.iter().all(|j| graph[j].contains(i)), "symmetric");
+        let own = graph::neighbours_of(&roster, config.k, &config.session, *i);
+        assert_eq!(own.as_ref(), Some(ns), "a device's own view of the graph");
     }
+    assert_eq!(graph::neighbours_of(&roster, config.k, &config.session, 31), None);
 }
 
 #[test]
