@@ -48,7 +48,7 @@ pub use channel::{Accusation, ChannelProof};
 pub use client::Client;
 pub use graph::{Roster, neighbours};
 pub use identity::{
-    DeviceIdentity, EnrolmentAuthority, Signature, certificate_is_valid, parse_public_key,
+    DeviceIdentity, EnrolmentAuthority, Signature, certificate_is_valid, key_hex, parse_public_key,
 };
 pub use messages::{
     AdvertiseKeys, ConsistencyRequest, MaskRequest, NeighbourKeys, SealedShares, UnmaskRequest,

@@ -519,7 +519,7 @@ impl StarlingDevice {
         let key = participant.identity_key();
         *lock(&self.state) = participant.state().clone();
         self.save_state()?;
-        Ok(key.iter().map(|b| format!("{b:02x}")).collect())
+        Ok(secagg::key_hex(&key))
     }
 
     /// Pins the operator's enrolment authority, `authority` (its public key in hex, shipped
@@ -533,16 +533,9 @@ impl StarlingDevice {
         authority: String,
         certificate: Option<String>,
     ) -> Result<(), StarlingError> {
-        let enrolment = starling_core::participation::Enrolment {
-            authority: Some(
-                secagg::parse_public_key(&authority)
-                    .map_err(|why| invalid(format!("authority: {why}")))?,
-            ),
-            certificate: certificate
-                .map(|c| secagg::Signature::from_hex(&c))
-                .transpose()
-                .map_err(|why| invalid(format!("certificate: {why}")))?,
-        };
+        let enrolment =
+            starling_core::participation::Enrolment::from_hex(&authority, certificate.as_deref())
+                .map_err(invalid)?;
         let mut participant =
             self.participant(Examples::new(self.input()), Examples::new(self.input()))?;
         participant.set_enrolment(enrolment).map_err(|e| invalid(e.to_string()))?;

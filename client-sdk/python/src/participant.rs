@@ -158,7 +158,7 @@ impl Participant {
         let key = participant.identity_key();
         *state = participant.state().clone();
         self.save(&state)?;
-        Ok(hex_of(&key))
+        Ok(secagg::key_hex(&key))
     }
 
     /// Pins the operator's enrolment `authority` (its public key in hex, shipped with the
@@ -173,16 +173,8 @@ impl Participant {
         authority: &str,
         certificate: Option<&str>,
     ) -> PyResult<()> {
-        let enrolment = Enrolment {
-            authority: Some(
-                secagg::parse_public_key(authority)
-                    .map_err(|why| InvalidInput::new_err(format!("authority: {why}")))?,
-            ),
-            certificate: certificate
-                .map(secagg::Signature::from_hex)
-                .transpose()
-                .map_err(|why| InvalidInput::new_err(format!("certificate: {why}")))?,
-        };
+        let enrolment =
+            Enrolment::from_hex(authority, certificate).map_err(InvalidInput::new_err)?;
         let mut state = self.lock();
         let mut participant =
             self.participant(PyTrainer::new(py.None(), None))?.restore(state.clone());
@@ -247,11 +239,6 @@ impl Participant {
             state.device_id.map(|d| d.0)
         )
     }
-}
-
-/// Bytes as lowercase hex.
-pub(crate) fn hex_of(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Participant {

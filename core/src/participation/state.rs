@@ -63,6 +63,22 @@ pub struct Enrolment {
 }
 
 impl Enrolment {
+    /// The enrolment an app configures as text: the authority's public key (64 hex digits) and
+    /// this device's certificate from it, if it has one yet (128 hex digits). The message names
+    /// the one that does not read.
+    pub fn from_hex(authority: &str, certificate: Option<&str>) -> Result<Self, String> {
+        use crate::secagg::{Signature, parse_public_key};
+        Ok(Enrolment {
+            authority: Some(
+                parse_public_key(authority).map_err(|why| format!("authority: {why}"))?,
+            ),
+            certificate: certificate
+                .map(Signature::from_hex)
+                .transpose()
+                .map_err(|why| format!("certificate: {why}"))?,
+        })
+    }
+
     fn is_unset(&self) -> bool {
         *self == Enrolment::default()
     }

@@ -91,9 +91,7 @@ impl EnrolmentAuthority {
     /// The authority whose secret is written as 64 hex digits (as `starling enrolment
     /// new-authority` stores it).
     pub fn from_secret_hex(text: &str) -> Result<Self, String> {
-        hex::decode(text.trim())
-            .ok()
-            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+        hex_bytes(text)
             .map(EnrolmentAuthority::from_secret)
             .ok_or_else(|| "not an enrolment authority's secret (64 hex digits)".to_owned())
     }
@@ -105,7 +103,7 @@ impl EnrolmentAuthority {
 
     /// The public key as 64 hex digits.
     pub fn public_hex(&self) -> String {
-        hex::encode(self.public())
+        key_hex(&self.public())
     }
 
     /// The certificate of the device identity key `identity`.
@@ -122,13 +120,22 @@ fn certificate_message(identity: &[u8; 32]) -> Vec<u8> {
     m
 }
 
+/// `N` bytes written as `2N` hex digits, surrounding whitespace ignored.
+fn hex_bytes<const N: usize>(text: &str) -> Option<[u8; N]> {
+    hex::decode(text.trim()).ok()?.try_into().ok()
+}
+
+/// A public key (a device's identity key, an authority's) as the 64 hex digits
+/// [`parse_public_key`] reads.
+pub fn key_hex(key: &[u8; 32]) -> String {
+    hex::encode(key)
+}
+
 /// An Ed25519 public key written as 64 hex digits (an enrolment authority's, as an operator
 /// configures it), checked to be a key.
 pub fn parse_public_key(text: &str) -> Result<[u8; 32], String> {
-    let bytes: [u8; 32] = hex::decode(text.trim())
-        .ok()
-        .and_then(|b| b.try_into().ok())
-        .ok_or_else(|| format!("{:?} is not 64 hex digits", text.trim()))?;
+    let bytes: [u8; 32] =
+        hex_bytes(text).ok_or_else(|| format!("{:?} is not 64 hex digits", text.trim()))?;
     VerifyingKey::from_bytes(&bytes).map_err(|_| "not an Ed25519 public key".to_owned())?;
     Ok(bytes)
 }
@@ -168,9 +175,7 @@ impl Signature {
     /// Reads 128 hex digits (an enrolment certificate, as `starling enrolment certify` prints
     /// it).
     pub fn from_hex(text: &str) -> Result<Self, String> {
-        hex::decode(text.trim())
-            .ok()
-            .and_then(|b| <[u8; 64]>::try_from(b).ok())
+        hex_bytes(text)
             .map(|b| Signature::from_bytes(&b))
             .ok_or_else(|| format!("{:?} is not 128 hex digits", text.trim()))
     }

@@ -819,8 +819,7 @@ async fn the_command_line_makes_an_enrolment_authority_and_certifies_identity_ke
             key,
         ])
     };
-    let identity_hex: String = identity.iter().map(|b| format!("{b:02x}")).collect();
-    let printed = stdout(&certify(identity_hex).await.unwrap());
+    let printed = stdout(&certify(secagg::key_hex(&identity)).await.unwrap());
     let certificate = secagg::Signature::from_hex(&printed).unwrap();
     assert!(secagg::certificate_is_valid(&authority, &identity, &certificate));
     let other = secagg::DeviceIdentity::from_secret([6; 32]).public();
