@@ -6,14 +6,19 @@
 //! two label-sorted shards each, 10 per round, E = 1, B = 10, local SGD at lr 0.1. DP-FedAvg
 //! needs many devices per round to drown its noise, so the privacy experiment spreads the same
 //! data over 1 000 clients and takes 100 per round (the same q = 0.1); DP-FTRL with BLT noise
-//! runs there too, at the same ε, under the rule "once every 10 rounds".
+//! runs there too, at the same ε, under the rule "once every 10 rounds". With `--dataset
+//! shakespeare` the privacy experiment runs instead on Shakespeare's 1 000 largest roles (one
+//! device per role, 100 a round) training the default next-character LSTM (64 units over an
+//! 8-dimensional embedding, 100 windows of 80 characters per role, E = 1, B = 10, lr 1),
+//! scored on 2 000 held-out windows of the 64 largest roles.
 //!
 //! A case that has not finished after 10 s per round (20 with DP, whose rounds wait out their
 //! selection window; plus a minute) is stopped and reported
 //! with the rounds it committed (`done` < rounds): a run whose rounds keep failing never ends.
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
-//! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only TEXT] [--partition iid]` (default:
+//! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only TEXT] [--partition iid]
+//! [--dataset shakespeare]` (default:
 //! every experiment, 100 rounds each, on `shards:2`; `--only` keeps the cases whose name contains
 //! TEXT; the dev profile optimizes burn and every other dependency, and spares the
 //! release build of burn that takes 20 minutes here). Every configuration prints one row:
@@ -28,7 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use starling_client::data::{Dataset, Partition};
 use starling_client::simulate::{
-    Attack, ModelKind, Pacing, Poisoning, SimulationConfig, Slowdown, simulate,
+    Attack, ModelKind, Pacing, Poisoning, Scoring, SimulationConfig, Slowdown, simulate,
 };
 use starling_core::compression::Compression;
 use starling_core::plan::{AsynchronousPlan, SelectionPolicy};
@@ -48,6 +53,10 @@ const CLIP_NORM: f64 = 1.0;
 /// The 2NN's parameters (784·200 + 200 + 200·200 + 200 + 200·10 + 10), which size the
 /// distributed noise's rotation.
 const MNIST_2NN_PARAMS: usize = 199_210;
+/// Windows of 80 characters per role of the Shakespeare privacy experiment.
+const SHAKESPEARE_WINDOWS: usize = 100;
+/// Held-out windows each Shakespeare model is scored on.
+const SHAKESPEARE_SCORED: usize = 2_000;
 /// The survivors a secure round's distributed noise counts on (the rounds' quorum).
 const DP_MIN_SURVIVORS: u32 = 80;
 
@@ -99,9 +108,21 @@ fn main() -> anyhow::Result<()> {
     let partition: Partition = flag(&args, "--partition")
         .map_or(Ok(Partition::Shards(2)), |p| p.parse())
         .map_err(anyhow::Error::msg)?;
+    let dataset = match flag(&args, "--dataset").as_deref() {
+        None | Some("mnist") => Dataset::Mnist,
+        Some("shakespeare") => Dataset::Shakespeare,
+        Some(other) => anyhow::bail!("--dataset is mnist or shakespeare, not {other}"),
+    };
     let named: Vec<&str> =
         EXPERIMENTS.into_iter().filter(|e| args.iter().any(|a| a == e)).collect();
-    let experiments = if named.is_empty() { EXPERIMENTS.to_vec() } else { named };
+    let experiments = match (dataset, named.is_empty()) {
+        (Dataset::Shakespeare, _) if named.iter().any(|&e| e != "privacy") => {
+            anyhow::bail!("--dataset shakespeare runs the privacy experiment only")
+        }
+        (Dataset::Shakespeare, _) => vec!["privacy"],
+        (_, true) => EXPERIMENTS.to_vec(),
+        (_, false) => named,
+    };
     let cases: Vec<Case> = experiments
         .iter()
         .flat_map(|e| cases(e, rounds))
@@ -109,7 +130,12 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let out = std::env::var_os("STARLING_BENCH_OUT");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    println!("MNIST 2NN, {partition:?}, E=1, B=10, lr 0.1, {rounds} rounds");
+    match dataset {
+        Dataset::Shakespeare => println!(
+            "Shakespeare LSTM 1×64, {SHAKESPEARE_WINDOWS} windows a role, E=1, B=10, lr 1, {rounds} rounds"
+        ),
+        _ => println!("MNIST 2NN, {partition:?}, E=1, B=10, lr 0.1, {rounds} rounds"),
+    }
     println!(
         "{:<11} {:<34} {:>9} {:>5} {:>6} {:>6} {:>8} {:>7} {:>7} {:>8} {:>8}",
         "experiment",
@@ -127,7 +153,7 @@ fn main() -> anyhow::Result<()> {
     for case in cases {
         let started = Instant::now();
         let Measured { curve, seconds, finished } = runtime
-            .block_on(run(&case, partition, rounds))
+            .block_on(run(&case, dataset, partition, rounds))
             .with_context(|| format!("{} {}", case.experiment, case.name))?;
         let secs_per_round = started.elapsed().as_secs_f64() / curve.len().max(1) as f64;
         let reached = |target: f64| {
@@ -424,17 +450,32 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
 
 /// Runs one case: its test accuracy after each committed round, until the run ends or its time
 /// budget runs out.
-async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<Measured> {
+async fn run(
+    case: &Case,
+    dataset: Dataset,
+    partition: Partition,
+    rounds: u32,
+) -> anyhow::Result<Measured> {
     let (_dir, db) = sqlite_db();
     // A simulated fleet checks in far more often than a real one: no per-device rate limit.
     let limits =
         starling_coordinator::http::Limits { device: None, ip: None, ..Default::default() };
     let c = start_in_process_with(&db, limits).await?;
+    let shakespeare = dataset == Dataset::Shakespeare;
     let config = SimulationConfig {
-        dataset: Dataset::Mnist,
+        dataset,
         model: ModelKind::Mlp,
         partition,
-        training: serde_json::json!({"epochs": 1, "batch_size": 10, "lr": 0.1}),
+        training: serde_json::json!({"epochs": 1, "batch_size": 10,
+            "lr": if shakespeare { 1.0 } else { 0.1 }}),
+        shakespeare: starling_client::data::ShakespeareScale {
+            windows_per_role: SHAKESPEARE_WINDOWS,
+            ..Default::default()
+        },
+        scoring: Scoring {
+            examples: shakespeare.then_some(SHAKESPEARE_SCORED),
+            ..Default::default()
+        },
         holdout: 0.0,
         strategy: case.strategy.clone(),
         poisoning: case.poisoning,
@@ -448,14 +489,17 @@ async fn run(case: &Case, partition: Partition, rounds: u32) -> anyhow::Result<M
             over_selection: case.over_selection,
             min_quorum: Some(case.cohort * 8 / 10),
             selection_timeout_secs: 10.0,
-            reporting_timeout_secs: 30.0,
+            reporting_timeout_secs: if shakespeare { 600.0 } else { 30.0 },
         },
         ..digits_simulation(&c.url, case.clients, case.cohort, rounds, 1)
     };
     let curve = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
     let seen = curve.clone();
     // A DP round waits out its whole selection window before it draws.
-    let per_round = if case.secure {
+    let per_round = if shakespeare {
+        // A hundred LSTM devices share the two cores.
+        300
+    } else if case.secure {
         40
     } else if case.name.starts_with("dp ") {
         20
