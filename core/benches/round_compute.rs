@@ -1,6 +1,7 @@
 //! The coordinator's own compute in one round of a 1M-parameter model, step by step: folding
 //! each upload encoding into the accumulator (one at a time, and a cohort's worth together),
-//! the mean, the server step, encoding and hashing the new model, and its download encodings.
+//! the mean, central DP noise (exact, beside a float Box–Muller sampler as the anchor), the
+//! server step, encoding and hashing the new model, and its download encodings.
 //! These are the round's fixed costs: they do not shrink with the upload encoding, so they
 //! bound how much faster a compressed round can get. `cargo bench -p starling-core --bench
 //! round_compute` (release); `-- N` sets the parameter count (default 1 000 000).
@@ -103,6 +104,39 @@ fn main() {
     });
     println!("mean (finish)                 {:>6.2}", ms(finish));
     let mean = aggregate().finish().expect("a mean");
+    let exact = median(|| {
+        let mut noise = starling_core::privacy::Gaussian::new([7; 32]);
+        let mut values = mean.mean_delta.clone();
+        let started = Instant::now();
+        for v in &mut values {
+            *v = noise.noised(*v, 1e-3).expect("in range");
+        }
+        let elapsed = started.elapsed();
+        black_box(values);
+        elapsed
+    });
+    // The anchor: what a float sampler (Box–Muller on 53-bit uniforms) costs.
+    let float = median(|| {
+        let mut rng = SplitMix64(7);
+        let mut unit = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+        let mut values = mean.mean_delta.clone();
+        let started = Instant::now();
+        for pair in values.chunks_mut(2) {
+            let (r, theta) = ((-2.0 * unit().ln()).sqrt(), std::f64::consts::TAU * unit());
+            pair[0] += 1e-3 * r * theta.cos();
+            if let Some(second) = pair.get_mut(1) {
+                *second += 1e-3 * r * theta.sin();
+            }
+        }
+        let elapsed = started.elapsed();
+        black_box(values);
+        elapsed
+    });
+    println!(
+        "central DP noise, exact       {:>6.2}   (float Box–Muller {:.2})",
+        ms(exact),
+        ms(float)
+    );
     for optimizer in [
         r#"{"kind": "fed_avg"}"#,
         r#"{"kind": "fed_avg_m", "lr": 0.3}"#,

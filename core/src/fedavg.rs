@@ -291,6 +291,10 @@ pub enum AggregateError {
         /// The bound it left.
         bound: f64,
     },
+    /// The round's DP noise could not be added exactly (a standard deviation or value out of
+    /// the exact sampler's range): every later round would fail the same way.
+    #[error("differential privacy noise: {0}")]
+    Noise(String),
     /// Computing the round's end failed outright (a panic in aggregation, the strategy or the
     /// privacy mechanism): the run is stopped with this reason rather than retried.
     #[error("closing the round failed: {0}")]

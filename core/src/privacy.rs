@@ -53,7 +53,6 @@
 //! un-noised sum. Adaptive clipping needs each device's clip bit in the clear and is refused
 //! with SecAgg.
 
-use chacha20::cipher::{KeyIvInit, StreamCipher};
 use serde::{Deserialize, Serialize};
 
 /// The plan's `strategy.differential_privacy`.
@@ -611,7 +610,8 @@ impl Privacy {
     /// the noise is distributed (the devices added it before masking); with `blt_ftrl` each
     /// draw is first correlated with the earlier rounds' through the run's `buffer` (one value
     /// per parameter, empty before the first round), which it advances. Other runs leave
-    /// `buffer` as it is.
+    /// `buffer` as it is. Independent noise is added by [`Gaussian::noised`] (exactly
+    /// rounded); BLT's correlated noise combines its exact draws in floating point.
     pub fn noise_mean(
         &self,
         mean: &mut [f64],
@@ -619,7 +619,7 @@ impl Privacy {
         clip_norm: f64,
         noise: &mut Gaussian,
         buffer: &mut Vec<f32>,
-    ) {
+    ) -> Result<(), exact_normal::NoiseError> {
         let denominator = self.denominator(n_updates);
         let rescale = n_updates as f64 / denominator;
         if rescale != 1.0 {
@@ -628,13 +628,13 @@ impl Privacy {
             }
         }
         if self.distributed.is_some() {
-            return;
+            return Ok(());
         }
         let sd = self.update_noise_multiplier * clip_norm / denominator;
         match &self.blt {
             None => {
                 for v in mean {
-                    *v += sd * noise.sample();
+                    *v = noise.noised(*v, sd)?;
                 }
             }
             Some(b) => {
@@ -646,6 +646,7 @@ impl Privacy {
                 }
             }
         }
+        Ok(())
     }
 
     /// What the round releases beside its model: with `metrics: noised`, the block sums
@@ -656,7 +657,7 @@ impl Privacy {
         means: &std::collections::BTreeMap<String, f64>,
         n_updates: u64,
         noise: &mut Gaussian,
-    ) -> metrics::Released {
+    ) -> Result<metrics::Released, exact_normal::NoiseError> {
         match (self.plan.metrics.noised(), self.metrics_stddev) {
             (Some(settings), Some(stddev)) => metrics::release(
                 means,
@@ -666,7 +667,7 @@ impl Privacy {
                 stddev,
                 noise,
             ),
-            _ => metrics::Released::default(),
+            _ => Ok(metrics::Released::default()),
         }
     }
 
@@ -685,13 +686,13 @@ impl Privacy {
         within: u64,
         n_updates: u64,
         noise: &mut Gaussian,
-    ) -> f64 {
+    ) -> Result<f64, exact_normal::NoiseError> {
         let (Some(a), Some(sigma_b)) = (self.plan.adaptive_clipping, self.count_stddev) else {
-            return clip_norm;
+            return Ok(clip_norm);
         };
         let centred = within as f64 - n_updates as f64 / 2.0;
-        let share = (centred + sigma_b * noise.sample()) / self.denominator(n_updates) + 0.5;
-        (clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9)
+        let share = noise.noised(centred, sigma_b)? / self.denominator(n_updates) + 0.5;
+        Ok((clip_norm * (-a.learning_rate * (share - a.target_quantile)).exp()).clamp(1e-9, 1e9))
     }
 }
 
@@ -711,35 +712,29 @@ impl Spent {
     }
 }
 
-/// Standard normal draws from the ChaCha20 keystream under a 32-byte seed (the coordinator
-/// seeds it from the OS generator each round; tests seed it by hand), by Box–Muller.
+/// The central noise: exact normal draws ([`exact_normal`]) from the ChaCha20 keystream under
+/// a 32-byte seed (the coordinator seeds it from the OS generator each round; tests seed it by
+/// hand), each release rounded exactly to a grid below its standard deviation.
 pub struct Gaussian {
-    stream: chacha20::ChaCha20,
-    spare: Option<f64>,
+    bits: distributed::NoiseSource,
+    sampler: exact_normal::ExactNormal,
 }
 
 impl Gaussian {
     /// A stream under `seed`.
     pub fn new(seed: [u8; 32]) -> Self {
-        Gaussian { stream: chacha20::ChaCha20::new(&seed.into(), &[0u8; 12].into()), spare: None }
+        Gaussian { bits: distributed::NoiseSource::new(seed), sampler: Default::default() }
     }
 
-    /// A uniform draw from (0, 1].
-    fn unit(&mut self) -> f64 {
-        let mut b = [0u8; 8];
-        self.stream.apply_keystream(&mut b);
-        ((u64::from_le_bytes(b) >> 11) + 1) as f64 / (1u64 << 53) as f64
+    /// `value + stddev·Z` for an exact `Z ~ N(0, 1)`, rounded exactly to the power of two at or
+    /// below `stddev·2⁻²⁰`: a function of the ideal Gaussian mechanism's output.
+    pub fn noised(&mut self, value: f64, stddev: f64) -> Result<f64, exact_normal::NoiseError> {
+        self.sampler.noised(value, stddev, &mut self.bits)
     }
 
-    /// One draw from N(0, 1).
+    /// One draw from N(0, 1), on the grid of 2⁻²⁰ (the correlated noise's innovations).
     pub fn sample(&mut self) -> f64 {
-        if let Some(z) = self.spare.take() {
-            return z;
-        }
-        let r = (-2.0 * self.unit().ln()).sqrt();
-        let theta = 2.0 * std::f64::consts::PI * self.unit();
-        self.spare = Some(r * theta.sin());
-        r * theta.cos()
+        self.noised(0.0, 1.0).expect("a unit normal is always in range")
     }
 }
 
@@ -1046,6 +1041,7 @@ fn log_erfc(x: f64) -> f64 {
 
 pub mod blt;
 pub mod distributed;
+pub mod exact_normal;
 pub mod metrics;
 pub mod pld;
 

@@ -115,8 +115,9 @@ impl CloseTask {
                     tracing::error!(%run_id, round = %round_idx, error = %e, "aggregate rejected");
                     // Stored as what happened, not as the commit the machine asked for. A close
                     // that broke outright would break the same way every round: the run stops.
-                    let stop_run = matches!(e, AggregateError::Broken(_))
-                        .then(|| format!("round {round_idx}: {e}"));
+                    let stop_run =
+                        matches!(e, AggregateError::Broken(_) | AggregateError::Noise(_))
+                            .then(|| format!("round {round_idx}: {e}"));
                     // A model pushed out of bounds is traced to the updates that did it, when
                     // the round's updates are stored one by one (not masked, not partials).
                     let traceable = matches!(

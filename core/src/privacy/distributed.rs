@@ -366,7 +366,7 @@ impl NoiseSource {
         }
     }
 
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         if self.next == self.buffer.len() {
             let mut bytes = [0u8; 512];
             self.stream.apply_keystream(&mut bytes);
@@ -390,7 +390,7 @@ impl NoiseSource {
     }
 
     /// Uniform in 0..n (rejection, no modulo bias).
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         let zone = u64::MAX - u64::MAX % n;
         loop {
             let v = self.next_u64();

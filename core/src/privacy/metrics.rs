@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::Gaussian;
+use super::exact_normal::NoiseError;
 
 /// Values one device contributes to the metrics block.
 pub const ENTRIES: usize = 4;
@@ -147,12 +148,13 @@ pub fn release(
     settings: &NoisedMetrics,
     stddev: f64,
     noise: &mut Gaussian,
-) -> Released {
+) -> Result<Released, NoiseError> {
     let n = n_updates as f64;
-    let mut noisy = |name: &str| means.get(name).map(|mean| mean * n + stddev * noise.sample());
+    let mut noisy =
+        |name: &str| means.get(name).map(|mean| noise.noised(mean * n, stddev)).transpose();
     let bound = settings.loss_bound;
-    let train_loss = noisy(TRAIN_LOSS);
-    let (evaluated, accuracy, eval_loss) = (noisy(EVALUATED), noisy(ACCURACY), noisy(EVAL_LOSS));
+    let train_loss = noisy(TRAIN_LOSS)?;
+    let (evaluated, accuracy, eval_loss) = (noisy(EVALUATED)?, noisy(ACCURACY)?, noisy(EVAL_LOSS)?);
     let mut released = Released::default();
     if let Some(sum) = train_loss {
         let loss = (bound * sum / denominator.max(1.0)).clamp(0.0, bound);
@@ -171,7 +173,7 @@ pub fn release(
             .into(),
         });
     }
-    released
+    Ok(released)
 }
 
 #[cfg(test)]
@@ -233,7 +235,7 @@ mod tests {
         let draws = 20_000;
         let (mut loss, mut loss2, mut acc, mut devices) = (0.0, 0.0, 0.0, 0.0);
         for _ in 0..draws {
-            let r = release(&means, n, n as f64, &settings(), stddev, &mut noise);
+            let r = release(&means, n, n as f64, &settings(), stddev, &mut noise).unwrap();
             let l = r.metrics["loss"];
             loss += l;
             loss2 += l * l;
@@ -257,7 +259,7 @@ mod tests {
             [(EVALUATED.to_owned(), 0.0), (ACCURACY.to_owned(), 0.0), (EVAL_LOSS.to_owned(), 0.0)]
                 .into();
         let mut noise = Gaussian::new([1; 32]);
-        let r = release(&means, 50, 50.0, &settings(), 1e-9, &mut noise);
+        let r = release(&means, 50, 50.0, &settings(), 1e-9, &mut noise).unwrap();
         assert_eq!(r, Released::default());
     }
 }

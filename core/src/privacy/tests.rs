@@ -190,7 +190,7 @@ fn noised_metrics_spend_part_of_the_noise_and_are_refused_where_they_cannot_fit(
     assert_eq!((plain.update_noise_multiplier, plain.metrics_stddev), (1.0, None));
     let mut g = Gaussian::new([3; 32]);
     let means = [(metrics::TRAIN_LOSS.to_owned(), 0.5)].into();
-    assert_eq!(plain.release_metrics(&means, 40, &mut g), metrics::Released::default());
+    assert_eq!(plain.release_metrics(&means, 40, &mut g), Ok(metrics::Released::default()));
 }
 
 #[test]
@@ -215,16 +215,16 @@ fn the_clip_norm_moves_toward_the_target_quantile() {
         .unwrap();
     let mut g = Gaussian::new([1; 32]);
     // All within: shrink by e^{-0.1}; none within: grow by e^{0.1}; at the quantile: stay.
-    assert!((p.next_clip_norm(2.0, 10, 10, &mut g) - 2.0 * (-0.1f64).exp()).abs() < 1e-9);
-    assert!((p.next_clip_norm(2.0, 0, 10, &mut g) - 2.0 * 0.1f64.exp()).abs() < 1e-9);
-    assert!((p.next_clip_norm(2.0, 5, 10, &mut g) - 2.0).abs() < 1e-9);
+    assert!((p.next_clip_norm(2.0, 10, 10, &mut g).unwrap() - 2.0 * (-0.1f64).exp()).abs() < 1e-9);
+    assert!((p.next_clip_norm(2.0, 0, 10, &mut g).unwrap() - 2.0 * 0.1f64.exp()).abs() < 1e-9);
+    assert!((p.next_clip_norm(2.0, 5, 10, &mut g).unwrap() - 2.0).abs() < 1e-9);
     // Without adaptive clipping the norm stays.
     assert_eq!(
         dp(1.0)
             .resolve(Sizes::of(10, 100), 10, Sampling::Poisson)
             .unwrap()
             .next_clip_norm(2.0, 0, 10, &mut g),
-        2.0
+        Ok(2.0)
     );
 }
 
@@ -239,12 +239,17 @@ fn the_noise_is_standard_normal_scaled_to_the_mean() {
     // with C = 2, z = 1.5 has standard deviation 1.5·2/4.
     let p = dp(1.5).resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
     let mut a = vec![0.0; 100_000];
-    p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]);
+    p.noise_mean(&mut a, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]).unwrap();
     let mut b = vec![0.0; 100_000];
-    p.noise_mean(&mut b, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]);
+    p.noise_mean(&mut b, 4, 2.0, &mut Gaussian::new([3; 32]), &mut vec![]).unwrap();
     assert_eq!(a, b);
     let sd = (a.iter().map(|x| x * x).sum::<f64>() / a.len() as f64).sqrt();
     assert!((sd - 0.75).abs() < 0.01, "{sd}");
+    // Every release lies on the exact sampler's grid (2⁻²¹ for σ = 0.75), whatever bits the
+    // mean had below it: nothing of them survives into the release.
+    let mut c: Vec<f64> = (0..1000).map(|i| f64::from(i) * 1e-9 + 2f64.powi(-60)).collect();
+    p.noise_mean(&mut c, 4, 2.0, &mut Gaussian::new([4; 32]), &mut vec![]).unwrap();
+    assert!(c.iter().all(|v| (v * 2f64.powi(21)).fract() == 0.0), "{:?}", &c[..4]);
 }
 
 #[test]
@@ -334,15 +339,15 @@ fn a_poisson_round_divides_by_its_expected_cohort() {
     let tiny = DifferentialPrivacy { noise_multiplier: 1e-9, ..dp(1.0) };
     let quiet = tiny.resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
     let mut mean = vec![0.5; 4];
-    quiet.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]);
+    quiet.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]).unwrap();
     assert!(mean.iter().all(|v| (v - 0.6).abs() < 1e-6), "{mean:?}");
     let mut noise_only = vec![0.0; 100_000];
-    poisson.noise_mean(&mut noise_only, 12, 1.0, &mut Gaussian::new([2; 32]), &mut vec![]);
+    poisson.noise_mean(&mut noise_only, 12, 1.0, &mut Gaussian::new([2; 32]), &mut vec![]).unwrap();
     let sd = (noise_only.iter().map(|x| x * x).sum::<f64>() / noise_only.len() as f64).sqrt();
     assert!((sd - 0.1).abs() < 0.002, "noise of a sum over the expected ten: {sd}");
     let fixed = tiny.resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
     let mut mean = vec![0.5; 4];
-    fixed.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]);
+    fixed.noise_mean(&mut mean, 12, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]).unwrap();
     assert!(mean.iter().all(|v| (v - 0.5).abs() < 1e-6), "{mean:?}");
 }
 
@@ -407,7 +412,7 @@ fn adaptive_clipping_releases_a_centred_count_of_sensitivity_one_half() {
     let poisson = plan.resolve(Sizes::of(10, 100), 10, Sampling::Poisson).unwrap();
     // The released share b̃, read back from the next clip norm: C' = C·exp(−η(b̃ − γ)).
     let share = |p: &Privacy, within: u64, n: u64| {
-        let next = p.next_clip_norm(1.0, within, n, &mut Gaussian::new([3; 32]));
+        let next = p.next_clip_norm(1.0, within, n, &mut Gaussian::new([3; 32])).unwrap();
         0.5 - next.ln() / 0.2
     };
     let expected = 0.01 * 1000.0;
@@ -421,4 +426,14 @@ fn adaptive_clipping_releases_a_centred_count_of_sensitivity_one_half() {
         (share(&fixed, 7, 10) - 0.7).abs() < 1e-6,
         "the fixed-size share is the fraction within"
     );
+}
+
+#[test]
+fn a_release_the_exact_sampler_cannot_round_is_an_error_not_float_noise() {
+    // z = 1e-30: a mean of 1 is 1e30 standard deviations from zero, past the exact rounding's
+    // range; the round gets an error (the coordinator stops the run with it), never float noise.
+    let p = dp(1e-30).resolve(Sizes::of(10, 100), 10, Sampling::FixedSize).unwrap();
+    let mut mean = vec![1.0; 4];
+    let err = p.noise_mean(&mut mean, 4, 1.0, &mut Gaussian::new([1; 32]), &mut vec![]);
+    assert!(matches!(err, Err(exact_normal::NoiseError::OutOfRange { .. })), "{err:?}");
 }

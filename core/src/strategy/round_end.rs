@@ -72,10 +72,13 @@ impl Strategy {
         if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
             let mut noise = Gaussian::new(noise_seed());
             let (mean, n) = (&mut aggregate.mean_delta, aggregate.n_updates);
-            privacy.noise_mean(mean, n, clip, &mut noise, &mut noise_buffer);
+            let noising =
+                |e: crate::privacy::exact_normal::NoiseError| AggregateError::Noise(e.to_string());
+            privacy.noise_mean(mean, n, clip, &mut noise, &mut noise_buffer).map_err(noising)?;
             let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
-            clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise));
-            released = privacy.release_metrics(&aggregate.metrics, n, &mut noise);
+            clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise).map_err(noising)?);
+            released =
+                privacy.release_metrics(&aggregate.metrics, n, &mut noise).map_err(noising)?;
         }
         let (values, mut next) =
             self.optimizer.step(global, &aggregate, state, server_learning_rate)?;
