@@ -294,6 +294,24 @@ mod tests {
         assert_eq!(floor_of_scaled_uniform(0, phi, 1, 0, tail(u64::MAX - (1 << 58) + 1)), 1);
     }
 
+    #[test]
+    fn the_exact_rounding_is_unbiased_where_the_first_digit_cannot_decide() {
+        // With s = 1 and f = 0 the first digit leaves ⌊fraction + u⌋ open whenever the fraction
+        // could carry it over, so most draws go through the later digits: P(1) = fraction.
+        let mut bits = NoiseSource::new([5; 32]);
+        let draws = 200_000;
+        for fraction in [0.3, 0.7 + 2f64.powi(-60), 0.123_456_789] {
+            let ones = (0..draws)
+                .filter(|_| {
+                    let mut u = LazyUniform::default();
+                    floor_of_scaled_uniform(0, fraction, 1, 0, |i| u.digit(i, &mut bits)) == 1
+                })
+                .count();
+            let (share, sd) = (ones as f64 / draws as f64, (0.25 / draws as f64).sqrt());
+            assert!((share - fraction).abs() < 5.0 * sd, "fraction {fraction}: {share}");
+        }
+    }
+
     /// Pearson's χ² of `draws` releases of `value + stddev·Z` against the normal's mass on
     /// bins of width stddev/4 over ±4 stddev (the tails pooled); the releases all lie on the
     /// grid.
