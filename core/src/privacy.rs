@@ -608,17 +608,17 @@ impl Privacy {
     /// Turns the mean of `n_updates` clipped updates into the round's release: the noisy sum
     /// over [`Privacy::denominator`]. Adds `N(0, (z_Δ·C)²)` per coordinate of the sum, unless
     /// the noise is distributed (the devices added it before masking); with `blt_ftrl` each
-    /// draw is first correlated with the earlier rounds' through the run's `buffer` (one value
-    /// per parameter, empty before the first round), which it advances. Other runs leave
-    /// `buffer` as it is. Independent noise is added by [`Gaussian::noised`] (exactly
-    /// rounded); BLT's correlated noise combines its exact draws in floating point.
+    /// mean is first encoded with the earlier rounds' (`blt::Blt::release`, the run's
+    /// `buffers`, empty before the first round, which it advances), released, and decoded.
+    /// Other runs leave `buffers` as they are. Every release is [`Gaussian::noised`]: exact
+    /// noise, exactly rounded.
     pub fn noise_mean(
         &self,
         mean: &mut [f64],
         n_updates: u64,
         clip_norm: f64,
         noise: &mut Gaussian,
-        buffer: &mut Vec<f32>,
+        buffers: &mut blt::Buffers,
     ) -> Result<(), exact_normal::NoiseError> {
         let denominator = self.denominator(n_updates);
         let rescale = n_updates as f64 / denominator;
@@ -638,11 +638,12 @@ impl Privacy {
                 }
             }
             Some(b) => {
-                if buffer.len() != mean.len() {
-                    *buffer = vec![0.0; mean.len()];
+                if buffers.inputs.len() != mean.len() {
+                    *buffers = blt::Buffers::zeros(mean.len());
                 }
-                for (v, a) in mean.iter_mut().zip(buffer.iter_mut()) {
-                    *v += sd * b.strategy.step(noise.sample(), a);
+                let cells = buffers.inputs.iter_mut().zip(buffers.releases.iter_mut());
+                for (v, (input, released)) in mean.iter_mut().zip(cells) {
+                    *v = b.strategy.release(*v, input, released, |y| noise.noised(y, sd))?;
                 }
             }
         }
@@ -732,8 +733,9 @@ impl Gaussian {
         self.sampler.noised(value, stddev, &mut self.bits)
     }
 
-    /// One draw from N(0, 1), on the grid of 2⁻²⁰ (the correlated noise's innovations).
-    pub fn sample(&mut self) -> f64 {
+    /// One draw from N(0, 1), on the grid of 2⁻²⁰.
+    #[cfg(test)]
+    pub(crate) fn sample(&mut self) -> f64 {
         self.noised(0.0, 1.0).expect("a unit normal is always in range")
     }
 }

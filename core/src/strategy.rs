@@ -51,7 +51,11 @@ impl Strategy {
     pub fn initial_state(&self, n: usize) -> OptimizerState {
         OptimizerState {
             clip_norm: self.differential_privacy.map(|dp| dp.clip_norm),
-            noise: if self.correlates_noise() { vec![0.0; n] } else { vec![] },
+            blt: if self.correlates_noise() {
+                crate::privacy::blt::Buffers::zeros(n)
+            } else {
+                Default::default()
+            },
             ..self.optimizer.initial_state(n)
         }
     }
@@ -171,9 +175,9 @@ pub struct OptimizerState {
     pub v: Vec<f32>,
     /// A DP run's clip norm for the next round (it moves with adaptive clipping).
     pub clip_norm: Option<f64>,
-    /// A `blt_ftrl` run's noise buffer, one value per parameter (the earlier rounds' noise,
-    /// decayed: `privacy::blt`); empty when unused. Kept with the model, as secret as the store.
-    pub noise: Vec<f32>,
+    /// A `blt_ftrl` run's buffers (`privacy::blt::Buffers`); empty when unused. Kept with the
+    /// model, as secret as the store.
+    pub blt: crate::privacy::blt::Buffers,
 }
 
 /// Why stored optimizer state could not be read.
@@ -241,7 +245,7 @@ impl ServerOptimizer {
             m: vec![0.0; m_len],
             v: vec![v_start; v_len],
             clip_norm: None,
-            noise: vec![],
+            blt: Default::default(),
         }
     }
 
@@ -276,7 +280,7 @@ impl ServerOptimizer {
             m: state.m.clone(),
             v: state.v.clone(),
             clip_norm: state.clip_norm,
-            noise: state.noise.clone(),
+            blt: state.blt.clone(),
         };
         let (global, delta) = (global.iter().map(|&x| f64::from(x)), &aggregate.mean_delta);
         // One loop per optimizer, the choice made once rather than per parameter, so that each
@@ -336,8 +340,8 @@ impl ServerOptimizer {
 
 impl OptimizerState {
     /// The state as stored: steps (u64), then `m` and `v` as little-endian f32, each prefixed
-    /// by its length (u64), then a DP run's clip norm (f64), then a `blt_ftrl` run's noise
-    /// buffer, prefixed by its length, when it has one.
+    /// by its length (u64), then a DP run's clip norm (f64), then a `blt_ftrl` run's buffers
+    /// when it has them: their length (u64), the inputs (f64), the releases (f32).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + 4 * (self.m.len() + self.v.len()));
         out.extend_from_slice(&self.steps.to_le_bytes());
@@ -348,9 +352,10 @@ impl OptimizerState {
         if let Some(clip) = self.clip_norm {
             out.extend_from_slice(&clip.to_le_bytes());
         }
-        if !self.noise.is_empty() {
-            out.extend_from_slice(&(self.noise.len() as u64).to_le_bytes());
-            out.extend(self.noise.iter().flat_map(|v| v.to_le_bytes()));
+        if !self.blt.inputs.is_empty() {
+            out.extend_from_slice(&(self.blt.inputs.len() as u64).to_le_bytes());
+            out.extend(self.blt.inputs.iter().flat_map(|v| v.to_le_bytes()));
+            out.extend(self.blt.releases.iter().flat_map(|v| v.to_le_bytes()));
         }
         out
     }
@@ -381,25 +386,28 @@ impl OptimizerState {
                 Some(clip)
             }
         };
-        let noise = if expected.noise.is_empty() {
-            vec![]
+        let blt = if expected.blt.inputs.is_empty() {
+            Default::default()
         } else {
-            let len = read_u64(&mut rest, "noise")? as usize;
-            if len != expected.noise.len() {
+            let len = read_u64(&mut rest, "blt buffers")? as usize;
+            if len != expected.blt.inputs.len() {
                 return Err(StateError(format!(
-                    "the noise buffer has {len} values, expected {}",
-                    expected.noise.len()
+                    "the BLT buffers have {len} values, expected {}",
+                    expected.blt.inputs.len()
                 )));
             }
-            read_f32s(&mut rest, len)?
+            let inputs = read_f64s(&mut rest, len)?;
+            crate::privacy::blt::Buffers { inputs, releases: read_f32s(&mut rest, len)? }
         };
         if !rest.is_empty() {
             return Err(StateError(format!("{} trailing bytes", rest.len())));
         }
-        if m.iter().chain(&v).chain(&noise).any(|x| !x.is_finite()) {
+        let finite = m.iter().chain(&v).chain(&blt.releases).all(|x| x.is_finite())
+            && blt.inputs.iter().all(|x| x.is_finite());
+        if !finite {
             return Err(StateError("holds a non-finite value".into()));
         }
-        Ok(OptimizerState { steps, m, v, clip_norm, noise })
+        Ok(OptimizerState { steps, m, v, clip_norm, blt })
     }
 }
 
@@ -412,13 +420,28 @@ fn read_u64(rest: &mut &[u8], what: &str) -> Result<u64, StateError> {
 }
 
 fn read_f32s(rest: &mut &[u8], n: usize) -> Result<Vec<f32>, StateError> {
-    let bytes = n.checked_mul(4).ok_or_else(|| StateError("length overflows".into()))?;
+    Ok(take(rest, n, 4)?
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+fn read_f64s(rest: &mut &[u8], n: usize) -> Result<Vec<f64>, StateError> {
+    Ok(take(rest, n, 8)?
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// The next `n` values of `width` bytes.
+fn take<'a>(rest: &mut &'a [u8], n: usize, width: usize) -> Result<&'a [u8], StateError> {
+    let bytes = n.checked_mul(width).ok_or_else(|| StateError("length overflows".into()))?;
     if rest.len() < bytes {
         return Err(StateError("truncated".into()));
     }
     let (head, tail) = rest.split_at(bytes);
     *rest = tail;
-    Ok(head.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+    Ok(head)
 }
 
 mod round_end;

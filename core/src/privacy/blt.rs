@@ -177,13 +177,43 @@ impl Blt {
         self.sensitivity(schema) / z
     }
 
-    /// One coordinate of a round's noise per unit of σ, from its fresh draw `z` (N(0, 1)),
-    /// advancing that coordinate's `buffer` (zero before the first round): `n = z − ω·a`, then
-    /// `a ← λ·a + n`.
-    pub fn step(&self, z: f64, buffer: &mut f32) -> f64 {
-        let noise = z - self.omega * f64::from(*buffer);
-        *buffer = (self.lambda * f64::from(*buffer) + noise) as f32;
-        noise
+    /// One coordinate's round: `x` (this round's clipped mean) goes in as `(Cx)_t = x + ω·s`,
+    /// where `s = input` holds the earlier rounds' means decayed; `noised` makes that one
+    /// exact Gaussian release `ŷ_t`; what comes out is `(C⁻¹ŷ)_t = ŷ_t − ω·r`, where
+    /// `r = released` holds the earlier outputs decayed: `x` plus `C⁻¹`-correlated noise. Both
+    /// buffers advance (`s ← λs + x`, `r ← λr + out`). Only `ŷ` is drawn; the output and `r`
+    /// are post-processing of the releases, so no floating-point step touches the noise
+    /// before the release.
+    pub fn release<E>(
+        &self,
+        x: f64,
+        input: &mut f64,
+        released: &mut f32,
+        noised: impl FnOnce(f64) -> Result<f64, E>,
+    ) -> Result<f64, E> {
+        let y = noised(x + self.omega * *input)?;
+        let out = y - self.omega * f64::from(*released);
+        *input = self.lambda * *input + x;
+        *released = (self.lambda * f64::from(*released) + out) as f32;
+        Ok(out)
+    }
+}
+
+/// A `blt_ftrl` run's buffers, one value per parameter each, zero before the first round
+/// ([`Blt::release`]), kept in the run's server state with each model.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Buffers {
+    /// The earlier rounds' clipped means, decayed: the encoder's (in f64: its rounding is the
+    /// release's input, and the sensitivity counts on it).
+    pub inputs: Vec<f64>,
+    /// The earlier rounds' outputs, decayed: the decoder's (post-processing of the releases).
+    pub releases: Vec<f32>,
+}
+
+impl Buffers {
+    /// Zeroed buffers for `n` parameters.
+    pub fn zeros(n: usize) -> Self {
+        Buffers { inputs: vec![0.0; n], releases: vec![0.0; n] }
     }
 }
 
@@ -301,11 +331,20 @@ mod tests {
             let product: f64 = (0..=t).map(|s| c[s] * inv[t - s]).sum();
             assert!((product - if t == 0 { 1.0 } else { 0.0 }).abs() < 1e-12, "{t}: {product}");
         }
-        // The buffered recurrence applied to unit impulses gives C⁻¹'s coefficients.
-        let mut buffer = 0f32;
+        // The decoder applied to a unit impulse of noise gives C⁻¹'s coefficients ...
+        let (mut input, mut released) = (0f64, 0f32);
         for (t, want) in inv.iter().enumerate() {
-            let noise = blt.step(if t == 0 { 1.0 } else { 0.0 }, &mut buffer);
-            assert!((noise - want).abs() < 1e-6, "{t}: {noise} vs {want}");
+            let impulse = if t == 0 { 1.0 } else { 0.0 };
+            let out =
+                blt.release(0.0, &mut input, &mut released, |y| Ok::<_, ()>(y + impulse)).unwrap();
+            assert!((out - want).abs() < 1e-6, "{t}: {out} vs {want}");
+        }
+        // ... and without noise the encoder and decoder give the means back: C⁻¹Cx = x.
+        let (mut input, mut released) = (0f64, 0f32);
+        for t in 0..30 {
+            let x = (f64::from(t) * 0.37).sin();
+            let out = blt.release(x, &mut input, &mut released, Ok::<_, ()>).unwrap();
+            assert!((out - x).abs() < 1e-5, "{t}: {out} vs {x}");
         }
     }
 

@@ -68,13 +68,13 @@ impl Strategy {
         }
         let mut clip_norm = state.clip_norm;
         let mut released = Released::default();
-        let mut noise_buffer = state.noise.clone();
+        let mut blt = state.blt.clone();
         if let (Some(privacy), Some(clip)) = (privacy, state.clip_norm) {
             let mut noise = Gaussian::new(noise_seed());
             let (mean, n) = (&mut aggregate.mean_delta, aggregate.n_updates);
             let noising =
                 |e: crate::privacy::exact_normal::NoiseError| AggregateError::Noise(e.to_string());
-            privacy.noise_mean(mean, n, clip, &mut noise, &mut noise_buffer).map_err(noising)?;
+            privacy.noise_mean(mean, n, clip, &mut noise, &mut blt).map_err(noising)?;
             let (within, n) = (aggregate.n_within_bound, aggregate.n_updates);
             clip_norm = Some(privacy.next_clip_norm(clip, within, n, &mut noise).map_err(noising)?);
             released =
@@ -83,7 +83,7 @@ impl Strategy {
         let (values, mut next) =
             self.optimizer.step(global, &aggregate, state, server_learning_rate)?;
         next.clip_norm = clip_norm;
-        next.noise = noise_buffer;
+        next.blt = blt;
         Ok(NextModel { values, state: next, combined, released })
     }
 }

@@ -44,7 +44,7 @@ fn fed_avg_uses_the_plans_rate_unless_it_has_its_own() {
     assert_eq!((x1, x2), (vec![1.25, -2.25], vec![2.0, -2.0]));
     assert_eq!(
         s,
-        OptimizerState { steps: 2, m: vec![], v: vec![], clip_norm: None, noise: vec![] }
+        OptimizerState { steps: 2, m: vec![], v: vec![], clip_norm: None, blt: Default::default() }
     );
     let (x1, _, _) = two_steps(ServerOptimizer::FedAvg { lr: Some(1.0) });
     assert_eq!(x1, vec![1.5, -2.5]);
@@ -342,11 +342,12 @@ fn a_rounds_end_combines_then_steps_and_reads_tiles_only_for_order_statistics() 
     assert!(next.combined.is_some());
 }
 
-/// A `blt_ftrl` run's round end: its noise is this round's draws less ω times the buffer, the
-/// buffer advances and travels with the state (refused when it is of another model), and the
-/// sum is divided by the plan's cohort, not by the updates that came.
+/// A `blt_ftrl` run's round end: the mean is encoded with the earlier rounds', released once
+/// with exact noise and decoded; both buffers advance and travel with the state (refused when
+/// they are of another model), and the sum is divided by the plan's cohort, not by the updates
+/// that came.
 #[test]
-fn a_blt_rounds_noise_follows_its_buffer_and_the_buffer_travels_with_the_state() {
+fn a_blt_round_encodes_releases_decodes_and_its_buffers_travel_with_the_state() {
     use crate::privacy::{DifferentialPrivacy, Gaussian, Mechanism, Sampling, Sizes};
     let dp = DifferentialPrivacy {
         noise_multiplier: 2.0,
@@ -366,15 +367,16 @@ fn a_blt_rounds_noise_follows_its_buffer_and_the_buffer_travels_with_the_state()
     let blt = privacy.blt.unwrap().strategy;
     let strategy = Strategy { differential_privacy: Some(dp), ..Strategy::default() };
     let mut state = strategy.initial_state(2);
-    assert_eq!(state.noise, vec![0.0, 0.0]);
+    assert_eq!(state.blt, crate::privacy::blt::Buffers::zeros(2));
     let mut global = X0.to_vec();
-    let mut buffer = [0f64; 2];
+    let (mut inputs, mut released) = ([0f64; 2], [0f64; 2]);
+    let mean = [0.25, -0.5];
     for round in 0..3u8 {
         let end = RoundEnd {
             privacy: Some(&privacy),
             server_learning_rate: 1.0,
             global: &global,
-            aggregate: aggregate([0.0, 0.0]),
+            aggregate: aggregate(mean),
             state: &state,
         };
         let next = strategy
@@ -384,15 +386,21 @@ fn a_blt_rounds_noise_follows_its_buffer_and_the_buffer_travels_with_the_state()
                 || [round; 32],
             )
             .unwrap();
-        // The same draws, by hand: the sum's noise N(0, (z·C)²) over the cohort of 4.
+        // The same release, by hand: the mean encoded (x + ω·inputs), one exact Gaussian
+        // release of the sum's noise N(0, (z·C)²) over the cohort of 4, then decoded
+        // (y − ω·released).
         let mut draws = Gaussian::new([round; 32]);
         for j in 0..2 {
-            let z = draws.sample();
-            let noise = z - blt.omega * buffer[j];
-            buffer[j] = blt.lambda * buffer[j] + noise;
-            let want = f64::from(global[j]) + 2.0 * noise / 4.0;
+            // Two updates came, the cohort is 4.
+            let x = mean[j] * 2.0 / 4.0;
+            let y = draws.noised(x + blt.omega * inputs[j], 2.0 / 4.0).unwrap();
+            let out = y - blt.omega * released[j];
+            inputs[j] = blt.lambda * inputs[j] + x;
+            released[j] = blt.lambda * released[j] + out;
+            let want = f64::from(global[j]) + out;
             assert!((f64::from(next.values[j]) - want).abs() < 1e-5, "round {round}, {j}");
-            assert!((f64::from(next.state.noise[j]) - buffer[j]).abs() < 1e-5);
+            assert_eq!(next.state.blt.inputs[j], inputs[j]);
+            assert!((f64::from(next.state.blt.releases[j]) - released[j]).abs() < 1e-5);
         }
         let bytes = next.state.to_bytes();
         assert_eq!(OptimizerState::from_bytes(&bytes, &strategy, 2).unwrap(), next.state);
