@@ -53,13 +53,25 @@ impl Driver {
             let plan = match stored_plan(run_id, &row.plan_json)? {
                 Ok(plan) => plan,
                 Err(refused) => {
-                    stop_refused_run(&driver.store, run_id, &refused).await?;
+                    let reason =
+                        format!("this coordinator refuses the run's stored plan: {refused}");
+                    stop_at_recovery(&driver.store, run_id, reason).await?;
                     continue;
                 }
             };
             let version = ModelVersion(row.model_version);
+            // A model or server state this version cannot read (corrupt, or stored in an older
+            // layout) stops that run with the reason; the other runs and the process go on.
             let (payload, values, state) =
-                stored_model(&driver.store, &plan, run_id, version).await?;
+                match stored_model(&driver.store, &plan, run_id, version).await {
+                    Ok(found) => found,
+                    Err(StoreError::Corrupt(what)) => {
+                        let reason = format!("the run's latest model cannot be resumed: {what}");
+                        stop_at_recovery(&driver.store, run_id, reason).await?;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
             let open = driver.store.open_round(run_id).await?;
             let next_round_idx = driver
                 .store
@@ -191,24 +203,32 @@ async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
                 plan
             }
         };
-        rebuild_model(store, &plan, run_id, pending).await?;
+        // A model that cannot be rebuilt stays unwritten: its run, if running, stops when it
+        // is resumed (its latest model cannot be read); the other runs' are rebuilt.
+        match rebuild_model(store, &plan, run_id, pending).await {
+            Err(StoreError::Corrupt(what)) => {
+                tracing::error!(%run_id, error = %what, "a model whose write a stop interrupted cannot be rebuilt");
+            }
+            rebuilt => rebuilt?,
+        }
     }
     Ok(())
 }
 
-/// Stops a running run whose stored plan this version of the coordinator refuses (a newer
-/// bound, such as the memory an order statistic may take at close), failing its open round:
-/// resuming it could only fail the same way at every start (an order statistic that does not
-/// fit kills the process at each close), and refusing to start would stop every other run.
-async fn stop_refused_run(
+/// Stops a running run this version of the coordinator cannot resume, failing its open round,
+/// with `reason`: a stored plan it refuses (a newer bound, such as the memory an order
+/// statistic may take at close), or a latest model or server state it cannot read. Resuming
+/// it could only fail the same way at every start (an order statistic that does not fit kills
+/// the process at each close), and refusing to start would stop every other run.
+async fn stop_at_recovery(
     store: &SqlStore,
     run_id: RunId,
-    refused: &PlanError,
+    reason: String,
 ) -> Result<(), StoreError> {
-    tracing::error!(%run_id, error = %refused, "this coordinator refuses the run's stored plan; stopping the run");
+    tracing::error!(%run_id, %reason, "stopping the run instead of resuming it");
     let open_round = store.open_round(run_id).await?.map(|o| o.round.round_idx);
-    let reason = Some(format!("this coordinator refuses the run's stored plan: {refused}"));
-    store.apply_transitions(run_id, &[Transition::StopRun { open_round, reason }], now_ms()).await
+    let transition = Transition::StopRun { open_round, reason: Some(reason) };
+    store.apply_transitions(run_id, &[transition], now_ms()).await
 }
 
 /// A run's plan as stored, validated again: an error when it does not parse (corruption), and

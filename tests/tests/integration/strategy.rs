@@ -2,7 +2,8 @@
 //! rounds commits, to the bit, the models of the uninterrupted sequence of optimizer steps,
 //! because the optimizer's state is committed with each model and restored on start; robust
 //! aggregators, reading the round's updates back from the store tile by tile, commit exactly
-//! their combination of the uploads and leave an attacker's update out.
+//! their combination of the uploads and leave an attacker's update out. A run whose stored
+//! server state cannot be read stops saying why, rather than keeping the coordinator down.
 
 use std::path::Path;
 
@@ -167,4 +168,56 @@ async fn robust_aggregators_commit_their_combination_and_leave_the_attacker_out(
     let mean = fedavg_expected(&vec![0.0; PARAMS], &contributions);
     assert!(mean.iter().any(|v| v.abs() > 10.0 * honest_reach));
     c.running.shutdown().await.unwrap();
+}
+
+/// A run whose stored server state this coordinator cannot read (corrupt, or written in an
+/// older layout, as `blt_ftrl`'s buffers were) used to keep the whole coordinator from
+/// starting. Now that run stops saying why, and the coordinator starts and the other run goes
+/// on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_server_state_cannot_be_read_stops_and_the_coordinator_starts() {
+    let optimizer =
+        ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.05, beta1: 0.9, beta2: 0.99, tau: 1e-3 });
+    let (_dir, db) = sqlite_db();
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+    let admin = coordinator.admin.clone();
+    let devices = enroll(coordinator.url(), &admin, DEVICES).await.unwrap();
+    let spec = PlanSpec {
+        params: PARAMS as u64,
+        cohort: DEVICES as u32,
+        over_selection: 1.0,
+        quorum: DEVICES as u32,
+        selection_secs: 60.0,
+        reporting_secs: 120.0,
+        rounds: 3,
+    };
+    let mut plan = spec.json();
+    plan["strategy"] = serde_json::json!({"optimizer": optimizer});
+    let broken = RunId(admin.create_run(&plan).await.unwrap().id);
+    one_round(&admin, &devices, broken, 0).await;
+    let mut other = spec.json();
+    other["population"] = "elsewhere".into();
+    let other = RunId(admin.create_run(&other).await.unwrap().id);
+    wait_round_open(&admin, other, 0).await.unwrap();
+    coordinator.kill().unwrap();
+    let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+    let changed = sqlx::query("UPDATE optimizer_states SET data = X'00' WHERE run_id = ?")
+        .bind(broken.0)
+        .execute(&pool)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert!(changed > 0, "the run stored its server state");
+    pool.close().await;
+
+    coordinator.respawn().await.unwrap();
+    let view = admin.run(broken).await.unwrap();
+    assert_eq!(view.status, "stopped");
+    let reason = view.stop_reason.unwrap_or_default();
+    assert!(reason.contains("cannot be resumed") && reason.contains("optimizer state"), "{reason}");
+    let resumed = admin.run(other).await.unwrap();
+    assert_eq!(resumed.status, "running");
+    wait_round_open(&admin, other, 0).await.unwrap();
+    drop(coordinator);
 }
