@@ -47,9 +47,14 @@ impl Driver {
             models: ModelCache::default(),
             model_writes: ModelWrites::default(),
         };
-        rebuild_pending_models(&driver.store).await?;
+        let unrebuilt = rebuild_pending_models(&driver.store).await?;
         for row in driver.store.running_runs().await? {
             let run_id = RunId(row.id);
+            if let Some(why) = unrebuilt.get(&run_id) {
+                let reason = format!("a committed model cannot be rebuilt: {why}");
+                stop_at_recovery(&driver.store, run_id, reason).await?;
+                continue;
+            }
             let plan = match stored_plan(run_id, &row.plan_json)? {
                 Ok(plan) => plan,
                 Err(refused) => {
@@ -65,8 +70,8 @@ impl Driver {
             let (payload, values, state) =
                 match stored_model(&driver.store, &plan, run_id, version).await {
                     Ok(found) => found,
-                    Err(StoreError::Corrupt(what)) => {
-                        let reason = format!("the run's latest model cannot be resumed: {what}");
+                    Err(e @ (StoreError::Corrupt(_) | StoreError::ModelPending { .. })) => {
+                        let reason = format!("the run's latest model cannot be resumed: {e}");
                         stop_at_recovery(&driver.store, run_id, reason).await?;
                         continue;
                     }
@@ -186,33 +191,44 @@ async fn stored_model(
 
 /// Writes the bytes of every model committed by its hash alone whose write a stop interrupted,
 /// each run's oldest first (each is rebuilt from the one before), whatever the run's status.
-async fn rebuild_pending_models(store: &SqlStore) -> Result<(), StoreError> {
+/// A run whose model cannot be rebuilt (its plan refused, or the rebuild not hashing as the
+/// commit: the store is corrupt) keeps it unwritten and is returned with the reason, and its
+/// later models are not tried; the other runs' are rebuilt.
+async fn rebuild_pending_models(store: &SqlStore) -> Result<BTreeMap<RunId, String>, StoreError> {
     let mut plans: BTreeMap<i64, Arc<ValidatedPlan>> = BTreeMap::new();
+    let mut unrebuilt = BTreeMap::new();
     for pending in store.pending_models().await? {
         let run_id = RunId(pending.run_id);
+        if unrebuilt.contains_key(&run_id) {
+            continue;
+        }
         let plan = match plans.get(&run_id.0) {
-            Some(plan) => plan.clone(),
+            Some(plan) => Ok(plan.clone()),
             None => {
                 let row = store.run(run_id).await?.ok_or_else(|| {
                     StoreError::Corrupt(format!("a model of run {run_id}, no run"))
                 })?;
-                let corrupt =
-                    |e: PlanError| StoreError::Corrupt(format!("plan of run {run_id}: {e}"));
-                let plan = Arc::new(stored_plan(run_id, &row.plan_json)?.map_err(corrupt)?);
-                plans.insert(run_id.0, plan.clone());
-                plan
+                stored_plan(run_id, &row.plan_json)?.map(Arc::new).map_err(|refused| {
+                    format!("this coordinator refuses the run's stored plan: {refused}")
+                })
             }
         };
-        // A model that cannot be rebuilt stays unwritten: its run, if running, stops when it
-        // is resumed (its latest model cannot be read); the other runs' are rebuilt.
-        match rebuild_model(store, &plan, run_id, pending).await {
-            Err(StoreError::Corrupt(what)) => {
-                tracing::error!(%run_id, error = %what, "a model whose write a stop interrupted cannot be rebuilt");
+        let rebuilt = match plan {
+            Ok(plan) => {
+                plans.insert(run_id.0, plan.clone());
+                match rebuild_model(store, &plan, run_id, pending).await {
+                    Err(StoreError::Corrupt(what)) => Err(what),
+                    rebuilt => Ok(rebuilt?),
+                }
             }
-            rebuilt => rebuilt?,
+            Err(refused) => Err(refused),
+        };
+        if let Err(why) = rebuilt {
+            tracing::error!(%run_id, error = %why, "a model whose write a stop interrupted cannot be rebuilt");
+            unrebuilt.insert(run_id, why);
         }
     }
-    Ok(())
+    Ok(unrebuilt)
 }
 
 /// Stops a running run this version of the coordinator cannot resume, failing its open round,
