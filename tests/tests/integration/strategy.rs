@@ -31,13 +31,21 @@ async fn one_round(admin: &AdminClient, devices: &[FleetClient], run: RunId, rou
     wait_model(admin, run, round + 1).await.unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
+/// A FedAdam run of three rounds on a coordinator the test can kill, and its enrolled devices.
+struct FedAdamRun {
+    optimizer: ServerOptimizer,
+    coordinator: RestartableCoordinator,
+    admin: AdminClient,
+    devices: Vec<FleetClient>,
+    spec: PlanSpec,
+    run: RunId,
+}
+
+async fn fed_adam_run(db: &str) -> FedAdamRun {
     let optimizer =
         ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.05, beta1: 0.9, beta2: 0.99, tau: 1e-3 });
-    let (_dir, db) = sqlite_db();
     let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
+    let coordinator = RestartableCoordinator::spawn(bin, db).await.unwrap();
     let admin = coordinator.admin.clone();
     let devices = enroll(coordinator.url(), &admin, DEVICES).await.unwrap();
     let spec = PlanSpec {
@@ -52,6 +60,14 @@ async fn a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
     let mut plan = spec.json();
     plan["strategy"] = serde_json::json!({"optimizer": optimizer});
     let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    FedAdamRun { optimizer, coordinator, admin, devices, spec, run }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_fed_adam_run_commits_the_uninterrupted_models() {
+    let (_dir, db) = sqlite_db();
+    let FedAdamRun { optimizer, mut coordinator, admin, devices, spec, run } =
+        fed_adam_run(&db).await;
     assert_eq!(admin.run(run).await.unwrap().plan["strategy"]["optimizer"]["kind"], "fed_adam");
     let initial = admin.models(run).await.unwrap()[0].content_hash.clone();
     let mut hashes = vec![];
@@ -176,25 +192,9 @@ async fn robust_aggregators_commit_their_combination_and_leave_the_attacker_out(
 /// on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_server_state_cannot_be_read_stops_and_the_coordinator_starts() {
-    let optimizer =
-        ServerOptimizer::FedAdam(AdaptiveParams { lr: 0.05, beta1: 0.9, beta2: 0.99, tau: 1e-3 });
     let (_dir, db) = sqlite_db();
-    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let mut coordinator = RestartableCoordinator::spawn(bin, &db).await.unwrap();
-    let admin = coordinator.admin.clone();
-    let devices = enroll(coordinator.url(), &admin, DEVICES).await.unwrap();
-    let spec = PlanSpec {
-        params: PARAMS as u64,
-        cohort: DEVICES as u32,
-        over_selection: 1.0,
-        quorum: DEVICES as u32,
-        selection_secs: 60.0,
-        reporting_secs: 120.0,
-        rounds: 3,
-    };
-    let mut plan = spec.json();
-    plan["strategy"] = serde_json::json!({"optimizer": optimizer});
-    let broken = RunId(admin.create_run(&plan).await.unwrap().id);
+    let FedAdamRun { mut coordinator, admin, devices, spec, run: broken, .. } =
+        fed_adam_run(&db).await;
     one_round(&admin, &devices, broken, 0).await;
     let mut other = spec.json();
     other["population"] = "elsewhere".into();
