@@ -283,6 +283,20 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
             cohort: DP_COHORT,
             ..case("no dp", serde_json::Value::Null, None)
         })
+        // Clipping alone (z = 0.01, a vanishing noise): what the clip costs before any noise,
+        // the mark the DP rows' noise is read against.
+        .chain(std::iter::once(Case {
+            over_selection: 1.0,
+            clients: DP_CLIENTS,
+            cohort: DP_COHORT,
+            ..case(
+                &format!("dp clip only z=0.01 C={CLIP_NORM}"),
+                serde_json::json!({"differential_privacy": {
+                    "noise_multiplier": 0.01, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                    "delta": DELTA}}),
+                None,
+            )
+        }))
         .chain(
             [
                 (SelectionPolicy::Random, Sampling::FixedSize),
