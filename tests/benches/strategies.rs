@@ -18,7 +18,7 @@
 //!
 //! Run with `cargo bench -p starling-tests --bench strategies --profile dev -- [optimizers]
 //! [attacks] [privacy] [compression] [asynchrony] [--rounds N] [--only TEXT] [--partition iid]
-//! [--dataset shakespeare]` (default:
+//! [--dataset shakespeare] [--clip C]` (default:
 //! every experiment, 100 rounds each, on `shards:2`; `--only` keeps the cases whose name contains
 //! TEXT; the dev profile optimizes burn and every other dependency, and spares the
 //! release build of burn that takes 20 minutes here). Every configuration prints one row:
@@ -48,7 +48,8 @@ const DP_CLIENTS: usize = 1000;
 const DP_COHORT: u32 = 100;
 /// δ of the privacy experiment (well below 1 / population).
 const DELTA: f64 = 1e-5;
-/// The clip norm of the privacy experiment (the 2NN's honest updates are of this order here).
+/// The clip norm of the privacy experiment (the 2NN's honest updates are of this order here);
+/// `--clip C` sets another.
 const CLIP_NORM: f64 = 1.0;
 /// The 2NN's parameters (784·200 + 200 + 200·200 + 200 + 200·10 + 10), which size the
 /// distributed noise's rotation.
@@ -105,6 +106,7 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rounds: u32 = flag(&args, "--rounds").map_or(Ok(100), |r| r.parse())?;
     let only = flag(&args, "--only");
+    let clip: f64 = flag(&args, "--clip").map_or(Ok(CLIP_NORM), |c| c.parse())?;
     let partition: Partition = flag(&args, "--partition")
         .map_or(Ok(Partition::Shards(2)), |p| p.parse())
         .map_err(anyhow::Error::msg)?;
@@ -125,7 +127,7 @@ fn main() -> anyhow::Result<()> {
     };
     let cases: Vec<Case> = experiments
         .iter()
-        .flat_map(|e| cases(e, rounds))
+        .flat_map(|e| cases(e, rounds, clip))
         .filter(|c| only.as_ref().is_none_or(|o| c.name.contains(o.as_str())))
         .collect();
     let out = std::env::var_os("STARLING_BENCH_OUT");
@@ -197,7 +199,7 @@ fn flag(args: &[String], name: &str) -> Option<String> {
 }
 
 /// Every configuration of an experiment.
-fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
+fn cases(experiment: &'static str, rounds: u32, clip: f64) -> Vec<Case> {
     let case = |name: &str, strategy: serde_json::Value, poisoning: Option<Poisoning>| Case {
         experiment,
         name: name.to_owned(),
@@ -290,9 +292,9 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
             clients: DP_CLIENTS,
             cohort: DP_COHORT,
             ..case(
-                &format!("dp clip only z=0.01 C={CLIP_NORM}"),
+                &format!("dp clip only z=0.01 C={clip}"),
                 serde_json::json!({"differential_privacy": {
-                    "noise_multiplier": 0.01, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                    "noise_multiplier": 0.01, "clip_norm": clip, "population": DP_CLIENTS,
                     "delta": DELTA}}),
                 None,
             )
@@ -309,7 +311,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 let z = noise_multiplier_for(sampling, q, u64::from(rounds), DELTA, epsilon)
                     .expect("these budgets are reachable");
                 let dp = serde_json::json!({"differential_privacy": {
-                        "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                        "noise_multiplier": z, "clip_norm": clip, "population": DP_CLIENTS,
                         "delta": DELTA}});
                 let how = match sampling {
                     Sampling::FixedSize => "fixed",
@@ -320,7 +322,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                     clients: DP_CLIENTS,
                     cohort: DP_COHORT,
                     selection,
-                    ..case(&format!("dp {how} ε={epsilon} z={z:.3} C={CLIP_NORM}"), dp, None)
+                    ..case(&format!("dp {how} ε={epsilon} z={z:.3} C={clip}"), dp, None)
                 }
             }),
         )
@@ -336,7 +338,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 };
                 let z = starling_core::privacy::blt::noise_multiplier_for(&schema, DELTA, epsilon);
                 let dp = serde_json::json!({"differential_privacy": {
-                    "noise_multiplier": z, "clip_norm": CLIP_NORM, "delta": DELTA,
+                    "noise_multiplier": z, "clip_norm": clip, "delta": DELTA,
                     "mechanism": "blt_ftrl", "min_separation": schema.min_separation,
                     "max_participations": schema.max_participations}});
                 Case {
@@ -346,7 +348,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                     selection: SelectionPolicy::Random,
                     ..case(
                         &format!(
-                            "dp blt ε={epsilon} z={z:.3} b=10 k={}",
+                            "dp blt ε={epsilon} z={z:.3} b=10 k={} C={clip}",
                             schema.max_participations
                         ),
                         dp,
@@ -368,7 +370,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 let protocol = starling_core::plan::secure_poisson_cap(DP_COHORT);
                 let shape = DistributedNoise::for_plan(
                     1.0,
-                    CLIP_NORM,
+                    clip,
                     MNIST_2NN_PARAMS,
                     protocol,
                     DP_MIN_SURVIVORS,
@@ -386,7 +388,7 @@ fn cases(experiment: &'static str, rounds: u32) -> Vec<Case> {
                 ]
                 .map(|(label, noise, z)| {
                     let mut dp = serde_json::json!({
-                        "noise_multiplier": z, "clip_norm": CLIP_NORM, "population": DP_CLIENTS,
+                        "noise_multiplier": z, "clip_norm": clip, "population": DP_CLIENTS,
                         "delta": DELTA, "noise": noise});
                     if noise == "distributed" {
                         dp["min_survivors"] = DP_MIN_SURVIVORS.into();
