@@ -781,11 +781,6 @@ impl RdpAccountant {
         let rdp: Vec<f64> = self.per_step.iter().map(|r| r * steps as f64).collect();
         epsilon_from_rdp(&self.orders, &rdp, delta)
     }
-
-    /// The most steps, up to `max`, whose ε stays within `budget` (ε grows with steps).
-    pub fn steps_within(&self, budget: f64, delta: f64, max: u32) -> u32 {
-        most_within(max, |steps| self.epsilon(u64::from(steps), delta) <= budget)
-    }
 }
 
 /// The largest `n` in `0..=max` with `within(n)`, for a `within` that holds up to some `n` and
