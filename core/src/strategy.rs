@@ -261,6 +261,8 @@ impl ServerOptimizer {
     /// One server step: the next model and the next state. `fallback_lr` is the plan's
     /// `server_learning_rate`, used by FedAvg without its own `lr`. Refuses (changing nothing)
     /// when the aggregate or state belong to another model size, or the result is not finite.
+    /// A `blt_ftrl` run's buffers are not the optimizer's: the next state carries none, and
+    /// [`Strategy::next_model`], which advanced them, sets them (a model-sized copy saved).
     pub fn step(
         &self,
         global: &[f32],
@@ -280,7 +282,7 @@ impl ServerOptimizer {
             m: state.m.clone(),
             v: state.v.clone(),
             clip_norm: state.clip_norm,
-            blt: state.blt.clone(),
+            blt: Default::default(),
         };
         let (global, delta) = (global.iter().map(|&x| f64::from(x)), &aggregate.mean_delta);
         // One loop per optimizer, the choice made once rather than per parameter, so that each
