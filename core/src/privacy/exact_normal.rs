@@ -91,13 +91,12 @@ impl ExactNormal {
         if stddev == 0.0 && value.is_finite() {
             return Ok(value);
         }
-        let out_of_range = NoiseError::OutOfRange { value, stddev };
         if !(value.is_finite()
             && stddev.is_finite()
             && (2f64.powi(-1000)..=2f64.powi(52)).contains(&stddev)
             && value.abs() / stddev < MAX_STANDARD_DEVIATIONS)
         {
-            return Err(out_of_range);
+            return Err(NoiseError::OutOfRange { value, stddev });
         }
         // stddev = significand · 2^(exponent − 52), exactly.
         let exponent = ((stddev.to_bits() >> 52) & 0x7ff) as i32 - 1023;
@@ -117,14 +116,12 @@ impl ExactNormal {
         // round(t) = ⌊t + ½⌋ on the grid.
         let base = whole as i128 + significand * j + one / 2;
         let (above, below) = (base.div_euclid(one), base.rem_euclid(one));
-        let mut digits = |i: usize, bits: &mut NoiseSource| {
+        let digit = |i: usize| {
             let d = self.fraction.digit(i, bits);
             if negative { !d } else { d }
         };
         let cell =
-            floor_of_scaled_uniform(below, fraction, significand, FRACTION_BITS as u32, |i| {
-                digits(i, bits)
-            });
+            floor_of_scaled_uniform(below, fraction, significand, FRACTION_BITS as u32, digit);
         let index = above + cell;
         Ok(times_power_of_two(index as f64, grid))
     }
@@ -216,7 +213,8 @@ fn floor_of_scaled_uniform(
 ) -> i128 {
     const DIGIT: f64 = 18_446_744_073_709_551_616.0; // 2^64
     let first = i128::from(digit(0));
-    // In units of 2^−64: the value lies in [low + fraction·2^64, low + s) + fraction·2^64.
+    // Times 2^64, the value lies in [low, low + s) shifted up by fraction·2^64 (below 2^64);
+    // a cell is 2^(64 + f) of these.
     let low = (below << 64) + s * first;
     let cell = low >> (64 + f);
     let high = (low + (1i128 << 64) + s - 1) >> (64 + f);
