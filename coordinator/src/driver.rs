@@ -780,6 +780,7 @@ impl RunEntry {
                 update_schema: (!parts.is_whole()).then(|| parts.update_schema().clone()),
                 local_tensors: parts.local().to_vec(),
                 base_model: self.plan.frozen_from_base().map(str::to_owned),
+                tokenizer: self.plan.tokenizer().map(str::to_owned),
                 model_spec: self.plan.model_spec().cloned(),
                 training_config: self.training_config.clone(),
                 report_deadline_ms: report_deadline,

@@ -405,6 +405,24 @@ pub struct RoundDeviceView {
     pub example_count: Option<i64>,
 }
 
+/// A Hugging Face tokenizer an operator imported (`POST /v1/admin/tokenizers`), which a plan's
+/// `model.tokenizer` names by `content_hash`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenizerView {
+    /// Content hash: SHA-256 of the `tokenizer.json` file's bytes.
+    pub content_hash: String,
+    /// The name it was imported under.
+    pub name: String,
+    /// One more than its largest token id (added tokens included): the smallest vocabulary a
+    /// model spec's token input may have to take its ids.
+    pub vocab_size: u64,
+    /// The file's bytes.
+    pub bytes: u64,
+    /// Import time.
+    pub created_at_ms: i64,
+}
+
 /// A pretrained model an operator imported (`POST /v1/admin/base-models`), which a plan's
 /// `init` names by `content_hash` (`{"kind": "base_model", "hash": ...}`).
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

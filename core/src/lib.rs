@@ -39,6 +39,8 @@ pub mod skipped;
 pub mod strategy;
 pub mod tensor;
 pub mod tier;
+#[cfg(feature = "tokenizers")]
+pub mod tokenizer;
 pub mod wire;
 
 pub use ids::{AggregatorId, DeviceId, Millis, ModelVersion, RoundIdx, RunId};

@@ -17,6 +17,7 @@ use crate::privacy::Privacy;
 use crate::rng::SplitMix64;
 pub use crate::strategy::Strategy;
 pub use crate::tensor::name_matches;
+pub use model::is_content_hash;
 pub use parts::ModelParts;
 pub use secure::{MAX_SECURE_COHORT, secure_poisson_cap};
 pub use training::{LocalOptimizer, TrainingPlan};
@@ -244,6 +245,12 @@ pub struct ModelPlan {
     /// device and never uploaded, aggregated or stored by the coordinator.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub local: Vec<String>,
+    /// The Hugging Face tokenizer (a `tokenizer.json` imported with `starling models
+    /// import-tokenizer`, by the content hash that printed) devices turn their text into the
+    /// spec's token windows with: each window of `length` tokens labelled with the token after
+    /// it. Needs a spec whose input is tokens, with a vocabulary at least the tokenizer's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
 }
 
 /// Who defines a plan's model.
@@ -705,6 +712,12 @@ impl ValidatedPlan {
             InitSpec::BaseModel { hash, .. } => Some(hash),
             _ => None,
         }
+    }
+
+    /// The imported tokenizer devices tokenize their text with, by content hash (see
+    /// [`ModelPlan::tokenizer`]): what the coordinator looks up at run creation.
+    pub fn tokenizer(&self) -> Option<&str> {
+        self.plan.model.tokenizer.as_deref()
     }
 
     /// The imported model devices may take every untrained tensor from: `init`'s, when the run

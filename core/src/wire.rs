@@ -253,6 +253,11 @@ pub struct TaskAssignment {
     /// (`GET /v1/runs/{run}/models/{model_hash}/trained`, in f32).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_model: Option<String>,
+    /// Set when the plan names a tokenizer (its content hash, SHA-256 of the file): fetch its
+    /// `tokenizer.json` once (`GET /v1/tokenizers/{hash}`) and train on the device's text
+    /// tokenized with it, in windows of the spec's input length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     /// The model to build, when the run's plan has a declarative spec.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default)]

@@ -31,6 +31,7 @@ fn task() -> TaskAssignment {
         update_schema: None,
         local_tensors: vec![],
         base_model: None,
+        tokenizer: None,
         model_spec: None,
         training_config: "null".into(),
         report_deadline_ms: 60_000,

@@ -1,6 +1,7 @@
 //! The plan's `model` section: a schema, a spec or both, which tensors train and stay local,
 //! and how version 0 is made.
 
+use crate::model_spec::InputSpec;
 use crate::tensor::TensorSchema;
 
 use super::{InitSpec, ModelKind, ModelParts, ModelPlan, PlanError, field};
@@ -36,6 +37,7 @@ impl ModelPlan {
             }
         };
         schema.validate()?;
+        self.check_tokenizer()?;
         // A LoRA model trains its adapters alone unless the plan says otherwise.
         let lora_adapters = || vec!["*.lora_a".to_owned(), "*.lora_b".to_owned()];
         let trainable = self
@@ -44,6 +46,24 @@ impl ModelPlan {
             .or_else(|| self.spec.as_ref().and_then(|s| s.lora.as_ref()).map(|_| lora_adapters()));
         let parts = ModelParts::resolve(&schema, trainable.as_deref(), &self.local)?;
         Ok((schema, parts))
+    }
+
+    /// A tokenizer is named by a content hash, for a model the SDK builds over tokens.
+    fn check_tokenizer(&self) -> Result<(), PlanError> {
+        let Some(hash) = &self.tokenizer else { return Ok(()) };
+        if !is_content_hash(hash) {
+            return Err(field(
+                "model.tokenizer",
+                "must be a content hash: 64 lowercase hex digits",
+            ));
+        }
+        match self.spec.as_ref().map(|s| s.input) {
+            Some(InputSpec::Tokens { .. }) => Ok(()),
+            _ => Err(field(
+                "model.tokenizer",
+                "needs a model spec whose input is tokens: the SDK tokenizes for the model it builds",
+            )),
+        }
     }
 
     /// Initial parameters given inline must be the schema's length; their values are checked
@@ -57,4 +77,10 @@ impl ModelPlan {
         }
         Ok(())
     }
+}
+
+/// Whether `s` is a content hash as the store addresses imports by: SHA-256, 64 lowercase hex
+/// digits.
+pub fn is_content_hash(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }

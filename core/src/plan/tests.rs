@@ -822,3 +822,29 @@ fn blt_ftrl_plans_carry_their_participation_rule_and_refuse_what_it_cannot_cover
     let allowed = parse(budgeted).unwrap().round_config().total_rounds;
     assert!((24..=25).contains(&allowed), "{allowed} rounds within ε({half})");
 }
+
+#[test]
+fn a_tokenizer_is_named_by_content_hash_for_a_model_over_tokens() {
+    let hash = "ab".repeat(32);
+    let tokens = serde_json::json!({
+        "input": {"kind": "tokens", "vocab": 50, "length": 8},
+        "layers": [{"kind": "embedding", "dim": 4}, {"kind": "last_step"}, {"kind": "linear", "out": 50}]
+    });
+    let with = |spec: serde_json::Value, tokenizer: &str| {
+        let mut v = plan_json();
+        v["model"] = serde_json::json!({"spec": spec, "tokenizer": tokenizer});
+        v
+    };
+    let plan = parse(with(tokens.clone(), &hash)).unwrap();
+    assert_eq!(plan.tokenizer(), Some(hash.as_str()));
+    assert_eq!(parse(plan_json()).unwrap().tokenizer(), None);
+    for bad in [&hash[..63], &hash.to_uppercase(), &format!("{}g", &hash[..63])] {
+        let err = refused(with(tokens.clone(), bad));
+        assert!(err.contains("model.tokenizer") && err.contains("64 lowercase hex"), "{err}");
+    }
+    let features = serde_json::json!({
+        "input": {"kind": "features", "size": 4}, "layers": [{"kind": "linear", "out": 3}]
+    });
+    let err = refused(with(features, &hash));
+    assert!(err.contains("model.tokenizer") && err.contains("input is tokens"), "{err}");
+}

@@ -15,6 +15,8 @@ pub const CHECK_IN: &str = "/v1/check-in";
 pub const MODEL: &str = "/v1/models/{hash}";
 /// `GET`: an imported pretrained model by content hash (a run's frozen tensors).
 pub const BASE_MODEL: &str = "/v1/base-models/{hash}";
+/// `GET`: an imported tokenizer's `tokenizer.json`, by content hash.
+pub const TOKENIZER: &str = "/v1/tokenizers/{hash}";
 /// `GET`: the tensors a run trains (the update's and the local ones) of one of its models.
 pub const TRAINED_PART: &str = "/v1/runs/{run_id}/models/{hash}/trained";
 /// `POST`: a device's update (to the coordinator, or to its aggregator).
@@ -56,6 +58,8 @@ pub const ADMIN_MODEL: &str = "/v1/admin/runs/{run_id}/models/{version}";
 pub const ADMIN_MODEL_EVALUATIONS: &str = "/v1/admin/runs/{run_id}/models/{version}/evaluations";
 /// `POST` a pretrained model (safetensors); `GET` every imported one.
 pub const ADMIN_BASE_MODELS: &str = "/v1/admin/base-models";
+/// `POST` a Hugging Face tokenizer (`tokenizer.json`); `GET` every imported one.
+pub const ADMIN_TOKENIZERS: &str = "/v1/admin/tokenizers";
 /// `POST`: stop a run.
 pub const ADMIN_STOP: &str = "/v1/admin/runs/{run_id}/stop";
 /// `GET`: every enrolled device.
@@ -81,6 +85,7 @@ pub const COORDINATOR: &[&str] = &[
     CHECK_IN,
     MODEL,
     BASE_MODEL,
+    TOKENIZER,
     TRAINED_PART,
     UPLOAD,
     SECAGG,
@@ -99,6 +104,7 @@ pub const COORDINATOR: &[&str] = &[
     ADMIN_MODEL,
     ADMIN_MODEL_EVALUATIONS,
     ADMIN_BASE_MODELS,
+    ADMIN_TOKENIZERS,
     ADMIN_STOP,
     ADMIN_DEVICES,
     ADMIN_REVOKE,
@@ -126,6 +132,11 @@ pub fn model(hash: &str) -> String {
 /// [`BASE_MODEL`] for `hash`.
 pub fn base_model(hash: &str) -> String {
     BASE_MODEL.replace("{hash}", hash)
+}
+
+/// [`TOKENIZER`] for `hash`.
+pub fn tokenizer(hash: &str) -> String {
+    TOKENIZER.replace("{hash}", hash)
 }
 
 /// [`TRAINED_PART`] of model `hash` of `run`.
