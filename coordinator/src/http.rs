@@ -448,8 +448,13 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
 }
 
 /// The largest admin request body, except a new run's plan ([`AppState::plan_body_limit`])
-/// and a base model's file ([`AppState::base_model_body_limit`]).
+/// a base model's file ([`AppState::base_model_body_limit`]) and a tokenizer's
+/// ([`TOKENIZER_BODY_LIMIT`]).
 pub const ADMIN_BODY_LIMIT: usize = 2 << 20;
+
+/// The largest tokenizer file an operator may import: Hugging Face's large-vocabulary
+/// `tokenizer.json` files are 2–20 MB (Llama 3's, 128k tokens, is 9 MB).
+pub const TOKENIZER_BODY_LIMIT: usize = 64 << 20;
 
 /// 413 at once for a body whose declared `Content-Length` is over `limit`: nothing of it is
 /// read, and the client is not left sending (or holding) a body that could never be taken.
@@ -489,6 +494,7 @@ async fn admin_body(
     let limit = match (parts.method == Method::POST, parts.uri.path()) {
         (true, wire::path::ADMIN_RUNS) => state.plan_body_limit(),
         (true, wire::path::ADMIN_BASE_MODELS) => state.base_model_body_limit(),
+        (true, wire::path::ADMIN_TOKENIZERS) => TOKENIZER_BODY_LIMIT,
         _ => ADMIN_BODY_LIMIT,
     };
     refuse_declared_over(&parts.headers, limit)?;

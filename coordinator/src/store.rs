@@ -48,6 +48,7 @@ mod leadership;
 mod rounds;
 mod runs;
 mod secure;
+mod tokenizers;
 mod updates;
 
 pub use base_models::BaseModelInfo;
@@ -67,6 +68,7 @@ pub use rounds::{
 pub use runs::{ModelInfo, NewRun, RunRow};
 use starling_core::round::RoundClosing;
 use starling_core::{Millis, RoundIdx, RunId};
+pub use tokenizers::TokenizerInfo;
 pub use updates::StoredUpdate;
 
 /// Which database a store runs on.

@@ -69,6 +69,7 @@ conformance!(
     quarantine_strikes_count_refused_rounds_by_updates_and_partials,
     participation_history_counts_every_selection_with_its_latest_model,
     an_imported_model_is_kept_once_by_its_hash,
+    an_imported_tokenizer_is_kept_once_by_its_hash,
     the_latest_accuracy_reports_are_of_the_newest_version_two_devices_scored,
 );
 
@@ -1061,6 +1062,24 @@ async fn an_imported_model_is_kept_once_by_its_hash(store: SqlStore) {
     let listed: Vec<(String, i64)> =
         store.base_models().await.unwrap().into_iter().map(|b| (b.name, b.bytes)).collect();
     assert_eq!(listed, [("first".to_owned(), 28), ("second".to_owned(), 16)]);
+}
+
+async fn an_imported_tokenizer_is_kept_once_by_its_hash(store: SqlStore) {
+    let file = br#"{"model": {}}"#.to_vec();
+    assert_eq!(store.tokenizer_info("t1").await.unwrap(), None);
+    assert_eq!(store.tokenizer_file("t1").await.unwrap(), None);
+    let first = store.put_tokenizer("t1", "first", 300, &file, 1_000).await.unwrap();
+    let again = store.put_tokenizer("t1", "again", 301, &file, 2_000).await.unwrap();
+    assert_eq!(again, first, "the first import stands");
+    assert_eq!(
+        (first.name.as_str(), first.vocab_size, first.bytes, first.created_at_ms),
+        ("first", 300, file.len() as i64, 1_000)
+    );
+    store.put_tokenizer("t2", "second", 50_257, b"{}", 3_000).await.unwrap();
+    assert_eq!(store.tokenizer_file("t1").await.unwrap(), Some(file));
+    let listed: Vec<(String, i64)> =
+        store.tokenizers().await.unwrap().into_iter().map(|t| (t.name, t.vocab_size)).collect();
+    assert_eq!(listed, [("first".to_owned(), 300), ("second".to_owned(), 50_257)]);
 }
 
 /// A run's latest accuracy reports: every report of the newest model version with two or more

@@ -23,7 +23,7 @@ use starling_core::DeviceId;
 use starling_core::admin::{
     BaseModelView, CentralEvaluation, DeviceSpread, DeviceView, EnrollmentToken,
     EnrollmentTokenView, ModelView, NewEnrollmentToken, PrivacyView, RoundDeviceView, RoundView,
-    RunView,
+    RunView, TokenizerView,
 };
 use starling_core::codec;
 use starling_core::tensor::{TensorPayload, f32_from_le_bytes, f32_to_le_bytes, safetensors};
@@ -42,6 +42,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(list_models))
         .routes(routes!(export_model))
         .routes(routes!(import_base_model, list_base_models))
+        .routes(routes!(import_tokenizer, list_tokenizers))
         .routes(routes!(report_central_evaluation))
         .routes(routes!(stop_run))
         .routes(routes!(list_devices))
@@ -204,6 +205,9 @@ async fn create_run(
         Some((info, data)) => Some((info.schema()?, f32_from_le_bytes(&data))),
         None => None,
     };
+    if let Some(hash) = plan.tokenizer() {
+        check_tokenizer(&state, &plan, hash).await?;
+    }
     // Initialization and encoding are O(model): keep them off the async threads.
     let (plan, initial) = tokio::task::spawn_blocking(move || {
         let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s).ok();
@@ -630,6 +634,104 @@ async fn import_base_model(
     .map_err(|e| ApiError::internal(&e))??;
     let info = state.store().put_base_model(&hash, &query.name, &schema, &data, now_ms()).await?;
     Ok((StatusCode::CREATED, AppJson(base_model_view(&info)?)))
+}
+
+/// The tokenizer a plan names is imported, and its ids fit the spec's token input.
+async fn check_tokenizer(
+    state: &AppState,
+    plan: &starling_core::plan::ValidatedPlan,
+    hash: &str,
+) -> Result<(), ApiError> {
+    let invalid = |why: String| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidPlan,
+            format!("model.tokenizer: {why}"),
+        )
+    };
+    let info = state
+        .store()
+        .tokenizer_info(hash)
+        .await?
+        .ok_or_else(|| invalid(format!("no imported tokenizer has content hash {hash}")))?;
+    let vocab = match plan.model_spec().map(|s| s.input) {
+        Some(starling_core::model_spec::InputSpec::Tokens { vocab, .. }) => vocab,
+        // Plan validation refuses a tokenizer without a token input.
+        _ => return Err(invalid("needs a model spec whose input is tokens".into())),
+    };
+    if info.vocab_size as u64 > vocab {
+        return Err(invalid(format!(
+            "tokenizer {} has ids up to {}, more than the model's input vocabulary of {vocab}",
+            info.name,
+            info.vocab_size - 1
+        )));
+    }
+    Ok(())
+}
+
+/// How `POST /v1/admin/tokenizers` names the tokenizer.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct ImportTokenizerQuery {
+    /// A name for people (1..=128 bytes); the tokenizer is addressed by its content hash.
+    name: String,
+}
+
+/// Imports a Hugging Face tokenizer (a `tokenizer.json` file, as the body) for plans to name
+/// (`model.tokenizer`); answers with its content hash, the SHA-256 of the file. Importing the
+/// same file again answers with the first import.
+#[utoipa::path(post, path = "/v1/admin/tokenizers", tag = "admin", security(("operator" = [])),
+    params(ImportTokenizerQuery),
+    request_body(content = Vec<u8>, content_type = "application/json", description = "a Hugging Face tokenizer.json"),
+    responses((status = 201, description = "imported (or imported before)", body = TokenizerView),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 413, description = "larger than the tokenizer file limit", body = ErrorBody),
+        (status = 422, description = "not a tokenizer.json the tokenizers library loads, or a bad name", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn import_tokenizer(
+    State(state): State<AppState>,
+    _op: Operator,
+    Query(query): Query<ImportTokenizerQuery>,
+    body: axum::body::Body,
+) -> Result<(StatusCode, AppJson<TokenizerView>), ApiError> {
+    use starling_core::tokenizer::{TextTokenizer, content_hash};
+    if query.name.is_empty() || query.name.len() > 128 {
+        return Err(ApiError::invalid("name must be 1..=128 bytes"));
+    }
+    let file = state.read_body(body, super::TOKENIZER_BODY_LIMIT).await?;
+    // Loaded here as devices will load it, so that a file they could not use is refused now.
+    let (file, vocab_size) = tokio::task::spawn_blocking(move || {
+        let tokenizer =
+            TextTokenizer::parse(&file).map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok::<_, ApiError>((file, tokenizer.vocab_bound()))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))??;
+    let hash = content_hash(&file);
+    let info = state.store().put_tokenizer(&hash, &query.name, vocab_size, &file, now_ms()).await?;
+    Ok((StatusCode::CREATED, AppJson(tokenizer_view(info))))
+}
+
+/// Every imported tokenizer, oldest first.
+#[utoipa::path(get, path = "/v1/admin/tokenizers", tag = "admin", security(("operator" = [])),
+    responses((status = 200, description = "the imported tokenizers", body = Vec<TokenizerView>),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody)))]
+async fn list_tokenizers(
+    State(state): State<AppState>,
+    _op: Operator,
+) -> Result<AppJson<Vec<TokenizerView>>, ApiError> {
+    Ok(AppJson(state.store().tokenizers().await?.into_iter().map(tokenizer_view).collect()))
+}
+
+fn tokenizer_view(info: crate::store::TokenizerInfo) -> TokenizerView {
+    TokenizerView {
+        content_hash: info.content_hash,
+        name: info.name,
+        vocab_size: info.vocab_size as u64,
+        bytes: info.bytes as u64,
+        created_at_ms: info.created_at_ms,
+    }
 }
 
 /// Every imported pretrained model, oldest first.

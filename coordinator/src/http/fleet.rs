@@ -46,6 +46,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(check_in))
         .routes(routes!(model))
         .routes(routes!(base_model))
+        .routes(routes!(tokenizer))
         .routes(routes!(trained_part))
         .merge(uploads)
         .routes(routes!(secagg_message, secagg_instruction))
@@ -284,6 +285,33 @@ async fn base_model(
     .await
     .map_err(|e| ApiError::internal(&e))??;
     Ok(immutable_cbor(body))
+}
+
+/// An imported tokenizer's `tokenizer.json`, for devices whose tasks name it: fetched once,
+/// the same for every run that names it; the device checks its SHA-256 against the name.
+#[utoipa::path(get, path = "/v1/tokenizers/{hash}", tag = "fleet", security(("device" = [])),
+    params(("hash" = String, Path, description = "the tokenizer's content hash, 64 hex digits")),
+    responses(
+        (status = 200, description = "the tokenizer.json file (cacheable forever)", body = Vec<u8>, content_type = "application/json"),
+        (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
+        (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
+        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+    ))]
+async fn tokenizer(
+    State(state): State<AppState>,
+    _device: DeviceAuth,
+    Path(hash): Path<String>,
+) -> Result<Response, ApiError> {
+    let file = state
+        .store()
+        .tokenizer_file(&hash)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no imported tokenizer with this hash"))?;
+    let headers = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable")),
+        (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
+    ];
+    Ok((headers, file).into_response())
 }
 
 /// The tensors a run trains of one of its models (the update's and the local ones, in f32):
