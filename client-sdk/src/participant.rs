@@ -52,6 +52,9 @@ pub(crate) type Tamper = participation::Tamper;
 
 mod base_model;
 mod slots;
+mod text;
+
+pub use text::DeviceText;
 
 /// Attempts per request on transient failures.
 const TRIES: u32 = 4;
@@ -98,6 +101,13 @@ pub enum ParticipantError {
         "the enrolment certificate is not the pinned authority's for this device's identity key"
     )]
     CertificateMismatch,
+    /// The device's examples are text and the task's plan names no tokenizer to make them
+    /// tokens with.
+    #[error("this device's examples are text, and the run's plan names no tokenizer")]
+    NoTokenizer,
+    /// The tokenizer the task names could not be loaded, or gave ids the model does not take.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] starling_core::tokenizer::TokenizerError),
 }
 
 impl From<participation::StateFileError> for ParticipantError {
@@ -249,6 +259,9 @@ pub struct Participant<F: ModelFactory = FromPlan> {
     /// The app's own trainer, when the model lives in another framework: it trains and
     /// evaluates instead of the module `factory` builds (see [`Participant::training_with`]).
     trainer: Option<Arc<dyn Trainer>>,
+    /// The device's text, when its examples are text (see [`Participant::with_text`]): each
+    /// task's tokenizer makes `train_set` and `holdout` from it.
+    text: Option<text::TextSource>,
 }
 
 impl Participant<FromPlan> {
@@ -279,6 +292,7 @@ impl Participant<FromPlan> {
             seed_key: None,
             training_slots: None,
             trainer: None,
+            text: None,
         }
     }
 
@@ -313,6 +327,7 @@ impl<F: ModelFactory> Participant<F> {
             seed_key: self.seed_key,
             training_slots: self.training_slots,
             trainer: self.trainer,
+            text: self.text,
         }
     }
 
@@ -370,6 +385,16 @@ impl<F: ModelFactory> Participant<F> {
     /// burn module: the rest of the participation is the SDK's, as for its own trainer.
     pub fn training_with(mut self, trainer: impl Trainer) -> Self {
         self.trainer = Some(Arc::new(trainer));
+        self
+    }
+
+    /// The same participant training and evaluating on `text`, tokenized with the Hugging Face
+    /// tokenizer each task's plan names (`model.tokenizer`, fetched once and checked against
+    /// its hash) into windows of the model's input length, each labelled with the token after
+    /// it; the examples given at construction are not used. A task whose plan names no
+    /// tokenizer fails with [`ParticipantError::NoTokenizer`], uploading nothing.
+    pub fn with_text(mut self, text: DeviceText) -> Self {
+        self.text = Some(text::TextSource::new(text));
         self
     }
 
@@ -528,7 +553,11 @@ impl<F: ModelFactory> Participant<F> {
             }
             Action::ReadConditions => Event::Conditions(self.attributes()),
             Action::FetchModel => {
-                Event::ModelReady(self.global_model(task.expect("a task's model")).await?)
+                let task = task.expect("a task's model");
+                if self.text.is_some() {
+                    self.tokenize_text(task).await?;
+                }
+                Event::ModelReady(self.global_model(task).await?)
             }
             Action::Evaluate { model, on } if self.trainer.is_some() => {
                 let task = task.expect("a task's model");
@@ -775,6 +804,44 @@ impl<F: ModelFactory> Participant<F> {
         let base = Arc::new(base);
         self.cached_base = Some((hash.to_owned(), base.clone()));
         Ok(base)
+    }
+
+    /// Makes `train_set` and `holdout` from the device's text with the task's tokenizer (kept
+    /// from an earlier task when it is the same, else fetched once and kept beside the state
+    /// file).
+    async fn tokenize_text(&mut self, task: &TaskAssignment) -> Result<(), ParticipantError> {
+        let source = self.text.as_ref().expect("a device with text");
+        let tokenizer = match source.cached(task)? {
+            text::Lookup::Ready(train, holdout) => {
+                (self.train_set, self.holdout) = (train, holdout);
+                return Ok(());
+            }
+            text::Lookup::Tokenize(tokenizer) => tokenizer,
+            text::Lookup::Fetch(hash) => Arc::new(self.tokenizer(&hash).await?),
+        };
+        let source = self.text.as_mut().expect("a device with text");
+        (self.train_set, self.holdout) = source.examples_for(task, tokenizer).await?;
+        Ok(())
+    }
+
+    /// Tokenizer `hash`, from beside the state file or fetched (and kept there).
+    async fn tokenizer(
+        &self,
+        hash: &str,
+    ) -> Result<starling_core::tokenizer::TextTokenizer, ParticipantError> {
+        let file = self.state_file.as_deref().map(|f| text::cache_file(f, hash));
+        if let Some(kept) = file.as_deref().and_then(|f| text::read_cached(f, hash)) {
+            return Ok(kept);
+        }
+        let bytes = retrying(TRIES, || self.fleet.tokenizer(hash)).await?;
+        let tokenizer = starling_core::tokenizer::TextTokenizer::verified(&bytes, hash)?;
+        if let Some(file) = &file {
+            // A cache that cannot be written costs a download next time, nothing more.
+            if let Err(e) = text::write_cache(file, &bytes) {
+                tracing::warn!(file = %file.display(), error = %e, "tokenizer not kept");
+            }
+        }
+        Ok(tokenizer)
     }
 
     /// The task's global model, from the cache when the hash matches.

@@ -312,6 +312,19 @@ impl FleetClient {
         decode_answer(status, &res.bytes().await?)
     }
 
+    /// Downloads an imported tokenizer's `tokenizer.json` (a task's `tokenizer`), unverified:
+    /// the caller checks its content hash.
+    pub async fn tokenizer(&self, hash: &str) -> Result<Vec<u8>, ClientError> {
+        let url = format!("{}{}", self.base, path::tokenizer(hash));
+        let res = self.authed(self.http.get(url)).send().await?;
+        let status = res.status();
+        let bytes = res.bytes().await?;
+        if !status.is_success() {
+            return Err(api_error(status, &bytes));
+        }
+        Ok(bytes.to_vec())
+    }
+
     /// Downloads the tensors `run` trains of its model `hash` (f32).
     pub async fn trained_part(&self, run: RunId, hash: &str) -> Result<TensorPayload, ClientError> {
         let url = format!("{}{}", self.base, path::trained_part(run, hash));
@@ -565,16 +578,42 @@ impl AdminClient {
         name: &str,
         file: Vec<u8>,
     ) -> Result<starling_core::admin::BaseModelView, ClientError> {
-        let url = reqwest::Url::parse_with_params(
-            &format!("{}/v1/admin/base-models", self.base),
-            [("name", name)],
-        )
-        .map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.import_file(path::ADMIN_BASE_MODELS, name, "application/octet-stream", file).await
+    }
+
+    /// Imports a Hugging Face tokenizer, `file` a `tokenizer.json`, under `name`; a plan names
+    /// it with `model.tokenizer` set to its content hash.
+    pub async fn import_tokenizer(
+        &self,
+        name: &str,
+        file: Vec<u8>,
+    ) -> Result<starling_core::admin::TokenizerView, ClientError> {
+        self.import_file(path::ADMIN_TOKENIZERS, name, "application/json", file).await
+    }
+
+    /// Every imported tokenizer.
+    pub async fn tokenizers(
+        &self,
+    ) -> Result<Vec<starling_core::admin::TokenizerView>, ClientError> {
+        self.send(reqwest::Method::GET, path::ADMIN_TOKENIZERS, None).await
+    }
+
+    /// Posts a file to import at `path` under `name`, answering with the import's view.
+    async fn import_file<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        name: &str,
+        content_type: &'static str,
+        file: Vec<u8>,
+    ) -> Result<T, ClientError> {
+        let url =
+            reqwest::Url::parse_with_params(&format!("{}{path}", self.base), [("name", name)])
+                .map_err(|e| ClientError::Decode(e.to_string()))?;
         let res = self
             .http
             .post(url)
             .header(AUTHORIZATION, format!("Bearer {}", self.token))
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .header(reqwest::header::CONTENT_TYPE, content_type)
             .body(file)
             .send()
             .await?;
@@ -590,7 +629,7 @@ impl AdminClient {
     pub async fn base_models(
         &self,
     ) -> Result<Vec<starling_core::admin::BaseModelView>, ClientError> {
-        self.send(reqwest::Method::GET, "/v1/admin/base-models", None).await
+        self.send(reqwest::Method::GET, path::ADMIN_BASE_MODELS, None).await
     }
 
     /// A committed model as a file: `safetensors`, or `payload` (the CBOR devices download).

@@ -20,3 +20,4 @@ mod sdk;
 mod secure;
 mod strategy;
 mod tidy;
+mod tokenizers;

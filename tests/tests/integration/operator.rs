@@ -606,11 +606,11 @@ async fn a_central_evaluator_passes_over_versions_given_up_between_checkpoints()
     c.running.shutdown().await.unwrap();
 }
 
-/// The operator's command line imports a pretrained model (printing the hash a plan names),
-/// lists it, and exports a LoRA run's model merged into its base and its adapters alone; a part
+/// The operator's command line imports a pretrained model and a tokenizer (printing the hashes
+/// a plan names), lists them, and exports a LoRA run's model merged into its base and its adapters alone; a part
 /// of a payload export is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_command_line_imports_a_base_and_exports_a_lora_runs_parts() {
+async fn the_command_line_imports_a_base_and_a_tokenizer_and_exports_a_lora_runs_parts() {
     use crate::fine_tuning::{char_transformer, char_transformer_file};
     let (_db_dir, db) = sqlite_db();
     let c = starling_tests::start_in_process(&db).await.unwrap();
@@ -626,6 +626,15 @@ async fn the_command_line_imports_a_base_and_exports_a_lora_runs_parts() {
     assert!(hash.len() == 64 && imported.contains("(chars: 22 tensors"), "{imported}");
     let bases = stdout(&starling(url, &["models", "bases"]).await);
     assert!(bases.lines().any(|l| l.starts_with(&hash) && l.ends_with("chars")), "{bases}");
+    let words = crate::tokenizers::word_tokenizer("to be or not to be", 3);
+    let words_hash = starling_core::tokenizer::content_hash(&words);
+    let words_file = dir.path().join("tokenizer.json");
+    std::fs::write(&words_file, words).unwrap();
+    let args = ["models", "import-tokenizer", words_file.to_str().unwrap(), "--name", "words"];
+    let imported = stdout(&starling(url, &args).await);
+    assert!(imported.starts_with(&format!("{words_hash} (words: ids below 4")), "{imported}");
+    let listed = stdout(&starling(url, &["models", "tokenizers"]).await);
+    assert!(listed.lines().any(|l| l.starts_with(&words_hash) && l.ends_with("words")), "{listed}");
 
     let (base, lora) = (char_transformer(false), char_transformer(true));
     let plan = serde_json::json!({

@@ -138,6 +138,22 @@ enum ModelsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Import a Hugging Face tokenizer (a checkpoint's `tokenizer.json`) for devices to
+    /// tokenize their text with: prints its content hash, which a plan's `model.tokenizer`
+    /// names.
+    ImportTokenizer {
+        /// The `tokenizer.json` file.
+        file: PathBuf,
+        /// A name for people.
+        #[arg(long)]
+        name: String,
+    },
+    /// List the imported tokenizers.
+    Tokenizers {
+        /// Print JSON rather than a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Download a committed model.
     Export {
         /// The run.
@@ -310,6 +326,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         b.schema.tensors.len(),
                         b.bytes,
                         b.name
+                    )?;
+                }
+            }
+        }
+        Command::Models(ModelsCommand::ImportTokenizer { file, name }) => {
+            let bytes =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let t = admin.import_tokenizer(&name, bytes).await?;
+            writeln!(
+                out,
+                "{} ({}: ids below {}, {} bytes)",
+                t.content_hash, t.name, t.vocab_size, t.bytes
+            )?;
+        }
+        Command::Models(ModelsCommand::Tokenizers { json }) => {
+            let tokenizers = admin.tokenizers().await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&tokenizers)?)?;
+            } else {
+                writeln!(out, "{:<64}  {:>8}  {:>12}  name", "content hash", "vocab", "bytes")?;
+                for t in tokenizers {
+                    writeln!(
+                        out,
+                        "{:<64}  {:>8}  {:>12}  {}",
+                        t.content_hash, t.vocab_size, t.bytes, t.name
                     )?;
                 }
             }
