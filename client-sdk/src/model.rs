@@ -21,7 +21,7 @@ use starling_core::model_spec::{Activation, InputSpec, LayerSpec, ModelSpec, Spe
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
 
 pub use linear::Linear;
-pub use transformer::{PositionEmbedding, TransformerBlock};
+pub use transformer::{LlamaBlock, PositionEmbedding, RmsNorm, TransformerBlock};
 
 pub mod cpu_kernels;
 mod linear;
@@ -147,6 +147,8 @@ pub enum Layer {
     LastStep(LastStep),
     PositionEmbedding(PositionEmbedding),
     TransformerBlock(TransformerBlock),
+    RmsNorm(RmsNorm),
+    LlamaBlock(LlamaBlock),
 }
 
 /// Flattens all but the batch dimension.
@@ -222,14 +224,31 @@ impl SpecModel {
                     Layer::PositionEmbedding(PositionEmbedding::new(u(t), u(f), device))
                 }
                 (
-                    LayerSpec::TransformerBlock { heads, width, ffn, dropout },
+                    LayerSpec::TransformerBlock { heads, width, ffn, dropout, activation },
                     Activation::Sequence(..),
                 ) => Layer::TransformerBlock(TransformerBlock::new(
                     u(heads),
                     u(width),
                     u(ffn),
                     dropout,
+                    activation == starling_core::model_spec::FfnActivation::GeluTanh,
                     &|name| lora(&format!("layers.{i}.TransformerBlock.{name}")),
+                    device,
+                )),
+                (LayerSpec::RmsNorm { eps }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    Layer::RmsNorm(RmsNorm::new(u(f), eps, device))
+                }
+                (
+                    LayerSpec::LlamaBlock { heads, kv_heads, width, ffn, rope_theta, norm_eps },
+                    Activation::Sequence(..),
+                ) => Layer::LlamaBlock(LlamaBlock::new(
+                    u(heads),
+                    u(kv_heads),
+                    u(width),
+                    u(ffn),
+                    rope_theta,
+                    norm_eps,
+                    &|name| lora(&format!("layers.{i}.LlamaBlock.{name}")),
                     device,
                 )),
                 (layer, act) => unreachable!("spec validation admitted {layer:?} on {act:?}"),
@@ -321,6 +340,9 @@ impl Layer {
             (Layer::LayerNorm(n), Batch::Sequence(t)) => Batch::Sequence(n.forward(t)),
             (Layer::PositionEmbedding(p), Batch::Sequence(t)) => Batch::Sequence(p.forward(t)),
             (Layer::TransformerBlock(b), Batch::Sequence(t)) => Batch::Sequence(b.forward(t)),
+            (Layer::RmsNorm(n), Batch::Flat(t)) => Batch::Flat(n.forward(t)),
+            (Layer::RmsNorm(n), Batch::Sequence(t)) => Batch::Sequence(n.forward(t)),
+            (Layer::LlamaBlock(b), Batch::Sequence(t)) => Batch::Sequence(b.forward(t)),
             (Layer::LastStep(_), Batch::Sequence(t)) => {
                 let [b, s, f] = t.dims();
                 Batch::Flat(t.slice([0..b, s - 1..s, 0..f]).reshape([b, f]))

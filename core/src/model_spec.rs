@@ -65,6 +65,45 @@ const BLOCK_SUBLAYERS: [(&str, bool); 8] = [
     ("ffn_outer", true),
 ];
 
+/// The linear maps of a Llama block, in parameter order (`false`: an RMS norm).
+const LLAMA_SUBLAYERS: [(&str, bool); 9] = [
+    ("norm_attention", false),
+    ("query", true),
+    ("key", true),
+    ("value", true),
+    ("output", true),
+    ("norm_ffn", false),
+    ("ffn_gate", true),
+    ("ffn_up", true),
+    ("ffn_down", true),
+];
+
+/// The activation inside a transformer block's feed-forward net.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnActivation {
+    /// GELU with the exact error function (PyTorch's default, BERT's).
+    #[default]
+    Gelu,
+    /// GELU's tanh approximation, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (GPT-2's
+    /// `gelu_new`).
+    GeluTanh,
+}
+
+impl FfnActivation {
+    fn is_gelu(&self) -> bool {
+        *self == FfnActivation::Gelu
+    }
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
 /// The shape of one example.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
@@ -159,6 +198,38 @@ pub enum LayerSpec {
         /// Dropout on the attention and feed-forward outputs while training.
         #[serde(default)]
         dropout: f64,
+        /// The feed-forward net's activation (default `gelu`; GPT-2's is `gelu_tanh`).
+        #[serde(default, skip_serializing_if = "FfnActivation::is_gelu")]
+        activation: FfnActivation,
+    },
+    /// Root-mean-square normalization over the last dimension, `x / √(mean(x²) + eps) · γ`
+    /// (Zhang & Sennrich 2019; Llama's norm).
+    RmsNorm {
+        /// Added to the mean square (default 1e-6).
+        #[serde(default = "default_rms_eps")]
+        eps: f64,
+    },
+    /// A Llama decoder block: `x + attention(rms_norm(x))`, causal, with rotary positions on
+    /// queries and keys (Su et al. 2021, in the half-split layout of Hugging Face's Llama) and
+    /// `kv_heads` key/value heads shared by groups of query heads (grouped-query attention);
+    /// then `x + down(silu(gate(n)) · up(n))` with `n = rms_norm(x)` (SwiGLU). Its linear maps
+    /// carry biases, zero when imported from a checkpoint without them.
+    LlamaBlock {
+        /// Query heads; they split `width` evenly.
+        heads: u64,
+        /// Key/value heads; they divide `heads` (equal: plain multi-head attention).
+        kv_heads: u64,
+        /// The block's width: the features of the sequence it takes.
+        width: u64,
+        /// Hidden width of the feed-forward net.
+        ffn: u64,
+        /// The rotary base: head dimension pair `j` turns by `position · theta^(−2j/head_width)`
+        /// (default 10 000).
+        #[serde(default = "default_rope_theta")]
+        rope_theta: f64,
+        /// The RMS norms' `eps` (default 1e-6).
+        #[serde(default = "default_rms_eps")]
+        norm_eps: f64,
     },
 }
 
@@ -245,6 +316,8 @@ impl LayerSpec {
             LayerSpec::LastStep {} => "LastStep",
             LayerSpec::PositionEmbedding {} => "PositionEmbedding",
             LayerSpec::TransformerBlock { .. } => "TransformerBlock",
+            LayerSpec::RmsNorm { .. } => "RmsNorm",
+            LayerSpec::LlamaBlock { .. } => "LlamaBlock",
         }
     }
 }
@@ -345,10 +418,37 @@ impl ModelSpec {
                 (LayerSpec::LastStep {}, Activation::Sequence(_, f)) => Activation::Flat(f),
                 (LayerSpec::PositionEmbedding {}, a @ Activation::Sequence(..)) => a,
                 (
-                    LayerSpec::TransformerBlock { heads, width, ffn, dropout },
+                    LayerSpec::TransformerBlock { heads, width, ffn, dropout, .. },
                     a @ Activation::Sequence(_, f),
                 ) => {
                     check_transformer_block(i, heads, width, ffn, dropout, f)?;
+                    a
+                }
+                (
+                    LayerSpec::RmsNorm { eps },
+                    a @ (Activation::Flat(_) | Activation::Sequence(..)),
+                ) => {
+                    check_eps(i, eps)?;
+                    a
+                }
+                (
+                    LayerSpec::LlamaBlock { heads, kv_heads, width, ffn, rope_theta, norm_eps },
+                    a @ Activation::Sequence(_, f),
+                ) => {
+                    check_transformer_block(i, heads, width, ffn, 0.0, f)?;
+                    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+                        return Err(bad(
+                            i,
+                            &format!("{kv_heads} key/value heads do not divide {heads} heads"),
+                        ));
+                    }
+                    if !(width / heads).is_multiple_of(2) {
+                        return Err(bad(i, "rotary positions need an even head width"));
+                    }
+                    if !(rope_theta.is_finite() && rope_theta > 1.0) {
+                        return Err(bad(i, "rope_theta must be finite and above 1"));
+                    }
+                    check_eps(i, norm_eps)?;
                     a
                 }
                 _ => return Err(mismatch()),
@@ -373,6 +473,12 @@ impl ModelSpec {
                         .iter()
                         .filter(|(_, is_linear)| *is_linear)
                         .map(|(name, _)| format!("layers.{i}.TransformerBlock.{name}")),
+                ),
+                LayerSpec::LlamaBlock { .. } => paths.extend(
+                    LLAMA_SUBLAYERS
+                        .iter()
+                        .filter(|(_, is_linear)| *is_linear)
+                        .map(|(name, _)| format!("layers.{i}.LlamaBlock.{name}")),
                 ),
                 _ => {}
             }
@@ -585,6 +691,30 @@ impl ModelSpec {
                         }
                     }
                 }
+                (LayerSpec::RmsNorm { .. }, Activation::Flat(f) | Activation::Sequence(_, f)) => {
+                    params.push(&prefix, "gamma", vec![f], Init::Constant(1.0));
+                }
+                (
+                    LayerSpec::LlamaBlock { heads, kv_heads, width: w, ffn, .. },
+                    Activation::Sequence(..),
+                ) => {
+                    // The field order of the SDK's `LlamaBlock`, which burn visits.
+                    let kv_width = w / heads * kv_heads;
+                    for (name, is_linear) in LLAMA_SUBLAYERS {
+                        let path = format!("{prefix}.{name}");
+                        let (fan_in, out) = match name {
+                            "key" | "value" => (w, kv_width),
+                            "ffn_gate" | "ffn_up" => (w, ffn),
+                            "ffn_down" => (ffn, w),
+                            _ => (w, w),
+                        };
+                        if is_linear {
+                            params.linear(&path, fan_in, out, self.lora_rank(&path));
+                        } else {
+                            params.push(&path, "gamma", vec![w], Init::Constant(1.0));
+                        }
+                    }
+                }
                 _ => {}
             }
         }
@@ -697,6 +827,13 @@ fn check_transformer_block(
     }
     if !(0.0..1.0).contains(&dropout) {
         return Err(bad(layer, "dropout probability must be in [0, 1)"));
+    }
+    Ok(())
+}
+
+fn check_eps(layer: usize, eps: f64) -> Result<(), SpecError> {
+    if !(eps.is_finite() && eps > 0.0 && eps < 1.0) {
+        return Err(bad(layer, "a norm's eps must be in (0, 1)"));
     }
     Ok(())
 }

@@ -35,6 +35,19 @@ fn transformer() -> ModelSpec {
     ]}))
 }
 
+/// Llama's shape: RMS norms, rotary positions, grouped-query attention (4 query heads over 2
+/// key/value heads, then plain multi-head), SwiGLU; a GPT-2 block (GELU's tanh form) between,
+/// and adapters on a Llama block's maps.
+fn llama() -> ModelSpec {
+    spec(serde_json::json!({"input": {"kind": "tokens", "vocab": 20, "length": 6}, "layers": [
+        {"kind": "embedding", "dim": 8},
+        {"kind": "llama_block", "heads": 4, "kv_heads": 2, "width": 8, "ffn": 12, "rope_theta": 500.0},
+        {"kind": "transformer_block", "heads": 2, "width": 8, "ffn": 16, "activation": "gelu_tanh"},
+        {"kind": "llama_block", "heads": 2, "kv_heads": 2, "width": 8, "ffn": 10, "norm_eps": 1e-5},
+        {"kind": "rms_norm", "eps": 1e-5}, {"kind": "last_step"}, {"kind": "linear", "out": 20}
+    ], "lora": {"rank": 2, "alpha": 4.0, "targets": ["layers.3.LlamaBlock.*"]}}))
+}
+
 /// The transformer with adapters on its attention's query and value maps and on its output
 /// layer.
 fn lora_transformer() -> ModelSpec {
@@ -50,7 +63,7 @@ fn lora_transformer() -> ModelSpec {
 
 #[test]
 fn module_schema_equals_spec_schema() {
-    for spec in [cnn(), recurrent(), transformer(), lora_transformer()] {
+    for spec in [cnn(), recurrent(), transformer(), lora_transformer(), llama()] {
         let model = SpecModel::build(&spec, &Device::flex()).unwrap();
         assert_eq!(model.schema(), spec.schema().unwrap());
     }
@@ -58,7 +71,7 @@ fn module_schema_equals_spec_schema() {
 
 #[test]
 fn coordinator_parameters_round_trip_through_the_module() {
-    for spec in [cnn(), recurrent(), transformer(), lora_transformer()] {
+    for spec in [cnn(), recurrent(), transformer(), lora_transformer(), llama()] {
         let values = spec.initial_parameters(3).unwrap();
         let model = SpecModel::build(&spec, &Device::flex().autodiff())
             .unwrap()
@@ -86,6 +99,8 @@ fn forward_gives_logits_of_the_spec_shape() {
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; 12], [2, 6]), &device);
     assert_eq!(model.forward(Batch::Tokens(tokens.clone())).dims(), [2, 20]);
     let model = SpecModel::build(&transformer(), &device).unwrap();
+    assert_eq!(model.forward(Batch::Tokens(tokens.clone())).dims(), [2, 20]);
+    let model = SpecModel::build(&llama(), &device).unwrap();
     assert_eq!(model.forward(Batch::Tokens(tokens)).dims(), [2, 20]);
 }
 
@@ -209,21 +224,26 @@ fn a_fused_2x2_pool_equals_burns_pool_and_relu() {
 }
 
 /// Changing the last steps of a sequence leaves a block's output at every earlier step as it
-/// was (causal attention), and does change it at the changed steps.
+/// was (causal attention), and does change it at the changed steps: GPT-2's block and Llama's.
 #[test]
 fn a_transformer_block_never_attends_to_later_steps() {
     use burn::tensor::Distribution;
     let device = Device::flex();
-    let block = TransformerBlock::new(2, 8, 16, 0.0, &|_| None, &device);
-    let x = Tensor::<3>::random([3, 6, 8], Distribution::Normal(0.0, 1.0), &device);
-    let later = Tensor::<3>::random([3, 2, 8], Distribution::Normal(0.0, 1.0), &device);
-    let changed = Tensor::cat(vec![x.clone().slice([0..3, 0..4, 0..8]), later], 1);
-    let (a, b) = (block.forward(x), block.forward(changed));
-    let earlier =
-        |t: Tensor<3>| t.slice([0..3, 0..4, 0..8]).into_data().try_to_vec::<f32>().unwrap();
-    let last = |t: Tensor<3>| t.slice([0..3, 4..6, 0..8]).into_data().try_to_vec::<f32>().unwrap();
-    assert_eq!(earlier(a.clone()), earlier(b.clone()));
-    assert_ne!(last(a), last(b));
+    let gpt = TransformerBlock::new(2, 8, 16, 0.0, true, &|_| None, &device);
+    let llama = LlamaBlock::new(4, 2, 8, 12, 10_000.0, 1e-6, &|_| None, &device);
+    let blocks: [&dyn Fn(Tensor<3>) -> Tensor<3>; 2] = [&|x| gpt.forward(x), &|x| llama.forward(x)];
+    for block in blocks {
+        let x = Tensor::<3>::random([3, 6, 8], Distribution::Normal(0.0, 1.0), &device);
+        let later = Tensor::<3>::random([3, 2, 8], Distribution::Normal(0.0, 1.0), &device);
+        let changed = Tensor::cat(vec![x.clone().slice([0..3, 0..4, 0..8]), later], 1);
+        let (a, b) = (block(x), block(changed));
+        let earlier =
+            |t: Tensor<3>| t.slice([0..3, 0..4, 0..8]).into_data().try_to_vec::<f32>().unwrap();
+        let last =
+            |t: Tensor<3>| t.slice([0..3, 4..6, 0..8]).into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(earlier(a.clone()), earlier(b.clone()));
+        assert_ne!(last(a), last(b));
+    }
 }
 
 /// An adapted model computes what core's merge of it computes as a plain model: the SDK's

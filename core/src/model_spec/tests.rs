@@ -331,7 +331,8 @@ mod random_specs {
                 heads,
                 width,
                 ffn,
-                dropout: 0.0
+                dropout: 0.0,
+                activation: Default::default(),
             }),
         ]
     }
