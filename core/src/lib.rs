@@ -25,6 +25,8 @@ pub mod eligibility;
 pub mod fedavg;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod hf_export;
+pub mod hf_import;
 pub mod ids;
 pub mod model_spec;
 pub mod participation;

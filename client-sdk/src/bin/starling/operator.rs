@@ -132,6 +132,23 @@ enum ModelsCommand {
         #[arg(long)]
         name: String,
     },
+    /// Import a Hugging Face checkpoint (a directory with `config.json` and an F32
+    /// `model.safetensors`, of the GPT-2 or Llama family) as a pretrained model: writes the
+    /// model spec it becomes to `--spec-out` (a plan's `model.spec`) and prints the content hash
+    /// its `init` names.
+    ImportHf {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// A name for people.
+        #[arg(long)]
+        name: String,
+        /// Tokens the model takes: the plan's input length, at most the checkpoint's positions.
+        #[arg(long, default_value_t = 64)]
+        length: u64,
+        /// Where to write the model spec (JSON).
+        #[arg(long)]
+        spec_out: PathBuf,
+    },
     /// List the imported pretrained models.
     Bases {
         /// Print JSON rather than a table.
@@ -161,14 +178,17 @@ enum ModelsCommand {
         /// The model version [default: the latest].
         #[arg(long)]
         version: Option<i64>,
-        /// `safetensors` (named f32 tensors) or `payload` (the CBOR payload devices download).
-        #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "payload"])]
+        /// `safetensors` (named f32 tensors), `payload` (the CBOR payload devices download), or
+        /// for a run from a Llama checkpoint (`models import-hf`) `hf` (the model, adapters
+        /// merged, as a Hugging Face checkpoint directory) or `peft` (a LoRA run's adapters as a
+        /// PEFT adapter directory).
+        #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "payload", "hf", "peft"])]
         format: String,
         /// With safetensors: `all` (the model as trained), or for a LoRA run `merged` (the base
         /// model with the adapters merged in) or `adapters` (the adapters alone).
         #[arg(long, default_value = "all", value_parser = ["all", "merged", "adapters"])]
         part: String,
-        /// The file to write.
+        /// The file to write (a directory for `hf` and `peft`).
         #[arg(long, short)]
         out: PathBuf,
     },
@@ -330,6 +350,34 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
+        Command::Models(ModelsCommand::ImportHf { dir, name, length, spec_out }) => {
+            use starling_core::tensor::{f32_to_le_bytes, safetensors};
+            let read = |file: &str| {
+                let path = dir.join(file);
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))
+            };
+            let config = String::from_utf8(read("config.json")?).context("config.json")?;
+            let imported =
+                starling_core::hf_import::import(&config, &read("model.safetensors")?, length)?;
+            let file = safetensors::to_safetensors(
+                &imported.schema,
+                &f32_to_le_bytes(&imported.values),
+                &Default::default(),
+            );
+            let base = admin.import_base_model(&name, file).await?;
+            let spec = serde_json::to_string_pretty(&imported.spec)?;
+            std::fs::write(&spec_out, spec)
+                .with_context(|| format!("writing {}", spec_out.display()))?;
+            writeln!(
+                out,
+                "{} ({}: {} tensors, {} bytes); model spec in {}",
+                base.content_hash,
+                base.name,
+                base.schema.tensors.len(),
+                base.bytes,
+                spec_out.display()
+            )?;
+        }
         Command::Models(ModelsCommand::ImportTokenizer { file, name }) => {
             let bytes =
                 std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -361,6 +409,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(v) => v,
                 None => admin.run(run).await?.model_version,
             };
+            if format == "hf" || format == "peft" {
+                anyhow::ensure!(part == "all", "--part {part} needs --format safetensors");
+                let files = hugging_face_files(&admin, run, version, &format).await?;
+                std::fs::create_dir_all(&path)
+                    .with_context(|| format!("making {}", path.display()))?;
+                for (name, bytes) in &files {
+                    let file = path.join(name);
+                    std::fs::write(&file, bytes)
+                        .with_context(|| format!("writing {}", file.display()))?;
+                }
+                let names: Vec<&str> = files.keys().copied().collect();
+                writeln!(
+                    out,
+                    "run {run} model {version}: {} in {}",
+                    names.join(" and "),
+                    path.display()
+                )?;
+                return Ok(());
+            }
             let bytes = match part.as_str() {
                 "all" => admin.model_file(run, version, &format).await?,
                 part if format == "safetensors" => {
@@ -591,6 +658,27 @@ fn central_accuracy(model: &ModelView) -> Option<f64> {
 
 fn percent(value: Option<f64>) -> String {
     value.map_or("-".to_owned(), |v| format!("{:.2}%", v * 100.0))
+}
+
+/// A run's model `version` in Hugging Face's form: `hf`, the model (adapters merged) as a
+/// checkpoint; `peft`, a LoRA run's adapters as PEFT's.
+async fn hugging_face_files(
+    admin: &AdminClient,
+    run: RunId,
+    version: i64,
+    format: &str,
+) -> anyhow::Result<starling_core::hf_export::Files> {
+    use starling_core::tensor::{f32_from_le_bytes, safetensors};
+    let spec: starling_core::model_spec::ModelSpec =
+        serde_json::from_value(admin.model_spec(run).await?).context("the run's model spec")?;
+    let file = admin.model_file(run, version, "safetensors").await?;
+    let values = f32_from_le_bytes(&safetensors::from_safetensors(&spec.schema()?, &file)?);
+    Ok(match format {
+        "peft" => starling_core::hf_export::peft_adapters(&spec, &values)?,
+        _ => {
+            starling_core::hf_export::checkpoint(&spec.without_lora(), &spec.merge_lora(&values)?)?
+        }
+    })
 }
 
 #[cfg(test)]

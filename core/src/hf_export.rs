@@ -1,0 +1,301 @@
+//! A Llama-family model back out to Hugging Face: the merged model as a checkpoint
+//! `transformers` loads (`config.json` + `model.safetensors`), and a LoRA run's adapters as
+//! PEFT's (`adapter_config.json` + `adapter_model.safetensors`), under their names. The
+//! inverse of [`crate::hf_import`] for the specs it makes of Llama checkpoints.
+
+use std::collections::BTreeMap;
+
+use crate::hf_import::transpose;
+use crate::model_spec::{InputSpec, LayerSpec, ModelSpec};
+use crate::tensor::{DType, TensorSchema, TensorSpec, f32_to_le_bytes, safetensors};
+
+/// Why a model could not be exported in Hugging Face's form.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HfExportError {
+    /// The spec is not one `starling models import-hf` makes of a Llama checkpoint.
+    #[error("not a Llama-shaped spec: {0}")]
+    NotLlama(String),
+    /// The model has something a Hugging Face Llama cannot hold.
+    #[error("{0}")]
+    Unrepresentable(String),
+    /// The run has no LoRA adapters to export.
+    #[error("the run's spec has no LoRA adapters")]
+    NoAdapters,
+    /// The values do not match the spec.
+    #[error("{0}")]
+    Values(String),
+}
+
+/// Files to write, by name.
+pub type Files = BTreeMap<&'static str, Vec<u8>>;
+
+/// The spec's shape as a Llama: its blocks' settings, and where each layer is.
+struct Llama {
+    vocab: u64,
+    width: u64,
+    ffn: u64,
+    heads: u64,
+    kv_heads: u64,
+    rope_theta: f64,
+    norm_eps: f64,
+    length: u64,
+    /// Spec layer index of each block, in order.
+    blocks: Vec<usize>,
+    norm: usize,
+    head: usize,
+}
+
+fn llama(spec: &ModelSpec) -> Result<Llama, HfExportError> {
+    let not = |why: &str| HfExportError::NotLlama(why.to_owned());
+    let InputSpec::Tokens { vocab, length } = spec.input else {
+        return Err(not("its input is not tokens"));
+    };
+    let layers = &spec.layers;
+    let n = layers.len();
+    if n < 5 || !matches!(layers[0], LayerSpec::Embedding { .. }) {
+        return Err(not("it does not start with an embedding"));
+    }
+    let (norm, head) = (n - 3, n - 1);
+    let (LayerSpec::RmsNorm { .. }, LayerSpec::LastStep {}, LayerSpec::Linear { out }) =
+        (layers[norm], layers[n - 2], layers[head])
+    else {
+        return Err(not("it does not end in rms_norm, last_step, linear"));
+    };
+    if out != vocab {
+        return Err(not("its head does not predict the vocabulary"));
+    }
+    let mut settings = None;
+    for layer in &layers[1..norm] {
+        let LayerSpec::LlamaBlock { heads, kv_heads, width, ffn, rope_theta, norm_eps } = *layer
+        else {
+            return Err(not("a layer between the embedding and the norm is not a llama_block"));
+        };
+        let these = (heads, kv_heads, width, ffn, rope_theta.to_bits(), norm_eps.to_bits());
+        if settings.is_some_and(|s| s != these) {
+            return Err(not("its blocks differ in shape"));
+        }
+        settings = Some(these);
+    }
+    let Some((heads, kv_heads, width, ffn, theta, eps)) = settings else {
+        return Err(not("it has no llama_block"));
+    };
+    let LayerSpec::RmsNorm { eps: final_eps } = layers[norm] else { unreachable!() };
+    if final_eps.to_bits() != eps {
+        return Err(not("its final norm's eps differs from its blocks'"));
+    }
+    Ok(Llama {
+        vocab,
+        width,
+        ffn,
+        heads,
+        kv_heads,
+        rope_theta: f64::from_bits(theta),
+        norm_eps: f64::from_bits(eps),
+        length,
+        blocks: (1..norm).collect(),
+        norm,
+        head,
+    })
+}
+
+/// A Starling linear map's Hugging Face module, by its field name in a Llama block.
+fn module_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "query" => "self_attn.q_proj",
+        "key" => "self_attn.k_proj",
+        "value" => "self_attn.v_proj",
+        "output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    })
+}
+
+/// A tensor's shape and values.
+type Shaped<'v> = (Vec<u64>, &'v [f32]);
+
+/// The spec's tensors by name, each with its shape and values.
+fn by_name<'v>(
+    spec: &ModelSpec,
+    values: &'v [f32],
+) -> Result<BTreeMap<String, Shaped<'v>>, HfExportError> {
+    let schema = spec.schema().map_err(|e| HfExportError::Values(e.to_string()))?;
+    if schema.numel() != values.len() as u64 {
+        return Err(HfExportError::Values(format!(
+            "{} values for a model of {}",
+            values.len(),
+            schema.numel()
+        )));
+    }
+    let mut out = BTreeMap::new();
+    let mut at = 0;
+    for t in schema.tensors {
+        let n = t.numel() as usize;
+        out.insert(t.name, (t.shape, &values[at..at + n]));
+        at += n;
+    }
+    Ok(out)
+}
+
+/// Named tensors as a safetensors file, in name order.
+fn safetensors_file(tensors: BTreeMap<String, (Vec<u64>, Vec<f32>)>) -> Vec<u8> {
+    let mut schema = TensorSchema { tensors: vec![] };
+    let mut data = vec![];
+    for (name, (shape, values)) in tensors {
+        schema.tensors.push(TensorSpec { name, shape, dtype: DType::F32 });
+        data.extend(values);
+    }
+    let metadata = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    safetensors::to_safetensors(&schema, &f32_to_le_bytes(&data), &metadata)
+}
+
+/// The merged model (`spec` without adapters, `values` of that spec) as a Hugging Face Llama
+/// checkpoint: `config.json` and `model.safetensors`.
+pub fn checkpoint(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExportError> {
+    if spec.lora.is_some() {
+        return Err(HfExportError::Values(
+            "merge the adapters first (ModelSpec::merge_lora)".into(),
+        ));
+    }
+    let l = llama(spec)?;
+    let named = by_name(spec, values)?;
+    let get = |name: &str| named.get(name).expect("the spec names it");
+    let mut out = BTreeMap::new();
+    let (embedding_shape, embedding) = get("layers.0.Embedding.weight");
+    out.insert("model.embed_tokens.weight".into(), (embedding_shape.clone(), embedding.to_vec()));
+    // A Hugging Face Llama has biases on all four attention maps or none, and on all three
+    // feed-forward maps or none: any non-zero one turns its group's on.
+    let nonzero = |fields: &[&str]| {
+        l.blocks.iter().any(|b| {
+            fields.iter().any(|f| {
+                get(&format!("layers.{b}.LlamaBlock.{f}.bias")).1.iter().any(|v| *v != 0.0)
+            })
+        })
+    };
+    let attention_bias = nonzero(&["query", "key", "value", "output"]);
+    let mlp_bias = nonzero(&["ffn_gate", "ffn_up", "ffn_down"]);
+    for (k, b) in l.blocks.iter().enumerate() {
+        let ours = format!("layers.{b}.LlamaBlock");
+        let theirs = format!("model.layers.{k}");
+        for (norm, hf) in
+            [("norm_attention", "input_layernorm"), ("norm_ffn", "post_attention_layernorm")]
+        {
+            let (shape, v) = get(&format!("{ours}.{norm}.gamma"));
+            out.insert(format!("{theirs}.{hf}.weight"), (shape.clone(), v.to_vec()));
+        }
+        for field in ["query", "key", "value", "output", "ffn_gate", "ffn_up", "ffn_down"] {
+            let module = module_of(field).expect("a Llama block's map");
+            let (shape, w) = get(&format!("{ours}.{field}.weight"));
+            let (fan_in, fan_out) = (shape[0], shape[1]);
+            out.insert(
+                format!("{theirs}.{module}.weight"),
+                (vec![fan_out, fan_in], transpose(w, fan_in, fan_out)),
+            );
+            let with_bias = if module.starts_with("mlp") { mlp_bias } else { attention_bias };
+            if with_bias {
+                let (shape, v) = get(&format!("{ours}.{field}.bias"));
+                out.insert(format!("{theirs}.{module}.bias"), (shape.clone(), v.to_vec()));
+            }
+        }
+    }
+    let (shape, v) = get(&format!("layers.{}.RmsNorm.gamma", l.norm));
+    out.insert("model.norm.weight".into(), (shape.clone(), v.to_vec()));
+    let (_, head_bias) = get(&format!("layers.{}.Linear.bias", l.head));
+    if head_bias.iter().any(|v| *v != 0.0) {
+        return Err(HfExportError::Unrepresentable(
+            "the head's bias is not zero: a Hugging Face Llama's lm_head has none".into(),
+        ));
+    }
+    let (_, head) = get(&format!("layers.{}.Linear.weight", l.head));
+    out.insert(
+        "lm_head.weight".into(),
+        (vec![l.vocab, l.width], transpose(head, l.width, l.vocab)),
+    );
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": l.vocab,
+        "hidden_size": l.width,
+        "intermediate_size": l.ffn,
+        "num_hidden_layers": l.blocks.len(),
+        "num_attention_heads": l.heads,
+        "num_key_value_heads": l.kv_heads,
+        "head_dim": l.width / l.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": l.length,
+        "rms_norm_eps": l.norm_eps,
+        "rope_theta": l.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": l.rope_theta},
+        "attention_bias": attention_bias,
+        "mlp_bias": mlp_bias,
+        "tie_word_embeddings": false,
+        "torch_dtype": "float32",
+    });
+    Ok(BTreeMap::from([
+        ("config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
+        ("model.safetensors", safetensors_file(out)),
+    ]))
+}
+
+/// A LoRA run's adapters (`spec` with its `lora`, `values` of that spec) as PEFT's:
+/// `adapter_config.json` and `adapter_model.safetensors`, loadable with
+/// `PeftModel.from_pretrained` onto the checkpoint the run started from.
+pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExportError> {
+    let lora = spec.lora.as_ref().ok_or(HfExportError::NoAdapters)?;
+    let l = llama(&spec.without_lora())?;
+    let named = by_name(spec, values)?;
+    let mut out = BTreeMap::new();
+    let mut targets = vec![];
+    let block_of = |i: usize| l.blocks.iter().position(|&b| b == i);
+    for path in spec.linear_paths() {
+        if spec.lora_rank(&path).is_none() {
+            continue;
+        }
+        // `layers.{i}.LlamaBlock.{field}` or the head, `layers.{i}.Linear`.
+        let parts: Vec<&str> = path.split('.').collect();
+        let layer: usize = parts[1].parse().expect("a layer index");
+        let module = match (block_of(layer), parts.get(3)) {
+            (Some(k), Some(field)) => {
+                format!("model.layers.{k}.{}", module_of(field).expect("a Llama block's map"))
+            }
+            _ if layer == l.head => "lm_head".to_owned(),
+            _ => return Err(HfExportError::NotLlama(format!("adapters on {path}"))),
+        };
+        let (a_shape, a) = &named[&format!("{path}.lora_a")];
+        let (b_shape, b) = &named[&format!("{path}.lora_b")];
+        // Starling keeps A `[in, r]` and B `[r, out]`; PEFT's `lora_A` is `[r, in]` and
+        // `lora_B` `[out, r]`, both `nn.Linear` weights.
+        let (fan_in, rank, fan_out) = (a_shape[0], a_shape[1], b_shape[1]);
+        out.insert(
+            format!("base_model.model.{module}.lora_A.weight"),
+            (vec![rank, fan_in], transpose(a, fan_in, rank)),
+        );
+        out.insert(
+            format!("base_model.model.{module}.lora_B.weight"),
+            (vec![fan_out, rank], transpose(b, rank, fan_out)),
+        );
+        targets.push(module);
+    }
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        // Whole module names: PEFT adapts a module whose name ends in one of them.
+        "target_modules": targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "use_rslora": false,
+        "init_lora_weights": true,
+        "inference_mode": true,
+        "modules_to_save": null,
+        "base_model_name_or_path": null,
+    });
+    Ok(BTreeMap::from([
+        ("adapter_config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
+        ("adapter_model.safetensors", safetensors_file(out)),
+    ]))
+}
