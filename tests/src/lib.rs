@@ -34,8 +34,19 @@ pub fn shared_data() -> std::path::PathBuf {
 /// (`xtask/python-requirements.txt`) and sets `STARLING_REQUIRE_PYTHON_TOOLS`, so that there a
 /// missing module fails the test instead.
 pub fn python_with(modules: &[&str]) -> Option<std::path::PathBuf> {
+    python_in("STARLING_PYTHON", modules)
+}
+
+/// A Python interpreter with PyTorch, `transformers` and `peft` (`STARLING_HF_PYTHON`, else
+/// `python3`), as [`python_with`] finds one; `cargo xtask test` makes it
+/// (`tests/python/hf-requirements.txt`, beside the Python SDK's PyTorch).
+pub fn hf_python() -> Option<std::path::PathBuf> {
+    python_in("STARLING_HF_PYTHON", &["torch", "transformers", "peft"])
+}
+
+fn python_in(variable: &str, modules: &[&str]) -> Option<std::path::PathBuf> {
     let python: std::path::PathBuf =
-        std::env::var_os("STARLING_PYTHON").unwrap_or_else(|| "python3".into()).into();
+        std::env::var_os(variable).unwrap_or_else(|| "python3".into()).into();
     let imports = format!("import {}", modules.join(", "));
     let found =
         Command::new(&python).args(["-c", &imports]).output().is_ok_and(|o| o.status.success());

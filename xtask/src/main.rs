@@ -53,6 +53,7 @@ fn test() -> anyhow::Result<()> {
     ensure_software_vulkan()?;
     keep_disk_headroom(&target_dir(&repo_root()?))?;
     let python = ensure_python_tools(&repo_root()?)?;
+    let hf_python = ensure_hf_venv(&repo_root()?)?;
     // The container test serves the built dashboard, as the image does.
     build_dashboard(&repo_root()?.join("web-dashboard"))?;
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
@@ -88,6 +89,7 @@ fn test() -> anyhow::Result<()> {
     tests.env("STARLING_REQUIRE_WGPU", "1");
     // So were the Python packages: the tests that check against them must not skip either.
     tests.env("STARLING_PYTHON", &python).env("STARLING_REQUIRE_PYTHON_TOOLS", "1");
+    tests.env("STARLING_HF_PYTHON", &hf_python);
     // A skipped test passes: the tests that skip write why here, and the list is printed last.
     let skip_log = target_dir(&repo_root()?).join("skipped-tests.txt");
     let _ = std::fs::remove_file(&skip_log);
@@ -487,9 +489,42 @@ fn ensure_python_tools(root: &Path) -> anyhow::Result<std::path::PathBuf> {
     ensure_venv(&target_dir(root).join("python-tools"), &requirements)
 }
 
+/// The venv the Hugging Face tests build checkpoints in: `tests/python/hf-requirements.txt`
+/// (transformers) over the Python SDK's PyTorch venv, which it sees through a .pth file.
+fn ensure_hf_venv(root: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let torch = torch_venv();
+    let requirements =
+        root.join("client-sdk").join("python").join("tests").join("requirements.txt");
+    let torch_python = ensure_venv(&torch, &requirements)?;
+    let hf = torch.with_file_name("hf-venv");
+    ensure_venv_over(
+        &hf,
+        &root.join("tests").join("python").join("hf-requirements.txt"),
+        Some(&torch_python),
+    )
+}
+
+/// The directory a venv's interpreter `python` imports pure packages from.
+fn site_packages(python: &Path) -> anyhow::Result<String> {
+    let output = Command::new(python)
+        .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        .output()?;
+    Ok(String::from_utf8(output.stdout)?.trim().to_owned())
+}
+
 /// A virtual environment at `venv` with `requirements` installed from PyPI, again only when
 /// that file changes; returns its interpreter.
 fn ensure_venv(venv: &Path, requirements: &Path) -> anyhow::Result<std::path::PathBuf> {
+    ensure_venv_over(venv, requirements, None)
+}
+
+/// [`ensure_venv`], seeing the packages of the venv of interpreter `base` too (installed
+/// before `requirements`, so that pip takes what is there).
+fn ensure_venv_over(
+    venv: &Path,
+    requirements: &Path,
+    base: Option<&Path>,
+) -> anyhow::Result<std::path::PathBuf> {
     let python = venv.join("bin").join("python");
     let wanted = std::fs::read_to_string(requirements).context("reading the requirements")?;
     let installed = venv.join("installed-requirements.txt");
@@ -501,6 +536,13 @@ fn ensure_venv(venv: &Path, requirements: &Path) -> anyhow::Result<std::path::Pa
     if !create.status().is_ok_and(|s| s.success()) {
         apt_install("python3-venv")?;
         step("python venv", &mut create)?;
+    }
+    if let Some(base) = base {
+        std::fs::write(
+            Path::new(&site_packages(&python)?).join("starling-base.pth"),
+            site_packages(base)?,
+        )
+        .context("pointing the venv at its base")?;
     }
     step(
         &format!("python packages ({})", requirements.display()),
@@ -547,14 +589,11 @@ fn python_sdk_tests() -> anyhow::Result<()> {
     let venv = out.join("venv");
     step("fresh venv", Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv))?;
     let python = venv.join("bin").join("python");
-    let site = |python: &Path| -> anyhow::Result<String> {
-        let output = Command::new(python)
-            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-            .output()?;
-        Ok(String::from_utf8(output.stdout)?.trim().to_owned())
-    };
-    std::fs::write(Path::new(&site(&python)?).join("starling-torch.pth"), site(&torch_python)?)
-        .context("pointing the fresh venv at PyTorch")?;
+    std::fs::write(
+        Path::new(&site_packages(&python)?).join("starling-torch.pth"),
+        site_packages(&torch_python)?,
+    )
+    .context("pointing the fresh venv at PyTorch")?;
     let mut install = Command::new(&python);
     install.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]);
     step("pip install the wheel", install.arg(&wheel))?;

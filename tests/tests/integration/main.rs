@@ -12,6 +12,7 @@ mod deploy;
 mod e2e;
 mod fine_tuning;
 mod hardening;
+mod hugging_face;
 mod operator;
 mod privacy;
 mod production;

@@ -22,7 +22,7 @@ fn operator_bin() -> &'static Path {
 
 /// `starling ARGS` against `url` with the operator token in the environment, as an operator
 /// runs it.
-async fn starling(url: &str, args: &[&str]) -> Output {
+pub(crate) async fn starling(url: &str, args: &[&str]) -> Output {
     tokio::process::Command::new(operator_bin())
         .args(args)
         .env("STARLING_URL", url)
@@ -45,7 +45,7 @@ fn central_evaluator(url: &str, run: &str) -> tokio::process::Command {
     command
 }
 
-fn stdout(out: &Output) -> String {
+pub(crate) fn stdout(out: &Output) -> String {
     assert!(
         out.status.success(),
         "{}\n{}",
