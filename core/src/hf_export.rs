@@ -1,7 +1,9 @@
-//! A Llama-family model back out to Hugging Face: the merged model as a checkpoint
+//! A GPT-2 or Llama model back out to Hugging Face: the merged model as a checkpoint
 //! `transformers` loads (`config.json` + `model.safetensors`), and a LoRA run's adapters as
 //! PEFT's (`adapter_config.json` + `adapter_model.safetensors`), under their names. The
-//! inverse of [`crate::hf_import`] for the specs it makes of Llama checkpoints.
+//! inverse of [`crate::hf_import`] for the specs it makes.
+
+mod gpt2;
 
 use std::collections::BTreeMap;
 
@@ -13,10 +15,10 @@ use crate::tensor::{DType, TensorSchema, TensorSpec, f32_to_le_bytes, safetensor
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum HfExportError {
-    /// The spec is not one `starling models import-hf` makes of a Llama checkpoint.
-    #[error("not a Llama-shaped spec: {0}")]
-    NotLlama(String),
-    /// The model has something a Hugging Face Llama cannot hold.
+    /// The spec is not one `starling models import-hf` makes of a GPT-2 or Llama checkpoint.
+    #[error("not a spec of a GPT-2 or Llama checkpoint: {0}")]
+    NotImported(String),
+    /// The model has something a Hugging Face model cannot hold.
     #[error("{0}")]
     Unrepresentable(String),
     /// The run has no LoRA adapters to export.
@@ -47,7 +49,7 @@ struct Llama {
 }
 
 fn llama(spec: &ModelSpec) -> Result<Llama, HfExportError> {
-    let not = |why: &str| HfExportError::NotLlama(why.to_owned());
+    let not = |why: &str| HfExportError::NotImported(why.to_owned());
     let InputSpec::Tokens { vocab, length } = spec.input else {
         return Err(not("its input is not tokens"));
     };
@@ -151,13 +153,21 @@ fn safetensors_file(tensors: BTreeMap<String, (Vec<u64>, Vec<f32>)>) -> Vec<u8> 
     safetensors::to_safetensors(&schema, &f32_to_le_bytes(&data), &metadata)
 }
 
-/// The merged model (`spec` without adapters, `values` of that spec) as a Hugging Face Llama
-/// checkpoint: `config.json` and `model.safetensors`.
+/// Whether `spec` is a Llama's (else it may be GPT-2's).
+fn is_llama(spec: &ModelSpec) -> bool {
+    spec.layers.iter().any(|l| matches!(l, LayerSpec::LlamaBlock { .. }))
+}
+
+/// The merged model (`spec` without adapters, `values` of that spec) as a Hugging Face GPT-2
+/// or Llama checkpoint: `config.json` and `model.safetensors`.
 pub fn checkpoint(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExportError> {
     if spec.lora.is_some() {
         return Err(HfExportError::Values(
             "merge the adapters first (ModelSpec::merge_lora)".into(),
         ));
+    }
+    if !is_llama(spec) {
+        return gpt2::checkpoint(spec, values);
     }
     let l = llama(spec)?;
     let named = by_name(spec, values)?;
@@ -244,6 +254,9 @@ pub fn checkpoint(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExportErr
 /// `PeftModel.from_pretrained` onto the checkpoint the run started from.
 pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExportError> {
     let lora = spec.lora.as_ref().ok_or(HfExportError::NoAdapters)?;
+    if !is_llama(spec) {
+        return gpt2::peft_adapters(spec, lora, values);
+    }
     let l = llama(&spec.without_lora())?;
     let named = by_name(spec, values)?;
     let mut out = BTreeMap::new();
@@ -261,7 +274,7 @@ pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExport
                 format!("model.layers.{k}.{}", module_of(field).expect("a Llama block's map"))
             }
             _ if layer == l.head => "lm_head".to_owned(),
-            _ => return Err(HfExportError::NotLlama(format!("adapters on {path}"))),
+            _ => return Err(HfExportError::NotImported(format!("adapters on {path}"))),
         };
         let (a_shape, a) = &named[&format!("{path}.lora_a")];
         let (b_shape, b) = &named[&format!("{path}.lora_b")];

@@ -160,22 +160,35 @@ fn logits_of(
     model.forward(Batch::Tokens(ids)).into_data().try_to_vec::<f32>().unwrap()
 }
 
-/// The Llama checkpoint imported, with LoRA adapters on its queries, values, one feed-forward
-/// map and the head, the adapters far from zero: its PEFT export loaded with `peft` onto the
-/// `transformers` checkpoint, and its merged Hugging Face export loaded alone, both give
-/// Starling's logits to 1e-4.
+/// The Llama and GPT-2 checkpoints imported, with LoRA adapters on their queries, values
+/// (GPT-2's fused into one `c_attn` adapter), one feed-forward map and the head, the adapters
+/// far from zero: the PEFT export loaded with `peft` onto the `transformers` checkpoint, and the
+/// merged Hugging Face export loaded alone, both give Starling's logits to 1e-4.
 #[test]
 fn peft_adapters_and_the_merged_checkpoint_load_in_hugging_face_with_starlings_logits() {
-    use starling_core::hf_export::{checkpoint, peft_adapters};
     let dir = tempfile::tempdir().unwrap();
     let Some(references) = checkpoints(dir.path()) else { return };
-    let reference = &references["llama_gqa"];
+    for (name, ffn, head) in [
+        ("llama_gqa", "layers.2.LlamaBlock.ffn_down", "layers.5.Linear"),
+        ("gpt2", "layers.3.TransformerBlock.ffn_outer", "layers.6.Linear"),
+    ] {
+        let targets = ["*.query", "*.value", ffn, head];
+        exports_agree_with_hugging_face(dir.path(), name, &references[name], &targets);
+    }
+}
+
+fn exports_agree_with_hugging_face(
+    dir: &std::path::Path,
+    name: &str,
+    reference: &Reference,
+    targets: &[&str],
+) {
+    use starling_core::hf_export::{checkpoint, peft_adapters};
     let imported = imported(&reference.dir);
     let mut spec = imported.spec.clone();
     spec.lora = Some(
-        serde_json::from_value(serde_json::json!({"rank": 2, "alpha": 6.0,
-            "targets": ["*.query", "*.value", "layers.2.LlamaBlock.ffn_down", "layers.5.Linear"]}))
-        .unwrap(),
+        serde_json::from_value(serde_json::json!({"rank": 2, "alpha": 6.0, "targets": targets}))
+            .unwrap(),
     );
     // The base tensors as imported, every adapter value drawn in ±0.3.
     let base: std::collections::HashMap<_, _> = {
@@ -200,8 +213,8 @@ fn peft_adapters_and_the_merged_checkpoint_load_in_hugging_face_with_starlings_l
         }
     }
     let ours = logits_of(&spec, &values, &reference.ids);
-    let write = |name: &str, files: starling_core::hf_export::Files| {
-        let out = dir.path().join(name);
+    let write = |kind: &str, files: starling_core::hf_export::Files| {
+        let out = dir.join(format!("{name}-{kind}"));
         std::fs::create_dir_all(&out).unwrap();
         for (file, bytes) in files {
             std::fs::write(out.join(file), bytes).unwrap();
@@ -209,10 +222,8 @@ fn peft_adapters_and_the_merged_checkpoint_load_in_hugging_face_with_starlings_l
         out
     };
     let peft_dir = write("peft", peft_adapters(&spec, &values).unwrap());
-    let merged_dir = write(
-        "merged",
-        checkpoint(&spec.without_lora(), &spec.merge_lora(&values).unwrap()).unwrap(),
-    );
+    let merged = spec.merge_lora(&values).unwrap();
+    let merged_dir = write("merged", checkpoint(&spec.without_lora(), &merged).unwrap());
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/peft_check.py");
     let output = Command::new(hf_python().unwrap())
         .arg(script)
@@ -224,7 +235,7 @@ fn peft_adapters_and_the_merged_checkpoint_load_in_hugging_face_with_starlings_l
     let theirs: BTreeMap<String, Vec<Vec<f64>>> = serde_json::from_slice(&output.stdout).unwrap();
     let base_logits = logits_of(&imported.spec, &imported.values, &reference.ids);
     let moved = ours.iter().zip(&base_logits).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-    assert!(moved > 0.1, "the adapters change the logits ({moved})");
+    assert!(moved > 0.1, "{name}: the adapters change the logits ({moved})");
     for (how, logits) in theirs {
         let worst = logits
             .iter()
@@ -232,7 +243,7 @@ fn peft_adapters_and_the_merged_checkpoint_load_in_hugging_face_with_starlings_l
             .zip(&ours)
             .map(|(a, b)| (a - f64::from(*b)).abs())
             .fold(0.0, f64::max);
-        eprintln!("{how}: largest logit difference {worst:.2e}");
-        assert!(worst < 1e-4, "{how}: logits differ by {worst}");
+        eprintln!("{name} {how}: largest logit difference {worst:.2e}");
+        assert!(worst < 1e-4, "{name} {how}: logits differ by {worst}");
     }
 }

@@ -179,7 +179,7 @@ enum ModelsCommand {
         #[arg(long)]
         version: Option<i64>,
         /// `safetensors` (named f32 tensors), `payload` (the CBOR payload devices download), or
-        /// for a run from a Llama checkpoint (`models import-hf`) `hf` (the model, adapters
+        /// for a run from a GPT-2 or Llama checkpoint (`models import-hf`) `hf` (the model, adapters
         /// merged, as a Hugging Face checkpoint directory) or `peft` (a LoRA run's adapters as a
         /// PEFT adapter directory).
         #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "payload", "hf", "peft"])]
