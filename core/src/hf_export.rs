@@ -48,25 +48,43 @@ struct Llama {
     head: usize,
 }
 
-fn llama(spec: &ModelSpec) -> Result<Llama, HfExportError> {
+/// Where a spec `import-hf` made keeps its parts: `(vocab, length, final norm, head)`, once it
+/// is over tokens, starts with an embedding (and `first_block - 1` more layers `starts` accepts)
+/// and ends in a norm `is_norm` accepts, `last_step` and a head over the vocabulary.
+fn frame(
+    spec: &ModelSpec,
+    first_block: usize,
+    starts: impl Fn(&[LayerSpec]) -> bool,
+    is_norm: impl Fn(&LayerSpec) -> bool,
+) -> Result<(u64, u64, usize, usize), HfExportError> {
     let not = |why: &str| HfExportError::NotImported(why.to_owned());
     let InputSpec::Tokens { vocab, length } = spec.input else {
         return Err(not("its input is not tokens"));
     };
     let layers = &spec.layers;
     let n = layers.len();
-    if n < 5 || !matches!(layers[0], LayerSpec::Embedding { .. }) {
-        return Err(not("it does not start with an embedding"));
+    if n < first_block + 4 || !starts(&layers[..first_block]) {
+        return Err(not("it does not start as an imported checkpoint does"));
     }
     let (norm, head) = (n - 3, n - 1);
-    let (LayerSpec::RmsNorm { .. }, LayerSpec::LastStep {}, LayerSpec::Linear { out }) =
-        (layers[norm], layers[n - 2], layers[head])
-    else {
-        return Err(not("it does not end in rms_norm, last_step, linear"));
+    let (LayerSpec::LastStep {}, LayerSpec::Linear { out }) = (layers[n - 2], layers[head]) else {
+        return Err(not("it does not end in last_step, linear"));
     };
-    if out != vocab {
-        return Err(not("its head does not predict the vocabulary"));
+    if !is_norm(&layers[norm]) || out != vocab {
+        return Err(not("its head is not a norm and a map onto the vocabulary"));
     }
+    Ok((vocab, length, norm, head))
+}
+
+fn llama(spec: &ModelSpec) -> Result<Llama, HfExportError> {
+    let not = |why: &str| HfExportError::NotImported(why.to_owned());
+    let (vocab, length, norm, head) = frame(
+        spec,
+        1,
+        |first| matches!(first, [LayerSpec::Embedding { .. }]),
+        |l| matches!(l, LayerSpec::RmsNorm { .. }),
+    )?;
+    let layers = &spec.layers;
     let mut settings = None;
     for layer in &layers[1..norm] {
         let LayerSpec::LlamaBlock { heads, kv_heads, width, ffn, rope_theta, norm_eps } = *layer
@@ -311,4 +329,34 @@ pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExport
         ("adapter_config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
         ("adapter_model.safetensors", safetensors_file(out)),
     ]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(layers: serde_json::Value) -> ModelSpec {
+        serde_json::from_value(serde_json::json!({
+            "input": {"kind": "tokens", "vocab": 10, "length": 4}, "layers": layers
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn what_a_hugging_face_model_cannot_hold_is_refused_by_what_it_is() {
+        let lstm = spec(serde_json::json!([{"kind": "embedding", "dim": 4},
+            {"kind": "lstm", "hidden": 4}, {"kind": "last_step"}, {"kind": "linear", "out": 10}]));
+        let values = lstm.initial_parameters(0).unwrap();
+        assert!(matches!(checkpoint(&lstm, &values), Err(HfExportError::NotImported(_))));
+        let llama = spec(serde_json::json!([{"kind": "embedding", "dim": 4},
+            {"kind": "llama_block", "heads": 2, "kv_heads": 1, "width": 4, "ffn": 8},
+            {"kind": "rms_norm"}, {"kind": "last_step"}, {"kind": "linear", "out": 10}]));
+        let mut values = llama.initial_parameters(0).unwrap();
+        assert!(checkpoint(&llama, &values).is_ok());
+        assert_eq!(peft_adapters(&llama, &values), Err(HfExportError::NoAdapters));
+        // The head's bias is the last tensor: Hugging Face's lm_head has none.
+        *values.last_mut().unwrap() = 1.0;
+        assert!(matches!(checkpoint(&llama, &values), Err(HfExportError::Unrepresentable(_))));
+        assert!(matches!(checkpoint(&llama, &values[1..]), Err(HfExportError::Values(_))));
+    }
 }

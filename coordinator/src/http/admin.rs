@@ -592,12 +592,22 @@ async fn export_model(
     Ok((headers, file).into_response())
 }
 
-/// How `POST /v1/admin/base-models` names the model.
+/// How `POST /v1/admin/base-models` and `POST /v1/admin/tokenizers` name what they import.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 struct ImportQuery {
-    /// A name for people (1..=128 bytes); the model is addressed by its content hash.
+    /// A name for people (1..=128 bytes); the import is addressed by its content hash.
     name: String,
+}
+
+impl ImportQuery {
+    /// The name, once it is 1..=128 bytes.
+    fn name(&self) -> Result<&str, ApiError> {
+        if self.name.is_empty() || self.name.len() > 128 {
+            return Err(ApiError::invalid("name must be 1..=128 bytes"));
+        }
+        Ok(&self.name)
+    }
 }
 
 /// Imports a pretrained model (a safetensors file of F32 tensors, as the body) for plans to
@@ -617,9 +627,7 @@ async fn import_base_model(
     Query(query): Query<ImportQuery>,
     body: axum::body::Body,
 ) -> Result<(StatusCode, AppJson<BaseModelView>), ApiError> {
-    if query.name.is_empty() || query.name.len() > 128 {
-        return Err(ApiError::invalid("name must be 1..=128 bytes"));
-    }
+    let name = query.name()?;
     let file = state.read_body(body, state.base_model_body_limit()).await?;
     let (schema, data, hash) = tokio::task::spawn_blocking(move || {
         let (schema, data) =
@@ -632,7 +640,7 @@ async fn import_base_model(
     })
     .await
     .map_err(|e| ApiError::internal(&e))??;
-    let info = state.store().put_base_model(&hash, &query.name, &schema, &data, now_ms()).await?;
+    let info = state.store().put_base_model(&hash, name, &schema, &data, now_ms()).await?;
     Ok((StatusCode::CREATED, AppJson(base_model_view(&info)?)))
 }
 
@@ -669,19 +677,11 @@ async fn check_tokenizer(
     Ok(())
 }
 
-/// How `POST /v1/admin/tokenizers` names the tokenizer.
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
-#[into_params(parameter_in = Query)]
-struct ImportTokenizerQuery {
-    /// A name for people (1..=128 bytes); the tokenizer is addressed by its content hash.
-    name: String,
-}
-
 /// Imports a Hugging Face tokenizer (a `tokenizer.json` file, as the body) for plans to name
 /// (`model.tokenizer`); answers with its content hash, the SHA-256 of the file. Importing the
 /// same file again answers with the first import.
 #[utoipa::path(post, path = "/v1/admin/tokenizers", tag = "admin", security(("operator" = [])),
-    params(ImportTokenizerQuery),
+    params(ImportQuery),
     request_body(content = Vec<u8>, content_type = "application/json", description = "a Hugging Face tokenizer.json"),
     responses((status = 201, description = "imported (or imported before)", body = TokenizerView),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody),
@@ -691,13 +691,11 @@ struct ImportTokenizerQuery {
 async fn import_tokenizer(
     State(state): State<AppState>,
     _op: Operator,
-    Query(query): Query<ImportTokenizerQuery>,
+    Query(query): Query<ImportQuery>,
     body: axum::body::Body,
 ) -> Result<(StatusCode, AppJson<TokenizerView>), ApiError> {
     use starling_core::tokenizer::{TextTokenizer, content_hash};
-    if query.name.is_empty() || query.name.len() > 128 {
-        return Err(ApiError::invalid("name must be 1..=128 bytes"));
-    }
+    let name = query.name()?;
     let file = state.read_body(body, super::TOKENIZER_BODY_LIMIT).await?;
     // Loaded here as devices will load it, so that a file they could not use is refused now.
     let (file, vocab_size) = tokio::task::spawn_blocking(move || {
@@ -708,7 +706,7 @@ async fn import_tokenizer(
     .await
     .map_err(|e| ApiError::internal(&e))??;
     let hash = content_hash(&file);
-    let info = state.store().put_tokenizer(&hash, &query.name, vocab_size, &file, now_ms()).await?;
+    let info = state.store().put_tokenizer(&hash, name, vocab_size, &file, now_ms()).await?;
     Ok((StatusCode::CREATED, AppJson(tokenizer_view(info))))
 }
 

@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{Files, HfExportError, by_name, safetensors_file};
+use super::{Files, HfExportError, by_name, frame, safetensors_file};
 use crate::hf_import::transpose;
-use crate::model_spec::{FfnActivation, InputSpec, LayerSpec, LoraSpec, ModelSpec};
+use crate::model_spec::{FfnActivation, LayerSpec, LoraSpec, ModelSpec};
 
 /// The spec's shape as a GPT-2.
 struct Gpt2 {
@@ -24,26 +24,13 @@ struct Gpt2 {
 
 fn shape(spec: &ModelSpec) -> Result<Gpt2, HfExportError> {
     let not = |why: &str| HfExportError::NotImported(why.to_owned());
-    let InputSpec::Tokens { vocab, length } = spec.input else {
-        return Err(not("its input is not tokens"));
-    };
+    let (vocab, length, norm, head) = frame(
+        spec,
+        2,
+        |first| matches!(first, [LayerSpec::Embedding { .. }, LayerSpec::PositionEmbedding {}]),
+        |l| matches!(l, LayerSpec::LayerNorm {}),
+    )?;
     let layers = &spec.layers;
-    let n = layers.len();
-    if n < 6
-        || !matches!(layers[0], LayerSpec::Embedding { .. })
-        || !matches!(layers[1], LayerSpec::PositionEmbedding {})
-    {
-        return Err(not("it does not start with an embedding and position embeddings"));
-    }
-    let (norm, head) = (n - 3, n - 1);
-    let (LayerSpec::LayerNorm {}, LayerSpec::LastStep {}, LayerSpec::Linear { out }) =
-        (layers[norm], layers[n - 2], layers[head])
-    else {
-        return Err(not("it does not end in layer_norm, last_step, linear"));
-    };
-    if out != vocab {
-        return Err(not("its head does not predict the vocabulary"));
-    }
     let mut settings = None;
     for layer in &layers[2..norm] {
         let LayerSpec::TransformerBlock { heads, width, ffn, activation, .. } = *layer else {
