@@ -61,6 +61,8 @@ def accuracy_of(exported: bytes, tx, ty) -> float:
 def test_a_pytorch_cnn_federates_on_mnist_from_an_imported_start_and_improves(coordinator, data):
     x, y, tx, ty = data
     operator = sc.Operator(coordinator.url, support.OPERATOR_TOKEN)
+    # A fixed start: from some random ones, three rounds of SGD at 0.1 stall (0.37 seen in CI).
+    torch.manual_seed(7)
     start = support.Net()
     base = operator.import_base_model("torch-init", support.save_safetensors(start.state_dict()))
     plan = plan_for(start, cohort=4, rounds=3, init={"kind": "base_model", "hash": base["content_hash"]})
