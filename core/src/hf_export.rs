@@ -8,7 +8,7 @@ mod gpt2;
 use std::collections::BTreeMap;
 
 use crate::hf_import::transpose;
-use crate::model_spec::{InputSpec, LayerSpec, ModelSpec};
+use crate::model_spec::{InputSpec, LayerSpec, LoraSpec, ModelSpec};
 use crate::tensor::{DType, TensorSchema, TensorSpec, f32_to_le_bytes, safetensors};
 
 /// Why a model could not be exported in Hugging Face's form.
@@ -277,8 +277,7 @@ pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExport
     }
     let l = llama(&spec.without_lora())?;
     let named = by_name(spec, values)?;
-    let mut out = BTreeMap::new();
-    let mut targets = vec![];
+    let mut adapters = PeftAdapters::new(lora);
     let block_of = |i: usize| l.blocks.iter().position(|&b| b == i);
     for path in spec.linear_paths() {
         if spec.lora_rank(&path).is_none() {
@@ -296,39 +295,80 @@ pub fn peft_adapters(spec: &ModelSpec, values: &[f32]) -> Result<Files, HfExport
         };
         let (a_shape, a) = &named[&format!("{path}.lora_a")];
         let (b_shape, b) = &named[&format!("{path}.lora_b")];
-        // Starling keeps A `[in, r]` and B `[r, out]`; PEFT's `lora_A` is `[r, in]` and
-        // `lora_B` `[out, r]`, both `nn.Linear` weights.
-        let (fan_in, rank, fan_out) = (a_shape[0], a_shape[1], b_shape[1]);
-        out.insert(
+        adapters.add(module, a, b, [a_shape[0], a_shape[1], b_shape[1]]);
+    }
+    Ok(adapters.files(false))
+}
+
+/// PEFT's adapter files in the making: each adapted module's `lora_A` and `lora_B` and the
+/// config naming them.
+struct PeftAdapters<'l> {
+    lora: &'l LoraSpec,
+    tensors: BTreeMap<String, (Vec<u64>, Vec<f32>)>,
+    targets: Vec<String>,
+    rank_pattern: serde_json::Map<String, serde_json::Value>,
+    alpha_pattern: serde_json::Map<String, serde_json::Value>,
+}
+
+impl<'l> PeftAdapters<'l> {
+    fn new(lora: &'l LoraSpec) -> Self {
+        PeftAdapters {
+            lora,
+            tensors: BTreeMap::new(),
+            targets: vec![],
+            rank_pattern: serde_json::Map::new(),
+            alpha_pattern: serde_json::Map::new(),
+        }
+    }
+
+    /// The adapter of `module`: Starling's `A` `[in, rank]` and `B` `[rank, out]` become PEFT's
+    /// `lora_A` `[rank, in]` and `lora_B` `[out, rank]`, both `nn.Linear` weights. A rank other
+    /// than the spec's (GPT-2's fused `c_attn`, a multiple of it) keeps the scale `alpha / r`
+    /// through `rank_pattern` and `alpha_pattern`.
+    fn add(&mut self, module: String, a: &[f32], b: &[f32], [fan_in, rank, fan_out]: [u64; 3]) {
+        self.tensors.insert(
             format!("base_model.model.{module}.lora_A.weight"),
             (vec![rank, fan_in], transpose(a, fan_in, rank)),
         );
-        out.insert(
+        self.tensors.insert(
             format!("base_model.model.{module}.lora_B.weight"),
             (vec![fan_out, rank], transpose(b, rank, fan_out)),
         );
-        targets.push(module);
+        if rank != self.lora.rank {
+            let times = (rank / self.lora.rank) as f64;
+            self.rank_pattern.insert(module.clone(), rank.into());
+            self.alpha_pattern.insert(module.clone(), (self.lora.alpha * times).into());
+        }
+        self.targets.push(module);
     }
-    let config = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        // Whole module names: PEFT adapts a module whose name ends in one of them.
-        "target_modules": targets,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": false,
-        "use_rslora": false,
-        "init_lora_weights": true,
-        "inference_mode": true,
-        "modules_to_save": null,
-        "base_model_name_or_path": null,
-    });
-    Ok(BTreeMap::from([
-        ("adapter_config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
-        ("adapter_model.safetensors", safetensors_file(out)),
-    ]))
+
+    /// `adapter_config.json` and `adapter_model.safetensors`; `fan_in_fan_out` for a model whose
+    /// maps keep `[in, out]` (GPT-2's Conv1D).
+    fn files(self, fan_in_fan_out: bool) -> Files {
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.lora.rank,
+            "lora_alpha": self.lora.alpha,
+            "rank_pattern": self.rank_pattern,
+            "alpha_pattern": self.alpha_pattern,
+            // Whole module names: PEFT adapts a module whose name ends in one of them.
+            "target_modules": self.targets,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            // PEFT turns this off itself for an `nn.Linear` such as GPT-2's lm_head.
+            "fan_in_fan_out": fan_in_fan_out,
+            "use_rslora": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+            "base_model_name_or_path": null,
+        });
+        BTreeMap::from([
+            ("adapter_config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
+            ("adapter_model.safetensors", safetensors_file(self.tensors)),
+        ])
+    }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Files, HfExportError, by_name, frame, safetensors_file};
+use super::{Files, HfExportError, PeftAdapters, by_name, frame, safetensors_file};
 use crate::hf_import::transpose;
 use crate::model_spec::{FfnActivation, LayerSpec, LoraSpec, ModelSpec};
 
@@ -163,25 +163,7 @@ pub(super) fn peft_adapters(
     let g = shape(&spec.without_lora())?;
     let named = by_name(spec, values)?;
     let (r, w) = (lora.rank, g.width);
-    let mut out = BTreeMap::new();
-    let (mut targets, mut rank_pattern, mut alpha_pattern) =
-        (vec![], serde_json::Map::new(), serde_json::Map::new());
-    let mut add =
-        |module: String, a: Vec<f32>, b: Vec<f32>, fan_in: u64, rank: u64, fan_out: u64| {
-            out.insert(
-                format!("base_model.model.{module}.lora_A.weight"),
-                (vec![rank, fan_in], transpose(&a, fan_in, rank)),
-            );
-            out.insert(
-                format!("base_model.model.{module}.lora_B.weight"),
-                (vec![fan_out, rank], transpose(&b, rank, fan_out)),
-            );
-            if rank != r {
-                rank_pattern.insert(module.clone(), rank.into());
-                alpha_pattern.insert(module.clone(), (lora.alpha * (rank / r) as f64).into());
-            }
-            targets.push(module);
-        };
+    let mut adapters = PeftAdapters::new(lora);
     let adapter = |path: &str| {
         spec.lora_rank(path)?;
         Some((named[&format!("{path}.lora_a")].1, named[&format!("{path}.lora_b")].1))
@@ -209,46 +191,18 @@ pub(super) fn peft_adapters(
                     b[at..at + wu].copy_from_slice(&b_j[row * wu..(row + 1) * wu]);
                 }
             }
-            add(format!("{theirs}.attn.c_attn"), a, b, w, m * r, 3 * w);
+            adapters.add(format!("{theirs}.attn.c_attn"), &a, &b, [w, m * r, 3 * w]);
         }
         for (field, fan_in, fan_out) in
             [("output", w, w), ("ffn_inner", w, g.ffn), ("ffn_outer", g.ffn, w)]
         {
             if let Some((a, b)) = adapter(&format!("{ours}.{field}")) {
-                add(
-                    format!("{theirs}.{}", module_of(field)),
-                    a.to_vec(),
-                    b.to_vec(),
-                    fan_in,
-                    r,
-                    fan_out,
-                );
+                adapters.add(format!("{theirs}.{}", module_of(field)), a, b, [fan_in, r, fan_out]);
             }
         }
     }
     if let Some((a, b)) = adapter(&format!("layers.{}.Linear", g.head)) {
-        add("lm_head".into(), a.to_vec(), b.to_vec(), w, r, g.vocab);
+        adapters.add("lm_head".into(), a, b, [w, r, g.vocab]);
     }
-    let config = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": r,
-        "lora_alpha": lora.alpha,
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "target_modules": targets,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        // GPT-2's maps are Conv1D (`[in, out]`); PEFT turns this off itself for lm_head.
-        "fan_in_fan_out": true,
-        "use_rslora": false,
-        "init_lora_weights": true,
-        "inference_mode": true,
-        "modules_to_save": null,
-        "base_model_name_or_path": null,
-    });
-    Ok(BTreeMap::from([
-        ("adapter_config.json", serde_json::to_vec_pretty(&config).expect("JSON")),
-        ("adapter_model.safetensors", safetensors_file(out)),
-    ]))
+    Ok(adapters.files(true))
 }
