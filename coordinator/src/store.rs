@@ -11,7 +11,8 @@
 //!
 //! One file per aggregate: `devices` (tokens, enrollment, revocation), `runs` (runs and their
 //! models), `rounds` (transitions, the open round, commits), `updates` (updates and partials),
-//! `secure` (secure rounds' records), `evaluations`, and `leadership` (the lock and the epoch
+//! `secure` (secure rounds' records), `evaluations`, `relay` (fleet requests replicas relay to
+//! the leader), and `leadership` (the lock and the epoch
 //! that fences every write of round state).
 //!
 //! # Behavior every method guarantees
@@ -45,6 +46,7 @@ mod base_models;
 mod devices;
 mod evaluations;
 mod leadership;
+mod relay;
 mod rounds;
 mod runs;
 mod secure;
@@ -62,6 +64,7 @@ pub use leadership::{
     LEADER_APPLICATION_NAME, LEASE, Leadership, RENEW_EVERY, RENEW_GIVE_UP, RENEW_TIMEOUT,
     STANDBY_POLL,
 };
+pub use relay::RelayedRequestRow;
 pub use rounds::{
     ModelBytes, OpenRoundState, PendingModel, RoundCommit, RoundDeviceRow, RoundRow, Transition,
 };

@@ -70,6 +70,7 @@ conformance!(
     participation_history_counts_every_selection_with_its_latest_model,
     an_imported_model_is_kept_once_by_its_hash,
     an_imported_tokenizer_is_kept_once_by_its_hash,
+    relayed_requests_are_taken_once_in_order_and_answered_to_their_replica,
     the_latest_accuracy_reports_are_of_the_newest_version_two_devices_scored,
 );
 
@@ -1080,6 +1081,40 @@ async fn an_imported_tokenizer_is_kept_once_by_its_hash(store: SqlStore) {
     let listed: Vec<(String, i64)> =
         store.tokenizers().await.unwrap().into_iter().map(|t| (t.name, t.vocab_size)).collect();
     assert_eq!(listed, [("first".to_owned(), 300), ("second".to_owned(), 50_257)]);
+}
+
+/// A replica's relayed requests: the leader takes each once, oldest first, within its limit;
+/// an answer goes to the replica that relayed it, once; a request not taken yet can be
+/// withdrawn and one taken cannot; a new leader takes again what was taken and never answered.
+async fn relayed_requests_are_taken_once_in_order_and_answered_to_their_replica(store: SqlStore) {
+    let (replica, other) = (7, -3);
+    let a = store.relay_request(replica, b"a", 1_000).await.unwrap();
+    let b = store.relay_request(other, b"b", 1_001).await.unwrap();
+    let c = store.relay_request(replica, b"c", 1_002).await.unwrap();
+    assert!(a < b && b < c, "ids in arrival order");
+    let taken = store.take_relayed(2, 2_000).await.unwrap();
+    let taken: Vec<(i64, Vec<u8>)> = taken.into_iter().map(|r| (r.id, r.request)).collect();
+    assert_eq!(taken, [(a, b"a".to_vec()), (b, b"b".to_vec())], "oldest first, at most 2");
+    assert!(!store.withdraw_relayed(a).await.unwrap(), "a taken request stays");
+    assert!(store.withdraw_relayed(c).await.unwrap(), "one not taken is withdrawn");
+    assert!(store.take_relayed(10, 2_001).await.unwrap().is_empty(), "nothing taken twice");
+
+    assert!(store.collect_relayed_answers(replica).await.unwrap().is_empty());
+    store.answer_relayed(a, b"answer a", 3_000).await.unwrap();
+    assert!(store.collect_relayed_answers(other).await.unwrap().is_empty(), "not its answer");
+    assert_eq!(store.collect_relayed_answers(replica).await.unwrap(), [(a, b"answer a".to_vec())]);
+    assert!(store.collect_relayed_answers(replica).await.unwrap().is_empty(), "read once");
+
+    // A new leader: b was taken and never answered, so it is taken again.
+    assert_eq!(store.retake_unanswered_relayed().await.unwrap(), 1);
+    let again: Vec<i64> =
+        store.take_relayed(10, 4_000).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(again, [b]);
+    let d = store.relay_request(replica, b"d", 9_000).await.unwrap();
+    assert_eq!(store.expire_relayed(5_000).await.unwrap(), 1, "b, older than 5 000");
+    let left: Vec<i64> =
+        store.take_relayed(10, 9_001).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(left, [d]);
 }
 
 /// A run's latest accuracy reports: every report of the newest model version with two or more
