@@ -95,6 +95,22 @@ pub enum DriverError {
     /// runs there (the store's message says which).
     #[error("{0}")]
     PopulationBusy(String),
+    /// The leader refused a request this replica relayed to it, with the answer the leader's
+    /// HTTP edge would have given.
+    #[error("the leader refused: {message}")]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// Error code.
+        code: starling_core::wire::ErrorCode,
+        /// The leader's message.
+        message: String,
+        /// The leader's `Retry-After`, in whole seconds.
+        retry_after_secs: Option<u64>,
+    },
+    /// Only the leading coordinator does this (a replica relays fleet requests, nothing else).
+    #[error("only the leading coordinator serves this")]
+    NotLeader,
 }
 
 impl From<UploadRejection> for DriverError {
@@ -288,6 +304,18 @@ pub struct DriverHandle {
 struct ModelWrites(Arc<tokio::sync::RwLock<()>>);
 
 impl DriverHandle {
+    /// A handle whose events go to the returned receiver instead of a driver: a replica's
+    /// relay reads them (`crate::relay`).
+    pub(crate) fn relaying() -> (DriverHandle, mpsc::Receiver<Event>) {
+        let (tx, rx) = mpsc::channel(4096);
+        let handle = DriverHandle {
+            tx,
+            models: ModelCache::default(),
+            model_writes: ModelWrites::default(),
+        };
+        (handle, rx)
+    }
+
     /// The models cache the driver's commits fill, which the download handler serves from.
     pub fn models(&self) -> &ModelCache {
         &self.models

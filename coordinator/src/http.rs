@@ -69,6 +69,8 @@ struct Inner {
     device_limiter: Option<Limiter<DeviceId>>,
     /// Device credentials the store confirmed lately.
     credentials: credentials::CredentialCache,
+    /// A replica, relaying round decisions to the leader.
+    replica: bool,
     ip_limiter: Option<Limiter<std::net::IpAddr>>,
     timeouts: Timeouts,
     max_model_bytes: u64,
@@ -199,6 +201,7 @@ impl AppState {
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
                 credentials: credentials::CredentialCache::default(),
+                replica: false,
                 ip_limiter: limits.ip.map(Limiter::new),
                 timeouts,
                 max_model_bytes: limits.max_model_bytes,
@@ -227,6 +230,21 @@ impl AppState {
             .expect("configured before the state is shared")
             .enrolment_authority = authority;
         self
+    }
+
+    /// A replica's state ([`crate::relay`]): `/leaderz` answers 503, and every device
+    /// credential is read from the store, none kept, since revocations go through the leader's
+    /// admin API, which forgets only its own copies.
+    pub fn serving_as_replica(mut self) -> Self {
+        let inner = Arc::get_mut(&mut self.inner).expect("configured before the state is shared");
+        inner.credentials = credentials::CredentialCache::keeping_none();
+        inner.replica = true;
+        self
+    }
+
+    /// Whether this is a replica's state.
+    fn is_replica(&self) -> bool {
+        self.inner.replica
     }
 
     /// The coordinator serves TLS (so devices' updates must not leave it for plain HTTP).
@@ -268,7 +286,7 @@ impl AppState {
         }
     }
 
-    fn store(&self) -> &SqlStore {
+    pub(crate) fn store(&self) -> &SqlStore {
         &self.inner.store
     }
 
@@ -280,7 +298,7 @@ impl AppState {
         &self.inner.observer
     }
 
-    fn driver(&self) -> &DriverHandle {
+    pub(crate) fn driver(&self) -> &DriverHandle {
         &self.inner.driver
     }
 
@@ -410,7 +428,7 @@ impl AppState {
     }
 
     /// A run's validated plan; plans never change, so they are cached after the first read.
-    async fn plan(&self, run_id: RunId) -> Result<Arc<ValidatedPlan>, ApiError> {
+    pub(crate) async fn plan(&self, run_id: RunId) -> Result<Arc<ValidatedPlan>, ApiError> {
         if let Some(plan) = self.inner.plans.lock().expect("plan cache poisoned").get(&run_id) {
             return Ok(plan.clone());
         }
@@ -502,22 +520,19 @@ async fn admin_body(
     Ok(next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await)
 }
 
-/// What a standby serves while another coordinator leads: `/livez` (it is alive), and 503 with
-/// `Retry-After` for everything else, `/readyz` and `/healthz` included, so that probes and load
-/// balancers send traffic to the leader.
-pub fn standby_router() -> Router {
-    async fn standby() -> ApiError {
-        ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            starling_core::wire::ErrorCode::Unavailable,
-            "this coordinator is a standby: another one leads; retry (it takes over if that one stops)",
-        )
-        .retry_after(Duration::from_secs(5))
-    }
-    // The leader's own /livez operation: the standby answers it the same way.
-    Router::from(utoipa_axum::router::OpenApiRouter::new().routes(utoipa_axum::routes!(livez)))
-        .fallback(standby)
-        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)))
+/// What a replica serves while another coordinator leads: the fleet API, whose round decisions
+/// it relays to the leader ([`crate::relay`]), and the probes (ready while the store answers);
+/// 503 `Retry-After` with the reason for everything else (the admin API, the live stream, the
+/// dashboard), which the leader serves.
+pub fn replica_router(state: AppState) -> Router {
+    let [fleet, _admin, _live] = openapi::api_routes();
+    let fleet = Router::from(fleet)
+        .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
+    let probes = Router::from(health_routes())
+        .fallback(|| async { ApiError::not_leader() })
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
+    fleet.merge(probes).with_state(state)
 }
 
 /// The probes.
@@ -525,13 +540,15 @@ fn health_routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
     use utoipa_axum::routes;
     utoipa_axum::router::OpenApiRouter::new()
         .routes(routes!(readyz))
+        .routes(routes!(leaderz))
         .routes(routes!(healthz))
         .routes(routes!(livez))
 }
 
-/// Readiness: 200 when the store answers and the driver runs, 503 otherwise.
+/// Readiness for devices: 200 when the store answers and the driver runs (on a replica, the
+/// relay to the leader), 503 otherwise.
 #[utoipa::path(get, path = "/readyz", tag = "health",
-    responses((status = 200, description = "ready", body = String),
+    responses((status = 200, description = "ready for devices", body = String),
         (status = 503, description = "the store does not answer, or the driver is not running", body = wire::ErrorBody)))]
 async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
     if !state.driver().is_running() {
@@ -543,6 +560,18 @@ async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError>
     }
     state.store().ping().await?;
     Ok("ok")
+}
+
+/// Whether this coordinator leads and is ready: what routes the admin API (and, to keep every
+/// request on the leader, all traffic) to it. Replicas answer 503, the leader as `/readyz`.
+#[utoipa::path(get, path = "/leaderz", tag = "health",
+    responses((status = 200, description = "this coordinator leads, and is ready", body = String),
+        (status = 503, description = "a replica; or the store does not answer, or the driver is not running", body = wire::ErrorBody)))]
+async fn leaderz(state: State<AppState>) -> Result<&'static str, ApiError> {
+    if state.is_replica() {
+        return Err(ApiError::not_leader());
+    }
+    readyz(state).await
 }
 
 /// The container's health check: the same as `/readyz`.

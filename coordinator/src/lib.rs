@@ -11,6 +11,7 @@ pub mod driver;
 pub mod http;
 pub mod model_cache;
 pub mod observe;
+pub mod relay;
 pub mod store;
 pub mod tier;
 pub mod tls;
@@ -164,9 +165,10 @@ impl RunningCoordinator {
 /// Starts the coordinator and returns once it accepts requests.
 ///
 /// When another coordinator holds the leadership lock (several share one Postgres), this one
-/// starts as a standby: it listens at once, answers `/livez` (and 503 everywhere else, `/readyz`
-/// included), and takes over as soon as the lock is released — recovering every run from the
-/// store, then serving on the same socket.
+/// starts as a replica: it listens at once and serves devices, relaying round decisions to the
+/// leader through the store ([`relay`]; the admin API answers 503 there), and takes over as
+/// soon as the lock is released — recovering every run from the store, then serving on the
+/// same socket.
 pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError> {
     // Bad TLS material fails the start before anything else is touched.
     let server_tls = config.tls.as_ref().map(tls::server_config).transpose()?;
@@ -194,20 +196,54 @@ pub async fn start(config: ServeConfig) -> Result<RunningCoordinator, ServeError
             ))
         }
         None => {
-            tracing::info!(%addr, tls, "another coordinator holds the leadership lock: listening as a standby until it is released");
+            tracing::info!(%addr, tls, "another coordinator holds the leadership lock: serving devices as a replica until it is released");
             tokio::spawn(stand_by(listener, store, server_tls, config, stopped))
         }
     };
     Ok(RunningCoordinator { addr, tls, shutdown: Some(stop), task })
 }
 
-/// Recovers every run from the store and starts the driver; the application to serve, and the
-/// driver's handle for the shutdown.
-async fn lead(
+/// What a leader serves: the application, the driver's handle (for the shutdown), and the
+/// task answering what replicas relay (aborted when the leader stops serving).
+struct Leading {
+    app: axum::Router,
+    driver: DriverHandle,
+    relay: Option<AbortOnDrop>,
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The application state both a leader and a replica serve from, as `config` says.
+fn app_state(
+    driver: DriverHandle,
     store: SqlStore,
+    observer: observe::Observer,
     config: &ServeConfig,
-    epoch: i64,
-) -> Result<(axum::Router, DriverHandle), ServeError> {
+) -> http::AppState {
+    http::AppState::new(
+        driver,
+        store,
+        observer,
+        &config.operator_token,
+        config.limits,
+        config.timeouts,
+    )
+    .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
+    .serving_tls(config.tls.is_some())
+    .requiring_enrolment_certificates(config.enrolment_authority)
+    .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()))
+}
+
+/// Recovers every run from the store and starts the driver, and the task that answers what
+/// replicas relay.
+async fn lead(store: SqlStore, config: &ServeConfig, epoch: i64) -> Result<Leading, ServeError> {
     let observer = observe::Observer::new();
     let (driver, handle) =
         Driver::recover(store.clone(), observer.clone(), config.tier.clone()).await?;
@@ -229,32 +265,27 @@ async fn lead(
             Err(e) => tracing::warn!(error = %e, "releasing closed rounds' payloads failed"),
         }
     });
-    let state = http::AppState::new(
-        handle.clone(),
-        store,
-        observer,
-        &config.operator_token,
-        config.limits,
-        config.timeouts,
-    )
-    .requiring_client_certificates(config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()))
-    .serving_tls(config.tls.is_some())
-    .requiring_enrolment_certificates(config.enrolment_authority)
-    .with_aggregator_secret(config.tier.as_ref().map(|t| t.secret.as_str()));
-    let app = http::router(state, config.dashboard_dir.as_deref()).layer(
-        tower_http::trace::TraceLayer::new_for_http().on_failure(
-            |class: tower_http::classify::ServerErrorsFailureClass,
-             latency: Duration,
-             _span: &tracing::Span| {
-                if failure_is_expected(&class) {
-                    tracing::debug!(classification = %class, ?latency, "answered: retry later");
-                } else {
-                    tracing::error!(classification = %class, ?latency, "response failed");
-                }
-            },
-        ),
-    );
-    Ok((app, handle))
+    let state = app_state(handle.clone(), store, observer, config);
+    // Only Postgres is shared by several coordinators; an SQLite store has no replicas.
+    let relay = (state.store().backend() == store::Backend::Postgres)
+        .then(|| AbortOnDrop(tokio::spawn(relay::serve_relayed(state.clone()))));
+    let app = traced(http::router(state, config.dashboard_dir.as_deref()));
+    Ok(Leading { app, driver: handle, relay })
+}
+
+/// `app` with its requests traced: failures logged, as errors unless they are expected.
+fn traced(app: axum::Router) -> axum::Router {
+    app.layer(tower_http::trace::TraceLayer::new_for_http().on_failure(
+        |class: tower_http::classify::ServerErrorsFailureClass,
+         latency: Duration,
+         _span: &tracing::Span| {
+            if failure_is_expected(&class) {
+                tracing::debug!(classification = %class, ?latency, "answered: retry later");
+            } else {
+                tracing::error!(classification = %class, ?latency, "response failed");
+            }
+        },
+    ))
 }
 
 /// Whether a failed answer is one a client is expected to retry (503 with `Retry-After`: a
@@ -270,7 +301,7 @@ fn failure_is_expected(class: &tower_http::classify::ServerErrorsFailureClass) -
 /// [`ServeError::LeadershipLost`], so another coordinator can take over).
 async fn serve_as_leader(
     listener: std::net::TcpListener,
-    (app, driver): (axum::Router, DriverHandle),
+    Leading { app, driver, relay }: Leading,
     mut leadership: store::Leadership,
     tls: Option<rustls::ServerConfig>,
     config: ServeConfig,
@@ -295,6 +326,7 @@ async fn serve_as_leader(
             Err(ServeError::LeadershipLost)
         }
     };
+    drop(relay);
     // The bytes of models committed by their hash (none left once fenced off: those stop).
     if !driver.finish_model_writes(SHUTDOWN_GRACE).await {
         tracing::warn!(
@@ -304,8 +336,8 @@ async fn serve_as_leader(
     res
 }
 
-/// A standby: serves the probes (alive, not ready) while it waits for the leadership lock, then
-/// recovers the runs and leads on the same socket.
+/// A replica: serves devices, relaying round decisions to the leader ([`relay`]), while it
+/// waits for the leadership lock; then recovers the runs and leads on the same socket.
 async fn stand_by(
     listener: std::net::TcpListener,
     store: SqlStore,
@@ -316,9 +348,12 @@ async fn stand_by(
     let listen_error = |source| ServeError::Listen { addr: config.listen, source };
     let standby = axum_server::Handle::<SocketAddr>::new();
     let standby_listener = listener.try_clone().map_err(listen_error)?;
+    let relayed = relay::replica_handle(store.clone());
+    let state =
+        app_state(relayed, store.clone(), observe::Observer::new(), &config).serving_as_replica();
     let probes = tokio::spawn(serve(
         standby_listener,
-        http::standby_router(),
+        traced(http::replica_router(state)),
         tls.clone(),
         config.connection_limits(),
         standby.clone(),
@@ -331,8 +366,9 @@ async fn stand_by(
         }
     };
     tracing::info!(epoch = leadership.epoch(), "took over the leadership lock");
-    // Requests in flight on the standby get a moment; new connections wait in the socket's
-    // queue for the leader's server.
+    // Requests in flight on the replica get a moment (a relayed one not answered by then is
+    // answered by this leader once it runs: the device's retry finds it); new connections
+    // wait in the socket's queue for the leader's server.
     standby.graceful_shutdown(Some(Duration::from_secs(1)));
     let _ = probes.await;
     let leading = lead(store, &config, leadership.epoch()).await?;

@@ -5,8 +5,9 @@
 //!
 //! A revocation through this coordinator forgets the device at once ([`CredentialCache::forget`]),
 //! so it is refused from its next request on, as before. A row changed some other way (there
-//! is no such path today: revocation goes through the admin API, and standbys serve no fleet
-//! traffic) is seen within [`CREDENTIAL_TTL`]. Unknown and revoked credentials are never kept:
+//! is no such path today: revocation goes through the admin API, which only the leader serves)
+//! is seen within [`CREDENTIAL_TTL`]. Replicas serve devices too but would not hear of a
+//! revocation through the leader, so they keep nothing ([`CredentialCache::keeping_none`]). Unknown and revoked credentials are never kept:
 //! a refusal always asks the store.
 
 use std::collections::HashMap;
@@ -25,9 +26,17 @@ pub const CREDENTIAL_TTL: Duration = Duration::from_secs(30);
 pub const CREDENTIAL_CAPACITY: usize = 100_000;
 
 /// Checked credentials by their SHA-256, with when each was read.
-#[derive(Default)]
 pub struct CredentialCache {
     entries: Mutex<Entries>,
+    /// How long a credential is trusted: [`CREDENTIAL_TTL`], or zero on a replica.
+    ttl: Duration,
+}
+
+impl Default for CredentialCache {
+    /// Trusts a checked credential for [`CREDENTIAL_TTL`].
+    fn default() -> Self {
+        CredentialCache { entries: Mutex::default(), ttl: CREDENTIAL_TTL }
+    }
 }
 
 #[derive(Default)]
@@ -43,11 +52,20 @@ struct Entries {
 pub struct ReadBegan(u64);
 
 impl CredentialCache {
+    /// A cache that trusts nothing it read: every request reads the store (a replica's; see
+    /// the module's note on revocations).
+    pub fn keeping_none() -> Self {
+        CredentialCache { ttl: Duration::ZERO, ..Self::default() }
+    }
+
     /// The access of the credential hashing to `hash`, if it was read within the TTL.
     pub fn get(&self, hash: &[u8; 32], now: Instant) -> Option<DeviceAccess> {
+        if self.ttl.is_zero() {
+            return None;
+        }
         let entries = self.entries.lock().expect("credential cache poisoned");
         let (access, read_at) = entries.by_hash.get(hash)?;
-        (now.saturating_duration_since(*read_at) < CREDENTIAL_TTL).then(|| access.clone())
+        (now.saturating_duration_since(*read_at) < self.ttl).then(|| access.clone())
     }
 
     /// Taken before reading a credential from the store, and handed to [`Self::insert`].
@@ -59,13 +77,13 @@ impl CredentialCache {
     /// revocation was forgotten since (the read may predate it).
     pub fn insert(&self, hash: [u8; 32], access: DeviceAccess, began: ReadBegan, now: Instant) {
         let mut entries = self.entries.lock().expect("credential cache poisoned");
-        if entries.revocations != began.0 {
+        if entries.revocations != began.0 || self.ttl.is_zero() {
             return;
         }
         let by_hash = &mut entries.by_hash;
         if by_hash.len() >= CREDENTIAL_CAPACITY {
-            by_hash
-                .retain(|_, (_, read_at)| now.saturating_duration_since(*read_at) < CREDENTIAL_TTL);
+            let ttl = self.ttl;
+            by_hash.retain(|_, (_, read_at)| now.saturating_duration_since(*read_at) < ttl);
             if by_hash.len() >= CREDENTIAL_CAPACITY {
                 by_hash.clear();
             }

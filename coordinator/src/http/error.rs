@@ -77,6 +77,24 @@ impl ApiError {
         )
     }
 
+    /// 503 from a replica for what only the leading coordinator serves (the admin API, the
+    /// aggregator tier): the client retries, through an address that reaches the leader.
+    pub fn not_leader() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            "this coordinator is a replica: it serves devices' check-ins, downloads and uploads, and the leading coordinator serves the rest; retry (it takes over if the leader stops)",
+        )
+        .retry_after(std::time::Duration::from_secs(5))
+    }
+
+    /// The HTTP status, code, message and `Retry-After` (whole seconds) this error answers
+    /// with: what a leader relays back to the replica that asked.
+    pub fn parts(&self) -> (StatusCode, ErrorCode, &str, Option<u64>) {
+        let retry = self.retry_after.map(|wait| wait.as_secs_f64().ceil().max(1.0) as u64);
+        (self.status, self.body.code, &self.body.message, retry)
+    }
+
     /// 500 with the cause logged, not returned.
     pub fn internal(cause: &dyn std::fmt::Display) -> Self {
         tracing::error!(error = %cause, "internal error");
@@ -211,6 +229,15 @@ impl From<DriverError> for ApiError {
                 C::Unavailable,
                 "coordinator is shutting down; retry later",
             ),
+            DriverError::Refused { status, code, message, retry_after_secs } => {
+                let status = S::from_u16(status).unwrap_or(S::INTERNAL_SERVER_ERROR);
+                let refused = ApiError::new(status, code, message);
+                match retry_after_secs {
+                    Some(secs) => refused.retry_after(std::time::Duration::from_secs(secs)),
+                    None => refused,
+                }
+            }
+            DriverError::NotLeader => ApiError::not_leader(),
         }
     }
 }

@@ -74,8 +74,10 @@ pub const ADMIN_EVENTS: &str = "/v1/admin/events";
 pub const ADMIN_POPULATION: &str = "/v1/admin/population";
 /// Liveness probe.
 pub const LIVEZ: &str = "/livez";
-/// Readiness probe.
+/// Readiness probe: ready for devices (a leader, or a replica that relays to one).
 pub const READYZ: &str = "/readyz";
+/// Readiness for everything: 200 only on the leading coordinator (replicas answer 503).
+pub const LEADERZ: &str = "/leaderz";
 /// The container's health check.
 pub const HEALTHZ: &str = "/healthz";
 
@@ -113,6 +115,7 @@ pub const COORDINATOR: &[&str] = &[
     ADMIN_POPULATION,
     LIVEZ,
     READYZ,
+    LEADERZ,
     HEALTHZ,
 ];
 

@@ -71,7 +71,7 @@ fn kubernetes_manifests_validate_and_match_the_binaries() {
         let Some(spec) = doc.pointer("/spec/template/spec/containers/0") else { continue };
         containers += 1;
         let (known, liveness, readiness) = match spec["name"].as_str().unwrap() {
-            "coordinator" => (&coordinator_env, path::LIVEZ, Some(path::READYZ)),
+            "coordinator" => (&coordinator_env, path::LIVEZ, Some(path::LEADERZ)),
             "aggregator" => (&aggregator_env, path::LIVEZ, None),
             other => panic!("a container {other} that no binary runs"),
         };

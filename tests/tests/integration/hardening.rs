@@ -227,8 +227,9 @@ async fn the_listener_queues_an_enrollment_burst() {
     c.running.shutdown().await.unwrap();
 }
 
-/// Item 11: two coordinators share one Postgres. The standby listens (alive, not ready, 503 for
-/// everything else) instead of hanging in its start; when the leader is SIGKILLed mid-round it
+/// Item 11: two coordinators share one Postgres. The standby listens (alive, ready for devices
+/// as a replica, 503 for the admin API) instead of hanging in its start; when the leader is
+/// SIGKILLed mid-round it
 /// takes over within a bounded time, and the round commits with every update the dead leader
 /// had acknowledged. The deposed leader's epoch is fenced off in the store.
 #[sqlx::test(migrations = false)]
@@ -251,7 +252,7 @@ async fn a_standby_takes_over_and_loses_no_acknowledged_update(
         async move { request.send().await.unwrap().status() }
     };
     assert_eq!(status(&standby.url, "/livez").await, StatusCode::OK);
-    assert_eq!(status(&standby.url, "/readyz").await, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(status(&standby.url, "/readyz").await, StatusCode::OK);
     let res = http
         .get(format!("{}/v1/admin/runs", standby.url))
         .bearer_auth(OPERATOR_TOKEN)
@@ -261,7 +262,7 @@ async fn a_standby_takes_over_and_loses_no_acknowledged_update(
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(res.headers().contains_key("retry-after"));
     let body: ErrorBody = res.json().await.unwrap();
-    assert!(body.message.contains("standby"), "{}", body.message);
+    assert!(body.message.contains("replica"), "{}", body.message);
 
     let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
     let mut devices = enroll(&leader.url, &admin, 4).await.unwrap();
@@ -285,8 +286,8 @@ async fn a_standby_takes_over_and_loses_no_acknowledged_update(
     leader.kill().unwrap();
     let killed = Instant::now();
     wait_for("the standby to take over", Duration::from_secs(30), || async {
-        let ready = http.get(format!("{}/readyz", standby.url)).send().await;
-        Ok(ready.is_ok_and(|r| r.status() == StatusCode::OK).then_some(()))
+        let runs = http.get(format!("{}/v1/admin/runs", standby.url)).bearer_auth(OPERATOR_TOKEN);
+        Ok(runs.send().await.is_ok_and(|r| r.status() == StatusCode::OK).then_some(()))
     })
     .await
     .unwrap();

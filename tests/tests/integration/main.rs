@@ -16,6 +16,7 @@ mod hugging_face;
 mod operator;
 mod privacy;
 mod production;
+mod replicas;
 mod resilience;
 mod sdk;
 mod secure;

@@ -259,8 +259,8 @@ async fn a_standby_replaces_a_leader_that_stops_renewing(
     let stalled = std::time::Instant::now();
     let http = http_client();
     wait_for("the standby to take over", takeover_bound(), || async {
-        let ready = http.get(format!("{}/readyz", standby.url)).send().await;
-        Ok(ready.is_ok_and(|r| r.status().is_success()).then_some(()))
+        let runs = http.get(format!("{}/v1/admin/runs", standby.url)).bearer_auth(OPERATOR_TOKEN);
+        Ok(runs.send().await.is_ok_and(|r| r.status().is_success()).then_some(()))
     })
     .await
     .unwrap_or_else(|e| {
