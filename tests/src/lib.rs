@@ -213,7 +213,7 @@ impl ChildCoordinator {
     }
 
     /// Spawns `bin serve` on `listen` while another coordinator leads the same store, and
-    /// waits until it answers `/livez` as a standby.
+    /// waits until it answers `/livez` as a replica.
     pub async fn spawn_standby(
         bin: &Path,
         database_url: &str,
@@ -222,6 +222,17 @@ impl ChildCoordinator {
     ) -> anyhow::Result<Self> {
         let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)];
         Self::spawn_until(bin, database_url, listen, log, &env, "/livez").await
+    }
+
+    /// Like [`ChildCoordinator::spawn_standby`], with extra environment variables.
+    pub async fn spawn_standby_with(
+        bin: &Path,
+        database_url: &str,
+        listen: SocketAddr,
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        Self::spawn_until(bin, database_url, listen, log, env, "/livez").await
     }
 
     /// Like [`ChildCoordinator::spawn`], with extra environment variables.

@@ -62,7 +62,7 @@ pub struct Played {
     pub elapsed: Duration,
 }
 
-/// M connections to the coordinator: one HTTP client each, each carrying one visit at a time,
+/// M connections to the coordinator (or its replicas): one HTTP client each, each carrying one visit at a time,
 /// so the coordinator sees exactly M connections however many devices they play.
 pub struct Connections {
     clients: Vec<FleetClient>,
@@ -70,8 +70,10 @@ pub struct Connections {
 }
 
 impl Connections {
-    pub fn open(url: &str, m: usize, model_download: Compression) -> Self {
-        Connections { clients: (0..m).map(|_| FleetClient::new(url)).collect(), model_download }
+    /// M connections spread over `urls` in turn (one coordinator, or its replicas).
+    pub fn open(urls: &[String], m: usize, model_download: Compression) -> Self {
+        let clients = (0..m).map(|k| FleetClient::new(&urls[k % urls.len()])).collect();
+        Connections { clients, model_download }
     }
 
     /// Plays `visits` visits, the k-th as device `k` (a round's cohort: every enrolled device

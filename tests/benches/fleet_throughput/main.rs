@@ -16,6 +16,8 @@
 //! * `--compression ENC` (`int8`, `f16`, `top_k:0.01`, ...): the devices' upload encoding;
 //!   `--model-download ENC`: the model's download encoding; `--checkpoint-interval K`: the
 //!   plan's `checkpoint_interval`.
+//! * `--replicas R`: R more coordinator processes on the same store serve the devices as
+//!   replicas, relaying round decisions to the leader (which then serves no device itself).
 //! * `--check-in-rate R [--seconds S]`: instead of rounds, random devices of the N check in at
 //!   R per second for S seconds (default 30) while one round is open: the check-in latency of
 //!   a large enrolled population.
@@ -69,6 +71,7 @@ struct Options {
     check_in_rate: Option<f64>,
     seconds: f64,
     aggregators: u32,
+    replicas: u32,
 }
 
 struct Config {
@@ -95,6 +98,7 @@ fn main() -> anyhow::Result<()> {
         check_in_rate: take(&mut args, "--check-in-rate")?,
         seconds: take(&mut args, "--seconds")?.unwrap_or(30.0),
         aggregators: take(&mut args, "--aggregators")?.unwrap_or(0),
+        replicas: take(&mut args, "--replicas")?.unwrap_or(0),
     };
     options.model_download.check_model()?;
     ensure!(options.connections > 0, "--connections must be at least 1");
@@ -134,9 +138,11 @@ fn main() -> anyhow::Result<()> {
             Some(rate) => format!("arrivals {rate}/s"),
             None => "arrivals as fast as they go".into(),
         },
-        match options.aggregators {
-            0 => "uploads to the coordinator".to_owned(),
-            k => format!("uploads through {k} aggregators"),
+        match (options.aggregators, options.replicas) {
+            (0, 0) => "devices served by the coordinator".to_owned(),
+            (0, r) => format!("devices served by {r} replicas"),
+            (k, 0) => format!("uploads through {k} aggregators"),
+            (k, r) => format!("devices served by {r} replicas, uploads through {k} aggregators"),
         },
     );
     for c in configs {
@@ -182,13 +188,21 @@ async fn bench(base_url: &str, c: &Config, options: &Options) -> anyhow::Result<
     }
     let child = ChildCoordinator::spawn_with(&bin, &url, free_addr(), &log, &env).await?;
     let aggregators = Aggregators::spawn(options.aggregators, &child.url).await?;
+    let mut replicas = vec![];
+    for k in 0..options.replicas {
+        let log = logs.path().join(format!("replica-{k}.log"));
+        replicas
+            .push(ChildCoordinator::spawn_standby_with(&bin, &url, free_addr(), &log, &env).await?);
+    }
+    let servers = Servers { leader: &child, aggregators: &aggregators, replicas: &replicas };
     let enrolling = Instant::now();
     enroll_in_bulk(&url, c.devices).await?;
     println!("\n{} devices enrolled in {:.1} s", c.devices, enrolling.elapsed().as_secs_f64());
     let res = match options.check_in_rate {
-        Some(rate) => check_ins(&child, &aggregators, c, options, rate).await,
-        None => rounds(&child, &aggregators, c, options).await,
+        Some(rate) => check_ins(&servers, c, options, rate).await,
+        None => rounds(&servers, c, options).await,
     };
+    drop(replicas);
     drop(aggregators);
     drop(child);
     // The killed coordinator's connections may not have closed yet.
@@ -199,12 +213,8 @@ async fn bench(base_url: &str, c: &Config, options: &Options) -> anyhow::Result<
 }
 
 /// `c.rounds` measured rounds (after the warm-up) of every enrolled device training.
-async fn rounds(
-    child: &ChildCoordinator,
-    aggregators: &Aggregators,
-    c: &Config,
-    options: &Options,
-) -> anyhow::Result<()> {
+async fn rounds(servers: &Servers<'_>, c: &Config, options: &Options) -> anyhow::Result<()> {
+    let child = servers.leader;
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let mut events = RoundEvents::subscribe(&child.url).await?;
     let spec = PlanSpec {
@@ -223,7 +233,8 @@ async fn rounds(
         plan["checkpoint_interval"] = options.checkpoint_interval.into();
     }
     let run = RunId(admin.create_run(&plan).await?.id);
-    let connections = Connections::open(&child.url, options.connections, options.model_download);
+    let connections =
+        Connections::open(&servers.fleet_urls(), options.connections, options.model_download);
     let total_rounds = c.rounds + WARM_UP_ROUNDS;
     // Encoding is the devices' work, not the coordinator's: every round's bodies are built
     // before the clock starts.
@@ -237,15 +248,13 @@ async fn rounds(
     let (mut latencies, mut acknowledged) = (Latencies::default(), 0);
     let (mut opening_secs, mut visits_secs, mut commit_secs) = (0.0, 0.0, 0.0);
     let mut commit_write_before = 0.0;
-    let (mut measured_from, mut cpu_before) =
-        (Instant::now(), CpuTimes::now(child.pid(), &aggregators.pids())?);
+    let (mut measured_from, mut cpu_before) = (Instant::now(), servers.cpu()?);
     for (round, bodies) in (0..total_rounds).zip(bodies) {
         if round == WARM_UP_ROUNDS {
             (latencies, acknowledged) = (Latencies::default(), 0);
             (opening_secs, visits_secs, commit_secs) = (0.0, 0.0, 0.0);
             commit_write_before = store_seconds(&child.url, "commit_round").await?;
-            (measured_from, cpu_before) =
-                (Instant::now(), CpuTimes::now(child.pid(), &aggregators.pids())?);
+            (measured_from, cpu_before) = (Instant::now(), servers.cpu()?);
         }
         let opening = Instant::now();
         events.wait(run, round, "open").await?;
@@ -260,7 +269,7 @@ async fn rounds(
         acknowledged += played.acknowledged;
     }
     let round_secs = measured_from.elapsed().as_secs_f64();
-    let cpu = CpuTimes::now(child.pid(), &aggregators.pids())?.cores_since(&cpu_before);
+    let cpu = servers.cpu()?.cores_since(&cpu_before);
     let commit_write_secs = store_seconds(&child.url, "commit_round").await? - commit_write_before;
     let verified = verify(&child.url, &admin, run, &spec, options, &initial).await?;
     let rounds = c.rounds as f64;
@@ -288,17 +297,17 @@ async fn rounds(
         commit_write_secs / rounds * 1e3,
     );
     print_latencies(&mut latencies);
-    print_resources(&cpu, child, aggregators, &descriptors)
+    print_resources(&cpu, servers, &descriptors)
 }
 
 /// Check-ins of random enrolled devices at `rate` for `options.seconds` while a round is open.
 async fn check_ins(
-    child: &ChildCoordinator,
-    aggregators: &Aggregators,
+    servers: &Servers<'_>,
     c: &Config,
     options: &Options,
     rate: f64,
 ) -> anyhow::Result<()> {
+    let child = servers.leader;
     let admin = AdminClient::new(&child.url, OPERATOR_TOKEN);
     let mut events = RoundEvents::subscribe(&child.url).await?;
     // A cohort of at most 100 of the population: the rest are told to come back later, as
@@ -308,13 +317,14 @@ async fn check_ins(
     (spec.selection_secs, spec.reporting_secs) = (3600.0, 7200.0);
     let run = RunId(admin.create_run(&spec.json()).await?.id);
     events.wait(run, 0, "open").await?;
-    let connections = Connections::open(&child.url, options.connections, options.model_download);
+    let connections =
+        Connections::open(&servers.fleet_urls(), options.connections, options.model_download);
     let visits = (rate * options.seconds) as usize;
     let descriptors = OpenDescriptors::watch(child.pid());
-    let cpu_before = CpuTimes::now(child.pid(), &aggregators.pids())?;
+    let cpu_before = servers.cpu()?;
     let mut played =
         connections.play(Visit::CheckIn { devices: c.devices }, visits, Some(rate), 7).await?;
-    let cpu = CpuTimes::now(child.pid(), &aggregators.pids())?.cores_since(&cpu_before);
+    let cpu = servers.cpu()?.cores_since(&cpu_before);
     println!(
         "{} enrolled devices: {} check-ins in {:.1} s ({:.0}/s asked, {:.0}/s achieved), {} \
          given a task, the rest told to come back",
@@ -326,32 +336,62 @@ async fn check_ins(
         played.tasks,
     );
     print_latencies(&mut played.latencies);
-    print_resources(&cpu, child, aggregators, &descriptors)
+    print_resources(&cpu, servers, &descriptors)
 }
 
-/// CPU, the coordinator's (and aggregators') peak memory, and the most descriptors it held.
+/// CPU, the coordinator's (aggregators', replicas') peak memory, and the most descriptors the
+/// leading coordinator held.
 fn print_resources(
     cpu: &str,
-    child: &ChildCoordinator,
-    aggregators: &Aggregators,
+    servers: &Servers<'_>,
     descriptors: &OpenDescriptors,
 ) -> anyhow::Result<()> {
-    let aggregator_rss = aggregators
-        .pids()
-        .into_iter()
-        .map(|pid| Ok(format!("{:.1}", peak_rss_mib(pid)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    println!(
-        "  {cpu}; coordinator peak RSS {:.1} MiB{}, at most {} descriptors open",
-        peak_rss_mib(child.pid())?,
-        if aggregator_rss.is_empty() {
+    let peaks = |what: &str, pids: Vec<u32>| -> anyhow::Result<String> {
+        let rss = pids
+            .into_iter()
+            .map(|pid| Ok(format!("{:.1}", peak_rss_mib(pid)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(if rss.is_empty() {
             String::new()
         } else {
-            format!(" (aggregators' {} MiB)", aggregator_rss.join(", "))
-        },
+            format!(" ({what}' {} MiB)", rss.join(", "))
+        })
+    };
+    println!(
+        "  {cpu}; coordinator peak RSS {:.1} MiB{}{}, at most {} descriptors open",
+        peak_rss_mib(servers.leader.pid())?,
+        peaks("aggregators", servers.aggregators.pids())?,
+        peaks("replicas", servers.replica_pids())?,
         descriptors.most(),
     );
     Ok(())
+}
+
+/// The processes one configuration runs: the leading coordinator, its aggregators and its
+/// replicas.
+struct Servers<'a> {
+    leader: &'a ChildCoordinator,
+    aggregators: &'a Aggregators,
+    replicas: &'a [ChildCoordinator],
+}
+
+impl Servers<'_> {
+    /// Where the devices connect: the replicas when there are any, else the leader.
+    fn fleet_urls(&self) -> Vec<String> {
+        match self.replicas {
+            [] => vec![self.leader.url.clone()],
+            replicas => replicas.iter().map(|r| r.url.clone()).collect(),
+        }
+    }
+
+    fn replica_pids(&self) -> Vec<u32> {
+        self.replicas.iter().map(ChildCoordinator::pid).collect()
+    }
+
+    /// CPU times now, of every process measured.
+    fn cpu(&self) -> anyhow::Result<CpuTimes> {
+        CpuTimes::now(self.leader.pid(), &self.aggregators.pids(), &self.replica_pids())
+    }
 }
 
 fn print_latencies(latencies: &mut Latencies) {

@@ -1,5 +1,5 @@
 //! What the load generator measures beside its own clock: request latencies, the CPU time of
-//! itself, the coordinator and Postgres, the coordinator's peak memory, and the coordinator's
+//! itself, the coordinator (its replicas and aggregators) and Postgres, the coordinator's peak memory, and the coordinator's
 //! live events and metrics.
 
 use std::time::{Duration, Instant};
@@ -52,6 +52,7 @@ pub struct CpuTimes {
     generator: f64,
     coordinator: f64,
     aggregators: f64,
+    replicas: f64,
     /// Each Postgres process's, by pid: backends come and go, and one that exits between two
     /// readings must not count as time given back.
     postgres: std::collections::HashMap<u32, f64>,
@@ -59,7 +60,10 @@ pub struct CpuTimes {
 }
 
 impl CpuTimes {
-    pub fn now(coordinator: u32, aggregators: &[u32]) -> anyhow::Result<Self> {
+    pub fn now(coordinator: u32, aggregators: &[u32], replicas: &[u32]) -> anyhow::Result<Self> {
+        let sum = |pids: &[u32]| {
+            pids.iter().map(|pid| Ok(process_cpu(&pid.to_string())?.1)).sum::<anyhow::Result<f64>>()
+        };
         let postgres = std::fs::read_dir("/proc")?
             .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
             .filter_map(|pid| Some((pid, process_cpu(&pid.to_string()).ok()?)))
@@ -69,10 +73,8 @@ impl CpuTimes {
         Ok(CpuTimes {
             generator: process_cpu("self")?.1,
             coordinator: process_cpu(&coordinator.to_string())?.1,
-            aggregators: aggregators
-                .iter()
-                .map(|pid| Ok(process_cpu(&pid.to_string())?.1))
-                .sum::<anyhow::Result<f64>>()?,
+            aggregators: sum(aggregators)?,
+            replicas: sum(replicas)?,
             postgres,
             at: Instant::now(),
         })
@@ -82,6 +84,7 @@ impl CpuTimes {
     pub fn cores_since(&self, earlier: &CpuTimes) -> String {
         let wall = (self.at - earlier.at).as_secs_f64();
         let aggregators = self.aggregators - earlier.aggregators;
+        let replicas = self.replicas - earlier.replicas;
         // A process that started in between spent all its time in between.
         let postgres: f64 = self
             .postgres
@@ -89,11 +92,16 @@ impl CpuTimes {
             .map(|(pid, secs)| secs - earlier.postgres.get(pid).unwrap_or(&0.0))
             .sum();
         format!(
-            "CPU cores busy: generator {:.2}, coordinator {:.2}, {}postgres {:.2}",
+            "CPU cores busy: generator {:.2}, coordinator {:.2}, {}{}postgres {:.2}",
             (self.generator - earlier.generator) / wall,
             (self.coordinator - earlier.coordinator) / wall,
             if aggregators > 0.0 {
                 format!("aggregators {:.2}, ", aggregators / wall)
+            } else {
+                String::new()
+            },
+            if replicas > 0.0 {
+                format!("replicas {:.2}, ", replicas / wall)
             } else {
                 String::new()
             },
