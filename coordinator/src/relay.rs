@@ -12,9 +12,11 @@
 //! the leader's round, and a request the leader never answered was never acknowledged (the
 //! device retries, and a retried upload the leader had taken meets `duplicate_upload`).
 //!
-//! The request is durable before anyone waits for it, so a request relayed while the leader is
-//! being replaced is answered by the next leader: it takes again what its predecessor took and
-//! never answered ([`SqlStore::retake_unanswered_relayed`]).
+//! The request is in the store before anyone waits for it, so a request relayed while the
+//! leader is being replaced is answered by the next leader: it takes again what its predecessor
+//! took and never answered ([`SqlStore::retake_unanswered_relayed`]). Nothing in the table is
+//! state (Postgres keeps it unlogged, without WAL or fsync): a request lost with Postgres is one
+//! nobody answered, which the device retries.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -359,6 +361,9 @@ pub async fn serve_relayed(state: AppState) {
         Err(e) => tracing::warn!(error = %e, "retaking unanswered relayed requests failed"),
     }
     let permits = Arc::new(Semaphore::new(LEADER_CONCURRENCY));
+    let (answers, to_write) = mpsc::unbounded_channel();
+    // Ends when every sender is gone: this task's (aborted with it) and the answering tasks'.
+    tokio::spawn(write_answers(state.store().clone(), to_write));
     let mut idle = BUSY_POLL;
     let mut expired_at = std::time::Instant::now();
     loop {
@@ -381,7 +386,7 @@ pub async fn serve_relayed(state: AppState) {
                 Some(permit) => permit,
                 None => permits.clone().acquire_owned().await.expect("never closed"),
             };
-            tokio::spawn(answer_one(state.clone(), row, permit));
+            tokio::spawn(answer_one(state.clone(), row, answers.clone(), permit));
         }
         drop(first);
         idle = if found { BUSY_POLL } else { (idle * 2).min(IDLE_POLL) };
@@ -400,8 +405,13 @@ pub async fn serve_relayed(state: AppState) {
     }
 }
 
-/// Answers one relayed request through the driver and writes the answer for its replica.
-async fn answer_one(state: AppState, row: RelayedRequestRow, _permit: OwnedSemaphorePermit) {
+/// Answers one relayed request through the driver and hands the answer to `answers`.
+async fn answer_one(
+    state: AppState,
+    row: RelayedRequestRow,
+    answers: mpsc::UnboundedSender<(i64, Vec<u8>)>,
+    _permit: OwnedSemaphorePermit,
+) {
     let RelayedRequestRow { id, request } = row;
     let decoded = codec::decode::<RelayedRequest>(&request);
     // An upload's bytes are model-sized: only the decoded request is kept while it is decided.
@@ -419,17 +429,27 @@ async fn answer_one(state: AppState, row: RelayedRequestRow, _permit: OwnedSemap
             retry_after_secs,
         }
     });
-    let bytes = codec::to_vec(&answer).expect("answers encode");
-    for attempt in 0..3 {
-        match state.store().answer_relayed(id, &bytes, now_ms()).await {
-            Ok(()) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, id, attempt, "writing a relayed request's answer failed")
+    let _ = answers.send((id, codec::to_vec(&answer).expect("answers encode")));
+}
+
+/// Writes the answers as they come, all that queued during a write in the next one: one
+/// statement for many answers, so a busy leader's answers cost Postgres far less than one
+/// statement each. An answer that cannot be written is dropped after a few tries: its replica
+/// answers 503 when its wait ends, and the device's retry meets what was done.
+async fn write_answers(store: SqlStore, mut answers: mpsc::UnboundedReceiver<(i64, Vec<u8>)>) {
+    let mut batch = Vec::new();
+    while answers.recv_many(&mut batch, 4096).await > 0 {
+        for attempt in 0..3 {
+            match store.answer_relayed(&batch, now_ms()).await {
+                Ok(()) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, answers = batch.len(), attempt, "writing relayed requests' answers failed");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        batch.clear();
     }
-    // The replica answers 503 when its wait ends, and the device's retry meets what was done.
 }
 
 /// What the leader's driver decides about one relayed request.

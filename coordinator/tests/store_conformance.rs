@@ -1100,10 +1100,19 @@ async fn relayed_requests_are_taken_once_in_order_and_answered_to_their_replica(
     assert!(store.take_relayed(10, 2_001).await.unwrap().is_empty(), "nothing taken twice");
 
     assert!(store.collect_relayed_answers(replica).await.unwrap().is_empty());
-    store.answer_relayed(a, b"answer a", 3_000).await.unwrap();
+    store.answer_relayed(&[(a, b"answer a".to_vec())], 3_000).await.unwrap();
     assert!(store.collect_relayed_answers(other).await.unwrap().is_empty(), "not its answer");
     assert_eq!(store.collect_relayed_answers(replica).await.unwrap(), [(a, b"answer a".to_vec())]);
     assert!(store.collect_relayed_answers(replica).await.unwrap().is_empty(), "read once");
+    let (e, f) = (
+        store.relay_request(replica, b"e", 3_001).await.unwrap(),
+        store.relay_request(replica, b"f", 3_002).await.unwrap(),
+    );
+    store.take_relayed(2, 3_003).await.unwrap();
+    store.answer_relayed(&[(f, b"answer f".to_vec()), (e, vec![])], 3_004).await.unwrap();
+    let mut answers = store.collect_relayed_answers(replica).await.unwrap();
+    answers.sort();
+    assert_eq!(answers, [(e, vec![]), (f, b"answer f".to_vec())], "answered together");
 
     // A new leader: b was taken and never answered, so it is taken again.
     assert_eq!(store.retake_unanswered_relayed().await.unwrap(), 1);

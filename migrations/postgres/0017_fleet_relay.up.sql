@@ -3,7 +3,11 @@
 -- driver and writes the answer; the replica reads the answer back (deleting the row) and
 -- answers the device. `replica` names the process that waits for the answer. `request` is the
 -- CBOR of the relayed request (an update's delta included), emptied once answered.
-CREATE TABLE relayed_requests (
+-- UNLOGGED: nothing here is state. A request or answer lost with a crash of Postgres itself is
+-- a request nobody answered, which its replica answers 503 (or "come back") and the device
+-- retries; an acknowledgement is only ever given after the leader's own durable write. So these
+-- rows skip the WAL (a relayed update's bytes are not written to it twice) and fsync.
+CREATE UNLOGGED TABLE relayed_requests (
     id BIGSERIAL PRIMARY KEY,
     replica BIGINT NOT NULL,
     request BYTEA NOT NULL,

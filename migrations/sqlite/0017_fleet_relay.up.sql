@@ -3,6 +3,7 @@
 -- driver and writes the answer; the replica reads the answer back (deleting the row) and
 -- answers the device. `replica` names the process that waits for the answer. `request` is the
 -- CBOR of the relayed request (an update's delta included), emptied once answered.
+-- (Postgres keeps it UNLOGGED; an SQLite store has no replicas, so this stays empty.)
 CREATE TABLE relayed_requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     replica BIGINT NOT NULL,
