@@ -253,6 +253,48 @@ async fn killed_between_stages(db: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A secure round served entirely by a replica: every device enrolls, checks in, advertises,
+/// shares, sends its masked input and unmasks through a coordinator that does not lead, which
+/// relays each message and poll to the leader; the round commits the exact mean, as through
+/// the leader.
+#[sqlx::test(migrations = false)]
+async fn a_secure_round_through_a_replica_commits_the_exact_mean(
+    _pool: sqlx::postgres::PgPoolOptions,
+    opts: sqlx::postgres::PgConnectOptions,
+) {
+    const N: usize = 6;
+    let url = pg_url(&opts);
+    let bin = Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let leader =
+        ChildCoordinator::spawn(bin, &url, free_addr(), &logs.path().join("a.log")).await.unwrap();
+    let replica =
+        ChildCoordinator::spawn_standby(bin, &url, free_addr(), &logs.path().join("b.log"))
+            .await
+            .unwrap();
+    let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
+    let devices = enroll(&replica.url, &admin, N).await.unwrap();
+    let plan = secure_plan(N as u32, N as u32, 30.0, Some(4));
+    let run = RunId(admin.create_run(&plan).await.unwrap().id);
+    wait_round_open(&admin, run, 0).await.unwrap();
+    let tasks = expect_tasks(&devices).await.unwrap();
+    let global = model_values(&devices[0], &tasks[0].model_hash, &tasks[0].schema).await.unwrap();
+    let mut sessions = advertise_all(&devices, &tasks, run).await.unwrap();
+    let shared = sessions.iter_mut().zip(&devices).map(|(s, d)| s.share_keys(d));
+    join_all(shared).await.into_iter().collect::<Result<Vec<_>, _>>().unwrap();
+    for (i, s) in sessions.iter_mut().enumerate() {
+        let values = delta(i, 0, PARAMS);
+        s.send_masked(&devices[i], ModelVersion(0), &values, weight(i), None).await.unwrap();
+    }
+    let unmasked = sessions.iter_mut().zip(&devices).map(|(s, d)| s.unmask(d));
+    join_all(unmasked).await.into_iter().collect::<Result<Vec<_>, _>>().unwrap();
+    let hash = wait_model(&admin, run, 1).await.unwrap();
+    let committed = model_values(&devices[0], &hash, &tasks[0].schema).await.unwrap();
+    assert_close(&committed, &expected_model(&global, &(0..N).collect::<Vec<_>>()), 2e-6);
+    let round = &admin.rounds(run).await.unwrap()[0];
+    assert_eq!((round.n_reported, round.n_dropped), (Some(N as i64), Some(0)));
+}
+
 /// Garbage, a message for the wrong stage, a conflicting resend and a masked input of the wrong
 /// length are refused; only the last excludes its sender, and the others are unaffected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
