@@ -678,13 +678,23 @@ pub async fn expect_tasks(devices: &[FleetClient]) -> anyhow::Result<Vec<TaskAss
     futures_util::future::join_all(devices.iter().map(expect_task)).await.into_iter().collect()
 }
 
-/// Downloads and decodes a model.
+/// Downloads and decodes a model, asking again for 30 s while the answer is a transient
+/// failure, as devices do: a replica serves models from the store, and answers 503 with
+/// `Retry-After` for a model committed moments ago whose bytes the leader is still writing.
 pub async fn model_values(
     device: &FleetClient,
     hash: &str,
     schema: &TensorSchema,
 ) -> anyhow::Result<Vec<f32>> {
-    Ok(schema.decode_f32(&device.model(hash).await?)?)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match device.model(hash).await {
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            payload => return Ok(schema.decode_f32(&payload?)?),
+        }
+    }
 }
 
 /// Polls `check` every 25 ms until it returns `Some`, or fails after `timeout`.
