@@ -22,7 +22,9 @@ flower_version=1.42.0
 clients=${CLIENTS:-"10 100"}
 rounds=${ROUNDS:-10}
 # Flower's deployment engine runs a SuperNode process and a ClientApp process (PyTorch
-# imported) per client: about 1.5 GiB a client here, so 100 of them do not fit in 24 GiB.
+# imported) per client: at 100 clients on this 2-core machine its SuperLink is starved and
+# SuperNodes that timed out registering are refused on retry, so the first round never
+# trains (docs/benchmarks.md); DEPLOY_MAX_CLIENTS=100 tries it.
 deploy_max=${DEPLOY_MAX_CLIENTS:-10}
 out=${OUT:-$target/vs-flower}
 database_url=${DATABASE_URL:?set DATABASE_URL (cargo xtask postgres prints one)}
