@@ -221,7 +221,7 @@ impl ChildCoordinator {
         log: &Path,
     ) -> anyhow::Result<Self> {
         let env = [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN)];
-        Self::spawn_until(bin, database_url, listen, log, &env, "/livez").await
+        Self::spawn_standby_with(bin, database_url, listen, log, &env).await
     }
 
     /// Like [`ChildCoordinator::spawn_standby`], with extra environment variables.
@@ -676,6 +676,19 @@ pub async fn expect_task(device: &FleetClient) -> anyhow::Result<TaskAssignment>
 /// Every device checks in concurrently and each expects a task.
 pub async fn expect_tasks(devices: &[FleetClient]) -> anyhow::Result<Vec<TaskAssignment>> {
     futures_util::future::join_all(devices.iter().map(expect_task)).await.into_iter().collect()
+}
+
+/// Checks that the coordinator at `url` is a replica: ready for devices (`/readyz` 200), and
+/// the admin API answered 503 with `Retry-After` and a message that says it is a replica.
+pub async fn assert_is_a_replica(http: &reqwest::Client, url: &str) {
+    let ready = http.get(format!("{url}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), reqwest::StatusCode::OK, "a replica is ready for devices");
+    let runs = http.get(format!("{url}/v1/admin/runs")).bearer_auth(OPERATOR_TOKEN);
+    let res = runs.send().await.unwrap();
+    assert_eq!(res.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().contains_key("retry-after"));
+    let body: starling_core::wire::ErrorBody = res.json().await.unwrap();
+    assert!(body.message.contains("replica"), "{}", body.message);
 }
 
 /// Downloads and decodes a model, asking again for 30 s while the answer is a transient

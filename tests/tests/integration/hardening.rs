@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use sqlx::Connection;
 use starling_client::protocol::{FleetClient, TlsSettings};
-use starling_core::wire::{CheckInResponse, ErrorBody, ErrorCode, EvaluationReport};
+use starling_core::wire::{CheckInResponse, ErrorCode, EvaluationReport};
 use starling_core::{ModelVersion, RoundIdx, RunId};
 use starling_tests::*;
 
@@ -252,17 +252,7 @@ async fn a_standby_takes_over_and_loses_no_acknowledged_update(
         async move { request.send().await.unwrap().status() }
     };
     assert_eq!(status(&standby.url, "/livez").await, StatusCode::OK);
-    assert_eq!(status(&standby.url, "/readyz").await, StatusCode::OK);
-    let res = http
-        .get(format!("{}/v1/admin/runs", standby.url))
-        .bearer_auth(OPERATOR_TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert!(res.headers().contains_key("retry-after"));
-    let body: ErrorBody = res.json().await.unwrap();
-    assert!(body.message.contains("replica"), "{}", body.message);
+    assert_is_a_replica(&http, &standby.url).await;
 
     let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
     let mut devices = enroll(&leader.url, &admin, 4).await.unwrap();

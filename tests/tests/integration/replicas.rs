@@ -7,9 +7,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use reqwest::StatusCode;
 use starling_client::protocol::{ClientError, FleetClient};
-use starling_core::wire::{CheckInResponse, ErrorBody, ErrorCode, TaskAssignment};
+use starling_core::wire::{CheckInResponse, ErrorCode, TaskAssignment};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
 
@@ -42,19 +41,7 @@ async fn a_replica_serves_devices_and_the_leader_folds_what_it_relays(
     )
     .await
     .unwrap();
-    let http = http_client();
-    let ready = http.get(format!("{}/readyz", replica.url)).send().await.unwrap();
-    assert_eq!(ready.status(), StatusCode::OK, "a replica is ready for devices");
-    let res = http
-        .get(format!("{}/v1/admin/runs", replica.url))
-        .bearer_auth(OPERATOR_TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert!(res.headers().contains_key("retry-after"));
-    let body: ErrorBody = res.json().await.unwrap();
-    assert!(body.message.contains("replica"), "{}", body.message);
+    assert_is_a_replica(&http_client(), &replica.url).await;
 
     let admin = starling_client::protocol::AdminClient::new(&leader.url, OPERATOR_TOKEN);
     let devices = enroll(&replica.url, &admin, 3).await.unwrap();
