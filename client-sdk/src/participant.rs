@@ -300,9 +300,20 @@ impl Participant<FromPlan> {
     /// app's own `trainer` (its examples are the trainer's business); the run's plan names the
     /// model's tensors (`model.schema`).
     pub fn for_trainer(url: &str, population: &str, trainer: impl Trainer) -> Self {
+        Participant::without_examples(url, population).training_with(trainer)
+    }
+
+    /// A participant whose examples are `text` (see [`Participant::with_text`]), training the
+    /// plan's model on the CPU.
+    pub fn for_text(url: &str, population: &str, text: DeviceText) -> Self {
+        Participant::without_examples(url, population).with_text(text)
+    }
+
+    /// A participant with no examples of the SDK's kind (its trainer or its text brings them),
+    /// on the CPU.
+    fn without_examples(url: &str, population: &str) -> Self {
         let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
         Participant::new(url, population, nothing.clone(), nothing, Device::flex().autodiff())
-            .training_with(trainer)
     }
 }
 

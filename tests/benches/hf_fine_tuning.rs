@@ -120,10 +120,7 @@ async fn one_device(args: &[String]) -> anyhow::Result<()> {
         train: serde_json::from_value(text["train"].clone())?,
         holdout: serde_json::from_value(text["holdout"].clone())?,
     };
-    let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
-    let mut p =
-        Participant::new(url, "default", nothing.clone(), nothing, Device::flex().autodiff())
-            .with_text(text);
+    let mut p = Participant::for_text(url, "default", text);
     p.enroll(token).await?;
     let times = participate(p, rounds.parse()?).await?;
     println!("{}", serde_json::json!({"times": times, "peak_rss_kib": peak_rss_kib()}));
@@ -223,15 +220,7 @@ async fn bench(rounds: u32, steps: u32, lr: f64) -> anyhow::Result<()> {
     let alone = tokio::spawn(alone);
     let mut devices = vec![];
     for text in &texts[1..] {
-        let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
-        let mut p = Participant::new(
-            &c.url,
-            "default",
-            nothing.clone(),
-            nothing,
-            Device::flex().autodiff(),
-        )
-        .with_text(text.clone());
+        let mut p = Participant::for_text(&c.url, "default", text.clone());
         p.enroll(&token).await?;
         devices.push(tokio::spawn(participate(p, rounds)));
     }

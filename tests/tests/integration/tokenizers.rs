@@ -6,9 +6,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Duration;
 
-use starling_client::Device;
 use starling_client::data;
-use starling_client::examples::Examples;
 use starling_client::participant::{DeviceText, Outcome, Participant, ParticipantError};
 use starling_core::RunId;
 use starling_core::tokenizer::{TextTokenizer, content_hash};
@@ -151,17 +149,8 @@ async fn devices_train_on_their_text_with_the_tokenizer_the_plan_names() {
         let count =
             |texts: &[String]| tokenizer.next_token_windows(texts, 8, 300, 0).unwrap().labels.len();
         windows.push((count(&text.train), count(&text.holdout)));
-        let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
         let state_file = state_dir.path().join(format!("device-{k}.json"));
-        let mut p = Participant::new(
-            &c.url,
-            "default",
-            nothing.clone(),
-            nothing,
-            Device::flex().autodiff(),
-        )
-        .with_text(text)
-        .keeping_state_in(&state_file);
+        let mut p = Participant::for_text(&c.url, "default", text).keeping_state_in(&state_file);
         p.enroll(&token).await.unwrap();
         devices.push(tokio::spawn(async move {
             let mut held_out = vec![];
@@ -204,11 +193,8 @@ async fn devices_train_on_their_text_with_the_tokenizer_the_plan_names() {
     untokenized["population"] = "plain".into();
     let plain = RunId(c.admin.create_run(&untokenized).await.unwrap().id);
     let token = c.admin.enrollment_token_for(1, &["plain"]).await.unwrap().token;
-    let nothing = Examples::new(starling_core::model_spec::InputSpec::Features { size: 1 });
     let text = DeviceText { train: vec![role("hamlet/HAMLET")], holdout: vec![] };
-    let mut p =
-        Participant::new(&c.url, "plain", nothing.clone(), nothing, Device::flex().autodiff())
-            .with_text(text);
+    let mut p = Participant::for_text(&c.url, "plain", text);
     p.enroll(&token).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let refused = loop {
