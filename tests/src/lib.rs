@@ -691,7 +691,7 @@ pub async fn assert_is_a_replica(http: &reqwest::Client, url: &str) {
     assert!(body.message.contains("replica"), "{}", body.message);
 }
 
-/// Downloads and decodes a model, asking again for 30 s while the answer is a transient
+/// Downloads and decodes a model, asking again for about 30 s while the answer is a transient
 /// failure, as devices do: a replica serves models from the store, and answers 503 with
 /// `Retry-After` for a model committed moments ago whose bytes the leader is still writing.
 pub async fn model_values(
@@ -699,15 +699,9 @@ pub async fn model_values(
     hash: &str,
     schema: &TensorSchema,
 ) -> anyhow::Result<Vec<f32>> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match device.model(hash).await {
-            Err(e) if e.is_transient() && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            payload => return Ok(schema.decode_f32(&payload?)?),
-        }
-    }
+    // Backing off from 200 ms to 10 s, nine tries wait about 30 s in all.
+    let payload = starling_client::protocol::retrying(9, || device.model(hash)).await?;
+    Ok(schema.decode_f32(&payload)?)
 }
 
 /// Polls `check` every 25 ms until it returns `Some`, or fails after `timeout`.

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use starling_client::protocol::{ClientError, FleetClient};
+use starling_client::protocol::{FleetClient, retrying};
 use starling_core::wire::{CheckInResponse, ErrorCode, TaskAssignment};
 use starling_core::{RoundIdx, RunId};
 use starling_tests::*;
@@ -147,23 +147,9 @@ fn socket(url: &str) -> SocketAddr {
     url.trim_start_matches("http://").parse().unwrap()
 }
 
-/// What a device that retries does with a transient failure (transport error, 503, 429):
-/// waits a moment and tries again, until `deadline`.
-async fn retrying<T, F, Fut>(what: &str, deadline: Instant, mut call: F) -> Result<T, ClientError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, ClientError>>,
-{
-    loop {
-        match call().await {
-            Err(e) if e.is_transient() && Instant::now() < deadline => {
-                eprintln!("{what}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            res => return res,
-        }
-    }
-}
+/// How often a device here asks again after a transient failure (transport error, 503, 429),
+/// backing off from 200 ms to 10 s (`protocol::retrying`): about 40 s, beyond a takeover.
+const TRIES: u32 = 10;
 
 /// One device's part in round `round`: check in until the round's task comes, download the
 /// model, upload its delta. `Ok` only when the update is acknowledged — a 200, or a retry's
@@ -171,7 +157,7 @@ where
 async fn take_part(device: &FleetClient, i: usize, run: RunId, round: i64) -> TaskAssignment {
     let deadline = Instant::now() + Duration::from_secs(90);
     let task = loop {
-        let answer = retrying("check-in", deadline, || device.check_in("default")).await.unwrap();
+        let answer = retrying(TRIES, || device.check_in("default")).await.unwrap();
         match answer {
             CheckInResponse::Task(t) if t.round_idx == RoundIdx(round) => break t,
             other => {
@@ -183,9 +169,9 @@ async fn take_part(device: &FleetClient, i: usize, run: RunId, round: i64) -> Ta
             }
         }
     };
-    retrying("model download", deadline, || device.model(&task.model_hash)).await.unwrap();
+    retrying(TRIES, || device.model(&task.model_hash)).await.unwrap();
     let upload = upload_request(&task, &delta(i, round, 64), weight(i));
-    let ack = retrying("upload", deadline, || device.upload(run, RoundIdx(round), &upload)).await;
+    let ack = retrying(TRIES, || device.upload(run, RoundIdx(round), &upload)).await;
     match ack {
         Ok(_) => {}
         Err(e) if e.code() == Some(ErrorCode::DuplicateUpload) => {}
