@@ -200,8 +200,20 @@ async fn a_run_whose_server_state_cannot_be_read_stops_and_the_coordinator_start
     other["population"] = "elsewhere".into();
     let other = RunId(admin.create_run(&other).await.unwrap().id);
     wait_round_open(&admin, other, 0).await.unwrap();
-    coordinator.kill().unwrap();
+    // The round's model and server state are written just after its commit: corrupt the state
+    // only once it is there (killing before the write made this test fail now and then).
     let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+    wait_for("the run's server state to be written", Duration::from_secs(30), || async {
+        let (states,): (i64,) =
+            sqlx::query_as("SELECT COUNT(*) FROM optimizer_states WHERE run_id = ?")
+                .bind(broken.0)
+                .fetch_one(&pool)
+                .await?;
+        Ok((states > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    coordinator.kill().unwrap();
     let changed = sqlx::query("UPDATE optimizer_states SET data = X'00' WHERE run_id = ?")
         .bind(broken.0)
         .execute(&pool)
