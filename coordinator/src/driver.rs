@@ -15,7 +15,9 @@
 //! * Payloads (updates, partials) travel inside the machine's inputs and actions, shared, never
 //!   parked here: the writer starts their writes, concurrently, once their round's row is
 //!   durable, and they come back as [`Internal::Persisted`]; only then is the sender
-//!   acknowledged.
+//!   acknowledged. Where the plan allows, updates are written as the sums of groups of them
+//!   (`groups`): an update's bytes go into its group's sum, and its answer waits for the
+//!   group's write.
 //! * Folding happens on a per-run accumulator thread, fed in the machine's slot order.
 //! * Closing a round (aggregate, apply, encode) runs in a spawned task, which hands the round's
 //!   end to the writer; the writer commits it, in round order and after the previous model's
@@ -28,6 +30,7 @@
 //! * `execute`: the machines' actions carried out;
 //! * `close`: a closed round aggregated and its next model computed, off the driver task;
 //! * `writer`: a run's ordered writer;
+//! * `groups`: a run's updates written as the sums of groups of them;
 //! * `accumulator`: the per-run thread that folds the sums.
 
 use std::collections::{BTreeMap, HashMap};
@@ -40,7 +43,9 @@ use starling_core::eligibility::DeviceAttributes;
 mod accumulator;
 mod close;
 use accumulator::AccumulatorWorker;
+pub use accumulator::Hold;
 mod execute;
+mod groups;
 mod next_model;
 mod recover;
 #[cfg(test)]
@@ -164,6 +169,9 @@ pub enum Event {
         model_version: ModelVersion,
         /// The validated update.
         update: ValidatedUpdate,
+        /// What the HTTP edge holds while the update's bytes are in memory (its upload permit),
+        /// let go once they are folded into a group, or with the answer.
+        hold: Option<Hold>,
         /// Where the answer goes.
         reply: oneshot::Sender<Result<UploadAck, DriverError>>,
     },
@@ -251,10 +259,13 @@ impl InitialModel {
 /// Results of work the driver spawned.
 #[derive(Debug)]
 enum Internal {
-    /// An update or a partial is durable (or failed to be).
+    /// An update, a group of updates or a partial is durable (or failed to be).
     Persisted {
         run_id: RunId,
-        request: RequestId,
+        /// The upload's (or partial's) request; a group's, one per update.
+        requests: Vec<RequestId>,
+        /// Whether they were a group's ([`groups`]).
+        group: bool,
         ok: bool,
     },
     RoundClosed {
@@ -381,6 +392,8 @@ struct RunEntry {
     optimizer_state: Arc<OptimizerState>,
     training_config: String,
     accumulator: AccumulatorWorker,
+    /// The open group of a run whose updates are stored in groups.
+    groups: Option<groups::UpdateGroups>,
     /// Writes the run's batches in order, off the driver task.
     writer: RunWriter,
     /// Who waits for the answer to each request the machine has not answered yet.
@@ -390,8 +403,15 @@ struct RunEntry {
 
 /// Who waits for the machine's answer to a request, and how it is answered.
 enum Responder {
-    CheckIn { device: DeviceId, reply: oneshot::Sender<Result<CheckInResponse, DriverError>> },
-    Upload { round_idx: RoundIdx, reply: oneshot::Sender<Result<UploadAck, DriverError>> },
+    CheckIn {
+        device: DeviceId,
+        reply: oneshot::Sender<Result<CheckInResponse, DriverError>>,
+    },
+    Upload {
+        round_idx: RoundIdx,
+        reply: oneshot::Sender<Result<UploadAck, DriverError>>,
+        hold: Option<Hold>,
+    },
     Partial(oneshot::Sender<Result<(), DriverError>>),
     SecAgg(oneshot::Sender<Result<(), DriverError>>),
     SecAggPoll(oneshot::Sender<Result<SecAggInstruction, DriverError>>),
@@ -592,14 +612,14 @@ impl Driver {
                 };
                 let _ = reply.send(res);
             }
-            Event::Upload { device, run_id, round_idx, model_version, update, reply } => {
+            Event::Upload { device, run_id, round_idx, model_version, update, hold, reply } => {
                 let request = self.request_id();
                 self.observer.device_seen(device.0, now, true);
                 let Some(entry) = self.runs.get_mut(&run_id) else {
                     let _ = reply.send(Err(DriverError::RunNotRunning(run_id)));
                     return;
                 };
-                entry.responders.insert(request, Responder::Upload { round_idx, reply });
+                entry.responders.insert(request, Responder::Upload { round_idx, reply, hold });
                 let input = Input::Upload { request, device, round_idx, model_version, update };
                 entry.machine.handle(now, input);
             }
@@ -699,9 +719,14 @@ impl Driver {
         let now = now_ms();
         match internal {
             Internal::Deposed => self.deposed = true,
-            Internal::Persisted { run_id, request, ok } => {
+            Internal::Persisted { run_id, requests, group, ok } => {
                 if let Some(entry) = self.runs.get_mut(&run_id) {
-                    entry.machine.handle(now, Input::Persisted { request, ok });
+                    for request in requests {
+                        entry.machine.handle(now, Input::Persisted { request, ok });
+                    }
+                    if group && let Some(groups) = entry.groups.as_mut() {
+                        groups.written();
+                    }
                 }
             }
             Internal::RoundClosed { run_id, round_idx, committed } => {
@@ -770,6 +795,7 @@ impl RunEntry {
         writer: RunWriter,
     ) -> Self {
         let training_config = plan.training_config_json();
+        let grouped = plan.stores_update_sums();
         RunEntry {
             machine,
             plan,
@@ -777,7 +803,8 @@ impl RunEntry {
             model_hash,
             optimizer_state: Arc::new(optimizer_state),
             training_config,
-            accumulator: AccumulatorWorker::spawn(acc),
+            accumulator: AccumulatorWorker::spawn(acc, grouped),
+            groups: grouped.then(groups::UpdateGroups::default),
             writer,
             responders: HashMap::new(),
             stops: vec![],

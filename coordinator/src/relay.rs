@@ -32,7 +32,7 @@ use starling_core::{DeviceId, ModelVersion, RoundIdx, RunId};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::clock::now_ms;
-use crate::driver::{DriverError, DriverHandle, Event};
+use crate::driver::{DriverError, DriverHandle, Event, Hold};
 use crate::http::{ApiError, AppState, MAX_CONCURRENT_UPLOADS};
 use crate::store::{RelayedRequestRow, SqlStore};
 
@@ -155,35 +155,47 @@ impl Reply {
     }
 }
 
-/// Splits a driver event into what is relayed and where its answer goes; an event only the
-/// leader serves is answered [`DriverError::NotLeader`] here.
-fn relayed(event: Event) -> Option<(RelayedRequest, Reply)> {
+/// Splits a driver event into what is relayed, where its answer goes and what its edge holds
+/// (an upload's permit, held here until the leader answers); an event only the leader serves
+/// is answered [`DriverError::NotLeader`] here.
+fn relayed(event: Event) -> Option<(RelayedRequest, Reply, Option<Hold>)> {
     let not_leader = DriverError::NotLeader;
     Some(match event {
-        Event::CheckIn { device, population, attributes, reply } => {
-            (RelayedRequest::CheckIn { device, population, attributes }, Reply::CheckIn(reply))
-        }
-        Event::AdmitPayload { device, run_id, round_idx, secure, reply } => {
-            (RelayedRequest::AdmitPayload { device, run_id, round_idx, secure }, Reply::Done(reply))
-        }
-        Event::Upload { device, run_id, round_idx, model_version, update, reply } => (
-            RelayedRequest::Upload {
-                device,
-                run_id,
-                round_idx,
-                model_version,
-                example_count: update.example_count(),
-                metrics: update.metrics().clone(),
-                delta: update.delta_bytes().as_ref().clone(),
-            },
-            Reply::Upload(reply),
+        Event::CheckIn { device, population, attributes, reply } => (
+            RelayedRequest::CheckIn { device, population, attributes },
+            Reply::CheckIn(reply),
+            None,
         ),
-        Event::SecAgg { device, run_id, round_idx, message, reply } => {
-            (RelayedRequest::SecAgg { device, run_id, round_idx, message }, Reply::Done(reply))
+        Event::AdmitPayload { device, run_id, round_idx, secure, reply } => (
+            RelayedRequest::AdmitPayload { device, run_id, round_idx, secure },
+            Reply::Done(reply),
+            None,
+        ),
+        Event::Upload { device, run_id, round_idx, model_version, update, hold, reply } => {
+            return Some((
+                RelayedRequest::Upload {
+                    device,
+                    run_id,
+                    round_idx,
+                    model_version,
+                    example_count: update.example_count(),
+                    metrics: update.metrics().clone(),
+                    delta: update.delta_bytes().as_ref().clone(),
+                },
+                Reply::Upload(reply),
+                hold,
+            ));
         }
-        Event::SecAggPoll { device, run_id, round_idx, reply } => {
-            (RelayedRequest::SecAggPoll { device, run_id, round_idx }, Reply::SecAggPoll(reply))
-        }
+        Event::SecAgg { device, run_id, round_idx, message, reply } => (
+            RelayedRequest::SecAgg { device, run_id, round_idx, message },
+            Reply::Done(reply),
+            None,
+        ),
+        Event::SecAggPoll { device, run_id, round_idx, reply } => (
+            RelayedRequest::SecAggPoll { device, run_id, round_idx },
+            Reply::SecAggPoll(reply),
+            None,
+        ),
         Event::AggregatorPoll { reply, .. } => {
             let _ = reply.send(Err(not_leader));
             return None;
@@ -271,8 +283,9 @@ async fn forward_events(
     mut events: mpsc::Receiver<Event>,
 ) {
     while let Some(event) = events.recv().await {
-        if let Some((request, reply)) = relayed(event) {
-            tokio::spawn(relay_one(store.clone(), replica, waiting.clone(), request, reply));
+        if let Some((request, reply, hold)) = relayed(event) {
+            let waiting = waiting.clone();
+            tokio::spawn(relay_one(store.clone(), replica, waiting, request, reply, hold));
         }
     }
     waiting.closed.store(true, Ordering::SeqCst);
@@ -287,6 +300,7 @@ async fn relay_one(
     waiting: Arc<Waiting>,
     request: RelayedRequest,
     reply: Reply,
+    _hold: Option<Hold>,
 ) {
     let wait = match request {
         RelayedRequest::CheckIn { .. } => CHECK_IN_WAIT,
@@ -490,8 +504,15 @@ async fn decide(state: &AppState, request: RelayedRequest) -> Result<RelayedAnsw
             })
             .await
             .map_err(|e| ApiError::internal(&e))??;
-            let event =
-                |reply| Event::Upload { device, run_id, round_idx, model_version, update, reply };
+            let event = |reply| Event::Upload {
+                device,
+                run_id,
+                round_idx,
+                model_version,
+                update,
+                hold: None,
+                reply,
+            };
             RelayedAnswer::Upload(driver.call(event).await?)
         }
         RelayedRequest::SecAgg { device, run_id, round_idx, message } => {

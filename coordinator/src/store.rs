@@ -10,7 +10,7 @@
 //! Both pass the same conformance suite (`coordinator/tests/store_conformance.rs`).
 //!
 //! One file per aggregate: `devices` (tokens, enrollment, revocation), `runs` (runs and their
-//! models), `rounds` (transitions, the open round, commits), `updates` (updates and partials),
+//! models), `rounds` (transitions, the open round, commits), `updates` (updates, groups of them and partials),
 //! `secure` (secure rounds' records), `evaluations`, `relay` (fleet requests replicas relay to
 //! the leader), and `leadership` (the lock and the epoch
 //! that fences every write of round state).
@@ -72,7 +72,7 @@ pub use runs::{ModelInfo, NewRun, RunRow};
 use starling_core::round::RoundClosing;
 use starling_core::{Millis, RoundIdx, RunId};
 pub use tokenizers::TokenizerInfo;
-pub use updates::StoredUpdate;
+pub use updates::{GroupMember, StoredContribution, StoredGroup, StoredUpdate};
 
 /// Which database a store runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -344,6 +344,8 @@ macro_rules! impl_write_tx {
                     "UPDATE updates SET delta = NULL WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL
                        AND EXISTS (SELECT 1 FROM rounds r WHERE r.run_id = $1 AND r.round_idx = $2 AND r.state <> 'open')",
                     "UPDATE partials SET report = NULL WHERE run_id = $1 AND round_idx = $2 AND report IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM rounds r WHERE r.run_id = $1 AND r.round_idx = $2 AND r.state <> 'open')",
+                    "UPDATE update_groups SET sum_hi = NULL, sum_lo = NULL WHERE run_id = $1 AND round_idx = $2 AND sum_hi IS NOT NULL
                        AND EXISTS (SELECT 1 FROM rounds r WHERE r.run_id = $1 AND r.round_idx = $2 AND r.state <> 'open')",
                 ] {
                     sqlx::query(sql)

@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use starling_coordinator::store::{
-    LEASE, ModelBytes, NewRun, PendingModel, RENEW_EVERY, RENEW_TIMEOUT, RoundCommit,
-    RoundDeviceRow, STANDBY_POLL, SqlStore, StoreError, Transition, redact, with_database,
+    GroupMember, LEASE, ModelBytes, NewRun, PendingModel, RENEW_EVERY, RENEW_TIMEOUT, RoundCommit,
+    RoundDeviceRow, STANDBY_POLL, SqlStore, StoreError, StoredContribution, Transition, redact,
+    with_database,
 };
 use starling_core::codec;
-use starling_core::fedavg::PooledEvaluation;
+use starling_core::fedavg::{FoldedGroup, PartialSums, PooledEvaluation};
 use starling_core::round::participation_rule::History;
 use starling_core::round::quarantine::Strikes;
 use starling_core::round::{CarriedTask, RoundClosing, RoundOpened, RoundOutcome, StoredPartial};
@@ -48,6 +49,7 @@ conformance!(
     a_run_starts_with_its_model_version_zero,
     transitions_are_idempotent_and_the_open_round_comes_back,
     updates_are_durable_once_and_replay_in_slot_order,
+    a_group_of_updates_is_durable_whole_and_replays_at_its_last_slot,
     partials_are_durable_once_and_count_their_devices,
     secure_records_come_back_in_order_and_go_with_the_round,
     a_commit_advances_the_run_and_releases_payloads,
@@ -338,7 +340,8 @@ async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
     assert_eq!(open.reported, vec![(d1, 0), (d2, 1)]);
     let mut replayed = vec![];
     let n = store
-        .for_each_update(run, RoundIdx(0), |u| {
+        .for_each_update(run, RoundIdx(0), |stored| {
+            let StoredContribution::Update(u) = stored else { panic!("a group was stored") };
             replayed.push((u.slot, u.staleness, u.delta));
             Ok(())
         })
@@ -348,6 +351,81 @@ async fn updates_are_durable_once_and_replay_in_slot_order(store: SqlStore) {
     // An asynchronous run's staleness comes back with its update (a restart folds it with
     // the same discount).
     assert_eq!(replayed, vec![(0, 0, vec![1, 2]), (1, 2, vec![5, 6])]);
+}
+
+/// A group of updates is written whole (its sums and a row per update, without a delta but
+/// with its norm) or not at all; it replays at its last update's slot, between the updates
+/// stored one by one, and is released with its round.
+async fn a_group_of_updates_is_durable_whole_and_replays_at_its_last_slot(store: SqlStore) {
+    let (run, [d1, d2, d3]) = run_with_open_round(&store).await;
+    let member = |device, slot, norm| GroupMember {
+        device,
+        slot,
+        staleness: 0,
+        example_count: 2,
+        metrics_json: r#"{"loss":0.5}"#.into(),
+        norm,
+    };
+    let group = FoldedGroup {
+        sums: PartialSums {
+            hi: vec![1.5, -2.25],
+            lo: vec![1e-20, 0.0],
+            total_weight: 4,
+            n_updates: 2,
+            metrics: BTreeMap::from([("loss".to_owned(), (2.0, 4))]),
+        },
+        n_within_bound: 1,
+    };
+    store.insert_update(run, RoundIdx(0), d1, 0, 0, 1, "{}", &[1, 2], 1_500).await.unwrap();
+    // A member already stored (d1) refuses the whole group: nothing of it is left behind.
+    let clash = [member(d2, 1, 0.5), member(d1, 2, 0.25)];
+    assert!(store.insert_update_group(run, RoundIdx(0), &clash, &group, 1_600).await.is_err());
+    let members = [member(d2, 1, 0.5), member(d3, 3, 4.0)];
+    let short =
+        FoldedGroup { sums: PartialSums { n_updates: 3, ..group.sums.clone() }, ..group.clone() };
+    assert!(store.insert_update_group(run, RoundIdx(0), &members, &short, 1_600).await.is_err());
+    store.insert_update_group(run, RoundIdx(0), &members, &group, 1_600).await.unwrap();
+    assert!(matches!(
+        store.insert_update_group(run, RoundIdx(0), &members, &group, 1_650).await,
+        Err(StoreError::Conflict)
+    ));
+    let open = store.open_round(run).await.unwrap().unwrap();
+    assert_eq!(open.reported, vec![(d1, 0), (d2, 1), (d3, 3)]);
+    assert_eq!(store.rounds(run).await.unwrap()[0].n_reported, Some(3));
+    assert!(store.has_update(run, RoundIdx(0), d3).await.unwrap());
+    assert_eq!(
+        store.grouped_update_norms(run, RoundIdx(0)).await.unwrap(),
+        vec![(d2, 0.5), (d3, 4.0)]
+    );
+    store.insert_update(run, RoundIdx(0), d1, 2, 0, 1, "{}", &[3], 1_700).await.unwrap_err();
+    let mut replayed = vec![];
+    let n = store
+        .for_each_update(run, RoundIdx(0), |stored| {
+            replayed.push(stored);
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(n, 3, "one update and a group of two");
+    match &replayed[..] {
+        [StoredContribution::Update(u), StoredContribution::Group(g)] => {
+            assert_eq!((u.slot, u.delta.as_slice()), (0, &[1u8, 2][..]));
+            assert_eq!((g.slot, &g.group), (3, &group), "to the bit, at its last slot");
+        }
+        other => panic!("replayed {other:?}"),
+    }
+    let metrics = BTreeMap::new();
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model_hash: "h1",
+        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
+        metrics: &metrics,
+        evaluation: None,
+    };
+    store.commit_round(run, commit, 4_000).await.unwrap();
+    store.release_payloads(run, RoundIdx(0)).await.unwrap();
+    assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
+    assert!(store.has_update(run, RoundIdx(0), d3).await.unwrap(), "the rows stay");
 }
 
 /// Robust aggregation reads a round's updates back a range of values at a time.

@@ -413,6 +413,39 @@ impl FedAvgAccumulator {
         self.metrics.merge(&p.metrics);
     }
 
+    /// An empty accumulator of the same length and bound.
+    pub fn empty_like(&self) -> Self {
+        FedAvgAccumulator::new(self.hi.len()).bounded(self.bound)
+    }
+
+    /// The sums folded so far as a [`FoldedGroup`], leaving this accumulator empty; `None`
+    /// when nothing was folded.
+    pub fn take_group(&mut self) -> Option<FoldedGroup> {
+        if self.n_updates == 0 {
+            return None;
+        }
+        let fresh = self.empty_like();
+        let n_within_bound = self.n_within_bound;
+        let sums = std::mem::replace(self, fresh).into_partial();
+        Some(FoldedGroup { sums, n_within_bound })
+    }
+
+    /// Folds in a group of the same run's updates summed apart by an accumulator with the same
+    /// bound ([`take_group`](Self::take_group)), or such a group read back from the store:
+    /// the sums, weights, counts (the bound's too) and metrics, with the same operations
+    /// whichever of the two it is, so a replay merges exactly what the live sum merged.
+    ///
+    /// # Panics
+    /// If the group has another length: validation against the same schema makes that a bug.
+    pub fn merge_group(&mut self, sums: &PartialSums, n_within_bound: u64) {
+        assert_eq!(sums.hi.len(), self.hi.len(), "group of another schema");
+        merge_sums(&mut self.hi, &mut self.lo, &sums.hi, &sums.lo);
+        self.total_weight += sums.total_weight;
+        self.n_updates += sums.n_updates;
+        self.n_within_bound += n_within_bound.min(sums.n_updates);
+        self.metrics.merge(&sums.metrics);
+    }
+
     /// The running sums as a partial aggregate (what an aggregator reports).
     pub fn into_partial(self) -> PartialSums {
         PartialSums {
@@ -556,6 +589,17 @@ pub struct PartialSums {
     pub n_updates: u64,
     /// Per metric: example-weighted sum and the weight behind it.
     pub metrics: BTreeMap<String, (f64, u64)>,
+}
+
+/// A group of a run's updates summed by the coordinator itself before it stores them: what
+/// it writes for the group instead of each update (a model's sums for any number of updates),
+/// merged back on replay with [`FedAvgAccumulator::merge_group`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FoldedGroup {
+    /// The group's sums, weights and metrics, as an accumulator of the run's bound made them.
+    pub sums: PartialSums,
+    /// How many of its updates were within that bound (all of them without one).
+    pub n_within_bound: u64,
 }
 
 /// Partial sums that passed [`validate_partial`]; the only thing [`FedAvgAccumulator::merge`]

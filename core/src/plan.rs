@@ -528,6 +528,16 @@ impl ValidatedPlan {
         self.privacy.as_ref()
     }
 
+    /// Whether the coordinator may store a round's updates as the sums of groups of them
+    /// ([`FoldedGroup`](crate::fedavg::FoldedGroup)) rather than one by one: every run that
+    /// uploads a delta, but a secure one (its updates arrive masked, and go to its records)
+    /// and one combined by an order statistic (which reads each update back at close).
+    pub fn stores_update_sums(&self) -> bool {
+        self.update_len() > 0
+            && self.plan.secure_aggregation.is_none()
+            && !self.plan.strategy.aggregation.is_order_statistic()
+    }
+
     /// The largest L2 norm an upload's update may have (see [`Plan::max_update_norm`]); `None`
     /// in secure runs, whose updates the coordinator never sees.
     pub fn max_update_norm(&self) -> Option<f64> {

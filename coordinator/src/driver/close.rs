@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 use super::CommittedModel;
 use super::next_model::{EncodedModel, NextModel, encoded, next_model, replay_round};
 use super::writer::{EndOutcome, NewModel, RoundEnd, RoundEnds, until_done};
-use crate::store::{SqlStore, StoreError};
+use crate::store::{SqlStore, StoreError, StoredContribution};
 
 /// Aggregates a closed round and hands its end to the run's writer.
 pub(super) struct CloseTask {
@@ -247,7 +247,8 @@ async fn culprits(
     let (schema, compression) = (plan.update_schema().clone(), plan.compression());
     let mut norms: Vec<(DeviceId, f64)> = vec![];
     let read = store
-        .for_each_update(run_id, round_idx, |u| {
+        .for_each_update(run_id, round_idx, |stored| {
+            let StoredContribution::Update(u) = stored else { return Ok(()) };
             let decoded = starling_core::fedavg::validate_parts(
                 &schema,
                 compression,
@@ -261,6 +262,9 @@ async fn culprits(
             Ok(())
         })
         .await;
+    // An update stored in a group kept its norm beside its row.
+    let grouped = store.grouped_update_norms(run_id, round_idx).await;
+    let read = read.and_then(|_| grouped).map(|grouped| norms.extend(grouped));
     if read.is_err() || norms.len() < 2 {
         return vec![];
     }

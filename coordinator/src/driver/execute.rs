@@ -7,11 +7,12 @@
 
 use starling_core::RunId;
 use starling_core::codec;
-use starling_core::round::{Action, RoundSum, RunStatus};
+use starling_core::round::{Action, Contribution, RoundSum, RunStatus};
 use starling_core::wire::{SecAggInstruction, UploadAck};
 use tokio::sync::oneshot;
 
 use super::close::{CloseTask, Finish};
+use super::groups::Accepted;
 use super::writer::{Batch, Deferred, LastModel};
 use super::{Driver, DriverError, Responder, RunEntry};
 use crate::clock::now_ms;
@@ -44,6 +45,7 @@ impl Driver {
             while let Some(action) = entry.machine.poll_action() {
                 effects.execute(run_id, entry, action, &mut batch);
             }
+            effects.seal_group(run_id, entry, &mut batch, false);
             let status = entry.machine.status();
             if status != RunStatus::Running {
                 // Answered once the run's last transitions are durable.
@@ -110,6 +112,29 @@ impl Effects<'_> {
                     batch.replies.push(later(reply, Ok(answer)));
                 }
             }
+            Action::PersistUpdate { request, round_idx, device, slot, staleness, update }
+                if entry.groups.is_some() =>
+            {
+                // Into the open group; its fold, the next action, lets go of its hold.
+                let hold = match entry.responders.get_mut(&request) {
+                    Some(Responder::Upload { hold, .. }) => hold.take(),
+                    _ => None,
+                };
+                let metrics_json =
+                    serde_json::to_string(update.metrics()).expect("metrics serialize");
+                let example_count = update.example_count();
+                let accepted = Accepted {
+                    request,
+                    round_idx,
+                    device,
+                    slot,
+                    staleness,
+                    example_count,
+                    metrics_json,
+                    hold,
+                };
+                entry.groups.as_mut().expect("matched").add(accepted);
+            }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
                 entry.writer.payload(request, batch, "insert_update", async move {
@@ -135,7 +160,7 @@ impl Effects<'_> {
                 });
             }
             Action::ReplyUpload { request, result } => {
-                if let Some(Responder::Upload { round_idx, reply }) =
+                if let Some(Responder::Upload { round_idx, reply, .. }) =
                     entry.responders.remove(&request)
                 {
                     let res = result.map(|()| UploadAck { run_id, round_idx }).map_err(Into::into);
@@ -162,7 +187,18 @@ impl Effects<'_> {
                     batch.replies.push(later(reply, result.map_err(DriverError::from)));
                 }
             }
-            Action::Fold(contribution) => entry.accumulator.fold(contribution),
+            Action::Fold(contribution) => {
+                let hold = match (&contribution, entry.groups.as_mut()) {
+                    (Contribution::Partial(_), Some(_)) => {
+                        // The open group first: the round's sum merges in slot order.
+                        self.seal_group(run_id, entry, batch, true);
+                        None
+                    }
+                    (_, Some(groups)) => groups.take_hold(),
+                    (_, None) => None,
+                };
+                entry.accumulator.fold(contribution, hold);
+            }
             Action::PersistSecAgg { round_idx, seq, record } => {
                 let record = codec::to_vec(&record).expect("records encode");
                 batch.transitions.push(Transition::SecAggRecord { round_idx, seq, record });
@@ -215,6 +251,9 @@ impl Effects<'_> {
                 batch.transitions.push(Transition::FinishRun);
             }
             Action::StopRun { open_round, reason } => {
+                if let Some(groups) = entry.groups.as_mut() {
+                    groups.clear();
+                }
                 match &reason {
                     Some(reason) => tracing::error!(%run_id, %reason, "run stopped"),
                     None => tracing::info!(%run_id, "run stopped"),
@@ -225,6 +264,14 @@ impl Effects<'_> {
                 self.observer.run_state(run_id, "stopped");
                 batch.transitions.push(Transition::StopRun { open_round, reason });
             }
+        }
+    }
+
+    /// Seals `entry`'s open group and starts its write, when due (see `groups`).
+    fn seal_group(&self, run_id: RunId, entry: &mut RunEntry, batch: &mut Batch, force: bool) {
+        let Some(groups) = entry.groups.as_mut() else { return };
+        if groups.due(force) {
+            groups.seal(run_id, self.store, &entry.accumulator, &entry.writer, batch);
         }
     }
 }

@@ -1,12 +1,14 @@
 //! How a round's contributions become the next model, for closing a round and for rebuilding
-//! one at start alike: the stored updates and partials replayed in slot order, and core's
+//! one at start alike: the stored updates, groups of updates and partials replayed in slot order, and core's
 //! strategy pipeline from the aggregate, with the store as its tile reader.
 
 use std::time::Duration;
 
 use starling_core::backoff::Backoff;
 use starling_core::codec;
-use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, validate_parts};
+use starling_core::fedavg::{
+    Aggregate, AggregateError, FedAvgAccumulator, validate_partial, validate_parts,
+};
 use starling_core::plan::ValidatedPlan;
 use starling_core::privacy::metrics::Released;
 use starling_core::robust::TileReader;
@@ -14,7 +16,7 @@ use starling_core::strategy::{OptimizerState, RoundEnd};
 use starling_core::tier::PartialReport;
 use starling_core::{RoundIdx, RunId};
 
-use crate::store::{SqlStore, StoreError};
+use crate::store::{SqlStore, StoreError, StoredContribution};
 
 /// Folds a round's stored updates and partials into `acc` in slot order, as the run's
 /// accumulator folded them when they were acknowledged; returns how many updates it read.
@@ -46,10 +48,25 @@ pub(super) async fn replay_round(
         })
         .peekable();
     let replayed = store
-        .for_each_update(run_id, round_idx, |u| {
-            while let Some((_, sums)) = partials.next_if(|(slot, _)| *slot < u.slot) {
+        .for_each_update(run_id, round_idx, |stored| {
+            let slot = match &stored {
+                StoredContribution::Update(u) => u.slot,
+                StoredContribution::Group(g) => g.slot,
+            };
+            while let Some((_, sums)) = partials.next_if(|(partial, _)| *partial < slot) {
                 acc.merge(&sums);
             }
+            let u = match stored {
+                StoredContribution::Update(u) => u,
+                // Merged as the live sum merged it when it was sealed.
+                StoredContribution::Group(g) => {
+                    match validate_partial(&update_schema, g.group.sums) {
+                        Ok(sums) => acc.merge_group(sums.sums(), g.group.n_within_bound),
+                        Err(e) => tracing::error!(%run_id, slot, error = %e, "stored group fails validation; not merged"),
+                    }
+                    return Ok(());
+                }
+            };
             let metrics = serde_json::from_str(&u.metrics_json).unwrap_or_default();
             let example_count = u.example_count as u64;
             match validate_parts(&update_schema, plan.compression(), u.delta, example_count, metrics) {

@@ -120,7 +120,15 @@ async fn upload(
 ) -> Result<UploadAck, DriverError> {
     let (round_idx, model_version) = (RoundIdx(0), ModelVersion(0));
     handle
-        .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
+        .call(|reply| Event::Upload {
+            device,
+            run_id,
+            round_idx,
+            model_version,
+            update,
+            hold: None,
+            reply,
+        })
         .await
 }
 
@@ -339,15 +347,15 @@ async fn a_committed_model_whose_bytes_a_stop_lost_is_rebuilt_from_its_round() {
     }
 }
 
-/// A rebuild that does not hash as the commit recorded (here a stored update's
-/// example count was altered) is refused as corruption and writes nothing; its run stops
+/// A rebuild that does not hash as the commit recorded (here the stored weight of the
+/// round's updates was altered) is refused as corruption and writes nothing; its run stops
 /// saying so, and the coordinator starts (it used to refuse to start at all).
 #[tokio::test]
 async fn a_rebuilt_model_that_differs_from_its_commit_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(&dir).await;
     let (run, hash, _) = commit_whose_model_bytes_were_lost(&dir, &store).await;
-    raw_sql(&dir, "UPDATE updates SET example_count = 7 WHERE example_count = 3").await;
+    raw_sql(&dir, "UPDATE update_groups SET total_weight = total_weight + 4").await;
     let started = Driver::recover(store.clone(), Observer::new(), None).await;
     assert!(started.is_ok(), "the coordinator starts: {:?}", started.err());
     let row = store.run(run).await.unwrap().unwrap();
@@ -429,6 +437,7 @@ async fn report_round(
                 round_idx,
                 model_version,
                 update,
+                hold: None,
                 reply,
             })
             .await
@@ -705,6 +714,7 @@ async fn devices_in_three_refused_rounds_stay_quarantined_across_a_restart() {
                     round_idx,
                     model_version,
                     update,
+                    hold: None,
                     reply,
                 })
                 .await;

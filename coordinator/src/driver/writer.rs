@@ -5,9 +5,9 @@
 //!   model-sized masked inputs, run finished or stopped) are made durable in order, in one
 //!   transaction per group of queued batches (group commit), before any of their batch's
 //!   replies is sent and before its payloads and closings start.
-//! * **Payloads** (updates, partials) are written concurrently, each started once the round row
-//!   it refers to is durable ([`RunWriter::payload`]); they are not retried here: a device
-//!   whose payload did not land is told to retry.
+//! * **Payloads** (updates, groups of them, partials) are written concurrently, each started
+//!   once the round row it refers to is durable ([`RunWriter::payload`]); they are not retried
+//!   here: a device whose payload did not land is told to retry.
 //! * **Round ends** (a commit with its model, an evaluation round, a failure), which close tasks
 //!   compute and hand back ([`Job::EndRound`]), in round order, each after the bytes of the
 //!   model before it; then the cache hears of the model and the driver of the end.
@@ -181,6 +181,28 @@ impl RunWriter {
         what: &'static str,
         write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
     ) {
+        self.start_payload(vec![request], false, batch, what, write);
+    }
+
+    /// [`payload`](Self::payload) for a sealed group of updates, reported back for all of
+    /// `requests` at once.
+    pub(super) fn group_payload(
+        &self,
+        requests: Vec<starling_core::round::RequestId>,
+        batch: &mut Batch,
+        write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
+    ) {
+        self.start_payload(requests, true, batch, "insert_update_group", write);
+    }
+
+    fn start_payload(
+        &self,
+        requests: Vec<starling_core::round::RequestId>,
+        group: bool,
+        batch: &mut Batch,
+        what: &'static str,
+        write: impl Future<Output = Result<(), StoreError>> + Send + 'static,
+    ) {
         let run_id = self.parts.run_id;
         let (observer, internal) = (self.parts.observer.clone(), self.parts.internal.clone());
         let write = Box::pin(async move {
@@ -190,7 +212,7 @@ impl RunWriter {
             if matches!(res, Err(StoreError::Fenced { .. })) {
                 let _ = internal.send(Internal::Deposed);
             }
-            let _ = internal.send(Internal::Persisted { run_id, request, ok: res.is_ok() });
+            let _ = internal.send(Internal::Persisted { run_id, requests, group, ok: res.is_ok() });
         });
         if self.durable.load(Ordering::Acquire) >= self.round_opened_in {
             tokio::spawn(write);

@@ -23,7 +23,7 @@ use utoipa_axum::routes;
 
 use super::{ApiError, AppState, Cbor, DeviceAuth, FleetConnection, random_secret, sha256};
 use crate::clock::now_ms;
-use crate::driver::{DriverError, Event};
+use crate::driver::{DriverError, Event, Hold};
 use crate::model_cache::model_download_id;
 use crate::store::DeviceAccess;
 use starling_core::round::UploadRejection;
@@ -439,7 +439,7 @@ async fn accept_upload(
     let plan = state.plan(run_id).await?;
     let update_schema = plan.update_schema();
     let limit = plan.max_delta_bytes() as usize + UPLOAD_ENVELOPE_LIMIT;
-    let _slot = state.admit_upload(headers, limit, (device, run_id, round_idx), false).await?;
+    let slot = state.admit_upload(headers, limit, (device, run_id, round_idx), false).await?;
     let started = std::time::Instant::now();
     let bytes = state.read_body(body, limit).await?;
     let body_len = bytes.len() as u64;
@@ -473,7 +473,20 @@ async fn accept_upload(
     let validated_ms = started.elapsed().as_secs_f64() * 1e3;
     let ack = state
         .driver()
-        .call(|reply| Event::Upload { device, run_id, round_idx, model_version, update, reply })
+        .call(|reply| {
+            // Let go of once the update is folded, where the run stores updates in groups;
+            // else with the answer.
+            let hold = Hold(Box::new(slot));
+            Event::Upload {
+                device,
+                run_id,
+                round_idx,
+                model_version,
+                update,
+                hold: Some(hold),
+                reply,
+            }
+        })
         .await?;
     tracing::debug!(%run_id, %round_idx, %device, read_ms, validated_ms, acked_ms = started.elapsed().as_secs_f64() * 1e3, "upload acknowledged");
     Ok((ack, body_len))

@@ -684,7 +684,8 @@ impl SqlStore {
                 still_to_be_written!(),
                 ")
                    AND (EXISTS (SELECT 1 FROM updates u WHERE u.run_id = r.run_id AND u.round_idx = r.round_idx AND u.delta IS NOT NULL)
-                        OR EXISTS (SELECT 1 FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx AND p.report IS NOT NULL))
+                        OR EXISTS (SELECT 1 FROM partials p WHERE p.run_id = r.run_id AND p.round_idx = r.round_idx AND p.report IS NOT NULL)
+                        OR EXISTS (SELECT 1 FROM update_groups g WHERE g.run_id = r.run_id AND g.round_idx = r.round_idx AND g.sum_hi IS NOT NULL))
                  ORDER BY r.run_id, r.round_idx"
             ))
             .fetch_all(pool)

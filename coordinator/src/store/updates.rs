@@ -1,9 +1,11 @@
-//! Updates and aggregators' partials: written one by one before they are acknowledged, read
-//! back in slot order when a restarted coordinator replays an open round.
+//! Updates and aggregators' partials: written before they are acknowledged (updates one by
+//! one, or a group of them as its sums beside a row per update), read back in slot order when a
+//! restarted coordinator replays an open round.
 
 use futures_util::TryStreamExt;
 use sqlx::FromRow;
 use starling_core::codec;
+use starling_core::fedavg::{FoldedGroup, PartialSums};
 use starling_core::tier::PartialReport;
 use starling_core::{DeviceId, Millis, RoundIdx, RunId};
 
@@ -24,6 +26,94 @@ pub struct StoredUpdate {
     pub delta: Vec<u8>,
     /// Versions behind its round's model it was trained on (asynchronous runs).
     pub staleness: i64,
+}
+
+/// One update of a group, as its row keeps it (no delta: the group's sums hold it).
+#[derive(Debug, Clone)]
+pub struct GroupMember {
+    /// The device.
+    pub device: DeviceId,
+    /// Its arrival slot.
+    pub slot: i64,
+    /// Versions behind the round's model it was trained on.
+    pub staleness: u32,
+    /// Its FedAvg weight.
+    pub example_count: u64,
+    /// Its local metrics, JSON.
+    pub metrics_json: String,
+    /// Its delta's L2 norm.
+    pub norm: f64,
+}
+
+/// A stored group of updates read back for replay.
+#[derive(Debug, Clone)]
+pub struct StoredGroup {
+    /// The slot of its last update.
+    pub slot: i64,
+    /// Its sums (not yet validated against the run's schema), and how many were in the bound.
+    pub group: FoldedGroup,
+}
+
+/// What a round's replay reads, in slot order.
+#[derive(Debug, Clone)]
+pub enum StoredContribution {
+    /// An update stored one by one.
+    Update(StoredUpdate),
+    /// A group of updates stored as its sums.
+    Group(StoredGroup),
+}
+
+/// A row of either kind, as [`SqlStore::for_each_update`]'s one query reads them.
+#[derive(FromRow)]
+struct StoredRow {
+    slot: i64,
+    device_id: Option<i64>,
+    example_count: i64,
+    metrics_json: String,
+    delta: Vec<u8>,
+    staleness: i64,
+    sum_lo: Option<Vec<u8>>,
+    n_updates: Option<i64>,
+    n_within_bound: Option<i64>,
+}
+
+impl StoredRow {
+    fn into_contribution(self) -> StoreResult<StoredContribution> {
+        let StoredRow { slot, device_id, example_count, metrics_json, delta, staleness, .. } = self;
+        let (Some(lo), Some(n_updates), Some(n_within_bound)) =
+            (self.sum_lo, self.n_updates, self.n_within_bound)
+        else {
+            let device_id = device_id
+                .ok_or_else(|| StoreError::Corrupt("an update without a device".into()))?;
+            let update =
+                StoredUpdate { device_id, slot, example_count, metrics_json, delta, staleness };
+            return Ok(StoredContribution::Update(update));
+        };
+        let corrupt =
+            |what: String| StoreError::Corrupt(format!("the group at slot {slot}: {what}"));
+        let f64s = |bytes: &[u8]| -> StoreResult<Vec<f64>> {
+            if bytes.len() % 8 != 0 {
+                return Err(corrupt(format!("{} bytes of sums", bytes.len())));
+            }
+            Ok(bytes
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect())
+        };
+        let metrics = serde_json::from_str(&metrics_json).map_err(|e| corrupt(e.to_string()))?;
+        let sums = PartialSums {
+            hi: f64s(&delta)?,
+            lo: f64s(&lo)?,
+            total_weight: u64::try_from(example_count).map_err(|e| corrupt(e.to_string()))?,
+            n_updates: u64::try_from(n_updates).map_err(|e| corrupt(e.to_string()))?,
+            metrics,
+        };
+        let n_within_bound = u64::try_from(n_within_bound).map_err(|e| corrupt(e.to_string()))?;
+        Ok(StoredContribution::Group(StoredGroup {
+            slot,
+            group: FoldedGroup { sums, n_within_bound },
+        }))
+    }
 }
 
 impl SqlStore {
@@ -116,29 +206,124 @@ impl SqlStore {
         })
     }
 
-    /// Streams a round's stored updates in slot order to `each`, one at a time, so replay
-    /// needs memory for one update, not the cohort.
+    /// Writes a group of updates as its sums and a row per update without its delta, in one
+    /// transaction; `Ok` means every one of them is durable and may be acknowledged. The
+    /// group takes the slot of its last update.
+    pub async fn insert_update_group(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+        members: &[GroupMember],
+        group: &FoldedGroup,
+        now: Millis,
+    ) -> StoreResult<()> {
+        let Some(last) = members.last() else {
+            return Err(StoreError::Corrupt("a group of no updates".into()));
+        };
+        if members.len() as u64 != group.sums.n_updates {
+            return Err(StoreError::Corrupt(format!(
+                "a group of {} updates holds the sums of {}",
+                members.len(),
+                group.sums.n_updates
+            )));
+        }
+        let le = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (hi, lo) = (le(&group.sums.hi), le(&group.sums.lo));
+        let metrics = serde_json::to_string(&group.sums.metrics).expect("metrics serialize");
+        on_pool!(self, |pool| {
+            let mut tx = pool.begin().await.map_err(map_err)?;
+            tx.check_fence(&self.fence).await?;
+            // Chunked under every backend's limit on bound values (SQLite's 32 766).
+            for chunk in members.chunks(1_000) {
+                let mut insert = sqlx::QueryBuilder::new(
+                    "INSERT INTO updates (run_id, round_idx, device_id, slot, staleness, example_count, metrics_json, norm, received_at_ms) ",
+                );
+                insert.push_values(chunk, |mut row, m| {
+                    row.push_bind(run_id.0)
+                        .push_bind(round_idx.0)
+                        .push_bind(m.device.0)
+                        .push_bind(m.slot)
+                        .push_bind(i64::from(m.staleness))
+                        .push_bind(m.example_count as i64)
+                        .push_bind(&m.metrics_json)
+                        .push_bind(m.norm)
+                        .push_bind(now);
+                });
+                insert.build().execute(&mut *tx).await.map_err(map_err)?;
+            }
+            sqlx::query(
+                "INSERT INTO update_groups (run_id, round_idx, slot, n_updates, n_within_bound, total_weight, metrics_json, sum_hi, sum_lo, received_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .bind(last.slot)
+            .bind(group.sums.n_updates as i64)
+            .bind(group.n_within_bound as i64)
+            .bind(group.sums.total_weight as i64)
+            .bind(metrics)
+            .bind(hi)
+            .bind(lo)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)
+        })
+    }
+
+    /// Streams a round's stored updates and groups of updates in slot order to `each`, one at
+    /// a time, so replay needs memory for one update (or group), not the cohort.
     pub async fn for_each_update(
         &self,
         run_id: RunId,
         round_idx: RoundIdx,
-        mut each: impl FnMut(StoredUpdate) -> StoreResult<()>,
+        mut each: impl FnMut(StoredContribution) -> StoreResult<()>,
     ) -> StoreResult<u64> {
         on_pool!(self, |pool| {
-            let mut rows = sqlx::query_as::<_, StoredUpdate>(
-                "SELECT device_id, slot, example_count, metrics_json, delta, staleness FROM updates
-                 WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL ORDER BY slot",
+            let mut rows = sqlx::query_as::<_, StoredRow>(
+                "SELECT slot, device_id, example_count, metrics_json, delta, staleness,
+                        NULL AS sum_lo, NULL AS n_updates, NULL AS n_within_bound
+                 FROM updates WHERE run_id = $1 AND round_idx = $2 AND delta IS NOT NULL
+                 UNION ALL
+                 SELECT slot, NULL, total_weight, metrics_json, sum_hi, 0, sum_lo, n_updates, n_within_bound
+                 FROM update_groups WHERE run_id = $1 AND round_idx = $2 AND sum_hi IS NOT NULL
+                 ORDER BY slot",
             )
             .bind(run_id.0)
             .bind(round_idx.0)
             .fetch(pool);
             let mut n = 0;
             while let Some(row) = rows.try_next().await.map_err(map_err)? {
-                each(row)?;
-                n += 1;
+                let stored = row.into_contribution()?;
+                n += match &stored {
+                    StoredContribution::Update(_) => 1,
+                    StoredContribution::Group(g) => g.group.sums.n_updates,
+                };
+                each(stored)?;
             }
             Ok(n)
         })
+    }
+
+    /// The L2 norms a round's updates stored in groups were recorded with, by device.
+    pub async fn grouped_update_norms(
+        &self,
+        run_id: RunId,
+        round_idx: RoundIdx,
+    ) -> StoreResult<Vec<(DeviceId, f64)>> {
+        let rows: Vec<(i64, f64)> = on_pool!(self, |pool| {
+            sqlx::query_as(
+                "SELECT device_id, norm FROM updates
+                 WHERE run_id = $1 AND round_idx = $2 AND norm IS NOT NULL ORDER BY slot",
+            )
+            .bind(run_id.0)
+            .bind(round_idx.0)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+        })?;
+        Ok(rows.into_iter().map(|(d, n)| (DeviceId(d), n)).collect())
     }
 
     /// Values `start..start + len` of every stored update of a round, one row per update in slot

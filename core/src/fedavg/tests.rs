@@ -313,3 +313,50 @@ fn a_batch_folds_to_the_same_bits_as_one_by_one() {
         assert_eq!(together.finish().unwrap(), one_by_one.finish().unwrap());
     }
 }
+
+/// A round's updates summed in groups (as the coordinator stores them) and the groups merged
+/// give the mean, weights, counts within the bound and metrics of the updates folded one by
+/// one; and a group read back merges to the very bits the live merge made.
+#[test]
+fn groups_of_updates_merge_to_the_mean_of_their_updates() {
+    let n = 1_000;
+    let updates: Vec<ValidatedUpdate> = (0..23u64)
+        .map(|k| {
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i as u64 * (7 + k) % 613) as f32 - 300.0) * (1.0 + k as f32) * 1e-4)
+                .collect();
+            update(&values, 1 + k * 3)
+        })
+        .collect();
+    for bound in [None, Some(NormBound { max_norm: 0.5, unweighted: true })] {
+        let mut one_by_one = FedAvgAccumulator::new(n).bounded(bound);
+        for u in &updates {
+            one_by_one.add(u);
+        }
+        let mut round = FedAvgAccumulator::new(n).bounded(bound);
+        let mut group = round.empty_like();
+        let mut stored = vec![];
+        for chunk in updates.chunks(5) {
+            group.add_all(chunk.iter().map(|u| (u, 1.0)));
+            let sealed = group.take_group().expect("a group with updates");
+            round.merge_group(&sealed.sums, sealed.n_within_bound);
+            stored.push(sealed);
+        }
+        assert!(group.take_group().is_none(), "sealing leaves the group empty");
+        let mut replayed = FedAvgAccumulator::new(n).bounded(bound);
+        for sealed in &stored {
+            let validated = validate_partial(&schema(n as u64), sealed.sums.clone()).unwrap();
+            replayed.merge_group(validated.sums(), sealed.n_within_bound);
+        }
+        let (direct, grouped) = (one_by_one.finish().unwrap(), round.finish().unwrap());
+        assert_eq!(replayed.finish().unwrap(), grouped, "a replay merges to the same bits");
+        let as_f32 = |a: &Aggregate| a.mean_delta.iter().map(|&v| v as f32).collect::<Vec<_>>();
+        assert_eq!(as_f32(&grouped), as_f32(&direct));
+        assert_eq!(
+            (grouped.total_weight, grouped.n_updates, grouped.n_within_bound),
+            (direct.total_weight, direct.n_updates, direct.n_within_bound)
+        );
+        assert!(bound.is_none() || direct.n_within_bound < direct.n_updates, "the bound bit");
+        assert!((grouped.metrics["loss"] - direct.metrics["loss"]).abs() < 1e-12);
+    }
+}

@@ -7,6 +7,7 @@ use std::time::Duration;
 use starling_client::Device;
 use starling_client::data;
 use starling_client::participant::{Outcome, Participant};
+use starling_coordinator::store::StoredContribution;
 use starling_core::tensor::{TensorSchema, f32_from_le_bytes};
 use starling_core::wire::{ErrorCode, UploadRequest};
 use starling_core::{RoundIdx, RunId};
@@ -62,18 +63,25 @@ async fn only_the_update_tensors_are_uploaded_stored_and_aggregated() {
         .upload(run, RoundIdx(0), &upload(&update_schema, &contributions[0].0, 10))
         .await
         .unwrap();
-    // What the store holds for the device: the shared tensor's three values, nothing else.
+    // What the store holds for the device: the shared tensor's three values (in its group's
+    // sums, times its 10 examples), nothing else.
     let store = starling_coordinator::store::SqlStore::connect(&db, false).await.unwrap();
     let mut stored = vec![];
     store
         .for_each_update(run, RoundIdx(0), |u| {
-            stored.push(u.delta);
+            stored.push(u);
             Ok(())
         })
         .await
         .unwrap();
-    assert_eq!(stored.len(), 1);
-    assert_eq!(f32_from_le_bytes(&stored[0]), contributions[0].0);
+    match &stored[..] {
+        [StoredContribution::Group(g)] => {
+            let expected: Vec<f64> =
+                contributions[0].0.iter().map(|&v| 10.0 * f64::from(v)).collect();
+            assert_eq!(g.group.sums.hi, expected);
+        }
+        other => panic!("stored {other:?}"),
+    }
     devices[1]
         .upload(run, RoundIdx(0), &upload(&update_schema, &contributions[1].0, 30))
         .await

@@ -1,0 +1,127 @@
+//! A run's updates written as the sums of groups of them, so that the store's write load is a
+//! model's sums per group, not a model-sized row per update.
+//!
+//! Group commit: the updates accepted while the run's previous group is being written make up
+//! the next group. Each folds into the open group on the run's accumulator thread (its upload
+//! permit then let go: its bytes are in the sum); once no group is being written, the open one
+//! is sealed — merged into the round's sum and handed over as its sums — and written in one
+//! transaction with a row per update (everything but the delta, and its norm); its devices are
+//! acknowledged when that transaction commits. Under a trickle every group holds one update;
+//! under load a group holds whatever arrived during one write, so the store sees one
+//! transaction per write time however many devices upload. A partial from the aggregator tier
+//! seals the open group first, so the live sum merges in slot order, as a replay does.
+
+use starling_core::RunId;
+use starling_core::round::RequestId;
+use starling_core::{DeviceId, RoundIdx};
+
+use super::accumulator::{AccumulatorWorker, Hold};
+use super::writer::{Batch, RunWriter};
+use crate::clock::now_ms;
+use crate::store::{GroupMember, SqlStore, StoreError};
+
+/// The accepted updates of a run's open group, and how many sealed groups are being written.
+#[derive(Default)]
+pub(super) struct UpdateGroups {
+    /// The open group's updates in slot order, with their requests.
+    open: Vec<(RequestId, GroupMember)>,
+    /// The round they are in.
+    round_idx: Option<RoundIdx>,
+    /// The hold of the update whose fold comes next (taken at its persist action).
+    next_hold: Option<Hold>,
+    /// Sealed groups whose write has not reported back.
+    writing: usize,
+}
+
+/// An accepted update as [`UpdateGroups::add`] takes it.
+pub(super) struct Accepted {
+    pub(super) request: RequestId,
+    pub(super) round_idx: RoundIdx,
+    pub(super) device: DeviceId,
+    pub(super) slot: i64,
+    pub(super) staleness: u32,
+    pub(super) example_count: u64,
+    pub(super) metrics_json: String,
+    pub(super) hold: Option<Hold>,
+}
+
+impl UpdateGroups {
+    /// Adds an accepted update to the open group; its fold follows.
+    pub(super) fn add(&mut self, accepted: Accepted) {
+        let Accepted { request, round_idx, device, slot, staleness, example_count, .. } = accepted;
+        if self.round_idx != Some(round_idx) {
+            debug_assert!(self.open.is_empty(), "a round closed with an open group");
+            self.open.clear();
+            self.round_idx = Some(round_idx);
+        }
+        let metrics_json = accepted.metrics_json;
+        let member =
+            GroupMember { device, slot, staleness, example_count, metrics_json, norm: 0.0 };
+        self.open.push((request, member));
+        self.next_hold = accepted.hold;
+    }
+
+    /// The hold to let go of once the update just added is folded.
+    pub(super) fn take_hold(&mut self) -> Option<Hold> {
+        self.next_hold.take()
+    }
+
+    /// Whether the open group should be sealed now: it holds updates and no group is being
+    /// written (or `force`, before a partial is folded).
+    pub(super) fn due(&self, force: bool) -> bool {
+        !self.open.is_empty() && (force || self.writing == 0)
+    }
+
+    /// A sealed group's write reported back.
+    pub(super) fn written(&mut self) {
+        self.writing = self.writing.saturating_sub(1);
+    }
+
+    /// The run stopped: the open group's devices were answered by the machine.
+    pub(super) fn clear(&mut self) {
+        self.open.clear();
+        self.next_hold = None;
+    }
+
+    /// Seals the open group on `accumulator` and hands its write to `writer`.
+    pub(super) fn seal(
+        &mut self,
+        run_id: RunId,
+        store: &SqlStore,
+        accumulator: &AccumulatorWorker,
+        writer: &RunWriter,
+        batch: &mut Batch,
+    ) {
+        let Some(round_idx) = self.round_idx else { return };
+        let (requests, mut members): (Vec<RequestId>, Vec<GroupMember>) =
+            std::mem::take(&mut self.open).into_iter().unzip();
+        if members.is_empty() {
+            return;
+        }
+        self.writing += 1;
+        let sealed = accumulator.seal();
+        let store = store.clone();
+        writer.group_payload(requests, batch, async move {
+            let Ok(Some(sealed)) = sealed.await else {
+                return Err(StoreError::Corrupt("the accumulator sealed no group".into()));
+            };
+            if sealed.norms.len() != members.len() {
+                return Err(StoreError::Corrupt(format!(
+                    "a group of {} updates sealed with {} norms",
+                    members.len(),
+                    sealed.norms.len()
+                )));
+            }
+            for (member, norm) in members.iter_mut().zip(sealed.norms) {
+                member.norm = norm;
+            }
+            let res = store
+                .insert_update_group(run_id, round_idx, &members, &sealed.group, now_ms())
+                .await;
+            if let Err(e) = &res {
+                tracing::warn!(%run_id, round = %round_idx, updates = members.len(), error = %e, "group of updates not persisted");
+            }
+            res
+        });
+    }
+}

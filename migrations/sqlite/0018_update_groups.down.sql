@@ -1,0 +1,2 @@
+ALTER TABLE updates DROP COLUMN norm;
+DROP TABLE update_groups;
