@@ -554,7 +554,8 @@ impl Driver {
     }
 
     fn next_timeout(&self) -> Option<Millis> {
-        self.runs.values().filter_map(|e| e.machine.poll_timeout()).min()
+        let groups = self.runs.values().filter_map(|e| e.groups.as_ref()?.deadline());
+        self.runs.values().filter_map(|e| e.machine.poll_timeout()).chain(groups).min()
     }
 
     fn request_id(&mut self) -> RequestId {

@@ -559,6 +559,20 @@ impl CompressedDelta {
         };
         let mut rest = 0.0;
         self.runs(|_, run| match run {
+            // f32 on its own: decoded by the generic loop below, value by value through the
+            // encoding's match, the norm was a fifth of the coordinator's CPU in an f32 round.
+            Run::Dense(Compression::F32, bytes) => {
+                let eights = bytes.chunks_exact(4 * LANES);
+                for c in eights.remainder().chunks_exact(4) {
+                    rest += f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).powi(2);
+                }
+                for eight in eights {
+                    add_eight(std::array::from_fn(|j| {
+                        let c = &eight[4 * j..4 * j + 4];
+                        f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                    }));
+                }
+            }
             Run::Dense(kind, bytes) => {
                 let width = kind.dense_width();
                 let eights = bytes.chunks_exact(width * LANES);
@@ -601,6 +615,7 @@ impl Compression {
     }
 
     /// One value of a dense float encoding from its `dense_width` little-endian bytes.
+    #[inline]
     pub(crate) fn dense_value(self, c: &[u8]) -> f32 {
         match self {
             Compression::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),

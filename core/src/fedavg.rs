@@ -72,11 +72,22 @@ impl UpdateError {
 /// It keeps the delta as the validated bytes in the run's encoding (little-endian f32 unless
 /// the plan compresses), shared, so the same buffer is written to the store and folded into the
 /// sum without another copy.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 pub struct ValidatedUpdate {
     delta: CompressedDelta,
     example_count: u64,
     metrics: BTreeMap<String, f64>,
+    /// The delta's L2 norm, computed once, by whichever of the upload's checks, the norm
+    /// bound's scale and the stored row's norm asks first.
+    norm: std::sync::OnceLock<f64>,
+}
+
+/// The same update whether or not its norm was computed yet.
+impl PartialEq for ValidatedUpdate {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.delta, self.example_count, &self.metrics)
+            == (&other.delta, other.example_count, &other.metrics)
+    }
 }
 
 /// Sizes and weights, not the values: updates travel inside traces and logs.
@@ -101,6 +112,11 @@ impl ValidatedUpdate {
     /// The parameter delta, validated.
     pub fn delta(&self) -> &CompressedDelta {
         &self.delta
+    }
+
+    /// The delta's L2 norm (computed on first use, then kept).
+    pub fn norm(&self) -> f64 {
+        *self.norm.get_or_init(|| self.delta.norm_squared().sqrt())
     }
 
     /// The FedAvg weight.
@@ -165,7 +181,7 @@ pub fn validate_parts(
         }
         other => other.validate(schema.numel() as usize, delta)?,
     };
-    Ok(ValidatedUpdate { delta, example_count, metrics })
+    Ok(ValidatedUpdate { delta, example_count, metrics, norm: std::sync::OnceLock::new() })
 }
 
 /// Largest magnitude of any reported metric: enough for any honest loss or count, small enough
@@ -385,7 +401,7 @@ impl FedAvgAccumulator {
         let (weight, scale) = match self.bound {
             None => (update.example_count, 1.0),
             Some(NormBound { max_norm, unweighted }) => {
-                let norm = update.delta.norm_squared().sqrt();
+                let norm = update.norm();
                 let weight = if unweighted { 1 } else { update.example_count };
                 (weight, crate::robust::norm_scale(norm, max_norm))
             }

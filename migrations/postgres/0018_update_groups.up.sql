@@ -14,7 +14,8 @@ CREATE TABLE update_groups (
     total_weight BIGINT NOT NULL,
     -- Per metric: [weighted sum, weight].
     metrics_json TEXT NOT NULL,
-    -- Little-endian f64 high and low parts of the double-double sums; NULL once released.
+    -- Little-endian f64 high and low parts of the double-double sums (no bytes of low parts
+    -- when they are all zero); NULL once released.
     sum_hi BYTEA,
     sum_lo BYTEA,
     received_at_ms BIGINT NOT NULL,

@@ -56,7 +56,7 @@ impl Sums {
             }
         }
         if let Some(group) = self.group.as_mut() {
-            self.norms.extend(updates.iter().map(|(u, _)| u.delta().norm_squared().sqrt()));
+            self.norms.extend(updates.iter().map(|(u, _)| u.norm()));
             group.add_all(updates.iter().map(|(u, d)| (u, *d)));
         } else {
             round.add_all(updates.iter().map(|(u, d)| (u, *d)));

@@ -257,14 +257,14 @@ async fn culprits(
                 Default::default(),
             );
             if let Ok(update) = decoded {
-                norms.push((DeviceId(u.device_id), update.delta().norm_squared().sqrt()));
+                norms.push((DeviceId(u.device_id), update.norm()));
             }
             Ok(())
         })
         .await;
     // An update stored in a group kept its norm beside its row.
     let grouped = store.grouped_update_norms(run_id, round_idx).await;
-    let read = read.and_then(|_| grouped).map(|grouped| norms.extend(grouped));
+    let read = read.and(grouped).map(|grouped| norms.extend(grouped));
     if read.is_err() || norms.len() < 2 {
         return vec![];
     }

@@ -133,7 +133,7 @@ impl Effects<'_> {
                     metrics_json,
                     hold,
                 };
-                entry.groups.as_mut().expect("matched").add(accepted);
+                entry.groups.as_mut().expect("matched").add(accepted, now_ms());
             }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {
                 let store = self.store.clone();
@@ -270,7 +270,7 @@ impl Effects<'_> {
     /// Seals `entry`'s open group and starts its write, when due (see `groups`).
     fn seal_group(&self, run_id: RunId, entry: &mut RunEntry, batch: &mut Batch, force: bool) {
         let Some(groups) = entry.groups.as_mut() else { return };
-        if groups.due(force) {
+        if groups.due(force, now_ms()) {
             groups.seal(run_id, self.store, &entry.accumulator, &entry.writer, batch);
         }
     }

@@ -2,7 +2,7 @@
 //! model's sums per group, not a model-sized row per update.
 //!
 //! Group commit: the updates accepted while the run's previous group is being written make up
-//! the next group. Each folds into the open group on the run's accumulator thread (its upload
+//! the next group (sealed at [`GROUP_TARGET`] updates, or [`GROUP_WAIT_MS`] after its first). Each folds into the open group on the run's accumulator thread (its upload
 //! permit then let go: its bytes are in the sum); once no group is being written, the open one
 //! is sealed — merged into the round's sum and handed over as its sums — and written in one
 //! transaction with a row per update (everything but the delta, and its norm); its devices are
@@ -13,18 +13,34 @@
 
 use starling_core::RunId;
 use starling_core::round::RequestId;
-use starling_core::{DeviceId, RoundIdx};
+use starling_core::{DeviceId, Millis, RoundIdx};
 
 use super::accumulator::{AccumulatorWorker, Hold};
 use super::writer::{Batch, RunWriter};
 use crate::clock::now_ms;
 use crate::store::{GroupMember, SqlStore, StoreError};
 
+/// A group this large is sealed as soon as no other is being written.
+const GROUP_TARGET: usize = 64;
+
+/// A smaller group is sealed once its first update waited this long (or a partial, or the
+/// run's stop, comes): a little more latency for an update that arrives alone, against a
+/// model's sums written for every few updates under load.
+pub(super) const GROUP_WAIT_MS: Millis = 10;
+
+/// ... and no sooner than this after the previous seal: under load a run writes at most 25
+/// groups a second, each a model's sums, however fast its writes come back.
+const GROUP_SPACING_MS: Millis = 40;
+
 /// The accepted updates of a run's open group, and how many sealed groups are being written.
 #[derive(Default)]
 pub(super) struct UpdateGroups {
     /// The open group's updates in slot order, with their requests.
     open: Vec<(RequestId, GroupMember)>,
+    /// When its first update was added.
+    opened_at: Millis,
+    /// When the last group was sealed.
+    sealed_at: Millis,
     /// The round they are in.
     round_idx: Option<RoundIdx>,
     /// The hold of the update whose fold comes next (taken at its persist action).
@@ -47,7 +63,7 @@ pub(super) struct Accepted {
 
 impl UpdateGroups {
     /// Adds an accepted update to the open group; its fold follows.
-    pub(super) fn add(&mut self, accepted: Accepted) {
+    pub(super) fn add(&mut self, accepted: Accepted, now: Millis) {
         let Accepted { request, round_idx, device, slot, staleness, example_count, .. } = accepted;
         if self.round_idx != Some(round_idx) {
             debug_assert!(self.open.is_empty(), "a round closed with an open group");
@@ -57,6 +73,9 @@ impl UpdateGroups {
         let metrics_json = accepted.metrics_json;
         let member =
             GroupMember { device, slot, staleness, example_count, metrics_json, norm: 0.0 };
+        if self.open.is_empty() {
+            self.opened_at = now;
+        }
         self.open.push((request, member));
         self.next_hold = accepted.hold;
     }
@@ -66,10 +85,20 @@ impl UpdateGroups {
         self.next_hold.take()
     }
 
-    /// Whether the open group should be sealed now: it holds updates and no group is being
-    /// written (or `force`, before a partial is folded).
-    pub(super) fn due(&self, force: bool) -> bool {
-        !self.open.is_empty() && (force || self.writing == 0)
+    /// Whether the open group should be sealed now: it holds updates, no group is being
+    /// written and it is large or old enough (or `force`, before a partial is folded).
+    pub(super) fn due(&self, force: bool, now: Millis) -> bool {
+        let ready = self.open.len() >= GROUP_TARGET || now >= self.ready_at();
+        !self.open.is_empty() && (force || (self.writing == 0 && ready))
+    }
+
+    /// When the open group will be due if nothing else comes (the driver wakes then).
+    pub(super) fn deadline(&self) -> Option<Millis> {
+        (!self.open.is_empty() && self.writing == 0).then(|| self.ready_at())
+    }
+
+    fn ready_at(&self) -> Millis {
+        (self.opened_at + GROUP_WAIT_MS).max(self.sealed_at + GROUP_SPACING_MS)
     }
 
     /// A sealed group's write reported back.
@@ -99,9 +128,11 @@ impl UpdateGroups {
             return;
         }
         self.writing += 1;
+        self.sealed_at = now_ms();
         let sealed = accumulator.seal();
         let store = store.clone();
         writer.group_payload(requests, batch, async move {
+            let started = std::time::Instant::now();
             let Ok(Some(sealed)) = sealed.await else {
                 return Err(StoreError::Corrupt("the accumulator sealed no group".into()));
             };
@@ -115,11 +146,18 @@ impl UpdateGroups {
             for (member, norm) in members.iter_mut().zip(sealed.norms) {
                 member.norm = norm;
             }
+            let sealed_ms = started.elapsed().as_secs_f64() * 1e3;
             let res = store
                 .insert_update_group(run_id, round_idx, &members, &sealed.group, now_ms())
                 .await;
-            if let Err(e) = &res {
-                tracing::warn!(%run_id, round = %round_idx, updates = members.len(), error = %e, "group of updates not persisted");
+            let written_ms = started.elapsed().as_secs_f64() * 1e3;
+            match &res {
+                Ok(()) => {
+                    tracing::debug!(%run_id, round = %round_idx, updates = members.len(), sealed_ms, written_ms, "group of updates persisted")
+                }
+                Err(e) => {
+                    tracing::warn!(%run_id, round = %round_idx, updates = members.len(), error = %e, "group of updates not persisted")
+                }
             }
             res
         });

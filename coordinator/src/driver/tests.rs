@@ -744,3 +744,55 @@ async fn until_round_opens(store: &SqlStore, run: RunId, round_idx: i64) {
     })
     .await;
 }
+
+/// Uploads that arrive together are written as groups of them (fewer writes than updates,
+/// each update's row kept without its delta), every one acknowledged only once its group is
+/// durable; a coordinator restarted mid-round replays the stored groups and commits exactly
+/// the FedAvg of every acknowledged update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_uploads_are_stored_as_groups_and_a_restart_replays_them_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir).await;
+    let devices = enrolled(&store, 24).await;
+    let handle = started(&store).await;
+    let more = serde_json::json!({"cohort_size": 24, "min_quorum": 24});
+    let run = create_run_with(&handle, 1, more).await;
+    for &d in &devices {
+        assert!(matches!(check_in(&handle, d).await, CheckInResponse::Task(_)));
+    }
+    // All but the last upload at once; each answer comes once its group is durable.
+    let uploads = devices[..23].iter().enumerate().map(|(k, &d)| {
+        let handle = handle.clone();
+        async move { upload(&handle, run, d, update(k as f32 * 0.25 - 2.0, 1 + k as u64)).await }
+    });
+    for acked in futures_util::future::join_all(uploads).await {
+        acked.expect("acknowledged");
+    }
+    let mut sql = raw_sql(&dir, "SELECT 1").await;
+    let (groups, grouped): (i64, i64) =
+        sqlx::query_as("SELECT COUNT(*), COALESCE(SUM(n_updates), 0) FROM update_groups")
+            .fetch_one(&mut sql)
+            .await
+            .unwrap();
+    assert_eq!(grouped, 23, "every acknowledged update is in a stored group");
+    assert!(groups < 23, "{groups} writes for 23 updates that arrived together");
+    let (rows, deltas): (i64, i64) = sqlx::query_as("SELECT COUNT(*), COUNT(delta) FROM updates")
+        .fetch_one(&mut sql)
+        .await
+        .unwrap();
+    assert_eq!((rows, deltas), (23, 0), "a row per update, no delta");
+
+    // A restart in the middle of the round: the stored groups are the round's sum.
+    handle.stop().await;
+    let handle = started(&store).await;
+    upload(&handle, run, devices[23], update(3.0, 5)).await.unwrap();
+    let model = committed_model(&store, run, 1).await;
+    let contributions: Vec<(f64, u64)> = (0..23)
+        .map(|k| (f64::from(k as f32 * 0.25 - 2.0), 1 + k as u64))
+        .chain([(3.0, 5)])
+        .collect();
+    let total: u64 = contributions.iter().map(|(_, w)| w).sum();
+    let mean = contributions.iter().map(|(v, w)| v * *w as f64).sum::<f64>() / total as f64;
+    assert_eq!(model, vec![mean as f32; PARAMS]);
+    handle.stop().await;
+}

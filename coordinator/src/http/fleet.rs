@@ -456,7 +456,7 @@ async fn accept_upload(
         // One device's finite but huge update once took a plain run's model to 2.7e38: it is
         // refused here, alone, before it reaches any sum.
         if let Some(bound) = plan.max_update_norm() {
-            let norm = update.delta().norm_squared().sqrt();
+            let norm = update.norm();
             if norm.is_nan() || norm > bound {
                 return Err(ApiError::invalid(format!(
                     "the update's L2 norm {norm:.4e} is over the run's max_update_norm {bound:.4e}"

@@ -92,7 +92,7 @@ impl StoredRow {
         let corrupt =
             |what: String| StoreError::Corrupt(format!("the group at slot {slot}: {what}"));
         let f64s = |bytes: &[u8]| -> StoreResult<Vec<f64>> {
-            if bytes.len() % 8 != 0 {
+            if !bytes.len().is_multiple_of(8) {
                 return Err(corrupt(format!("{} bytes of sums", bytes.len())));
             }
             Ok(bytes
@@ -101,9 +101,12 @@ impl StoredRow {
                 .collect())
         };
         let metrics = serde_json::from_str(&metrics_json).map_err(|e| corrupt(e.to_string()))?;
+        let hi = f64s(&delta)?;
+        // No bytes: every low part is zero.
+        let lo = if lo.is_empty() { vec![0.0; hi.len()] } else { f64s(&lo)? };
         let sums = PartialSums {
-            hi: f64s(&delta)?,
-            lo: f64s(&lo)?,
+            hi,
+            lo,
             total_weight: u64::try_from(example_count).map_err(|e| corrupt(e.to_string()))?,
             n_updates: u64::try_from(n_updates).map_err(|e| corrupt(e.to_string()))?,
             metrics,
@@ -228,7 +231,13 @@ impl SqlStore {
             )));
         }
         let le = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let (hi, lo) = (le(&group.sums.hi), le(&group.sums.lo));
+        // Low parts that are all zero (sums exact in f64: f32 values times modest weights) are
+        // stored as no bytes, halving what the store writes for most groups.
+        let lo = match group.sums.lo.iter().all(|&v| v.to_bits() == 0) {
+            true => vec![],
+            false => le(&group.sums.lo),
+        };
+        let hi = le(&group.sums.hi);
         let metrics = serde_json::to_string(&group.sums.metrics).expect("metrics serialize");
         on_pool!(self, |pool| {
             let mut tx = pool.begin().await.map_err(map_err)?;
