@@ -242,6 +242,18 @@ fn partial(device: DeviceId) -> PartialReport {
     }
 }
 
+/// Commits round 0 of `run` as model version 1 (hash "h1", bytes "m1"), with no metrics.
+async fn commit_round_zero(store: &SqlStore, run: RunId) {
+    let commit = RoundCommit {
+        closing: closing(0, 0, RoundOutcome::Commit),
+        model_hash: "h1",
+        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
+        metrics: &BTreeMap::new(),
+        evaluation: None,
+    };
+    store.commit_round(run, commit, 4_000).await.unwrap();
+}
+
 /// The round of [`run_with_open_round`] with two updates and the aggregator's partial in.
 async fn run_with_reports(store: &SqlStore) -> (RunId, [DeviceId; 3]) {
     let (run, [d1, d2, d3]) = run_with_open_round(store).await;
@@ -414,15 +426,7 @@ async fn a_group_of_updates_is_durable_whole_and_replays_at_its_last_slot(store:
         }
         other => panic!("replayed {other:?}"),
     }
-    let metrics = BTreeMap::new();
-    let commit = RoundCommit {
-        closing: closing(0, 0, RoundOutcome::Commit),
-        model_hash: "h1",
-        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
-        metrics: &metrics,
-        evaluation: None,
-    };
-    store.commit_round(run, commit, 4_000).await.unwrap();
+    commit_round_zero(&store, run).await;
     store.release_payloads(run, RoundIdx(0)).await.unwrap();
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 0);
     assert!(store.has_update(run, RoundIdx(0), d3).await.unwrap(), "the rows stay");
@@ -693,14 +697,7 @@ async fn a_durable_update_is_found_for_its_task_after_its_round_closed(store: Sq
     store.insert_update(run, RoundIdx(0), d1, 0, 0, 1, "{}", &[1, 2], 1_500).await.unwrap();
     assert!(store.has_update(run, RoundIdx(0), d1).await.unwrap(), "in the open round");
     assert!(!store.has_update(run, RoundIdx(0), d2).await.unwrap(), "d2 has not reported");
-    let commit = RoundCommit {
-        closing: closing(0, 0, RoundOutcome::Commit),
-        model_hash: "h1",
-        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
-        metrics: &BTreeMap::new(),
-        evaluation: None,
-    };
-    store.commit_round(run, commit, 4_000).await.unwrap();
+    commit_round_zero(&store, run).await;
     store.release_payloads(run, RoundIdx(0)).await.unwrap();
     assert!(store.has_update(run, RoundIdx(0), d1).await.unwrap(), "released, still durable");
     // Round 1 selects d3 again; d2, still training on model 0, reports into it (carried).
@@ -728,15 +725,7 @@ async fn payloads_are_released_only_once_their_round_closed(store: SqlStore) {
     assert!(matches!(store.release_payloads(run, RoundIdx(7)).await, Err(StoreError::Corrupt(_))));
     assert_eq!(store.release_closed_payloads().await.unwrap(), 0, "the open round keeps its");
     assert_eq!(store.for_each_update(run, RoundIdx(0), |_| Ok(())).await.unwrap(), 2);
-    let metrics = BTreeMap::new();
-    let commit = RoundCommit {
-        closing: closing(0, 0, RoundOutcome::Commit),
-        model_hash: "h1",
-        bytes: ModelBytes::Written { model: b"m1", optimizer_state: None },
-        metrics: &metrics,
-        evaluation: None,
-    };
-    store.commit_round(run, commit, 4_000).await.unwrap();
+    commit_round_zero(&store, run).await;
     // The next round opens and takes an update before the sweep: that one stays.
     let select = Transition::Select { round_idx: RoundIdx(1), device: d1, aggregator: None };
     store
