@@ -592,6 +592,19 @@ pub fn merge_sums(hi: &mut [f64], lo: &mut [f64], other_hi: &[f64], other_lo: &[
     }
 }
 
+/// `values` as little-endian bytes: how sums travel (an aggregator's partial) and are stored
+/// (a group of updates).
+pub fn f64s_to_le(values: &[f64]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// [`f64s_to_le`]'s inverse; `None` when the length is not a multiple of 8.
+pub fn f64s_from_le(bytes: &[u8]) -> Option<Vec<f64>> {
+    bytes.len().is_multiple_of(8).then(|| {
+        bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+    })
+}
+
 /// The running sums of a (partial) FedAvg: what an aggregator reports for its shard.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PartialSums {

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 use crate::fedavg::{
     MetricsAccumulator, PartialError, PartialSums, ValidatedPartial, check_counts_and_metrics,
-    validate_partial,
+    f64s_from_le, f64s_to_le, validate_partial,
 };
 use crate::ids::{AggregatorId, DeviceId, ModelVersion, RoundIdx, RunId};
 use crate::tensor::{SchemaId, TensorSchema};
@@ -305,15 +305,14 @@ impl PartialReport {
         devices: Vec<DeviceId>,
         sums: PartialSums,
     ) -> Self {
-        let le = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         PartialReport {
             model_version,
             schema_id,
             aggregators,
             devices,
             total_weight: sums.total_weight,
-            sum_hi: le(&sums.hi),
-            sum_lo: le(&sums.lo),
+            sum_hi: f64s_to_le(&sums.hi),
+            sum_lo: f64s_to_le(&sums.lo),
             metrics: sums.metrics,
         }
     }
@@ -369,10 +368,7 @@ impl PartialReport {
 }
 
 fn le_f64s(bytes: &[u8]) -> Result<Vec<f64>, PartialReportError> {
-    if !bytes.len().is_multiple_of(8) {
-        return Err(PartialReportError::Ragged);
-    }
-    Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    f64s_from_le(bytes).ok_or(PartialReportError::Ragged)
 }
 
 /// Reports in aggregator-id order (so merges do not depend on arrival order), and the model

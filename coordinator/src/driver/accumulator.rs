@@ -7,7 +7,9 @@
 //! hands it over to be written: the round's sum is then the very merges a replay of the stored
 //! groups makes.
 
-use starling_core::fedavg::{Aggregate, AggregateError, FedAvgAccumulator, FoldedGroup};
+use starling_core::fedavg::{
+    Aggregate, AggregateError, FedAvgAccumulator, FoldedGroup, ValidatedUpdate,
+};
 use starling_core::round::Contribution;
 use tokio::sync::oneshot;
 
@@ -41,26 +43,36 @@ impl Sums {
     /// ([`FedAvgAccumulator::add_all`]) into the open group if there is one, else into the
     /// round's sum; a partial's sums into the round's, on their own.
     fn fold_all(&mut self, contributions: impl Iterator<Item = Contribution>) {
-        let Some(round) = self.round.as_mut() else { return };
+        if self.round.is_none() {
+            return;
+        }
         let mut updates = vec![];
         for contribution in contributions {
             match contribution {
                 Contribution::Update(update) => updates.push((update, 1.0)),
                 Contribution::Stale { update, discount, .. } => updates.push((update, discount)),
                 Contribution::Partial(sums) => {
-                    let target = self.group.as_mut().unwrap_or(&mut *round);
-                    target.add_all(updates.iter().map(|(u, d)| (u, *d)));
-                    updates.clear();
-                    round.merge(&sums);
+                    self.fold_updates(&mut updates);
+                    self.round.as_mut().expect("checked above").merge(&sums);
                 }
             }
         }
-        if let Some(group) = self.group.as_mut() {
-            self.norms.extend(updates.iter().map(|(u, _)| u.norm()));
-            group.add_all(updates.iter().map(|(u, d)| (u, *d)));
-        } else {
-            round.add_all(updates.iter().map(|(u, d)| (u, *d)));
+        self.fold_updates(&mut updates);
+    }
+
+    /// Folds a run of updates (each with its discount) into the open group, their norms kept
+    /// for its rows, or into the round's sum; leaves `updates` empty.
+    fn fold_updates(&mut self, updates: &mut Vec<(ValidatedUpdate, f64)>) {
+        let run = updates.iter().map(|(u, d)| (u, *d));
+        match (self.group.as_mut(), self.round.as_mut()) {
+            (Some(group), _) => {
+                self.norms.extend(updates.iter().map(|(u, _)| u.norm()));
+                group.add_all(run);
+            }
+            (None, Some(round)) => round.add_all(run),
+            (None, None) => {}
         }
+        updates.clear();
     }
 
     /// Merges the open group into the round's sum and returns it.

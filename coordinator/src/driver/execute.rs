@@ -17,7 +17,7 @@ use super::writer::{Batch, Deferred, LastModel};
 use super::{Driver, DriverError, Responder, RunEntry};
 use crate::clock::now_ms;
 use crate::observe::Observer;
-use crate::store::{SqlStore, Transition};
+use crate::store::{GroupMember, SqlStore, Transition};
 use crate::tier::AggregatorRegistry;
 
 fn later<T: Send + 'static>(reply: oneshot::Sender<T>, value: T) -> Deferred {
@@ -123,16 +123,9 @@ impl Effects<'_> {
                 let metrics_json =
                     serde_json::to_string(update.metrics()).expect("metrics serialize");
                 let example_count = update.example_count();
-                let accepted = Accepted {
-                    request,
-                    round_idx,
-                    device,
-                    slot,
-                    staleness,
-                    example_count,
-                    metrics_json,
-                    hold,
-                };
+                let member =
+                    GroupMember { device, slot, staleness, example_count, metrics_json, norm: 0.0 };
+                let accepted = Accepted { request, round_idx, member, hold };
                 entry.groups.as_mut().expect("matched").add(accepted, now_ms());
             }
             Action::PersistUpdate { request, round_idx, device, slot, staleness, update } => {

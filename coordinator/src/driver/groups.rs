@@ -2,18 +2,20 @@
 //! model's sums per group, not a model-sized row per update.
 //!
 //! Group commit: the updates accepted while the run's previous group is being written make up
-//! the next group (sealed at [`GROUP_TARGET`] updates, or [`GROUP_WAIT_MS`] after its first). Each folds into the open group on the run's accumulator thread (its upload
-//! permit then let go: its bytes are in the sum); once no group is being written, the open one
-//! is sealed — merged into the round's sum and handed over as its sums — and written in one
-//! transaction with a row per update (everything but the delta, and its norm); its devices are
-//! acknowledged when that transaction commits. Under a trickle every group holds one update;
-//! under load a group holds whatever arrived during one write, so the store sees one
-//! transaction per write time however many devices upload. A partial from the aggregator tier
-//! seals the open group first, so the live sum merges in slot order, as a replay does.
+//! the next group. Each folds into the open group on the run's accumulator thread (its upload
+//! permit then let go: its bytes are in the sum); once no group is being written and the open
+//! one holds [`GROUP_TARGET`] updates, or its first waited [`GROUP_WAIT_MS`] and the previous
+//! seal is [`GROUP_SPACING_MS`] old, it is sealed — merged into the round's sum and handed over
+//! as its sums — and written in one transaction with a row per update (everything but the
+//! delta, and its norm); its devices are acknowledged when that transaction commits. Under a
+//! trickle every group holds one update; under load a group holds whatever arrived during a
+//! write and the spacing after it, so the store sees a bounded rate of transactions however
+//! many devices upload. A partial from the aggregator tier seals the open group first, so the
+//! live sum merges in slot order, as a replay does.
 
 use starling_core::RunId;
 use starling_core::round::RequestId;
-use starling_core::{DeviceId, Millis, RoundIdx};
+use starling_core::{Millis, RoundIdx};
 
 use super::accumulator::{AccumulatorWorker, Hold};
 use super::writer::{Batch, RunWriter};
@@ -26,7 +28,7 @@ const GROUP_TARGET: usize = 64;
 /// A smaller group is sealed once its first update waited this long (or a partial, or the
 /// run's stop, comes): a little more latency for an update that arrives alone, against a
 /// model's sums written for every few updates under load.
-pub(super) const GROUP_WAIT_MS: Millis = 10;
+const GROUP_WAIT_MS: Millis = 10;
 
 /// ... and no sooner than this after the previous seal: under load a run writes at most 25
 /// groups a second, each a model's sums, however fast its writes come back.
@@ -53,31 +55,25 @@ pub(super) struct UpdateGroups {
 pub(super) struct Accepted {
     pub(super) request: RequestId,
     pub(super) round_idx: RoundIdx,
-    pub(super) device: DeviceId,
-    pub(super) slot: i64,
-    pub(super) staleness: u32,
-    pub(super) example_count: u64,
-    pub(super) metrics_json: String,
+    /// Its row (its norm filled in when its group is sealed).
+    pub(super) member: GroupMember,
     pub(super) hold: Option<Hold>,
 }
 
 impl UpdateGroups {
     /// Adds an accepted update to the open group; its fold follows.
     pub(super) fn add(&mut self, accepted: Accepted, now: Millis) {
-        let Accepted { request, round_idx, device, slot, staleness, example_count, .. } = accepted;
+        let Accepted { request, round_idx, member, hold } = accepted;
         if self.round_idx != Some(round_idx) {
             debug_assert!(self.open.is_empty(), "a round closed with an open group");
             self.open.clear();
             self.round_idx = Some(round_idx);
         }
-        let metrics_json = accepted.metrics_json;
-        let member =
-            GroupMember { device, slot, staleness, example_count, metrics_json, norm: 0.0 };
         if self.open.is_empty() {
             self.opened_at = now;
         }
         self.open.push((request, member));
-        self.next_hold = accepted.hold;
+        self.next_hold = hold;
     }
 
     /// The hold to let go of once the update just added is folded.
@@ -132,7 +128,6 @@ impl UpdateGroups {
         let sealed = accumulator.seal();
         let store = store.clone();
         writer.group_payload(requests, batch, async move {
-            let started = std::time::Instant::now();
             let Ok(Some(sealed)) = sealed.await else {
                 return Err(StoreError::Corrupt("the accumulator sealed no group".into()));
             };
@@ -146,14 +141,12 @@ impl UpdateGroups {
             for (member, norm) in members.iter_mut().zip(sealed.norms) {
                 member.norm = norm;
             }
-            let sealed_ms = started.elapsed().as_secs_f64() * 1e3;
             let res = store
                 .insert_update_group(run_id, round_idx, &members, &sealed.group, now_ms())
                 .await;
-            let written_ms = started.elapsed().as_secs_f64() * 1e3;
             match &res {
                 Ok(()) => {
-                    tracing::debug!(%run_id, round = %round_idx, updates = members.len(), sealed_ms, written_ms, "group of updates persisted")
+                    tracing::debug!(%run_id, round = %round_idx, updates = members.len(), "group of updates persisted")
                 }
                 Err(e) => {
                     tracing::warn!(%run_id, round = %round_idx, updates = members.len(), error = %e, "group of updates not persisted")

@@ -5,7 +5,7 @@
 use futures_util::TryStreamExt;
 use sqlx::FromRow;
 use starling_core::codec;
-use starling_core::fedavg::{FoldedGroup, PartialSums};
+use starling_core::fedavg::{FoldedGroup, PartialSums, f64s_from_le, f64s_to_le};
 use starling_core::tier::PartialReport;
 use starling_core::{DeviceId, Millis, RoundIdx, RunId};
 
@@ -91,14 +91,8 @@ impl StoredRow {
         };
         let corrupt =
             |what: String| StoreError::Corrupt(format!("the group at slot {slot}: {what}"));
-        let f64s = |bytes: &[u8]| -> StoreResult<Vec<f64>> {
-            if !bytes.len().is_multiple_of(8) {
-                return Err(corrupt(format!("{} bytes of sums", bytes.len())));
-            }
-            Ok(bytes
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect())
+        let f64s = |bytes: &[u8]| {
+            f64s_from_le(bytes).ok_or_else(|| corrupt(format!("{} bytes of sums", bytes.len())))
         };
         let metrics = serde_json::from_str(&metrics_json).map_err(|e| corrupt(e.to_string()))?;
         let hi = f64s(&delta)?;
@@ -230,14 +224,13 @@ impl SqlStore {
                 group.sums.n_updates
             )));
         }
-        let le = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         // Low parts that are all zero (sums exact in f64: f32 values times modest weights) are
         // stored as no bytes, halving what the store writes for most groups.
         let lo = match group.sums.lo.iter().all(|&v| v.to_bits() == 0) {
             true => vec![],
-            false => le(&group.sums.lo),
+            false => f64s_to_le(&group.sums.lo),
         };
-        let hi = le(&group.sums.hi);
+        let hi = f64s_to_le(&group.sums.hi);
         let metrics = serde_json::to_string(&group.sums.metrics).expect("metrics serialize");
         on_pool!(self, |pool| {
             let mut tx = pool.begin().await.map_err(map_err)?;
