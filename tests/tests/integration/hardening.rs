@@ -427,24 +427,77 @@ async fn idle_keep_alive_connections_hold_no_buffers() {
     drop(idle);
 }
 
+/// A connection whose response is still being written holds no read buffer either: while
+/// hyper writes a response it keeps reading the connection only to notice the peer closing,
+/// and that read held an 8 KiB buffer for as long as the response lasted (10 000 devices
+/// waiting on their downloads at once took the coordinator to 235 MiB). Here 900 operators each
+/// hold the live event stream open, a response that never ends, and grow the coordinator by a
+/// few KiB each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_with_a_response_under_way_hold_no_read_buffer() {
+    const CONNECTIONS: usize = 900;
+    let (_dir, db) = sqlite_db();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let env =
+        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
+    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
+        .await
+        .unwrap();
+    let addr = c.url.strip_prefix("http://").expect("plain HTTP").to_owned();
+    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
+    let request = format!(
+        "GET /v1/admin/events HTTP/1.1\r\nHost: starling\r\nAuthorization: Bearer \
+         {OPERATOR_TOKEN}\r\nAccept: text/event-stream\r\n\r\n"
+    );
+    // The stream's head has arrived: its body is under way for as long as the connection lasts.
+    let streaming = |answer: &[u8]| {
+        let text = String::from_utf8_lossy(answer);
+        let (head, _) = text.split_once("\r\n\r\n")?;
+        Some(head.starts_with("HTTP/1.1 200") && head.contains("text/event-stream"))
+    };
+    let _warm = open_connections(&addr, 50, request.as_bytes(), streaming).await;
+    let before = rss_kib();
+    let streams = open_connections(&addr, CONNECTIONS, request.as_bytes(), streaming).await;
+    let per_connection = (rss_kib() - before) / CONNECTIONS as f64;
+    eprintln!("a connection with a response under way: {per_connection:.1} KiB");
+    assert!(
+        per_connection < 6.0,
+        "{CONNECTIONS} connections with a response under way grew the coordinator by \
+         {per_connection:.1} KiB each"
+    );
+    drop(streams);
+}
+
 /// `n` connections to `addr` that each asked `/healthz` once, read the answer and stay open.
 async fn idle_connections(addr: &str, n: usize) -> Vec<tokio::net::TcpStream> {
+    // The answer's head, then as many body bytes as its Content-Length says.
+    let complete = |answer: &[u8]| {
+        let text = String::from_utf8_lossy(answer);
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let length: usize = head.lines().find_map(|l| {
+            l.to_ascii_lowercase().strip_prefix("content-length:")?.trim().parse().ok()
+        })?;
+        (body.len() >= length).then_some(head.starts_with("HTTP/1.1 200"))
+    };
+    open_connections(addr, n, b"GET /healthz HTTP/1.1\r\nHost: starling\r\n\r\n", complete).await
+}
+
+/// `n` connections to `addr` that each sent `request` and read until `answered` says what came
+/// back is enough (`Some(true)`: as expected), and stay open.
+async fn open_connections(
+    addr: &str,
+    n: usize,
+    request: &[u8],
+    answered: impl Fn(&[u8]) -> Option<bool>,
+) -> Vec<tokio::net::TcpStream> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut open = Vec::with_capacity(n);
     for _ in 0..n {
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: starling\r\n\r\n").await.unwrap();
+        stream.write_all(request).await.unwrap();
         let mut answer = Vec::new();
         let mut chunk = [0u8; 1024];
-        // The answer's head, then as many body bytes as its Content-Length says.
-        let complete = |answer: &[u8]| {
-            let text = String::from_utf8_lossy(answer);
-            let (head, body) = text.split_once("\r\n\r\n")?;
-            let length: usize = head.lines().find_map(|l| {
-                l.to_ascii_lowercase().strip_prefix("content-length:")?.trim().parse().ok()
-            })?;
-            (body.len() >= length).then_some(head.starts_with("HTTP/1.1 200"))
-        };
         let ok = loop {
             let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
                 .await
@@ -452,7 +505,7 @@ async fn idle_connections(addr: &str, n: usize) -> Vec<tokio::net::TcpStream> {
                 .unwrap();
             assert!(read > 0, "the coordinator closed a keep-alive connection");
             answer.extend_from_slice(&chunk[..read]);
-            if let Some(ok) = complete(&answer) {
+            if let Some(ok) = answered(&answer) {
                 break ok;
             }
         };

@@ -512,7 +512,14 @@ where
     fn force_io_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         debug_assert!(!self.state.is_read_closed());
 
-        let result = ready!(self.io.poll_read_from_io(cx));
+        // Starling's patch: this read only watches for the peer closing or sending early (a
+        // response under way, or an idle client); with nothing buffered it reads through the
+        // stack, so a connection whose response is still being written holds no read buffer.
+        let result = if self.io.read_buf().is_empty() {
+            ready!(self.io.poll_read_idle_from_io(cx))
+        } else {
+            ready!(self.io.poll_read_from_io(cx))
+        };
         Poll::Ready(result.map_err(|e| {
             trace!(error = %e, "force_io_read; io error");
             self.state.close();
@@ -540,7 +547,9 @@ where
 
         if !self.io.is_read_blocked() {
             if self.io.read_buf().is_empty() {
-                match self.io.poll_read_from_io(cx) {
+                // Starling's patch: as in `force_io_read`, nothing buffered: read through the
+                // stack.
+                match self.io.poll_read_idle_from_io(cx) {
                     Poll::Ready(Ok(n)) => {
                         if n == 0 {
                             trace!("maybe_notify; read eof");

@@ -279,7 +279,7 @@ where
     /// buffer awaiting a message: the first bytes are read into a stack buffer and copied into
     /// the read buffer only once some arrived; while the read is pending, the read buffer's
     /// allocation is let go of.
-    fn poll_read_idle_from_io(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    pub(crate) fn poll_read_idle_from_io(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         const IDLE_READ: usize = 2048;
         self.read_blocked = false;
         let mut stack = [0u8; IDLE_READ];
@@ -288,9 +288,11 @@ where
             Poll::Ready(Ok(())) => {
                 let n = buf.filled().len();
                 trace!("received {} bytes while idle", n);
+                // Only what arrived: a request that then waits (an upload queued for its
+                // permit) holds these bytes, not a whole read buffer; reads that follow
+                // reserve as hyper does.
                 if n > 0 {
-                    let next = cmp::min(self.read_buf_strategy.next(), self.read_buf_strategy.max());
-                    self.read_buf.reserve(cmp::max(next, n));
+                    self.read_buf.reserve(n);
                     self.read_buf.extend_from_slice(buf.filled());
                 }
                 self.read_buf_strategy.record(n);
