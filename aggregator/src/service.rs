@@ -162,14 +162,25 @@ pub(crate) async fn decode_then<T, U>(
     then: impl FnOnce(T) -> Result<U, Refusal> + Send + 'static,
 ) -> Result<U, Refusal>
 where
-    T: serde::de::DeserializeOwned,
+    T: serde::de::DeserializeOwned + 'static,
     U: Send + 'static,
 {
-    tokio::task::spawn_blocking(move || then(codec::decode(&bytes).map_err(malformed)?))
-        .await
-        .map_err(|e| {
-            Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string())
-        })?
+    decode_with_then(bytes, codec::decode, then).await
+}
+
+/// [`decode_then`] with the decoder given (an update's: [`codec::decode_large`]).
+pub(crate) async fn decode_with_then<T, U>(
+    bytes: bytes::Bytes,
+    decode: fn(&[u8]) -> Result<T, codec::CodecError>,
+    then: impl FnOnce(T) -> Result<U, Refusal> + Send + 'static,
+) -> Result<U, Refusal>
+where
+    T: 'static,
+    U: Send + 'static,
+{
+    tokio::task::spawn_blocking(move || then(decode(&bytes).map_err(malformed)?)).await.map_err(
+        |e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal, e.to_string()),
+    )?
 }
 
 /// Work computed on another model version than the round's: 409.
@@ -508,7 +519,7 @@ async fn upload(
     let limit =
         compression.max_encoded_len(schema.numel() as usize) as usize + UPLOAD_ENVELOPE_LIMIT;
     let bytes = read_body(body, limit).await?;
-    let update = decode_then(bytes, move |req: UploadRequest| {
+    let update = decode_with_then(bytes, codec::decode_large, move |req: UploadRequest| {
         if req.model_version != model_version {
             return Err(stale_model(model_version));
         }

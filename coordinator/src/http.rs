@@ -398,7 +398,7 @@ impl AppState {
             )));
         }
         let encoded = tokio::task::spawn_blocking(move || {
-            let payload: TensorPayload = codec::decode(&model)?;
+            let payload: TensorPayload = codec::decode_large(&model)?;
             let values = starling_core::tensor::f32_from_le_bytes(&payload.data);
             download_payload(payload.schema_id, &values, compression)
         })

@@ -1,6 +1,6 @@
 //! The coordinator's own compute in one round of a 1M-parameter model, step by step: folding
 //! each upload encoding into the accumulator (one at a time, and a cohort's worth together),
-//! the mean, central DP noise (exact, beside a float Box–Muller sampler as the anchor), the
+//! an upload's body decoded, the mean, central DP noise (exact, beside a float Box–Muller sampler as the anchor), the
 //! server step, encoding and hashing the new model, and its download encodings.
 //! These are the round's fixed costs: they do not shrink with the upload encoding, so they
 //! bound how much faster a compressed round can get. `cargo bench -p starling-core --bench
@@ -16,6 +16,7 @@ use starling_core::fedavg::{FedAvgAccumulator, ValidatedUpdate, validate_parts};
 use starling_core::rng::SplitMix64;
 use starling_core::strategy::ServerOptimizer;
 use starling_core::tensor::{DType, TensorSchema, TensorSpec};
+use starling_core::wire::UploadRequest;
 
 /// Updates a cohort folds per round in the fleet benchmark this mirrors.
 const COHORT: usize = 10;
@@ -80,6 +81,28 @@ fn main() {
         BTreeMap::new(),
     )
     .expect("a valid update");
+    // An upload's body decoded: through ciborium alone, and with the delta copied out once.
+    let body = codec::to_vec(&starling_core::wire::UploadRequest {
+        model_version: starling_core::ModelVersion(1),
+        example_count: 32,
+        metrics: BTreeMap::from([("loss".to_owned(), 0.5)]),
+        delta: schema.encode_f32(&delta),
+    })
+    .expect("an upload encodes");
+    let decode_with = |decode: fn(&[u8]) -> Result<UploadRequest, codec::CodecError>| {
+        median(|| {
+            let started = Instant::now();
+            let request = decode(&body).expect("the upload decodes");
+            let elapsed = started.elapsed();
+            black_box(request);
+            elapsed
+        })
+    };
+    println!(
+        "f32 upload decoded            {:>6.3}   (ciborium alone {:.3})",
+        ms(decode_with(codec::decode_large)),
+        ms(decode_with(codec::decode))
+    );
     let aggregate = || {
         let mut acc = FedAvgAccumulator::new(n);
         acc.add(&update);

@@ -297,6 +297,14 @@ impl fmt::Debug for TensorPayload {
     }
 }
 
+impl crate::codec::WithLargeBytes for TensorPayload {
+    const LARGE_BYTES_AT: &'static [&'static str] = &["data"];
+
+    fn put_large_bytes(&mut self, bytes: Vec<u8>) {
+        self.data = bytes;
+    }
+}
+
 impl TensorPayload {
     /// Content address of the payload: SHA-256 over the schema id and the data, hex-encoded.
     ///

@@ -426,6 +426,14 @@ pub struct UploadRequest {
     pub delta: TensorPayload,
 }
 
+impl crate::codec::WithLargeBytes for UploadRequest {
+    const LARGE_BYTES_AT: &'static [&'static str] = &["delta", "data"];
+
+    fn put_large_bytes(&mut self, bytes: Vec<u8>) {
+        self.delta.data = bytes;
+    }
+}
+
 /// Answer to an accepted [`UploadRequest`]; sent only after the update is durable.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

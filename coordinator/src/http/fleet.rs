@@ -447,7 +447,7 @@ async fn accept_upload(
     // Decoding and the finiteness scan are O(model): keep them off the async threads.
     let validated = tokio::task::spawn_blocking(move || {
         let req: UploadRequest =
-            codec::decode(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
+            codec::decode_large(&bytes).map_err(|e| ApiError::malformed(e.to_string()))?;
         let model_version = req.model_version;
         // A DP run keeps only the clipped metrics block it may noise, or nothing.
         let update = validate_update(&update_schema, plan.compression(), req)?
