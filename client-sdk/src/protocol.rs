@@ -295,7 +295,7 @@ impl FleetClient {
             .send()
             .await?;
         let status = res.status();
-        decode_answer(status, &res.bytes().await?)
+        decode_large_answer(status, &res.bytes().await?)
     }
 
     /// Downloads an imported pretrained model (a task's `base_model`), unverified: the caller
@@ -347,7 +347,7 @@ impl FleetClient {
         let url = format!("{}{}?compression={compression}", self.base, path::model(hash));
         let res = self.authed(self.http.get(url)).send().await?;
         let status = res.status();
-        decode_answer(status, &res.bytes().await?)
+        decode_large_answer(status, &res.bytes().await?)
     }
 
     /// Uploads an update.
@@ -435,6 +435,18 @@ impl FleetClient {
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
     }
 
+    /// Gets `path` and reads its body to the end without keeping it: the status and the bytes
+    /// read. For load generators, which play a device's downloads without training on them.
+    pub async fn get_discarding(&self, path: &str) -> Result<(StatusCode, u64), ClientError> {
+        let mut res = self.authed(self.http.get(format!("{}{path}", self.base))).send().await?;
+        let status = res.status();
+        let mut read = 0;
+        while let Some(chunk) = res.chunk().await? {
+            read += chunk.len() as u64;
+        }
+        Ok((status, read))
+    }
+
     /// Posts raw bytes and returns status and body as they came; for tests of bad input.
     pub async fn post_raw(
         &self,
@@ -476,6 +488,17 @@ fn decode_answer<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Resul
         return Err(api_error(status, bytes));
     }
     codec::decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+}
+
+/// [`decode_answer`] for a model: its bytes copied out once ([`codec::decode_large`]).
+fn decode_large_answer<T: codec::WithLargeBytes>(
+    status: StatusCode,
+    bytes: &[u8],
+) -> Result<T, ClientError> {
+    if !status.is_success() {
+        return Err(api_error(status, bytes));
+    }
+    codec::decode_large(bytes).map_err(|e| ClientError::Decode(e.to_string()))
 }
 
 /// Decodes an error body, CBOR or JSON.

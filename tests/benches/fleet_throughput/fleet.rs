@@ -43,8 +43,15 @@ pub async fn enroll_in_bulk(database_url: &str, n: usize) -> anyhow::Result<()> 
 pub enum Visit {
     /// Check in, expect a task for `model_version`, download the model, upload the body of
     /// the device's variant (device `i` sends `bodies[i % bodies.len()]`) where the task says:
-    /// to the coordinator, or to the aggregator it names.
-    Train { run: RunId, round: i64, model_version: ModelVersion, bodies: Vec<bytes::Bytes> },
+    /// to the coordinator, or to the aggregator it names. A model download shorter than
+    /// `model_bytes` (the values' size in the download's encoding) is an error.
+    Train {
+        run: RunId,
+        round: i64,
+        model_version: ModelVersion,
+        model_bytes: u64,
+        bodies: Vec<bytes::Bytes>,
+    },
     /// Check in as a random one of `devices` and take whatever answer comes.
     CheckIn { devices: usize },
 }
@@ -156,12 +163,23 @@ async fn one_visit(
         }
     };
     played.tasks += 1;
-    let Visit::Train { run, round, model_version, bodies } = visit else { return Ok(()) };
+    let Visit::Train { run, round, model_version, model_bytes, bodies } = visit else {
+        return Ok(());
+    };
     if task.model_version != *model_version {
         bail!("the task trains version {}, not {model_version}", task.model_version);
     }
+    // Read to the end and let go of, not decoded: a device that does not train has no use for
+    // the values, and decoding 4 GB of f32 models a round took the generator most of a core.
     let started = Instant::now();
-    device.model_in(&task.model_hash, model_download).await?;
+    let mut model = starling_core::wire::path::model(&task.model_hash);
+    if !model_download.is_f32() {
+        model = format!("{model}?compression={model_download}");
+    }
+    let (status, read) = device.get_discarding(&model).await?;
+    if !status.is_success() || read < *model_bytes {
+        bail!("the model download answered {status} with {read} bytes (at least {model_bytes})");
+    }
     played.latencies.download.push(ms_since(started));
     let started = Instant::now();
     let body = bodies[index % bodies.len()].clone();

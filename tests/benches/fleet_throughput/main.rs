@@ -259,7 +259,13 @@ async fn rounds(servers: &Servers<'_>, c: &Config, options: &Options) -> anyhow:
         let opening = Instant::now();
         events.wait(run, round, "open").await?;
         opening_secs += opening.elapsed().as_secs_f64();
-        let visit = Visit::Train { run, round, model_version: ModelVersion(round), bodies };
+        let visit = Visit::Train {
+            run,
+            round,
+            model_version: ModelVersion(round),
+            model_bytes: options.model_download.max_encoded_len(c.params),
+            bodies,
+        };
         let played = connections.play(visit, c.devices, options.arrival_rate, round as u64).await?;
         visits_secs += played.elapsed.as_secs_f64();
         let commit = Instant::now();
