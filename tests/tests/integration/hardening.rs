@@ -404,27 +404,22 @@ async fn open_connections_do_not_each_keep_a_copy_of_the_model() {
 /// request and stay open grow the coordinator by a few KiB each, not by its buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keep_alive_connections_hold_no_buffers() {
-    const CONNECTIONS: usize = 900;
-    let (_dir, db) = sqlite_db();
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let env =
-        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
-    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
-        .await
-        .unwrap();
-    let addr = c.url.strip_prefix("http://").expect("plain HTTP").to_owned();
-    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
-    // Warm the coordinator's allocator and tasks up first.
-    let _warm = idle_connections(&addr, 50).await;
-    let before = rss_kib();
-    let idle = idle_connections(&addr, CONNECTIONS).await;
-    let per_connection = (rss_kib() - before) / CONNECTIONS as f64;
+    // The answer's head, then as many body bytes as its Content-Length says.
+    let complete = |answer: &[u8]| {
+        let text = String::from_utf8_lossy(answer);
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let length: usize = head.lines().find_map(|l| {
+            l.to_ascii_lowercase().strip_prefix("content-length:")?.trim().parse().ok()
+        })?;
+        (body.len() >= length).then_some(head.starts_with("HTTP/1.1 200"))
+    };
+    let request = b"GET /healthz HTTP/1.1\r\nHost: starling\r\n\r\n";
+    let per_connection = kib_per_open_connection(request, complete).await;
     assert!(
         per_connection < 8.0,
-        "{CONNECTIONS} idle keep-alive connections grew the coordinator by {per_connection:.1} KiB each"
+        "{OPEN_CONNECTIONS} idle keep-alive connections grew the coordinator by \
+         {per_connection:.1} KiB each"
     );
-    drop(idle);
 }
 
 /// A connection whose response is still being written holds no read buffer either: while
@@ -435,17 +430,6 @@ async fn idle_keep_alive_connections_hold_no_buffers() {
 /// few KiB each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_with_a_response_under_way_hold_no_read_buffer() {
-    const CONNECTIONS: usize = 900;
-    let (_dir, db) = sqlite_db();
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let env =
-        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
-    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
-        .await
-        .unwrap();
-    let addr = c.url.strip_prefix("http://").expect("plain HTTP").to_owned();
-    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
     let request = format!(
         "GET /v1/admin/events HTTP/1.1\r\nHost: starling\r\nAuthorization: Bearer \
          {OPERATOR_TOKEN}\r\nAccept: text/event-stream\r\n\r\n"
@@ -456,31 +440,39 @@ async fn connections_with_a_response_under_way_hold_no_read_buffer() {
         let (head, _) = text.split_once("\r\n\r\n")?;
         Some(head.starts_with("HTTP/1.1 200") && head.contains("text/event-stream"))
     };
-    let _warm = open_connections(&addr, 50, request.as_bytes(), streaming).await;
-    let before = rss_kib();
-    let streams = open_connections(&addr, CONNECTIONS, request.as_bytes(), streaming).await;
-    let per_connection = (rss_kib() - before) / CONNECTIONS as f64;
+    let per_connection = kib_per_open_connection(request.as_bytes(), streaming).await;
     eprintln!("a connection with a response under way: {per_connection:.1} KiB");
     assert!(
         per_connection < 6.0,
-        "{CONNECTIONS} connections with a response under way grew the coordinator by \
+        "{OPEN_CONNECTIONS} connections with a response under way grew the coordinator by \
          {per_connection:.1} KiB each"
     );
-    drop(streams);
 }
 
-/// `n` connections to `addr` that each asked `/healthz` once, read the answer and stay open.
-async fn idle_connections(addr: &str, n: usize) -> Vec<tokio::net::TcpStream> {
-    // The answer's head, then as many body bytes as its Content-Length says.
-    let complete = |answer: &[u8]| {
-        let text = String::from_utf8_lossy(answer);
-        let (head, body) = text.split_once("\r\n\r\n")?;
-        let length: usize = head.lines().find_map(|l| {
-            l.to_ascii_lowercase().strip_prefix("content-length:")?.trim().parse().ok()
-        })?;
-        (body.len() >= length).then_some(head.starts_with("HTTP/1.1 200"))
-    };
-    open_connections(addr, n, b"GET /healthz HTTP/1.1\r\nHost: starling\r\n\r\n", complete).await
+/// Connections the two tests above open and keep open.
+const OPEN_CONNECTIONS: usize = 900;
+
+/// How much a fresh coordinator (on SQLite) grows, in KiB, for each of [`OPEN_CONNECTIONS`]
+/// connections that sent `request`, read until `answered`, and stay open; measured after 50
+/// such connections warmed its allocator and tasks up.
+async fn kib_per_open_connection(
+    request: &[u8],
+    answered: impl Fn(&[u8]) -> Option<bool> + Copy,
+) -> f64 {
+    let (_dir, db) = sqlite_db();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let env =
+        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
+    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
+        .await
+        .unwrap();
+    let addr = c.url.strip_prefix("http://").expect("plain HTTP").to_owned();
+    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
+    let _warm = open_connections(&addr, 50, request, answered).await;
+    let before = rss_kib();
+    let _open = open_connections(&addr, OPEN_CONNECTIONS, request, answered).await;
+    (rss_kib() - before) / OPEN_CONNECTIONS as f64
 }
 
 /// `n` connections to `addr` that each sent `request` and read until `answered` says what came
