@@ -515,11 +515,7 @@ where
         // Starling's patch: this read only watches for the peer closing or sending early (a
         // response under way, or an idle client); with nothing buffered it reads through the
         // stack, so a connection whose response is still being written holds no read buffer.
-        let result = if self.io.read_buf().is_empty() {
-            ready!(self.io.poll_read_idle_from_io(cx))
-        } else {
-            ready!(self.io.poll_read_from_io(cx))
-        };
+        let result = ready!(self.io.poll_read_lean(cx));
         Poll::Ready(result.map_err(|e| {
             trace!(error = %e, "force_io_read; io error");
             self.state.close();
@@ -549,7 +545,7 @@ where
             if self.io.read_buf().is_empty() {
                 // Starling's patch: as in `force_io_read`, nothing buffered: read through the
                 // stack.
-                match self.io.poll_read_idle_from_io(cx) {
+                match self.io.poll_read_lean(cx) {
                     Poll::Ready(Ok(n)) => {
                         if n == 0 {
                             trace!("maybe_notify; read eof");

@@ -224,12 +224,7 @@ where
             // Starling's patch: waiting for a message's first bytes (an idle keep-alive
             // connection), read through the stack, so the connection holds no read buffer
             // while nothing arrives.
-            let read = if self.read_buf.is_empty() {
-                self.poll_read_idle_from_io(cx)
-            } else {
-                self.poll_read_from_io(cx)
-            };
-            if ready!(read).map_err(crate::Error::new_io)? == 0 {
+            if ready!(self.poll_read_lean(cx)).map_err(crate::Error::new_io)? == 0 {
                 trace!("parse eof");
                 return Poll::Ready(Err(crate::Error::new_incomplete()));
             }
@@ -275,12 +270,17 @@ where
         }
     }
 
-    /// Starling's patch: [`poll_read_from_io`](Self::poll_read_from_io) for an empty read
-    /// buffer awaiting a message: the first bytes are read into a stack buffer and copied into
-    /// the read buffer only once some arrived; while the read is pending, the read buffer's
-    /// allocation is let go of.
-    pub(crate) fn poll_read_idle_from_io(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    /// Starling's patch: [`poll_read_from_io`](Self::poll_read_from_io) for the reads that
+    /// wait on a quiet connection (a message's first bytes, or a peer's close while a response
+    /// is written). With bytes buffered, it is `poll_read_from_io`. With none, the bytes are
+    /// read into a stack buffer and copied into the read buffer only once some arrived, in an
+    /// allocation of their size; while the read is pending, the read buffer's allocation is let
+    /// go of.
+    pub(crate) fn poll_read_lean(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         const IDLE_READ: usize = 2048;
+        if !self.read_buf.is_empty() {
+            return self.poll_read_from_io(cx);
+        }
         self.read_blocked = false;
         let mut stack = [0u8; IDLE_READ];
         let mut buf = ReadBuf::new(&mut stack);
