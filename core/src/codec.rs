@@ -113,8 +113,8 @@ fn find_byte_string(bytes: &[u8], path: &[&str]) -> Option<ByteStringAt> {
                 return None;
             }
             let start = cbor.at;
-            let end = start.checked_add(usize::try_from(len).ok()?)?;
-            return (end <= bytes.len()).then_some(ByteStringAt { head, payload: start..end });
+            cbor.take(len)?;
+            return Some(ByteStringAt { head, payload: start..cbor.at });
         }
     }
     None
@@ -125,7 +125,6 @@ const TEXT: u8 = 3;
 const ARRAY: u8 = 4;
 const MAP: u8 = 5;
 const TAG: u8 = 6;
-const SIMPLE: u8 = 7;
 const INDEFINITE: u8 = 31;
 const BREAK: u8 = 0xff;
 /// ciborium's own nesting limit.
@@ -202,8 +201,8 @@ impl Walk<'_> {
             ARRAY => 1,
             MAP => 2,
             TAG => return self.skip(depth + 1),
-            SIMPLE => return Some(()),
-            _ => return Some(()), // integers: the head was the whole item
+            // Integers, simple values and floats: the head was the whole item.
+            _ => return Some(()),
         };
         if info == INDEFINITE {
             while self.peek()? != BREAK {
