@@ -290,12 +290,7 @@ impl FleetClient {
 
     /// Downloads a model by content hash.
     pub async fn model(&self, hash: &str) -> Result<TensorPayload, ClientError> {
-        let res = self
-            .authed(self.http.get(format!("{}{}", self.base, path::model(hash))))
-            .send()
-            .await?;
-        let status = res.status();
-        decode_large_answer(status, &res.bytes().await?)
+        self.model_in(hash, starling_core::compression::Compression::F32).await
     }
 
     /// Downloads an imported pretrained model (a task's `base_model`), unverified: the caller
@@ -340,14 +335,10 @@ impl FleetClient {
         hash: &str,
         compression: starling_core::compression::Compression,
     ) -> Result<TensorPayload, ClientError> {
-        if compression.is_f32() {
-            return self.model(hash).await;
-        }
-        // `f16`, `bf16` or `int8:BLOCK`: nothing in them needs escaping in a query.
-        let url = format!("{}{}?compression={compression}", self.base, path::model(hash));
+        let url = format!("{}{}", self.base, path::model_in(hash, compression));
         let res = self.authed(self.http.get(url)).send().await?;
         let status = res.status();
-        decode_large_answer(status, &res.bytes().await?)
+        decode_answer_with(status, &res.bytes().await?, codec::decode_large)
     }
 
     /// Uploads an update.
@@ -484,21 +475,19 @@ impl FleetClient {
 
 /// A CBOR answer, or the error body of a non-2xx one.
 fn decode_answer<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Result<T, ClientError> {
-    if !status.is_success() {
-        return Err(api_error(status, bytes));
-    }
-    codec::decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    decode_answer_with(status, bytes, codec::decode)
 }
 
-/// [`decode_answer`] for a model: its bytes copied out once ([`codec::decode_large`]).
-fn decode_large_answer<T: codec::WithLargeBytes>(
+/// [`decode_answer`] with the decoder given (a model's: [`codec::decode_large`]).
+fn decode_answer_with<T>(
     status: StatusCode,
     bytes: &[u8],
+    decode: fn(&[u8]) -> Result<T, codec::CodecError>,
 ) -> Result<T, ClientError> {
     if !status.is_success() {
         return Err(api_error(status, bytes));
     }
-    codec::decode_large(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    decode(bytes).map_err(|e| ClientError::Decode(e.to_string()))
 }
 
 /// Decodes an error body, CBOR or JSON.

@@ -132,6 +132,15 @@ pub fn model(hash: &str) -> String {
     MODEL.replace("{hash}", hash)
 }
 
+/// [`MODEL`] in a download encoding: `?compression=` for any but f32, the plain download.
+pub fn model_in(hash: &str, compression: crate::compression::Compression) -> String {
+    match compression.is_f32() {
+        true => model(hash),
+        // `f16`, `bf16` or `int8:BLOCK`: nothing in them needs escaping in a query.
+        false => format!("{}?compression={compression}", model(hash)),
+    }
+}
+
 /// [`BASE_MODEL`] for `hash`.
 pub fn base_model(hash: &str) -> String {
     BASE_MODEL.replace("{hash}", hash)

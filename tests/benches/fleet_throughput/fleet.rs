@@ -172,10 +172,7 @@ async fn one_visit(
     // Read to the end and let go of, not decoded: a device that does not train has no use for
     // the values, and decoding 4 GB of f32 models a round took the generator most of a core.
     let started = Instant::now();
-    let mut model = starling_core::wire::path::model(&task.model_hash);
-    if !model_download.is_f32() {
-        model = format!("{model}?compression={model_download}");
-    }
+    let model = starling_core::wire::path::model_in(&task.model_hash, model_download);
     let (status, read) = device.get_discarding(&model).await?;
     if !status.is_success() || read < *model_bytes {
         bail!("the model download answered {status} with {read} bytes (at least {model_bytes})");
