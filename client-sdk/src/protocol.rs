@@ -426,18 +426,6 @@ impl FleetClient {
         if status.is_success() { Ok(()) } else { Err(api_error(status, &bytes)) }
     }
 
-    /// Gets `path` and reads its body to the end without keeping it: the status and the bytes
-    /// read. For load generators, which play a device's downloads without training on them.
-    pub async fn get_discarding(&self, path: &str) -> Result<(StatusCode, u64), ClientError> {
-        let mut res = self.authed(self.http.get(format!("{}{path}", self.base))).send().await?;
-        let status = res.status();
-        let mut read = 0;
-        while let Some(chunk) = res.chunk().await? {
-            read += chunk.len() as u64;
-        }
-        Ok((status, read))
-    }
-
     /// Posts raw bytes and returns status and body as they came; for tests of bad input.
     pub async fn post_raw(
         &self,

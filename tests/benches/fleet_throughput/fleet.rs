@@ -1,19 +1,22 @@
 //! The load generator's devices: enrolled in bulk, played by M connections that each carry one
 //! device's visit at a time, visits arriving as fast as the connections go or at a set rate
-//! with exponential gaps (a Poisson process: devices that come when they come).
+//! with exponential gaps (a Poisson process: devices that come when they come). The
+//! connections speak HTTP through [`LeanConnection`], not the SDK's client: see there why.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use sqlx::Connection;
-use starling_client::protocol::FleetClient;
+use sqlx::Connection as _;
 use starling_core::compression::Compression;
 use starling_core::rng::SplitMix64;
-use starling_core::wire::{CBOR_MEDIA_TYPE, CheckInResponse};
-use starling_core::{ModelVersion, RoundIdx, RunId};
+use starling_core::wire::{CBOR_MEDIA_TYPE, CheckInRequest, CheckInResponse, TICKET_HEADER, path};
+use starling_core::{ModelVersion, RoundIdx, RunId, codec};
+use tokio::sync::Mutex;
 
+use crate::lean_http::{Body, LeanConnection};
 use crate::measure::{Latencies, ms_since};
 
 /// The credential of bulk-enrolled device `i`.
@@ -69,18 +72,35 @@ pub struct Played {
     pub elapsed: Duration,
 }
 
-/// M connections to the coordinator (or its replicas): one HTTP client each, each carrying one visit at a time,
-/// so the coordinator sees exactly M connections however many devices they play.
+/// M connections to the coordinator (or its replicas), each carrying one visit at a time, so
+/// the coordinator sees exactly M connections however many devices they play. They stay open
+/// from one round to the next, as a fleet's would.
 pub struct Connections {
-    clients: Vec<FleetClient>,
+    connections: Vec<Arc<Mutex<Connection>>>,
     model_download: Compression,
+    /// A check-in's body, the same for every device.
+    check_in: Arc<Vec<u8>>,
+}
+
+/// One of the M: its socket to a coordinator, and one to each aggregator a task has named.
+struct Connection {
+    coordinator: LeanConnection,
+    aggregators: HashMap<String, LeanConnection>,
 }
 
 impl Connections {
     /// M connections spread over `urls` in turn (one coordinator, or its replicas).
-    pub fn open(urls: &[String], m: usize, model_download: Compression) -> Self {
-        let clients = (0..m).map(|k| FleetClient::new(&urls[k % urls.len()])).collect();
-        Connections { clients, model_download }
+    pub fn open(urls: &[String], m: usize, model_download: Compression) -> anyhow::Result<Self> {
+        let connections = (0..m)
+            .map(|k| {
+                let coordinator = LeanConnection::new(&urls[k % urls.len()])?;
+                Ok(Arc::new(Mutex::new(Connection { coordinator, aggregators: HashMap::new() })))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let request =
+            CheckInRequest { population: "default".to_owned(), attributes: Default::default() };
+        let check_in = Arc::new(codec::to_vec(&request)?);
+        Ok(Connections { connections, model_download, check_in })
     }
 
     /// Plays `visits` visits, the k-th as device `k` (a round's cohort: every enrolled device
@@ -97,13 +117,19 @@ impl Connections {
         let arrivals = Arc::new(rate.map(|rate| arrivals(visits, rate, seed)));
         let started = Instant::now();
         let workers: Vec<_> = self
-            .clients
+            .connections
             .iter()
-            .map(|client| {
-                let (client, visit, next, arrivals) =
-                    (client.clone(), visit.clone(), next.clone(), arrivals.clone());
+            .map(|connection| {
+                let (connection, visit, next, arrivals, check_in) = (
+                    connection.clone(),
+                    visit.clone(),
+                    next.clone(),
+                    arrivals.clone(),
+                    self.check_in.clone(),
+                );
                 let model_download = self.model_download;
                 tokio::spawn(async move {
+                    let mut connection = connection.lock().await;
                     let mut played = Played::default();
                     loop {
                         let k = next.fetch_add(1, Ordering::Relaxed);
@@ -119,9 +145,14 @@ impl Connections {
                                 (SplitMix64(seed ^ k as u64).next_u64() % *devices as u64) as usize
                             }
                         };
-                        let mut as_device = client.clone();
-                        as_device.set_credential(Some(&credential(device)));
-                        one_visit(&as_device, device, &visit, model_download, &mut played)
+                        let as_device = AsDevice {
+                            authorization: format!("Bearer {}", credential(device)),
+                            index: device,
+                            check_in: &check_in,
+                            model_download,
+                        };
+                        as_device
+                            .visit(&mut connection, &visit, &mut played)
                             .await
                             .with_context(|| format!("device {device}"))?;
                         played.visits += 1;
@@ -142,56 +173,89 @@ impl Connections {
     }
 }
 
-/// One device's visit, its latencies and counts added to `played`.
-async fn one_visit(
-    device: &FleetClient,
+/// A device being played: who it is and what it sends.
+struct AsDevice<'a> {
+    authorization: String,
     index: usize,
-    visit: &Visit,
+    check_in: &'a [u8],
     model_download: Compression,
-    played: &mut Played,
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let answer = device.check_in("default").await?;
-    played.latencies.check_in.push(ms_since(started));
-    let task = match answer {
-        CheckInResponse::Task(task) => task,
-        other => {
-            if let Visit::Train { .. } = visit {
-                bail!("expected a task, got {other:?}");
+}
+
+impl AsDevice<'_> {
+    /// One visit over `connection`, its latencies and counts added to `played`.
+    async fn visit(
+        &self,
+        connection: &mut Connection,
+        visit: &Visit,
+        played: &mut Played,
+    ) -> anyhow::Result<()> {
+        let authed = [("authorization", self.authorization.as_str())];
+        let cbor =
+            [("authorization", self.authorization.as_str()), ("content-type", CBOR_MEDIA_TYPE)];
+        let started = Instant::now();
+        let answer = connection
+            .coordinator
+            .request("POST", path::CHECK_IN, &cbor, self.check_in, Body::Keep)
+            .await?;
+        if !answer.is_success() {
+            bail!("check-in refused: {}", answer.describe());
+        }
+        let answer: CheckInResponse = codec::decode(&answer.body)?;
+        played.latencies.check_in.push(ms_since(started));
+        let task = match answer {
+            CheckInResponse::Task(task) => task,
+            other => {
+                if let Visit::Train { .. } = visit {
+                    bail!("expected a task, got {other:?}");
+                }
+                return Ok(());
             }
+        };
+        played.tasks += 1;
+        let Visit::Train { run, round, model_version, model_bytes, bodies } = visit else {
             return Ok(());
+        };
+        if task.model_version != *model_version {
+            bail!("the task trains version {}, not {model_version}", task.model_version);
         }
-    };
-    played.tasks += 1;
-    let Visit::Train { run, round, model_version, model_bytes, bodies } = visit else {
-        return Ok(());
-    };
-    if task.model_version != *model_version {
-        bail!("the task trains version {}, not {model_version}", task.model_version);
-    }
-    // Read to the end and let go of, not decoded: a device that does not train has no use for
-    // the values, and decoding 4 GB of f32 models a round took the generator most of a core.
-    let started = Instant::now();
-    let model = starling_core::wire::path::model_in(&task.model_hash, model_download);
-    let (status, read) = device.get_discarding(&model).await?;
-    if !status.is_success() || read < *model_bytes {
-        bail!("the model download answered {status} with {read} bytes (at least {model_bytes})");
-    }
-    played.latencies.download.push(ms_since(started));
-    let started = Instant::now();
-    let body = bodies[index % bodies.len()].clone();
-    if let Some(aggregator) = &task.upload_to {
-        device.post_to_aggregator(aggregator, *run, RoundIdx(*round), body).await?;
-    } else {
-        let path = format!("/v1/runs/{run}/rounds/{round}/updates");
-        let (status, answer) = device.post_raw(&path, body, CBOR_MEDIA_TYPE).await?;
-        if !status.is_success() {
-            bail!("upload refused: {status} {}", String::from_utf8_lossy(&answer));
+        // Read to the end and let go of, not decoded: a device that does not train has no use
+        // for the values, and decoding 4 GB of f32 models a round took the generator most of a
+        // core.
+        let started = Instant::now();
+        let model = path::model_in(&task.model_hash, self.model_download);
+        let answer =
+            connection.coordinator.request("GET", &model, &authed, &[], Body::Discard).await?;
+        if !answer.is_success() || answer.length < *model_bytes {
+            bail!(
+                "the model download answered {} with {} bytes (at least {model_bytes})",
+                answer.status,
+                answer.length
+            );
         }
+        played.latencies.download.push(ms_since(started));
+        let started = Instant::now();
+        let body = &bodies[self.index % bodies.len()];
+        let upload = path::upload(*run, RoundIdx(*round));
+        let answer = if let Some(target) = &task.upload_to {
+            let aggregator = match connection.aggregators.entry(target.url.clone()) {
+                std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+                std::collections::hash_map::Entry::Vacant(entry) => {
+                    entry.insert(LeanConnection::new(&target.url)?)
+                }
+            };
+            let headers =
+                [(TICKET_HEADER, target.ticket.as_str()), ("content-type", CBOR_MEDIA_TYPE)];
+            aggregator.request("POST", &upload, &headers, body, Body::Keep).await?
+        } else {
+            connection.coordinator.request("POST", &upload, &cbor, body, Body::Keep).await?
+        };
+        if !answer.is_success() {
+            bail!("upload refused: {}", answer.describe());
+        }
+        played.latencies.upload.push(ms_since(started));
+        played.acknowledged += 1;
+        Ok(())
     }
-    played.latencies.upload.push(ms_since(started));
-    played.acknowledged += 1;
-    Ok(())
 }
 
 /// When each of `n` visits arrives, from the start: exponential gaps of mean `1 / rate`.

@@ -30,6 +30,7 @@
 //! off, since every device here comes from one address.
 
 mod fleet;
+mod lean_http;
 mod measure;
 
 use std::path::Path;
@@ -234,7 +235,7 @@ async fn rounds(servers: &Servers<'_>, c: &Config, options: &Options) -> anyhow:
     }
     let run = RunId(admin.create_run(&plan).await?.id);
     let connections =
-        Connections::open(&servers.fleet_urls(), options.connections, options.model_download);
+        Connections::open(&servers.fleet_urls(), options.connections, options.model_download)?;
     let total_rounds = c.rounds + WARM_UP_ROUNDS;
     // Encoding is the devices' work, not the coordinator's: every round's bodies are built
     // before the clock starts.
@@ -324,7 +325,7 @@ async fn check_ins(
     let run = RunId(admin.create_run(&spec.json()).await?.id);
     events.wait(run, 0, "open").await?;
     let connections =
-        Connections::open(&servers.fleet_urls(), options.connections, options.model_download);
+        Connections::open(&servers.fleet_urls(), options.connections, options.model_download)?;
     let visits = (rate * options.seconds) as usize;
     let descriptors = OpenDescriptors::watch(child.pid());
     let cpu_before = servers.cpu()?;
