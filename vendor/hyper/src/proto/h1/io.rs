@@ -272,13 +272,20 @@ where
 
     /// Starling's patch: [`poll_read_from_io`](Self::poll_read_from_io) for the reads that
     /// wait on a quiet connection (a message's first bytes, or a peer's close while a response
-    /// is written). With bytes buffered, it is `poll_read_from_io`. With none, the bytes are
-    /// read into a stack buffer and copied into the read buffer only once some arrived, in an
-    /// allocation of their size; while the read is pending, the read buffer's allocation is let
-    /// go of.
+    /// is written). With a read buffer that has room, it is `poll_read_from_io`. Otherwise the
+    /// bytes are read into a stack buffer and copied into the read buffer only once some
+    /// arrived, in an allocation of their size; while the read is pending with nothing
+    /// buffered, the read buffer's allocation is let go of.
     pub(crate) fn poll_read_lean(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         const IDLE_READ: usize = 2048;
-        if !self.read_buf.is_empty() {
+        // A few bytes already buffered are a message's first ones (a head cut across segments,
+        // or the bytes a protocol sniffer such as hyper-util's `auto` handed back): the rest
+        // of that head is appended the same way, not read into a whole read buffer that a
+        // request waiting on its handler would then hold. A buffer with room reads as hyper
+        // does.
+        if !self.read_buf.is_empty()
+            && self.read_buf.capacity() - self.read_buf.len() >= IDLE_READ
+        {
             return self.poll_read_from_io(cx);
         }
         self.read_blocked = false;
@@ -299,7 +306,7 @@ where
                 Poll::Ready(Ok(n))
             }
             Poll::Pending => {
-                if self.read_buf.capacity() > 0 {
+                if self.read_buf.is_empty() && self.read_buf.capacity() > 0 {
                     self.read_buf = BytesMut::new();
                 }
                 self.read_blocked = true;
