@@ -457,47 +457,35 @@ async fn connections_with_a_response_under_way_hold_no_read_buffer() {
 /// 100 bytes of a head, which the coordinator has read, and grow it by a few KiB each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partly_arrived_request_holds_no_whole_read_buffer() {
-    let (_dir, db) = sqlite_db();
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let env = [
-        ("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN),
-        ("STARLING_MAX_CONNECTIONS_PER_IP", "0"),
-        // The heads stay unfinished while they are counted.
-        ("STARLING_HEADER_TIMEOUT_SECS", "120"),
-    ];
-    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
-        .await
-        .unwrap();
-    let addr: SocketAddr = c.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
     let head = format!(
         "POST /v1/check-in HTTP/1.1\r\nHost: starling\r\nContent-Type: application/cbor\r\n\
          Authorization: Bearer {}\r\n\r\n",
         "d".repeat(64)
     );
     let part = &head.as_bytes()[..100];
-    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
-    let partly_sent = |n: usize| async move {
-        use tokio::io::AsyncWriteExt;
-        let mut open = Vec::with_capacity(n);
-        for _ in 0..n {
-            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-            stream.write_all(part).await.unwrap();
-            open.push(stream);
-        }
-        read_by_server(addr.port(), n).await;
-        open
-    };
-    let _warm = partly_sent(50).await;
-    let before = rss_kib();
-    let _open = partly_sent(OPEN_CONNECTIONS).await;
-    let per_connection = (rss_kib() - before) / OPEN_CONNECTIONS as f64;
+    // The heads stay unfinished while they are counted.
+    let env = [("STARLING_HEADER_TIMEOUT_SECS", "120")];
+    let per_connection = kib_per_connection(&env, |addr, n| partly_sent(addr, n, part)).await;
     eprintln!("a connection with a partly arrived head: {per_connection:.1} KiB");
     assert!(
         per_connection < 6.0,
         "{OPEN_CONNECTIONS} connections with a partly arrived head grew the coordinator by \
          {per_connection:.1} KiB each"
     );
+}
+
+/// `n` connections to `addr` that each sent `part` of a request, which the server has read,
+/// and stay open.
+async fn partly_sent(addr: SocketAddr, n: usize, part: &[u8]) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut open = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(part).await.unwrap();
+        open.push(stream);
+    }
+    read_by_server(addr.port(), n).await;
+    open
 }
 
 /// Waits (10 s at most) until at least `n` established connections to the local `port` have
@@ -532,36 +520,48 @@ async fn read_by_server(port: u16, n: usize) {
     }
 }
 
-/// Connections the two tests above open and keep open.
+/// Connections the connection-memory tests open and keep open.
 const OPEN_CONNECTIONS: usize = 900;
 
 /// How much a fresh coordinator (on SQLite) grows, in KiB, for each of [`OPEN_CONNECTIONS`]
-/// connections that sent `request`, read until `answered`, and stay open; measured after 50
-/// such connections warmed its allocator and tasks up.
+/// connections that sent `request`, read until `answered`, and stay open.
 async fn kib_per_open_connection(
     request: &[u8],
     answered: impl Fn(&[u8]) -> Option<bool> + Copy,
 ) -> f64 {
+    kib_per_connection(&[], |addr, n| open_connections(addr, n, request, answered)).await
+}
+
+/// How much a fresh coordinator (on SQLite, with `env` besides the operator token and no
+/// per-address cap) grows, in KiB, for each of [`OPEN_CONNECTIONS`] connections that `open`
+/// opens and keeps open; measured after 50 such connections warmed its allocator and tasks up.
+async fn kib_per_connection<F, Opened>(env: &[(&str, &str)], open: F) -> f64
+where
+    F: Fn(SocketAddr, usize) -> Opened,
+    Opened: std::future::Future<Output = Vec<tokio::net::TcpStream>>,
+{
     let (_dir, db) = sqlite_db();
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
     let logs = tempfile::tempdir().unwrap();
-    let env =
-        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
-    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
-        .await
-        .unwrap();
-    let addr = c.url.strip_prefix("http://").expect("plain HTTP").to_owned();
+    let mut all_env =
+        vec![("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
+    all_env.extend_from_slice(env);
+    let c =
+        ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &all_env)
+            .await
+            .unwrap();
+    let addr: SocketAddr = c.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
     let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
-    let _warm = open_connections(&addr, 50, request, answered).await;
+    let _warm = open(addr, 50).await;
     let before = rss_kib();
-    let _open = open_connections(&addr, OPEN_CONNECTIONS, request, answered).await;
+    let _open = open(addr, OPEN_CONNECTIONS).await;
     (rss_kib() - before) / OPEN_CONNECTIONS as f64
 }
 
 /// `n` connections to `addr` that each sent `request` and read until `answered` says what came
 /// back is enough (`Some(true)`: as expected), and stay open.
 async fn open_connections(
-    addr: &str,
+    addr: SocketAddr,
     n: usize,
     request: &[u8],
     answered: impl Fn(&[u8]) -> Option<bool>,
