@@ -47,7 +47,7 @@ use crate::driver::DriverHandle;
 use crate::model_cache::{download_payload, model_download_id};
 use crate::observe::Observer;
 use crate::store::{SqlStore, StoreError};
-use limits::{Limiter, RateLimit};
+use limits::{FleetAdmission, Limiter, RateLimit};
 
 /// State shared by every handler.
 #[derive(Clone)]
@@ -62,6 +62,8 @@ struct Inner {
     operator_token_hash: [u8; 32],
     plans: Mutex<HashMap<RunId, Arc<ValidatedPlan>>>,
     uploads: Arc<Semaphore>,
+    /// Turns for fleet requests' handlers.
+    fleet_admission: FleetAdmission,
     /// Devices with an upload in progress, by run: one at a time to each run, so no device
     /// holds more than one permit per run it was selected in (and a device taking part in two
     /// runs can upload to both at once).
@@ -198,6 +200,7 @@ impl AppState {
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
+                fleet_admission: FleetAdmission::default(),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
                 credentials: credentials::CredentialCache::default(),
@@ -449,9 +452,7 @@ impl AppState {
 /// and health routes (JSON errors), `/openapi.json`, and the dashboard's files.
 pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Router {
     let [fleet, admin, live] = openapi::api_routes();
-    let fleet = Router::from(fleet)
-        .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
-        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
+    let fleet = fleet_layers(Router::from(fleet), &state);
     let document = Arc::new(openapi::document());
     let admin = Router::from(admin.merge(live))
         .merge(live::dashboard(dashboard_dir))
@@ -463,6 +464,17 @@ pub fn router(state: AppState, dashboard_dir: Option<&std::path::Path>) -> Route
         .layer(middleware::from_fn_with_state(state.clone(), admin_body))
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));
     fleet.merge(admin).with_state(state)
+}
+
+/// The fleet API's layers, outermost first: a turn to be handled
+/// ([`limits::admit_fleet_request`]; outermost, so a request waiting for its turn holds no
+/// other layer's state), errors rendered as CBOR, the per-IP rate limit.
+fn fleet_layers(fleet: Router<AppState>, state: &AppState) -> Router<AppState> {
+    let admission = state.inner.fleet_admission.clone();
+    fleet
+        .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
+        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)))
+        .layer(middleware::from_fn_with_state(admission, limits::admit_fleet_request))
 }
 
 /// The largest admin request body, except a new run's plan ([`AppState::plan_body_limit`])
@@ -526,9 +538,7 @@ async fn admin_body(
 /// dashboard), which the leader serves.
 pub fn replica_router(state: AppState) -> Router {
     let [fleet, _admin, _live] = openapi::api_routes();
-    let fleet = Router::from(fleet)
-        .layer(middleware::from_fn_with_state(state.clone(), limits::limit_ip))
-        .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Cbor, req, next)));
+    let fleet = fleet_layers(Router::from(fleet), &state);
     let probes = Router::from(health_routes())
         .fallback(|| async { ApiError::not_leader() })
         .layer(middleware::from_fn(|req, next| render_errors(ErrorFormat::Json, req, next)));

@@ -259,7 +259,12 @@ pub enum ErrorFormat {
 
 /// Writes the [`ErrorBody`] of any error response, synthesizing one when axum made the response.
 pub async fn render_errors(format: ErrorFormat, req: Request, next: Next) -> Response {
-    let res = next.run(req).await;
+    render(format, next.run(req).await)
+}
+
+/// Writes an error response's [`ErrorBody`] in `format` (one axum made gets one synthesized);
+/// any other response passes untouched.
+pub fn render(format: ErrorFormat, res: Response) -> Response {
     let status = res.status();
     if !(status.is_client_error() || status.is_server_error()) {
         return res;
