@@ -200,7 +200,11 @@ impl AppState {
                 operator_token_hash: sha256(operator_token.as_bytes()),
                 plans: Mutex::new(HashMap::new()),
                 uploads: Arc::new(Semaphore::new(MAX_CONCURRENT_UPLOADS)),
-                fleet_admission: FleetAdmission::default(),
+                fleet_admission: FleetAdmission::new(
+                    &limits::FLEET_TURNS,
+                    limits::FLEET_QUEUE_DEADLINE,
+                    (fleet::SMALL_BODY_LIMIT, timeouts.body_deadline(fleet::SMALL_BODY_LIMIT)),
+                ),
                 uploading: Mutex::new(HashSet::new()),
                 device_limiter: limits.device.map(Limiter::new),
                 credentials: credentials::CredentialCache::default(),
@@ -631,20 +635,28 @@ impl AppState {
     /// Reads a whole body, refusing more than `limit` bytes with 413 and a body that has not
     /// arrived by the deadline [`Timeouts::body_deadline`] gives `limit` with 408.
     pub async fn read_body(&self, body: Body, limit: usize) -> Result<Bytes, ApiError> {
-        let deadline = self.inner.timeouts.body_deadline(limit);
-        match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
-            Ok(Ok(bytes)) => Ok(bytes),
-            Ok(Err(_)) => Err(ApiError::new(
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                starling_core::wire::ErrorCode::BodyTooLarge,
-                format!("body exceeds the limit of {limit} bytes"),
-            )),
-            Err(_) => Err(ApiError::new(
-                axum::http::StatusCode::REQUEST_TIMEOUT,
-                starling_core::wire::ErrorCode::Timeout,
-                format!("the body did not arrive within {:.0} s", deadline.as_secs_f64()),
-            )),
-        }
+        read_body_within(body, limit, self.inner.timeouts.body_deadline(limit)).await
+    }
+}
+
+/// Reads a whole body of at most `limit` bytes (413 past it) within `deadline` (408 past it).
+pub(crate) async fn read_body_within(
+    body: Body,
+    limit: usize,
+    deadline: Duration,
+) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            starling_core::wire::ErrorCode::BodyTooLarge,
+            format!("body exceeds the limit of {limit} bytes"),
+        )),
+        Err(_) => Err(ApiError::new(
+            axum::http::StatusCode::REQUEST_TIMEOUT,
+            starling_core::wire::ErrorCode::Timeout,
+            format!("the body did not arrive within {:.0} s", deadline.as_secs_f64()),
+        )),
     }
 }
 

@@ -29,7 +29,7 @@ use crate::store::DeviceAccess;
 use starling_core::round::UploadRejection;
 
 /// Limit for the small fleet messages (everything but uploads).
-const SMALL_BODY_LIMIT: usize = 64 * 1024;
+pub(crate) const SMALL_BODY_LIMIT: usize = 64 * 1024;
 /// Room for an upload's envelope (metrics, ids) beyond the tensor bytes.
 const UPLOAD_ENVELOPE_LIMIT: usize = 64 * 1024;
 /// Room for a secure-aggregation message beyond the masked vector: sealed shares for every

@@ -130,20 +130,25 @@ impl FleetKind {
 pub struct FleetAdmission {
     turns: Arc<[(FleetKind, Semaphore)]>,
     deadline: Duration,
+    /// A decision's body is read whole (at most so many bytes, within so long) before it waits
+    /// for a turn, so a client trickling one holds no turn: 512 connections trickling
+    /// enrolment bodies would otherwise hold every decision's turn for the body deadline.
+    /// (Uploads hold theirs while the body is read, but only once the driver admitted them,
+    /// and their bodies are bounded by the upload permits; downloads read no body.)
+    decision_body: (usize, Duration),
 }
 
 impl FleetAdmission {
     /// At most `turns` handlers of each kind at once (a kind not named is not held back); a
-    /// request waits for its turn at most `deadline`.
-    pub fn new(turns: &[(FleetKind, usize)], deadline: Duration) -> Self {
+    /// request waits for its turn at most `deadline`; a decision's body is read first, within
+    /// `decision_body`'s limit and deadline.
+    pub fn new(
+        turns: &[(FleetKind, usize)],
+        deadline: Duration,
+        decision_body: (usize, Duration),
+    ) -> Self {
         let turns = turns.iter().map(|&(kind, n)| (kind, Semaphore::new(n.max(1)))).collect();
-        FleetAdmission { turns, deadline }
-    }
-}
-
-impl Default for FleetAdmission {
-    fn default() -> Self {
-        FleetAdmission::new(&FLEET_TURNS, FLEET_QUEUE_DEADLINE)
+        FleetAdmission { turns, deadline, decision_body }
     }
 }
 
@@ -160,6 +165,13 @@ pub async fn admit_fleet_request(
     let (Some(turns), false) = (turns, req.uri().path().starts_with(UNQUEUED_PREFIX)) else {
         return Box::pin(next.run(req)).await;
     };
+    let req = match kind {
+        FleetKind::Decision => match read_first(req, admission.decision_body).await {
+            Ok(req) => req,
+            Err(refused) => return render(refused),
+        },
+        FleetKind::Download | FleetKind::Upload => req,
+    };
     let refused = match tokio::time::timeout(admission.deadline, turns.acquire()).await {
         // Boxed: the inner layers' and the handler's state is allocated once it is the
         // request's turn, not carried in every waiting request's future.
@@ -175,7 +187,23 @@ pub async fn admit_fleet_request(
         )
         .retry_after(Duration::from_secs(1)),
     };
-    // Outside the layer that renders the fleet API's errors, so rendered here.
+    render(refused)
+}
+
+/// `req` with its body read whole, within `limit` bytes (a larger declared length refused
+/// before any is read) and `deadline`.
+async fn read_first(
+    req: Request,
+    (limit, deadline): (usize, Duration),
+) -> Result<Request, ApiError> {
+    let (parts, body) = req.into_parts();
+    super::refuse_declared_over(&parts.headers, limit)?;
+    let bytes = super::read_body_within(body, limit, deadline).await?;
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
+}
+
+/// An answer from outside the layer that renders the fleet API's errors, so rendered here.
+fn render(refused: ApiError) -> Response {
     super::error::render(super::error::ErrorFormat::Cbor, refused.into_response())
 }
 
@@ -200,6 +228,8 @@ mod tests {
         assert!(limiter.check("a", t1).is_err());
     }
 
+    const BODY: (usize, Duration) = (1024, Duration::from_secs(30));
+
     /// A router whose handlers say they started, then wait for a release each.
     fn held_routes(
         admission: FleetAdmission,
@@ -218,10 +248,13 @@ mod tests {
             }
         };
         use axum::routing::{get, post};
+        // A stand-in for the fleet API, shaped as its paths are (not API routes themselves).
+        let [check_in, model, tier] =
+            ["/v1/check-in/{n}", "/v1/models/{n}", "/v1/aggregation/poll"];
         let app = axum::Router::new()
-            .route("/v1/check-in/{n}", post(handler.clone()))
-            .route("/v1/models/{n}", get(handler.clone()))
-            .route("/v1/aggregation/poll", post(handler))
+            .route(check_in, post(handler.clone()))
+            .route(model, get(handler.clone()))
+            .route(tier, post(handler))
             .layer(axum::middleware::from_fn_with_state(admission, admit_fleet_request));
         (app, entries, release)
     }
@@ -244,7 +277,7 @@ mod tests {
     async fn past_its_kinds_turns_a_fleet_request_waits_before_its_handler_runs() {
         let turns = [(FleetKind::Decision, 2), (FleetKind::Download, 1)];
         let (app, mut entries, release) =
-            held_routes(FleetAdmission::new(&turns, Duration::from_secs(60)));
+            held_routes(FleetAdmission::new(&turns, Duration::from_secs(60), BODY));
         let check_ins: Vec<_> =
             (0..3).map(|n| send(&app, "POST", &format!("/v1/check-in/{n}"))).collect();
         let mut first_two = vec![next_entry(&mut entries).await, next_entry(&mut entries).await];
@@ -271,7 +304,7 @@ mod tests {
     async fn a_fleet_request_without_a_turn_by_its_deadline_is_told_to_retry() {
         let turns = [(FleetKind::Decision, 1)];
         let (app, mut entries, release) =
-            held_routes(FleetAdmission::new(&turns, Duration::from_millis(200)));
+            held_routes(FleetAdmission::new(&turns, Duration::from_millis(200), BODY));
         let holder = send(&app, "POST", "/v1/check-in/0");
         next_entry(&mut entries).await;
         let waited = tokio::time::Instant::now();
@@ -290,6 +323,49 @@ mod tests {
         assert!(entries.try_recv().is_err(), "the late request's handler ran");
         release.add_permits(1);
         assert_eq!(holder.await.unwrap().status(), axum::http::StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_decision_trickling_its_body_holds_no_turn() {
+        let turns = [(FleetKind::Decision, 1)];
+        let (app, mut entries, release) =
+            held_routes(FleetAdmission::new(&turns, Duration::from_secs(60), BODY));
+        // A body that has not finished arriving.
+        let (chunks, arriving) = tokio::sync::mpsc::unbounded_channel::<&'static [u8]>();
+        let stream = futures_util::stream::unfold(arriving, |mut arriving| async move {
+            let chunk = arriving.recv().await?;
+            Some((Ok::<_, std::io::Error>(chunk), arriving))
+        });
+        chunks.send(b"part of a body").unwrap();
+        let trickled = {
+            use tower::Service;
+            let req = axum::http::Request::post("/v1/check-in/0");
+            let answer = app.clone().call(req.body(axum::body::Body::from_stream(stream)).unwrap());
+            tokio::spawn(async move { answer.await.expect("infallible") })
+        };
+        // The one turn goes to a request whose body is whole, while the other's still arrives.
+        let whole = send(&app, "POST", "/v1/check-in/1");
+        assert_eq!(next_entry(&mut entries).await, "/v1/check-in/1");
+        drop(chunks);
+        release.add_permits(1);
+        assert_eq!(next_entry(&mut entries).await, "/v1/check-in/0");
+        release.add_permits(1);
+        for answer in [trickled, whole] {
+            assert_eq!(answer.await.unwrap().status(), axum::http::StatusCode::OK);
+        }
+        // A declared length over the limit is refused before its turn, in the fleet's format.
+        let req = axum::http::Request::post("/v1/check-in/2")
+            .header(axum::http::header::CONTENT_LENGTH, BODY.0 + 1)
+            .body(axum::body::Body::from(vec![0u8; BODY.0 + 1]))
+            .unwrap();
+        let too_large = {
+            use tower::Service;
+            app.clone().call(req).await.unwrap()
+        };
+        assert_eq!(too_large.status(), axum::http::StatusCode::PAYLOAD_TOO_LARGE);
+        let body = axum::body::to_bytes(too_large.into_body(), 1 << 16).await.unwrap();
+        let error: starling_core::wire::ErrorBody = starling_core::codec::decode(&body).unwrap();
+        assert_eq!(error.code, starling_core::wire::ErrorCode::BodyTooLarge);
     }
 
     #[test]
