@@ -116,7 +116,7 @@ pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
         (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn enroll(
     State(state): State<AppState>,
@@ -163,7 +163,7 @@ async fn enroll(
         (status = 403, description = "the device's enrollment token does not admit this population", body = ErrorBody, content_type = "application/cbor"),
         (status = 408, description = "the body arrived too slowly", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn check_in(
     State(state): State<AppState>,
@@ -206,7 +206,7 @@ struct ModelQuery {
         (status = 410, description = "not kept: its run's checkpoint interval gave this version up (model_not_kept); the task is over", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "not a model download encoding", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn model(
     State(state): State<AppState>,
@@ -264,7 +264,7 @@ fn immutable_cbor(body: impl Into<axum::body::Bytes>) -> Response {
         (status = 200, description = "the model and its tensors (cacheable forever)", body = starling_core::wire::BaseModelDownload, content_type = "application/cbor"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn base_model(
     State(state): State<AppState>,
@@ -295,7 +295,7 @@ async fn base_model(
         (status = 200, description = "the tokenizer.json file (cacheable forever)", body = Vec<u8>, content_type = "application/json"),
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn tokenizer(
     State(state): State<AppState>,
@@ -323,7 +323,7 @@ async fn tokenizer(
         (status = 401, description = "missing, unknown or revoked credential", body = ErrorBody, content_type = "application/cbor"),
         (status = 404, description = "no such resource", body = ErrorBody, content_type = "application/cbor"),
         (status = 410, description = "not kept (model_not_kept); the task is over", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn trained_part(
     State(state): State<AppState>,
@@ -380,7 +380,7 @@ async fn trained_part(
         (status = 413, description = "body, or its declared Content-Length, over the limit", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "invalid field, schema or value", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn upload(
     State(state): State<AppState>,
@@ -507,7 +507,7 @@ async fn accept_upload(
         (status = 413, description = "body over the limit", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "inconsistent message; the device is excluded from the round", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn secagg_message(
     State(state): State<AppState>,
@@ -563,7 +563,7 @@ async fn secagg_message(
         (status = 409, description = "the run is not running", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "the run does not aggregate securely", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn secagg_instruction(
     State(state): State<AppState>,
@@ -589,7 +589,7 @@ async fn secagg_instruction(
         (status = 409, description = "conflict (duplicate, stale model, closed round)", body = ErrorBody, content_type = "application/cbor"),
         (status = 422, description = "invalid field, schema or value; or a secure run (its evaluations travel in the masked input)", body = ErrorBody, content_type = "application/cbor"),
         (status = 429, description = "rate limited; see Retry-After", body = ErrorBody, content_type = "application/cbor"),
-        (status = 503, description = "store unavailable; retry", body = ErrorBody, content_type = "application/cbor")
+        (status = 503, description = "store unavailable, or no turn for the request within 60 s; retry (Retry-After)", body = ErrorBody, content_type = "application/cbor")
     ))]
 async fn evaluation(
     State(state): State<AppState>,
