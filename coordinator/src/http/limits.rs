@@ -175,8 +175,10 @@ pub async fn admit_fleet_request(
     let refused = match tokio::time::timeout(admission.deadline, turns.acquire()).await {
         // Boxed: the inner layers' and the handler's state is allocated once it is the
         // request's turn, not carried in every waiting request's future.
-        Ok(Ok(_turn)) => return Box::pin(next.run(req)).await,
-        Ok(Err(_closed)) => ApiError::unavailable(),
+        Ok(turn) => {
+            let _turn = turn.expect("fleet turns are never closed");
+            return Box::pin(next.run(req)).await;
+        }
         Err(_late) => ApiError::new(
             axum::http::StatusCode::SERVICE_UNAVAILABLE,
             starling_core::wire::ErrorCode::Unavailable,
