@@ -449,6 +449,53 @@ async fn connections_with_a_response_under_way_hold_no_read_buffer() {
     );
 }
 
+/// Fleet requests wait for a turn of their kind (512 decisions at once) before their handlers
+/// run. Enrolment needs no credential, so were a decision's turn taken before its body is read,
+/// 600 connections each trickling an enrolment body would hold every decision's turn until the
+/// body deadline, and an enrolled device's check-in would wait out the 60 s queue deadline. The
+/// body is read first: with the 600 still sending, the check-in is answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickled_enrolments_hold_no_check_in_turns() {
+    use tokio::io::AsyncWriteExt;
+    const TRICKLES: usize = 600;
+    let (_dir, db) = sqlite_db();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+    let logs = tempfile::tempdir().unwrap();
+    let env =
+        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
+    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
+        .await
+        .unwrap();
+    let admin = starling_client::protocol::AdminClient::new(&c.url, OPERATOR_TOKEN);
+    let device = enroll(&c.url, &admin, 1).await.unwrap().remove(0);
+    let addr: SocketAddr = c.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
+    let head = "POST /v1/enroll HTTP/1.1\r\nHost: x\r\nContent-Type: application/cbor\r\n\
+                Content-Length: 4000\r\n\r\n\x01";
+    let mut trickles = Vec::with_capacity(TRICKLES);
+    for _ in 0..TRICKLES {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        trickles.push(stream);
+    }
+    // Every head and first byte is in the coordinator, and every body still unfinished.
+    read_by_server(addr.port(), TRICKLES).await;
+    let asked = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(20), device.check_in("default"))
+        .await
+        .expect("a check-in answered within 20 s while 600 enrolments trickle")
+        .unwrap();
+    assert!(matches!(answer, CheckInResponse::ComeBackLater { .. }), "{answer:?}");
+    assert!(asked.elapsed() < Duration::from_secs(10), "answered after {:?}", asked.elapsed());
+    // The trickles were still open and unanswered: nothing to read on any of them.
+    for stream in &trickles {
+        let mut byte = [0u8; 1];
+        assert!(
+            matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "a trickled enrolment was answered before its body came"
+        );
+    }
+}
+
 /// A connection whose request head has come only in part holds the part, not a whole read
 /// buffer. Every connection's first bytes pass through hyper-util's protocol sniffer, which
 /// reads 24 of them and hands them back; hyper then read the rest of that head into an 8 KiB
