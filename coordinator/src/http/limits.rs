@@ -262,10 +262,20 @@ mod tests {
     }
 
     fn send(app: &axum::Router, method: &str, path: &str) -> tokio::task::JoinHandle<Response> {
-        use tower::Service;
         let req = axum::http::Request::builder().method(method).uri(path);
-        let answer = app.clone().call(req.body(axum::body::Body::empty()).unwrap());
+        send_request(app, req.body(axum::body::Body::empty()).unwrap())
+    }
+
+    fn send_request(app: &axum::Router, req: Request) -> tokio::task::JoinHandle<Response> {
+        use tower::Service;
+        let answer = app.clone().call(req);
         tokio::spawn(async move { answer.await.expect("infallible") })
+    }
+
+    /// The CBOR error body of a fleet answer.
+    async fn error_body(res: Response) -> starling_core::wire::ErrorBody {
+        let body = axum::body::to_bytes(res.into_body(), 1 << 16).await.unwrap();
+        starling_core::codec::decode(&body).unwrap()
     }
 
     async fn next_entry(entries: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
@@ -318,8 +328,7 @@ mod tests {
         assert!(waited.elapsed() >= Duration::from_millis(200), "{:?}", waited.elapsed());
         assert_eq!(late.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(late.headers().get(axum::http::header::RETRY_AFTER).unwrap(), "1");
-        let body = axum::body::to_bytes(late.into_body(), 1 << 16).await.unwrap();
-        let error: starling_core::wire::ErrorBody = starling_core::codec::decode(&body).unwrap();
+        let error = error_body(late).await;
         assert_eq!(error.code, starling_core::wire::ErrorCode::Unavailable);
         assert!(error.message.contains("within 200ms; retry"), "{}", error.message);
         assert!(entries.try_recv().is_err(), "the late request's handler ran");
@@ -339,12 +348,8 @@ mod tests {
             Some((Ok::<_, std::io::Error>(chunk), arriving))
         });
         chunks.send(b"part of a body").unwrap();
-        let trickled = {
-            use tower::Service;
-            let req = axum::http::Request::post("/v1/check-in/0");
-            let answer = app.clone().call(req.body(axum::body::Body::from_stream(stream)).unwrap());
-            tokio::spawn(async move { answer.await.expect("infallible") })
-        };
+        let req = axum::http::Request::post("/v1/check-in/0");
+        let trickled = send_request(&app, req.body(axum::body::Body::from_stream(stream)).unwrap());
         // The one turn goes to a request whose body is whole, while the other's still arrives.
         let whole = send(&app, "POST", "/v1/check-in/1");
         assert_eq!(next_entry(&mut entries).await, "/v1/check-in/1");
@@ -360,14 +365,9 @@ mod tests {
             .header(axum::http::header::CONTENT_LENGTH, BODY.0 + 1)
             .body(axum::body::Body::from(vec![0u8; BODY.0 + 1]))
             .unwrap();
-        let too_large = {
-            use tower::Service;
-            app.clone().call(req).await.unwrap()
-        };
+        let too_large = send_request(&app, req).await.unwrap();
         assert_eq!(too_large.status(), axum::http::StatusCode::PAYLOAD_TOO_LARGE);
-        let body = axum::body::to_bytes(too_large.into_body(), 1 << 16).await.unwrap();
-        let error: starling_core::wire::ErrorBody = starling_core::codec::decode(&body).unwrap();
-        assert_eq!(error.code, starling_core::wire::ErrorCode::BodyTooLarge);
+        assert_eq!(error_body(too_large).await.code, starling_core::wire::ErrorCode::BodyTooLarge);
     }
 
     #[test]

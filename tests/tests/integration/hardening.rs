@@ -458,17 +458,10 @@ async fn connections_with_a_response_under_way_hold_no_read_buffer() {
 async fn trickled_enrolments_hold_no_check_in_turns() {
     use tokio::io::AsyncWriteExt;
     const TRICKLES: usize = 600;
-    let (_dir, db) = sqlite_db();
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let env =
-        [("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
-    let c = ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &env)
-        .await
-        .unwrap();
-    let admin = starling_client::protocol::AdminClient::new(&c.url, OPERATOR_TOKEN);
-    let device = enroll(&c.url, &admin, 1).await.unwrap().remove(0);
-    let addr: SocketAddr = c.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
+    let c = ManyConnectionsCoordinator::spawn(&[]).await;
+    let admin = starling_client::protocol::AdminClient::new(&c.child.url, OPERATOR_TOKEN);
+    let device = enroll(&c.child.url, &admin, 1).await.unwrap().remove(0);
+    let addr = c.addr;
     let head = "POST /v1/enroll HTTP/1.1\r\nHost: x\r\nContent-Type: application/cbor\r\n\
                 Content-Length: 4000\r\n\r\n\x01";
     let mut trickles = Vec::with_capacity(TRICKLES);
@@ -587,22 +580,40 @@ where
     F: Fn(SocketAddr, usize) -> Opened,
     Opened: std::future::Future<Output = Vec<tokio::net::TcpStream>>,
 {
-    let (_dir, db) = sqlite_db();
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
-    let logs = tempfile::tempdir().unwrap();
-    let mut all_env =
-        vec![("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN), ("STARLING_MAX_CONNECTIONS_PER_IP", "0")];
-    all_env.extend_from_slice(env);
-    let c =
-        ChildCoordinator::spawn_with(bin, &db, free_addr(), &logs.path().join("c.log"), &all_env)
-            .await
-            .unwrap();
-    let addr: SocketAddr = c.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
-    let rss_kib = || process_memory_mib(c.pid(), "VmRSS").unwrap() * 1024.0;
-    let _warm = open(addr, 50).await;
+    let c = ManyConnectionsCoordinator::spawn(env).await;
+    let rss_kib = || process_memory_mib(c.child.pid(), "VmRSS").unwrap() * 1024.0;
+    let _warm = open(c.addr, 50).await;
     let before = rss_kib();
-    let _open = open(addr, OPEN_CONNECTIONS).await;
+    let _open = open(c.addr, OPEN_CONNECTIONS).await;
     (rss_kib() - before) / OPEN_CONNECTIONS as f64
+}
+
+/// A coordinator process of its own (so the test's connections and its are counted apart) on
+/// a fresh SQLite store, with `env` besides the operator token and no per-address cap (every
+/// test connection comes from one address).
+struct ManyConnectionsCoordinator {
+    child: ChildCoordinator,
+    addr: SocketAddr,
+    _db: tempfile::TempDir,
+    _logs: tempfile::TempDir,
+}
+
+impl ManyConnectionsCoordinator {
+    async fn spawn(env: &[(&str, &str)]) -> Self {
+        let (db_dir, db) = sqlite_db();
+        let bin = std::path::Path::new(env!("CARGO_BIN_EXE_coordinator_under_test"));
+        let logs = tempfile::tempdir().unwrap();
+        let mut all_env = vec![
+            ("STARLING_OPERATOR_TOKEN", OPERATOR_TOKEN),
+            ("STARLING_MAX_CONNECTIONS_PER_IP", "0"),
+        ];
+        all_env.extend_from_slice(env);
+        let log = logs.path().join("c.log");
+        let child =
+            ChildCoordinator::spawn_with(bin, &db, free_addr(), &log, &all_env).await.unwrap();
+        let addr = child.url.strip_prefix("http://").expect("plain HTTP").parse().unwrap();
+        ManyConnectionsCoordinator { child, addr, _db: db_dir, _logs: logs }
+    }
 }
 
 /// `n` connections to `addr` that each sent `request` and read until `answered` says what came
